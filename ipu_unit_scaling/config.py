@@ -578,3 +578,16 @@ def resolve_layers_per_ipu(layers_per_ipu: Sequence[int], depth: int, ipus: int)
     for rank, index in enumerate(flexible):
         counts[index] = share + (1 if rank >= len(flexible) - extra else 0)
     return counts
+
+
+def scheduled_learning_rate(training: TrainingConfig, step: int) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then constant or
+    cosine decay to zero at ``training.steps``."""
+    peak = training.learning_rate
+    if step < training.warmup_steps:
+        return peak * (step + 1) / training.warmup_steps
+    if training.schedule == "constant":
+        return peak
+    decay_steps = max(1, training.steps - training.warmup_steps)
+    progress = min(1.0, (step - training.warmup_steps) / decay_steps)
+    return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
