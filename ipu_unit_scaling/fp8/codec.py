@@ -46,13 +46,18 @@ def _check_choice(value: str, choices: tuple, what: str) -> None:
         raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(choices)}")
 
 
-def _as_float32(x: torch.Tensor) -> torch.Tensor:
+def check_float_tensor(x: torch.Tensor) -> None:
+    """Raise TypeError unless ``x`` is a float16/bfloat16/float32/float64 tensor."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in _FLOAT_DTYPES:
         raise TypeError(
             f"FP8 encoding needs a float16, bfloat16, float32 or float64 tensor, got {x.dtype}"
         )
+
+
+def _as_float32(x: torch.Tensor) -> torch.Tensor:
+    check_float_tensor(x)
     return x.to(torch.float32)
 
 
