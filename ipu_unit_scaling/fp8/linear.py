@@ -14,7 +14,7 @@ differ only in float32 accumulation order.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Type, TypeVar
 
 import torch
 from torch import nn
@@ -26,6 +26,7 @@ from .scaling import Fp8Tensor, cast_from_fp8, cast_to_fp8
 __all__ = ["fp8_linear", "fp8_matmul", "FP8Linear", "scaled_mm_supported"]
 
 _DEFAULT_CONFIG = FP8Config()
+_LinearT = TypeVar("_LinearT", bound="FP8Linear")
 
 
 def cast_for_role(x: torch.Tensor, fmt: FP8Format, margin: int, config: FP8Config,
@@ -214,8 +215,8 @@ class FP8Linear(nn.Linear):
         self.use_scaled_mm: Optional[bool] = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, config: Optional[FP8Config] = None,
-                    site: str = "linear") -> FP8Linear:
+    def from_linear(cls: Type[_LinearT], linear: nn.Linear, config: Optional[FP8Config] = None,
+                    site: str = "linear") -> _LinearT:
         """An FP8Linear sharing ``linear``'s parameters (no copy)."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
