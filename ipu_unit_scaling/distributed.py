@@ -48,9 +48,16 @@ class _StageBoundary(Exception):
         self.hidden = hidden
 
 
+def _layers(model: nn.Module) -> nn.ModuleList:
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__} has no nn.ModuleList 'layers' to split")
+    return layers
+
+
 def _boundary_module(model: nn.Module, boundary: int) -> nn.Module:
     """The module whose input is the activation after ``boundary`` layers."""
-    layers = model.layers
+    layers = _layers(model)
     if boundary < len(layers):
         return layers[boundary]
     names = [name for name, _ in model.named_children()]
@@ -72,10 +79,11 @@ class PipelineStageModule(nn.Module):
 
     def __init__(self, model: nn.Module, start: int, end: int):
         super().__init__()
-        depth = len(model.layers)
+        layers = _layers(model)
+        depth = len(layers)
         for index in range(depth):
             if not start <= index < end:
-                model.layers[index] = nn.Identity()  # not ours: pass through, hold no weights
+                layers[index] = nn.Identity()  # not ours: pass through, hold no weights
         self.model = model
         self.is_first = start == 0
         self.is_last = end == depth
@@ -147,7 +155,7 @@ class PipelineTrainer:
         self.replica = rank // self.num_stages
         self.device = device or torch.device("cpu")
 
-        counts = resolve_layers_per_ipu(ipu.layers_per_ipu, len(model.layers), self.num_stages)
+        counts = resolve_layers_per_ipu(ipu.layers_per_ipu, len(_layers(model)), self.num_stages)
         split: List[Stage] = split_stages(model, counts)
         check_no_shared_parameters(model, split)
         owned = list(stage_parameters(model, split[self.stage_index]))

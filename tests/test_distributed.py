@@ -123,7 +123,7 @@ needs_gloo = pytest.mark.skipif(not torch.distributed.is_available(), reason="no
 
 @needs_gloo
 def test_two_stage_pipeline_matches_single_process(tmp_path):
-    config = _config("ipu.layers_per_ipu=[1, 3]")  # uneven on purpose: the boundary is not in the middle
+    config = _config("ipu.layers_per_ipu=[1, 3]")  # uneven: the boundary is off-centre
     expected = _single_process_losses(config, "standin")
     per_rank = _run_ranks(config, "standin", tmp_path)
     assert len(per_rank) == 2 and per_rank[0] == per_rank[1]
