@@ -359,9 +359,7 @@ def _matches(value: Any, hint: Any) -> bool:
         return isinstance(value, dict) and all(
             _matches(k, key_hint) and _matches(v, value_hint) for k, v in value.items()
         )
-    if dataclasses.is_dataclass(hint):
-        return isinstance(value, hint)
-    return isinstance(value, hint)
+    return isinstance(hint, type) and isinstance(value, hint)
 
 
 def _describe(hint: Any) -> str:
@@ -401,7 +399,7 @@ def _check_types(node: Any, path: str, errors: List[Tuple[str, str]]) -> None:
         value = getattr(node, f.name)
         key_path = f"{path}.{f.name}" if path else f.name
         hint = hints[f.name]
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
             if isinstance(value, hint):
                 _check_types(value, key_path, errors)
             else:
@@ -508,7 +506,7 @@ def _check_ipu(config: Config, error: Any) -> None:
         if isinstance(proportion, list) and len(values) != ipu.ipus_per_replica:
             error(
                 "ipu.available_memory_proportion",
-                f"got {len(values)} values; expected one, or one per IPU "
+                f"got {proportion} ({len(values)} values); expected one, or one per IPU "
                 f"(ipu.ipus_per_replica = {ipu.ipus_per_replica})",
             )
         for value in values:

@@ -11,8 +11,7 @@ the single-process fallback. Launch one process per stage and replica::
 Stages reuse the model's own ``forward``: every process builds the whole model from the same
 seed, replaces the layers it does not own by ``nn.Identity`` and, with forward pre-hooks, feeds
 the activations it receives into its first layer and stops at the input of the next stage's
-first layer. Only the last stage's loss leaves the model, so the model's own loss is used.
-Labels travel with the activations.
+first layer. The last stage computes the model's own loss; labels reach it as the schedule's target.
 """
 from __future__ import annotations
 
@@ -49,9 +48,16 @@ class _StageBoundary(Exception):
         self.hidden = hidden
 
 
+def _layers(model: nn.Module) -> nn.ModuleList:
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__} has no nn.ModuleList 'layers' to split")
+    return layers
+
+
 def _boundary_module(model: nn.Module, boundary: int) -> nn.Module:
     """The module whose input is the activation after ``boundary`` layers."""
-    layers = model.layers
+    layers = _layers(model)
     if boundary < len(layers):
         return layers[boundary]
     names = [name for name, _ in model.named_children()]
@@ -65,16 +71,19 @@ def _boundary_module(model: nn.Module, boundary: int) -> nn.Module:
 class PipelineStageModule(nn.Module):
     """The part of ``model.forward`` between layer ``start`` and layer ``end``.
 
-    forward(x, labels): the first stage takes token ids; later stages take the hidden state.
-    Returns ``(hidden, labels)`` on all but the last stage, which returns the model's loss.
+    ``forward(x)`` takes token ids on the first stage and the hidden state on later ones, and
+    returns the hidden state at the stage's end. The last stage returns its input unchanged
+    and does its work in ``loss(hidden, labels)``, the pipeline's loss function, because only
+    there are the labels at hand; that runs its layers, the head and the model's own loss.
     """
 
     def __init__(self, model: nn.Module, start: int, end: int):
         super().__init__()
-        depth = len(model.layers)
+        layers = _layers(model)
+        depth = len(layers)
         for index in range(depth):
             if not start <= index < end:
-                model.layers[index] = nn.Identity()  # not ours: pass through, hold no weights
+                layers[index] = nn.Identity()  # not ours: pass through, hold no weights
         self.model = model
         self.is_first = start == 0
         self.is_last = end == depth
@@ -92,18 +101,28 @@ class PipelineStageModule(nn.Module):
         for point in {id(m): m for m in (inject, capture) if m is not None}.values():
             point.register_forward_pre_hook(pre_hook)
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> Any:
-        # Later stages still call the whole forward; the ids only feed embeddings whose
-        # output the injection replaces, so the labels serve as ids of the right shape.
-        ids = x if self.is_first else labels
-        self._incoming = None if self.is_first else x
+    def _run(self, x: torch.Tensor, labels: Optional[torch.Tensor]) -> Any:
+        if self.is_first:
+            ids = x
+        else:
+            # Later stages still call the whole forward; the ids only feed embeddings whose
+            # output the injected hidden state replaces, so any ids of the right shape do.
+            ids = torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
+            self._incoming = x
         try:
-            loss = self.model(ids, labels)
+            return self.model(ids) if labels is None else self.model(ids, labels)
         except _StageBoundary as boundary:
-            return boundary.hidden, labels
+            return boundary.hidden
         finally:
             self._incoming = None
-        return loss
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_last:
+            return x.view_as(x)
+        return self._run(x, None)
+
+    def loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self._run(output, labels)
 
 
 def stage_bounds(counts: Sequence[int], stage: int) -> Tuple[int, int]:
@@ -136,7 +155,7 @@ class PipelineTrainer:
         self.replica = rank // self.num_stages
         self.device = device or torch.device("cpu")
 
-        counts = resolve_layers_per_ipu(ipu.layers_per_ipu, len(model.layers), self.num_stages)
+        counts = resolve_layers_per_ipu(ipu.layers_per_ipu, len(_layers(model)), self.num_stages)
         split: List[Stage] = split_stages(model, counts)
         check_no_shared_parameters(model, split)
         owned = list(stage_parameters(model, split[self.stage_index]))
@@ -165,9 +184,8 @@ class PipelineTrainer:
             self.device,
             group=self.pipeline_group,
         )
-        # The last stage already returns the model's loss.
         self.schedule = pipelining.ScheduleGPipe(
-            stage, n_microbatches=ipu.gradient_accumulation, loss_fn=_loss_is_output
+            stage, n_microbatches=ipu.gradient_accumulation, loss_fn=self.module.loss
         )
         self.step_count = 0
 
@@ -179,12 +197,11 @@ class PipelineTrainer:
         inputs, labels = self._replica_slice(inputs), self._replica_slice(labels)
         self.optimizer.zero_grad(set_to_none=True)
         losses: List[torch.Tensor] = []
-        if self.stage_index == 0:
-            self.schedule.step(inputs.to(self.device), labels.to(self.device))
-        elif self.stage_index == self.num_stages - 1:
-            self.schedule.step(target=labels.to(self.device), losses=losses)
+        args = (inputs.to(self.device),) if self.stage_index == 0 else ()
+        if self.stage_index == self.num_stages - 1:
+            self.schedule.step(*args, target=labels.to(self.device), losses=losses)
         else:
-            self.schedule.step()
+            self.schedule.step(*args)
         self._average_gradients_over_replicas()
         if training.grad_clip is not None:
             self._clip_gradients(training.grad_clip)
@@ -221,10 +238,6 @@ class PipelineTrainer:
         if scale < 1.0:
             for grad in grads:
                 grad.mul_(scale)
-
-
-def _loss_is_output(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return output
 
 
 def train_pipeline(

@@ -94,7 +94,7 @@ def split_stages(model: nn.Module, layers_per_stage: Sequence[int]) -> List[Stag
     return stages
 
 
-def stages(model: nn.Module, config: "Config") -> List[Stage]:
+def stages(model: nn.Module, config: Config) -> List[Stage]:
     """The stage split ``config.ipu.layers_per_ipu`` gives ``model`` (for inspection)."""
     counts = resolve_layers_per_ipu(
         config.ipu.layers_per_ipu, len(getattr(model, "layers", ())), config.ipu.ipus_per_replica
