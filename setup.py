@@ -9,7 +9,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.8",
     packages=find_packages(include=["ipu_unit_scaling", "ipu_unit_scaling.*"]),
-    install_requires=["torch>=2.0", "numpy", "pyyaml"],
+    install_requires=["torch>=2.0", "numpy", "pyyaml", "tqdm"],
     extras_require={
         "test": ["pytest", "hypothesis", "ml_dtypes", "gfloat", "ruff", "mypy", "types-PyYAML"],
         "analysis": ["matplotlib"],

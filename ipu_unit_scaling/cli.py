@@ -1,0 +1,347 @@
+"""The ``ipu-unit-scaling`` command: ``train``, ``compare`` and ``analyse``.
+
+Exit status: 0 done, 1 training diverged, 2 bad arguments, config or data, 130 Ctrl-C.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from .config import REGIMES, Config, ConfigError, load_config
+
+PROG = "ipu-unit-scaling"
+EXIT_DIVERGED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+__all__ = ["main", "build_parser", "run_compare", "format_compare_table"]
+
+
+class UsageError(ValueError):
+    """Arguments that parse but cannot work together."""
+
+
+def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", metavar="FILE",
+        help="YAML config, or the name of one in configs/ (e.g. 'tiny', 'fp32'); "
+             "default: the built-in default run (configs/default.yaml)",
+    )
+    parser.add_argument(
+        "--set", metavar="KEY=VALUE", nargs="+", action="append", default=[], dest="overrides",
+        help="override config values, e.g. --set training.steps=200 model.depth=2 "
+             "(values are parsed as YAML; may be repeated)",
+    )
+    parser.add_argument(
+        "--data", metavar="FILE",
+        help="train on this UTF-8 text file instead of the embedded corpus "
+             "(the Python standard library's pydoc help text)",
+    )
+    parser.add_argument(
+        "--run-dir", metavar="DIR", type=Path,
+        help="directory for this run's files (default: <training.checkpoint_dir or runs>/"
+             "<command>-<date>-<time>); it must be new or empty",
+    )
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bar or log lines; errors and the result only")
+    parser.add_argument(
+        "--threads", metavar="N", type=_positive_int, default=1,
+        help="CPU threads for torch (default 1: a model this small gains little from more "
+             "threads and loses much on a busy machine)",
+    )
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Unit scaling and FP8-AMAX for PyTorch: train a character-level GPT on "
+                    "an embedded corpus, compare precisions as the papers do, and inspect "
+                    "tensor scales. Runs on IPUs through PopTorch when available, else on CPU.",
+        epilog="Exit status: 0 done, 1 training diverged (non-finite loss), 2 bad arguments, "
+               "config or data, 130 interrupted. IPU_UNIT_SCALING_BACKEND overrides the backend.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands.required = True
+
+    train = commands.add_parser(
+        "train", help="train one model (default: unit-scaled GPT in FP8 on the embedded corpus)",
+        description="Train the config's GPT. Writes config.yaml, tokenizer.json, metrics.csv, "
+                    "summary.json, loss.png and checkpoint.pt into the run directory; prints "
+                    "the final validation loss next to the corpus's unigram baseline. Ctrl-C "
+                    "saves a checkpoint and exits 130; a non-finite loss stops the run (exit 1) "
+                    "without touching the last good checkpoint.",
+    )
+    _add_config_arguments(train)
+    train.add_argument(
+        "--resume", metavar="RUN_DIR", type=Path,
+        help="continue the run in RUN_DIR from its checkpoint, with its saved config "
+             "(--set may change it, e.g. training.steps to train longer)",
+    )
+    train.add_argument(
+        "--scale-report", metavar="N", type=_positive_int, nargs="?", const=100,
+        help="record per-tensor scales every N steps (default 100) into the run directory",
+    )
+
+    compare = commands.add_parser(
+        "compare", help="train one model per precision regime and compare validation losses",
+        description="Train the same data, steps and seed under each regime, then print a table "
+                    "of final validation losses with each regime's gap to fp32, and write "
+                    "compare.md, compare.json and compare.png. Regimes: fp32 (plain model), "
+                    "fp16 (plain, float16 matmuls, no loss scaling), fp8-naive (plain, FP8 "
+                    "casts without scaling), fp8-amax (plain, AMAX scaling), and their "
+                    "unit-scaled twins unit-fp32, unit-fp16, unit-fp8, unit-fp8-amax. Each "
+                    "regime's learning rate is compare.learning_rates.<regime>. Rerunning with "
+                    "the same --run-dir reuses finished regimes and resumes unfinished ones.",
+    )
+    _add_config_arguments(compare)
+    compare.add_argument(
+        "--regimes", nargs="+", choices=REGIMES, metavar="REGIME",
+        help=f"regimes to run (default: compare.regimes); any of {', '.join(REGIMES)}",
+    )
+
+    analyse = commands.add_parser(
+        "analyse", help="compare tensor scales of the plain and unit-scaled model",
+        description="Measure the scales of activations, weights and gradients of the config's "
+                    "GPT built plainly and unit-scaled, and write a figure and a table.",
+    )
+    analyse.add_argument("--config", metavar="FILE", help="YAML config (default: the default run)")
+    analyse.add_argument("--set", metavar="KEY=VALUE", nargs="+", action="append", default=[],
+                         dest="overrides", help="override config values")
+    analyse.add_argument("--run-dir", metavar="DIR", type=Path,
+                         help="where to write the figure and table (default: runs/analyse-...)")
+    return parser
+
+
+# ------------------------------------------------------------------------------ helpers
+
+
+def _overrides(args: argparse.Namespace) -> List[str]:
+    return [item for group in args.overrides for item in group]
+
+
+def _load(args: argparse.Namespace) -> Config:
+    config = load_config(args.config, _overrides(args))
+    if getattr(args, "data", None):
+        config.data.path = args.data
+    return config
+
+
+def _default_run_dir(config: Config, command: str) -> Path:
+    root = Path(config.training.checkpoint_dir or "runs")
+    return root / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _one_line(error: BaseException) -> str:
+    if isinstance(error, ConfigError):
+        return "invalid config: " + "; ".join(
+            f"{path}: {message}" if path else message for path, message in error.errors
+        )
+    return " ".join(str(error).split())
+
+
+def _fmt(value: Optional[float], digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}" if math.isfinite(value) else str(value)
+
+
+# ------------------------------------------------------------------------------ commands
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .train import load_run_config, train
+
+    if args.resume is not None:
+        if args.config or args.data or args.run_dir:
+            raise UsageError("--resume continues a run with its own config, data and "
+                             "directory; change settings with --set")
+        config = load_run_config(args.resume, _overrides(args))
+        run_dir = args.resume
+    else:
+        config = _load(args)
+        run_dir = args.run_dir or _default_run_dir(config, "train")
+    summary = train(config, run_dir, resume=args.resume is not None, quiet=args.quiet,
+                    scale_report=args.scale_report, log=print)
+    print(f"final validation loss {_fmt(summary.final_val_loss)} nats per character "
+          f"(best {_fmt(summary.best_val_loss)}); unigram baseline "
+          f"{_fmt(summary.unigram_baseline)}, uniform {_fmt(summary.uniform_baseline)}")
+    print(f"{summary.steps} steps in {summary.elapsed_s:.1f} s "
+          f"({summary.tokens_per_s:.0f} tokens/s, {summary.backend}); run directory: {run_dir}")
+    return 0
+
+
+def run_compare(
+    config: Config, regimes: Sequence[str], run_dir: Path, quiet: bool = False,
+) -> List[Dict[str, Any]]:
+    """Train every regime into ``run_dir/<regime>``; returns one result row per regime."""
+    from .plots import plot_compare
+    from .train import SUMMARY_FILE, TrainingDiverged, regime_config, train
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rows: List[Dict[str, Any]] = []
+    curves: Dict[str, List[Any]] = {}
+    baseline = None
+    for regime in regimes:
+        regime_dir = run_dir / regime
+        cfg = regime_config(config, regime)
+        summary_path = regime_dir / SUMMARY_FILE
+        previous = _read_json(summary_path)
+        if previous and previous.get("status") in ("completed", "diverged"):
+            if not quiet:
+                print(f"{regime}: reusing the finished run in {regime_dir}")
+            data = previous
+        else:
+            resume = (regime_dir / "checkpoint.pt").is_file()
+            try:
+                train(cfg, regime_dir, resume=resume, quiet=quiet, desc=regime)
+            except TrainingDiverged as error:
+                if not quiet:
+                    print(f"{regime}: {error}")
+            data = _read_json(summary_path) or {}
+        baseline = data.get("unigram_baseline", baseline)
+        curves[regime] = [tuple(p) for p in data.get("val_curve", [])]
+        rows.append({
+            "regime": regime,
+            "model": "unit-scaled" if cfg.model.unit_scaled else "plain",
+            "precision": _precision_name(cfg),
+            "learning_rate": cfg.training.learning_rate,
+            "status": data.get("status", "missing"),
+            "steps": data.get("steps"),
+            "final_val_loss": data.get("final_val_loss") if data.get("status") == "completed"
+            else None,
+            "elapsed_s": data.get("elapsed_s"),
+            "message": data.get("message", ""),
+        })
+    reference = next((r["final_val_loss"] for r in rows if r["regime"] == "fp32"), None)
+    for row in rows:
+        loss = row["final_val_loss"]
+        row["gap_to_fp32_percent"] = (
+            100.0 * (loss - reference) / reference if loss is not None and reference else None
+        )
+    table = format_compare_table(rows, baseline)
+    (run_dir / "compare.md").write_text(table + "\n", encoding="utf-8")
+    with open(run_dir / "compare.json", "w", encoding="utf-8") as handle:
+        json.dump({"unigram_baseline": baseline, "regimes": rows}, handle, indent=2)
+    plot_compare(curves, run_dir / "compare.png", baseline)
+    return rows
+
+
+def _precision_name(config: Config) -> str:
+    dtype = config.precision.dtype
+    if dtype != "fp8":
+        return dtype
+    return f"fp8 {config.precision.fp8.scaling}"
+
+
+def _read_json(path: Path) -> Optional[Dict[str, Any]]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def format_compare_table(rows: Sequence[Dict[str, Any]], baseline: Optional[float]) -> str:
+    """A Markdown table: regime, model, precision, lr, final validation loss, gap to fp32."""
+    lines = [
+        "| regime | model | precision | learning rate | final val loss | gap to fp32 | time |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if row["status"] == "completed":
+            loss = _fmt(row["final_val_loss"])
+        else:
+            loss = f"{row['status']} at step {row['steps']}"
+        gap = row.get("gap_to_fp32_percent")
+        gap_text = "-" if gap is None else f"{gap:+.1f}%"
+        seconds = row.get("elapsed_s")
+        time_text = "-" if seconds is None else f"{seconds:.0f} s"
+        lines.append(
+            f"| {row['regime']} | {row['model']} | {row['precision']} | "
+            f"{row['learning_rate']:g} | {loss} | {gap_text} | {time_text} |"
+        )
+    if baseline is not None:
+        lines.append("")
+        lines.append(f"Unigram baseline (validation): {baseline:.4f} nats per character.")
+    return "\n".join(lines)
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    config = _load(args)
+    regimes = list(args.regimes or config.compare.regimes)
+    if len(set(regimes)) != len(regimes):
+        raise UsageError(f"--regimes lists a regime twice: {' '.join(regimes)}")
+    run_dir = args.run_dir or _default_run_dir(config, "compare")
+    rows = run_compare(config, regimes, run_dir, quiet=args.quiet)
+    print(format_compare_table(rows, _read_baseline(run_dir)))
+    print(f"curves: {run_dir / 'compare.png'}; table: {run_dir / 'compare.md'}")
+    return 0
+
+
+def _read_baseline(run_dir: Path) -> Optional[float]:
+    data = _read_json(run_dir / "compare.json") or {}
+    value = data.get("unigram_baseline")
+    return float(value) if value is not None else None
+
+
+def _cmd_analyse(args: argparse.Namespace) -> int:
+    config = load_config(args.config, _overrides(args))
+    try:
+        from .analysis import analyse  # type: ignore[attr-defined]
+    except ImportError as error:
+        raise UsageError(
+            "'analyse' needs ipu_unit_scaling.analysis, which this installation lacks"
+        ) from error
+    run_dir = args.run_dir or _default_run_dir(config, "analyse")
+    analyse(config, run_dir)
+    print(f"scale analysis written to {run_dir}")
+    return 0
+
+
+COMMANDS = {"train": _cmd_train, "compare": _cmd_compare, "analyse": _cmd_analyse}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)  # exits 2 with a usage line on bad arguments
+    if getattr(args, "threads", None):
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from .backends import BackendError
+    from .data import DataError
+    from .train import RunError, TrainingDiverged, TrainingInterrupted
+
+    try:
+        return COMMANDS[args.command](args)
+    except (ConfigError, DataError, RunError, BackendError, UsageError) as error:
+        print(f"{PROG}: error: {_one_line(error)}", file=sys.stderr)
+        return EXIT_USAGE
+    except TrainingDiverged as error:
+        print(f"{PROG}: {_one_line(error)}", file=sys.stderr)
+        return EXIT_DIVERGED
+    except (TrainingInterrupted, KeyboardInterrupt) as error:
+        message = _one_line(error) or "interrupted"
+        print(f"{PROG}: {message}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
