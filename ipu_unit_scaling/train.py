@@ -36,6 +36,7 @@ from . import functional as U
 from .backends import build_training_model, make_optimizer, select_backend
 from .config import REGIMES, Config, config_from_dict, scheduled_learning_rate, validate
 from .data import CharTokenizer, Corpus, DataError, get_batch, load_corpus, unigram_cross_entropy
+from .fp8 import NonFiniteAmaxError
 from .models import GPTConfig, build_gpt
 
 __all__ = [
@@ -357,9 +358,13 @@ def load_run_config(run_dir: Path, overrides: List[str]) -> Config:
 def _evaluate(model: nn.Module, batches: List[Tuple[Tensor, Tensor]]) -> float:
     was_training = model.training
     model.eval()
-    with torch.no_grad():
-        losses = [float(model(inputs, labels)) for inputs, labels in batches]
-    model.train(was_training)
+    try:
+        with torch.no_grad():
+            losses = [float(model(inputs, labels)) for inputs, labels in batches]
+    except NonFiniteAmaxError:  # FP8 casts refuse non-finite tensors: the loss is lost too
+        losses = [math.nan]
+    finally:
+        model.train(was_training)
     return sum(losses) / len(losses)
 
 
@@ -494,9 +499,7 @@ def train(
                 tick = time.perf_counter()
                 try:
                     _, losses = wrapper(inputs, labels)
-                except ValueError as error:
-                    if type(error).__name__ != "NonFiniteAmaxError":
-                        raise
+                except NonFiniteAmaxError as error:
                     raise TrainingDiverged(
                         f"loss became nan at step {step + 1} (an FP8 cast met a non-finite "
                         f"value); last good checkpoint: {last_checkpoint or 'none'}",
@@ -532,6 +535,11 @@ def train(
                             f"{last_checkpoint or 'none'}", step, last_checkpoint,
                         )
                     last_train = value
+                    if val_loss is not None and not math.isfinite(val_loss):
+                        raise TrainingDiverged(
+                            f"validation loss became {val_loss} at step {step}; last good "
+                            f"checkpoint: {last_checkpoint or 'none'}", step, last_checkpoint,
+                        )
                     if val_loss is not None:
                         say(f"{desc}: step {step}: validation loss {val_loss:.4f} "
                             f"(unigram baseline {unigram:.4f})")

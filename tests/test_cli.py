@@ -1,0 +1,237 @@
+"""The ``ipu-unit-scaling`` command end to end on the tiny config."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+import pytest
+import torch
+
+from ipu_unit_scaling.cli import main
+from ipu_unit_scaling.config import REGIMES
+from ipu_unit_scaling.train import load_checkpoint, read_metrics
+
+ROOT = Path(__file__).resolve().parent.parent
+# The tiny config on one stage with one micro-batch per step: the fastest deterministic run.
+FAST = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1"]
+
+
+def run(capsys, *argv: str):
+    status = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def losses(run_dir: Path, column: str = "train_loss") -> List[str]:
+    return [row[column] for row in read_metrics(run_dir)]
+
+
+def test_help_is_complete(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    for word in ("train", "compare", "analyse", "Exit status"):
+        assert word in text
+    options = {
+        "train": ("--config", "--set", "--data", "--run-dir", "--resume", "--quiet",
+                  "--scale-report", "--threads"),
+        "compare": ("--config", "--set", "--data", "--regimes", "--run-dir", "--quiet"),
+        "analyse": ("--config", "--set", "--run-dir"),
+    }
+    for command, flags in options.items():
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, "--help"])
+        assert exit_info.value.code == 0
+        text = capsys.readouterr().out
+        assert all(flag in text for flag in flags), command
+
+
+def test_train_writes_every_artefact_and_the_loss_goes_down(capsys, tmp_path):
+    run_dir = tmp_path / "run"
+    status, out, _ = run(
+        capsys, "train", "--config", "tiny", "--run-dir", run_dir, "--set",
+        "training.steps=40", "training.learning_rate=0.03", "training.warmup_steps=5",
+        "training.eval_interval=20", "training.log_interval=10",
+    )
+    assert status == 0
+    for name in ("config.yaml", "tokenizer.json", "metrics.csv", "summary.json", "loss.png",
+                 "checkpoint.pt"):
+        assert (run_dir / name).is_file(), name
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    train_losses = [float(v) for v in losses(run_dir)]
+    assert len(train_losses) == 40
+    assert sum(train_losses[-5:]) / 5 < sum(train_losses[:5]) / 5 - 0.5
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 40
+    assert [step for step, _ in summary["val_curve"]] == [20, 40]
+    assert summary["final_val_loss"] < summary["val_curve"][0][1]
+    assert re.search(r"final validation loss [\d.]+ .*unigram baseline [\d.]+", out)
+    assert load_checkpoint(run_dir / "checkpoint.pt")["step"] == 40
+
+
+def _wait_for(path: Path, process: subprocess.Popen, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert process.poll() is None, process.stderr.read() if process.stderr else ""
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.01)
+
+
+def _train_process(*argv: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen(
+        [sys.executable, "-m", "ipu_unit_scaling.cli", "train", *argv],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def test_resume_after_sigkill_repeats_the_uninterrupted_losses_bit_for_bit(capsys, tmp_path):
+    settings = ["--set", *FAST, "training.steps=60", "training.checkpoint_interval=5",
+                "training.eval_interval=10", "training.learning_rate=0.01"]
+    reference = tmp_path / "reference"
+    assert run(capsys, "train", "--config", "tiny", "--run-dir", reference, "--quiet",
+               *settings)[0] == 0
+
+    killed = tmp_path / "killed"
+    process = _train_process("--config", "tiny", "--run-dir", str(killed), "--quiet", *settings)
+    try:
+        _wait_for(killed / "checkpoint.pt", process)
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == -signal.SIGKILL
+    stopped_at = load_checkpoint(killed / "checkpoint.pt")["step"]
+    assert 5 <= stopped_at < 60
+
+    status, _, err = run(capsys, "train", "--resume", killed, "--quiet")
+    assert status == 0, err
+    assert losses(killed) == losses(reference)  # exact strings of the float values
+    assert losses(killed, "val_loss") == losses(reference, "val_loss")
+    assert [r["step"] for r in read_metrics(killed)] == [str(s) for s in range(1, 61)]
+
+
+def test_ctrl_c_saves_a_checkpoint_and_exits_130(tmp_path):
+    run_dir = tmp_path / "run"
+    process = _train_process("--config", "tiny", "--run-dir", str(run_dir), "--set", *FAST,
+                             "training.steps=100000", "training.checkpoint_interval=3")
+    try:
+        _wait_for(run_dir / "checkpoint.pt", process)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130
+    step = load_checkpoint(run_dir / "checkpoint.pt")["step"]
+    assert f"interrupted at step {step}; checkpoint: {run_dir / 'checkpoint.pt'}" in err
+    assert "Traceback" not in err
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+
+
+def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(capsys, tmp_path):
+    run_dir = tmp_path / "run"
+    assert run(capsys, "train", "--config", "tiny", "--run-dir", run_dir, "--quiet",
+               "--set", *FAST, "training.steps=4")[0] == 0
+    checkpoint = run_dir / "checkpoint.pt"
+    digest = hashlib.sha256(checkpoint.read_bytes()).hexdigest()
+
+    # Continue with a learning rate that blows the weights up after one step.
+    status, _, err = run(capsys, "train", "--resume", run_dir, "--quiet", "--set",
+                         "training.steps=20", "training.learning_rate=1e30",
+                         "training.checkpoint_interval=1")
+    assert status == 1
+    match = re.fullmatch(
+        r"ipu-unit-scaling: (?:validation )?loss became nan at step (\d+)[^;]*; "
+        r"last good checkpoint: (\S+)\n", err
+    )
+    assert match, err
+    assert 5 <= int(match.group(1)) <= 20 and match.group(2) == str(checkpoint)
+    assert hashlib.sha256(checkpoint.read_bytes()).hexdigest() == digest
+    state = load_checkpoint(checkpoint)
+    assert state["step"] == 4
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "diverged"
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "does not exist"),
+    (b"", "is empty"),
+    (b"\xff\xfe binary", "not UTF-8"),
+    (b"too short", "too short for one sequence"),
+])
+def test_bad_data_exits_2_with_one_line(capsys, tmp_path, content, message):
+    path = tmp_path / "data.txt"
+    if content is not None:
+        path.write_bytes(content)
+    status, _, err = run(capsys, "train", "--config", "tiny", "--data", path,
+                         "--run-dir", tmp_path / "run")
+    assert status == 2
+    assert err.startswith("ipu-unit-scaling: error: ") and err.count("\n") == 1
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--config", "no-such-config"], "not found"),
+    (["train", "--set", "training.stpes=3"], "did you mean 'steps'"),
+    (["train", "--set", "training.steps=0"], "training.steps"),
+    (["train", "--set", "model.heads=3"], "must divide"),
+    (["train", "--resume", "nowhere"], "cannot resume nowhere"),
+    (["train", "--resume", "nowhere", "--config", "tiny"], "--resume continues a run"),
+])
+def test_bad_configs_exit_2_with_one_line(capsys, tmp_path, argv, message):
+    status, _, err = run(capsys, *argv, "--run-dir", tmp_path / "run") if "--resume" not in \
+        argv else run(capsys, *argv)
+    assert status == 2
+    assert err.startswith("ipu-unit-scaling: error: ") and err.count("\n") == 1
+    assert message in err
+
+
+def test_bad_arguments_exit_2(capsys):
+    for argv in (["frobnicate"], ["train", "--bogus"], ["compare", "--regimes", "fp7"], []):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert "usage:" in capsys.readouterr().err
+
+
+def test_existing_run_dir_is_not_overwritten(capsys, tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "keep.txt").write_text("mine")
+    status, _, err = run(capsys, "train", "--config", "tiny", "--run-dir", tmp_path / "run")
+    assert status == 2 and "not empty" in err
+    assert (tmp_path / "run" / "keep.txt").read_text() == "mine"
+
+
+def test_compare_runs_every_regime_and_writes_table_and_png(capsys, tmp_path):
+    run_dir = tmp_path / "compare"
+    status, out, _ = run(capsys, "compare", "--config", "tiny", "--run-dir", run_dir,
+                         "--quiet", "--set", *FAST, "training.steps=3")
+    assert status == 0
+    table_rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert [row.split("|")[1].strip() for row in table_rows[1:]] == list(REGIMES)
+    assert (run_dir / "compare.png").read_bytes()[:4] == b"\x89PNG"
+    data = json.loads((run_dir / "compare.json").read_text())
+    rows = {row["regime"]: row for row in data["regimes"]}
+    assert set(rows) == set(REGIMES)
+    assert rows["fp32"]["gap_to_fp32_percent"] == 0.0
+    for regime, row in rows.items():
+        assert row["status"] == "completed", regime
+        gap = 100 * (row["final_val_loss"] / rows["fp32"]["final_val_loss"] - 1)
+        assert row["gap_to_fp32_percent"] == pytest.approx(gap)
+        assert (run_dir / regime / "metrics.csv").is_file()
+
+    # Rerunning the same directory reuses the finished regimes.
+    status, out, _ = run(capsys, "compare", "--config", "tiny", "--run-dir", run_dir,
+                         "--regimes", "fp32", "unit-fp8", "--set", *FAST, "training.steps=3")
+    assert status == 0 and out.count("reusing the finished run") == 2
