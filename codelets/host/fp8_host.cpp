@@ -39,8 +39,8 @@ constexpr int kAbiVersion = 1;
 constexpr Index kMinElementsPerThread = Index(1) << 16;
 
 template <typename T>
-T* offset(void* base, Index elements) {
-  return static_cast<T*>(base) + elements;
+const T* offset(const void* base, Index elements) {
+  return static_cast<const T*>(base) + elements;
 }
 
 template <typename T>
@@ -149,19 +149,17 @@ unsigned threadsFor(Index count, int requested) {
 
 void castBlock(const void* in, Index begin, Index count, int dtype, int exponentBits,
                bool saturate, int log2Scale, std::uint8_t* codes) {
-  void* base = const_cast<void*>(in);
   const float scale = ius::powerOfTwo(log2Scale);
   if (dtype == kFloat32) {
-    castFloat(offset<float>(base, begin), count, exponentBits, saturate, scale, codes + begin);
+    castFloat(offset<float>(in, begin), count, exponentBits, saturate, scale, codes + begin);
   } else {
-    castHalf(offset<half>(base, begin), count, exponentBits, saturate, scale, codes + begin);
+    castHalf(offset<half>(in, begin), count, exponentBits, saturate, scale, codes + begin);
   }
 }
 
 unsigned amaxKeyBlock(const void* in, Index begin, Index count, int dtype) {
-  void* base = const_cast<void*>(in);
-  return dtype == kFloat32 ? amaxKeyFloat(offset<float>(base, begin), count)
-                           : amaxKeyHalf(offset<half>(base, begin), count);
+  return dtype == kFloat32 ? amaxKeyFloat(offset<float>(in, begin), count)
+                           : amaxKeyHalf(offset<half>(in, begin), count);
 }
 
 // The amax pass and the cast pass run block by block, so the cast reads the
