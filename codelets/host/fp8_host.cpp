@@ -123,6 +123,46 @@ IUS_HOT void castHalf(const half* x, Index count, int exponentBits, bool saturat
   }
 }
 
+// One loop that casts one block (already in cache, compute-bound) while
+// taking the amax of the next (streaming from memory, bandwidth-bound), so the
+// two overlap in the core instead of alternating.
+template <unsigned E, bool Saturate, typename T>
+inline unsigned castAndAmaxSpans(const T* __restrict__ castIn, std::uint8_t* __restrict__ codes,
+                                 Index castCount, float scale, const T* __restrict__ amaxIn,
+                                 Index amaxCount) {
+  const Index both = castCount < amaxCount ? castCount : amaxCount;
+  unsigned key = 0;
+  for (Index i = 0; i < both; ++i) {
+    codes[i] = ius::encodeFp8<E, Saturate>(static_cast<float>(castIn[i]) * scale);
+    key = ius::maxKey(key, ius::magnitudeKey(amaxIn[i]));
+  }
+  ius::castToFp8Span<E, Saturate>(castIn + both, castCount - both, scale, codes + both);
+  return ius::maxKey(key, ius::amaxKeyOfSpan(amaxIn + both, amaxCount - both));
+}
+
+template <typename T>
+inline unsigned castAndAmax(const T* castIn, std::uint8_t* codes, Index castCount, int exponentBits,
+                            bool saturate, float scale, const T* amaxIn, Index amaxCount) {
+  if (exponentBits == 4) {
+    return saturate ? castAndAmaxSpans<4, true>(castIn, codes, castCount, scale, amaxIn, amaxCount)
+                    : castAndAmaxSpans<4, false>(castIn, codes, castCount, scale, amaxIn, amaxCount);
+  }
+  return saturate ? castAndAmaxSpans<5, true>(castIn, codes, castCount, scale, amaxIn, amaxCount)
+                  : castAndAmaxSpans<5, false>(castIn, codes, castCount, scale, amaxIn, amaxCount);
+}
+
+IUS_HOT unsigned castAndAmaxFloat(const float* castIn, std::uint8_t* codes, Index castCount,
+                                  int exponentBits, bool saturate, float scale,
+                                  const float* amaxIn, Index amaxCount) {
+  return castAndAmax(castIn, codes, castCount, exponentBits, saturate, scale, amaxIn, amaxCount);
+}
+
+IUS_HOT unsigned castAndAmaxHalf(const half* castIn, std::uint8_t* codes, Index castCount,
+                                 int exponentBits, bool saturate, float scale, const half* amaxIn,
+                                 Index amaxCount) {
+  return castAndAmax(castIn, codes, castCount, exponentBits, saturate, scale, amaxIn, amaxCount);
+}
+
 // Runs body(part, begin, end) for each of `parts` contiguous chunks, the last
 // one on the calling thread.
 template <typename Body>
@@ -179,16 +219,29 @@ void fusedChunk(const void* in, Index begin, Index end, int dtype, int exponentB
                 bool saturate, int margin, std::uint8_t* codes, ChunkResult& result) {
   const float formatMax =
       exponentBits == 4 ? ius::Fp8Spec<4>::maxValue : ius::Fp8Spec<5>::maxValue;
+  auto blockCount = [&](Index block) { return end - block < kFusedBlock ? end - block : kFusedBlock; };
+  if (begin >= end) return;
+  result.key = amaxKeyBlock(in, begin, blockCount(begin), dtype);
   for (Index block = begin; block < end; block += kFusedBlock) {
-    const Index count = end - block < kFusedBlock ? end - block : kFusedBlock;
-    result.key = ius::maxKey(result.key, amaxKeyBlock(in, block, count, dtype));
+    // The amax now covers this block: cast it with that scale while reading the next.
+    const Index count = blockCount(block);
+    const Index next = block + count;
+    const Index nextCount = next < end ? blockCount(next) : 0;
     const ius::ScalingBias bias = ius::scalingBias(ius::floatFromKey(result.key), formatMax, margin);
+    unsigned nextKey;
     if (bias.nonFinite) {
+      nextKey = nextCount ? amaxKeyBlock(in, next, nextCount, dtype) : 0u;
       result.blockScales.push_back(kNotCast);
-      continue;
+    } else {
+      const float scale = ius::powerOfTwo(bias.log2Scale);
+      nextKey = dtype == kFloat32
+          ? castAndAmaxFloat(offset<float>(in, block), codes + block, count, exponentBits,
+                             saturate, scale, offset<float>(in, next), nextCount)
+          : castAndAmaxHalf(offset<half>(in, block), codes + block, count, exponentBits,
+                            saturate, scale, offset<half>(in, next), nextCount);
+      result.blockScales.push_back(bias.log2Scale);
     }
-    castBlock(in, block, count, dtype, exponentBits, saturate, bias.log2Scale, codes);
-    result.blockScales.push_back(bias.log2Scale);
+    result.key = ius::maxKey(result.key, nextKey);
   }
 }
 
