@@ -1,0 +1,345 @@
+"""Unit-scaled modules, a drop-in for `torch.nn`: `import ipu_unit_scaling as uu`.
+
+Leaf modules subclass their torch counterparts (so `isinstance(m, nn.Linear)` still holds and
+state dicts are interchangeable), unit-initialise their weights, and call `U` in `forward`.
+
+The transformer blocks are written once against an `Ops` table. `UNIT_OPS` (the default) builds
+them from unit-scaled parts; `TORCH_OPS` builds the same architecture from plain torch modules at
+their default initialisation, which is what unit scaling is compared against.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import functional as U
+from .constraints import ConstraintArg
+
+__all__ = [
+    "Linear",
+    "LayerNorm",
+    "Embedding",
+    "GELU",
+    "ReLU",
+    "Softmax",
+    "Dropout",
+    "CrossEntropyLoss",
+    "MHSA",
+    "MLP",
+    "TransformerLayer",
+    "TransformerDecoder",
+    "Ops",
+    "UNIT_OPS",
+    "TORCH_OPS",
+]
+
+
+class Linear(nn.Linear):
+    """Unit-scaled `nn.Linear`: weight ~ N(0, 1), zero bias, forward `U.linear`."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+        constraint: ConstraintArg = "gmean",
+    ) -> None:
+        self.constraint = constraint
+        super().__init__(in_features, out_features, bias, device, dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return U.linear(input, self.weight, self.bias, self.constraint)
+
+
+class LayerNorm(nn.LayerNorm):
+    """Unit-scaled `nn.LayerNorm`: forward `U.layer_norm` (unit weight, zero bias)."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return U.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
+class Embedding(nn.Embedding):
+    """Unit-scaled `nn.Embedding`: weight ~ N(0, 1) (torch's default), forward `U.embedding`."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return U.embedding(
+            input, self.weight, self.padding_idx, self.max_norm, self.norm_type,
+            self.scale_grad_by_freq, self.sparse,
+        )
+
+
+class GELU(nn.GELU):
+    """Unit-scaled `nn.GELU`."""
+
+    def __init__(self, approximate: str = "none", constraint: ConstraintArg = "gmean") -> None:
+        super().__init__(approximate)
+        self.constraint = constraint
+
+    def forward(self, input: Tensor) -> Tensor:
+        return U.gelu(input, self.approximate, self.constraint)
+
+
+class ReLU(nn.ReLU):
+    """Unit-scaled `nn.ReLU`."""
+
+    def __init__(self, inplace: bool = False, constraint: ConstraintArg = "gmean") -> None:
+        super().__init__(inplace)
+        self.constraint = constraint
+
+    def forward(self, input: Tensor) -> Tensor:
+        return U.relu(input, self.inplace, self.constraint)
+
+
+class Softmax(nn.Softmax):
+    """Unit-scaled `nn.Softmax`."""
+
+    def __init__(self, dim: int = -1, constraint: ConstraintArg = "gmean") -> None:
+        super().__init__(dim)
+        self.constraint = constraint
+
+    def forward(self, input: Tensor) -> Tensor:
+        return U.softmax(input, self.dim if self.dim is not None else -1, None, self.constraint)
+
+
+class Dropout(nn.Dropout):
+    """Unit-scaled `nn.Dropout`."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return U.dropout(input, self.p, self.training, self.inplace)
+
+
+class CrossEntropyLoss(nn.CrossEntropyLoss):
+    """Unit-scaled `nn.CrossEntropyLoss`: the same loss value, unit-scaled input gradient."""
+
+    def forward(self, input: Tensor, target: Tensor) -> Tensor:
+        return U.cross_entropy(
+            input, target, self.weight, self.ignore_index, self.reduction, self.label_smoothing
+        )
+
+
+# ---------------------------------------------------------------- one architecture, two builds
+
+
+def _plain_residual_split(input: Tensor, tau: float = 1.0) -> Tuple[Tensor, Tensor]:
+    return input, input
+
+
+def _plain_residual_add(residual: Tensor, skip: Tensor, tau: float = 1.0) -> Tensor:
+    return residual + skip
+
+
+@dataclass(frozen=True)
+class Ops:
+    """The parts a transformer block is built from: module classes and functions."""
+
+    Linear: Callable[..., nn.Module]
+    LayerNorm: Callable[..., nn.Module]
+    Embedding: Callable[..., nn.Module]
+    gelu: Callable[..., Tensor]
+    dropout: Callable[..., Tensor]
+    add: Callable[..., Tensor]
+    residual_split: Callable[..., Tuple[Tensor, Tensor]]
+    residual_add: Callable[..., Tensor]
+    scaled_dot_product_attention: Callable[..., Tensor]
+    cross_entropy: Callable[..., Tensor]
+
+
+UNIT_OPS = Ops(
+    Linear=Linear,
+    LayerNorm=LayerNorm,
+    Embedding=Embedding,
+    gelu=U.gelu,
+    dropout=U.dropout,
+    add=U.add,
+    residual_split=U.residual_split,
+    residual_add=U.residual_add,
+    scaled_dot_product_attention=U.scaled_dot_product_attention,
+    cross_entropy=U.cross_entropy,
+)
+
+TORCH_OPS = Ops(
+    Linear=nn.Linear,
+    LayerNorm=nn.LayerNorm,
+    Embedding=nn.Embedding,
+    gelu=F.gelu,
+    dropout=F.dropout,
+    add=torch.add,
+    residual_split=_plain_residual_split,
+    residual_add=_plain_residual_add,
+    scaled_dot_product_attention=F.scaled_dot_product_attention,
+    cross_entropy=F.cross_entropy,
+)
+
+
+def layer_norm_module(ops: Ops, hidden_size: int, bias: bool) -> nn.Module:
+    """`ops.LayerNorm`, without a bias if asked (torch 2.0's LayerNorm has no `bias` argument)."""
+    norm = ops.LayerNorm(hidden_size)
+    if not bias:
+        norm.register_parameter("bias", None)
+    return norm
+
+
+class MHSA(nn.Module):
+    """Multi-head self-attention: fused QKV projection, attention, output projection."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        heads: int,
+        is_causal: bool = True,
+        dropout_p: float = 0.0,
+        bias: bool = False,
+        ops: Ops = UNIT_OPS,
+    ) -> None:
+        super().__init__()
+        if hidden_size % heads:
+            raise ValueError(f"hidden_size={hidden_size} is not divisible by heads={heads}")
+        self.heads = heads
+        self.is_causal = is_causal
+        self.dropout_p = dropout_p
+        self.qkv = ops.Linear(hidden_size, 3 * hidden_size, bias=bias)
+        self.proj = ops.Linear(hidden_size, hidden_size, bias=bias)
+        self.attention = ops.scaled_dot_product_attention
+
+    def forward(self, input: Tensor) -> Tensor:
+        batch, seq, hidden = input.shape
+        qkv = self.qkv(input).view(batch, seq, 3, self.heads, hidden // self.heads)
+        query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        out = self.attention(
+            query, key, value,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            is_causal=self.is_causal,
+        )
+        return self.proj(out.transpose(1, 2).reshape(batch, seq, hidden))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward block: Linear, GELU, Linear."""
+
+    def __init__(
+        self, hidden_size: int, expansion: int = 4, bias: bool = False, ops: Ops = UNIT_OPS
+    ) -> None:
+        super().__init__()
+        self.up = ops.Linear(hidden_size, expansion * hidden_size, bias=bias)
+        self.down = ops.Linear(expansion * hidden_size, hidden_size, bias=bias)
+        self.gelu = ops.gelu
+
+    def forward(self, input: Tensor) -> Tensor:
+        return self.down(self.gelu(self.up(input)))
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm transformer layer.
+
+    Each branch is joined by `residual_split` / `residual_add` with its own tau (branch-to-skip
+    weight ratio): a small attention tau keeps early training close to the identity, where
+    attention is least reliable.
+
+    Layers are bias-free by default, like most current GPTs. A bias that feeds attention values
+    sums gradients over positions, which causal attention correlates, so its gradient sits about
+    sqrt(seq_len / 2e) above unit; `bias=True` gives GPT-2-style biases anyway.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        heads: int,
+        mlp_expansion: int = 4,
+        is_causal: bool = True,
+        dropout_p: float = 0.0,
+        attn_tau: float = 0.2,
+        mlp_tau: float = 0.5,
+        bias: bool = False,
+        ops: Ops = UNIT_OPS,
+    ) -> None:
+        super().__init__()
+        self.attn_norm = layer_norm_module(ops, hidden_size, bias)
+        self.attn = MHSA(hidden_size, heads, is_causal, dropout_p, bias, ops)
+        self.mlp_norm = layer_norm_module(ops, hidden_size, bias)
+        self.mlp = MLP(hidden_size, mlp_expansion, bias, ops)
+        self.attn_tau = attn_tau
+        self.mlp_tau = mlp_tau
+        self.dropout_p = dropout_p
+        self.ops = ops
+
+    def forward(self, input: Tensor) -> Tensor:
+        ops = self.ops
+        branch, skip = ops.residual_split(input, self.attn_tau)
+        branch = ops.dropout(self.attn(self.attn_norm(branch)), self.dropout_p, self.training)
+        hidden = ops.residual_add(branch, skip, self.attn_tau)
+        branch, skip = ops.residual_split(hidden, self.mlp_tau)
+        branch = ops.dropout(self.mlp(self.mlp_norm(branch)), self.dropout_p, self.training)
+        return ops.residual_add(branch, skip, self.mlp_tau)
+
+
+class TransformerDecoder(nn.Module):
+    """Decoder-only transformer language model (GPT shape), unit-scaled by default.
+
+    `forward(input_ids)` returns logits; `forward(input_ids, labels)` returns the mean
+    cross-entropy loss, and `(loss, logits)` with `return_logits=True`.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        depth: int,
+        heads: int,
+        seq_len: int,
+        mlp_expansion: int = 4,
+        dropout_p: float = 0.0,
+        attn_tau: float = 0.2,
+        mlp_tau: float = 0.5,
+        bias: bool = False,
+        ops: Ops = UNIT_OPS,
+    ) -> None:
+        super().__init__()
+        self.seq_len = seq_len
+        self.ops = ops
+        self.dropout_p = dropout_p
+        self.embedding = ops.Embedding(vocab_size, hidden_size)
+        self.position_embedding = ops.Embedding(seq_len, hidden_size)
+        self.layers = nn.ModuleList(
+            TransformerLayer(
+                hidden_size, heads, mlp_expansion, True, dropout_p, attn_tau, mlp_tau, bias, ops
+            )
+            for _ in range(depth)
+        )
+        self.final_norm = layer_norm_module(ops, hidden_size, bias)
+        self.head = ops.Linear(hidden_size, vocab_size, bias=False)
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
+        hidden = self.ops.add(self.embedding(input_ids), self.position_embedding(positions))
+        return self.ops.dropout(hidden, self.dropout_p, self.training)
+
+    def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
+        return self.ops.cross_entropy(logits.flatten(0, -2), labels.flatten())
+
+    def forward(
+        self, input_ids: Tensor, labels: Optional[Tensor] = None, return_logits: bool = False
+    ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+        if input_ids.shape[-1] > self.seq_len:
+            raise ValueError(
+                f"sequence length {input_ids.shape[-1]} exceeds the model's seq_len={self.seq_len}"
+            )
+        hidden = self.embed(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        logits = self.head(self.final_norm(hidden))
+        if labels is None:
+            return logits
+        loss = self.loss(logits, labels)
+        return (loss, logits) if return_logits else loss
+
