@@ -265,9 +265,11 @@ def _text_batches(config: Config, seed: int) -> Iterable[Batch]:
         with open(config.data.path, "rb") as handle:
             tokens = torch.tensor(list(handle.read()), dtype=torch.long)
     else:
-        from . import data  # type: ignore[attr-defined]
-
-        tokens = torch.as_tensor(data.load_tokens(config), dtype=torch.long)
+        try:
+            from .data import load_tokens  # type: ignore[attr-defined]
+        except ImportError as error:
+            raise RuntimeError("no embedded corpus here; set data.path to a text file") from error
+        tokens = torch.as_tensor(load_tokens(config), dtype=torch.long)
     generator = torch.Generator().manual_seed(seed)
     length = config.model.seq_len
     while True:
