@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from .config import REGIMES, Config, ConfigError, load_config
+from .config import CONFIGS_DIR, REGIMES, Config, ConfigError, load_config
 
 PROG = "ipu-unit-scaling"
 EXIT_DIVERGED = 1
@@ -134,8 +134,15 @@ def _overrides(args: argparse.Namespace) -> List[str]:
     return [item for group in args.overrides for item in group]
 
 
+def _config_path(args: argparse.Namespace) -> Optional[str]:
+    """``--config``, else ``configs/default.yaml`` where the configs directory is installed."""
+    if args.config:
+        return str(args.config)
+    return "default" if (CONFIGS_DIR / "default.yaml").is_file() else None
+
+
 def _load(args: argparse.Namespace) -> Config:
-    config = load_config(args.config, _overrides(args))
+    config = load_config(_config_path(args), _overrides(args))
     if getattr(args, "data", None):
         config.data.path = args.data
     return config
@@ -301,7 +308,7 @@ def _read_baseline(run_dir: Path) -> Optional[float]:
 
 
 def _cmd_analyse(args: argparse.Namespace) -> int:
-    config = load_config(args.config, _overrides(args))
+    config = load_config(_config_path(args), _overrides(args))
     try:
         from .analysis import analyse  # type: ignore[attr-defined]
     except ImportError as error:
@@ -309,8 +316,10 @@ def _cmd_analyse(args: argparse.Namespace) -> int:
             "'analyse' needs ipu_unit_scaling.analysis, which this installation lacks"
         ) from error
     run_dir = args.run_dir or _default_run_dir(config, "analyse")
-    analyse(config, run_dir)
-    print(f"scale analysis written to {run_dir}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    table, figure = analyse(config, run_dir)
+    print(table)
+    print(f"figure: {figure}")
     return 0
 
 
