@@ -445,8 +445,9 @@ def train(
     steps_per_call = config.ipu.device_iterations
     tokens_per_call = config.samples_per_call * seq_len
     last_checkpoint: Optional[Path] = checkpoint_path if state is not None else None
-    val_curve: List[Tuple[int, float]] = [tuple(p) for p in state.get("val_curve", [])] \
-        if state is not None else []  # type: ignore[misc]
+    val_curve: List[Tuple[int, float]] = []
+    if state is not None:
+        val_curve = [(int(s), float(v)) for s, v in state.get("val_curve", [])]
     last_train: Optional[float] = None
     train_seconds = 0.0
     trained_tokens = 0
