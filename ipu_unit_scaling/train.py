@@ -319,9 +319,13 @@ class _StopRequest:
 def _progress_bar(total: int, initial: int, enabled: bool, desc: str) -> Any:
     if not enabled:
         return None
+    import shutil
+
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
+    # A terminal that reports zero columns (some ptys) would get an empty bar; fall back to 100.
+    width = shutil.get_terminal_size((100, 20)).columns
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", ncols=width)
 
 
 def _prepare_run_dir(run_dir: Path, resume: bool) -> None:
