@@ -173,6 +173,13 @@ def _fmt(value: Optional[float], digits: int = 4) -> str:
 def _cmd_train(args: argparse.Namespace) -> int:
     from .train import load_run_config, train
 
+    if args.scale_report:
+        try:
+            from .analysis import ScaleReporter  # type: ignore[attr-defined]  # noqa: F401
+        except ImportError as error:
+            raise UsageError(
+                "--scale-report needs ipu_unit_scaling.analysis, which this installation lacks"
+            ) from error
     if args.resume is not None:
         if args.config or args.data or args.run_dir:
             raise UsageError("--resume continues a run with its own config, data and "
