@@ -23,11 +23,11 @@ class Shape:
     """The benchmarked model and batch."""
 
     vocab_size: int = 256
-    seq_len: int = 128
+    seq_len: int = 64
     depth: int = 4
-    hidden_size: int = 256
+    hidden_size: int = 128
     heads: int = 4
-    batch_size: int = 16
+    batch_size: int = 8
 
     def describe(self) -> str:
         return (
