@@ -136,9 +136,11 @@ def _normal_rms(values: np.ndarray) -> float:
 @lru_cache(maxsize=None)
 def _gelu_stds(approximate: str) -> Tuple[float, float]:
     """(std of gelu(z), rms of gelu'(z)) for z ~ N(0, 1), computed in float64 by autograd."""
-    z = torch.tensor(_HERMITE_POINTS, dtype=torch.float64, requires_grad=True)
-    out = F.gelu(z, approximate=approximate)
-    (slope,) = torch.autograd.grad(out.sum(), z)
+    # Autograd must record even when the first call comes under no_grad or inference_mode.
+    with torch.inference_mode(False), torch.enable_grad():
+        z = torch.tensor(_HERMITE_POINTS, dtype=torch.float64, requires_grad=True)
+        out = F.gelu(z, approximate=approximate)
+        (slope,) = torch.autograd.grad(out.sum(), z)
     return _normal_std(out.detach().numpy()), _normal_rms(slope.numpy())
 
 
