@@ -43,15 +43,27 @@ __all__ = [
 ]
 
 
-def _scaled_call(fn, inputs: Sequence[Tensor], output_scale: float, grad_scales: Sequence[float]):
+def _scaled_call(
+    fn,
+    inputs: Sequence[Tensor],
+    output_scale: float,
+    grad_scales: Sequence[float],
+    scale_in_place: bool = False,
+):
     """`fn(*inputs) * output_scale` with the gradient of input i scaled by `grad_scales[i]`.
 
     The output multiply is a plain one, so it also scales every input gradient by
     `output_scale`; each input then only needs the ratio, which is 1 (no op) when tied.
+
+    `scale_in_place` multiplies fn's fresh output in place: the same values and gradients
+    without allocating a second output-sized tensor. Only for ops whose backward does not use
+    their output (gelu, matmul, add; not relu or softmax, which autograd would then reject).
     """
     adjusted = [scale_bwd(x, g / output_scale) for x, g in zip(inputs, grad_scales)]
     out = fn(*adjusted)
-    return out * output_scale if output_scale != 1.0 else out
+    if output_scale == 1.0:
+        return out
+    return out.mul_(output_scale) if scale_in_place else out * output_scale
 
 
 def _reject(name: str, value: object, default: object, why: str) -> None:
@@ -114,7 +126,9 @@ def matmul(left: Tensor, right: Tensor, constraint: ConstraintArg = "gmean") -> 
     output_scale, left_scale, right_scale = apply_constraint(
         constraint, inner**-0.5, left_count**-0.5, right_count**-0.5
     )
-    return _scaled_call(torch.matmul, (left, right), output_scale, (left_scale, right_scale))
+    return _scaled_call(
+        torch.matmul, (left, right), output_scale, (left_scale, right_scale), scale_in_place=True
+    )
 
 
 # ---------------------------------------------------------------- nonlinearities
@@ -165,7 +179,8 @@ def gelu(input: Tensor, approximate: str = "none", constraint: ConstraintArg = "
         out_std, grad_rms = _gelu_stds(approximate)
     output_scale, grad_scale = apply_constraint(constraint, 1 / out_std, 1 / grad_rms)
     return _scaled_call(
-        lambda x: F.gelu(x, approximate=approximate), (input,), output_scale, (grad_scale,)
+        lambda x: F.gelu(x, approximate=approximate), (input,), output_scale, (grad_scale,),
+        scale_in_place=True,
     )
 
 
@@ -226,7 +241,8 @@ def dropout(input: Tensor, p: float = 0.5, training: bool = True, inplace: bool 
         raise ValueError(f"p={p!r} must be in [0, 1)")
     if not training or p == 0.0:
         return input
-    return F.dropout(input, p, training) * math.sqrt(1 - p)
+    # Dropout's backward uses its mask, not its output, so the fresh output can be scaled in place.
+    return F.dropout(input, p, training).mul_(math.sqrt(1 - p))
 
 
 # ---------------------------------------------------------------- normalisation and lookups
@@ -304,7 +320,7 @@ def add(
     other_scale *= _broadcast_count(other, out_numel) ** -0.5
     return _scaled_call(
         lambda a, b: torch.add(a, b, alpha=alpha), (input, other), output_scale,
-        (input_scale, other_scale),
+        (input_scale, other_scale), scale_in_place=True,
     )
 
 
@@ -334,7 +350,8 @@ def residual_add(residual: Tensor, skip: Tensor, tau: float = 1.0) -> Tensor:
     applies a in the backward pass instead, where the branch gradient joins the stream.
     """
     branch_weight, skip_weight = _residual_weights(tau)
-    return scale_fwd(residual, branch_weight) + skip * skip_weight
+    # Accumulating into the fresh skip product saves an allocation; the sum is the same.
+    return (skip * skip_weight).add_(scale_fwd(residual, branch_weight))
 
 
 # ---------------------------------------------------------------- attention
