@@ -91,3 +91,52 @@ def test_simulate_fp8_attention_option():
             "blocks.0.values.grad_output"} <= sites
     # Other linear layers' matmuls were not also routed through attention's casts.
     assert not any(s.startswith("blocks.0.matmul") for s in sites)
+
+
+def test_unit_scaled_linear_keeps_its_scales():
+    """With operands already on the FP8 grids, static FP8 is exact: it must equal U.linear."""
+    from ipu_unit_scaling import functional as U
+    from ipu_unit_scaling import modules as uu
+    from ipu_unit_scaling.fp8 import F143, F152, FP8UnitScaledLinear, quantise
+
+    g = torch.Generator().manual_seed(5)
+    layer = uu.Linear(32, 24, bias=True, constraint=None)
+    with torch.no_grad():
+        layer.weight.copy_(quantise(torch.randn(24, 32, generator=g), F143))
+        layer.bias.copy_(torch.randn(24, generator=g))
+    x0 = quantise(torch.randn(5, 7, 32, generator=g), F143)
+    grad_y = quantise(torch.randn(5, 7, 24, generator=g), F152)
+
+    x = x0.clone().requires_grad_()
+    expected = U.linear(x, layer.weight, layer.bias, constraint=None)
+    expected.backward(grad_y)
+    expected_grads = [x.grad, layer.weight.grad.clone(), layer.bias.grad.clone()]
+    layer.zero_grad()
+
+    model = simulate_fp8(nn.Sequential(layer), FP8Config(scaling="static"))
+    assert isinstance(model[0], FP8UnitScaledLinear) and model[0].constraint is None
+    x = x0.clone().requires_grad_()
+    y = model(x)
+    y.backward(grad_y)
+    torch.testing.assert_close(y, expected, rtol=1e-6, atol=1e-6)
+    for got, want in zip([x.grad, layer.weight.grad, layer.bias.grad], expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_unit_scaled_decoder_with_fp8_attention():
+    from ipu_unit_scaling import modules as uu
+    from ipu_unit_scaling.fp8 import FP8UnitScaledLinear
+
+    torch.manual_seed(2)
+    model = uu.TransformerDecoder(vocab_size=64, hidden_size=32, depth=1, heads=2, seq_len=16)
+    simulate_fp8(model, FP8Config(scaling="static", attention=True))
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(isinstance(m, FP8UnitScaledLinear) for m in linears)
+    tokens = torch.randint(0, 64, (4, 17))
+    with fp8_stats() as stats:
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+    assert torch.isfinite(loss)
+    sites = {r.site for r in stats.records}
+    assert any(s.endswith(".scores.left") for s in sites)
+    assert any(s.endswith(".values.grad_output") for s in sites)

@@ -10,7 +10,10 @@ from .attention import FP8AttentionFn
 from .config import FP8Config
 from .linear import FP8Linear, fp8_linear
 
-__all__ = ["simulate_fp8", "FP8UnitScaledLinear"]
+__all__ = ["simulate_fp8", "FP8UnitScaledLinear", "ATTENTION_ATTRIBUTES"]
+
+# Attribute names under which modules keep their attention function.
+ATTENTION_ATTRIBUTES = ("attention_fn", "attention")
 
 
 class FP8UnitScaledLinear(FP8Linear):
@@ -32,10 +35,10 @@ class FP8UnitScaledLinear(FP8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Imported here: the unit-scaled core imports nothing from fp8, and fp8 stays usable alone.
-        from ipu_unit_scaling import functional as U  # type: ignore[attr-defined]
-        from ipu_unit_scaling.scale import scale_bwd, scale_fwd  # type: ignore[import-not-found]
+        from ipu_unit_scaling import functional as U
+        from ipu_unit_scaling.scale import scale_bwd, scale_fwd
 
-        batch_size = x.numel() // x.shape[-1]
+        batch_size = max(1, x.numel() // x.shape[-1])
         output_scale, grad_input_scale, grad_weight_scale = U.linear_scales(
             self.in_features, self.out_features, batch_size, self.constraint)
         x = scale_bwd(x, grad_input_scale)
@@ -66,8 +69,11 @@ def simulate_fp8(model: nn.Module, config: Optional[FP8Config] = None) -> nn.Mod
       ``nn.Linear`` subclasses are left alone (e.g. ``nn.MultiheadAttention``'s ``out_proj``,
       whose forward that module never calls). A bare ``nn.Linear`` passed as ``model`` cannot
       be replaced in place: its FP8 version is returned.
-    - With ``config.attention``, every module with an ``attention_fn`` attribute (such as
-      ``uu.MHSA``) has it wrapped to run inside :func:`fp8_attention`.
+    - With ``config.attention``, every module's attention function, an ``attention_fn`` or
+      ``attention`` attribute that is a plain callable (not a submodule), as on ``uu.MHSA``, is
+      wrapped to run inside :func:`fp8_attention`: the ``F.scaled_dot_product_attention`` it
+      calls (``U.scaled_dot_product_attention`` calls it too, keeping its unit scaling around
+      it) runs its two matmuls in FP8.
 
     Casts are recorded under each module's qualified name in :func:`fp8_stats`.
     """
@@ -83,7 +89,8 @@ def simulate_fp8(model: nn.Module, config: Optional[FP8Config] = None) -> nn.Mod
                 setattr(parent, child_name, replacement)
     if config.attention:
         for name, module in model.named_modules():
-            fn = getattr(module, "attention_fn", None)
-            if callable(fn) and not isinstance(fn, FP8AttentionFn):
-                module.attention_fn = FP8AttentionFn(fn, config, name or "attention")
+            for attribute in ATTENTION_ATTRIBUTES:
+                fn = getattr(module, attribute, None)
+                if callable(fn) and not isinstance(fn, (nn.Module, FP8AttentionFn)):
+                    setattr(module, attribute, FP8AttentionFn(fn, config, name or "attention"))
     return model

@@ -1,0 +1,197 @@
+// Per-element FP8 arithmetic shared by the Poplar vertices and the host build.
+//
+// Everything here is plain, branch-free C++ on float32 bit patterns, so the
+// same source compiles with popc for the IPU and with g++ for the host, where
+// the span loops auto-vectorise. Formats are the IPU's FP8 formats:
+//   ExponentBits 4: F143, E4M3 with bias 8, max 240   (== float8_e4m3fnuz)
+//   ExponentBits 5: F152, E5M2 with bias 16, max 57344 (== float8_e5m2fnuz)
+// Both have a single NaN code (0x80), no infinities and no negative zero;
+// both have their largest finite magnitude at code 0x7f.
+//
+// Scaling-bias convention: q = encode(x * 2^s), x ~= decode(q) * 2^-s, with
+// s = clamp(floor(log2(max / amax)) - margin, -31, 31) and s = 0 for amax 0.
+#pragma once
+
+namespace ius {
+
+template <unsigned ExponentBits>
+struct Fp8Spec;
+
+template <>
+struct Fp8Spec<4> {
+  static constexpr int mantissaBits = 3;
+  static constexpr int bias = 8;
+  static constexpr float maxValue = 240.0f;
+};
+
+template <>
+struct Fp8Spec<5> {
+  static constexpr int mantissaBits = 2;
+  static constexpr int bias = 16;
+  static constexpr float maxValue = 57344.0f;
+};
+
+constexpr unsigned char kFp8NanCode = 0x80;
+constexpr unsigned char kFp8MaxCode = 0x7f;
+constexpr int kMaxLog2Scale = 31;
+constexpr unsigned kFloatExponentMask = 0x7f800000u;
+constexpr unsigned kFloatMagnitudeMask = 0x7fffffffu;
+
+inline unsigned floatBits(float value) { return __builtin_bit_cast(unsigned, value); }
+
+inline float floatFromBits(unsigned bits) { return __builtin_bit_cast(float, bits); }
+
+// 2^exponent as a float, exact for |exponent| <= 126.
+inline float powerOfTwo(int exponent) {
+  return floatFromBits(static_cast<unsigned>(127 + exponent) << 23);
+}
+
+// |x| as an unsigned key whose integer order is the order of magnitudes with
+// every NaN above +inf. A max over keys is therefore a NaN-aware amax (a NaN
+// wins, as x.abs().max() does), which std::max / fmax would not give.
+template <typename T>
+inline unsigned magnitudeKey(T x) {
+  return floatBits(static_cast<float>(x)) & kFloatMagnitudeMask;
+}
+
+inline unsigned maxKey(unsigned a, unsigned b) { return a > b ? a : b; }
+
+inline float floatFromKey(unsigned key) { return floatFromBits(key); }
+
+inline bool keyIsFinite(unsigned key) { return key < kFloatExponentMask; }
+
+template <typename T, typename Index>
+inline unsigned amaxKeyOfSpan(const T* __restrict__ x, Index count) {
+  unsigned key = 0;
+  for (Index i = 0; i < count; ++i) {
+    key = maxKey(key, magnitudeKey(x[i]));
+  }
+  return key;
+}
+
+// Round-to-nearest-even float32 -> FP8 code of a value already multiplied by
+// the scale. The float adder does the rounding: adding 2^k, whose ulp is the
+// FP8 step for the value's binade (the subnormal step below the smallest
+// normal), leaves the rounded count of steps in the low bits of the sum; the
+// code is that count plus the binade's offset, and a carry into the next
+// binade lands on the right code by construction. Overflow is decided on the
+// input (at or above max + half a step, ties-to-even rounds away from max):
+// +-max when saturating, else NaN.
+template <unsigned ExponentBits, bool Saturate>
+inline unsigned char encodeFp8(float scaled) {
+  using Spec = Fp8Spec<ExponentBits>;
+  constexpr int mantissaBits = Spec::mantissaBits;
+  constexpr int minNormalField = 127 + 1 - Spec::bias;
+  constexpr int maxExponent = (1 << ExponentBits) - 1 - Spec::bias;
+  constexpr int overflowBits =
+      ((127 + maxExponent) << 23) | (((1 << (mantissaBits + 1)) - 1) << (22 - mantissaBits));
+  constexpr int nanBits = 0x7f800000;
+
+  // Signed ints throughout: magnitudes fit in 31 bits, and signed compares
+  // are single vector instructions where unsigned ones are not.
+  const int bits = static_cast<int>(floatBits(scaled));
+  const int magnitude = bits & 0x7fffffff;
+  const int rawField = magnitude >> 23;
+  const int field = rawField > minNormalField ? rawField : minNormalField;
+  // Only meaningful below overflowBits; larger inputs are replaced below.
+  const int magicBits = (field + 23 - mantissaBits) << 23;
+  const float sum = floatFromBits(static_cast<unsigned>(magnitude)) +
+                    floatFromBits(static_cast<unsigned>(magicBits));
+  const int steps = static_cast<int>(floatBits(sum)) - magicBits;
+  int code = ((field - minNormalField) << mantissaBits) + steps;
+
+  code = magnitude >= overflowBits ? (Saturate ? kFp8MaxCode : kFp8NanCode) : code;
+  code = magnitude > nanBits ? kFp8NanCode : code;
+  // The sign goes on every non-zero code (0x80 already has it): there is no
+  // negative zero, so a negative value that rounds to 0 encodes as 0x00.
+  const int nonZeroMask = (-code) >> 8;  // all ones for code in 1..0x80, else 0
+  code |= (bits >> 24) & 0x80 & nonZeroMask;
+  return static_cast<unsigned char>(code);
+}
+
+// FP8 code -> float32 (exact); the NaN code gives a quiet NaN.
+template <unsigned ExponentBits>
+inline float decodeFp8(unsigned char code) {
+  using Spec = Fp8Spec<ExponentBits>;
+  constexpr unsigned mantissaMask = (1u << Spec::mantissaBits) - 1u;
+  const unsigned c = code;
+  const unsigned sign = c >> 7;
+  const unsigned magnitude = c & 0x7fu;
+  const unsigned exponent = magnitude >> Spec::mantissaBits;
+  const unsigned mantissa = magnitude & mantissaMask;
+
+  const unsigned normalBits = (sign << 31) |
+                              ((exponent + 127u - Spec::bias) << 23) |
+                              (mantissa << (23 - Spec::mantissaBits));
+  const float subnormalStep = powerOfTwo(1 - Spec::bias - Spec::mantissaBits);
+  const float subnormal = static_cast<float>(static_cast<int>(mantissa)) * subnormalStep;
+  const float value = exponent == 0 ? (sign ? -subnormal : subnormal) : floatFromBits(normalBits);
+  return c == kFp8NanCode ? floatFromBits(0x7fc00000u) : value;
+}
+
+template <unsigned ExponentBits, bool Saturate, typename T, typename Index>
+inline void castToFp8Span(const T* __restrict__ x, Index count, float scale,
+                          unsigned char* __restrict__ codes) {
+  for (Index i = 0; i < count; ++i) {
+    codes[i] = encodeFp8<ExponentBits, Saturate>(static_cast<float>(x[i]) * scale);
+  }
+}
+
+template <unsigned ExponentBits, typename T, typename Index>
+inline void castFromFp8Span(const unsigned char* __restrict__ codes, Index count, float scale,
+                            T* __restrict__ y) {
+  for (Index i = 0; i < count; ++i) {
+    y[i] = static_cast<T>(decodeFp8<ExponentBits>(codes[i]) * scale);
+  }
+}
+
+struct ScalingBias {
+  int log2Scale;
+  bool nonFinite;
+};
+
+// A positive finite float as significand * 2^exponent, significand a 24-bit
+// integer with its top bit set (subnormals are normalised).
+struct Normalised {
+  unsigned significand;
+  int exponent;
+};
+
+inline Normalised normalise(float positive) {
+  const unsigned bits = floatBits(positive);
+  const unsigned field = bits >> 23;
+  unsigned significand = bits & 0x7fffffu;
+  int exponent = static_cast<int>(field) - 127;
+  if (field == 0) {
+    exponent = -126;
+    while ((significand & 0x800000u) == 0) {
+      significand <<= 1;
+      exponent -= 1;
+    }
+  } else {
+    significand |= 0x800000u;
+  }
+  return Normalised{significand, exponent};
+}
+
+// floor(log2(formatMax / amax)) computed exactly from exponents and
+// significands (no division, no log), then the margin and the clamp.
+inline ScalingBias scalingBias(float amax, float formatMax, int margin) {
+  const unsigned key = floatBits(amax) & kFloatMagnitudeMask;
+  if (!keyIsFinite(key)) {
+    return ScalingBias{0, true};
+  }
+  if (key == 0) {
+    return ScalingBias{0, false};
+  }
+  const Normalised top = normalise(formatMax);
+  const Normalised bottom = normalise(floatFromBits(key));
+  const long long floorLog2 = static_cast<long long>(top.exponent) - bottom.exponent -
+                              (top.significand < bottom.significand ? 1 : 0);
+  long long scale = floorLog2 - margin;
+  scale = scale > kMaxLog2Scale ? kMaxLog2Scale : scale;
+  scale = scale < -kMaxLog2Scale ? -kMaxLog2Scale : scale;
+  return ScalingBias{static_cast<int>(scale), false};
+}
+
+}  // namespace ius

@@ -1,0 +1,195 @@
+"""The host build of the FP8 codelets: loading it, and the fused CPU cast.
+
+``codelets/`` holds C++ Poplar vertices; ``setup.py`` also compiles them with the host
+compiler, through a small stand-in for ``poplar/Vertex.hpp``, into ``_fp8_host.so`` next to
+this file (a plain C ABI library, loaded with ctypes). It gives two things:
+
+* the fast CPU path of :func:`ipu_unit_scaling.fp8.cast_to_fp8`: one pass for the amax and
+  one for scale + round + store, over all threads, bit-identical to the torch reference;
+* the vertices themselves, which :mod:`ipu_unit_scaling.emulator` runs tile by tile.
+
+When the library is missing (no C++ compiler at install time) or disabled with
+``IPU_UNIT_SCALING_HOST_LIB=0``, everything still works on the torch path, and
+:func:`fast_path_status` says why the fast path is off.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+from pathlib import Path
+from typing import Optional, Tuple
+
+import torch
+
+__all__ = [
+    "HostLibraryUnavailable", "LIBRARY_PATH", "DISABLE_ENV", "library", "fast_path_status",
+    "fused_cast_available", "fused_cast_to_fp8", "exponent_bits", "partition", "partition_grain",
+    "dtype_code", "num_threads",
+]
+
+LIBRARY_PATH = Path(__file__).with_name("_fp8_host.so")
+DISABLE_ENV = "IPU_UNIT_SCALING_HOST_LIB"
+_ABI_VERSION = 1
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1}
+# The IPU formats the codelets implement, by FP8Format.name, keyed to their exponent bits.
+_EXPONENT_BITS = {"F143": 4, "F152": 5}
+
+_c_int64 = ctypes.c_int64
+_c_int = ctypes.c_int
+_c_uint = ctypes.c_uint
+_c_void_p = ctypes.c_void_p
+_SIGNATURES = {
+    "ius_abi_version": (_c_int, []),
+    "ius_partition_grain": (_c_uint, []),
+    "ius_partition": (None, [_c_int64, _c_uint, _c_uint, _c_void_p]),
+    "ius_vertex_partial_amax": (_c_int, [_c_void_p, _c_int64, _c_int, _c_uint, _c_void_p]),
+    "ius_vertex_scaling_bias": (
+        _c_int, [_c_void_p, _c_int64, _c_int, _c_int, _c_void_p, _c_void_p]),
+    "ius_vertex_cast_to_fp8": (
+        _c_int, [_c_void_p, _c_int64, _c_int, _c_int, _c_int, _c_uint, _c_int, _c_void_p]),
+    "ius_vertex_cast_from_fp8": (
+        _c_int, [_c_void_p, _c_int64, _c_int, _c_int, _c_uint, _c_int, _c_void_p]),
+    "ius_fused_cast_to_fp8": (
+        _c_int, [_c_void_p, _c_int64, _c_int, _c_int, _c_int, _c_int, _c_int, _c_int, _c_int,
+                 _c_void_p, _c_void_p, _c_void_p]),
+}
+
+
+class HostLibraryUnavailable(RuntimeError):
+    """The compiled host library is not there (or not usable); the message says why."""
+
+
+_library: Optional[ctypes.CDLL] = None
+_reason: Optional[str] = None
+
+
+def _missing_reason() -> str:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        return (f"{LIBRARY_PATH.name} was not built: no C++ compiler (c++ or g++) was found. "
+                "Install one and reinstall, or run `python setup.py build_ext --inplace`")
+    return (f"{LIBRARY_PATH.name} was not built (install without build step, or the build "
+            "failed; see the install log). Run `python setup.py build_ext --inplace`")
+
+
+def _load() -> Tuple[Optional[ctypes.CDLL], str]:
+    global _library, _reason
+    if _library is not None or _reason is not None:
+        return _library, _reason or ""
+    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+        _reason = f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
+    elif not LIBRARY_PATH.exists():
+        _reason = _missing_reason()
+    else:
+        try:
+            lib = ctypes.CDLL(str(LIBRARY_PATH))
+            version = lib.ius_abi_version()
+            if version != _ABI_VERSION:
+                raise OSError(f"ABI version {version}, expected {_ABI_VERSION}; rebuild it")
+            for name, (restype, argtypes) in _SIGNATURES.items():
+                function = getattr(lib, name)
+                function.restype = restype
+                function.argtypes = argtypes
+            _library = lib
+        except (OSError, AttributeError) as error:
+            _reason = f"{LIBRARY_PATH} could not be loaded: {error}"
+    return _library, _reason or ""
+
+
+def library() -> ctypes.CDLL:
+    """The loaded host library; raises :class:`HostLibraryUnavailable` saying why not."""
+    lib, reason = _load()
+    if lib is None:
+        raise HostLibraryUnavailable(f"FP8 host library unavailable: {reason}")
+    return lib
+
+
+def fast_path_status() -> str:
+    """One line: whether the fused host cast is on, and if not, why."""
+    lib, reason = _load()
+    if lib is None:
+        return f"off: {reason}; FP8 casts use the torch path"
+    return f"on: fused host cast from {LIBRARY_PATH.name}, {num_threads()} threads"
+
+
+def fused_cast_available() -> bool:
+    return _load()[0] is not None
+
+
+def exponent_bits(fmt_name: str) -> int:
+    """4 for F143, 5 for F152; ValueError for formats the codelets do not implement."""
+    bits = _EXPONENT_BITS.get(fmt_name.upper())
+    if bits is None:
+        raise ValueError(f"the FP8 codelets implement {sorted(_EXPONENT_BITS)}, not {fmt_name!r}")
+    return bits
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        raise TypeError(f"the FP8 codelets take float32 or float16, not {dtype}")
+    return code
+
+
+def num_threads() -> int:
+    """Threads for the fused cast: torch's intra-op setting, so users have one knob."""
+    return max(1, torch.get_num_threads())
+
+
+def _pointer(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def fused_cast_to_fp8(
+    x: torch.Tensor,
+    fmt_name: str,
+    log2_scale: Optional[int],
+    margin: int,
+    saturate: bool,
+) -> Optional[Tuple[torch.Tensor, int]]:
+    """Scale, round to nearest even and encode ``x`` in one fused multi-threaded host pass.
+
+    ``x`` is a contiguous CPU float32/float16 tensor. ``log2_scale=None`` derives the scale
+    from the amax with ``margin`` (raising ``NonFiniteAmaxError`` for an inf/NaN amax).
+    Returns (uint8 codes shaped like ``x``, the log2 scale used), or None for a format the
+    codelets do not implement (the OCP formats), so the caller takes its torch path.
+    """
+    if fmt_name.upper() not in _EXPONENT_BITS:
+        return None
+    if x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError("the fused host cast needs a contiguous CPU tensor")
+    lib = library()
+    codes = torch.empty(x.shape, dtype=torch.uint8)
+    used = ctypes.c_int(0)
+    amax = ctypes.c_float(0.0)
+    status = lib.ius_fused_cast_to_fp8(
+        _pointer(x), x.numel(), dtype_code(x.dtype), exponent_bits(fmt_name), int(saturate),
+        int(log2_scale is not None), int(log2_scale or 0), int(margin), num_threads(),
+        _pointer(codes), ctypes.byref(used), ctypes.byref(amax))
+    if status == 1:
+        from .fp8 import NonFiniteAmaxError
+
+        raise NonFiniteAmaxError(
+            f"amax is {amax.value}; cannot choose an FP8 scale for {fmt_name.upper()}")
+    if status != 0:
+        raise ValueError(f"fused host cast rejected its arguments (log2_scale={log2_scale})")
+    return codes, used.value
+
+
+def partition_grain() -> int:
+    """Slices start on multiples of this many elements (see codelets/partition.hpp)."""
+    return int(library().ius_partition_grain())
+
+
+def partition(numel: int, tiles: int, workers: int) -> torch.Tensor:
+    """The C++ split of ``numel`` elements: int64 ``[tiles, workers, 2]`` of [begin, end).
+
+    This is the function the custom op uses to map the input and the vertices to tiles,
+    and the MultiVertex codelets use to pick each worker's slice.
+    """
+    if numel < 0 or tiles < 1 or workers < 1:
+        raise ValueError(f"bad partition: numel={numel}, tiles={tiles}, workers={workers}")
+    bounds = torch.empty((tiles, workers, 2), dtype=torch.int64)
+    library().ius_partition(numel, tiles, workers, _pointer(bounds))
+    return bounds

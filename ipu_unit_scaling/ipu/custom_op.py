@@ -1,0 +1,121 @@
+"""The ``Fp8AmaxCast`` PopART custom op from Python.
+
+On an IPU (inside a PopTorch model, ``poptorch.isRunningOnIpu()``) :func:`fp8_amax_cast`
+calls the custom op built from ``custom_ops/``: tile-local amax, scaling bias and cast in
+the Poplar codelets. Everywhere else it runs the host path with the same numerics
+(:func:`ipu_unit_scaling.fp8.cast_to_fp8`: the compiled host cast when built, else torch).
+PopTorch is imported lazily; importing this module never needs it.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Any, Dict, NamedTuple, Optional
+
+import torch
+
+__all__ = [
+    "DOMAIN", "OP_NAME", "DOMAIN_VERSION", "LIBRARY_ENV", "Fp8CastOutputs",
+    "custom_op_library_path", "load_custom_op_library", "running_on_ipu", "fp8_amax_cast",
+]
+
+DOMAIN = "ai.graphcore.unit_scaling"
+OP_NAME = "Fp8AmaxCast"
+DOMAIN_VERSION = 1
+LIBRARY_ENV = "IPU_UNIT_SCALING_CUSTOM_OPS"
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+_DEFAULT_LIBRARY = _REPO_ROOT / "custom_ops" / "build" / "libfp8_custom_ops.so"
+
+_loaded: Dict[str, ctypes.CDLL] = {}
+
+
+class Fp8CastOutputs(NamedTuple):
+    """The op's outputs: ``codes = encode(x * 2**log2_scale)``.
+
+    ``non_finite`` is 1 when the amax was inf/NaN (then ``log2_scale`` is 0): a vertex cannot
+    raise, so on the IPU the flag is returned; the host path raises ``NonFiniteAmaxError``.
+    """
+
+    codes: torch.Tensor  # uint8, x's shape
+    log2_scale: torch.Tensor  # int32 scalar
+    non_finite: torch.Tensor  # int32 scalar
+
+
+def custom_op_library_path() -> Path:
+    """``$IPU_UNIT_SCALING_CUSTOM_OPS``, else ``custom_ops/build/libfp8_custom_ops.so``."""
+    configured = os.environ.get(LIBRARY_ENV)
+    return Path(configured) if configured else _DEFAULT_LIBRARY
+
+
+def load_custom_op_library(path: Optional[Path] = None) -> ctypes.CDLL:
+    """Load the custom op library, which registers the op with PopART (once per path)."""
+    library_path = Path(path) if path is not None else custom_op_library_path()
+    key = str(library_path.resolve())
+    if key not in _loaded:
+        if not library_path.exists():
+            raise FileNotFoundError(
+                f"{library_path} does not exist. With the Poplar SDK enabled, build it with "
+                "`cmake -S custom_ops -B custom_ops/build && cmake --build custom_ops/build`, "
+                f"or point {LIBRARY_ENV} at it.")
+        _loaded[key] = ctypes.cdll.LoadLibrary(key)
+    return _loaded[key]
+
+
+def running_on_ipu() -> bool:
+    """True while PopTorch traces or runs a model for the IPU; False without PopTorch."""
+    try:
+        import poptorch
+    except ImportError:
+        return False
+    return bool(poptorch.isRunningOnIpu())
+
+
+def _ipu_cast(x: torch.Tensor, fmt_name: str, margin: int, saturate: bool,
+              log2_scale: Optional[int]) -> Fp8CastOutputs:
+    import poptorch
+
+    load_custom_op_library()
+    attributes: Dict[str, Any] = {
+        "format": fmt_name,
+        "margin": int(margin),
+        "saturate": int(saturate),
+        "has_log2_scale": int(log2_scale is not None),
+        "log2_scale": int(log2_scale or 0),
+    }
+    example_outputs = [
+        torch.zeros(x.shape, dtype=torch.uint8),
+        torch.zeros((), dtype=torch.int32),
+        torch.zeros((), dtype=torch.int32),
+    ]
+    codes, scale, non_finite = poptorch.custom_op(
+        [x], OP_NAME, DOMAIN, DOMAIN_VERSION, example_outputs=example_outputs,
+        attributes=attributes)
+    return Fp8CastOutputs(codes, scale, non_finite)
+
+
+def fp8_amax_cast(
+    x: torch.Tensor,
+    fmt: object = "F143",
+    margin: int = 0,
+    overflow: str = "saturate",
+    log2_scale: Optional[int] = None,
+) -> Fp8CastOutputs:
+    """Amax, scaling bias and cast of ``x`` to F143/F152, on the IPU when running on one.
+
+    Same numerics as :func:`ipu_unit_scaling.fp8.cast_to_fp8` (rounding to nearest):
+    ``log2_scale=None`` derives ``s`` from the amax with ``margin``; ``overflow`` is
+    "saturate" or "nan".
+    """
+    from ..fp8 import cast_to_fp8, get_format
+
+    fmt_name = get_format(fmt).name  # type: ignore[arg-type]
+    if fmt_name not in ("F143", "F152"):
+        raise ValueError(f"the FP8 codelets implement F143 and F152, not {fmt_name}")
+    if overflow not in ("saturate", "nan"):
+        raise ValueError(f"overflow must be 'saturate' or 'nan', got {overflow!r}")
+    if running_on_ipu():
+        return _ipu_cast(x, fmt_name, margin, overflow == "saturate", log2_scale)
+    cast = cast_to_fp8(x, fmt_name, log2_scale=log2_scale, margin=margin, overflow=overflow)
+    return Fp8CastOutputs(cast.codes, torch.tensor(cast.log2_scale, dtype=torch.int32),
+                          torch.tensor(0, dtype=torch.int32))

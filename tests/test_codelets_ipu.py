@@ -1,0 +1,102 @@
+"""The codelets compiled with popc and the PopART custom op on IPUModel (needs the Poplar SDK)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+poptorch = pytest.importorskip("poptorch", reason="poptorch (Poplar SDK) is not installed")
+
+from ipu_unit_scaling.fp8 import F143, F152, cast_to_fp8_reference  # noqa: E402
+from ipu_unit_scaling.ipu.custom_op import (  # noqa: E402
+    custom_op_library_path,
+    fp8_amax_cast,
+    load_custom_op_library,
+)
+
+pytestmark = pytest.mark.ipu
+REPO = Path(__file__).resolve().parents[1]
+CODELETS = REPO / "codelets"
+
+
+@pytest.fixture(scope="module")
+def codelets_gp(tmp_path_factory) -> Path:
+    popc = shutil.which("popc")
+    if popc is None:
+        pytest.skip("popc is not on PATH (enable the Poplar SDK)")
+    out = tmp_path_factory.mktemp("codelets") / "fp8_codelets.gp"
+    subprocess.run([popc, "-O3", "-I", str(CODELETS), str(CODELETS / "fp8_codelets.cpp"),
+                    "-o", str(out)], check=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def custom_op_library(tmp_path_factory) -> Path:
+    built = custom_op_library_path()
+    if not built.exists():
+        cmake = shutil.which("cmake")
+        if cmake is None:
+            pytest.skip(f"{built} is not built and cmake is not on PATH")
+        build = tmp_path_factory.mktemp("custom_ops_build")
+        subprocess.run([cmake, "-S", str(REPO / "custom_ops"), "-B", str(build)], check=True)
+        subprocess.run([cmake, "--build", str(build)], check=True)
+        built = build / "libfp8_custom_ops.so"
+    load_custom_op_library(built)
+    return built
+
+
+class AmaxCast(torch.nn.Module):
+    def __init__(self, fmt, overflow="saturate", log2_scale=None):
+        super().__init__()
+        self.fmt, self.overflow, self.log2_scale = fmt, overflow, log2_scale
+
+    def forward(self, x):
+        return tuple(fp8_amax_cast(x, self.fmt, overflow=self.overflow,
+                                   log2_scale=self.log2_scale))
+
+
+def run_on_ipu_model(module: torch.nn.Module, x: torch.Tensor):
+    options = poptorch.Options()
+    options.useIpuModel(True)
+    return poptorch.inferenceModel(module, options)(x)
+
+
+def wide_range_input(size: int, dtype: torch.dtype) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(size)
+    spread = torch.exp((torch.randn(size, generator=generator) * 3.0).clamp(-14.0, 7.0))
+    return (torch.randn(size, generator=generator) * spread).to(dtype)
+
+
+def test_popc_compiles_the_codelets(codelets_gp):
+    assert codelets_gp.stat().st_size > 0
+
+
+@pytest.mark.parametrize("fmt", [F143, F152], ids=str)
+@pytest.mark.parametrize("overflow", ["saturate", "nan"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+def test_custom_op_matches_the_reference(custom_op_library, fmt, overflow, dtype):
+    x = wide_range_input(1472 * 6 + 5, dtype)
+    codes, scale, non_finite = run_on_ipu_model(AmaxCast(fmt, overflow), x)
+    expected = cast_to_fp8_reference(x, fmt, overflow=overflow)
+    assert int(non_finite) == 0
+    assert int(scale) == expected.log2_scale
+    assert torch.equal(codes.to(torch.uint8), expected.codes)
+
+
+def test_custom_op_with_a_given_scale_overflows_by_policy(custom_op_library):
+    x = torch.tensor([1.0, 300.0, -1000.0, 2.0**-12] * 8)
+    for overflow in ("saturate", "nan"):
+        codes, scale, _ = run_on_ipu_model(AmaxCast(F143, overflow, log2_scale=2), x)
+        expected = cast_to_fp8_reference(x, F143, log2_scale=2, overflow=overflow)
+        assert int(scale) == 2
+        assert torch.equal(codes.to(torch.uint8), expected.codes)
+
+
+def test_custom_op_flags_a_non_finite_amax(custom_op_library):
+    x = torch.randn(5000)
+    x[17] = float("inf")
+    _, scale, non_finite = run_on_ipu_model(AmaxCast(F152), x)
+    assert int(non_finite) == 1 and int(scale) == 0

@@ -1,0 +1,168 @@
+"""The codelet emulator: vertices run tile by tile must reproduce the torch reference exactly."""
+from __future__ import annotations
+
+import shutil
+from typing import Dict, Tuple
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from ipu_unit_scaling import _host, emulator
+from ipu_unit_scaling.fp8 import (
+    F143,
+    F152,
+    NonFiniteAmaxError,
+    cast_from_fp8,
+    cast_to_fp8_reference,
+)
+
+FORMATS = [F143, F152]
+POLICIES = ["saturate", "nan"]
+SIZES = [1, 7, 1471, 1472 * 6 + 5, 1 << 20]
+TILES = [1, 4, 1472]
+ML_DTYPES = {"F143": ml_dtypes.float8_e4m3fnuz, "F152": ml_dtypes.float8_e5m2fnuz}
+
+
+@pytest.fixture(autouse=True)
+def _host_library() -> None:
+    if _host.fused_cast_available():
+        return
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip(f"no C++ compiler, host library not built: {_host.fast_path_status()}")
+    pytest.fail(f"host library missing although a compiler exists: {_host.fast_path_status()}")
+
+
+def wide_range_input(size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Normal samples spread over many binades, so casts hit FP8 subnormals and zero too."""
+    generator = torch.Generator().manual_seed(size)
+    spread = torch.exp((torch.randn(size, generator=generator) * 3.0).clamp(-14.0, 7.0))
+    return (torch.randn(size, generator=generator) * spread).to(dtype)
+
+
+_references: Dict[Tuple[int, torch.dtype, str, str], Tuple[torch.Tensor, int]] = {}
+
+
+def reference(size: int, dtype: torch.dtype, fmt, overflow: str) -> Tuple[torch.Tensor, int]:
+    key = (size, dtype, fmt.name, overflow)
+    if key not in _references:
+        result = cast_to_fp8_reference(wide_range_input(size, dtype), fmt, overflow=overflow)
+        _references[key] = (result.codes, result.log2_scale)
+    return _references[key]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("tiles", TILES)
+@pytest.mark.parametrize("size", SIZES)
+def test_emulator_matches_torch_reference(size, tiles, dtype):
+    x = wide_range_input(size, dtype)
+    for fmt in FORMATS:
+        for overflow in POLICIES:
+            workers = 6 if overflow == "saturate" else (5 if tiles < 1472 else 1)
+            result = emulator.cast_to_fp8(x, fmt, overflow=overflow, tiles=tiles, workers=workers)
+            codes, scale = reference(size, dtype, fmt, overflow)
+            assert result.log2_scale == scale
+            assert torch.equal(result.codes, codes), (fmt.name, overflow, workers)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("tiles,workers", [(1, 1), (4, 6), (1472, 6), (1472, 4)])
+def test_partial_amaxes_reduce_to_the_exact_amax(dtype, tiles, workers):
+    x = wide_range_input(100_003, dtype)
+    partials = emulator.partial_amaxes(x, tiles, workers)
+    assert partials.shape == (tiles, workers)
+    assert partials.max().item() == x.abs().max().float().item()
+    bounds = emulator.partition(x.numel(), tiles, workers).reshape(-1, 2).tolist()
+    for (begin, end), partial in zip(bounds, partials.reshape(-1).tolist()):
+        expected = x[begin:end].abs().max().float().item() if end > begin else 0.0
+        assert partial == expected
+
+
+def test_nan_wins_in_the_partial_amax():
+    x = torch.randn(10_000)
+    x[1234] = float("nan")
+    x[5000] = float("inf")
+    partials = emulator.partial_amaxes(x, 4, 6)
+    assert partials.isnan().sum() == 1 and partials.isinf().sum() == 1
+    with pytest.raises(NonFiniteAmaxError):
+        emulator.cast_to_fp8(x, F143, tiles=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("overflow", POLICIES)
+def test_special_values(dtype, fmt, overflow):
+    finfo = torch.finfo(dtype)
+    values = [0.0, -0.0, fmt.max, -fmt.max, fmt.max * 1.04, -fmt.max * 1.1, fmt.max * 4,
+              fmt.min_subnormal, -fmt.min_subnormal, fmt.min_subnormal / 2,
+              fmt.min_subnormal * 0.75, fmt.min_normal * 0.6, finfo.tiny / 8, finfo.max,
+              float("inf"), float("-inf"), float("nan")]
+    x = torch.tensor(values * 3, dtype=torch.float32).to(dtype)
+    for scale in (0, 2, -2):
+        result = emulator.cast_to_fp8(x, fmt, log2_scale=scale, overflow=overflow, tiles=4)
+        expected = cast_to_fp8_reference(x, fmt, log2_scale=scale, overflow=overflow)
+        assert result.partials is None and result.log2_scale == scale
+        assert torch.equal(result.codes, expected.codes), scale
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_zeros_and_extremes_with_amax_scaling(fmt):
+    zeros = torch.zeros(1000)
+    result = emulator.cast_to_fp8(zeros, fmt, tiles=8)
+    assert result.log2_scale == 0 and int(result.codes.sum()) == 0
+    extremes = torch.tensor([fmt.max, -fmt.max, 1.0, -(2.0**-20)] * 50)
+    result = emulator.cast_to_fp8(extremes, fmt, margin=1, tiles=8)
+    expected = cast_to_fp8_reference(extremes, fmt, margin=1)
+    assert result.log2_scale == expected.log2_scale == -1
+    assert torch.equal(result.codes, expected.codes)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+def test_cast_from_fp8_decodes_every_code(fmt, dtype):
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(5)
+    for scale in (0, 3, -4):
+        decoded = emulator.cast_from_fp8(codes, fmt, scale, dtype=dtype, tiles=3)
+        oracle = codes.numpy().view(ML_DTYPES[fmt.name]).astype(np.float32) * 2.0**-scale
+        expected = torch.from_numpy(oracle.astype(np.float32)).to(dtype)
+        assert torch.equal(decoded.isnan(), expected.isnan())
+        finite = ~expected.isnan()
+        assert torch.equal(decoded[finite], expected[finite])
+        from ipu_unit_scaling.fp8 import Fp8Tensor
+
+        via_torch = cast_from_fp8(Fp8Tensor(codes, scale, fmt), dtype)
+        assert torch.equal(decoded[finite], via_torch[finite])
+
+
+@pytest.mark.parametrize("numel", [0, 1, 7, 8, 9, 100, 1471, 1472 * 8, 1472 * 6 + 5, 123_457])
+@pytest.mark.parametrize("tiles,workers", [(1, 1), (1, 6), (4, 6), (7, 3), (1472, 6)])
+def test_cpp_partition_is_the_python_one(numel, tiles, workers):
+    assert torch.equal(emulator.partition(numel, tiles, workers),
+                       emulator.python_partition(numel, tiles, workers, _host.partition_grain()))
+
+
+@pytest.mark.parametrize("numel", [1, 9, 1472 * 6 + 5, 123_457, 1 << 20])
+@pytest.mark.parametrize("tiles,workers", [(4, 6), (1472, 6), (5, 4)])
+def test_partition_covers_everything_once_in_aligned_balanced_slices(numel, tiles, workers):
+    grain = _host.partition_grain()
+    bounds = emulator.partition(numel, tiles, workers)
+    flat = bounds.reshape(-1, 2)
+    assert flat[0, 0] == 0 and flat[-1, 1] == numel
+    assert torch.equal(flat[1:, 0], flat[:-1, 1])  # contiguous, in order, no overlap
+    non_empty = flat[:, 1] > flat[:, 0]
+    assert bool((flat[non_empty, 0] % grain == 0).all())
+    tile_sizes = bounds[:, -1, 1] - bounds[:, 0, 0]
+    tile_grains = -(-tile_sizes // grain)  # whole grains differ by at most one between tiles
+    assert int(tile_grains.max() - tile_grains.min()) <= 1
+    worker_grains = -(-(bounds[..., 1] - bounds[..., 0]) // grain)
+    assert int((worker_grains.max(dim=1).values - worker_grains.min(dim=1).values).max()) <= 1
+    grains = -(-numel // grain)
+    assert int((tile_sizes == 0).sum()) == max(0, tiles - grains)  # empty tiles past the data
+
+
+def test_uneven_slices_and_empty_tiles_appear_on_a_full_ipu():
+    bounds = emulator.partition(1472 * 6 + 5, emulator.IPU_TILES, emulator.IPU_WORKERS)
+    tile_sizes = (bounds[:, -1, 1] - bounds[:, 0, 0]).tolist()
+    assert set(tile_sizes) == {0, 5, 8}
+    assert tile_sizes.count(0) == 1472 - 1105
