@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Sequence
 
 import torch
 from torch.utils.benchmark import Timer
@@ -38,7 +38,7 @@ class Timings:
 
 
 def time_interleaved(
-    steps: Dict[str, Callable[[], object]],
+    steps: Mapping[str, Callable[[], object]],
     rounds: int,
     min_run_time: float,
     warmup: int = 2,
@@ -82,9 +82,6 @@ def peak_step_bytes(step: Callable[[], object], warmup: int = 1) -> int:
 
 def _memory_events(prof: torch.profiler.profile) -> Sequence[tuple]:
     """(time in ns, signed bytes) of every CPU allocation (+) and free (-) in the profile."""
-    results = prof.profiler.kineto_results  # type: ignore[union-attr]
-    return [
-        (event.start_ns(), event.nbytes())
-        for event in results.events()
-        if event.name() == "[memory]"
-    ]
+    results: Any = prof.profiler.kineto_results  # type: ignore[union-attr]
+    events: List[Any] = list(results.events())
+    return [(event.start_ns(), event.nbytes()) for event in events if event.name() == "[memory]"]

@@ -15,22 +15,26 @@ from .variants import published_version
 # Why a missed target is missed, keyed by row; shown in the table's notes when it is.
 OBSTACLES: Dict[str, str] = {
     "step_eager_ours": (
-        "each unit-scaled op adds a scalar multiply or a custom autograd node; at small shapes "
-        "their fixed per-call Python and dispatch cost is a visible share of the step"
+        "unit scaling adds memory-bound elementwise passes that plain torch does not have (the "
+        "residual branch and skip multiplies, the attention row scale, the gradient-only scales "
+        "in the backward pass) and about ten custom autograd nodes per layer; at this small "
+        "shape they are a visible share of a step, and they grow with machine load"
     ),
     "step_eager_ours_vs_published": (
-        "measurement noise on a shared machine; both libraries do a similar amount of work"
+        "both libraries add similar elementwise passes; within the noise of a shared machine"
     ),
     "step_compiled_ours": (
-        "the custom autograd nodes for separate forward and backward scales and the extra "
-        "multiplies are compiled as separate kernels where Inductor cannot fuse them into a matmul"
+        "the scale multiplies that Inductor cannot fuse into a neighbouring kernel (those next "
+        "to a matmul or attention) remain separate passes over activations"
     ),
     "step_compiled_ours_vs_published": (
-        "measurement noise on a shared machine; both compile to similar graphs"
+        "both compile to similar graphs; within the noise of a shared machine"
     ),
     "fp8_static_ours": (
-        "FP8 is simulated in FP32: each cast is several elementwise passes (scale, clamp, round "
-        "to the format's grid) over every matmul operand, with no FP8 hardware to pay them back"
+        "FP8 is simulated on a CPU without FP8 matmuls: every FP8 linear encodes its input, "
+        "weight and output gradient to FP8 codes and decodes them back to FP32 (a uint8-to-float "
+        "copy and a rescale per operand, twice for the backward matmuls) around an FP32 matmul, "
+        "so the step does more work than the FP32 one, with no FP8 hardware to pay it back"
     ),
 }
 
