@@ -39,6 +39,27 @@ OBSTACLES: Dict[str, str] = {
 }
 
 
+COMPARISON_NOTES = [
+    "One `TransformerDecoder` class (pre-norm, causal, bias-free, GELU MLP) built from three "
+    "`Ops` tables: `TORCH_OPS`, `UNIT_OPS`, and one from `unit_scaling` (`benchmarks/"
+    "variants.py`). `unit_scaling.LayerNorm` is asked for its affine parameters so that all "
+    "three have the same parameters; everything else uses each library's defaults.",
+    "A training step is forward with loss, backward, `torch.optim.AdamW` step and "
+    "`zero_grad`, the same optimizer for every build. Compiled rows wrap the model in "
+    "`torch.compile` (default Inductor backend); the optimizer stays eager.",
+    "FP8 rows: ours is `simulate_fp8(model, FP8Config(scaling=...))` on the unit-scaled "
+    "build (F143 forward, F152 gradients, round to nearest), against the same build in FP32. "
+    "`unit_scaling.transforms.simulate_fp8` has one mode, without per-tensor scaling (E4M3 "
+    "forward, E5M2 backward, stochastic rounding, through a TorchDynamo graph rewrite), so it "
+    "is the counterpart of the static row only, against its own FP32 build.",
+    "Peak memory is counted by the profiler, not the process RSS: the running sum of the "
+    "allocator's allocation and free events during one step, after a warm-up step. Ours holds "
+    "a copy of each weight multiplied by its output scale for the step (folding the scale into "
+    "the weight saves a multiply over the activations), which at small widths is a visible "
+    "share of the total.",
+]
+
+
 def machine_info(settings: Settings) -> List[str]:
     return [
         f"CPU: {_cpu_model()} ({os.cpu_count()} logical cores), "
@@ -154,8 +175,10 @@ def markdown(results: Results, settings: Settings, command: str) -> str:
         lines += _markdown_table(
             header, [[_cell(row.get(key)) for key in header] for row in results.cast_rows]
         )
+    lines += ["", "## What is compared", ""]
+    lines += [f"- {line}" for line in COMPARISON_NOTES]
     if results.notes:
-        lines += ["", "## Notes", ""]
+        lines += ["", "## Notes from this run", ""]
         lines += [f"- {note}" for note in results.notes]
     return "\n".join(lines) + "\n"
 
