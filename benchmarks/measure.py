@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
 import torch
 from torch.utils.benchmark import Timer
@@ -31,10 +31,21 @@ class Timings:
     def median_ms(self, name: str) -> float:
         return 1e3 * statistics.median(self.seconds[name])
 
+    def ratios(self, numerator: str, denominator: str) -> List[float]:
+        """Per-round ratios numerator / denominator."""
+        return [a / b for a, b in zip(self.seconds[numerator], self.seconds[denominator])]
+
     def ratio(self, numerator: str, denominator: str) -> float:
         """Median over rounds of the per-round ratio numerator / denominator."""
-        pairs = zip(self.seconds[numerator], self.seconds[denominator])
-        return statistics.median(a / b for a, b in pairs)
+        return statistics.median(self.ratios(numerator, denominator))
+
+    def spread(self, numerator: str, denominator: str) -> Tuple[float, float]:
+        """Lower and upper quartile of the per-round ratios."""
+        ratios = sorted(self.ratios(numerator, denominator))
+        if len(ratios) < 2:
+            return ratios[0], ratios[0]
+        quartiles = statistics.quantiles(ratios, n=4, method="inclusive")
+        return quartiles[0], quartiles[2]
 
 
 def time_interleaved(
@@ -55,9 +66,13 @@ def time_interleaved(
         for name, step in steps.items()
     }
     timings = Timings({name: [] for name in steps})
-    for _ in range(rounds):
-        for name, timer in timers.items():
-            timings.seconds[name].append(timer.blocked_autorange(min_run_time=min_run_time).median)
+    names = list(timers)
+    for round_index in range(rounds):
+        # Rotate who goes first, so no variant always runs right after the same neighbour.
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            measurement = timers[name].blocked_autorange(min_run_time=min_run_time)
+            timings.seconds[name].append(measurement.median)
     return timings
 
 

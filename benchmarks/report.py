@@ -85,6 +85,10 @@ def _format_value(row: Row) -> str:
     return "-" if row.value is None else f"{row.value:.2f}x"
 
 
+def _format_spread(row: Row) -> str:
+    return "" if row.spread is None else f"{row.spread[0]:.2f}-{row.spread[1]:.2f}"
+
+
 def _format_target(row: Row) -> str:
     return "" if row.target is None else f"<= {row.target:.2f}x"
 
@@ -96,9 +100,9 @@ def _row_note(row: Row) -> str:
 
 
 def text_table(results: Results) -> str:
-    header = ("measurement", "ratio", "target", "status")
+    header = ("measurement", "ratio", "quartiles", "target", "status")
     lines = [
-        (row.label, _format_value(row), _format_target(row), row.status)
+        (row.label, _format_value(row), _format_spread(row), _format_target(row), row.status)
         for row in results.rows
     ]
     widths = [max(len(str(cell)) for cell in column) for column in zip(header, *lines)]
@@ -149,9 +153,12 @@ def markdown(results: Results, settings: Settings, command: str) -> str:
         "",
     ]
     lines += _markdown_table(
-        ("measurement", "ratio", "target", "status", "note"),
+        ("measurement", "ratio", "per-round quartiles", "target", "status", "note"),
         [
-            (row.label, _format_value(row), _format_target(row), row.status, _row_note(row))
+            (
+                row.label, _format_value(row), _format_spread(row), _format_target(row),
+                row.status, _row_note(row),
+            )
             for row in results.rows
         ],
     )

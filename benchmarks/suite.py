@@ -4,11 +4,11 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .measure import peak_step_bytes, time_interleaved
+from .measure import Timings, peak_step_bytes, time_interleaved
 from .variants import (
     OURS,
     PUBLISHED,
@@ -36,6 +36,7 @@ class Row:
     value: Optional[float]
     target: Optional[float] = None
     note: str = ""
+    spread: Optional[Tuple[float, float]] = None  # quartiles of the per-round ratios
 
     @property
     def status(self) -> str:
@@ -83,6 +84,16 @@ def _variants(results: Results) -> List[str]:
     return names
 
 
+def _timed(
+    key: str, label: str, timings: Timings, numerator: str, denominator: str,
+    target: Optional[float] = None, note: str = "",
+) -> Row:
+    return Row(
+        key, label, timings.ratio(numerator, denominator), target, note,
+        timings.spread(numerator, denominator),
+    )
+
+
 def _skip(results: Results, key: str, label: str, target: Optional[float], why: str) -> None:
     results.rows.append(Row(key, label, None, target, why))
 
@@ -98,19 +109,18 @@ def _step_rows(
     timings = time_interleaved(steps, settings.rounds, settings.min_run_time)
     for name in names:
         results.step_ms[f"{mode} {name}"] = timings.median_ms(name)
-    results.rows.append(Row(
-        f"step_{mode}_ours", f"Training step, {mode}: ours / torch",
-        timings.ratio(OURS, TORCH), target,
+    results.rows.append(_timed(
+        f"step_{mode}_ours", f"Training step, {mode}: ours / torch", timings, OURS, TORCH, target
     ))
     published_label = f"Training step, {mode}: unit_scaling / torch"
     versus_label = f"Training step, {mode}: ours / unit_scaling"
     if PUBLISHED in names:
-        results.rows.append(Row(
-            f"step_{mode}_published", published_label, timings.ratio(PUBLISHED, TORCH)
+        results.rows.append(_timed(
+            f"step_{mode}_published", published_label, timings, PUBLISHED, TORCH
         ))
-        results.rows.append(Row(
-            f"step_{mode}_ours_vs_published", versus_label,
-            timings.ratio(OURS, PUBLISHED), VERSUS_PUBLISHED_TARGET,
+        results.rows.append(_timed(
+            f"step_{mode}_ours_vs_published", versus_label, timings, OURS, PUBLISHED,
+            VERSUS_PUBLISHED_TARGET,
         ))
     else:
         why = "unit-scaling not installed"
@@ -143,18 +153,17 @@ def _fp8_rows(results: Results, settings: Settings, names: List[str]) -> None:
     timings = time_interleaved(steps, settings.rounds, settings.min_run_time)
     for name in steps:
         results.step_ms[f"fp8 {name}"] = timings.median_ms(name)
-    results.rows.append(Row(
-        "fp8_static_ours", "FP8 step, static scaling / FP32 step: ours",
-        timings.ratio("static", "fp32"), FP8_STATIC_TARGET,
+    results.rows.append(_timed(
+        "fp8_static_ours", "FP8 step, static scaling / FP32 step: ours", timings,
+        "static", "fp32", FP8_STATIC_TARGET,
     ))
-    results.rows.append(Row(
-        "fp8_amax_ours", "FP8 step, AMAX scaling / FP32 step: ours",
-        timings.ratio("amax", "fp32"),
+    results.rows.append(_timed(
+        "fp8_amax_ours", "FP8 step, AMAX scaling / FP32 step: ours", timings, "amax", "fp32"
     ))
     label = "FP8 step, static (simulate_fp8) / FP32 step: unit_scaling"
     if PUBLISHED in names:
-        results.rows.append(Row(
-            "fp8_static_published", label, timings.ratio("published fp8", "published fp32"),
+        results.rows.append(_timed(
+            "fp8_static_published", label, timings, "published fp8", "published fp32",
             note="no AMAX mode in unit_scaling",
         ))
     else:

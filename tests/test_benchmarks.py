@@ -55,6 +55,9 @@ def test_measured_ratios_are_positive_and_finite(tiny_run):
     for row in results.rows:
         if row.value is not None:
             assert math.isfinite(row.value) and row.value > 0, row
+        if row.value is not None and row.key.startswith(("step_", "fp8_")):
+            low, high = row.spread
+            assert low <= row.value <= high, row  # the median lies between the quartiles
 
 
 def test_rows_are_skipped_only_for_a_stated_reason(tiny_run):
@@ -127,4 +130,5 @@ def test_interleaved_ratio_is_per_round_median():
     assert calls["a"] > 0 and calls["b"] > 0
     timings.seconds = {"a": [1.0, 2.0, 9.0], "b": [2.0, 1.0, 3.0]}
     assert timings.ratio("a", "b") == 2.0  # per-round ratios 0.5, 2, 3
+    assert timings.spread("a", "b") == (1.25, 2.5)  # inclusive quartiles of 0.5, 2, 3
     assert timings.median_ms("a") == 2000.0
