@@ -23,6 +23,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="interleaved timing rounds per comparison (default 15, quick 2)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: stable ratios on a shared machine)")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default=None,
+                        help="time steps by the process's CPU time (default with one thread: "
+                             "other programs on the machine do not count) or by wall time "
+                             "(default with more threads)")
     parser.add_argument("--output", type=Path, default=None,
                         help=f"markdown report path (default {DEFAULT_OUTPUT}; quick: none)")
     return parser.parse_args(argv)
@@ -37,6 +41,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         min_run_time=0.05 if quick else 0.25,
         threads=args.threads,
         compile=not args.no_compile,
+        clock=args.clock or ("cpu" if args.threads == 1 else "wall"),
         cast_elements=1 << 12 if quick else 1 << 20,
     )
     results = run_suite(settings, log=lambda line: print(line, file=sys.stderr, flush=True))

@@ -1,10 +1,11 @@
 """How the benchmarks measure: interleaved paired timings and profiler-counted peak memory.
 
 Timing. Every variant of one comparison is built and warmed up first; then, round after round,
-each variant is timed once with `torch.utils.benchmark.Timer.blocked_autorange`, in turn. A
-ratio is taken within each round (both sides measured seconds apart, under the same machine
-load) and the reported ratio is the median over rounds. On a shared machine this cancels most
-of the drift that separate runs would put into a ratio.
+each variant is timed once with `torch.utils.benchmark.Timer.blocked_autorange`, in turn, by
+wall time or by the process's CPU time (see `CLOCKS`). A ratio is taken within each round
+(both sides measured seconds apart, under the same machine load) and the reported ratio is
+the median over rounds. On a shared machine this cancels most of the drift that separate
+runs would put into a ratio.
 
 Memory. `torch.profiler` with `profile_memory=True` records every allocation and free of the
 CPU allocator as a signed byte count. Summing them in time order gives the bytes held by
@@ -15,6 +16,7 @@ is not counted, so the figure is the same on any machine and independent of impo
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
 
@@ -48,11 +50,21 @@ class Timings:
         return quartiles[0], quartiles[2]
 
 
+CLOCKS: Dict[str, Callable[[], float]] = {
+    # CPU time of this process (user + system, all threads): time the process was switched out
+    # for other programs does not count. It equals wall time on an idle machine for a
+    # single-threaded step, so it is the default with one torch thread.
+    "cpu": time.process_time,
+    "wall": time.perf_counter,
+}
+
+
 def time_interleaved(
     steps: Mapping[str, Callable[[], object]],
     rounds: int,
     min_run_time: float,
     warmup: int = 2,
+    clock: str = "wall",
 ) -> Timings:
     """Time each step function, interleaving the variants round by round."""
     for step in steps.values():
@@ -60,8 +72,8 @@ def time_interleaved(
             step()
     timers = {
         name: Timer(
-            stmt="step()", globals={"step": step}, num_threads=torch.get_num_threads(),
-            label=name,
+            stmt="step()", globals={"step": step}, timer=CLOCKS[clock],
+            num_threads=torch.get_num_threads(), label=name,
         )
         for name, step in steps.items()
     }

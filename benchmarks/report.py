@@ -39,6 +39,11 @@ OBSTACLES: Dict[str, str] = {
 }
 
 
+CLOCK_WORDS = {
+    "cpu": "the process's CPU time (time spent switched out for other programs not counted)",
+    "wall": "wall-clock time",
+}
+
 COMPARISON_NOTES = [
     "One `TransformerDecoder` class (pre-norm, causal, bias-free, GELU MLP) built from three "
     "`Ops` tables: `TORCH_OPS`, `UNIT_OPS`, and one from `unit_scaling` (`benchmarks/"
@@ -146,7 +151,8 @@ def markdown(results: Results, settings: Settings, command: str) -> str:
     lines += [f"- {line}" for line in machine_info(settings)]
     lines += [
         f"- Model: {settings.shape.describe()}; AdamW; {settings.rounds} interleaved rounds of "
-        f"`blocked_autorange(min_run_time={settings.min_run_time})` per variant",
+        f"`blocked_autorange(min_run_time={settings.min_run_time})` per variant, "
+        f"timed by {CLOCK_WORDS[settings.clock]}",
         f"- Whole run: {results.seconds:.0f} s",
         "",
         "## Ratios",

@@ -54,6 +54,7 @@ class Settings:
     min_run_time: float
     threads: int
     compile: bool = True
+    clock: str = "cpu"
     cast_elements: int = 1 << 20
 
 
@@ -106,7 +107,9 @@ def _step_rows(
     steps = {
         name: make_train_step(wrap(build_model(name, settings.shape)), batch) for name in names
     }
-    timings = time_interleaved(steps, settings.rounds, settings.min_run_time)
+    timings = time_interleaved(
+        steps, settings.rounds, settings.min_run_time, clock=settings.clock
+    )
     for name in names:
         results.step_ms[f"{mode} {name}"] = timings.median_ms(name)
     results.rows.append(_timed(
@@ -150,7 +153,9 @@ def _fp8_rows(results: Results, settings: Settings, names: List[str]) -> None:
         steps["published fp8"] = make_train_step(
             published_simulate_fp8(build_model(PUBLISHED, settings.shape)), batch
         )
-    timings = time_interleaved(steps, settings.rounds, settings.min_run_time)
+    timings = time_interleaved(
+        steps, settings.rounds, settings.min_run_time, clock=settings.clock
+    )
     for name in steps:
         results.step_ms[f"fp8 {name}"] = timings.median_ms(name)
     results.rows.append(_timed(
