@@ -1,0 +1,238 @@
+"""FP8 linear layers: casts around a matmul, in the forward and in the backward pass.
+
+Forward: the input and the weight are cast to the activation and weight formats (F143 by
+default), each with its own per-tensor scale, and multiplied. Backward: the output gradient is
+cast to the gradient format (F152 by default, margin 3 under AMAX) and the input and weight
+gradients are computed from the FP8 values. The bias is added, and its gradient summed, in
+the input's precision. Only FP8 codes are saved for the backward pass.
+
+The product of two FP8 tensors is computed either by dequantising to float32 (or float64 for
+float64 inputs) and multiplying, which runs anywhere, or by ``torch._scaled_mm`` fed with the
+codes and the two power-of-two scales. Both give the exact products of the FP8 values and
+differ only in float32 accumulation order.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Type, TypeVar
+
+import torch
+from torch import nn
+
+from .config import FP8Config
+from .formats import FP8Format
+from .scaling import Fp8Tensor, cast_from_fp8, cast_to_fp8
+
+__all__ = ["fp8_linear", "fp8_matmul", "FP8Linear", "scaled_mm_supported"]
+
+_DEFAULT_CONFIG = FP8Config()
+_LinearT = TypeVar("_LinearT", bound="FP8Linear")
+
+
+def cast_for_role(x: torch.Tensor, fmt: FP8Format, margin: int, config: FP8Config,
+                  site: str) -> Fp8Tensor:
+    """Cast with the config's scaling mode: AMAX with ``margin``, or static scale 0."""
+    scale = None if config.scaling == "amax" else 0
+    return cast_to_fp8(x, fmt, log2_scale=scale, margin=margin, overflow=config.overflow,
+                       rounding=config.rounding, site=site)
+
+
+def scaled_mm_supported(a: Fp8Tensor, b: Fp8Tensor) -> bool:
+    """Whether ``torch._scaled_mm`` is used by default for this product.
+
+    On CUDA only (on CPU the dequantised product is the reference), with OCP formats (the
+    ones NVIDIA hardware has), not both E5M2, and inner/outer sizes that are multiples of 16.
+    """
+    if not hasattr(torch, "_scaled_mm") or a.codes.device.type != "cuda":
+        return False
+    if a.fmt.torch_dtype is None or b.fmt.torch_dtype is None:
+        return False
+    if {a.fmt.name, b.fmt.name} - {"E4M3FN", "E5M2"} or a.fmt.name == b.fmt.name == "E5M2":
+        return False
+    k, n = b.codes.shape
+    return k % 16 == 0 and n % 16 == 0
+
+
+def _power_of_two(log2_scale: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor(math.ldexp(1.0, -log2_scale), dtype=torch.float32, device=device)
+
+
+def _matmul_2d(a: Fp8Tensor, b: Fp8Tensor, dtype: torch.dtype,
+               use_scaled_mm: Optional[bool]) -> torch.Tensor:
+    """The product of the values of two 2-D FP8 tensors, in ``dtype``."""
+    if use_scaled_mm is None:
+        use_scaled_mm = scaled_mm_supported(a, b)
+    if use_scaled_mm:
+        a_dtype, b_dtype = a.fmt.torch_dtype, b.fmt.torch_dtype
+        if a_dtype is None or b_dtype is None or not hasattr(torch, "_scaled_mm"):
+            raise RuntimeError("torch._scaled_mm or a float8 dtype is missing in this torch")
+        left = a.codes.contiguous().view(a_dtype)
+        right = b.codes.t().contiguous().view(b_dtype).t()  # column-major, as required
+        out = torch._scaled_mm(
+            left, right, scale_a=_power_of_two(a.log2_scale, left.device),
+            scale_b=_power_of_two(b.log2_scale, left.device), out_dtype=torch.float32,
+        )
+        if isinstance(out, tuple):  # torch 2.1-2.3 also returned the output's amax
+            out = out[0]
+        return out.to(dtype)
+    return cast_from_fp8(a, dtype) @ cast_from_fp8(b, dtype)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _transpose(t: Fp8Tensor) -> Fp8Tensor:
+    return Fp8Tensor(t.codes.t(), t.log2_scale, t.fmt)
+
+
+def _flatten(t: Fp8Tensor) -> Fp8Tensor:
+    return Fp8Tensor(t.codes.reshape(-1, t.codes.shape[-1]), t.log2_scale, t.fmt)
+
+
+class _FP8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, config, site, use_scaled_mm):  # type: ignore[override]
+        compute = _compute_dtype(x)
+        x8 = _flatten(cast_for_role(x, config.activation, config.activation_margin, config,
+                                    f"{site}.input"))
+        w8 = cast_for_role(weight, config.weight, config.weight_margin, config,
+                           f"{site}.weight")
+        y = _matmul_2d(x8, _transpose(w8), compute, use_scaled_mm)
+        if bias is not None:
+            y = y + bias.to(compute)
+        ctx.save_for_backward(x8.codes, w8.codes)
+        ctx.meta = (x8.log2_scale, x8.fmt, w8.log2_scale, w8.fmt, x.shape, x.dtype,
+                    weight.dtype, None if bias is None else bias.dtype)
+        ctx.config, ctx.site, ctx.use_scaled_mm = config, site, use_scaled_mm
+        return y.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        x_codes, w_codes = ctx.saved_tensors
+        x_scale, x_fmt, w_scale, w_fmt, x_shape, x_dtype, w_dtype, b_dtype = ctx.meta
+        config: FP8Config = ctx.config
+        x8 = Fp8Tensor(x_codes, x_scale, x_fmt)
+        w8 = Fp8Tensor(w_codes, w_scale, w_fmt)
+        compute = torch.float64 if x_dtype == torch.float64 else torch.float32
+        g8 = _flatten(cast_for_role(grad_output, config.gradient, config.gradient_margin,
+                                    config, f"{ctx.site}.grad_output"))
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _matmul_2d(g8, w8, compute, ctx.use_scaled_mm)
+            grad_x = grad_x.reshape(x_shape).to(x_dtype)
+        if ctx.needs_input_grad[1]:
+            grad_w = _matmul_2d(_transpose(g8), x8, compute, ctx.use_scaled_mm).to(w_dtype)
+        if b_dtype is not None and ctx.needs_input_grad[2]:
+            flat = grad_output.reshape(-1, grad_output.shape[-1])
+            grad_b = flat.to(compute).sum(0).to(b_dtype)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    config: Optional[FP8Config] = None,
+    site: str = "linear",
+    use_scaled_mm: Optional[bool] = None,
+) -> torch.Tensor:
+    """``x @ weight.T + bias`` with FP8 casts of ``x``, ``weight`` and the output gradient.
+
+    ``config`` defaults to ``FP8Config()`` (F143 forward, F152 gradients, AMAX scaling).
+    ``site`` prefixes the names under which casts are recorded by :func:`fp8_stats`.
+    ``use_scaled_mm``: None picks ``torch._scaled_mm`` where :func:`scaled_mm_supported`
+    says so, True forces it (e.g. on CPU to compare), False always dequantises.
+    """
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"x has {x.shape[-1]} features but weight expects {weight.shape[-1]}")
+    return _FP8LinearFunction.apply(x, weight, bias, config or _DEFAULT_CONFIG, site,
+                                    use_scaled_mm)
+
+
+class _FP8MatmulFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, config, site):  # type: ignore[override]
+        compute = _compute_dtype(a)
+        fmt = config.activation
+        a8 = cast_for_role(a, fmt, config.activation_margin, config, f"{site}.left")
+        b8 = cast_for_role(b, fmt, config.activation_margin, config, f"{site}.right")
+        ctx.save_for_backward(a8.codes, b8.codes)
+        ctx.meta = (a8.log2_scale, b8.log2_scale, fmt, a.dtype, b.dtype)
+        ctx.config, ctx.site = config, site
+        return (cast_from_fp8(a8, compute) @ cast_from_fp8(b8, compute)).to(a.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        a_codes, b_codes = ctx.saved_tensors
+        a_scale, b_scale, fmt, a_dtype, b_dtype = ctx.meta
+        config: FP8Config = ctx.config
+        compute = torch.float64 if a_dtype == torch.float64 else torch.float32
+        g = cast_from_fp8(cast_for_role(grad_output, config.gradient, config.gradient_margin,
+                                        config, f"{ctx.site}.grad_output"), compute)
+        a = cast_from_fp8(Fp8Tensor(a_codes, a_scale, fmt), compute)
+        b = cast_from_fp8(Fp8Tensor(b_codes, b_scale, fmt), compute)
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_a = _sum_to_shape(g @ b.transpose(-1, -2), a.shape).to(a_dtype)
+        if ctx.needs_input_grad[1]:
+            grad_b = _sum_to_shape(a.transpose(-1, -2) @ g, b.shape).to(b_dtype)
+        return grad_a, grad_b, None, None
+
+
+def _sum_to_shape(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Undo matmul broadcasting of batch dimensions."""
+    while grad.dim() > len(shape):
+        grad = grad.sum(0)
+    for dim, size in enumerate(shape):
+        if size == 1 and grad.shape[dim] != 1:
+            grad = grad.sum(dim, keepdim=True)
+    return grad
+
+
+def fp8_matmul(a: torch.Tensor, b: torch.Tensor, config: Optional[FP8Config] = None,
+               site: str = "matmul") -> torch.Tensor:
+    """``a @ b`` (batched, broadcasting) with both operands cast to the activation format and
+    the output gradient to the gradient format, each with its own per-tensor scale."""
+    if a.dim() < 2 or b.dim() < 2:
+        raise ValueError("fp8_matmul needs operands with at least 2 dimensions")
+    return _FP8MatmulFunction.apply(a, b, config or _DEFAULT_CONFIG, site)
+
+
+class FP8Linear(nn.Linear):
+    """``nn.Linear`` whose matmuls run through FP8 casts (see :func:`fp8_linear`).
+
+    ``site`` names this layer's casts in :func:`fp8_stats` records.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 config: Optional[FP8Config] = None, site: str = "linear",
+                 device: Optional[torch.device] = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.config = config or _DEFAULT_CONFIG
+        self.site = site
+        self.use_scaled_mm: Optional[bool] = None
+
+    @classmethod
+    def from_linear(cls: Type[_LinearT], linear: nn.Linear, config: Optional[FP8Config] = None,
+                    site: str = "linear") -> _LinearT:
+        """An FP8Linear sharing ``linear``'s parameters (no copy)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.bias = linear.bias  # type: ignore[assignment]
+        new.config = config or _DEFAULT_CONFIG
+        new.site = site
+        new.use_scaled_mm = None
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.bias, self.config, self.site, self.use_scaled_mm)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"{super().extra_repr()}, formats=({c.activation_format}, {c.weight_format}, "
+                f"{c.gradient_format}), scaling={c.scaling}")
+

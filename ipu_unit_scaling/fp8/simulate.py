@@ -1,0 +1,89 @@
+"""simulate_fp8: swap a model's linear layers (and optionally attention) for FP8 versions."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .attention import FP8AttentionFn
+from .config import FP8Config
+from .linear import FP8Linear, fp8_linear
+
+__all__ = ["simulate_fp8", "FP8UnitScaledLinear"]
+
+
+class FP8UnitScaledLinear(FP8Linear):
+    """FP8 version of the unit-scaled ``uu.Linear``: same scales, FP8 casts in between.
+
+    The casts see the unscaled input, weight and output gradient (all near unit variance in a
+    unit-scaled model); the forward output scale is applied after the FP8 matmul and the
+    backward scales of the input and weight are applied to their gradients after it.
+    """
+
+    constraint: Optional[str]
+
+    @classmethod
+    def from_unit_scaled(cls, linear: nn.Linear, config: Optional[FP8Config] = None,
+                         site: str = "linear") -> FP8UnitScaledLinear:
+        new = cls.from_linear(linear, config, site)
+        new.constraint = linear.constraint  # type: ignore[assignment]
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Imported here: the unit-scaled core imports nothing from fp8, and fp8 stays usable alone.
+        from ipu_unit_scaling import functional as U  # type: ignore[attr-defined]
+        from ipu_unit_scaling.scale import scale_bwd, scale_fwd  # type: ignore[import-not-found]
+
+        batch_size = x.numel() // x.shape[-1]
+        output_scale, grad_input_scale, grad_weight_scale = U.linear_scales(
+            self.in_features, self.out_features, batch_size, self.constraint)
+        x = scale_bwd(x, grad_input_scale)
+        weight = scale_bwd(self.weight, grad_weight_scale)
+        y = fp8_linear(x, weight, None, self.config, self.site, self.use_scaled_mm)
+        y = scale_fwd(y, output_scale)
+        if self.bias is not None:
+            # Its gradient is a sum over the batch: unit variance after 1/sqrt(batch).
+            y = y + scale_bwd(self.bias, batch_size ** -0.5)
+        return y
+
+
+def _fp8_version(module: nn.Module, config: FP8Config, site: str) -> Optional[nn.Module]:
+    if isinstance(module, FP8Linear):
+        return None  # already converted
+    if isinstance(module, nn.Linear) and hasattr(module, "constraint"):
+        return FP8UnitScaledLinear.from_unit_scaled(module, config, site)
+    if type(module) is nn.Linear:
+        return FP8Linear.from_linear(module, config, site)
+    return None
+
+
+def simulate_fp8(model: nn.Module, config: Optional[FP8Config] = None) -> nn.Module:
+    """Make ``model``'s matmuls FP8, in place, and return it.
+
+    - Every ``torch.nn.Linear`` becomes an :class:`FP8Linear` and every unit-scaled
+      ``uu.Linear`` an :class:`FP8UnitScaledLinear`; they share the original parameters. Other
+      ``nn.Linear`` subclasses are left alone (e.g. ``nn.MultiheadAttention``'s ``out_proj``,
+      whose forward that module never calls). A bare ``nn.Linear`` passed as ``model`` cannot
+      be replaced in place: its FP8 version is returned.
+    - With ``config.attention``, every module with an ``attention_fn`` attribute (such as
+      ``uu.MHSA``) has it wrapped to run inside :func:`fp8_attention`.
+
+    Casts are recorded under each module's qualified name in :func:`fp8_stats`.
+    """
+    config = config or FP8Config()
+    root = _fp8_version(model, config, "linear")
+    if root is not None:
+        return root
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            site = f"{parent_name}.{child_name}" if parent_name else child_name
+            replacement = _fp8_version(child, config, site)
+            if replacement is not None:
+                setattr(parent, child_name, replacement)
+    if config.attention:
+        for name, module in model.named_modules():
+            fn = getattr(module, "attention_fn", None)
+            if callable(fn) and not isinstance(fn, FP8AttentionFn):
+                module.attention_fn = FP8AttentionFn(fn, config, name or "attention")
+    return model

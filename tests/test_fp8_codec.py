@@ -1,0 +1,228 @@
+"""FP8 formats and codec against independent oracles (ml_dtypes, gfloat)."""
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from ipu_unit_scaling import fp8
+from ipu_unit_scaling.fp8 import E4M3FN, E5M2, F143, F152, decode, encode, get_format, quantise
+
+ML_DTYPES = {
+    "F143": ml_dtypes.float8_e4m3fnuz,
+    "F152": ml_dtypes.float8_e5m2fnuz,
+    "E4M3FN": ml_dtypes.float8_e4m3fn,
+    "E5M2": ml_dtypes.float8_e5m2,
+}
+GFLOAT_P3109_PRECISION = {"F143": 4, "F152": 3}  # P3109 8-bit, signed, finite: the fnuz ones
+GFLOAT_OCP_NAMES = {"E4M3FN": "format_info_ocp_e4m3", "E5M2": "format_info_ocp_e5m2"}
+FORMATS = [F143, F152, E4M3FN, E5M2]
+BACKENDS = ["dtype", "bits"]
+ALL_CODES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+
+
+def ml_encode(x: np.ndarray, fmt: fp8.FP8Format) -> np.ndarray:
+    with np.errstate(invalid="ignore", over="ignore"):
+        return x.astype(np.float32).astype(ML_DTYPES[fmt.name]).view(np.uint8)
+
+
+def ml_decode_all(fmt: fp8.FP8Format) -> np.ndarray:
+    return np.arange(256, dtype=np.uint8).view(ML_DTYPES[fmt.name]).astype(np.float32)
+
+
+def assert_same_floats(actual: np.ndarray, expected: np.ndarray) -> None:
+    """Equal bit for bit, except that any NaN matches any NaN."""
+    nan = np.isnan(expected)
+    np.testing.assert_array_equal(np.isnan(actual), nan)
+    np.testing.assert_array_equal(actual[~nan].view(np.uint32), expected[~nan].view(np.uint32))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_format_facts_match_ml_dtypes(fmt):
+    info = ml_dtypes.finfo(ML_DTYPES[fmt.name])
+    values = ml_decode_all(fmt)
+    assert fmt.max == float(info.max)
+    assert fmt.min_normal == float(info.tiny)
+    assert fmt.min_subnormal == float(info.smallest_subnormal)
+    assert fmt.exponent_bits == info.nexp and fmt.mantissa_bits == info.nmant
+    assert tuple(int(c) for c in np.flatnonzero(np.isnan(values))) == fmt.nan_codes
+    assert fmt.has_inf == bool(np.isinf(values).any())
+    negative_zero = (values == 0) & np.signbit(values)
+    assert fmt.has_negative_zero == bool(negative_zero.any())
+    assert fmt.torch_dtype_name in {"float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e4m3fn",
+                                    "float8_e5m2"}
+
+
+def test_ipu_formats_are_the_fnuz_dtypes():
+    assert (F143.max, F143.bias, F143.nan_codes, F143.has_inf) == (240.0, 8, (0x80,), False)
+    assert (F152.max, F152.bias, F152.nan_codes, F152.has_inf) == (57344.0, 16, (0x80,), False)
+    assert F143.torch_dtype_name == "float8_e4m3fnuz" and F152.torch_dtype_name == "float8_e5m2fnuz"
+    assert E4M3FN.max == 448.0 and E5M2.has_inf
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_all_codes_matches_ml_dtypes(fmt, backend):
+    assert_same_floats(decode(ALL_CODES, fmt, backend=backend).numpy(), ml_decode_all(fmt))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_decode_all_codes_matches_gfloat(fmt):
+    gfloat = pytest.importorskip("gfloat")
+    from gfloat.formats import format_info_p3109
+    from gfloat.types import Domain, Signedness
+
+    if fmt.name in GFLOAT_OCP_NAMES:
+        info = getattr(pytest.importorskip("gfloat.formats"), GFLOAT_OCP_NAMES[fmt.name])
+    else:
+        info = format_info_p3109(
+            8, GFLOAT_P3109_PRECISION[fmt.name], Signedness.Signed, Domain.Finite)
+    expected = np.array([gfloat.decode_float(info, c).fval for c in range(256)], np.float64)
+    expected32 = expected.astype(np.float32)
+    assert_same_floats(decode(ALL_CODES, fmt, backend="bits").numpy(), expected32)
+
+
+def special_values(fmt: fp8.FP8Format) -> np.ndarray:
+    """Every tie between neighbours, the values just either side, boundaries and specials."""
+    values = np.array(fmt.values[:128], np.float64)
+    finite = np.sort(values[np.isfinite(values)])
+    ulp_at_max = fmt.overflow_threshold - fmt.max  # half an ulp
+    finite_ext = np.append(finite, fmt.max + 2 * ulp_at_max)  # next value of an unbounded range
+    ties = (finite_ext[:-1] + finite_ext[1:]) / 2  # exact in float32
+    ties32 = ties.astype(np.float32)
+    assert np.all(ties32.astype(np.float64) == ties)
+    around = np.concatenate([
+        ties32, np.nextafter(ties32, np.float32(np.inf)), np.nextafter(ties32, np.float32(0)),
+        finite.astype(np.float32),
+        np.array([fmt.min_subnormal / 2, fmt.min_subnormal / 4, fmt.min_normal,
+                  fmt.min_normal - fmt.min_subnormal / 2, fmt.max, fmt.max * 1.0001,
+                  fmt.max * 4, 1e30, 3.4e38, 1e-30, 1e-45], np.float32),
+    ])
+    signed = np.concatenate([around, -around])
+    specials = np.array([np.inf, -np.inf, np.nan, -np.nan, 0.0, -0.0], np.float32)
+    payload_nans = np.array([0x7F800001, 0xFF800001, 0x7FA00000, 0x7FFFFFFF],
+                            np.uint32).view(np.float32)
+    return np.concatenate([signed, specials, payload_nans])
+
+
+def random_values(n: int, seed: int) -> np.ndarray:
+    """Values spanning float32's whole range: random sign, exponent and mantissa bits."""
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, 2**32, size=n, dtype=np.uint64).astype(np.uint32)
+    wide = bits.view(np.float32)
+    # Half of them concentrated on the FP8 ranges, where the interesting rounding happens.
+    narrow = (rng.standard_normal(n) * np.exp2(rng.uniform(-22, 18, n))).astype(np.float32)
+    return np.concatenate([wide[: n // 2], narrow[: n - n // 2]])
+
+
+@pytest.fixture(scope="module")
+def encode_inputs():
+    return {fmt.name: np.concatenate([random_values(1 << 20, 7), special_values(fmt)])
+            for fmt in FORMATS}
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_encode_matches_ml_dtypes_and_backends_agree(fmt, encode_inputs):
+    x = encode_inputs[fmt.name]
+    xt = torch.from_numpy(x)
+    expected_nan_policy = ml_encode(x, fmt)
+    # Saturation oracle: clip in float64 (NaN passes through), then ml_dtypes' own cast.
+    expected_saturate = ml_encode(np.clip(x.astype(np.float64), -fmt.max, fmt.max), fmt)
+    for backend in BACKENDS:
+        got = encode(xt, fmt, overflow="nan", backend=backend).numpy()
+        bad = np.flatnonzero(got != expected_nan_policy)
+        assert bad.size == 0, (backend, x[bad[:5]], got[bad[:5]], expected_nan_policy[bad[:5]])
+        got = encode(xt, fmt, overflow="saturate", backend=backend).numpy()
+        np.testing.assert_array_equal(got, expected_saturate)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_encode_other_input_dtypes(fmt, dtype):
+    x = torch.from_numpy(random_values(4096, 3)).to(dtype)
+    widened = x.to(torch.float32).numpy()
+    for backend in BACKENDS:
+        got = encode(x, fmt, overflow="nan", backend=backend).numpy()
+        np.testing.assert_array_equal(got, ml_encode(widened, fmt))
+
+
+def test_bits_backend_needs_no_float8_dtypes(monkeypatch):
+    """What torch 2.0.1 (no float8 dtypes) sees: 'auto' falls back to bit arithmetic."""
+    x = torch.from_numpy(random_values(1 << 14, 11))
+    expected = {fmt.name: encode(x, fmt, backend="dtype") for fmt in FORMATS}
+    for fmt in FORMATS:
+        monkeypatch.delattr(torch, fmt.torch_dtype_name)
+    for fmt in FORMATS:
+        assert fmt.torch_dtype is None
+        codes = encode(x, fmt)  # auto
+        assert torch.equal(codes, expected[fmt.name])
+        assert_same_floats(decode(ALL_CODES, fmt).numpy(), ml_decode_all(fmt))
+        with pytest.raises(RuntimeError, match="backend='bits'"):
+            encode(x, fmt, backend="dtype")
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_quantise_is_decode_of_encode(fmt):
+    x = torch.randn(1000, dtype=torch.float16) * 8
+    q = quantise(x, fmt)
+    assert q.dtype == torch.float16
+    expected = ml_encode(x.float().numpy(), fmt).view(ML_DTYPES[fmt.name]).astype(np.float32)
+    np.testing.assert_array_equal(q.float().numpy(), expected)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("value", [1.3, -0.0371, 3.3e-4, 100.7, 1e-6])
+def test_stochastic_rounding_is_unbiased(fmt, value):
+    n = 20000
+    x = torch.full((n,), value, dtype=torch.float32)
+    x32 = float(np.float32(value))
+    grid = np.array(fmt.values[:128], np.float64)
+    grid = np.sort(grid[np.isfinite(grid)])
+    lo = grid[grid <= abs(x32)].max()
+    hi = grid[grid >= abs(x32)].min()
+    codes_by_backend = []
+    for backend in BACKENDS:
+        generator = torch.Generator().manual_seed(1234)
+        codes = encode(x, fmt, rounding="stochastic", generator=generator, backend=backend)
+        codes_by_backend.append(codes)
+        values = decode(codes, fmt).double().numpy()
+        assert set(np.abs(values).tolist()) <= {lo, hi}
+        if lo != hi:
+            p = (abs(x32) - lo) / (hi - lo)
+            sigma = (hi - lo) * math.sqrt(p * (1 - p) / n)
+            assert abs(values.mean() - x32) <= 3 * sigma
+            assert len(set(np.abs(values).tolist())) == 2
+    assert torch.equal(codes_by_backend[0], codes_by_backend[1])
+
+
+def test_stochastic_rounding_overflow_follows_policy():
+    x = torch.full((1000,), 239.0)  # between 224 and 240 = max: never overflows
+    assert decode(encode(x, F143, rounding="stochastic"), F143).max().item() == 240.0
+    x = torch.full((1000,), 250.0)  # between max and 256, the next step of the exponent range
+    assert torch.all(decode(encode(x, F143, rounding="stochastic"), F143) == 240.0)
+    codes = encode(x, F143, rounding="stochastic", overflow="nan")
+    assert set(codes.tolist()) == {0x7F, 0x80}  # rounded down to max, or up and overflowed
+    x = torch.full((1000,), 260.0)  # between 256 and 288: always overflows
+    assert torch.all(encode(x, F143, rounding="stochastic", overflow="nan") == 0x80)
+
+
+def test_get_format():
+    assert get_format("f143") is F143 and get_format("E5m2") is E5M2 and get_format(F152) is F152
+    with pytest.raises(ValueError, match="F143, F152, E4M3FN, E5M2"):
+        get_format("E4M3")
+
+
+def test_bad_input_errors():
+    with pytest.raises(TypeError, match="float16, bfloat16, float32 or float64"):
+        encode(torch.arange(4), F143)
+    with pytest.raises(TypeError, match="uint8"):
+        decode(torch.zeros(4, dtype=torch.int8), F143)
+    with pytest.raises(ValueError, match="rounding"):
+        encode(torch.zeros(4), F143, rounding="up")
+    with pytest.raises(ValueError, match="overflow"):
+        encode(torch.zeros(4), F143, overflow="wrap")
+    with pytest.raises(ValueError, match="unknown FP8 format"):
+        encode(torch.zeros(4), "F8")
