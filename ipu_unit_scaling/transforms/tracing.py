@@ -9,20 +9,21 @@ same way (fx adds a guard for None, bool and number arguments).
 from __future__ import annotations
 
 import inspect
-import re
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-__all__ = ["ConcreteTracer", "capture_inputs", "trace_module", "Inputs"]
+__all__ = [
+    "ConcreteTracer", "ArgumentFrame", "SpecialisedCall", "capture_inputs", "trace_module", "Inputs"
+]
 
 # (args, kwargs) of one call.
 Inputs = Tuple[Tuple[Any, ...], Dict[str, Any]]
 
 _UNKNOWN = object()
-_CONCRETE_PLACEHOLDER = re.compile(r"^(.*)_\d+$")
 
 
 class ConcreteTracer(fx.Tracer):
@@ -51,7 +52,7 @@ class ConcreteTracer(fx.Tracer):
         return self._is_leaf(m, module_qualified_name)
 
     def trace_with_inputs(
-        self, root: nn.Module, inputs: Optional[Dict[str, Any]], concrete_args: Dict[str, Any]
+        self, root: nn.Module, inputs: Optional[Dict[str, Any]], concrete_args: Any
     ) -> fx.Graph:
         self._inputs = dict(inputs or {})
         self._values = {}
@@ -59,7 +60,7 @@ class ConcreteTracer(fx.Tracer):
             graph = self.trace(root, concrete_args=concrete_args or None)
             if self._inputs:
                 self.tensor_nodes = {
-                    node.name for node, value in self._values.items() if isinstance(value, Tensor)
+                    node.name for node, value in self._values.items() if _carries_data(value)
                 }
             return graph
         finally:
@@ -76,9 +77,6 @@ class ConcreteTracer(fx.Tracer):
             name = str(node.target).lstrip("*")
             if name in self._inputs:
                 return self._inputs[name]
-            match = _CONCRETE_PLACEHOLDER.match(name)
-            if match and match.group(1) in self._inputs:
-                return self._inputs[match.group(1)]
             return _UNKNOWN
         if node.op == "output":
             return _UNKNOWN
@@ -113,21 +111,49 @@ class ConcreteTracer(fx.Tracer):
             raise LookupError(node.name)
         return value
 
-    def to_bool(self, obj: fx.Proxy) -> bool:
-        value = self._values.get(obj.node, _UNKNOWN)
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _ConcreteProxy(node, self)
+
+    def concrete_value(self, node: fx.Node) -> Any:
+        """The node's value on the example inputs, or raise TraceError."""
+        value = self._values.get(node, _UNKNOWN)
         if value is _UNKNOWN:
             raise fx.proxy.TraceError(
-                f"control flow depends on {obj.node.name!r}, whose value is unknown: pass "
+                f"control flow depends on {node.name!r}, whose value is unknown: pass "
                 "example inputs so that it can be resolved"
             )
-        self.specialised.append(obj.node.name)
-        return bool(value)
+        self.specialised.append(node.name)
+        return value
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        return bool(self.concrete_value(obj.node))
 
     def iter(self, obj: fx.Proxy):  # type: ignore[no-untyped-def]
         value = self._values.get(obj.node, _UNKNOWN)
         if isinstance(value, (tuple, list, torch.Size)):
             return iter([obj[i] for i in range(len(value))])
         return super().iter(obj)
+
+
+def _carries_data(value: Any) -> bool:
+    """A floating-point tensor, or a container holding one.
+
+    Integer tensors (positions, masks, indices) and shapes carry no scale to speak of.
+    """
+    return any(
+        isinstance(leaf, Tensor) and leaf.is_floating_point()
+        for leaf in pytree.tree_leaves(value)
+    )
+
+
+class _ConcreteProxy(fx.Proxy):
+    """A proxy whose `len()` is its length on the example inputs."""
+
+    def __len__(self) -> int:
+        tracer = self.tracer
+        if isinstance(tracer, ConcreteTracer):
+            return len(tracer.concrete_value(self.node))
+        return super().__len__()
 
 
 # Module.__call__ as it was before fx patched it for tracing.
@@ -162,43 +188,115 @@ def capture_inputs(
     return seen
 
 
-def bind_inputs(module: nn.Module, inputs: Inputs) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """(all values by parameter name, the non-tensor ones to bake into the graph)."""
-    signature = inspect.signature(inspect.unwrap(module.forward))
-    bound = signature.bind(*inputs[0], **inputs[1])
-    bound.apply_defaults()
-    values: Dict[str, Any] = {}
-    concrete: Dict[str, Any] = {}
-    for name, value in bound.arguments.items():
-        kind = signature.parameters[name].kind
-        if kind == inspect.Parameter.VAR_POSITIONAL:
-            if value:
-                raise TypeError("modules called with extra *args cannot be traced")
-            continue
-        if kind == inspect.Parameter.VAR_KEYWORD:
-            values.update(value)
-            for key, item in value.items():
-                if not isinstance(item, Tensor):
-                    raise TypeError(f"non-tensor **kwargs entry {key!r} cannot be traced")
-            continue
-        values[name] = value
-        if not isinstance(value, Tensor):
-            concrete[name] = value
-    return values, concrete
+_PLAIN_TYPES = (type(None), bool, int, float, str)
+
+
+class ArgumentFrame(nn.Module):
+    """Calls `inner` with one call's arguments, its tensors taken as positional inputs.
+
+    Tracing a frame gives a graph whose inputs are exactly the call's tensors, wherever they sat
+    (positional, keyword or inside `**kwargs`); every other argument is a constant of the graph.
+    """
+
+    def __init__(self, inner: nn.Module, inputs: Inputs) -> None:
+        super().__init__()
+        self.inner = inner
+        self.signature = inspect.signature(inner.forward)
+        bound = self.signature.bind(*inputs[0], **inputs[1])
+        bound.apply_defaults()
+        leaves, self.spec = pytree.tree_flatten(dict(bound.arguments))
+        self.tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+        self.example_tensors = [leaves[i] for i in self.tensor_positions]
+        self.constants = [None if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+
+    def call_arguments(self, tensors: Sequence[Any]) -> Inputs:
+        leaves = list(self.constants)
+        for position, tensor in zip(self.tensor_positions, tensors):
+            leaves[position] = tensor
+        arguments = pytree.tree_unflatten(leaves, self.spec)
+        args: List[Any] = []
+        kwargs: Dict[str, Any] = {}
+        for name, value in arguments.items():
+            kind = self.signature.parameters[name].kind
+            if kind == inspect.Parameter.POSITIONAL_ONLY:
+                args.append(value)
+            elif kind == inspect.Parameter.VAR_POSITIONAL:
+                args.extend(value)
+            elif kind == inspect.Parameter.VAR_KEYWORD:
+                kwargs.update(value)
+            else:
+                kwargs[name] = value
+        return tuple(args), kwargs
+
+    def forward(self, *tensors: Any) -> Any:
+        args, kwargs = self.call_arguments(tensors)
+        result = self.inner(*args, **kwargs)
+        # fx turns a returned dict subclass (such as a Hugging Face ModelOutput) into a dict.
+        self.output_type = type(result)
+        return result
+
+
+class SpecialisedCall(nn.Module):
+    """Takes the original module's arguments and runs the traced graph on their tensors.
+
+    Non-tensor arguments were fixed when the graph was traced; a call that changes a None,
+    bool, number or string among them is refused rather than silently run on the old value.
+    """
+
+    def __init__(self, graph_module: fx.GraphModule, frame: ArgumentFrame) -> None:
+        super().__init__()
+        self.graph_module = graph_module
+        self._signature = frame.signature
+        self._spec = frame.spec
+        self._tensor_positions = frame.tensor_positions
+        self._constants = frame.constants
+        self._output_type = getattr(frame, "output_type", None)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        bound = self._signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        leaves, spec = pytree.tree_flatten(dict(bound.arguments))
+        if spec != self._spec:
+            raise ValueError(
+                "unit_scale specialised this module to the structure of its example arguments; "
+                f"got a different structure: {spec}"
+            )
+        for position, (leaf, constant) in enumerate(zip(leaves, self._constants)):
+            if position in self._tensor_positions:
+                if not isinstance(leaf, Tensor):
+                    raise ValueError(f"argument {position} was a tensor when traced, not {leaf!r}")
+            elif isinstance(constant, _PLAIN_TYPES) and leaf != constant:
+                raise ValueError(
+                    f"unit_scale specialised this module to the argument value {constant!r}; "
+                    f"got {leaf!r}"
+                )
+        result = self.graph_module(*[leaves[i] for i in self._tensor_positions])
+        output_type = self._output_type
+        if type(result) is dict and output_type is not None and issubclass(output_type, dict):
+            return output_type(**result)
+        return result
 
 
 def trace_module(
     module: nn.Module, is_leaf: Callable[[nn.Module, str], bool], inputs: Optional[Inputs]
-) -> Tuple[fx.Graph, List[str], Optional[Set[str]]]:
-    """Trace `module`.
+) -> Tuple[nn.Module, fx.Graph, List[str], Optional[Set[str]]]:
+    """Trace `module`, through an `ArgumentFrame` when example inputs are given.
 
-    Returns its graph, the nodes whose values fixed a branch, and the names of the nodes that
+    Returns the traced root (the module or its frame, whose submodule names start with
+    "inner."), its graph, the nodes whose values fixed a branch, and the names of the nodes that
     produced tensors on the example inputs (None without inputs).
     """
-    tracer = ConcreteTracer(is_leaf)
     if inputs is None:
+        tracer = ConcreteTracer(is_leaf)
         graph = tracer.trace_with_inputs(module, None, {})
-    else:
-        values, concrete = bind_inputs(module, inputs)
-        graph = tracer.trace_with_inputs(module, values, concrete)
-    return graph, tracer.specialised, tracer.tensor_nodes
+        return module, graph, tracer.specialised, tracer.tensor_nodes
+    frame = ArgumentFrame(module, inputs)
+
+    def frame_is_leaf(m: nn.Module, name: str) -> bool:
+        return name != "inner" and is_leaf(m, name[len("inner."):])
+
+    tracer = ConcreteTracer(frame_is_leaf)
+    values = {f"input_{i}": t for i, t in enumerate(frame.example_tensors)}
+    placeholders = tuple(fx._symbolic_trace.PH for _ in frame.example_tensors)
+    graph = tracer.trace_with_inputs(frame, values, placeholders)
+    return frame, graph, tracer.specialised, tracer.tensor_nodes

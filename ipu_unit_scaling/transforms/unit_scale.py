@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from .. import modules as uu
 from . import replacements as R
-from .tracing import Inputs, capture_inputs, trace_module
+from .tracing import ArgumentFrame, Inputs, SpecialisedCall, capture_inputs, trace_module
 
 __all__ = ["unit_scale", "unit_scale_with_report", "UnitScaleReport", "UnitScaleWarning"]
 
@@ -66,7 +66,7 @@ class UnitScaleReport:
 
 # Unit-scaled modules that are already what unit_scale would produce.
 _UNIT_MODULES = (
-    uu.Linear, uu.LayerNorm, uu.Embedding, uu.GELU, uu.ReLU, uu.Softmax, uu.Dropout,
+    SpecialisedCall, fx.GraphModule, uu.Linear, uu.LayerNorm, uu.Embedding, uu.GELU, uu.ReLU, uu.Softmax, uu.Dropout,
     uu.CrossEntropyLoss, R.UnitMultiheadAttention, R.UnitConv1D,
 )
 # Leaf modules that leave scales alone.
@@ -204,22 +204,33 @@ class _Converter:
             if not isinstance(module, _NEUTRAL_MODULES):
                 self.report.unconverted.append(f"{name} ({type(module).__name__})")
             return module
+        if type(module).forward is nn.Module.forward:  # a container such as nn.ModuleList
+            return self._convert_children(module, name)
+        def is_leaf(child: nn.Module, child_name: str) -> bool:
+            return self._is_leaf(child, f"{name}.{child_name}" if name else child_name)
+
         try:
-            graph, specialised, tensor_nodes = trace_module(
-                module, self._is_leaf, self.captured.get(name)
+            root, graph, specialised, tensor_nodes = trace_module(
+                module, is_leaf, self.captured.get(name)
             )
         except Exception as error:  # any tracing failure: fall back to the children
             first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
             self.report.untraceable.append(
                 f"{name or type(module).__name__}: {type(error).__name__}: {first_line[:120]}"
             )
-            for child_name, child in list(module.named_children()):
-                qualified = f"{name}.{child_name}" if name else child_name
-                setattr(module, child_name, self.convert(child, qualified))
-            return module
+            return self._convert_children(module, name)
         if specialised:
             self.report.specialised.append(f"{name or 'model'}: {', '.join(specialised)}")
-        return self._rewrite(module, name, graph, tensor_nodes)
+        converted = self._rewrite(root, name, graph, tensor_nodes)
+        if isinstance(root, ArgumentFrame):
+            return SpecialisedCall(converted, root)
+        return converted
+
+    def _convert_children(self, module: nn.Module, name: str) -> nn.Module:
+        for child_name, child in list(module.named_children()):
+            qualified = f"{name}.{child_name}" if name else child_name
+            setattr(module, child_name, self.convert(child, qualified))
+        return module
 
     # ------------------------------------------------------------ graph rewriting
 
@@ -256,7 +267,8 @@ class _Converter:
         self, root: nn.Module, prefix: str, node: fx.Node, done: Dict[str, nn.Module]
     ) -> None:
         target = str(node.target)
-        qualified = f"{prefix}.{target}" if prefix else target
+        relative = target[len("inner."):] if isinstance(root, ArgumentFrame) else target
+        qualified = f"{prefix}.{relative}" if prefix else relative
         if target in done:
             return
         module = root.get_submodule(target)
@@ -316,7 +328,7 @@ class _Converter:
                 continue
             alpha = node.kwargs.get("alpha", 1)
             subtract = node.target in R.SUB_TARGETS
-            skip_node, branch_node = _residual_operands(left, right)
+            skip_node, branch_node = _residual_operands(left, right, is_tensor)
             if skip_node is not None and branch_node is not None and alpha == 1 and not subtract:
                 branch = _between(skip_node, node)
                 if any(_has_weights(root, n) for n in branch):
@@ -403,12 +415,15 @@ def _position(graph: fx.Graph) -> Callable[[fx.Node], int]:
     return lambda n: order[n]
 
 
-def _ancestors(node: fx.Node) -> Set[fx.Node]:
+def _ancestors(
+    node: fx.Node, follow: Optional[Callable[[fx.Node], bool]] = None
+) -> Set[fx.Node]:
+    """Nodes `node` depends on; with `follow`, only through nodes it accepts (tensor data)."""
     seen: Set[fx.Node] = set()
     stack = list(node.all_input_nodes)
     while stack:
         current = stack.pop()
-        if current not in seen:
+        if current not in seen and (follow is None or follow(current)):
             seen.add(current)
             stack.extend(current.all_input_nodes)
     return seen
@@ -430,11 +445,17 @@ def _between(start: fx.Node, end: fx.Node) -> Set[fx.Node]:
     return (_descendants(start) & _ancestors(end)) - {start, end}
 
 
-def _residual_operands(left: fx.Node, right: fx.Node) -> "tuple[Optional[fx.Node], Optional[fx.Node]]":
-    """(skip, branch) when one operand feeds the other, else (None, None)."""
-    if left in _ancestors(right):
+def _residual_operands(
+    left: fx.Node, right: fx.Node, is_tensor: Callable[[fx.Node], bool]
+) -> "tuple[Optional[fx.Node], Optional[fx.Node]]":
+    """(skip, branch) when one operand's data feeds the other, else (None, None).
+
+    Only tensor data counts: a branch that merely reads the other's shape or device (position
+    ids from the batch's length) is not a residual.
+    """
+    if left in _ancestors(right, is_tensor):
         return left, right
-    if right in _ancestors(left):
+    if right in _ancestors(left, is_tensor):
         return right, left
     return None, None
 
