@@ -137,6 +137,7 @@ class _Tracker(TorchFunctionMode):
         self.pending: Optional[Tuple[Any, str, Tensor]] = None  # (frame, name, last output)
         self.seen_weights: Dict[int, str] = {}
         self.quiet = 0  # > 0 while the tracker computes its own statistics
+        self.scopes: List[str] = []  # names of the enclosing container modules
 
     # ---------------------------------------------------------------- ops
 
@@ -161,6 +162,10 @@ class _Tracker(TorchFunctionMode):
 
             tensor.register_hook(on_gradient)
 
+    def scoped(self, name: str) -> str:
+        scope = next((s for s in reversed(self.scopes) if s), "")
+        return f"{scope}.{name}" if scope else name
+
     def flush(self) -> None:
         if self.pending is not None:
             _, name, output = self.pending
@@ -177,16 +182,27 @@ class _Tracker(TorchFunctionMode):
             if self.pending is not None and self.pending[0] is not op_frame:
                 self.flush()
             if _first_float_tensor(output) is not None and name not in _NOT_OPS:
-                self.pending = (op_frame, op_frame.f_code.co_name.replace("unit_", ""), output)
+                op_name = self.scoped(op_frame.f_code.co_name.replace("unit_", ""))
+                self.pending = (op_frame, op_name, output)
             elif self.pending is None:
-                self.pending = (op_frame, op_frame.f_code.co_name, None)
+                self.pending = (op_frame, "", None)
             return output
         self.flush()
         if name not in _NOT_OPS:
-            self.record_output(name, output)
+            self.record_output(self.scoped(name), output)
         return output
 
     # ---------------------------------------------------------------- modules
+
+    def enter_scope(self, name: str) -> None:
+        if self.depth == 0 and self.quiet == 0:
+            self.flush()
+        self.scopes.append(name)
+
+    def leave_scope(self) -> None:
+        if self.depth == 0 and self.quiet == 0:
+            self.flush()
+        self.scopes.pop()
 
     def before_module(self, module: nn.Module, args: Any) -> None:
         if self.depth == 0 and self.quiet == 0:
@@ -275,12 +291,17 @@ def track_scales(
     handles = []
     for name, module in model.named_modules():
         # Converted submodules sit inside wrappers: name them as in the original model.
-        name = name.replace("graph_module.inner.", "").replace("graph_module.inner", "")
+        name = name.replace("graph_module.inner.", "").replace("graph_module.", "")
         if _is_recorded_module(module):
             handles.append(module.register_forward_pre_hook(tracker.before_module))
             handles.append(module.register_forward_hook(
                 lambda m, a, o, name=name or type(m).__name__: tracker.after_module(name, m, a, o)
             ))
+        else:
+            handles.append(module.register_forward_pre_hook(
+                lambda m, a, name=name: tracker.enter_scope(name)
+            ))
+            handles.append(module.register_forward_hook(lambda m, a, o: tracker.leave_scope()))
     try:
         with tracker:
             if labels is not None and loss_fn is None:
