@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -174,19 +175,21 @@ def module_converters() -> Dict[type, ModuleConverter]:
 
 
 def _transformers_converters() -> Dict[type, ModuleConverter]:
-    """Hugging Face layers with exact unit-scaled equivalents, when transformers is installed."""
+    """Hugging Face layers with exact unit-scaled equivalents.
+
+    Looked up only where transformers is already imported (as it is when the model is one of
+    its models): importing it takes seconds.
+    """
     found: Dict[type, ModuleConverter] = {}
-    try:
-        from transformers import activations, pytorch_utils
-    except Exception:  # not installed, or fails to import: nothing to convert
-        return found
+    pytorch_utils = sys.modules.get("transformers.pytorch_utils")
+    activations = sys.modules.get("transformers.activations")
     conv1d = getattr(pytorch_utils, "Conv1D", None)
     if conv1d is not None:
         found[conv1d] = UnitConv1D
     # "gelu_new" is the tanh approximation written out by hand.
     for name, approximate in (("NewGELUActivation", "tanh"), ("GELUActivation", "none"),
                               ("GELUTanh", "tanh"), ("PytorchGELUTanh", "tanh")):
-        cls = getattr(activations, name, None)
+        cls = getattr(activations, name, None) if activations is not None else None
         if cls is not None:
             found[cls] = lambda m, a=approximate: uu.GELU(a)
     return found
