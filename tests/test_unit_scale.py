@@ -20,6 +20,7 @@ from ipu_unit_scaling.transforms import (
     unit_scale_with_report,
 )
 
+
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """Small ops on a shared machine: extra threads only contend (a test runs 5x slower)."""

@@ -134,7 +134,7 @@ class _Tracker(TorchFunctionMode):
         self.records: List[ScaleRecord] = []
         self.depth = 0  # > 0 inside a recorded leaf module
         self.ops = 0
-        self.pending: Optional[Tuple[Any, str, Tensor]] = None  # (frame, name, last output)
+        self.pending: Optional[Tuple[Any, str, Any]] = None  # (frame, name, last output)
         self.seen_weights: Dict[int, str] = {}
         self.quiet = 0  # > 0 while the tracker computes its own statistics
         self.scopes: List[str] = []  # names of the enclosing container modules
@@ -292,10 +292,11 @@ def track_scales(
     for name, module in model.named_modules():
         # Converted submodules sit inside wrappers: name them as in the original model.
         name = name.replace("graph_module.inner.", "").replace("graph_module.", "")
+        label = name or type(module).__name__
         if _is_recorded_module(module):
             handles.append(module.register_forward_pre_hook(tracker.before_module))
             handles.append(module.register_forward_hook(
-                lambda m, a, o, name=name or type(m).__name__: tracker.after_module(name, m, a, o)
+                lambda m, a, o, label=label: tracker.after_module(label, m, a, o)
             ))
         else:
             handles.append(module.register_forward_pre_hook(

@@ -29,7 +29,8 @@ __all__ = [
     "SHAPE_TARGETS",
 ]
 
-ModuleConverter = Callable[[nn.Module], nn.Module]
+# Builds the replacement from the original module (typed loosely: each takes its own class).
+ModuleConverter = Callable[[Any], nn.Module]
 
 
 # ---------------------------------------------------------------- modules
@@ -123,7 +124,9 @@ class UnitConv1D(nn.Module):
 
     def __init__(self, source: nn.Module) -> None:
         super().__init__()
-        in_features, out_features = source.weight.shape
+        weight = source.weight
+        assert isinstance(weight, Tensor)
+        in_features, out_features = weight.shape
         self.nf = out_features
         self.weight = nn.Parameter(torch.randn(in_features, out_features))
         self.bias = nn.Parameter(torch.zeros(out_features))
@@ -174,6 +177,13 @@ def module_converters() -> Dict[type, ModuleConverter]:
     return converters
 
 
+def _gelu_converter(approximate: str) -> ModuleConverter:
+    def convert(module: nn.Module) -> nn.Module:
+        return uu.GELU(approximate)
+
+    return convert
+
+
 def _transformers_converters() -> Dict[type, ModuleConverter]:
     """Hugging Face layers with exact unit-scaled equivalents.
 
@@ -191,7 +201,7 @@ def _transformers_converters() -> Dict[type, ModuleConverter]:
                               ("GELUTanh", "tanh"), ("PytorchGELUTanh", "tanh")):
         cls = getattr(activations, name, None) if activations is not None else None
         if cls is not None:
-            found[cls] = lambda m, a=approximate: uu.GELU(a)
+            found[cls] = _gelu_converter(approximate)
     return found
 
 

@@ -131,7 +131,7 @@ class ConcreteTracer(fx.Tracer):
     def iter(self, obj: fx.Proxy):  # type: ignore[no-untyped-def]
         value = self._values.get(obj.node, _UNKNOWN)
         if isinstance(value, (tuple, list, torch.Size)):
-            return iter([obj[i] for i in range(len(value))])
+            return iter([obj[i] for i in range(len(value))])  # type: ignore[index]
         return super().iter(obj)
 
 
@@ -142,7 +142,7 @@ def _carries_data(value: Any) -> bool:
     """
     return any(
         isinstance(leaf, Tensor) and leaf.is_floating_point()
-        for leaf in pytree.tree_leaves(value)
+        for leaf in pytree.tree_flatten(value)[0]  # tree_leaves is missing from torch 2.0
     )
 
 

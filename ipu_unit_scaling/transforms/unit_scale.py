@@ -66,8 +66,8 @@ class UnitScaleReport:
 
 # Unit-scaled modules that are already what unit_scale would produce.
 _UNIT_MODULES = (
-    SpecialisedCall, fx.GraphModule, uu.Linear, uu.LayerNorm, uu.Embedding, uu.GELU, uu.ReLU, uu.Softmax, uu.Dropout,
-    uu.CrossEntropyLoss, R.UnitMultiheadAttention, R.UnitConv1D,
+    SpecialisedCall, fx.GraphModule, uu.Linear, uu.LayerNorm, uu.Embedding, uu.GELU, uu.ReLU,
+    uu.Softmax, uu.Dropout, uu.CrossEntropyLoss, R.UnitMultiheadAttention, R.UnitConv1D,
 )
 # Leaf modules that leave scales alone.
 _NEUTRAL_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten)
@@ -128,7 +128,7 @@ def unit_scale_with_report(
     attn_tau: float = 0.2,
     mlp_tau: float = 0.5,
     seed: int = 0,
-) -> "tuple[nn.Module, UnitScaleReport]":
+) -> tuple[nn.Module, UnitScaleReport]:
     """`unit_scale` without the warning: returns `(converted_model, report)`."""
     copied = copy.deepcopy(model)
     captured: Dict[str, Inputs] = {}
@@ -223,6 +223,7 @@ class _Converter:
             self.report.specialised.append(f"{name or 'model'}: {', '.join(specialised)}")
         converted = self._rewrite(root, name, graph, tensor_nodes)
         if isinstance(root, ArgumentFrame):
+            assert isinstance(converted, fx.GraphModule)
             return SpecialisedCall(converted, root)
         return converted
 
@@ -308,7 +309,7 @@ class _Converter:
             return
         name = f"unit_dropout_{self._dropouts}"
         self._dropouts += 1
-        root.add_module(name, uu.Dropout(float(p)))
+        root.add_module(name, uu.Dropout(float(p)))  # type: ignore[arg-type]
         node.op, node.target = "call_module", name
         node.args, node.kwargs = (node.args[0] if node.args else node.kwargs["input"],), {}
         self.report.converted.append(where(node))
@@ -447,7 +448,7 @@ def _between(start: fx.Node, end: fx.Node) -> Set[fx.Node]:
 
 def _residual_operands(
     left: fx.Node, right: fx.Node, is_tensor: Callable[[fx.Node], bool]
-) -> "tuple[Optional[fx.Node], Optional[fx.Node]]":
+) -> tuple[Optional[fx.Node], Optional[fx.Node]]:
     """(skip, branch) when one operand's data feeds the other, else (None, None).
 
     Only tensor data counts: a branch that merely reads the other's shape or device (position
@@ -488,5 +489,6 @@ def _has_weights(root: nn.Module, node: fx.Node) -> bool:
 def _is_attention(root: nn.Module, node: fx.Node) -> bool:
     if node.op == "call_module":
         module = root.get_submodule(str(node.target))
-        return isinstance(module, _ATTENTION_MODULES) or "attention" in type(module).__name__.lower()
+        named_attention = "attention" in type(module).__name__.lower()
+        return isinstance(module, _ATTENTION_MODULES) or named_attention
     return _hashable(node.target) and node.target in R.ATTENTION_TARGETS
