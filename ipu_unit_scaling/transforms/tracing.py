@@ -296,7 +296,6 @@ def trace_module(
         return name != "inner" and is_leaf(m, name[len("inner."):])
 
     tracer = ConcreteTracer(frame_is_leaf)
-    values = {f"input_{i}": t for i, t in enumerate(frame.example_tensors)}
-    placeholders = tuple(fx._symbolic_trace.PH for _ in frame.example_tensors)
-    graph = tracer.trace_with_inputs(frame, values, placeholders)
+    # One `*tensors` placeholder; the tracer's `iter` splits it by the example's length.
+    graph = tracer.trace_with_inputs(frame, {"tensors": tuple(frame.example_tensors)}, None)
     return frame, graph, tracer.specialised, tracer.tensor_nodes
