@@ -53,7 +53,7 @@ setup(
     packages=find_packages(include=["ipu_unit_scaling", "ipu_unit_scaling.*"]),
     install_requires=["torch>=2.0", "numpy", "pyyaml"],
     extras_require={
-        "test": ["pytest", "hypothesis", "ml_dtypes", "gfloat", "ruff", "mypy", "types-PyYAML"],
+        "test": ["pytest", "hypothesis", "ml_dtypes", "gfloat", "ruff", "mypy", "types-PyYAML", "transformers"],
         "analysis": ["matplotlib"],
     },
     entry_points={"console_scripts": ["ipu-unit-scaling=ipu_unit_scaling.cli:main"]},
