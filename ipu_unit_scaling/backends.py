@@ -1,0 +1,104 @@
+"""Backend choice and the one entry point that wraps a model for training on it.
+
+``auto`` picks ``ipu`` when PopTorch imports and IPU hardware is present, else ``ipu_model``
+when PopTorch imports, else ``cpu``. ``IPU_UNIT_SCALING_BACKEND`` overrides the configured
+name. Only this module and ``ipu_unit_scaling.ipu`` ever import poptorch, and only on demand.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any, Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+from .config import BACKEND_NAMES, Config
+from .training_model import CPUTrainingModel, TrainingModule, stages
+
+BACKEND_ENV = "IPU_UNIT_SCALING_BACKEND"
+
+
+class BackendError(RuntimeError):
+    pass
+
+
+def _import_poptorch() -> Optional[Any]:
+    try:
+        return importlib.import_module("poptorch")
+    except Exception:  # an SDK that is present but broken counts as absent
+        return None
+
+
+def poptorch_available() -> bool:
+    return _import_poptorch() is not None
+
+
+def select_backend(name: str = "auto") -> str:
+    """Resolve a backend name (or ``auto``) to ``ipu``, ``ipu_model`` or ``cpu``."""
+    name = os.environ.get(BACKEND_ENV) or name
+    if name not in BACKEND_NAMES:
+        raise BackendError(f"backend {name!r} unknown; allowed: {', '.join(BACKEND_NAMES)}")
+    if name == "cpu":
+        return name
+    poptorch = _import_poptorch()
+    if name == "auto":
+        if poptorch is None:
+            return "cpu"
+        return "ipu" if poptorch.ipuHardwareIsAvailable() else "ipu_model"
+    if poptorch is None:
+        raise BackendError(
+            f"backend {name!r} needs PopTorch (Poplar SDK), which does not import here; "
+            f"use 'cpu' or 'auto', or unset {BACKEND_ENV}"
+        )
+    return name
+
+
+def make_optimizer(
+    parameters: Iterable[nn.Parameter], config: Config, backend: Optional[str] = None
+) -> torch.optim.Optimizer:
+    """The optimizer ``config.training`` names, in the flavour the backend needs."""
+    backend = backend or select_backend(config.backend)
+    if backend != "cpu":
+        from .ipu.training import make_ipu_optimizer
+
+        return make_ipu_optimizer(parameters, config)
+    training = config.training
+    lr, decay = training.learning_rate, training.weight_decay
+    if training.optimizer == "sgd":
+        return torch.optim.SGD(parameters, lr=lr, weight_decay=decay)
+    if training.optimizer == "adam":
+        return torch.optim.Adam(parameters, lr=lr, weight_decay=decay)
+    return torch.optim.AdamW(parameters, lr=lr, weight_decay=decay)
+
+
+def build_training_model(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: Config,
+    backend: Optional[str] = None,
+) -> Union[CPUTrainingModel, Any]:
+    """Wrap ``model`` so that ``wrapper(inputs, labels) -> (output, loss)`` trains it.
+
+    Each call runs ``config.ipu.device_iterations`` optimizer steps over inputs whose leading
+    dimension is ``config.samples_per_call``; see ``training_model`` for the exact semantics.
+    The wrapper also has ``stages`` (the pipeline split), ``update_optimizer()`` (after
+    changing learning rates), ``copy_weights_to_host()`` and ``destroy()``.
+    """
+    backend = backend or select_backend(config.backend)
+    if backend == "cpu":
+        ipu = config.ipu
+        return CPUTrainingModel(
+            TrainingModule(model),
+            optimizer,
+            device_iterations=ipu.device_iterations,
+            gradient_accumulation=ipu.gradient_accumulation,
+            replication_factor=ipu.replication_factor,
+            max_grad_norm=config.training.grad_clip,
+            split=stages(model, config),
+        )
+    if backend in ("ipu", "ipu_model"):
+        from .ipu.training import IPUTrainingModel
+
+        return IPUTrainingModel(model, optimizer, config, use_ipu_model=backend == "ipu_model")
+    raise BackendError(f"backend {backend!r} cannot build a training model")

@@ -1,0 +1,83 @@
+"""``poptorch.trainingModel`` built from a config: options, pipeline annotation, optimizer.
+
+PopTorch is imported inside the functions only, so this module imports anywhere.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ..config import Config
+from ..training_model import Stage, TrainingModule, stages
+from .options import build_options
+
+
+class IPUTrainingModule(TrainingModule):
+    """``(output, loss)`` with the loss marked for PopTorch's autograd."""
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        import poptorch
+
+        logits, loss = super().forward(inputs, labels)
+        # The model's loss is already a mean; "none" tells PopTorch to take it as is.
+        return logits, poptorch.identity_loss(loss, reduction="none")
+
+
+def annotate_pipeline(model: nn.Module, split: Sequence[Stage], poptorch: Any) -> None:
+    """``poptorch.BeginBlock`` on every module of every stage, one block id per IPU.
+
+    Blocks that share a user id form one block, so each IPU holds one pipeline stage and
+    ``AutoStage.AutoIncrement`` numbers the stages in IPU order.
+    """
+    for stage in split:
+        for name in stage.modules:
+            poptorch.BeginBlock(model.get_submodule(name), f"ipu{stage.index}", stage.index)
+
+
+def make_ipu_optimizer(parameters: Any, config: Config) -> torch.optim.Optimizer:
+    """The PopTorch optimizer for ``config.training`` (gradient clipping runs on the IPU)."""
+    import poptorch
+
+    training = config.training
+    classes = {
+        "sgd": poptorch.optim.SGD,
+        "adam": poptorch.optim.Adam,
+        "adamw": poptorch.optim.AdamW,
+    }
+    return classes[training.optimizer](
+        parameters,
+        lr=training.learning_rate,
+        weight_decay=training.weight_decay,
+        max_grad_norm=training.grad_clip,
+    )
+
+
+class IPUTrainingModel:
+    """A compiled-on-first-call ``poptorch.trainingModel`` with the fallback's interface."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, config: Config, use_ipu_model: bool):
+        import poptorch
+
+        self.stages = stages(model, config)
+        if config.ipu.ipus_per_replica > 1:
+            annotate_pipeline(model, self.stages, poptorch)
+        self.options = build_options(config, use_ipu_model)
+        self.optimizer = optimizer
+        self.executor = poptorch.trainingModel(
+            IPUTrainingModule(model), options=self.options, optimizer=optimizer
+        )
+
+    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> Any:
+        return self.executor(inputs, labels)
+
+    def update_optimizer(self) -> None:
+        """Send changed learning rates (or other hyperparameters) to the device."""
+        self.executor.setOptimizer(self.optimizer)
+
+    def copy_weights_to_host(self) -> None:
+        self.executor.copyWeightsToHost()
+
+    def destroy(self) -> None:
+        self.executor.destroy()

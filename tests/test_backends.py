@@ -1,0 +1,126 @@
+"""Backend choice and the config -> poptorch.Options mapping, checked without PopTorch."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from ipu_unit_scaling import backends
+from ipu_unit_scaling.backends import BACKEND_ENV, BackendError, select_backend
+from ipu_unit_scaling.config import load_config
+from ipu_unit_scaling.ipu.options import New, OptionCall, Ref, apply_option_calls, option_calls
+
+
+def fake_poptorch(hardware: bool) -> types.SimpleNamespace:
+    return types.SimpleNamespace(ipuHardwareIsAvailable=lambda num_ipus=1: hardware)
+
+
+@pytest.mark.parametrize("found,expected", [
+    (None, "cpu"), (fake_poptorch(False), "ipu_model"), (fake_poptorch(True), "ipu"),
+])
+def test_auto_prefers_hardware_then_ipu_model_then_cpu(monkeypatch, found, expected):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    monkeypatch.setattr(backends, "_import_poptorch", lambda: found)
+    assert select_backend("auto") == expected
+    assert select_backend("cpu") == "cpu"
+
+
+def test_environment_variable_overrides(monkeypatch):
+    monkeypatch.setattr(backends, "_import_poptorch", lambda: fake_poptorch(True))
+    monkeypatch.setenv(BACKEND_ENV, "cpu")
+    assert select_backend("ipu") == "cpu"
+    monkeypatch.setenv(BACKEND_ENV, "tpu")
+    with pytest.raises(BackendError, match="allowed: auto, ipu, ipu_model, cpu"):
+        select_backend("auto")
+
+
+def test_asking_for_ipu_without_poptorch_says_why(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    monkeypatch.setattr(backends, "_import_poptorch", lambda: None)
+    with pytest.raises(BackendError, match="needs PopTorch"):
+        select_backend("ipu_model")
+
+
+def test_package_imports_without_poptorch():
+    # A poptorch that fails to import must not break the package, nor be imported eagerly.
+    code = (
+        "import sys; sys.modules['poptorch'] = None\n"
+        "import ipu_unit_scaling, ipu_unit_scaling.backends, ipu_unit_scaling.ipu.training\n"
+        "import ipu_unit_scaling.ipu.options, ipu_unit_scaling.distributed\n"
+        "from ipu_unit_scaling.backends import select_backend\n"
+        "assert select_backend('auto') == 'cpu'\n"
+    )
+    env_free = {k: v for k, v in __import__("os").environ.items() if k != BACKEND_ENV}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env_free)
+
+
+def test_four_ipu_config_maps_to_these_option_calls():
+    calls = option_calls(load_config("ipu-4"))
+    assert calls == [
+        OptionCall("deviceIterations", (4,)),
+        OptionCall("replicationFactor", (2,)),
+        OptionCall("Training.gradientAccumulation", (16,)),
+        OptionCall("Training.accumulationAndReplicationReductionType",
+                   (Ref("ReductionType.Mean"),)),
+        OptionCall("outputMode", (Ref("OutputMode.All"),)),
+        OptionCall("setAvailableMemoryProportion",
+                   ({"IPU0": 0.2, "IPU1": 0.4, "IPU2": 0.4, "IPU3": 0.4},)),
+        OptionCall("Precision.setPartialsType", (Ref("float", module="torch"),)),
+        OptionCall("Precision.enableStochasticRounding", (False,)),
+        OptionCall("enableExecutableCaching", ("./exe_cache",)),
+        OptionCall("setExecutionStrategy",
+                   (New("PipelinedExecution", (Ref("AutoStage.AutoIncrement"),)),)),
+    ]
+
+
+def test_single_ipu_options_are_not_pipelined():
+    config = load_config(None, ["ipu.partials_type=half", "ipu.stochastic_rounding=true",
+                                "ipu.available_memory_proportion=0.3"])
+    calls = {call.method: call.args for call in option_calls(config, use_ipu_model=True)}
+    assert "setExecutionStrategy" not in calls and "enableExecutableCaching" not in calls
+    assert calls["Precision.setPartialsType"] == (Ref("half", module="torch"),)
+    assert calls["Precision.enableStochasticRounding"] == (True,)
+    assert calls["setAvailableMemoryProportion"] == ({"IPU0": 0.3},)
+    assert calls["useIpuModel"] == (True,)
+
+
+class Recorder:
+    """Stands in for poptorch.Options: records each call made through attribute chains."""
+
+    def __init__(self, log, prefix=""):
+        self._log, self._prefix = log, prefix
+
+    def __getattr__(self, name):
+        return Recorder(self._log, f"{self._prefix}.{name}" if self._prefix else name)
+
+    def __call__(self, *args):
+        self._log.append((self._prefix, args))
+        return self
+
+
+def test_calls_apply_through_getattr_chains_with_resolved_arguments():
+    class PipelinedExecution:
+        def __init__(self, auto_stage):
+            self.auto_stage = auto_stage
+
+    poptorch = types.SimpleNamespace(
+        ReductionType=types.SimpleNamespace(Mean="MEAN"),
+        OutputMode=types.SimpleNamespace(All="ALL"),
+        AutoStage=types.SimpleNamespace(AutoIncrement="AUTO"),
+        PipelinedExecution=PipelinedExecution,
+    )
+    log: list = []
+    root = Recorder(log)
+    calls = option_calls(load_config("ipu-4"))
+    apply_option_calls(root, calls, poptorch)
+    made = dict(log)
+    assert made["Training.gradientAccumulation"] == (16,)
+    assert made["Training.accumulationAndReplicationReductionType"] == ("MEAN",)
+    assert made["outputMode"] == ("ALL",)
+    assert made["Precision.setPartialsType"] == (torch.float,)
+    (strategy,) = made["setExecutionStrategy"]
+    assert isinstance(strategy, PipelinedExecution) and strategy.auto_stage == "AUTO"
+    assert len(log) == len(calls)

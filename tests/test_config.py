@@ -1,0 +1,225 @@
+"""Config loading and validation: shipped configs load, broken ones name the bad key."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ipu_unit_scaling.config import (
+    CONFIGS_DIR,
+    Config,
+    ConfigError,
+    FP8Section,
+    config_from_dict,
+    load_config,
+    resolve_layers_per_ipu,
+    scheduled_learning_rate,
+    validate,
+)
+
+SHIPPED = sorted(CONFIGS_DIR.glob("*.yaml"))
+
+
+def test_configs_dir_is_the_repository_one():
+    assert CONFIGS_DIR == Path(__file__).resolve().parent.parent / "configs"
+    names = {p.stem for p in SHIPPED}
+    assert {"default", "fp32", "plain", "tiny", "ipu-2", "ipu-4"} <= names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_every_shipped_config_loads_and_validates(path):
+    config = load_config(path)
+    validate(config)
+    assert config_from_dict(config.to_dict()) == config  # round trip through plain data
+
+
+def test_default_yaml_spells_out_the_dataclass_defaults():
+    with open(CONFIGS_DIR / "default.yaml", encoding="utf-8") as handle:
+        raw = yaml.safe_load(handle)
+    assert raw == Config().to_dict()  # every key, every default
+    assert load_config(None) == Config()
+
+
+def test_twins_differ_from_default_only_where_they_say():
+    default, fp32, plain = (load_config(name).to_dict() for name in ("default", "fp32", "plain"))
+    assert fp32["precision"]["dtype"] == "fp32"
+    fp32["precision"]["dtype"] = default["precision"]["dtype"]
+    assert fp32 == default
+    assert plain["model"]["unit_scaled"] is False
+    assert plain["training"]["learning_rate"] < default["training"]["learning_rate"]
+
+
+def test_ipu_4_layout():
+    config = load_config("ipu-4")
+    assert config.total_ipus == 8
+    assert resolve_layers_per_ipu(config.ipu.layers_per_ipu, 16, 4) == [1, 5, 5, 5]
+    assert config.micro_batch_size * 16 * 2 == config.training.batch_size
+
+
+def test_overrides_are_parsed_as_yaml_and_validated():
+    config = load_config("tiny", ["training.steps=7", "ipu.layers_per_ipu=[2, 0]",
+                                  "training.learning_rate=1e-3", "data.path=corpus.txt"])
+    assert config.training.steps == 7
+    assert config.ipu.layers_per_ipu == [2, 0]
+    assert config.training.learning_rate == 1e-3  # YAML reads 1e-3 as a string
+    assert config.data.path == "corpus.txt"
+    with pytest.raises(ConfigError, match="training.steps"):
+        load_config("tiny", ["training.steps=-1"])
+    with pytest.raises(ConfigError, match="section.key=value"):
+        load_config("tiny", ["training.steps"])
+
+
+def test_anchors_merge_keys_and_extends(tmp_path):
+    (tmp_path / "base.yaml").write_text(
+        "model: &model {depth: 6, hidden_size: 96, heads: 3}\n"
+        "training: {steps: 10, warmup_steps: 0}\n"
+    )
+    (tmp_path / "child.yaml").write_text(
+        "extends: base.yaml\n"
+        "model:\n  <<: {depth: 2, heads: 2}\n  hidden_size: 64\n"
+        "compare: {learning_rates: {fp32: 0.5}}\n"
+    )
+    config = load_config(tmp_path / "child.yaml")
+    assert (config.model.depth, config.model.hidden_size, config.model.heads) == (2, 64, 2)
+    assert config.training.steps == 10
+    assert config.compare.learning_rates["fp32"] == 0.5
+    assert config.compare.learning_rates["unit-fp8"] == Config().compare.learning_rates["unit-fp8"]
+    (tmp_path / "loop.yaml").write_text("extends: loop.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "loop.yaml")
+
+
+def test_unknown_key_suggests_the_close_one():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["training.learning_rat=0.1"])
+    message = str(info.value)
+    assert "training.learning_rat" in message and "did you mean 'learning_rate'" in message
+
+
+def test_errors_are_all_reported_at_once():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["model.depth=0", "training.optimizer=adamm", "backend=gpu"])
+    paths = [path for path, _ in info.value.errors]
+    assert {"model.depth", "training.optimizer", "backend"} <= set(paths)
+    assert "did you mean 'adam'" in str(info.value)
+
+
+# (overrides, key path the error must name, words the message must contain)
+BROKEN = [
+    (["model.depth=four"], "model.depth", "expected an int"),
+    (["model.depth=true"], "model.depth", "expected an int"),
+    (["model.unit_scaled=1"], "model.unit_scaled", "expected a bool"),
+    (["model.heads=3"], "model.heads", "must divide model.hidden_size"),
+    (["model.dropout=1.5"], "model.dropout", "0 <= dropout < 1"),
+    (["model.attn_tau=0"], "model.attn_tau", "> 0"),
+    (["model.widht=3"], "model.widht", "unknown key"),
+    (["modle.depth=3"], "modle", "did you mean 'model'"),
+    (["model=3"], "model", "expected a mapping"),
+    (["precision.dtype=fp4"], "precision.dtype", "fp32, fp16, fp8"),
+    (["precision.fp8.scaling=max"], "precision.fp8.scaling", "amax, static"),
+    (["precision.fp8.activation_format=E4M3"], "precision.fp8.activation_format", "F143"),
+    (["precision.fp8.rounding=up"], "precision.fp8.rounding", "nearest, stochastic"),
+    (["precision.fp8.overflow=wrap"], "precision.fp8.overflow", "saturate, nan"),
+    (["precision.fp8.gradient_margin=40"], "precision.fp8.gradient_margin", "-31 .. 31"),
+    (["precision.fp8.margin=1"], "precision.fp8.margin", "unknown key"),
+    (["ipu.layers_per_ipu=[1, 1, 0]"], "ipu.layers_per_ipu", "one entry per IPU"),
+    (["ipu.layers_per_ipu=[1, 2]"], "ipu.layers_per_ipu", "places 3 layers but model.depth is 2"),
+    (["ipu.layers_per_ipu=[2, -1]"], "ipu.layers_per_ipu", "each needs at least one"),
+    (["ipu.layers_per_ipu=[3, -2]"], "ipu.layers_per_ipu", "-1 for 'share the rest'"),
+    (["ipu.layers_per_ipu=2"], "ipu.layers_per_ipu", "expected a list of ints"),
+    (["ipu.ipus_per_replica=3", "ipu.layers_per_ipu=[-1,-1,-1]", "model.depth=3",
+      "ipu.gradient_accumulation=8"], "ipu.replication_factor", "not a power of two"),
+    (["ipu.replication_factor=3", "training.batch_size=24"], "ipu.replication_factor",
+     "auto_round_num_ipus"),
+    (["ipu.gradient_accumulation=2", "training.batch_size=4"], "ipu.gradient_accumulation",
+     "at least 2 x 2 - 1 = 3"),
+    (["ipu.device_iterations=0"], "ipu.device_iterations", "must be >= 1"),
+    (["ipu.available_memory_proportion=[0.5, 0.5, 0.5]"], "ipu.available_memory_proportion",
+     "one per IPU"),
+    (["ipu.available_memory_proportion=1.5"], "ipu.available_memory_proportion", "0 < x <= 1"),
+    (["ipu.partials_type=double"], "ipu.partials_type", "float, half"),
+    (["ipu.executable_cache_dir=5"], "ipu.executable_cache_dir", "expected a string or null"),
+    (["training.batch_size=6"], "training.batch_size", "multiple of ipu.gradient_accumulation"),
+    (["training.optimizer=lamb"], "training.optimizer", "sgd, adam, adamw"),
+    (["training.schedule=linear"], "training.schedule", "constant, cosine"),
+    (["training.learning_rate=0"], "training.learning_rate", "must be > 0"),
+    (["training.learning_rate=fast"], "training.learning_rate", "expected a finite float"),
+    (["training.warmup_steps=10"], "training.warmup_steps", "<= training.steps"),
+    (["training.grad_clip=-1"], "training.grad_clip", "> 0 or null"),
+    (["data.val_fraction=1"], "data.val_fraction", "0 < x < 1"),
+    (["compare.regimes=[fp32, fp64]"], "compare.regimes[1]", "unit-fp8-amax"),
+    (["compare.regimes=[fp32, fp32]"], "compare.regimes", "at most once"),
+    (["compare.learning_rates={fp8-amx: 0.1}"], "compare.learning_rates.fp8-amx",
+     "did you mean 'fp8-amax'"),
+    (["backend=gpu"], "backend", "auto, ipu, ipu_model, cpu"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,words", BROKEN, ids=[b[1] for b in BROKEN])
+def test_broken_config_names_the_key(overrides, key, words):
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny", overrides)
+    paths = [path for path, _ in info.value.errors]
+    assert key in paths, str(info.value)
+    assert words in str(info.value)
+    name, _, bad = overrides[0].partition("=")
+    if name == key and "unknown key" not in words:  # the bad value is shown too
+        assert bad.strip("[]{}").split(",")[0].lower() in str(info.value).lower()
+
+
+def test_auto_round_num_ipus_allows_odd_ipu_counts():
+    overrides = ["ipu.replication_factor=3", "training.batch_size=24"]
+    assert load_config("tiny", overrides + ["ipu.auto_round_num_ipus=true"]).total_ipus == 6
+
+
+def test_validate_checks_objects_built_in_code():
+    config = Config()
+    config.ipu.layers_per_ipu = [1, 1]
+    with pytest.raises(ConfigError, match="ipu.layers_per_ipu"):
+        validate(config)
+    config = Config()
+    config.training.steps = "many"  # type: ignore[assignment]
+    with pytest.raises(ConfigError, match="training.steps"):
+        validate(config)
+
+
+@pytest.mark.parametrize("counts,depth,expected", [
+    ([-1], 4, [4]),
+    ([1, -1, -1, -1], 16, [1, 5, 5, 5]),
+    ([-1, -1, -1], 7, [2, 2, 3]),  # the remainder goes to the later IPUs
+    ([0, -1], 3, [0, 3]),
+    ([3, 5], 8, [3, 5]),
+])
+def test_layers_per_ipu_resolution(counts, depth, expected):
+    assert resolve_layers_per_ipu(counts, depth, len(counts)) == expected
+    assert sum(expected) == depth
+
+
+def test_learning_rate_schedule():
+    training = load_config(None, ["training.steps=110", "training.warmup_steps=10"]).training
+    assert scheduled_learning_rate(training, 0) == pytest.approx(training.learning_rate / 10)
+    assert scheduled_learning_rate(training, 9) == pytest.approx(training.learning_rate)
+    assert scheduled_learning_rate(training, 60) == pytest.approx(training.learning_rate / 2)
+    assert scheduled_learning_rate(training, 110) == pytest.approx(0.0, abs=1e-12)
+    training.schedule = "constant"
+    assert scheduled_learning_rate(training, 100) == training.learning_rate
+
+
+def test_fp8_section_matches_fp8_config():
+    fp8 = pytest.importorskip("ipu_unit_scaling.fp8")
+    if not hasattr(fp8, "FP8Config"):
+        pytest.skip("ipu_unit_scaling.fp8.FP8Config not available yet")
+    theirs = {f.name: f.default for f in dataclasses.fields(fp8.FP8Config)}
+    ours = {f.name: f.default for f in dataclasses.fields(FP8Section)}
+    assert ours == theirs
+
+
+def test_model_section_has_exactly_the_gpt_config_fields():
+    from dataclasses import fields
+
+    from ipu_unit_scaling.config import ModelConfig
+    from ipu_unit_scaling.models import GPTConfig
+
+    assert {f.name for f in fields(ModelConfig)} == {f.name for f in fields(GPTConfig)}
