@@ -350,8 +350,12 @@ def residual_add(residual: Tensor, skip: Tensor, tau: float = 1.0) -> Tensor:
     applies a in the backward pass instead, where the branch gradient joins the stream.
     """
     branch_weight, skip_weight = _residual_weights(tau)
-    # Accumulating into the fresh skip product saves an allocation; the sum is the same.
-    return (skip * skip_weight).add_(scale_fwd(residual, branch_weight))
+    scaled_skip = skip * skip_weight
+    scaled_residual = scale_fwd(residual, branch_weight)
+    if scaled_skip.shape == scaled_residual.shape and scaled_skip.dtype == scaled_residual.dtype:
+        # Accumulating into the fresh skip product saves an allocation; the sum is the same.
+        return scaled_skip.add_(scaled_residual)
+    return scaled_residual + scaled_skip  # broadcasting or type promotion: a new tensor
 
 
 # ---------------------------------------------------------------- attention
