@@ -55,6 +55,7 @@ setup(
     extras_require={
         "test": ["pytest", "hypothesis", "ml_dtypes", "gfloat", "ruff", "mypy", "types-PyYAML", "transformers"],
         "analysis": ["matplotlib"],
+        "bench": ["unit-scaling"],
     },
     entry_points={"console_scripts": ["ipu-unit-scaling=ipu_unit_scaling.cli:main"]},
     # Named configs for installs without a source checkout (see config.CONFIGS_DIR).

@@ -42,7 +42,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         threads=args.threads,
         compile=not args.no_compile,
         clock=args.clock or ("cpu" if args.threads == 1 else "wall"),
-        cast_elements=1 << 12 if quick else 1 << 20,
+        cast_elements=1 << 12 if quick else 16 << 20,
     )
     results = run_suite(settings, log=lambda line: print(line, file=sys.stderr, flush=True))
     print(text_table(results))

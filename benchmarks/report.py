@@ -86,8 +86,14 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+def _unit(row: Row) -> str:
+    return "" if row.key == "cast_melem" else "x"
+
+
 def _format_value(row: Row) -> str:
-    return "-" if row.value is None else f"{row.value:.2f}x"
+    if row.value is None:
+        return "-"
+    return f"{row.value:.0f}" if row.key == "cast_melem" else f"{row.value:.2f}x"
 
 
 def _format_spread(row: Row) -> str:
@@ -95,7 +101,9 @@ def _format_spread(row: Row) -> str:
 
 
 def _format_target(row: Row) -> str:
-    return "" if row.target is None else f"<= {row.target:.2f}x"
+    if row.target is None:
+        return ""
+    return f"{'>=' if row.higher_is_better else '<='} {row.target:.2f}{_unit(row)}"
 
 
 def _row_note(row: Row) -> str:

@@ -27,6 +27,7 @@ ROW_KEYS = {
     "fp8_amax_ours",
     "fp8_static_published",
     "cast_throughput",
+    "cast_melem",
     "memory_ours",
     "memory_published",
 }
@@ -80,7 +81,8 @@ def test_status_follows_the_target(tiny_run):
         elif row.target is None:
             assert row.status == "-"
         else:
-            assert row.status == ("met" if row.value <= row.target else "MISSED")
+            met = row.value >= row.target if row.higher_is_better else row.value <= row.target
+            assert row.status == ("met" if met else "MISSED")
 
 
 def test_reports_name_every_row_and_the_command(tiny_run):
