@@ -1,6 +1,7 @@
 """Packaging for ipu-unit-scaling."""
 from __future__ import annotations
 
+import glob
 import os
 import sys
 
@@ -52,10 +53,13 @@ setup(
     packages=find_packages(include=["ipu_unit_scaling", "ipu_unit_scaling.*"]),
     install_requires=["torch>=2.0", "numpy", "pyyaml", "tqdm"],
     extras_require={
-        "test": ["pytest", "hypothesis", "ml_dtypes", "gfloat", "ruff", "mypy", "types-PyYAML"],
+        "test": ["pytest", "hypothesis", "ml_dtypes", "gfloat", "ruff", "mypy", "types-PyYAML", "transformers"],
         "analysis": ["matplotlib"],
+        "bench": ["unit-scaling"],
     },
     entry_points={"console_scripts": ["ipu-unit-scaling=ipu_unit_scaling.cli:main"]},
+    # Named configs for installs without a source checkout (see config.CONFIGS_DIR).
+    data_files=[("share/ipu-unit-scaling/configs", sorted(glob.glob("configs/*.yaml")))],
     ext_modules=[host_library],
     cmdclass={"build_ext": BuildHostLibrary},
 )

@@ -177,6 +177,26 @@ def fused_cast_to_fp8(
     return codes, used.value
 
 
+def fused_cast_from_fp8(
+    codes: torch.Tensor, fmt_name: str, log2_scale: int
+) -> Optional[torch.Tensor]:
+    """``decode(codes) * 2**-log2_scale`` as float32 through the CastFromFp8 vertex code.
+
+    ``codes`` is a CPU uint8 tensor (made contiguous here). Returns None for a format the
+    codelets do not implement, so the caller takes its torch path.
+    """
+    if fmt_name.upper() not in _EXPONENT_BITS:
+        return None
+    flat = codes.contiguous()
+    out = torch.empty(codes.shape, dtype=torch.float32)
+    status = library().ius_vertex_cast_from_fp8(
+        _pointer(flat), flat.numel(), dtype_code(torch.float32), exponent_bits(fmt_name), 1,
+        int(log2_scale), _pointer(out))
+    if status != 0:
+        raise ValueError(f"host decode rejected its arguments (log2_scale={log2_scale})")
+    return out
+
+
 def partition_grain() -> int:
     """Slices start on multiples of this many elements (see codelets/partition.hpp)."""
     return int(library().ius_partition_grain())

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,14 @@ REGIMES = (
 # Margins shift a power-of-two scaling bias that is clamped to [-31, 31] anyway.
 MAX_FP8_MARGIN = 31
 
-CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+def _configs_dir() -> Path:
+    """`configs/` of a source checkout, else the copy a non-editable install puts in its prefix."""
+    checkout = Path(__file__).resolve().parent.parent / "configs"
+    installed = Path(sys.prefix) / "share" / "ipu-unit-scaling" / "configs"
+    return checkout if checkout.is_dir() or not installed.is_dir() else installed
+
+
+CONFIGS_DIR = _configs_dir()
 
 
 class ConfigError(ValueError):
@@ -67,6 +75,9 @@ class ModelConfig:
     mlp_expansion: int = 4
     dropout: float = 0.0
     unit_scaled: bool = True
+    attn_tau: float = 0.2
+    mlp_tau: float = 0.5
+    bias: bool = False
 
 
 @dataclass
@@ -433,6 +444,9 @@ def _check_rules(config: Config, errors: List[Tuple[str, str]]) -> None:
         )
     if not 0.0 <= model.dropout < 1.0:
         error("model.dropout", f"got {model.dropout!r}; allowed: 0 <= dropout < 1")
+    for name in ("attn_tau", "mlp_tau"):
+        if not getattr(model, name) > 0:
+            error(f"model.{name}", f"got {getattr(model, name)!r}; must be > 0")
 
     precision = config.precision
     choice("precision.dtype", precision.dtype, DTYPES)

@@ -43,15 +43,27 @@ __all__ = [
 ]
 
 
-def _scaled_call(fn, inputs: Sequence[Tensor], output_scale: float, grad_scales: Sequence[float]):
+def _scaled_call(
+    fn,
+    inputs: Sequence[Tensor],
+    output_scale: float,
+    grad_scales: Sequence[float],
+    scale_in_place: bool = False,
+):
     """`fn(*inputs) * output_scale` with the gradient of input i scaled by `grad_scales[i]`.
 
     The output multiply is a plain one, so it also scales every input gradient by
     `output_scale`; each input then only needs the ratio, which is 1 (no op) when tied.
+
+    `scale_in_place` multiplies fn's fresh output in place: the same values and gradients
+    without allocating a second output-sized tensor. Only for ops whose backward does not use
+    their output (gelu, matmul, add; not relu or softmax, which autograd would then reject).
     """
     adjusted = [scale_bwd(x, g / output_scale) for x, g in zip(inputs, grad_scales)]
     out = fn(*adjusted)
-    return out * output_scale if output_scale != 1.0 else out
+    if output_scale == 1.0:
+        return out
+    return out.mul_(output_scale) if scale_in_place else out * output_scale
 
 
 def _reject(name: str, value: object, default: object, why: str) -> None:
@@ -114,7 +126,9 @@ def matmul(left: Tensor, right: Tensor, constraint: ConstraintArg = "gmean") -> 
     output_scale, left_scale, right_scale = apply_constraint(
         constraint, inner**-0.5, left_count**-0.5, right_count**-0.5
     )
-    return _scaled_call(torch.matmul, (left, right), output_scale, (left_scale, right_scale))
+    return _scaled_call(
+        torch.matmul, (left, right), output_scale, (left_scale, right_scale), scale_in_place=True
+    )
 
 
 # ---------------------------------------------------------------- nonlinearities
@@ -136,11 +150,17 @@ def _normal_rms(values: np.ndarray) -> float:
 @lru_cache(maxsize=None)
 def _gelu_stds(approximate: str) -> Tuple[float, float]:
     """(std of gelu(z), rms of gelu'(z)) for z ~ N(0, 1), computed in float64 by autograd."""
-    z = torch.tensor(_HERMITE_POINTS, dtype=torch.float64, requires_grad=True)
-    out = F.gelu(z, approximate=approximate)
-    (slope,) = torch.autograd.grad(out.sum(), z)
+    # Autograd must record even when the first call comes under no_grad or inference_mode.
+    with torch.inference_mode(False), torch.enable_grad():
+        z = torch.tensor(_HERMITE_POINTS, dtype=torch.float64, requires_grad=True)
+        out = F.gelu(z, approximate=approximate)
+        (slope,) = torch.autograd.grad(out.sum(), z)
     return _normal_std(out.detach().numpy()), _normal_rms(slope.numpy())
 
+
+# Computed once at import: torch.compile traces through lru_cache, and tracing the autograd call
+# above would split the compiled graph at every GELU.
+_GELU_STDS = {approximate: _gelu_stds(approximate) for approximate in ("none", "tanh")}
 
 # Closed forms for z ~ N(0, 1): relu(z) has variance 1/2 - 1/(2 pi); relu'(z) is 1 half the time.
 _RELU_STD = math.sqrt(0.5 - 0.5 / math.pi)
@@ -153,10 +173,14 @@ def gelu(input: Tensor, approximate: str = "none", constraint: ConstraintArg = "
     Rule: output scale 1/std(gelu(z)), grad-input scale 1/rms(gelu'(z)) for z ~ N(0, 1),
     computed by quadrature; tied by `constraint`.
     """
-    out_std, grad_rms = _gelu_stds(approximate)
+    if approximate in _GELU_STDS:
+        out_std, grad_rms = _GELU_STDS[approximate]
+    else:
+        out_std, grad_rms = _gelu_stds(approximate)
     output_scale, grad_scale = apply_constraint(constraint, 1 / out_std, 1 / grad_rms)
     return _scaled_call(
-        lambda x: F.gelu(x, approximate=approximate), (input,), output_scale, (grad_scale,)
+        lambda x: F.gelu(x, approximate=approximate), (input,), output_scale, (grad_scale,),
+        scale_in_place=True,
     )
 
 
@@ -217,7 +241,8 @@ def dropout(input: Tensor, p: float = 0.5, training: bool = True, inplace: bool 
         raise ValueError(f"p={p!r} must be in [0, 1)")
     if not training or p == 0.0:
         return input
-    return F.dropout(input, p, training) * math.sqrt(1 - p)
+    # Dropout's backward uses its mask, not its output, so the fresh output can be scaled in place.
+    return F.dropout(input, p, training).mul_(math.sqrt(1 - p))
 
 
 # ---------------------------------------------------------------- normalisation and lookups
@@ -295,7 +320,7 @@ def add(
     other_scale *= _broadcast_count(other, out_numel) ** -0.5
     return _scaled_call(
         lambda a, b: torch.add(a, b, alpha=alpha), (input, other), output_scale,
-        (input_scale, other_scale),
+        (input_scale, other_scale), scale_in_place=True,
     )
 
 
@@ -325,7 +350,12 @@ def residual_add(residual: Tensor, skip: Tensor, tau: float = 1.0) -> Tensor:
     applies a in the backward pass instead, where the branch gradient joins the stream.
     """
     branch_weight, skip_weight = _residual_weights(tau)
-    return scale_fwd(residual, branch_weight) + skip * skip_weight
+    scaled_skip = skip * skip_weight
+    scaled_residual = scale_fwd(residual, branch_weight)
+    if scaled_skip.shape == scaled_residual.shape and scaled_skip.dtype == scaled_residual.dtype:
+        # Accumulating into the fresh skip product saves an allocation; the sum is the same.
+        return scaled_skip.add_(scaled_residual)
+    return scaled_residual + scaled_skip  # broadcasting or type promotion: a new tensor
 
 
 # ---------------------------------------------------------------- attention

@@ -232,3 +232,21 @@ def test_disabled_library_falls_back_in_a_fresh_process():
     # log2_scale = floor(log2(240 / 300)) = -1
     expected = ml_cast(torch.tensor([1.0, -300.0]), F143, -1, "saturate").tolist()
     assert codes == str(expected)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("scale", [-31, -5, 0, 3, 31])
+def test_host_decode_equals_ml_dtypes_for_every_code(fmt: FP8Format, scale: int) -> None:
+    from ipu_unit_scaling.fp8 import Fp8Tensor, cast_from_fp8
+
+    codes = torch.arange(256, dtype=torch.uint8).repeat(5).reshape(40, 32)
+    decoded = _host.fused_cast_from_fp8(codes, fmt.name, scale)
+    assert decoded is not None
+    oracle = codes.numpy().view(ML_DTYPES[fmt.name]).astype(np.float64) * 2.0**-scale
+    expected = torch.from_numpy(oracle.astype(np.float32))
+    assert torch.equal(decoded.isnan(), expected.isnan())
+    finite = ~expected.isnan()
+    assert torch.equal(decoded[finite].view(torch.int32), expected[finite].view(torch.int32))
+    # cast_from_fp8 takes this path by default, transposed (non-contiguous) codes included.
+    via_api = cast_from_fp8(Fp8Tensor(codes.t(), scale, fmt))
+    assert torch.equal(via_api[finite.t()], expected.t()[finite.t()])

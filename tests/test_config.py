@@ -113,6 +113,7 @@ BROKEN = [
     (["model.unit_scaled=1"], "model.unit_scaled", "expected a bool"),
     (["model.heads=3"], "model.heads", "must divide model.hidden_size"),
     (["model.dropout=1.5"], "model.dropout", "0 <= dropout < 1"),
+    (["model.attn_tau=0"], "model.attn_tau", "> 0"),
     (["model.widht=3"], "model.widht", "unknown key"),
     (["modle.depth=3"], "modle", "did you mean 'model'"),
     (["model=3"], "model", "expected a mapping"),
@@ -213,3 +214,12 @@ def test_fp8_section_matches_fp8_config():
     theirs = {f.name: f.default for f in dataclasses.fields(fp8.FP8Config)}
     ours = {f.name: f.default for f in dataclasses.fields(FP8Section)}
     assert ours == theirs
+
+
+def test_model_section_has_exactly_the_gpt_config_fields():
+    from dataclasses import fields
+
+    from ipu_unit_scaling.config import ModelConfig
+    from ipu_unit_scaling.models import GPTConfig
+
+    assert {f.name for f in fields(ModelConfig)} == {f.name for f in fields(GPTConfig)}

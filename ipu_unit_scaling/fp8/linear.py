@@ -118,11 +118,23 @@ class _FP8LinearFunction(torch.autograd.Function):
         g8 = _flatten(cast_for_role(grad_output, config.gradient, config.gradient_margin,
                                     config, f"{ctx.site}.grad_output"))
         grad_x = grad_w = grad_b = None
+        g8_t = _transpose(g8)
+        use_mm_x, use_mm_w = (
+            ctx.use_scaled_mm if ctx.use_scaled_mm is not None else scaled_mm_supported(a, b)
+            for a, b in ((g8, w8), (g8_t, x8))
+        )
+        # Both products read the output gradient: where they dequantise, decode it only once.
+        g = cast_from_fp8(g8, compute) if not (use_mm_x and use_mm_w) else None
         if ctx.needs_input_grad[0]:
-            grad_x = _matmul_2d(g8, w8, compute, ctx.use_scaled_mm)
-            grad_x = grad_x.reshape(x_shape).to(x_dtype)
+            grad_x = (
+                _matmul_2d(g8, w8, compute, True) if use_mm_x or g is None
+                else g @ cast_from_fp8(w8, compute)
+            ).reshape(x_shape).to(x_dtype)
         if ctx.needs_input_grad[1]:
-            grad_w = _matmul_2d(_transpose(g8), x8, compute, ctx.use_scaled_mm).to(w_dtype)
+            grad_w = (
+                _matmul_2d(g8_t, x8, compute, True) if use_mm_w or g is None
+                else g.t() @ cast_from_fp8(x8, compute)
+            ).to(w_dtype)
         if b_dtype is not None and ctx.needs_input_grad[2]:
             flat = grad_output.reshape(-1, grad_output.shape[-1])
             grad_b = flat.to(compute).sum(0).to(b_dtype)

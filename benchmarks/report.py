@@ -1,0 +1,215 @@
+"""Render benchmark results: a console table and docs/BENCHMARKS.md."""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+from typing import Dict, List, Sequence
+
+import torch
+
+from .suite import Results, Row, Settings
+from .variants import published_version
+
+# Why a missed target is missed, keyed by row; shown in the table's notes when it is.
+OBSTACLES: Dict[str, str] = {
+    "step_eager_ours": (
+        "unit scaling adds memory-bound elementwise passes that plain torch does not have (the "
+        "residual branch and skip multiplies, the attention row scale, the gradient-only scales "
+        "in the backward pass) and about ten custom autograd nodes per layer; at this small "
+        "shape they are a visible share of a step, and they grow with machine load"
+    ),
+    "step_eager_ours_vs_published": (
+        "both libraries add similar elementwise passes; within the noise of a shared machine"
+    ),
+    "step_compiled_ours": (
+        "the scale multiplies that Inductor cannot fuse into a neighbouring kernel (those next "
+        "to a matmul or attention) remain separate passes over activations"
+    ),
+    "step_compiled_ours_vs_published": (
+        "both compile to similar graphs; within the noise of a shared machine"
+    ),
+    "fp8_static_ours": (
+        "FP8 is simulated on a CPU without FP8 matmuls: every FP8 linear encodes its input, "
+        "weight and output gradient to FP8 codes and decodes them back to FP32 (a uint8-to-float "
+        "copy and a rescale per operand, twice for the backward matmuls) around an FP32 matmul, "
+        "so the step does more work than the FP32 one, with no FP8 hardware to pay it back"
+    ),
+}
+
+
+CLOCK_WORDS = {
+    "cpu": "the process's CPU time (time spent switched out for other programs not counted)",
+    "wall": "wall-clock time",
+}
+
+COMPARISON_NOTES = [
+    "One `TransformerDecoder` class (pre-norm, causal, bias-free, GELU MLP) built from three "
+    "`Ops` tables: `TORCH_OPS`, `UNIT_OPS`, and one from `unit_scaling` (`benchmarks/"
+    "variants.py`). `unit_scaling.LayerNorm` is asked for its affine parameters so that all "
+    "three have the same parameters; everything else uses each library's defaults.",
+    "A training step is forward with loss, backward, `torch.optim.AdamW` step and "
+    "`zero_grad`, the same optimizer for every build. Compiled rows wrap the model in "
+    "`torch.compile` (default Inductor backend); the optimizer stays eager.",
+    "FP8 rows: ours is `simulate_fp8(model, FP8Config(scaling=...))` on the unit-scaled "
+    "build (F143 forward, F152 gradients, round to nearest), against the same build in FP32. "
+    "`unit_scaling.transforms.simulate_fp8` has one mode, without per-tensor scaling (E4M3 "
+    "forward, E5M2 backward, stochastic rounding, through a TorchDynamo graph rewrite), so it "
+    "is the counterpart of the static row only, against its own FP32 build.",
+    "Peak memory is counted by the profiler, not the process RSS: the running sum of the "
+    "allocator's allocation and free events during one step, after a warm-up step. Ours holds "
+    "a copy of each weight multiplied by its output scale for the step (folding the scale into "
+    "the weight saves a multiply over the activations), which at small widths is a visible "
+    "share of the total.",
+]
+
+
+def machine_info(settings: Settings) -> List[str]:
+    return [
+        f"CPU: {_cpu_model()} ({os.cpu_count()} logical cores), "
+        f"{settings.threads} torch thread(s)",
+        f"Python {platform.python_version()}, torch {torch.__version__}, "
+        f"unit-scaling {published_version() or 'not installed'}",
+        f"OS: {platform.platform()}",
+    ]
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def _unit(row: Row) -> str:
+    return "" if row.key == "cast_melem" else "x"
+
+
+def _format_value(row: Row) -> str:
+    if row.value is None:
+        return "-"
+    return f"{row.value:.0f}" if row.key == "cast_melem" else f"{row.value:.2f}x"
+
+
+def _format_spread(row: Row) -> str:
+    return "" if row.spread is None else f"{row.spread[0]:.2f}-{row.spread[1]:.2f}"
+
+
+def _format_target(row: Row) -> str:
+    if row.target is None:
+        return ""
+    return f"{'>=' if row.higher_is_better else '<='} {row.target:.2f}{_unit(row)}"
+
+
+def _row_note(row: Row) -> str:
+    if row.status == "MISSED" and row.key in OBSTACLES:
+        return f"{row.note}; {OBSTACLES[row.key]}" if row.note else OBSTACLES[row.key]
+    return row.note
+
+
+def text_table(results: Results) -> str:
+    header = ("measurement", "ratio", "quartiles", "target", "status")
+    lines = [
+        (row.label, _format_value(row), _format_spread(row), _format_target(row), row.status)
+        for row in results.rows
+    ]
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *lines)]
+    out = [_join(header, widths), _join(tuple("-" * w for w in widths), widths)]
+    out += [_join(line, widths) for line in lines]
+    for row in results.rows:
+        note = _row_note(row)
+        if note:
+            out.append(f"  {row.label}: {note}")
+    return "\n".join(out)
+
+
+def _join(cells: Sequence[str], widths: Sequence[int]) -> str:
+    return "  ".join(str(cell).ljust(width) for cell, width in zip(cells, widths)).rstrip()
+
+
+def _markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> List[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return lines
+
+
+def markdown(results: Results, settings: Settings, command: str) -> str:
+    lines = [
+        "# Benchmarks",
+        "",
+        "The same GPT built three ways (plain `torch.nn.functional`, our unit-scaled `U`, and the",
+        "published `unit_scaling.functional`), so that only the ops differ. Every number is a",
+        "ratio measured within one run; timings are interleaved round by round and each ratio",
+        "is the median of per-round ratios (see `benchmarks/measure.py`).",
+        "",
+        "Produced by:",
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        f"on {datetime.date.today().isoformat()}:",
+        "",
+    ]
+    lines += [f"- {line}" for line in machine_info(settings)]
+    lines += [
+        f"- Model: {settings.shape.describe()}; AdamW; {settings.rounds} interleaved rounds of "
+        f"`blocked_autorange(min_run_time={settings.min_run_time})` per variant, "
+        f"timed by {CLOCK_WORDS[settings.clock]}",
+        f"- Whole run: {results.seconds:.0f} s",
+        "",
+        "## Ratios",
+        "",
+    ]
+    lines += _markdown_table(
+        ("measurement", "ratio", "per-round quartiles", "target", "status", "note"),
+        [
+            (
+                row.label, _format_value(row), _format_spread(row), _format_target(row),
+                row.status, _row_note(row),
+            )
+            for row in results.rows
+        ],
+    )
+    lines += ["", "## Step times (median ms)", ""]
+    lines += _markdown_table(
+        ("variant", "ms"), [(name, f"{ms:.1f}") for name, ms in results.step_ms.items()]
+    )
+    lines += ["", "## Peak memory of a training step", ""]
+    lines += _markdown_table(
+        ("variant", "MiB"),
+        [(name, f"{nbytes / 2**20:.2f}") for name, nbytes in results.peak_bytes.items()],
+    )
+    lines += [
+        "",
+        "Bytes held by tensors allocated during one step (after a warm-up step), counted from",
+        "the allocation and free events of `torch.profiler` with `profile_memory=True`.",
+    ]
+    if results.cast_rows:
+        lines += ["", "## amax + cast throughput", ""]
+        header = list(results.cast_rows[0])
+        lines += _markdown_table(
+            header, [[_cell(row.get(key)) for key in header] for row in results.cast_rows]
+        )
+    lines += ["", "## What is compared", ""]
+    lines += [f"- {line}" for line in COMPARISON_NOTES]
+    if results.notes:
+        lines += ["", "## Notes from this run", ""]
+        lines += [f"- {note}" for note in results.notes]
+    return "\n".join(lines) + "\n"
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+def command_line() -> str:
+    args = " ".join(sys.argv[1:])
+    return f"python -m benchmarks {args}".rstrip()

@@ -1,0 +1,287 @@
+"""The benchmark suite: every measurement, as rows of ratios taken in one run."""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .measure import Timings, peak_step_bytes, time_interleaved
+from .variants import (
+    OURS,
+    PUBLISHED,
+    TORCH,
+    Shape,
+    build_model,
+    make_batch,
+    make_train_step,
+    published_version,
+)
+
+# Upper bounds from the project's goals; a row without one is reported for information.
+EAGER_TARGET = 1.15
+COMPILED_TARGET = 1.05
+VERSUS_PUBLISHED_TARGET = 1.0
+FP8_STATIC_TARGET = 1.5
+CAST_SPEEDUP_TARGET = 8.0  # fused host amax + cast vs torch eager, at least
+CAST_MELEM_TARGET = 2000.0  # Melem/s, at least, with all cores
+
+
+@dataclass
+class Row:
+    """One measured ratio (or a skipped one, with the reason in `note`)."""
+
+    key: str
+    label: str
+    value: Optional[float]
+    target: Optional[float] = None
+    note: str = ""
+    spread: Optional[Tuple[float, float]] = None  # quartiles of the per-round ratios
+    higher_is_better: bool = False
+
+    @property
+    def status(self) -> str:
+        if self.value is None:
+            return "skipped"
+        if self.target is None:
+            return "-"
+        met = self.value >= self.target if self.higher_is_better else self.value <= self.target
+        return "met" if met else "MISSED"
+
+
+@dataclass
+class Settings:
+    shape: Shape
+    rounds: int
+    min_run_time: float
+    threads: int
+    compile: bool = True
+    clock: str = "cpu"
+    cast_elements: int = 16 << 20
+
+
+@dataclass
+class Results:
+    rows: List[Row] = field(default_factory=list)
+    step_ms: Dict[str, float] = field(default_factory=dict)
+    peak_bytes: Dict[str, int] = field(default_factory=dict)
+    cast_rows: List[Dict[str, object]] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def row(self, key: str) -> Row:
+        for row in self.rows:
+            if row.key == key:
+                return row
+        raise KeyError(key)
+
+
+def _variants(results: Results) -> List[str]:
+    names = [TORCH, OURS]
+    if published_version() is None:
+        results.notes.append(
+            "`unit-scaling` is not installed (`pip install unit-scaling`): its rows are skipped."
+        )
+    else:
+        names.append(PUBLISHED)
+    return names
+
+
+def _timed(
+    key: str, label: str, timings: Timings, numerator: str, denominator: str,
+    target: Optional[float] = None, note: str = "",
+) -> Row:
+    return Row(
+        key, label, timings.ratio(numerator, denominator), target, note,
+        timings.spread(numerator, denominator),
+    )
+
+
+def _skip(results: Results, key: str, label: str, target: Optional[float], why: str) -> None:
+    results.rows.append(Row(key, label, None, target, why))
+
+
+def _step_rows(
+    results: Results, settings: Settings, names: List[str], mode: str, target: float,
+    wrap: Callable[[torch.nn.Module], torch.nn.Module],
+) -> None:
+    batch = make_batch(settings.shape)
+    steps = {
+        name: make_train_step(wrap(build_model(name, settings.shape)), batch) for name in names
+    }
+    timings = time_interleaved(
+        steps, settings.rounds, settings.min_run_time, clock=settings.clock
+    )
+    for name in names:
+        results.step_ms[f"{mode} {name}"] = timings.median_ms(name)
+    results.rows.append(_timed(
+        f"step_{mode}_ours", f"Training step, {mode}: ours / torch", timings, OURS, TORCH, target
+    ))
+    published_label = f"Training step, {mode}: unit_scaling / torch"
+    versus_label = f"Training step, {mode}: ours / unit_scaling"
+    if PUBLISHED in names:
+        results.rows.append(_timed(
+            f"step_{mode}_published", published_label, timings, PUBLISHED, TORCH
+        ))
+        results.rows.append(_timed(
+            f"step_{mode}_ours_vs_published", versus_label, timings, OURS, PUBLISHED,
+            VERSUS_PUBLISHED_TARGET,
+        ))
+    else:
+        why = "unit-scaling not installed"
+        _skip(results, f"step_{mode}_published", published_label, None, why)
+        _skip(results, f"step_{mode}_ours_vs_published", versus_label,
+              VERSUS_PUBLISHED_TARGET, why)
+
+
+def _fp8_rows(results: Results, settings: Settings, names: List[str]) -> None:
+    from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
+
+    results.notes.append(f"FP8 casts on the CPU: {_cast_path()}")
+    batch = make_batch(settings.shape)
+    steps = {
+        "fp32": make_train_step(build_model(OURS, settings.shape), batch),
+        "static": make_train_step(
+            simulate_fp8(build_model(OURS, settings.shape), FP8Config(scaling="static")), batch
+        ),
+        "amax": make_train_step(
+            simulate_fp8(build_model(OURS, settings.shape), FP8Config(scaling="amax")), batch
+        ),
+    }
+    if PUBLISHED in names:
+        from unit_scaling.transforms import simulate_fp8 as published_simulate_fp8
+
+        steps["published fp32"] = make_train_step(build_model(PUBLISHED, settings.shape), batch)
+        steps["published fp8"] = make_train_step(
+            published_simulate_fp8(build_model(PUBLISHED, settings.shape)), batch
+        )
+    timings = time_interleaved(
+        steps, settings.rounds, settings.min_run_time, clock=settings.clock
+    )
+    for name in steps:
+        results.step_ms[f"fp8 {name}"] = timings.median_ms(name)
+    results.rows.append(_timed(
+        "fp8_static_ours", "FP8 step, static scaling / FP32 step: ours", timings,
+        "static", "fp32", FP8_STATIC_TARGET,
+    ))
+    results.rows.append(_timed(
+        "fp8_amax_ours", "FP8 step, AMAX scaling / FP32 step: ours", timings, "amax", "fp32"
+    ))
+    label = "FP8 step, static (simulate_fp8) / FP32 step: unit_scaling"
+    if PUBLISHED in names:
+        results.rows.append(_timed(
+            "fp8_static_published", label, timings, "published fp8", "published fp32",
+            note="no AMAX mode in unit_scaling",
+        ))
+    else:
+        _skip(results, "fp8_static_published", label, None, "unit-scaling not installed")
+
+
+def _memory_rows(results: Results, settings: Settings, names: List[str]) -> None:
+    batch = make_batch(settings.shape)
+    for name in names:
+        step = make_train_step(build_model(name, settings.shape), batch)
+        results.peak_bytes[name] = peak_step_bytes(step)
+    torch_bytes = results.peak_bytes[TORCH]
+    results.rows.append(Row(
+        "memory_ours", "Peak memory of a training step: ours / torch",
+        results.peak_bytes[OURS] / torch_bytes,
+    ))
+    label = "Peak memory of a training step: unit_scaling / torch"
+    if PUBLISHED in names:
+        results.rows.append(Row(
+            "memory_published", label, results.peak_bytes[PUBLISHED] / torch_bytes
+        ))
+    else:
+        _skip(results, "memory_published", label, None, "unit-scaling not installed")
+
+
+def _cast_path() -> str:
+    """Which CPU cast the FP8 rows used: the compiled host cast or the pure-torch one."""
+    try:
+        from ipu_unit_scaling import _host  # type: ignore[attr-defined]
+    except ImportError:
+        return "pure torch (no host cast in this version)"
+    return str(_host.fast_path_status())
+
+
+def _cast_rows(results: Results, settings: Settings) -> None:
+    label = "amax + cast to F143 throughput: fused host cast / torch eager (higher is faster)"
+    melem_label = "amax + cast to F143: fused host cast, Melem/s"
+    threads = os.cpu_count() or 1
+    try:
+        from .cast_throughput import FUSED
+        from .cast_throughput import run as run_cast_throughput
+    except ImportError as error:
+        results.notes.append(f"amax + cast throughput skipped: {error}")
+        results.rows.append(Row("cast_throughput", label, None, note="benchmark not available"))
+        results.rows.append(Row("cast_melem", melem_label, None, note="benchmark not available"))
+        return
+    # The cast is measured as a user runs it: on every core, not the step benchmarks' one thread.
+    step_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        results.cast_rows = list(
+            run_cast_throughput(settings.cast_elements, min_run_time=settings.min_run_time)
+        )
+    finally:
+        torch.set_num_threads(step_threads)
+    fused = next((row for row in results.cast_rows if row["name"] == FUSED), None)
+    ratio = None if fused is None else fused.get("ratio_to_eager")
+    melem = None if fused is None else fused.get("melem_per_s")
+    missing = (str(fused.get("note", "")) if fused else "no fused cast row") or "not measured"
+    where = f"{settings.cast_elements} float32 elements, {threads} threads"
+    results.rows.append(Row(
+        "cast_throughput", label, None if ratio is None else float(ratio),  # type: ignore[arg-type]
+        target=CAST_SPEEDUP_TARGET, higher_is_better=True,
+        note=missing if ratio is None else f"{where}; every implementation in the table below",
+    ))
+    results.rows.append(Row(
+        "cast_melem", melem_label, None if melem is None else float(melem),  # type: ignore[arg-type]
+        target=CAST_MELEM_TARGET, higher_is_better=True,
+        note=missing if melem is None else where,
+    ))
+
+
+def run_suite(settings: Settings, log: Callable[[str], None] = print) -> Results:
+    """Run every benchmark with `settings` and return the rows."""
+    start = time.perf_counter()
+    torch.set_num_threads(settings.threads)
+    results = Results()
+    names = _variants(results)
+
+    log("training step, eager ...")
+    _step_rows(results, settings, names, "eager", EAGER_TARGET, lambda model: model)
+    if settings.compile:
+        log("training step, torch.compile (compiling takes a while) ...")
+        _step_rows(results, settings, names, "compiled", COMPILED_TARGET, _compiled)
+    else:
+        for key, label in _compiled_labels():
+            target = COMPILED_TARGET if key == "step_compiled_ours" else None
+            _skip(results, key, label, target, "--no-compile")
+    log("FP8-simulated step ...")
+    _fp8_rows(results, settings, names)
+    log("amax + cast throughput ...")
+    _cast_rows(results, settings)
+    log("peak memory ...")
+    _memory_rows(results, settings, names)
+    results.seconds = time.perf_counter() - start
+    for row in results.rows:
+        if row.value is not None and not (math.isfinite(row.value) and row.value > 0):
+            raise RuntimeError(f"{row.key}: measured a non-positive or non-finite {row.value}")
+    return results
+
+
+def _compiled(model: torch.nn.Module) -> torch.nn.Module:
+    return torch.compile(model)  # type: ignore[return-value]
+
+
+def _compiled_labels() -> List[tuple]:
+    return [
+        ("step_compiled_ours", "Training step, compiled: ours / torch"),
+        ("step_compiled_published", "Training step, compiled: unit_scaling / torch"),
+        ("step_compiled_ours_vs_published", "Training step, compiled: ours / unit_scaling"),
+    ]

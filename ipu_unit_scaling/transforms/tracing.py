@@ -1,0 +1,301 @@
+"""torch.fx tracing that resolves Python control flow from example inputs.
+
+Plain `torch.fx.symbolic_trace` stops at the first `if` on a traced value (a shape check, an
+`is_nested` test, a mask that may be absent). `ConcreteTracer` runs every node on real example
+values as it records it, so such a condition is answered by its value on the example inputs and
+the traced graph is specialised to that branch. Non-tensor arguments are baked into the graph the
+same way (fx adds a guard for None, bool and number arguments).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+
+__all__ = [
+    "ConcreteTracer", "ArgumentFrame", "SpecialisedCall", "capture_inputs", "trace_module", "Inputs"
+]
+
+# (args, kwargs) of one call.
+Inputs = Tuple[Tuple[Any, ...], Dict[str, Any]]
+
+_UNKNOWN = object()
+
+
+class ConcreteTracer(fx.Tracer):
+    """An fx tracer with a leaf policy and concrete values for control flow.
+
+    `is_leaf(module, qualified_name)` decides which modules become single `call_module` nodes;
+    every other module, including `torch.nn` containers and layers such as
+    `nn.TransformerEncoderLayer`, is traced through.
+    """
+
+    def __init__(self, is_leaf: Callable[[nn.Module, str], bool]) -> None:
+        super().__init__()
+        self._is_leaf = is_leaf
+        self._inputs: Dict[str, Any] = {}
+        self._values: Dict[fx.Node, Any] = {}
+        self.specialised: List[str] = []
+        self.tensor_nodes: Optional[Set[str]] = None
+        self._real_attributes = False
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: Dict[str, Any]) -> Any:
+        if self._real_attributes:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return self._is_leaf(m, module_qualified_name)
+
+    def trace_with_inputs(
+        self, root: nn.Module, inputs: Optional[Dict[str, Any]], concrete_args: Any
+    ) -> fx.Graph:
+        self._inputs = dict(inputs or {})
+        self._values = {}
+        try:
+            graph = self.trace(root, concrete_args=concrete_args or None)
+            if self._inputs:
+                self.tensor_nodes = {
+                    node.name for node, value in self._values.items() if _carries_data(value)
+                }
+            return graph
+        finally:
+            self._values = {}
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):  # type: ignore[no-untyped-def]
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if self._inputs:
+            self._values[node] = self._evaluate(node)
+        return node
+
+    def _evaluate(self, node: fx.Node) -> Any:
+        if node.op == "placeholder":
+            name = str(node.target).lstrip("*")
+            if name in self._inputs:
+                return self._inputs[name]
+            return _UNKNOWN
+        if node.op == "output":
+            return _UNKNOWN
+        try:
+            args = fx.node.map_arg(node.args, self._value_of)
+            kwargs = fx.node.map_arg(node.kwargs, self._value_of)
+        except LookupError:
+            return _UNKNOWN
+        # The real modules run while fx's patches are active: call them unpatched, and keep
+        # their parameter reads from turning into graph nodes.
+        outer, self._real_attributes = self._real_attributes, True
+        try:
+            with torch.no_grad():
+                if node.op == "get_attr":
+                    return _get_attr(self.root, str(node.target))
+                if node.op == "call_function":
+                    return node.target(*args, **kwargs)  # type: ignore[operator]
+                if node.op == "call_method":
+                    return getattr(args[0], str(node.target))(*args[1:], **kwargs)
+                if node.op == "call_module":
+                    module = self.root.get_submodule(str(node.target))
+                    return _unpatched_module_call(module, *args, **kwargs)
+        except Exception:  # a value we cannot compute only matters if control flow needs it
+            return _UNKNOWN
+        finally:
+            self._real_attributes = outer
+        return _UNKNOWN
+
+    def _value_of(self, node: fx.Node) -> Any:
+        value = self._values.get(node, _UNKNOWN)
+        if value is _UNKNOWN:
+            raise LookupError(node.name)
+        return value
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _ConcreteProxy(node, self)
+
+    def concrete_value(self, node: fx.Node) -> Any:
+        """The node's value on the example inputs, or raise TraceError."""
+        value = self._values.get(node, _UNKNOWN)
+        if value is _UNKNOWN:
+            raise fx.proxy.TraceError(
+                f"control flow depends on {node.name!r}, whose value is unknown: pass "
+                "example inputs so that it can be resolved"
+            )
+        self.specialised.append(node.name)
+        return value
+
+    def to_bool(self, obj: fx.Proxy) -> bool:
+        return bool(self.concrete_value(obj.node))
+
+    def iter(self, obj: fx.Proxy):  # type: ignore[no-untyped-def]
+        value = self._values.get(obj.node, _UNKNOWN)
+        if isinstance(value, (tuple, list, torch.Size)):
+            return iter([obj[i] for i in range(len(value))])  # type: ignore[index]
+        return super().iter(obj)
+
+
+def _carries_data(value: Any) -> bool:
+    """A floating-point tensor, or a container holding one.
+
+    Integer tensors (positions, masks, indices) and shapes carry no scale to speak of.
+    """
+    return any(
+        isinstance(leaf, Tensor) and leaf.is_floating_point()
+        for leaf in pytree.tree_flatten(value)[0]  # tree_leaves is missing from torch 2.0
+    )
+
+
+class _ConcreteProxy(fx.Proxy):
+    """A proxy whose `len()` is its length on the example inputs."""
+
+    def __len__(self) -> int:
+        tracer = self.tracer
+        if isinstance(tracer, ConcreteTracer):
+            return len(tracer.concrete_value(self.node))
+        return super().__len__()
+
+
+# Module.__call__ as it was before fx patched it for tracing.
+_unpatched_module_call = getattr(fx._symbolic_trace, "_orig_module_call", nn.Module.__call__)
+
+
+def _get_attr(root: nn.Module, target: str) -> Any:
+    value: Any = root
+    for atom in target.split("."):
+        value = getattr(value, atom)
+    return value
+
+
+def capture_inputs(
+    model: nn.Module, args: Sequence[Any], kwargs: Optional[Dict[str, Any]] = None
+) -> Dict[str, Inputs]:
+    """Run `model(*args, **kwargs)` once and return the first inputs each submodule saw."""
+    seen: Dict[str, Inputs] = {}
+    handles = []
+    for name, module in model.named_modules():
+
+        def record(module: nn.Module, a: Tuple[Any, ...], k: Dict[str, Any], name: str = name):
+            seen.setdefault(name, (tuple(a), dict(k)))
+
+        handles.append(module.register_forward_pre_hook(record, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(*args, **(kwargs or {}))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+_PLAIN_TYPES = (type(None), bool, int, float, str)
+
+
+class ArgumentFrame(nn.Module):
+    """Calls `inner` with one call's arguments, its tensors taken as positional inputs.
+
+    Tracing a frame gives a graph whose inputs are exactly the call's tensors, wherever they sat
+    (positional, keyword or inside `**kwargs`); every other argument is a constant of the graph.
+    """
+
+    def __init__(self, inner: nn.Module, inputs: Inputs) -> None:
+        super().__init__()
+        self.inner = inner
+        self.signature = inspect.signature(inner.forward)
+        bound = self.signature.bind(*inputs[0], **inputs[1])
+        bound.apply_defaults()
+        leaves, self.spec = pytree.tree_flatten(dict(bound.arguments))
+        self.tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
+        self.example_tensors = [leaves[i] for i in self.tensor_positions]
+        self.constants = [None if isinstance(leaf, Tensor) else leaf for leaf in leaves]
+
+    def call_arguments(self, tensors: Sequence[Any]) -> Inputs:
+        leaves = list(self.constants)
+        for position, tensor in zip(self.tensor_positions, tensors):
+            leaves[position] = tensor
+        arguments = pytree.tree_unflatten(leaves, self.spec)
+        args: List[Any] = []
+        kwargs: Dict[str, Any] = {}
+        for name, value in arguments.items():
+            kind = self.signature.parameters[name].kind
+            if kind == inspect.Parameter.POSITIONAL_ONLY:
+                args.append(value)
+            elif kind == inspect.Parameter.VAR_POSITIONAL:
+                args.extend(value)
+            elif kind == inspect.Parameter.VAR_KEYWORD:
+                kwargs.update(value)
+            else:
+                kwargs[name] = value
+        return tuple(args), kwargs
+
+    def forward(self, *tensors: Any) -> Any:
+        args, kwargs = self.call_arguments(tensors)
+        result = self.inner(*args, **kwargs)
+        # fx turns a returned dict subclass (such as a Hugging Face ModelOutput) into a dict.
+        self.output_type = type(result)
+        return result
+
+
+class SpecialisedCall(nn.Module):
+    """Takes the original module's arguments and runs the traced graph on their tensors.
+
+    Non-tensor arguments were fixed when the graph was traced; a call that changes a None,
+    bool, number or string among them is refused rather than silently run on the old value.
+    """
+
+    def __init__(self, graph_module: fx.GraphModule, frame: ArgumentFrame) -> None:
+        super().__init__()
+        self.graph_module = graph_module
+        self._signature = frame.signature
+        self._spec = frame.spec
+        self._tensor_positions = frame.tensor_positions
+        self._constants = frame.constants
+        self._output_type = getattr(frame, "output_type", None)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        bound = self._signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        leaves, spec = pytree.tree_flatten(dict(bound.arguments))
+        if spec != self._spec:
+            raise ValueError(
+                "unit_scale specialised this module to the structure of its example arguments; "
+                f"got a different structure: {spec}"
+            )
+        for position, (leaf, constant) in enumerate(zip(leaves, self._constants)):
+            if position in self._tensor_positions:
+                if not isinstance(leaf, Tensor):
+                    raise ValueError(f"argument {position} was a tensor when traced, not {leaf!r}")
+            elif isinstance(constant, _PLAIN_TYPES) and leaf != constant:
+                raise ValueError(
+                    f"unit_scale specialised this module to the argument value {constant!r}; "
+                    f"got {leaf!r}"
+                )
+        result = self.graph_module(*[leaves[i] for i in self._tensor_positions])
+        output_type = self._output_type
+        if type(result) is dict and output_type is not None and issubclass(output_type, dict):
+            return output_type(**result)
+        return result
+
+
+def trace_module(
+    module: nn.Module, is_leaf: Callable[[nn.Module, str], bool], inputs: Optional[Inputs]
+) -> Tuple[nn.Module, fx.Graph, List[str], Optional[Set[str]]]:
+    """Trace `module`, through an `ArgumentFrame` when example inputs are given.
+
+    Returns the traced root (the module or its frame, whose submodule names start with
+    "inner."), its graph, the nodes whose values fixed a branch, and the names of the nodes that
+    produced tensors on the example inputs (None without inputs).
+    """
+    if inputs is None:
+        tracer = ConcreteTracer(is_leaf)
+        graph = tracer.trace_with_inputs(module, None, {})
+        return module, graph, tracer.specialised, tracer.tensor_nodes
+    frame = ArgumentFrame(module, inputs)
+
+    def frame_is_leaf(m: nn.Module, name: str) -> bool:
+        return name != "inner" and is_leaf(m, name[len("inner."):])
+
+    tracer = ConcreteTracer(frame_is_leaf)
+    # One `*tensors` placeholder; the tracer's `iter` splits it by the example's length.
+    graph = tracer.trace_with_inputs(frame, {"tensors": tuple(frame.example_tensors)}, None)
+    return frame, graph, tracer.specialised, tracer.tensor_nodes

@@ -1,0 +1,494 @@
+"""`unit_scale(model)`: a unit-scaled copy of an existing PyTorch model.
+
+The model is traced with torch.fx (see `tracing.ConcreteTracer`), and the graph is rewritten:
+
+- modules with unit-scaled versions (Linear, LayerNorm, Embedding, GELU, ReLU, Softmax, Dropout,
+  CrossEntropyLoss, MultiheadAttention, Hugging Face Conv1D and GELU activations) are replaced
+  by fresh unit-initialised ones;
+- torch functions with unit-scaled versions (`F.gelu`, `F.softmax`, `torch.matmul`,
+  `F.scaled_dot_product_attention`, `F.cross_entropy`, ...) call the `U` op instead, and
+  `F.dropout` becomes a `uu.Dropout` module, so it follows `model.train()` / `model.eval()`;
+- an addition whose one operand feeds the other through layers with weights is a residual:
+  it becomes `residual_split` at the fork and `residual_add` at the join, with `attn_tau` when
+  the branch contains attention and `mlp_tau` otherwise; other sums of two learned tensors
+  become `U.add`.
+
+A module that cannot be traced is kept, and its children are converted one by one: their own
+residuals are found, but the kept module's own arithmetic stays unscaled and is reported.
+Everything left unscaled is listed in a `UnitScaleWarning`.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Union
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+
+from .. import modules as uu
+from . import replacements as R
+from .tracing import ArgumentFrame, Inputs, SpecialisedCall, capture_inputs, trace_module
+
+__all__ = ["unit_scale", "unit_scale_with_report", "UnitScaleReport", "UnitScaleWarning"]
+
+ModuleKey = Union[str, type]
+
+
+class UnitScaleWarning(UserWarning):
+    """Some ops of a model could not be unit-scaled and run as they were."""
+
+
+@dataclass
+class UnitScaleReport:
+    """What `unit_scale` did: converted ops, residuals, and what it left unscaled."""
+
+    converted: List[str] = field(default_factory=list)
+    residuals: List[str] = field(default_factory=list)
+    unconverted: List[str] = field(default_factory=list)
+    untraceable: List[str] = field(default_factory=list)
+    specialised: List[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        lines = [
+            f"{len(self.converted)} ops converted, {len(self.residuals)} residuals, "
+            f"{len(self.unconverted)} ops left unscaled"
+        ]
+        if self.unconverted:
+            lines.append("left unscaled: " + ", ".join(self.unconverted))
+        if self.untraceable:
+            lines.append("not traced (children converted one by one): "
+                         + "; ".join(self.untraceable))
+        return "\n".join(lines)
+
+
+# Unit-scaled modules that are already what unit_scale would produce.
+_UNIT_MODULES = (
+    SpecialisedCall, fx.GraphModule, uu.Linear, uu.LayerNorm, uu.Embedding, uu.GELU, uu.ReLU,
+    uu.Softmax, uu.Dropout, uu.CrossEntropyLoss, R.UnitMultiheadAttention, R.UnitConv1D,
+)
+# Leaf modules that leave scales alone.
+_NEUTRAL_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten)
+_ATTENTION_MODULES = (nn.MultiheadAttention, R.UnitMultiheadAttention, uu.MHSA, nn.Softmax)
+
+
+def unit_scale(
+    model: nn.Module,
+    example_inputs: Optional[Sequence[Any]] = None,
+    example_kwargs: Optional[Dict[str, Any]] = None,
+    *,
+    skip: Iterable[ModuleKey] = (),
+    replacements: Optional[Mapping[ModuleKey, Callable[[nn.Module], nn.Module]]] = None,
+    function_replacements: Optional[Mapping[Any, Callable[..., Any]]] = None,
+    attn_tau: float = 0.2,
+    mlp_tau: float = 0.5,
+    seed: int = 0,
+) -> nn.Module:
+    """Return a unit-scaled copy of `model`; `model` itself is not changed.
+
+    - `example_inputs` / `example_kwargs`: one call's arguments. They let tracing resolve Python
+      control flow (shape checks, optional masks); the copy is specialised to the branches they
+      take and to their non-tensor arguments. Without them, models with such control flow are
+      converted module by module.
+    - `skip`: qualified module names or module classes to leave exactly as they are.
+    - `replacements`: qualified names or classes mapped to a function that builds the
+      replacement from the original module (checked before the built-in conversions).
+    - `function_replacements`: torch functions (or method names such as "tanh") mapped to a
+      function with the same arguments.
+    - `attn_tau`, `mlp_tau`: branch-to-skip weight ratios of residuals whose branch does / does
+      not contain attention.
+    - `seed`: the converted weights are drawn from this seed (the caller's RNG is untouched), so
+      two conversions of one model are identical.
+
+    Ops that could not be converted are listed in a `UnitScaleWarning`.
+    """
+    converted, report = unit_scale_with_report(
+        model, example_inputs, example_kwargs, skip=skip, replacements=replacements,
+        function_replacements=function_replacements, attn_tau=attn_tau, mlp_tau=mlp_tau,
+        seed=seed,
+    )
+    if report.unconverted or report.untraceable:
+        warnings.warn(
+            "unit_scale left some ops unscaled; they run as in the original model:\n"
+            + report.summary(), UnitScaleWarning, stacklevel=2,
+        )
+    return converted
+
+
+def unit_scale_with_report(
+    model: nn.Module,
+    example_inputs: Optional[Sequence[Any]] = None,
+    example_kwargs: Optional[Dict[str, Any]] = None,
+    *,
+    skip: Iterable[ModuleKey] = (),
+    replacements: Optional[Mapping[ModuleKey, Callable[[nn.Module], nn.Module]]] = None,
+    function_replacements: Optional[Mapping[Any, Callable[..., Any]]] = None,
+    attn_tau: float = 0.2,
+    mlp_tau: float = 0.5,
+    seed: int = 0,
+) -> tuple[nn.Module, UnitScaleReport]:
+    """`unit_scale` without the warning: returns `(converted_model, report)`."""
+    copied = copy.deepcopy(model)
+    captured: Dict[str, Inputs] = {}
+    if example_inputs is not None or example_kwargs:
+        captured = capture_inputs(copied, tuple(example_inputs or ()), example_kwargs)
+    converter = _Converter(
+        captured=captured,
+        skip=set(skip),
+        replacements=dict(replacements or {}),
+        functions={**R.FUNCTION_ADAPTERS, **dict(function_replacements or {})},
+        attn_tau=attn_tau,
+        mlp_tau=mlp_tau,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        converted = converter.convert(copied, "")
+    converted.train(model.training)
+    return converted, converter.report
+
+
+class _Converter:
+    def __init__(
+        self,
+        captured: Dict[str, Inputs],
+        skip: Set[ModuleKey],
+        replacements: Dict[ModuleKey, Callable[[nn.Module], nn.Module]],
+        functions: Dict[Any, Callable[..., Any]],
+        attn_tau: float,
+        mlp_tau: float,
+    ) -> None:
+        self.captured = captured
+        self.skip = skip
+        self.replacements = replacements
+        self.builtin = R.module_converters()
+        self.functions = functions
+        self.attn_tau = attn_tau
+        self.mlp_tau = mlp_tau
+        self.report = UnitScaleReport()
+        self._dropouts = 0
+
+    # ------------------------------------------------------------ module policy
+
+    def _skipped(self, module: nn.Module, name: str) -> bool:
+        return name in self.skip or type(module) in self.skip
+
+    def _module_converter(
+        self, module: nn.Module, name: str
+    ) -> Optional[Callable[[nn.Module], nn.Module]]:
+        if name in self.replacements:
+            return self.replacements[name]
+        return self.replacements.get(type(module)) or self.builtin.get(type(module))
+
+    def _is_leaf(self, module: nn.Module, name: str) -> bool:
+        if self._skipped(module, name) or self._module_converter(module, name) is not None:
+            return True
+        if isinstance(module, _UNIT_MODULES):
+            return True
+        is_torch = type(module).__module__.startswith(("torch.nn", "torch.ao.nn"))
+        # torch layers without children are single ops; containers and transformer layers are
+        # traced through so that their parts and residuals are converted.
+        return is_torch and next(module.children(), None) is None
+
+    # ------------------------------------------------------------ recursion
+
+    def convert(self, module: nn.Module, name: str) -> nn.Module:
+        if self._skipped(module, name) or isinstance(module, _UNIT_MODULES):
+            return module
+        make = self._module_converter(module, name)
+        if make is not None:
+            self.report.converted.append(name or type(module).__name__)
+            return make(module)
+        if self._is_leaf(module, name):
+            if not isinstance(module, _NEUTRAL_MODULES):
+                self.report.unconverted.append(f"{name} ({type(module).__name__})")
+            return module
+        if type(module).forward is nn.Module.forward:  # a container such as nn.ModuleList
+            return self._convert_children(module, name)
+        def is_leaf(child: nn.Module, child_name: str) -> bool:
+            return self._is_leaf(child, f"{name}.{child_name}" if name else child_name)
+
+        try:
+            root, graph, specialised, tensor_nodes = trace_module(
+                module, is_leaf, self.captured.get(name)
+            )
+        except Exception as error:  # any tracing failure: fall back to the children
+            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            self.report.untraceable.append(
+                f"{name or type(module).__name__}: {type(error).__name__}: {first_line[:120]}"
+            )
+            return self._convert_children(module, name)
+        if specialised:
+            self.report.specialised.append(f"{name or 'model'}: {', '.join(specialised)}")
+        converted = self._rewrite(root, name, graph, tensor_nodes)
+        if isinstance(root, ArgumentFrame):
+            assert isinstance(converted, fx.GraphModule)
+            return SpecialisedCall(converted, root)
+        return converted
+
+    def _convert_children(self, module: nn.Module, name: str) -> nn.Module:
+        for child_name, child in list(module.named_children()):
+            qualified = f"{name}.{child_name}" if name else child_name
+            setattr(module, child_name, self.convert(child, qualified))
+        return module
+
+    # ------------------------------------------------------------ graph rewriting
+
+    def _rewrite(
+        self, root: nn.Module, prefix: str, graph: fx.Graph, tensor_nodes: Optional[Set[str]]
+    ) -> nn.Module:
+        def where(node: fx.Node) -> str:
+            return f"{prefix}.{node.name}" if prefix else node.name
+
+        def is_tensor(node: fx.Node) -> bool:
+            if tensor_nodes is not None:
+                return node.name in tensor_nodes
+            return any(isinstance(a, fx.Node) for a in node.all_input_nodes)
+
+        learned = _learned_nodes(root, graph)
+        self._rewrite_additions(graph, root, learned, is_tensor, where)
+        converted_modules: Dict[str, nn.Module] = {}
+        for node in list(graph.nodes):
+            if node.op == "call_module":
+                self._rewrite_module_call(root, prefix, node, converted_modules)
+            elif node.op in ("call_function", "call_method"):
+                if node.target in (R.unit_residual_add, R.unit_residual_branch, R.unit_add):
+                    continue
+                self._rewrite_function_call(root, node, is_tensor, where)
+        self._unit_initialise_direct_weights(root, graph)
+        converted = fx.GraphModule(root, graph, class_name=f"UnitScaled{type(root).__name__}")
+        # Shape checks resolved at trace time leave unused nodes behind.
+        converted.graph.eliminate_dead_code()
+        converted.graph.lint()
+        converted.recompile()
+        return converted
+
+    def _rewrite_module_call(
+        self, root: nn.Module, prefix: str, node: fx.Node, done: Dict[str, nn.Module]
+    ) -> None:
+        target = str(node.target)
+        relative = target[len("inner."):] if isinstance(root, ArgumentFrame) else target
+        qualified = f"{prefix}.{relative}" if prefix else relative
+        if target in done:
+            return
+        module = root.get_submodule(target)
+        new = self.convert(module, qualified)
+        done[target] = new
+        if new is not module:
+            _set_submodule(root, target, new)
+
+    def _rewrite_function_call(
+        self, root: nn.Module, node: fx.Node, is_tensor: Callable[[fx.Node], bool],
+        where: Callable[[fx.Node], str],
+    ) -> None:
+        target = node.target
+        if target in R.DROPOUT_TARGETS:
+            self._dropout_to_module(root, node, where)
+            return
+        adapter = self.functions.get(target) if _hashable(target) else None
+        if adapter is not None:
+            node.op = "call_function"
+            node.target = adapter
+            self.report.converted.append(where(node))
+            return
+        if _hashable(target) and target in R.SHAPE_TARGETS:
+            return
+        if target in R.ADD_TARGETS or target in R.SUB_TARGETS or not is_tensor(node):
+            if not is_tensor(node) or not _has_tensor_input(node, is_tensor):
+                return
+        self.report.unconverted.append(f"{where(node)} ({_target_name(target)})")
+
+    def _dropout_to_module(
+        self, root: nn.Module, node: fx.Node, where: Callable[[fx.Node], str]
+    ) -> None:
+        args = list(node.args) + [None] * 4
+        p = node.kwargs.get("p", args[1] if args[1] is not None else 0.5)
+        if isinstance(p, fx.Node):
+            self.report.unconverted.append(f"{where(node)} (dropout with a traced p)")
+            return
+        name = f"unit_dropout_{self._dropouts}"
+        self._dropouts += 1
+        root.add_module(name, uu.Dropout(float(p)))  # type: ignore[arg-type]
+        node.op, node.target = "call_module", name
+        node.args, node.kwargs = (node.args[0] if node.args else node.kwargs["input"],), {}
+        self.report.converted.append(where(node))
+
+    def _rewrite_additions(
+        self, graph: fx.Graph, root: nn.Module, learned: Set[fx.Node],
+        is_tensor: Callable[[fx.Node], bool], where: Callable[[fx.Node], str],
+    ) -> None:
+        for node in list(graph.nodes):
+            is_add = node.op in ("call_function", "call_method") and _hashable(node.target) and (
+                node.target in R.ADD_TARGETS or node.target in R.SUB_TARGETS
+            )
+            if not is_add or len(node.args) != 2 or not is_tensor(node):
+                continue
+            left, right = node.args
+            if not (isinstance(left, fx.Node) and isinstance(right, fx.Node)) or left is right:
+                continue
+            alpha = node.kwargs.get("alpha", 1)
+            subtract = node.target in R.SUB_TARGETS
+            skip_node, branch_node = _residual_operands(left, right, is_tensor)
+            if skip_node is not None and branch_node is not None and alpha == 1 and not subtract:
+                branch = _between(skip_node, node)
+                if any(_has_weights(root, n) for n in branch):
+                    self._make_residual(graph, root, node, skip_node, branch_node, branch)
+                    self.report.residuals.append(where(node))
+                    continue
+            if left in learned and right in learned:
+                node.op, node.target = "call_function", (R.unit_sub if subtract else R.unit_add)
+                node.kwargs = {"alpha": alpha}
+                self.report.converted.append(where(node))
+            else:
+                self.report.unconverted.append(
+                    f"{where(node)} ({'sub' if subtract else 'add'} of a tensor without weights)"
+                )
+
+    def _make_residual(
+        self, graph: fx.Graph, root: nn.Module, join: fx.Node, skip_node: fx.Node,
+        branch_node: fx.Node, branch: Set[fx.Node],
+    ) -> None:
+        tau = self.attn_tau if any(_is_attention(root, n) for n in branch) else self.mlp_tau
+        entries = [user for user in skip_node.users if user in branch]
+        first = min(entries, key=_position(graph))
+        with graph.inserting_before(first):
+            branch_input = graph.call_function(R.unit_residual_branch, (skip_node, tau))
+        for user in entries:
+            user.replace_input_with(skip_node, branch_input)
+        join.op, join.target = "call_function", R.unit_residual_add
+        join.args, join.kwargs = (branch_node, skip_node, tau), {}
+
+    def _unit_initialise_direct_weights(self, root: nn.Module, graph: fx.Graph) -> None:
+        """Weights a converted function reads straight from an attribute: unit init."""
+        weight_positions = {
+            R.unit_linear: (1, 2), R.unit_embedding: (1, None), R.unit_addmm: (2, 0),
+        }
+        for node in graph.nodes:
+            if node.op != "call_function" or node.target not in weight_positions:
+                continue
+            weight_at, bias_at = weight_positions[node.target]
+            for position, init in ((weight_at, nn.init.normal_), (bias_at, nn.init.zeros_)):
+                if position is None or position >= len(node.args):
+                    continue
+                arg = node.args[position]
+                if isinstance(arg, fx.Node) and arg.op == "get_attr":
+                    value = _get_attr(root, str(arg.target))
+                    if isinstance(value, nn.Parameter):
+                        with torch.no_grad():
+                            init(value)
+
+
+# ---------------------------------------------------------------- graph helpers
+
+
+def _hashable(target: Any) -> bool:
+    try:
+        hash(target)
+    except TypeError:
+        return False
+    return True
+
+
+def _target_name(target: Any) -> str:
+    return target if isinstance(target, str) else getattr(target, "__name__", repr(target))
+
+
+def _has_tensor_input(node: fx.Node, is_tensor: Callable[[fx.Node], bool]) -> bool:
+    return any(is_tensor(n) for n in node.all_input_nodes)
+
+
+def _get_attr(root: nn.Module, target: str) -> Any:
+    value: Any = root
+    for atom in target.split("."):
+        value = getattr(value, atom)
+    return value
+
+
+def _set_submodule(root: nn.Module, target: str, module: nn.Module) -> None:
+    parent_name, _, child = target.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, module)
+
+
+def _position(graph: fx.Graph) -> Callable[[fx.Node], int]:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return lambda n: order[n]
+
+
+def _ancestors(
+    node: fx.Node, follow: Optional[Callable[[fx.Node], bool]] = None
+) -> Set[fx.Node]:
+    """Nodes `node` depends on; with `follow`, only through nodes it accepts (tensor data)."""
+    seen: Set[fx.Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        current = stack.pop()
+        if current not in seen and (follow is None or follow(current)):
+            seen.add(current)
+            stack.extend(current.all_input_nodes)
+    return seen
+
+
+def _descendants(node: fx.Node) -> Set[fx.Node]:
+    seen: Set[fx.Node] = set()
+    stack = list(node.users)
+    while stack:
+        current = stack.pop()
+        if current not in seen:
+            seen.add(current)
+            stack.extend(current.users)
+    return seen
+
+
+def _between(start: fx.Node, end: fx.Node) -> Set[fx.Node]:
+    """Nodes on some path from `start` to `end`, both excluded."""
+    return (_descendants(start) & _ancestors(end)) - {start, end}
+
+
+def _residual_operands(
+    left: fx.Node, right: fx.Node, is_tensor: Callable[[fx.Node], bool]
+) -> tuple[Optional[fx.Node], Optional[fx.Node]]:
+    """(skip, branch) when one operand's data feeds the other, else (None, None).
+
+    Only tensor data counts: a branch that merely reads the other's shape or device (position
+    ids from the batch's length) is not a residual.
+    """
+    if left in _ancestors(right, is_tensor):
+        return left, right
+    if right in _ancestors(left, is_tensor):
+        return right, left
+    return None, None
+
+
+def _learned_nodes(root: nn.Module, graph: fx.Graph) -> Set[fx.Node]:
+    """Nodes whose value depends on a parameter (through a layer or an attribute read)."""
+    learned: Set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "call_module":
+            module = root.get_submodule(str(node.target))
+            if next(module.parameters(), None) is not None:
+                learned.add(node)
+        elif node.op == "get_attr" and isinstance(_get_attr(root, str(node.target)), Tensor):
+            learned.add(node)
+        if any(n in learned for n in node.all_input_nodes):
+            learned.add(node)
+    return learned
+
+
+def _has_weights(root: nn.Module, node: fx.Node) -> bool:
+    """Does this node apply parameters of its own (a layer, or an attribute it reads)?"""
+    if node.op == "call_module":
+        return next(root.get_submodule(str(node.target)).parameters(), None) is not None
+    return any(
+        n.op == "get_attr" and isinstance(_get_attr(root, str(n.target)), Tensor)
+        for n in node.all_input_nodes
+    )
+
+
+def _is_attention(root: nn.Module, node: fx.Node) -> bool:
+    if node.op == "call_module":
+        module = root.get_submodule(str(node.target))
+        named_attention = "attention" in type(module).__name__.lower()
+        return isinstance(module, _ATTENTION_MODULES) or named_attention
+    return _hashable(node.target) and node.target in R.ATTENTION_TARGETS

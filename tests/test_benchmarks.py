@@ -1,0 +1,136 @@
+"""The benchmark harness: every row present, ratios positive and finite, memory counted right.
+
+No timing thresholds: timings on a shared machine say nothing about correctness.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from benchmarks.measure import peak_step_bytes, time_interleaved
+from benchmarks.report import markdown, text_table
+from benchmarks.suite import Settings, run_suite
+from benchmarks.variants import OURS, PUBLISHED, TORCH, Shape, build_model, published_version
+
+TINY = Shape(vocab_size=32, seq_len=8, depth=1, hidden_size=16, heads=2, batch_size=2)
+
+ROW_KEYS = {
+    "step_eager_ours",
+    "step_eager_published",
+    "step_eager_ours_vs_published",
+    "step_compiled_ours",
+    "step_compiled_published",
+    "step_compiled_ours_vs_published",
+    "fp8_static_ours",
+    "fp8_amax_ours",
+    "fp8_static_published",
+    "cast_throughput",
+    "cast_melem",
+    "memory_ours",
+    "memory_published",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_run():
+    threads = torch.get_num_threads()
+    settings = Settings(
+        shape=TINY, rounds=2, min_run_time=0.01, threads=1, compile=False, cast_elements=1 << 10
+    )
+    try:
+        yield settings, run_suite(settings, log=lambda line: None)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_every_row_is_present_once(tiny_run):
+    _, results = tiny_run
+    keys = [row.key for row in results.rows]
+    assert sorted(keys) == sorted(ROW_KEYS)
+
+
+def test_measured_ratios_are_positive_and_finite(tiny_run):
+    _, results = tiny_run
+    for row in results.rows:
+        if row.value is not None:
+            assert math.isfinite(row.value) and row.value > 0, row
+        if row.value is not None and row.key.startswith(("step_", "fp8_")):
+            low, high = row.spread
+            assert low <= row.value <= high, row  # the median lies between the quartiles
+
+
+def test_rows_are_skipped_only_for_a_stated_reason(tiny_run):
+    _, results = tiny_run
+    for row in results.rows:
+        if row.value is None:
+            assert row.note, row
+    always_measured = {"step_eager_ours", "fp8_static_ours", "fp8_amax_ours", "memory_ours"}
+    assert all(results.row(key).value is not None for key in always_measured)
+    assert all(results.row(key).value is None for key in ROW_KEYS if "compiled" in key)
+    published_measured = results.row("step_eager_published").value is not None
+    assert published_measured == (published_version() is not None)
+
+
+def test_status_follows_the_target(tiny_run):
+    _, results = tiny_run
+    for row in results.rows:
+        if row.value is None:
+            assert row.status == "skipped"
+        elif row.target is None:
+            assert row.status == "-"
+        else:
+            met = row.value >= row.target if row.higher_is_better else row.value <= row.target
+            assert row.status == ("met" if met else "MISSED")
+
+
+def test_reports_name_every_row_and_the_command(tiny_run):
+    settings, results = tiny_run
+    table = text_table(results)
+    report = markdown(results, settings, "python -m benchmarks --quick")
+    for row in results.rows:
+        assert row.label in table
+        assert row.label in report
+    assert "python -m benchmarks --quick" in report
+    assert "torch " + torch.__version__ in report
+
+
+def test_the_three_builds_have_the_same_parameters():
+    names = [TORCH, OURS] + ([PUBLISHED] if published_version() else [])
+    shapes = {
+        name: [(key, tuple(p.shape)) for key, p in build_model(name, TINY).named_parameters()]
+        for name in names
+    }
+    assert all(shapes[name] == shapes[TORCH] for name in names)
+
+
+def test_peak_memory_counts_a_known_allocation():
+    size = 1 << 18  # float32 elements: 1 MiB
+
+    def step() -> float:
+        first = torch.ones(size)
+        second = torch.ones(size)  # both held at once: 2 MiB peak
+        total = float(first.sum() + second.sum())
+        del first, second
+        return total
+
+    peak = peak_step_bytes(step)
+    assert 2 * 4 * size <= peak < 2 * 4 * size + 4096
+
+
+def test_interleaved_ratio_is_per_round_median():
+    calls = {"a": 0, "b": 0}
+
+    def count(name: str):
+        def step() -> None:
+            calls[name] += 1
+        return step
+
+    timings = time_interleaved({"a": count("a"), "b": count("b")}, rounds=3, min_run_time=0.001)
+    assert len(timings.seconds["a"]) == len(timings.seconds["b"]) == 3
+    assert calls["a"] > 0 and calls["b"] > 0
+    timings.seconds = {"a": [1.0, 2.0, 9.0], "b": [2.0, 1.0, 3.0]}
+    assert timings.ratio("a", "b") == 2.0  # per-round ratios 0.5, 2, 3
+    assert timings.spread("a", "b") == (1.25, 2.5)  # inclusive quartiles of 0.5, 2, 3
+    assert timings.median_ms("a") == 2000.0

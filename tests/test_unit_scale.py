@@ -1,0 +1,312 @@
+"""unit_scale(model): conversion of plain models, unit scales at initialisation, training."""
+from __future__ import annotations
+
+import warnings
+from typing import List, Optional
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import ipu_unit_scaling as uu
+from ipu_unit_scaling import functional as U
+from ipu_unit_scaling.analysis import ScaleRecord, track_scales
+from ipu_unit_scaling.models import GPTConfig, build_gpt
+from ipu_unit_scaling.transforms import (
+    UnitMultiheadAttention,
+    UnitScaleWarning,
+    unit_scale,
+    unit_scale_with_report,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Small ops on a shared machine: extra threads only contend (a test runs 5x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+TINY = GPTConfig(vocab_size=65, seq_len=32, depth=2, hidden_size=64, heads=2, unit_scaled=False)
+
+
+def fraction_unit(records: List[ScaleRecord]) -> float:
+    """Fraction of activation and gradient tensors with std in [0.5, 2]."""
+    chosen = [r for r in records if r.role in ("activation", "gradient")]
+    assert len(chosen) > 10
+    return sum(0.5 <= r.std <= 2 for r in chosen) / len(chosen)
+
+
+def tokens(batch: int = 8, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, TINY.vocab_size, (batch, TINY.seq_len), generator=generator)
+    labels = torch.randint(0, TINY.vocab_size, (batch, TINY.seq_len), generator=generator)
+    return ids, labels
+
+
+def plain_gpt(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return build_gpt(TINY)
+
+
+# ---------------------------------------------------------------- the example GPT
+
+
+def test_gpt_is_unit_scaled_after_conversion_and_not_before() -> None:
+    model = plain_gpt()
+    ids, labels = tokens()
+    converted, report = unit_scale_with_report(model, (ids, labels))
+    assert not report.unconverted and not report.untraceable
+    assert len(report.residuals) == 2 * TINY.depth
+
+    before = track_scales(model, ids, labels)
+    after = track_scales(converted, ids, labels)
+    assert fraction_unit(after) >= 0.9
+    assert fraction_unit(before) < 0.5
+    tiny_gradients = [r for r in before if r.role == "gradient" and r.std < 2**-10]
+    gradients = [r for r in before if r.role == "gradient"]
+    assert len(tiny_gradients) >= len(gradients) / 2
+    assert not [r for r in after if r.role == "gradient" and r.std < 2**-10]
+
+
+def test_gpt_conversion_swaps_layers_and_functions() -> None:
+    ids, labels = tokens()
+    converted = unit_scale(plain_gpt(), (ids, labels))
+    kinds = {type(m) for m in converted.modules()}
+    assert {uu.Linear, uu.LayerNorm, uu.Embedding} <= kinds
+    assert nn.Linear not in kinds and nn.LayerNorm not in kinds
+    code = converted.graph_module.code
+    for name in ("unit_residual_branch", "unit_residual_add", "unit_gelu",
+                 "unit_scaled_dot_product_attention", "unit_cross_entropy", "unit_add"):
+        assert name in code
+    # The attention branch gets the smaller tau.
+    assert "unit_residual_branch(dropout, 0.2)" in code.replace(" ", "").replace(",0.2", ", 0.2")
+
+
+def test_residual_join_is_the_weighted_sum() -> None:
+    """The converted residual computes a * branch + b * skip with a**2 + b**2 = 1."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return x + self.fc(x)
+
+    x = torch.randn(32, 16)
+    converted, report = unit_scale_with_report(Block(), (x,), mlp_tau=0.5)
+    assert len(report.residuals) == 1
+    fc = converted.graph_module.get_submodule("inner.fc")
+    branch = U.linear(x, fc.weight, fc.bias)
+    a, b = 0.5 / (1.25**0.5), 1 / (1.25**0.5)
+    torch.testing.assert_close(converted(x), a * branch + b * x)
+
+
+def test_original_untouched_and_conversion_deterministic() -> None:
+    model = plain_gpt()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    kinds = [type(m) for m in model.modules()]
+    ids, labels = tokens()
+    rng_before = torch.random.get_rng_state()
+    first = unit_scale(model, (ids, labels))
+    second = unit_scale(model, (ids, labels))
+    assert torch.equal(torch.random.get_rng_state(), rng_before)
+    assert [type(m) for m in model.modules()] == kinds
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, state[key]), key
+    assert torch.equal(first(ids, labels), second(ids, labels))
+    assert torch.equal(first(ids, labels), first(ids, labels))
+    # A different seed gives different weights.
+    third = unit_scale(model, (ids, labels), seed=1)
+    assert not torch.equal(first(ids, labels), third(ids, labels))
+
+
+def test_specialised_arguments_are_guarded() -> None:
+    ids, labels = tokens()
+    converted = unit_scale(plain_gpt(), (ids, labels))
+    with pytest.raises(ValueError, match="specialised"):
+        converted(ids, labels, return_logits=True)
+
+
+# ---------------------------------------------------------------- other models
+
+
+def test_transformer_encoder_stack() -> None:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 2, 128, dropout=0.1, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    x = torch.randn(4, 16, 64)
+    converted, report = unit_scale_with_report(model, (x,))
+    assert not report.unconverted
+    assert len(report.residuals) == 4
+    assert sum(isinstance(m, UnitMultiheadAttention) for m in converted.modules()) == 2
+    assert not any(type(m) in (nn.Linear, nn.LayerNorm, nn.Dropout) for m in converted.modules())
+    converted.eval()
+    assert fraction_unit(track_scales(converted, x)) >= 0.9
+    assert fraction_unit(track_scales(model.eval(), x)) < 0.9
+
+
+class SkipMLP(nn.Module):
+    """An MLP classifier with skip connections and its loss inside."""
+
+    def __init__(self, inputs: int = 32, width: int = 64, blocks: int = 3, classes: int = 10):
+        super().__init__()
+        self.embed = nn.Linear(inputs, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.ReLU(),
+                          nn.Linear(2 * width, width))
+            for _ in range(blocks)
+        )
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: Tensor, labels: Optional[Tensor] = None) -> Tensor:
+        hidden = self.embed(x)
+        for block in self.blocks:
+            hidden = hidden + block(hidden)
+        logits = self.head(hidden)
+        return logits if labels is None else F.cross_entropy(logits, labels)
+
+
+def test_mlp_with_skip_connections() -> None:
+    torch.manual_seed(0)
+    model = SkipMLP()
+    x, labels = torch.randn(256, 32), torch.randint(0, 10, (256,))
+    converted, report = unit_scale_with_report(model, (x, labels))
+    assert len(report.residuals) == 3 and not report.unconverted
+    assert "unit_cross_entropy" in converted.graph_module.code
+    assert fraction_unit(track_scales(converted, x, labels)) >= 0.9
+    assert fraction_unit(track_scales(model, x, labels)) < 0.5
+
+
+def test_gpt2_from_transformers() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=100, n_positions=32
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 100, (4, 32))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        converted, report = unit_scale_with_report(
+            model, (ids,), {"labels": ids, "use_cache": False}
+        )
+    assert len(report.residuals) == 4 and not report.untraceable
+
+    class WithLoss(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+            return self.inner(input_ids, labels=labels, use_cache=False).loss
+
+    assert fraction_unit(track_scales(WithLoss(converted), ids, ids)) >= 0.9
+    assert fraction_unit(track_scales(WithLoss(model), ids, ids)) < 0.5
+
+
+# ---------------------------------------------------------------- options and warnings
+
+
+class Odd(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.conv = nn.Conv1d(8, 8, 1)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = torch.tanh(self.fc(x))
+        return self.out(self.conv(hidden.unsqueeze(-1)).squeeze(-1))
+
+
+def test_unconvertible_ops_are_named_in_a_warning() -> None:
+    x = torch.randn(4, 8)
+    with pytest.warns(UnitScaleWarning) as caught:
+        converted = unit_scale(Odd(), (x,))
+    message = str(caught[0].message)
+    assert "tanh" in message and "conv (Conv1d)" in message
+    assert isinstance(converted.graph_module.get_submodule("inner.conv"), nn.Conv1d)
+    assert converted(x).shape == (4, 8)
+
+
+def test_skip_and_replacements() -> None:
+    x = torch.randn(4, 8)
+
+    def unit_tanh(x: Tensor) -> Tensor:
+        return torch.tanh(x) * 1.5
+
+    _, report = unit_scale_with_report(
+        Odd(), (x,), skip=["out", nn.Conv1d], function_replacements={torch.tanh: unit_tanh}
+    )
+    assert not report.unconverted
+    converted = unit_scale(
+        Odd(), (x,), skip=["out"], replacements={nn.Conv1d: lambda m: nn.Identity()},
+        function_replacements={torch.tanh: torch.sigmoid},
+    )
+    inner = converted.graph_module
+    assert type(inner.get_submodule("inner.out")) is nn.Linear
+    assert type(inner.get_submodule("inner.fc")) is uu.Linear
+    assert isinstance(inner.get_submodule("inner.conv"), nn.Identity)
+    assert "sigmoid" in inner.code
+
+
+def test_without_example_inputs_untraceable_parents_fall_back_to_children() -> None:
+    model = plain_gpt()
+    with pytest.warns(UnitScaleWarning, match="not traced"):
+        converted = unit_scale(model)
+    ids, labels = tokens()
+    assert isinstance(converted.layers[0].attn.qkv, uu.Linear)
+    assert torch.isfinite(converted(ids, labels))
+
+
+# ---------------------------------------------------------------- training
+
+
+def markov_tokens(steps: int, batch: int, seed: int = 0) -> List[Tensor]:
+    """Token streams from a sparse random Markov chain: learnable, so the loss can fall."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = TINY.vocab_size
+    successors = torch.randint(0, vocab, (vocab, 3), generator=generator)
+    streams = []
+    for _ in range(steps):
+        current = torch.randint(0, vocab, (batch,), generator=generator)
+        sequence = [current]
+        for _ in range(TINY.seq_len):
+            pick = torch.randint(0, 3, (batch,), generator=generator)
+            current = successors[current, pick]
+            sequence.append(current)
+        streams.append(torch.stack(sequence, dim=1))
+    return streams
+
+
+def train(model: nn.Module, streams: List[Tensor]) -> List[float]:
+    optimiser = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for stream in streams:
+        loss = model(stream[:, :-1], stream[:, 1:])
+        optimiser.zero_grad()
+        loss.backward()
+        optimiser.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_converted_gpt_trains_in_fp32_and_fp8_static() -> None:
+    from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
+
+    streams = markov_tokens(50, 8)
+    example = (streams[0][:, :-1], streams[0][:, 1:])
+    fp32 = unit_scale(plain_gpt(), example)
+    fp8 = simulate_fp8(unit_scale(plain_gpt(), example), FP8Config(scaling="static"))
+    assert any(type(m).__name__ == "FP8UnitScaledLinear" for m in fp8.modules())
+    fp32_losses = train(fp32, streams)
+    fp8_losses = train(fp8, streams)
+    final_fp32 = sum(fp32_losses[-5:]) / 5
+    final_fp8 = sum(fp8_losses[-5:]) / 5
+    assert final_fp32 < 0.8 * fp32_losses[0]
+    assert abs(final_fp8 - final_fp32) <= 0.05 * final_fp32
