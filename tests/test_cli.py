@@ -235,3 +235,15 @@ def test_compare_runs_every_regime_and_writes_table_and_png(capsys, tmp_path):
     status, out, _ = run(capsys, "compare", "--config", "tiny", "--run-dir", run_dir,
                          "--regimes", "fp32", "unit-fp8", "--set", *FAST, "training.steps=3")
     assert status == 0 and out.count("reusing the finished run") == 2
+
+
+def test_scale_report_and_analyse_write_their_files(capsys, tmp_path):
+    status, _, _ = run(capsys, "train", "--config", "tiny", "--run-dir", tmp_path / "run",
+                       "--quiet", "--scale-report", "2", "--set", *FAST, "training.steps=4")
+    assert status == 0
+    steps = {row.split(",")[0] for row in
+             (tmp_path / "run" / "scale_report.csv").read_text().splitlines()[1:]}
+    assert steps == {"2", "4"}
+    status, out, _ = run(capsys, "analyse", "--config", "tiny", "--run-dir", tmp_path / "scales")
+    assert status == 0 and "unit-scaled" in out and "plain" in out
+    assert (tmp_path / "scales" / "scales.png").read_bytes()[:4] == b"\x89PNG"
