@@ -312,7 +312,9 @@ def _build(cls: Any, raw: Any, path: str, errors: List[Tuple[str, str]]) -> Any:
             kwargs[key] = _build(hint_type, value, key_path, errors)
         elif _origin(hint_type) is dict and isinstance(value, dict):
             default = getattr(cls(), key)
-            kwargs[key] = {**default, **value}  # a partial mapping updates the defaults
+            value_type = getattr(hint_type, "__args__", (Any, Any))[1]
+            # A partial mapping updates the defaults; its values convert like any field's.
+            kwargs[key] = {**default, **{k: _coerce(v, value_type) for k, v in value.items()}}
         else:
             kwargs[key] = _coerce(value, hint_type)
     return cls(**kwargs)

@@ -223,3 +223,11 @@ def test_model_section_has_exactly_the_gpt_config_fields():
     from ipu_unit_scaling.models import GPTConfig
 
     assert {f.name for f in fields(ModelConfig)} == {f.name for f in fields(GPTConfig)}
+
+
+def test_exponent_notation_is_a_float_in_mappings_too():
+    from ipu_unit_scaling.config import load_config
+
+    config = load_config(None, ["compare.learning_rates.fp32=1e-3", "training.learning_rate=2e-3"])
+    assert config.compare.learning_rates["fp32"] == 1e-3
+    assert config.training.learning_rate == 2e-3
