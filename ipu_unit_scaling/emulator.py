@@ -87,6 +87,8 @@ def _address(t: torch.Tensor, element: int = 0) -> ctypes.c_void_p:
 
 
 def _check(status: int, what: str) -> None:
+    if status == _host.MISALIGNED:
+        raise ValueError(f"{what}: a vertex field was connected to misaligned memory")
     if status != 0:
         raise ValueError(f"{what}: the host vertex rejected its arguments")
 
