@@ -28,8 +28,9 @@ from typing import Optional, Tuple
 import torch
 
 __all__ = [
-    "HostLibraryUnavailable", "NonFiniteAmax", "MISALIGNED", "LIBRARY_PATH", "DISABLE_ENV", "library", "fast_path_status",
-    "fused_cast_available", "fused_cast_to_fp8", "exponent_bits", "partition", "partition_grain",
+    "HostLibraryUnavailable", "NonFiniteAmax", "MISALIGNED", "LIBRARY_PATH", "DISABLE_ENV",
+    "library", "fast_path_status", "fused_cast_available", "fused_cast_to_fp8",
+    "fused_cast_from_fp8", "fused_quantise", "exponent_bits", "partition", "partition_grain",
     "dtype_code", "num_threads",
 ]
 

@@ -182,7 +182,9 @@ def test_half_decode_rounds_to_nearest_even_at_every_scale(fmt):
         expected = torch.from_numpy(oracle)
         assert torch.equal(decoded.isnan(), expected.isnan())
         finite = ~expected.isnan()
-        assert torch.equal(decoded[finite].view(torch.int16), expected[finite].view(torch.int16)), scale
+        same_bits = torch.equal(decoded[finite].view(torch.int16),
+                                expected[finite].view(torch.int16))
+        assert same_bits, scale
 
 
 def test_half_decode_hits_ties_overflow_and_subnormals():
