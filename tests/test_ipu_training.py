@@ -25,7 +25,7 @@ def _standin():
 
 def test_options_apply_to_a_real_poptorch_options():
     poptorch = pytest.importorskip("poptorch")
-    from ipu_unit_scaling.ipu.options import build_options
+    from ipu_unit_scaling.backends.ipu.options import build_options
 
     options = build_options(load_config("ipu-4"), use_ipu_model=True)
     assert isinstance(options, poptorch.Options)

@@ -9,8 +9,9 @@ from typing import Any, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..config import Config
-from ..training_model import Stage, TrainingModule, stages
+from ...config import Config
+from ..cpu import TrainingModule
+from ..stages import Stage, stages
 from .options import build_options
 
 
