@@ -398,17 +398,19 @@ def _explicit_attention(
     dropout_p: float,
     is_causal: bool,
 ) -> Tensor:
-    """`F.scaled_dot_product_attention` (default scale) from matmul, masked_fill and softmax.
+    """`F.scaled_dot_product_attention` (default scale) from matmul, masking and softmax.
 
     PopTorch has no handler for the fused attention op; every op used here is on its list.
     """
-    scores = torch.matmul(query, key.transpose(-2, -1)) * query.shape[-1] ** -0.5
+    scores = torch.matmul(query, key.transpose(-2, -1)) * max(1, query.shape[-1]) ** -0.5
     if is_causal:
         hidden = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool,
                             device=query.device).triu(diagonal=1)
         scores = scores.masked_fill(hidden, -math.inf)
-    if attn_mask is not None:
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
         scores = scores.masked_fill(attn_mask.logical_not(), -math.inf)
+    elif attn_mask is not None:
+        scores = scores + attn_mask
     probs = torch.softmax(scores, dim=-1)
     if dropout_p > 0.0:
         probs = F.dropout(probs, dropout_p)
