@@ -167,10 +167,8 @@ def _make_fx() -> Callable[..., Any]:
 
 def _functional_call(module: nn.Module, state: Dict[str, torch.Tensor],
                      inputs: Tuple[Any, ...]) -> Any:
-    try:
-        from torch.func import functional_call
-    except ImportError:  # pragma: no cover - torch.func is in every torch >= 2.0
-        from torch.nn.utils.stateless import functional_call  # type: ignore[no-redef]
+    from torch.func import functional_call
+
     return functional_call(module, state, inputs)
 
 
