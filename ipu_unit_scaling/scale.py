@@ -35,10 +35,9 @@ class _Scale(torch.autograd.Function):
 
 
 def _traced_scale(x: Tensor, fwd_scale: float, bwd_scale: float) -> Tensor:
-    value = x.detach()
-    if fwd_scale != 1.0:
-        value = value * fwd_scale
-    gradient_path = x - x.detach()
+    detached = x.detach()
+    value = detached * fwd_scale if fwd_scale != 1.0 else detached
+    gradient_path = x - detached
     if bwd_scale != 1.0:
         gradient_path = gradient_path * bwd_scale
     return value + gradient_path
