@@ -70,7 +70,7 @@ popart::OpCreator<Fp8AmaxCastOp> fp8AmaxCastOpCreator(
                                                                {"log2_scale", {"*"}}})}}}),
     [](const popart::OpCreatorInfo& info) -> std::unique_ptr<popart::Op> {
       return std::make_unique<Fp8AmaxCastOp>(
-          info.opid, Fp8Attributes::read(info.attributes, true, "F143", 0), info.settings);
+          info.opid, Fp8Attributes::read(info.attributes, "F143", 0), info.settings);
     },
     true);
 

@@ -88,17 +88,15 @@ poplar::Type poplarType(const popart::TensorInfo& info) {
 
 }  // namespace
 
-Fp8Attributes Fp8Attributes::read(const popart::Attributes& attributes, bool acceptsGivenScale,
+Fp8Attributes Fp8Attributes::read(const popart::Attributes& attributes,
                                   const std::string& defaultFormat, int64_t defaultMargin) {
   Fp8Attributes result;
   result.format = attributes.getAttribute<popart::Attributes::String>("format", defaultFormat);
   result.margin = attributes.getAttribute<popart::Attributes::Int>("margin", defaultMargin);
   result.saturate = attributes.getAttribute<popart::Attributes::Int>("saturate", 1) != 0;
-  if (acceptsGivenScale) {
-    result.hasLog2Scale =
-        attributes.getAttribute<popart::Attributes::Int>("has_log2_scale", 0) != 0;
-    result.log2Scale = attributes.getAttribute<popart::Attributes::Int>("log2_scale", 0);
-  }
+  result.hasLog2Scale =
+      attributes.getAttribute<popart::Attributes::Int>("has_log2_scale", 0) != 0;
+  result.log2Scale = attributes.getAttribute<popart::Attributes::Int>("log2_scale", 0);
   return result;
 }
 

@@ -7,6 +7,7 @@
 //                          grad op: dx = dy (straight through)
 //   Fp8GradientQuantise  x -> x
 //                          grad op: dx = decode(cast(dy * 2^s)) * 2^-s, s from amax(dy)
+//                          or the given log2_scale
 //
 // Scaling-bias convention, as everywhere in the project: q = cast(x * 2^s),
 // s = clamp(floor(log2(max / amax)) - margin, -31, 31), s = 0 for amax 0.
@@ -38,8 +39,9 @@ const popart::OperatorIdentifier kFp8GradientQuantise = {kDomain, "Fp8GradientQu
 const popart::OperatorIdentifier kFp8GradientQuantiseGrad = {kDomain, "Fp8GradientQuantiseGrad",
                                                              1, 1, 1};
 
-// The attributes every FP8 op takes. hasLog2Scale / log2Scale are only read by
-// the ops that accept a given scale (Fp8AmaxCast, Fp8Quantise).
+// The attributes every FP8 op takes: format "F143" | "F152", margin (0..31),
+// saturate (0 | 1), has_log2_scale (0 | 1) and log2_scale (-31..31), the scale
+// to use instead of the amax's when has_log2_scale is 1.
 struct Fp8Attributes {
   std::string format = "F143";
   int64_t margin = 0;
@@ -49,7 +51,7 @@ struct Fp8Attributes {
 
   // Missing attributes take the defaults given: Fp8GradientQuantise's are the
   // gradient format's (F152, margin 3), the other ops' F143, margin 0.
-  static Fp8Attributes read(const popart::Attributes& attributes, bool acceptsGivenScale,
+  static Fp8Attributes read(const popart::Attributes& attributes,
                             const std::string& defaultFormat, int64_t defaultMargin);
 
   // Throws popart::error naming the op for a format other than F143/F152, a
@@ -62,14 +64,6 @@ struct Fp8Attributes {
 
   // The codelets' template argument: 4 for F143, 5 for F152.
   unsigned exponentBits() const { return format == "F152" ? 5u : 4u; }
-
-  // The same attributes with the scale taken from the amax.
-  Fp8Attributes withAmaxScaling() const {
-    Fp8Attributes copy = *this;
-    copy.hasLog2Scale = false;
-    copy.log2Scale = 0;
-    return copy;
-  }
 };
 
 // An Opx that builds its program from the FP8 codelets. The flat tensor is

@@ -9,10 +9,11 @@
 //     of x by the scaling rule, or the given log2_scale.
 //     Fp8QuantiseGrad: dx = dy (straight through).
 //
-//   y = Fp8GradientQuantise(x)   attributes: format, margin, saturate
+//   y = Fp8GradientQuantise(x)   the same attributes
 //     y = x.
 //     Fp8GradientQuantiseGrad: dx = decode(cast(dy * 2^s)) * 2^-s with s from
-//     the amax of dy: the gradient is quantised as Fp8Quantise would.
+//     the amax of dy, or the given log2_scale: the gradient is quantised as
+//     Fp8Quantise quantises its input.
 //
 // A non-finite amax gives s = 0 and the cast goes on (NaN stays NaN, inf
 // follows the overflow policy), so the NaN reaches the loss and the training
@@ -103,8 +104,7 @@ class Fp8QuantiseOp : public Fp8UnaryOp {
 class Fp8GradientQuantiseGradOp : public Fp8UnaryOp {
  public:
   explicit Fp8GradientQuantiseGradOp(const Fp8UnaryOp& forward)
-      : Fp8UnaryOp(kFp8GradientQuantiseGrad, forward.attributes().withAmaxScaling(),
-                   forward.settings) {}
+      : Fp8UnaryOp(kFp8GradientQuantiseGrad, forward.attributes(), forward.settings) {}
 
   std::unique_ptr<popart::Op> clone() const final {
     return std::make_unique<Fp8GradientQuantiseGradOp>(*this);
@@ -145,7 +145,7 @@ popart::OpCreator<Fp8QuantiseOp> fp8QuantiseOpCreator(
                                                                {"log2_scale", {"*"}}})}}}),
     [](const popart::OpCreatorInfo& info) -> std::unique_ptr<popart::Op> {
       return std::make_unique<Fp8QuantiseOp>(
-          info.opid, Fp8Attributes::read(info.attributes, true, "F143", 0), info.settings);
+          info.opid, Fp8Attributes::read(info.attributes, "F143", 0), info.settings);
     },
     true);
 
@@ -156,10 +156,12 @@ popart::OpCreator<Fp8GradientQuantiseOp> fp8GradientQuantiseOpCreator(
                              popart::OpDefinition::Outputs({{"y", kFloatTypes}}),
                              popart::OpDefinition::Attributes({{"format", {"*"}},
                                                                {"margin", {"*"}},
-                                                               {"saturate", {"*"}}})}}}),
+                                                               {"saturate", {"*"}},
+                                                               {"has_log2_scale", {"*"}},
+                                                               {"log2_scale", {"*"}}})}}}),
     [](const popart::OpCreatorInfo& info) -> std::unique_ptr<popart::Op> {
       return std::make_unique<Fp8GradientQuantiseOp>(
-          info.opid, Fp8Attributes::read(info.attributes, false, "F152", 3), info.settings);
+          info.opid, Fp8Attributes::read(info.attributes, "F152", 3), info.settings);
     },
     true);
 

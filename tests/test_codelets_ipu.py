@@ -10,18 +10,18 @@ import torch
 
 poptorch = pytest.importorskip("poptorch", reason="poptorch (Poplar SDK) is not installed")
 
+from ipu_unit_scaling.backends.ipu.custom_op import (  # noqa: E402
+    PopTorchFP8CustomOps,
+    custom_op_library_path,
+    fp8_amax_cast,
+    load_custom_op_library,
+)
 from ipu_unit_scaling.fp8 import (  # noqa: E402
     F143,
     F152,
     cast_to_fp8_reference,
     fp8_quantise,
     fp8_quantise_gradient,
-)
-from ipu_unit_scaling.ipu.custom_op import (  # noqa: E402
-    PopTorchFP8CustomOps,
-    custom_op_library_path,
-    fp8_amax_cast,
-    load_custom_op_library,
 )
 from ipu_unit_scaling.tracing import ipu_tracing  # noqa: E402
 

@@ -21,8 +21,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ipu_unit_scaling import _host, emulator
+from ipu_unit_scaling.backends.ipu import custom_op
 from ipu_unit_scaling.fp8 import F143, F152, fp8_quantise, fp8_quantise_gradient, ops
-from ipu_unit_scaling.ipu import custom_op
 from ipu_unit_scaling.tracing import ipu_tracing
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -210,6 +210,10 @@ def test_gradient_quantise_is_the_identity_forward_and_quantises_the_gradient():
     z = fp8_quantise_gradient(x, F143, margin=0, saturate=False)
     (dx,) = torch.autograd.grad(z, x, dy)
     assert_same_bits(dx, oracle(dy, "F143", 0, False))
+    for scale in (0, 12):  # a given scale (static scaling) instead of the amax
+        z = fp8_quantise_gradient(x, "F152", margin=3, log2_scale=scale)
+        (dx,) = torch.autograd.grad(z, x, dy)
+        assert_same_bits(dx, oracle(dy, "F152", 3, True, scale))
 
 
 def test_gradient_quantise_of_float16_gradients():
@@ -288,8 +292,8 @@ class RecordingOps:
         self.calls.append(("quantise", fmt_name, margin, saturate, log2_scale))
         return x + 1
 
-    def quantise_gradient(self, x, fmt_name, margin, saturate):
-        self.calls.append(("quantise_gradient", fmt_name, margin, saturate))
+    def quantise_gradient(self, x, fmt_name, margin, saturate, log2_scale=None):
+        self.calls.append(("quantise_gradient", fmt_name, margin, saturate, log2_scale))
         return x + 2
 
 
@@ -299,11 +303,13 @@ def test_ipu_tracing_substitutes_the_custom_op_implementation():
     with ipu_tracing(custom_ops=recorder):
         assert torch.equal(fp8_quantise(x, F152, margin=2, log2_scale=-1), x + 1)
         assert torch.equal(fp8_quantise_gradient(x), x + 2)
+        assert torch.equal(fp8_quantise_gradient(x, "f143", 0, False, 0), x + 2)
     assert recorder.calls == [("quantise", "F152", 2, True, -1),
-                              ("quantise_gradient", "F152", 3, True)]
+                              ("quantise_gradient", "F152", 3, True, None),
+                              ("quantise_gradient", "F143", 0, False, 0)]
     with ipu_tracing():  # no implementation given: the torch.library ops
         assert torch.equal(fp8_quantise_gradient(x), x)
-    assert len(recorder.calls) == 2
+    assert len(recorder.calls) == 3
 
 
 def test_arguments_are_checked_with_clear_errors():
@@ -349,7 +355,7 @@ def test_poptorch_implementation_calls_the_popart_ops(monkeypatch):
         ("Fp8Quantise", "ai.graphcore.unit_scaling", 1,
          {"format": "F143", "margin": 1, "saturate": 1, "has_log2_scale": 1, "log2_scale": 4}),
         ("Fp8GradientQuantise", "ai.graphcore.unit_scaling", 1,
-         {"format": "F152", "margin": 3, "saturate": 1}),
+         {"format": "F152", "margin": 3, "saturate": 1, "has_log2_scale": 0, "log2_scale": 0}),
     ]
     assert loaded == [None, None]
 
@@ -361,6 +367,4 @@ def test_python_and_cpp_agree_on_op_names_and_attributes():
             "Fp8QuantiseGrad", "Fp8GradientQuantiseGrad"} == registered
     assert f'kDomain = "{custom_op.DOMAIN}"' in sources
     read = set(re.findall(r'getAttribute<popart::Attributes::\w+>\(\s*"(\w+)"', sources))
-    sent = set(custom_op.quantise_attributes("F143", 0, True, 3))
-    assert sent == read
-    assert set(custom_op.quantise_attributes("F152", 3, True, accepts_given_scale=False)) < read
+    assert set(custom_op.quantise_attributes("F143", 0, True, 3)) == read

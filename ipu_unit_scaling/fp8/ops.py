@@ -6,14 +6,14 @@ the same numerics everywhere they exist: the PopART ops built from ``custom_ops/
 through ``poptorch.custom_op``), and the ``torch.library`` ops registered here (on the CPU, in
 the emulator, and under ``make_fx``, where each is one graph node).
 
-``ipu_unit_scaling::fp8_quantise(Tensor x, str format, int margin, bool saturate, int? log2_scale)``
+``ipu_unit_scaling::fp8_quantise(x, format, margin, saturate, log2_scale)``
     ``decode(cast(x * 2**s)) * 2**-s`` in x's dtype and shape. ``s`` is ``log2_scale``, or
     ``clamp(floor(log2(fmt.max / amax)) - margin, -31, 31)`` from the tensor's amax (0 for an
     all-zero tensor). Gradient: straight through, ``dx = dy``.
 
-``ipu_unit_scaling::fp8_quantise_gradient(Tensor x, str format, int margin, bool saturate)``
+``ipu_unit_scaling::fp8_quantise_gradient(x, format, margin, saturate, log2_scale=None)``
     The identity (a new tensor, never a view of x). Gradient: ``dx = fp8_quantise(dy, format,
-    margin, saturate)`` with the scale from dy's amax, itself one op.
+    margin, saturate, log2_scale)``, itself one op: the scale from dy's amax, or the given one.
 
 Formats are the codelets' F143 and F152; ``saturate`` chooses the overflow policy (+-max, or
 NaN). A non-finite amax does not raise, as it cannot on the IPU: ``s = 0`` and the cast goes on
@@ -61,8 +61,8 @@ def _new_library() -> torch.library.Library:
 _library = _new_library()
 _library.define(
     "fp8_quantise(Tensor x, str format, int margin, bool saturate, int? log2_scale) -> Tensor")
-_library.define(
-    "fp8_quantise_gradient(Tensor x, str format, int margin, bool saturate) -> Tensor")
+_library.define("fp8_quantise_gradient(Tensor x, str format, int margin, bool saturate, "
+                "int? log2_scale=None) -> Tensor")
 
 
 def codelet_format(fmt: FormatLike) -> str:
@@ -139,13 +139,15 @@ def _quantise_meta(x: torch.Tensor, format: str, margin: int, saturate: bool,
     return torch.empty_like(x)
 
 
-def _identity_kernel(x: torch.Tensor, format: str, margin: int, saturate: bool) -> torch.Tensor:
-    _check_args(x, format, margin, saturate, None)
+def _identity_kernel(x: torch.Tensor, format: str, margin: int, saturate: bool,
+                     log2_scale: Optional[int] = None) -> torch.Tensor:
+    _check_args(x, format, margin, saturate, log2_scale)
     return x.clone()
 
 
-def _identity_meta(x: torch.Tensor, format: str, margin: int, saturate: bool) -> torch.Tensor:
-    _check_args(x, format, margin, saturate, None)
+def _identity_meta(x: torch.Tensor, format: str, margin: int, saturate: bool,
+                   log2_scale: Optional[int] = None) -> torch.Tensor:
+    _check_args(x, format, margin, saturate, log2_scale)
     return torch.empty_like(x)
 
 
@@ -178,19 +180,19 @@ class _Quantise(torch.autograd.Function):
 
 
 class _QuantiseGradient(torch.autograd.Function):
-    """fp8_quantise_gradient's Autograd kernel: identity forward, AMAX-quantised gradient."""
+    """fp8_quantise_gradient's Autograd kernel: identity forward, quantised gradient."""
 
     @staticmethod
-    def forward(ctx, x, fmt_name, margin, saturate):  # type: ignore[override]
-        ctx.cast = (fmt_name, margin, saturate)
+    def forward(ctx, x, fmt_name, margin, saturate, scale):  # type: ignore[override]
+        ctx.cast = (fmt_name, margin, saturate, scale)
         with _below_autograd():
-            return torch.ops.ipu_unit_scaling.fp8_quantise_gradient(x, fmt_name, margin, saturate)
+            return torch.ops.ipu_unit_scaling.fp8_quantise_gradient(x, fmt_name, margin,
+                                                                    saturate, scale)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        fmt_name, margin, saturate = ctx.cast
-        dx = torch.ops.ipu_unit_scaling.fp8_quantise(grad, fmt_name, margin, saturate, None)
-        return dx, None, None, None
+        dx = torch.ops.ipu_unit_scaling.fp8_quantise(grad, *ctx.cast)
+        return dx, None, None, None, None
 
 
 def _quantise_autograd(x: torch.Tensor, format: str, margin: int, saturate: bool,
@@ -198,9 +200,9 @@ def _quantise_autograd(x: torch.Tensor, format: str, margin: int, saturate: bool
     return _Quantise.apply(x, format, margin, saturate, log2_scale)
 
 
-def _quantise_gradient_autograd(x: torch.Tensor, format: str, margin: int,
-                                saturate: bool) -> torch.Tensor:
-    return _QuantiseGradient.apply(x, format, margin, saturate)
+def _quantise_gradient_autograd(x: torch.Tensor, format: str, margin: int, saturate: bool,
+                                log2_scale: Optional[int] = None) -> torch.Tensor:
+    return _QuantiseGradient.apply(x, format, margin, saturate, log2_scale)
 
 
 # CPU: the host library (or the reference); any other device: the reference, through
@@ -241,15 +243,19 @@ def fp8_quantise(x: torch.Tensor, fmt: FormatLike, margin: int = 0, saturate: bo
 
 
 def fp8_quantise_gradient(x: torch.Tensor, fmt: FormatLike = "F152", margin: int = 3,
-                          saturate: bool = True) -> torch.Tensor:
-    """The identity whose gradient is quantised: ``dx = fp8_quantise(dy, fmt, margin, saturate)``.
+                          saturate: bool = True, log2_scale: Optional[int] = None
+                          ) -> torch.Tensor:
+    """The identity whose gradient is quantised:
+    ``dx = fp8_quantise(dy, fmt, margin, saturate, log2_scale)``.
 
-    The defaults are :class:`~ipu_unit_scaling.fp8.FP8Config`'s for gradients (F152, margin 3).
-    Dispatches like :func:`fp8_quantise`.
+    The defaults are :class:`~ipu_unit_scaling.fp8.FP8Config`'s for gradients (F152, margin 3,
+    AMAX scaling); ``log2_scale`` fixes the scale instead (0 for static scaling). Dispatches
+    like :func:`fp8_quantise`.
     """
     fmt_name = codelet_format(fmt)
-    _check_public(margin, saturate, None)
+    _check_public(margin, saturate, log2_scale)
     custom_ops = tracing.fp8_custom_ops()
     if custom_ops is not None:
-        return custom_ops.quantise_gradient(x, fmt_name, margin, saturate)
-    return torch.ops.ipu_unit_scaling.fp8_quantise_gradient(x, fmt_name, margin, saturate)
+        return custom_ops.quantise_gradient(x, fmt_name, margin, saturate, log2_scale)
+    return torch.ops.ipu_unit_scaling.fp8_quantise_gradient(x, fmt_name, margin, saturate,
+                                                            log2_scale)

@@ -33,7 +33,7 @@ QUANTISE_OP = "Fp8Quantise"
 GRADIENT_QUANTISE_OP = "Fp8GradientQuantise"
 DOMAIN_VERSION = 1
 LIBRARY_ENV = "IPU_UNIT_SCALING_CUSTOM_OPS"
-_REPO_ROOT = Path(__file__).resolve().parents[2]
+_REPO_ROOT = Path(__file__).resolve().parents[3]
 _DEFAULT_LIBRARY = _REPO_ROOT / "custom_ops" / "build" / "libfp8_custom_ops.so"
 
 _loaded: Dict[str, ctypes.CDLL] = {}
@@ -116,7 +116,7 @@ def fp8_amax_cast(
     ``log2_scale=None`` derives ``s`` from the amax with ``margin``; ``overflow`` is
     "saturate" or "nan".
     """
-    from ..fp8 import cast_to_fp8, get_format
+    from ...fp8 import cast_to_fp8, get_format
 
     fmt_name = get_format(fmt).name  # type: ignore[arg-type]
     if fmt_name not in ("F143", "F152"):
@@ -131,21 +131,16 @@ def fp8_amax_cast(
 
 
 def quantise_attributes(fmt_name: str, margin: int, saturate: bool,
-                        log2_scale: Optional[int] = None,
-                        accepts_given_scale: bool = True) -> Dict[str, Any]:
-    """The PopART attributes of ``Fp8Quantise`` (or, with ``accepts_given_scale=False``,
-    ``Fp8GradientQuantise``), as ``custom_ops/`` reads them."""
-    attributes: Dict[str, Any] = {
+                        log2_scale: Optional[int] = None) -> Dict[str, Any]:
+    """The PopART attributes of ``Fp8Quantise`` and ``Fp8GradientQuantise``, as
+    ``custom_ops/`` reads them (``log2_scale=None``: the scale comes from the amax)."""
+    return {
         "format": fmt_name,
         "margin": int(margin),
         "saturate": int(saturate),
+        "has_log2_scale": int(log2_scale is not None),
+        "log2_scale": int(log2_scale or 0),
     }
-    if accepts_given_scale:
-        attributes["has_log2_scale"] = int(log2_scale is not None)
-        attributes["log2_scale"] = int(log2_scale or 0)
-    elif log2_scale is not None:
-        raise ValueError(f"{GRADIENT_QUANTISE_OP} takes its scale from the gradient's amax")
-    return attributes
 
 
 class PopTorchFP8CustomOps:
@@ -175,7 +170,7 @@ class PopTorchFP8CustomOps:
         return self._custom_op(x, QUANTISE_OP,
                                quantise_attributes(fmt_name, margin, saturate, log2_scale))
 
-    def quantise_gradient(self, x: torch.Tensor, fmt_name: str, margin: int,
-                          saturate: bool) -> torch.Tensor:
-        attributes = quantise_attributes(fmt_name, margin, saturate, accepts_given_scale=False)
-        return self._custom_op(x, GRADIENT_QUANTISE_OP, attributes)
+    def quantise_gradient(self, x: torch.Tensor, fmt_name: str, margin: int, saturate: bool,
+                          log2_scale: Optional[int] = None) -> torch.Tensor:
+        return self._custom_op(x, GRADIENT_QUANTISE_OP,
+                               quantise_attributes(fmt_name, margin, saturate, log2_scale))
