@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import fused
 from .constraints import ConstraintArg, apply_constraint
 from .scale import scale, scale_bwd, scale_fwd
 from .tracing import is_ipu_tracing
@@ -104,7 +105,11 @@ def linear(
     output_scale, grad_input_scale, grad_weight_scale = linear_scales(
         fan_in, fan_out, batch_size, constraint
     )
-    # Fold the output scale into the weight: a multiply on the (small) weight instead of the
+    if not is_ipu_tracing():
+        # Every scale goes into a GEMM's alpha: no scaled weight copy, one autograd node.
+        return fused.linear(input, weight, bias, output_scale, grad_input_scale,
+                            grad_weight_scale)
+    # The PopTorch form: fold the output scale into the weight: a multiply on the (small) weight instead of the
     # (large) activation, and the backward multiply then reaches the input gradient for free.
     weight = scale(weight, output_scale, grad_weight_scale)
     input = scale_bwd(input, grad_input_scale / output_scale)
@@ -138,6 +143,8 @@ def matmul(left: Tensor, right: Tensor, constraint: ConstraintArg = "gmean") -> 
     output_scale, left_scale, right_scale = apply_constraint(
         constraint, inner**-0.5, left_count**-0.5, right_count**-0.5
     )
+    if not is_ipu_tracing() and left.dim() >= 2 and right.dim() >= 2:
+        return fused.matmul(left, right, output_scale, left_scale, right_scale)
     return _scaled_call(
         torch.matmul, (left, right), output_scale, (left_scale, right_scale), scale_in_place=True
     )
@@ -190,6 +197,8 @@ def gelu(input: Tensor, approximate: str = "none", constraint: ConstraintArg = "
     else:
         out_std, grad_rms = _gelu_stds(approximate)
     output_scale, grad_scale = apply_constraint(constraint, 1 / out_std, 1 / grad_rms)
+    if not is_ipu_tracing():
+        return fused.gelu(input, approximate, output_scale, grad_scale)
     return _scaled_call(
         lambda x: F.gelu(x, approximate=approximate), (input,), output_scale, (grad_scale,),
         scale_in_place=True,
@@ -275,6 +284,8 @@ def layer_norm(
     """
     normalized_shape = tuple(normalized_shape)
     batch_size = max(1, input.numel() // max(1, math.prod(normalized_shape)))
+    if not is_ipu_tracing():
+        return fused.layer_norm(input, normalized_shape, weight, bias, eps, batch_size**-0.5)
     if weight is not None:
         weight = scale_bwd(weight, batch_size**-0.5)
     if bias is not None:
@@ -301,8 +312,10 @@ def embedding(
     _reject("scale_grad_by_freq", scale_grad_by_freq, False, "it replaces the unit grad scale")
     _reject("sparse", sparse, False, "sparse gradients are not scaled")
     lookups = max(1, input.numel())
-    weight = scale_bwd(weight, math.sqrt(weight.shape[0] / lookups))
-    return F.embedding(input, weight, padding_idx)
+    grad_scale = math.sqrt(weight.shape[0] / lookups)
+    if not is_ipu_tracing():
+        return fused.embedding(input, weight, padding_idx, grad_scale)
+    return F.embedding(input, scale_bwd(weight, grad_scale), padding_idx)
 
 
 # ---------------------------------------------------------------- additions and residuals
@@ -362,6 +375,9 @@ def residual_add(residual: Tensor, skip: Tensor, tau: float = 1.0) -> Tensor:
     applies a in the backward pass instead, where the branch gradient joins the stream.
     """
     branch_weight, skip_weight = _residual_weights(tau)
+    if (not is_ipu_tracing() and residual.shape == skip.shape
+            and residual.dtype == skip.dtype):
+        return fused.residual_add(residual, skip, branch_weight, skip_weight)
     scaled_skip = skip * skip_weight
     scaled_residual = scale_fwd(residual, branch_weight)
     if scaled_skip.shape == scaled_residual.shape and scaled_skip.dtype == scaled_residual.dtype:
@@ -451,10 +467,45 @@ def scaled_dot_product_attention(
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal
         )
-    visible = _visible_keys(query.shape[-2], key.shape[-2], attn_mask, is_causal, query.device)
+    if attn_mask is None and not is_ipu_tracing() and not _compiling():
+        row_scale = _cached_row_scale(query.shape[-2], key.shape[-2], is_causal, logit_std,
+                                      dropout_p, out.dtype, out.device)
+    else:
+        row_scale = _row_scale(query.shape[-2], key.shape[-2], attn_mask, is_causal, logit_std,
+                               dropout_p, out.dtype, out.device)
+    return out * row_scale
+
+
+def _row_scale(query_len: int, key_len: int, attn_mask: Optional[Tensor], is_causal: bool,
+               logit_std: float, dropout_p: float, dtype: torch.dtype,
+               device: torch.device) -> Union[float, Tensor]:
+    """sqrt((1 - dropout_p) / E[sum p**2]) for each query row: a float, or a (..., rows, 1)
+    tensor."""
+    visible = _visible_keys(query_len, key_len, attn_mask, is_causal, device)
     square_sum = _expected_softmax_square_sum(visible, logit_std)
     row_scale = ((1 - dropout_p) / square_sum) ** 0.5
-    return out * (row_scale.to(out.dtype) if isinstance(row_scale, Tensor) else row_scale)
+    return row_scale.to(dtype) if isinstance(row_scale, Tensor) else row_scale
+
+
+_ROW_SCALES: Dict[tuple, Union[float, Tensor]] = {}
+
+
+def _cached_row_scale(*key: Any) -> Union[float, Tensor]:
+    """:func:`_row_scale` without a mask, computed once per shape: a dozen small ops saved at
+    every eager call. Not under tracing or compilation, where it would be a captured constant."""
+    row_scale = _ROW_SCALES.get(key)
+    if row_scale is None:
+        if len(_ROW_SCALES) >= 64:
+            _ROW_SCALES.clear()
+        row_scale = _ROW_SCALES[key] = _row_scale(key[0], key[1], None, *key[2:])
+    return row_scale
+
+
+def _compiling() -> bool:
+    """Whether torch.compile is tracing this call (torch 2.1 on; torch 2.0 never says so)."""
+    compiler = getattr(torch, "compiler", None)
+    is_compiling = getattr(compiler, "is_compiling", None)
+    return bool(is_compiling()) if is_compiling is not None else False
 
 
 # ---------------------------------------------------------------- losses

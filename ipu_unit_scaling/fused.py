@@ -1,0 +1,229 @@
+"""The eager forms of the unit-scaled ops that sit on a training step's hot path.
+
+Each op is one autograd Function whose fixed scales ride along with work the op does anyway:
+a GEMM takes its scale as ``alpha`` (``addmm`` / ``baddbmm``), a fresh output is scaled in
+place, a gradient is scaled where it is produced. Built from ``scale()`` instead, the same op
+costs a scaled copy of the weight, a node per scale and an elementwise pass per multiply.
+
+These forms are for eager PyTorch only: PopTorch drops custom backwards, so
+:mod:`ipu_unit_scaling.functional` uses the ``scale()`` composition under
+:func:`~ipu_unit_scaling.tracing.ipu_tracing` and these Functions everywhere else.
+
+Values and gradients are those of the composition up to float32 rounding: a scale applied
+inside a GEMM, or to the product instead of the weight, rounds differently in the last bit.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "scaled_mm", "linear", "matmul", "gelu", "layer_norm", "embedding", "residual_add",
+]
+
+_ZEROS: Dict[Tuple[torch.dtype, torch.device], Tensor] = {}
+
+
+def _zero(like: Tensor) -> Tensor:
+    """A 0-d zero for ``addmm(..., beta=0)``, which ignores it (no copy, no NaN passed on)."""
+    key = (like.dtype, like.device)
+    zero = _ZEROS.get(key)
+    if zero is None:
+        zero = _ZEROS[key] = torch.zeros((), dtype=like.dtype, device=like.device)
+    return zero
+
+
+def scaled_mm(a: Tensor, b: Tensor, alpha: float) -> Tensor:
+    """``alpha * (a @ b)``: the scale goes into the GEMM where there is one (2-D, or 3-D with
+    equal batches), else into the fresh product in place."""
+    if alpha == 1.0:
+        return torch.matmul(a, b)
+    if a.dim() == 2 and b.dim() == 2:
+        return torch.addmm(_zero(a), a, b, beta=0, alpha=alpha)
+    if a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0]:
+        return torch.baddbmm(_zero(a), a, b, beta=0, alpha=alpha)
+    return torch.matmul(a, b).mul_(alpha)
+
+
+def _rows(x: Tensor) -> Tensor:
+    """``x`` as a matrix of its last dimension: a view when it can be (explicit row count, so
+    that zero-size shapes reshape too)."""
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
+class _Linear(torch.autograd.Function):
+    """``output_scale * x @ weight.T + bias``; gradients: input ``grad_input_scale * g @ weight``,
+    weight ``grad_weight_scale * g.T @ x``, bias ``grad_weight_scale * sum(g)``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], output_scale: float,
+                grad_input_scale: float, grad_weight_scale: float) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.scales = (grad_input_scale, grad_weight_scale)
+        ctx.has_bias = bias is not None
+        return _linear_forward(x, weight, bias, output_scale)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+        x, weight = ctx.saved_tensors
+        grad_input_scale, grad_weight_scale = ctx.scales
+        grad_rows = _rows(grad)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = scaled_mm(grad_rows, weight, grad_input_scale).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = scaled_mm(grad_rows.t(), _rows(x), grad_weight_scale)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_rows.sum(0).mul_(grad_weight_scale)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def _linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
+                    output_scale: float) -> Tensor:
+    x_rows = _rows(x)
+    if bias is None:
+        out = scaled_mm(x_rows, weight.t(), output_scale)
+    else:
+        out = torch.addmm(bias, x_rows, weight.t(), alpha=output_scale)
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], output_scale: float,
+           grad_input_scale: float, grad_weight_scale: float) -> Tensor:
+    """The unit-scaled linear with its three scales (see :class:`_Linear`)."""
+    if not torch.is_grad_enabled():
+        return _linear_forward(x, weight, bias, output_scale)
+    return _Linear.apply(x, weight, bias, output_scale, grad_input_scale, grad_weight_scale)
+
+
+def _sum_to(grad: Tensor, like: Tensor) -> Tensor:
+    return grad if grad.shape == like.shape else grad.sum_to_size(like.shape)
+
+
+class _Matmul(torch.autograd.Function):
+    """``output_scale * left @ right`` (both at least 2-D); each input's gradient scaled by its
+    own factor."""
+
+    @staticmethod
+    def forward(ctx: Any, left: Tensor, right: Tensor, output_scale: float, left_scale: float,
+                right_scale: float) -> Tensor:
+        ctx.save_for_backward(left, right)
+        ctx.scales = (left_scale, right_scale)
+        return scaled_mm(left, right, output_scale)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+        left, right = ctx.saved_tensors
+        left_scale, right_scale = ctx.scales
+        grad_left = grad_right = None
+        if ctx.needs_input_grad[0]:
+            grad_left = _sum_to(scaled_mm(grad, right.transpose(-1, -2), left_scale), left)
+        if ctx.needs_input_grad[1]:
+            grad_right = _sum_to(scaled_mm(left.transpose(-1, -2), grad, right_scale), right)
+        return grad_left, grad_right, None, None, None
+
+
+def matmul(left: Tensor, right: Tensor, output_scale: float, left_scale: float,
+           right_scale: float) -> Tensor:
+    """The unit-scaled matmul of two operands with at least two dimensions each."""
+    return _Matmul.apply(left, right, output_scale, left_scale, right_scale)
+
+
+class _Gelu(torch.autograd.Function):
+    """``output_scale * gelu(x)``; the gradient ``grad_scale * gelu'(x) * g``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, approximate: str, output_scale: float,
+                grad_scale: float) -> Tensor:
+        ctx.save_for_backward(x)
+        ctx.approximate, ctx.grad_scale = approximate, grad_scale
+        return F.gelu(x, approximate=approximate).mul_(output_scale)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+        (x,) = ctx.saved_tensors
+        grad_x = torch.ops.aten.gelu_backward(grad, x, approximate=ctx.approximate)
+        return grad_x.mul_(ctx.grad_scale), None, None, None
+
+
+def gelu(x: Tensor, approximate: str, output_scale: float, grad_scale: float) -> Tensor:
+    return _Gelu.apply(x, approximate, output_scale, grad_scale)
+
+
+class _LayerNorm(torch.autograd.Function):
+    """``F.layer_norm`` whose weight and bias gradients are multiplied by ``param_grad_scale``;
+    the same kernels as torch's own node, so values and gradients are torch's bit for bit."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, normalized_shape: Tuple[int, ...], weight: Optional[Tensor],
+                bias: Optional[Tensor], eps: float, param_grad_scale: float) -> Tensor:
+        out, mean, rstd = torch.native_layer_norm(x, normalized_shape, weight, bias, eps)
+        ctx.save_for_backward(x, mean, rstd, weight, bias)
+        ctx.normalized_shape, ctx.param_grad_scale = normalized_shape, param_grad_scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+        x, mean, rstd, weight, bias = ctx.saved_tensors
+        wants = ctx.needs_input_grad
+        mask = [wants[0], weight is not None and wants[2], bias is not None and wants[3]]
+        grad_x, grad_w, grad_b = torch.ops.aten.native_layer_norm_backward(
+            grad.contiguous(), x, ctx.normalized_shape, mean, rstd, weight, bias, mask)
+        scale = ctx.param_grad_scale
+        grad_w = grad_w.mul_(scale) if grad_w is not None else None
+        grad_b = grad_b.mul_(scale) if grad_b is not None else None
+        return grad_x, None, grad_w, grad_b, None, None
+
+
+def layer_norm(x: Tensor, normalized_shape: Tuple[int, ...], weight: Optional[Tensor],
+               bias: Optional[Tensor], eps: float, param_grad_scale: float) -> Tensor:
+    return _LayerNorm.apply(x, normalized_shape, weight, bias, eps, param_grad_scale)
+
+
+class _Embedding(torch.autograd.Function):
+    """``F.embedding`` whose weight gradient is multiplied by ``grad_scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, indices: Tensor, weight: Tensor, padding_idx: Optional[int],
+                grad_scale: float) -> Tensor:
+        ctx.save_for_backward(indices)
+        ctx.rows, ctx.grad_scale = weight.shape[0], grad_scale
+        ctx.padding_idx = -1 if padding_idx is None else padding_idx
+        return F.embedding(indices, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+        (indices,) = ctx.saved_tensors
+        grad_w = torch.ops.aten.embedding_backward(
+            grad, indices, ctx.rows, ctx.padding_idx, False, False)
+        return None, grad_w.mul_(ctx.grad_scale), None, None
+
+
+def embedding(indices: Tensor, weight: Tensor, padding_idx: Optional[int],
+              grad_scale: float) -> Tensor:
+    return _Embedding.apply(indices, weight, padding_idx, grad_scale)
+
+
+class _ResidualAdd(torch.autograd.Function):
+    """``branch_weight * residual + skip_weight * skip`` (same shapes and dtypes); the gradient
+    reaches the residual unscaled and the skip multiplied by ``skip_weight``."""
+
+    @staticmethod
+    def forward(ctx: Any, residual: Tensor, skip: Tensor, branch_weight: float,
+                skip_weight: float) -> Tensor:
+        ctx.skip_weight = skip_weight
+        return torch.mul(skip, skip_weight).add_(residual, alpha=branch_weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+        grad_skip = grad * ctx.skip_weight if ctx.needs_input_grad[1] else None
+        return grad, grad_skip, None, None
+
+
+def residual_add(residual: Tensor, skip: Tensor, branch_weight: float,
+                 skip_weight: float) -> Tensor:
+    return _ResidualAdd.apply(residual, skip, branch_weight, skip_weight)
