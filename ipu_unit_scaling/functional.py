@@ -88,6 +88,29 @@ def linear_scales(
     return output_scale, grad_input_scale, batch_size**-0.5
 
 
+# Scales by (op, shape sizes, constraint name), for the eager forms: at small widths the Python
+# that derives them is a visible share of a step. Named constraints only (a callable could
+# depend on state), and never while torch.compile traces (it would guard on the cache).
+_SCALES: Dict[tuple, Tuple[float, ...]] = {}
+
+
+def _cached(key: tuple, compute, *args) -> Tuple[float, ...]:
+    scales = _SCALES.get(key)
+    if scales is None:
+        scales = compute(*args)
+        if isinstance(key[-1], str) or key[-1] is None:
+            if len(_SCALES) >= 4096:
+                _SCALES.clear()
+            _SCALES[key] = scales
+    return scales
+
+
+def _eager_forms() -> bool:
+    """Whether the fused eager forms apply: not under ipu_tracing() (PopTorch drops custom
+    backwards; see :mod:`ipu_unit_scaling.tracing`) and not while torch.compile traces."""
+    return not is_ipu_tracing() and not _compiling()
+
+
 def linear(
     input: Tensor,
     weight: Tensor,
@@ -102,15 +125,17 @@ def linear(
     """
     fan_out, fan_in = weight.shape
     batch_size = max(1, input.numel() // max(1, fan_in))
+    if _eager_forms():
+        # Every scale goes into a GEMM's alpha: no scaled weight copy, one autograd node.
+        scales = _cached(("linear", fan_in, fan_out, batch_size, constraint), linear_scales,
+                         fan_in, fan_out, batch_size, constraint)
+        return fused.linear(input, weight, bias, *scales)
     output_scale, grad_input_scale, grad_weight_scale = linear_scales(
         fan_in, fan_out, batch_size, constraint
     )
-    if not is_ipu_tracing():
-        # Every scale goes into a GEMM's alpha: no scaled weight copy, one autograd node.
-        return fused.linear(input, weight, bias, output_scale, grad_input_scale,
-                            grad_weight_scale)
-    # The PopTorch form: fold the output scale into the weight: a multiply on the (small) weight instead of the
-    # (large) activation, and the backward multiply then reaches the input gradient for free.
+    # The PopTorch form. The output scale is folded into the weight: a multiply on the (small)
+    # weight instead of the (large) activation, and the backward multiply then reaches the
+    # input gradient for free.
     weight = scale(weight, output_scale, grad_weight_scale)
     input = scale_bwd(input, grad_input_scale / output_scale)
     if bias is not None:
@@ -143,7 +168,7 @@ def matmul(left: Tensor, right: Tensor, constraint: ConstraintArg = "gmean") -> 
     output_scale, left_scale, right_scale = apply_constraint(
         constraint, inner**-0.5, left_count**-0.5, right_count**-0.5
     )
-    if not is_ipu_tracing() and left.dim() >= 2 and right.dim() >= 2:
+    if left.dim() >= 2 and right.dim() >= 2 and _eager_forms():
         return fused.matmul(left, right, output_scale, left_scale, right_scale)
     return _scaled_call(
         torch.matmul, (left, right), output_scale, (left_scale, right_scale), scale_in_place=True
@@ -186,19 +211,25 @@ _RELU_STD = math.sqrt(0.5 - 0.5 / math.pi)
 _RELU_GRAD_RMS = math.sqrt(0.5)
 
 
+def _gelu_scales(approximate: str, constraint: ConstraintArg) -> Tuple[float, ...]:
+    if approximate in _GELU_STDS:
+        out_std, grad_rms = _GELU_STDS[approximate]
+    else:
+        out_std, grad_rms = _gelu_stds(approximate)
+    return apply_constraint(constraint, 1 / out_std, 1 / grad_rms)
+
+
 def gelu(input: Tensor, approximate: str = "none", constraint: ConstraintArg = "gmean") -> Tensor:
     """Unit-scaled `F.gelu`.
 
     Rule: output scale 1/std(gelu(z)), grad-input scale 1/rms(gelu'(z)) for z ~ N(0, 1),
     computed by quadrature; tied by `constraint`.
     """
-    if approximate in _GELU_STDS:
-        out_std, grad_rms = _GELU_STDS[approximate]
-    else:
-        out_std, grad_rms = _gelu_stds(approximate)
-    output_scale, grad_scale = apply_constraint(constraint, 1 / out_std, 1 / grad_rms)
-    if not is_ipu_tracing():
+    if _eager_forms():
+        output_scale, grad_scale = _cached(("gelu", approximate, constraint), _gelu_scales,
+                                           approximate, constraint)
         return fused.gelu(input, approximate, output_scale, grad_scale)
+    output_scale, grad_scale = _gelu_scales(approximate, constraint)
     return _scaled_call(
         lambda x: F.gelu(x, approximate=approximate), (input,), output_scale, (grad_scale,),
         scale_in_place=True,
@@ -284,7 +315,7 @@ def layer_norm(
     """
     normalized_shape = tuple(normalized_shape)
     batch_size = max(1, input.numel() // max(1, math.prod(normalized_shape)))
-    if not is_ipu_tracing():
+    if _eager_forms():
         return fused.layer_norm(input, normalized_shape, weight, bias, eps, batch_size**-0.5)
     if weight is not None:
         weight = scale_bwd(weight, batch_size**-0.5)
@@ -313,7 +344,7 @@ def embedding(
     _reject("sparse", sparse, False, "sparse gradients are not scaled")
     lookups = max(1, input.numel())
     grad_scale = math.sqrt(weight.shape[0] / lookups)
-    if not is_ipu_tracing():
+    if _eager_forms():
         return fused.embedding(input, weight, padding_idx, grad_scale)
     return F.embedding(input, scale_bwd(weight, grad_scale), padding_idx)
 
@@ -350,10 +381,18 @@ def add(
 
 
 def _residual_weights(tau: float) -> Tuple[float, float]:
-    if not tau > 0:
-        raise ValueError(f"tau={tau!r} must be positive")
-    norm = math.sqrt(1 + tau**2)
-    return tau / norm, 1 / norm
+    weights = _RESIDUAL_WEIGHTS.get(tau)
+    if weights is None:
+        if not tau > 0:
+            raise ValueError(f"tau={tau!r} must be positive")
+        norm = math.sqrt(1 + tau**2)
+        weights = tau / norm, 1 / norm
+        if len(_RESIDUAL_WEIGHTS) < 1024:
+            _RESIDUAL_WEIGHTS[tau] = weights
+    return weights
+
+
+_RESIDUAL_WEIGHTS: Dict[float, Tuple[float, float]] = {}
 
 
 def residual_split(input: Tensor, tau: float = 1.0) -> Tuple[Tensor, Tensor]:
@@ -364,6 +403,8 @@ def residual_split(input: Tensor, tau: float = 1.0) -> Tuple[Tensor, Tensor]:
     (b is applied by `residual_add`), the true gradient of `a * f(x) + b * x`.
     """
     branch_weight, _ = _residual_weights(tau)
+    if _eager_forms():
+        return fused.residual_split(input, branch_weight)
     return scale_bwd(input, branch_weight), input
 
 
@@ -375,8 +416,7 @@ def residual_add(residual: Tensor, skip: Tensor, tau: float = 1.0) -> Tensor:
     applies a in the backward pass instead, where the branch gradient joins the stream.
     """
     branch_weight, skip_weight = _residual_weights(tau)
-    if (not is_ipu_tracing() and residual.shape == skip.shape
-            and residual.dtype == skip.dtype):
+    if residual.shape == skip.shape and residual.dtype == skip.dtype and _eager_forms():
         return fused.residual_add(residual, skip, branch_weight, skip_weight)
     scaled_skip = skip * skip_weight
     scaled_residual = scale_fwd(residual, branch_weight)
@@ -467,7 +507,7 @@ def scaled_dot_product_attention(
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal
         )
-    if attn_mask is None and not is_ipu_tracing() and not _compiling():
+    if attn_mask is None and _eager_forms():
         row_scale = _cached_row_scale(query.shape[-2], key.shape[-2], is_causal, logit_std,
                                       dropout_p, out.dtype, out.device)
     else:

@@ -14,7 +14,6 @@ inside a GEMM, or to the product instead of the weight, rounds differently in th
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -22,26 +21,25 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
-    "scaled_mm", "linear", "matmul", "gelu", "layer_norm", "embedding", "residual_add",
+    "scaled_mm", "linear", "matmul", "gelu", "layer_norm", "embedding", "residual_split", "residual_add",
 ]
 
-_ZEROS: Dict[Tuple[torch.dtype, torch.device], Tensor] = {}
+_ZEROS: Dict[torch.dtype, Tensor] = {}
 
 
 def _zero(like: Tensor) -> Tensor:
     """A 0-d zero for ``addmm(..., beta=0)``, which ignores it (no copy, no NaN passed on)."""
-    key = (like.dtype, like.device)
-    zero = _ZEROS.get(key)
+    if not like.is_cpu:
+        return like.new_zeros(())
+    zero = _ZEROS.get(like.dtype)
     if zero is None:
-        zero = _ZEROS[key] = torch.zeros((), dtype=like.dtype, device=like.device)
+        zero = _ZEROS[like.dtype] = torch.zeros((), dtype=like.dtype)
     return zero
 
 
 def scaled_mm(a: Tensor, b: Tensor, alpha: float) -> Tensor:
     """``alpha * (a @ b)``: the scale goes into the GEMM where there is one (2-D, or 3-D with
     equal batches), else into the fresh product in place."""
-    if alpha == 1.0:
-        return torch.matmul(a, b)
     if a.dim() == 2 and b.dim() == 2:
         return torch.addmm(_zero(a), a, b, beta=0, alpha=alpha)
     if a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0]:
@@ -49,55 +47,72 @@ def scaled_mm(a: Tensor, b: Tensor, alpha: float) -> Tensor:
     return torch.matmul(a, b).mul_(alpha)
 
 
-def _rows(x: Tensor) -> Tensor:
-    """``x`` as a matrix of its last dimension: a view when it can be (explicit row count, so
-    that zero-size shapes reshape too)."""
-    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
-
-
 class _Linear(torch.autograd.Function):
-    """``output_scale * x @ weight.T + bias``; gradients: input ``grad_input_scale * g @ weight``,
-    weight ``grad_weight_scale * g.T @ x``, bias ``grad_weight_scale * sum(g)``."""
+    """``output_scale * x @ weight.T + bias`` for non-empty ``x`` of at least two dimensions
+    and a non-empty weight; gradients: input ``grad_input_scale * g @ weight``, weight
+    ``grad_weight_scale * g.T @ x``, bias ``grad_weight_scale * sum(g)``.
+
+    Kept lean: at small widths the Python around the GEMMs is a visible share of a step.
+    """
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], output_scale: float,
                 grad_input_scale: float, grad_weight_scale: float) -> Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.scales = (grad_input_scale, grad_weight_scale)
-        ctx.has_bias = bias is not None
+        ctx.scales = (grad_input_scale, grad_weight_scale, bias is not None)
         return _linear_forward(x, weight, bias, output_scale)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
         x, weight = ctx.saved_tensors
-        grad_input_scale, grad_weight_scale = ctx.scales
-        grad_rows = _rows(grad)
+        grad_input_scale, grad_weight_scale, has_bias = ctx.scales
+        needs = ctx.needs_input_grad
+        grad_rows = grad.reshape(-1, grad.shape[-1])
+        zero = _zero(grad)
         grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = scaled_mm(grad_rows, weight, grad_input_scale).view(x.shape)
-        if ctx.needs_input_grad[1]:
-            grad_w = scaled_mm(grad_rows.t(), _rows(x), grad_weight_scale)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if needs[0]:
+            grad_x = torch.addmm(zero, grad_rows, weight, beta=0,
+                                 alpha=grad_input_scale).view_as(x)
+        if needs[1]:
+            grad_w = torch.addmm(zero, grad_rows.t(), x.reshape(-1, x.shape[-1]), beta=0,
+                                 alpha=grad_weight_scale)
+        if has_bias and needs[2]:
             grad_b = grad_rows.sum(0).mul_(grad_weight_scale)
         return grad_x, grad_w, grad_b, None, None, None
 
 
 def _linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
                     output_scale: float) -> Tensor:
-    x_rows = _rows(x)
     if bias is None:
-        out = scaled_mm(x_rows, weight.t(), output_scale)
+        out = torch.addmm(_zero(x), x.reshape(-1, x.shape[-1]), weight.t(), beta=0,
+                          alpha=output_scale)
     else:
-        out = torch.addmm(bias, x_rows, weight.t(), alpha=output_scale)
-    return out.view(*x.shape[:-1], weight.shape[0])
+        out = torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight.t(), alpha=output_scale)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], output_scale: float,
            grad_input_scale: float, grad_weight_scale: float) -> Tensor:
     """The unit-scaled linear with its three scales (see :class:`_Linear`)."""
+    if x.dim() < 2 or not x.numel() or not weight.numel():
+        # Shapes the GEMM form does not take (a vector; empty tensors, which reshape(-1, 0)
+        # cannot flatten): torch's linear, scaled like the PopTorch form.
+        return _composed_linear(x, weight, bias, output_scale, grad_input_scale,
+                                grad_weight_scale)
     if not torch.is_grad_enabled():
         return _linear_forward(x, weight, bias, output_scale)
     return _Linear.apply(x, weight, bias, output_scale, grad_input_scale, grad_weight_scale)
+
+
+def _composed_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], output_scale: float,
+                     grad_input_scale: float, grad_weight_scale: float) -> Tensor:
+    from .scale import scale, scale_bwd
+
+    weight = scale(weight, output_scale, grad_weight_scale)
+    x = scale_bwd(x, grad_input_scale / output_scale)
+    if bias is not None:
+        bias = scale_bwd(bias, grad_weight_scale)
+    return F.linear(x, weight, bias)
 
 
 def _sum_to(grad: Tensor, like: Tensor) -> Tensor:
@@ -208,6 +223,30 @@ def embedding(indices: Tensor, weight: Tensor, padding_idx: Optional[int],
     return _Embedding.apply(indices, weight, padding_idx, grad_scale)
 
 
+class _ResidualSplit(torch.autograd.Function):
+    """(branch, skip), both ``x``; the gradient ``g_skip + branch_weight * g_branch`` in one
+    pass, the sum autograd would otherwise form after scaling the branch gradient apart."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, branch_weight: float) -> Tuple[Tensor, Tensor]:
+        ctx.set_materialize_grads(False)
+        ctx.branch_weight = branch_weight
+        return x.view_as(x), x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad_branch: Optional[Tensor],
+                 grad_skip: Optional[Tensor]) -> Tuple[Optional[Tensor], None]:
+        if grad_branch is None:
+            return grad_skip, None
+        if grad_skip is None:
+            return grad_branch * ctx.branch_weight, None
+        return torch.add(grad_skip, grad_branch, alpha=ctx.branch_weight), None
+
+
+def residual_split(x: Tensor, branch_weight: float) -> Tuple[Tensor, Tensor]:
+    return _ResidualSplit.apply(x, branch_weight)
+
+
 class _ResidualAdd(torch.autograd.Function):
     """``branch_weight * residual + skip_weight * skip`` (same shapes and dtypes); the gradient
     reaches the residual unscaled and the skip multiplied by ``skip_weight``."""
@@ -220,8 +259,7 @@ class _ResidualAdd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
-        grad_skip = grad * ctx.skip_weight if ctx.needs_input_grad[1] else None
-        return grad, grad_skip, None, None
+        return grad, grad * ctx.skip_weight, None, None
 
 
 def residual_add(residual: Tensor, skip: Tensor, branch_weight: float,
