@@ -7,7 +7,8 @@ this file (a plain C ABI library, loaded with ctypes). It gives two things:
 * the fast CPU path of :func:`ipu_unit_scaling.fp8.cast_to_fp8`: one pass for the amax and
   one for scale + round + store, over all threads, bit-identical to the torch reference;
 * the CPU kernel of the FP8 quantise custom ops (:func:`fused_quantise`, used by
-  :mod:`ipu_unit_scaling.fp8.ops`);
+  :mod:`ipu_unit_scaling.fp8.ops`), and :func:`quantise_float32`, the same rounding straight
+  to float32 values in one pass, for FP8 simulation;
 * the vertices themselves, which :mod:`ipu_unit_scaling.emulator` runs tile by tile.
 
 This module sits below everything else in the package and imports none of it: it reports
@@ -30,13 +31,13 @@ import torch
 __all__ = [
     "HostLibraryUnavailable", "NonFiniteAmax", "MISALIGNED", "LIBRARY_PATH", "DISABLE_ENV",
     "library", "fast_path_status", "fused_cast_available", "fused_cast_to_fp8",
-    "fused_cast_from_fp8", "fused_quantise", "exponent_bits", "partition", "partition_grain",
-    "dtype_code", "num_threads",
+    "fused_cast_from_fp8", "fused_quantise", "quantise_float32", "fused_tuning",
+    "exponent_bits", "partition", "partition_grain", "dtype_code", "num_threads",
 ]
 
 LIBRARY_PATH = Path(__file__).with_name("_fp8_host.so")
 DISABLE_ENV = "IPU_UNIT_SCALING_HOST_LIB"
-_ABI_VERSION = 1
+_ABI_VERSION = 2
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1}
 # The IPU formats the codelets implement, by FP8Format.name, keyed to their exponent bits.
 _EXPONENT_BITS = {"F143": 4, "F152": 5}
@@ -61,6 +62,10 @@ _SIGNATURES = {
     "ius_fused_cast_to_fp8": (
         _c_int, [_c_void_p, _c_int64, _c_int, _c_int, _c_int, _c_int, _c_int, _c_int, _c_int,
                  _c_void_p, _c_void_p, _c_void_p]),
+    "ius_fused_quantise": (
+        _c_int, [_c_void_p, _c_int64, _c_int, _c_int, _c_int, _c_int, _c_int, _c_int,
+                 _c_void_p, _c_void_p, _c_void_p]),
+    "ius_fused_tuning": (_c_int, [_c_int64, _c_int]),
 }
 
 
@@ -230,6 +235,44 @@ def fused_quantise(
     if status != 0:
         raise ValueError(f"host decode rejected its arguments (status {status})")
     return values, used, non_finite_amax is not None
+
+
+def quantise_float32(
+    x: torch.Tensor,
+    fmt_name: str,
+    log2_scale: Optional[int],
+    margin: int,
+    saturate: bool,
+) -> Tuple[torch.Tensor, int, Optional[float]]:
+    """``decode(cast(x * 2**s)) * 2**-s`` as a new float32 tensor, in one pass with no codes.
+
+    ``x`` is a contiguous CPU float32 tensor; the format is F143 or F152 (see
+    :func:`exponent_bits`). ``s`` is ``log2_scale`` (-31..31), or comes from the amax with
+    ``margin``. Returns (values, s, None), or (unspecified values, 0, the amax) when the amax
+    is not finite, for the caller to decide what that means.
+    """
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
+        raise ValueError("quantise_float32 needs a contiguous CPU float32 tensor")
+    lib = library()
+    out = torch.empty(x.shape, dtype=torch.float32)
+    used = ctypes.c_int(0)
+    amax = ctypes.c_float(0.0)
+    status = lib.ius_fused_quantise(
+        _pointer(x), x.numel(), exponent_bits(fmt_name), int(saturate),
+        int(log2_scale is not None), int(log2_scale or 0), int(margin), num_threads(),
+        _pointer(out), ctypes.byref(used), ctypes.byref(amax))
+    if status == 1:
+        return out, 0, amax.value
+    if status != 0:
+        raise ValueError(f"host quantise rejected its arguments (log2_scale={log2_scale})")
+    return out, used.value, None
+
+
+def fused_tuning(block_elements: int = -1, simd: int = -1) -> bool:
+    """Set the fused kernels' block size (elements, at least 1024) and whether they may use
+    AVX2 (1) or only the portable loops (0); -1 leaves a knob as it is. Returns whether the
+    AVX2 kernels are in use. Process-wide; for benchmarks."""
+    return bool(library().ius_fused_tuning(int(block_elements), int(simd)))
 
 
 def fused_cast_from_fp8(

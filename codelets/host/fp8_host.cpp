@@ -4,44 +4,29 @@
 //  * ius_vertex_*: construct one vertex exactly as the Poplar graph would on
 //    one tile (fields connected to that tile's slice), then run compute() for
 //    every worker. The Python emulator calls them tile by tile.
-//  * ius_fused_cast_to_fp8: the CPU fast path. One pass for the amax, one for
-//    scale + round + store, split over threads; it calls the same per-element
-//    functions (fp8_arith.hpp) as the vertices.
+//  * ius_fused_cast_to_fp8 and ius_fused_quantise: the CPU fast path
+//    (fp8_fused.hpp): amax, scale and round in one streaming pass over threads,
+//    to codes or straight to the rounded float32 values; bit for bit the
+//    vertices' results.
 // Both use splitRange (partition.hpp), which ius_partition exposes to Python.
 //
 // Status codes: 0 done, -1 bad arguments, -2 a vertex field connected to
 // memory that breaks its declared alignment (Poplar would refuse the graph).
 #include <cstdint>
-#include <thread>
-#include <vector>
 
-#include "../fp8_codelets.cpp"
-
-#if defined(__x86_64__) && defined(__GNUC__) && defined(__has_attribute)
-#if __has_attribute(target_clones)
-// Runtime dispatch: an AVX2/F16C clone where the CPU has it, baseline SSE2
-// elsewhere, so the library is fast here and still safe on any x86-64.
-#define IUS_HOT __attribute__((target_clones("arch=x86-64-v3", "default")))
-#endif
-#endif
-#ifndef IUS_HOT
-#define IUS_HOT
-#endif
+#include "fp8_fused.hpp"
 
 #define IUS_EXPORT extern "C" __attribute__((visibility("default")))
 
 namespace {
 
 using Index = std::int64_t;
+using ius::fused::kFloat16;
+using ius::fused::kFloat32;
 
-enum DType : int { kFloat32 = 0, kFloat16 = 1 };
-
-constexpr int kAbiVersion = 1;
+constexpr int kAbiVersion = 2;
 constexpr int kBadArguments = -1;
 constexpr int kMisaligned = -2;
-
-// Below this many elements a second thread costs more than it saves.
-constexpr Index kMinElementsPerThread = Index(1) << 16;
 
 template <typename T>
 const T* offset(const void* base, Index elements) {
@@ -102,156 +87,6 @@ int dispatchCastToFp8(const void* in, Index count, int exponentBits, int saturat
                     : runCastToFp8<T, 5, false>(in, count, workers, log2Scale, out);
   }
   return kBadArguments;
-}
-
-IUS_HOT unsigned amaxKeyFloat(const float* x, Index count) {
-  return ius::amaxKeyOfSpan(x, count);
-}
-
-IUS_HOT unsigned amaxKeyHalf(const half* x, Index count) { return ius::amaxKeyOfSpan(x, count); }
-
-IUS_HOT void castFloat(const float* x, Index count, int exponentBits, bool saturate, float scale,
-                       std::uint8_t* codes) {
-  if (exponentBits == 4) {
-    saturate ? ius::castToFp8Span<4, true>(x, count, scale, codes)
-             : ius::castToFp8Span<4, false>(x, count, scale, codes);
-  } else {
-    saturate ? ius::castToFp8Span<5, true>(x, count, scale, codes)
-             : ius::castToFp8Span<5, false>(x, count, scale, codes);
-  }
-}
-
-IUS_HOT void castHalf(const half* x, Index count, int exponentBits, bool saturate, float scale,
-                      std::uint8_t* codes) {
-  if (exponentBits == 4) {
-    saturate ? ius::castToFp8Span<4, true>(x, count, scale, codes)
-             : ius::castToFp8Span<4, false>(x, count, scale, codes);
-  } else {
-    saturate ? ius::castToFp8Span<5, true>(x, count, scale, codes)
-             : ius::castToFp8Span<5, false>(x, count, scale, codes);
-  }
-}
-
-// One loop that casts one block (already in cache, compute-bound) while
-// taking the amax of the next (streaming from memory, bandwidth-bound), so the
-// two overlap in the core instead of alternating.
-template <unsigned E, bool Saturate, typename T>
-inline unsigned castAndAmaxSpans(const T* __restrict__ castIn, std::uint8_t* __restrict__ codes,
-                                 Index castCount, float scale, const T* __restrict__ amaxIn,
-                                 Index amaxCount) {
-  const Index both = castCount < amaxCount ? castCount : amaxCount;
-  unsigned key = 0;
-  for (Index i = 0; i < both; ++i) {
-    codes[i] = ius::encodeFp8<E, Saturate>(static_cast<float>(castIn[i]) * scale);
-    key = ius::maxKey(key, ius::magnitudeKey(amaxIn[i]));
-  }
-  ius::castToFp8Span<E, Saturate>(castIn + both, castCount - both, scale, codes + both);
-  return ius::maxKey(key, ius::amaxKeyOfSpan(amaxIn + both, amaxCount - both));
-}
-
-template <typename T>
-inline unsigned castAndAmax(const T* castIn, std::uint8_t* codes, Index castCount, int exponentBits,
-                            bool saturate, float scale, const T* amaxIn, Index amaxCount) {
-  if (exponentBits == 4) {
-    return saturate ? castAndAmaxSpans<4, true>(castIn, codes, castCount, scale, amaxIn, amaxCount)
-                    : castAndAmaxSpans<4, false>(castIn, codes, castCount, scale, amaxIn, amaxCount);
-  }
-  return saturate ? castAndAmaxSpans<5, true>(castIn, codes, castCount, scale, amaxIn, amaxCount)
-                  : castAndAmaxSpans<5, false>(castIn, codes, castCount, scale, amaxIn, amaxCount);
-}
-
-IUS_HOT unsigned castAndAmaxFloat(const float* castIn, std::uint8_t* codes, Index castCount,
-                                  int exponentBits, bool saturate, float scale,
-                                  const float* amaxIn, Index amaxCount) {
-  return castAndAmax(castIn, codes, castCount, exponentBits, saturate, scale, amaxIn, amaxCount);
-}
-
-IUS_HOT unsigned castAndAmaxHalf(const half* castIn, std::uint8_t* codes, Index castCount,
-                                 int exponentBits, bool saturate, float scale, const half* amaxIn,
-                                 Index amaxCount) {
-  return castAndAmax(castIn, codes, castCount, exponentBits, saturate, scale, amaxIn, amaxCount);
-}
-
-// Runs body(part, begin, end) for each of `parts` contiguous chunks, the last
-// one on the calling thread.
-template <typename Body>
-void parallelChunks(Index count, unsigned parts, Body body) {
-  std::vector<std::thread> threads;
-  threads.reserve(parts);
-  for (unsigned p = 0; p + 1 < parts; ++p) {
-    const auto chunk = ius::splitRange<Index>(count, parts, p);
-    threads.emplace_back(body, p, chunk.begin, chunk.end);
-  }
-  const auto last = ius::splitRange<Index>(count, parts, parts - 1);
-  body(parts - 1, last.begin, last.end);
-  for (auto& thread : threads) {
-    thread.join();
-  }
-}
-
-unsigned threadsFor(Index count, int requested) {
-  Index threads = requested > 0 ? requested : 1;
-  const Index useful = count / kMinElementsPerThread;
-  threads = threads < useful ? threads : useful;
-  return static_cast<unsigned>(threads > 1 ? threads : 1);
-}
-
-void castBlock(const void* in, Index begin, Index count, int dtype, int exponentBits,
-               bool saturate, int log2Scale, std::uint8_t* codes) {
-  const float scale = ius::powerOfTwo(log2Scale);
-  if (dtype == kFloat32) {
-    castFloat(offset<float>(in, begin), count, exponentBits, saturate, scale, codes + begin);
-  } else {
-    castHalf(offset<half>(in, begin), count, exponentBits, saturate, scale, codes + begin);
-  }
-}
-
-unsigned amaxKeyBlock(const void* in, Index begin, Index count, int dtype) {
-  return dtype == kFloat32 ? amaxKeyFloat(offset<float>(in, begin), count)
-                           : amaxKeyHalf(offset<half>(in, begin), count);
-}
-
-// The amax pass and the cast pass run block by block, so the cast reads the
-// block from cache instead of memory. Each block is cast with the scale of the
-// amax seen so far in its chunk; the scale only falls as the amax grows, so a
-// block needs casting again only if its scale is above the final one, which
-// for most data is rare. Every code is finally produced with the final scale.
-constexpr Index kFusedBlock = Index(1) << 15;
-constexpr int kNotCast = 1 << 30;
-
-struct ChunkResult {
-  unsigned key = 0;
-  std::vector<int> blockScales;
-};
-
-void fusedChunk(const void* in, Index begin, Index end, int dtype, int exponentBits,
-                bool saturate, int margin, std::uint8_t* codes, ChunkResult& result) {
-  const float formatMax =
-      exponentBits == 4 ? ius::Fp8Spec<4>::maxValue : ius::Fp8Spec<5>::maxValue;
-  auto blockCount = [&](Index block) { return end - block < kFusedBlock ? end - block : kFusedBlock; };
-  if (begin >= end) return;
-  result.key = amaxKeyBlock(in, begin, blockCount(begin), dtype);
-  for (Index block = begin; block < end; block += kFusedBlock) {
-    // The amax now covers this block: cast it with that scale while reading the next.
-    const Index count = blockCount(block);
-    const Index next = block + count;
-    const Index nextCount = next < end ? blockCount(next) : 0;
-    const ius::ScalingBias bias = ius::scalingBias(ius::floatFromKey(result.key), formatMax, margin);
-    unsigned nextKey;
-    if (bias.nonFinite) {
-      nextKey = nextCount ? amaxKeyBlock(in, next, nextCount, dtype) : 0u;
-      result.blockScales.push_back(kNotCast);
-    } else {
-      const float scale = ius::powerOfTwo(bias.log2Scale);
-      nextKey = dtype == kFloat32
-          ? castAndAmaxFloat(offset<float>(in, block), codes + block, count, exponentBits,
-                             saturate, scale, offset<float>(in, next), nextCount)
-          : castAndAmaxHalf(offset<half>(in, block), codes + block, count, exponentBits,
-                            saturate, scale, offset<half>(in, next), nextCount);
-      result.blockScales.push_back(bias.log2Scale);
-    }
-    result.key = ius::maxKey(result.key, nextKey);
-  }
 }
 
 }  // namespace
@@ -343,42 +178,44 @@ IUS_EXPORT int ius_fused_cast_to_fp8(const void* in, Index count, int dtype, int
     return kBadArguments;
   }
   if (hasScale && (log2Scale > 126 || log2Scale < -126)) return kBadArguments;
-  const unsigned parts = threadsFor(count, threads);
-  if (hasScale) {
-    *usedScale = log2Scale;
-    parallelChunks(count, parts, [&](unsigned, Index begin, Index end) {
-      castBlock(in, begin, end - begin, dtype, exponentBits, saturate != 0, log2Scale, codes);
-    });
-    return 0;
-  }
-
-  std::vector<ChunkResult> chunks(parts);
-  parallelChunks(count, parts, [&](unsigned part, Index begin, Index end) {
-    fusedChunk(in, begin, end, dtype, exponentBits, saturate != 0, margin, codes, chunks[part]);
+  const float formatMax = ius::fused::formatMax(exponentBits);
+  return ius::fused::withFormat(exponentBits, saturate != 0, [&](auto e, auto sat) {
+    constexpr unsigned E = decltype(e)::value;
+    constexpr bool S = decltype(sat)::value;
+    if (dtype == kFloat32) {
+      const ius::fused::CastKernel<float, E, S> kernel{static_cast<const float*>(in), codes};
+      return ius::fused::run(kernel, count, formatMax, hasScale != 0, log2Scale, margin,
+                             threads, usedScale, amax);
+    }
+    const ius::fused::CastKernel<half, E, S> kernel{static_cast<const half*>(in), codes};
+    return ius::fused::run(kernel, count, formatMax, hasScale != 0, log2Scale, margin, threads,
+                           usedScale, amax);
   });
-  unsigned key = 0;
-  for (const ChunkResult& chunk : chunks) key = ius::maxKey(key, chunk.key);
-  *amax = ius::floatFromKey(key);
-  const float formatMax =
-      exponentBits == 4 ? ius::Fp8Spec<4>::maxValue : ius::Fp8Spec<5>::maxValue;
-  const ius::ScalingBias bias = ius::scalingBias(*amax, formatMax, margin);
-  if (bias.nonFinite) return 1;
-  *usedScale = bias.log2Scale;
+}
 
-  bool stale = false;
-  for (const ChunkResult& chunk : chunks) {
-    for (int scale : chunk.blockScales) stale = stale || scale != bias.log2Scale;
-  }
-  if (stale) {
-    parallelChunks(count, parts, [&](unsigned part, Index begin, Index end) {
-      const std::vector<int>& scales = chunks[part].blockScales;
-      for (std::size_t b = 0; b < scales.size(); ++b) {
-        if (scales[b] == bias.log2Scale) continue;
-        const Index block = begin + static_cast<Index>(b) * kFusedBlock;
-        const Index n = end - block < kFusedBlock ? end - block : kFusedBlock;
-        castBlock(in, block, n, dtype, exponentBits, saturate != 0, bias.log2Scale, codes);
-      }
-    });
-  }
-  return 0;
+// out = decode(encode(in * 2^s)) * 2^-s for float32, without codes; the scale
+// as in ius_fused_cast_to_fp8 (|log2Scale| <= 31 when given). Returns 1, with
+// out unspecified, when the amax is not finite.
+IUS_EXPORT int ius_fused_quantise(const float* in, Index count, int exponentBits, int saturate,
+                                  int hasScale, int log2Scale, int margin, int threads,
+                                  float* out, int* usedScale, float* amax) {
+  if (exponentBits != 4 && exponentBits != 5) return kBadArguments;
+  if (hasScale && (log2Scale > 31 || log2Scale < -31)) return kBadArguments;
+  const float formatMax = ius::fused::formatMax(exponentBits);
+  return ius::fused::withFormat(exponentBits, saturate != 0, [&](auto e, auto sat) {
+    const ius::fused::QuantiseKernel<decltype(e)::value, decltype(sat)::value> kernel{in, out};
+    return ius::fused::run(kernel, count, formatMax, hasScale != 0, log2Scale, margin, threads,
+                           usedScale, amax);
+  });
+}
+
+// Tuning for benchmarks: the fused block size in elements (>= 1024) and
+// whether the AVX2 kernels may be used. Returns 1 when AVX2 kernels are in use
+// afterwards, 0 when the portable loops are; negative values leave a knob as
+// it is.
+IUS_EXPORT int ius_fused_tuning(Index blockElements, int simd) {
+  auto& tuning = ius::fused::tuning();
+  if (blockElements >= 1024) tuning.blockElements.store(blockElements);
+  if (simd >= 0) tuning.simd.store(simd);
+  return ius::fused::avx2() ? 1 : 0;
 }

@@ -6,10 +6,13 @@ cast to the gradient format (F152 by default, margin 3 under AMAX) and the input
 gradients are computed from the FP8 values. The bias is added, and its gradient summed, in
 the input's precision. Only FP8 codes are saved for the backward pass.
 
-The product of two FP8 tensors is computed either by dequantising to float32 (or float64 for
-float64 inputs) and multiplying, which runs anywhere, or by ``torch._scaled_mm`` fed with the
-codes and the two power-of-two scales. Both give the exact products of the FP8 values and
-differ only in float32 accumulation order.
+The product of two FP8 tensors is computed either from their values in float32 (float64 for
+float64 inputs), which runs anywhere, or by ``torch._scaled_mm`` fed with the codes and the two
+power-of-two scales. Both give the exact products of the FP8 values and differ only in float32
+accumulation order. Without ``torch._scaled_mm`` the codes are never needed: the operands are
+rounded straight to their FP8 values in one pass (:func:`~ipu_unit_scaling.fp8.values.
+quantise_values`) and those values are what the backward pass keeps. Recorded casts
+(:func:`fp8_stats`) and stochastic rounding go through the codes.
 """
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ from ..tracing import is_ipu_tracing
 from .config import FP8Config
 from .formats import FP8Format
 from .scaling import Fp8Tensor, cast_from_fp8, cast_to_fp8
+from .stats import stats_enabled
+from .values import quantise_values
 
 __all__ = ["fp8_linear", "fp8_matmul", "FP8Linear", "scaled_mm_supported"]
 
@@ -89,6 +94,85 @@ def _transpose(t: Fp8Tensor) -> Fp8Tensor:
 
 def _flatten(t: Fp8Tensor) -> Fp8Tensor:
     return Fp8Tensor(t.codes.reshape(-1, t.codes.shape[-1]), t.log2_scale, t.fmt)
+
+
+def values_for_role(x: torch.Tensor, fmt: FP8Format, margin: int, config: FP8Config,
+                    site: str) -> torch.Tensor:
+    """The FP8 values of ``x`` (float32) for one role of a matmul, with the config's scaling.
+
+    Rounded straight to values where that gives the same bits; through codes where a cast is
+    recorded or the rounding is stochastic.
+    """
+    if config.rounding == "nearest" and not stats_enabled():
+        scale = None if config.scaling == "amax" else 0
+        return quantise_values(x, fmt, scale, margin, config.overflow)[0]
+    return cast_from_fp8(cast_for_role(x, fmt, margin, config, site), torch.float32)
+
+
+_ZERO = torch.zeros(())
+_UNSCALED = (1.0, 1.0, 1.0, 1.0)
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``alpha * a @ b`` for 2-D float32 CPU operands, the scale inside the GEMM."""
+    if alpha == 1.0:
+        return a @ b
+    return torch.addmm(_ZERO, a, b, beta=0, alpha=alpha)
+
+
+class _FP8ValuesLinear(torch.autograd.Function):
+    """The FP8 linear on FP8 values in float32 (CPU, float32 operands), with unit scaling's
+    fixed scales ``(output, grad input, grad weight, grad bias)`` applied inside the GEMMs
+    (all 1 for a plain FP8 linear). The backward pass keeps the rounded values."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, config, site, scales):  # type: ignore[override]
+        x_rows = x.reshape(-1, x.shape[-1])
+        xq = values_for_role(x_rows, config.activation, config.activation_margin, config,
+                             f"{site}.input")
+        wq = values_for_role(weight, config.weight, config.weight_margin, config,
+                             f"{site}.weight")
+        y = _gemm(xq, wq.t(), scales[0])
+        if bias is not None:
+            y = y.add_(bias)
+        ctx.save_for_backward(xq, wq)
+        ctx.meta = (x.shape, bias is not None, config, site, scales)
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        xq, wq = ctx.saved_tensors
+        x_shape, has_bias, config, site, scales = ctx.meta
+        grad_rows = grad_output.reshape(-1, grad_output.shape[-1])
+        gq = values_for_role(grad_rows, config.gradient, config.gradient_margin, config,
+                             f"{site}.grad_output")
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _gemm(gq, wq, scales[1]).view(x_shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = _gemm(gq.t(), xq, scales[2])
+        if has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_rows.sum(0)
+            grad_b = grad_b.mul_(scales[3]) if scales[3] != 1.0 else grad_b
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def values_path_applies(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                        use_scaled_mm: Optional[bool]) -> bool:
+    """Whether :class:`_FP8ValuesLinear` computes this FP8 linear: eager, on the CPU (where
+    ``torch._scaled_mm`` is not used), with float32 tensors."""
+    if use_scaled_mm or is_ipu_tracing() or x.device.type != "cpu":
+        return False
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    return all(t.dtype == torch.float32 for t in tensors) and x.dim() >= 2 and x.numel() > 0
+
+
+def fp8_linear_values(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      config: FP8Config, site: str,
+                      scales: Tuple[float, float, float, float] = _UNSCALED) -> torch.Tensor:
+    """The FP8 linear on values (see :class:`_FP8ValuesLinear`); callers check
+    :func:`values_path_applies` first."""
+    return _FP8ValuesLinear.apply(x, weight, bias, config, site, scales)
 
 
 class _FP8LinearFunction(torch.autograd.Function):
@@ -190,6 +274,8 @@ def fp8_linear(
         raise ValueError(f"x has {x.shape[-1]} features but weight expects {weight.shape[-1]}")
     if is_ipu_tracing():
         return _traced_fp8_linear(x, weight, bias, config or _DEFAULT_CONFIG)
+    if values_path_applies(x, weight, bias, use_scaled_mm):
+        return fp8_linear_values(x, weight, bias, config or _DEFAULT_CONFIG, site)
     return _FP8LinearFunction.apply(x, weight, bias, config or _DEFAULT_CONFIG, site,
                                     use_scaled_mm)
 
@@ -199,29 +285,35 @@ class _FP8MatmulFunction(torch.autograd.Function):
     def forward(ctx, a, b, config, site):  # type: ignore[override]
         compute = _compute_dtype(a)
         fmt = config.activation
-        a8 = cast_for_role(a, fmt, config.activation_margin, config, f"{site}.left")
-        b8 = cast_for_role(b, fmt, config.activation_margin, config, f"{site}.right")
-        ctx.save_for_backward(a8.codes, b8.codes)
-        ctx.meta = (a8.log2_scale, b8.log2_scale, fmt, a.dtype, b.dtype)
+        aq = _role_values(a, fmt, config.activation_margin, config, f"{site}.left", compute)
+        bq = _role_values(b, fmt, config.activation_margin, config, f"{site}.right", compute)
+        ctx.save_for_backward(aq, bq)
+        ctx.meta = (a.dtype, b.dtype, compute)
         ctx.config, ctx.site = config, site
-        return (cast_from_fp8(a8, compute) @ cast_from_fp8(b8, compute)).to(a.dtype)
+        return (aq @ bq).to(a.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
-        a_codes, b_codes = ctx.saved_tensors
-        a_scale, b_scale, fmt, a_dtype, b_dtype = ctx.meta
+        aq, bq = ctx.saved_tensors
+        a_dtype, b_dtype, compute = ctx.meta
         config: FP8Config = ctx.config
-        compute = torch.float64 if a_dtype == torch.float64 else torch.float32
-        g = cast_from_fp8(cast_for_role(grad_output, config.gradient, config.gradient_margin,
-                                        config, f"{ctx.site}.grad_output"), compute)
-        a = cast_from_fp8(Fp8Tensor(a_codes, a_scale, fmt), compute)
-        b = cast_from_fp8(Fp8Tensor(b_codes, b_scale, fmt), compute)
+        g = _role_values(grad_output, config.gradient, config.gradient_margin, config,
+                         f"{ctx.site}.grad_output", compute)
         grad_a = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_a = _sum_to_shape(g @ b.transpose(-1, -2), a.shape).to(a_dtype)
+            grad_a = _sum_to_shape(g @ bq.transpose(-1, -2), aq.shape).to(a_dtype)
         if ctx.needs_input_grad[1]:
-            grad_b = _sum_to_shape(a.transpose(-1, -2) @ g, b.shape).to(b_dtype)
+            grad_b = _sum_to_shape(aq.transpose(-1, -2) @ g, bq.shape).to(b_dtype)
         return grad_a, grad_b, None, None
+
+
+def _role_values(x: torch.Tensor, fmt: FP8Format, margin: int, config: FP8Config, site: str,
+                 compute: torch.dtype) -> torch.Tensor:
+    """FP8 values of ``x`` in ``compute``: the values path for float32 compute, else through
+    codes (float64 compute keeps float64 products)."""
+    if compute == torch.float32:
+        return values_for_role(x, fmt, margin, config, site)
+    return cast_from_fp8(cast_for_role(x, fmt, margin, config, site), compute)
 
 
 def _sum_to_shape(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:

@@ -8,7 +8,7 @@ from torch import nn
 
 from .attention import FP8AttentionFn
 from .config import FP8Config
-from .linear import FP8Linear, fp8_linear
+from .linear import FP8Linear, fp8_linear, fp8_linear_values, values_path_applies
 
 __all__ = ["simulate_fp8", "FP8UnitScaledLinear", "ATTENTION_ATTRIBUTES"]
 
@@ -20,8 +20,9 @@ class FP8UnitScaledLinear(FP8Linear):
     """FP8 version of the unit-scaled ``uu.Linear``: same scales, FP8 casts in between.
 
     The casts see the unscaled input, weight and output gradient (all near unit variance in a
-    unit-scaled model); the forward output scale is applied after the FP8 matmul and the
-    backward scales of the input and weight are applied to their gradients after it.
+    unit-scaled model); the forward output scale is applied to the FP8 matmul's product and the
+    backward scales of the input and weight to their gradients' products (inside the GEMMs,
+    where the product is computed from FP8 values on the CPU).
     """
 
     constraint: Optional[str]
@@ -41,6 +42,10 @@ class FP8UnitScaledLinear(FP8Linear):
         batch_size = max(1, x.numel() // x.shape[-1])
         output_scale, grad_input_scale, grad_weight_scale = U.linear_scales(
             self.in_features, self.out_features, batch_size, self.constraint)
+        if values_path_applies(x, self.weight, self.bias, self.use_scaled_mm):
+            # One autograd node: the scales ride in the GEMMs around the FP8 values.
+            scales = (output_scale, grad_input_scale, grad_weight_scale, batch_size ** -0.5)
+            return fp8_linear_values(x, self.weight, self.bias, self.config, self.site, scales)
         x = scale_bwd(x, grad_input_scale)
         weight = scale_bwd(self.weight, grad_weight_scale)
         y = fp8_linear(x, weight, None, self.config, self.site, self.use_scaled_mm)
