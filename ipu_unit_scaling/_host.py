@@ -31,7 +31,7 @@ import torch
 __all__ = [
     "HostLibraryUnavailable", "NonFiniteAmax", "MISALIGNED", "LIBRARY_PATH", "DISABLE_ENV",
     "library", "fast_path_status", "fused_cast_available", "fused_cast_to_fp8",
-    "fused_cast_from_fp8", "fused_quantise", "quantise_float32", "fused_tuning",
+    "fused_cast_from_fp8", "fused_quantise", "quantise_float32", "fused_tuning", "fast_selftest",
     "exponent_bits", "partition", "partition_grain", "dtype_code", "num_threads",
 ]
 
@@ -66,6 +66,7 @@ _SIGNATURES = {
         _c_int, [_c_void_p, _c_int64, _c_int, _c_int, _c_int, _c_int, _c_int, _c_int,
                  _c_void_p, _c_void_p, _c_void_p]),
     "ius_fused_tuning": (_c_int, [_c_int64, _c_int]),
+    "ius_fast_selftest": (_c_int64, [ctypes.c_uint32, ctypes.c_uint32, _c_int64, _c_int]),
 }
 
 
@@ -273,6 +274,14 @@ def fused_tuning(block_elements: int = -1, simd: int = -1) -> bool:
     AVX2 (1) or only the portable loops (0); -1 leaves a knob as it is. Returns whether the
     AVX2 kernels are in use. Process-wide; for benchmarks."""
     return bool(library().ius_fused_tuning(int(block_elements), int(simd)))
+
+
+def fast_selftest(start: int, stride: int, count: int, log2_scale: int = 0) -> int:
+    """Mismatches between the fast path's rounding (portable loops and AVX2 kernels, codes and
+    values, F143 and F152, both overflow policies) and the vertex functions, over ``count``
+    float32 bit patterns ``start, start + stride, ...`` (mod 2**32) at scale ``2**log2_scale``.
+    ``fast_selftest(0, 1, 2**32)`` checks every pattern (minutes)."""
+    return int(library().ius_fast_selftest(start % 2**32, stride % 2**32, count, log2_scale))
 
 
 def fused_cast_from_fp8(

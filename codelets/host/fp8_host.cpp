@@ -13,6 +13,7 @@
 // Status codes: 0 done, -1 bad arguments, -2 a vertex field connected to
 // memory that breaks its declared alignment (Poplar would refuse the graph).
 #include <cstdint>
+#include <vector>
 
 #include "fp8_fused.hpp"
 
@@ -218,4 +219,50 @@ IUS_EXPORT int ius_fused_tuning(Index blockElements, int simd) {
   if (blockElements >= 1024) tuning.blockElements.store(blockElements);
   if (simd >= 0) tuning.simd.store(simd);
   return ius::fused::avx2() ? 1 : 0;
+}
+
+// Checks the fast path's rounding against the vertex functions for `count`
+// float32 bit patterns start, start + stride, ... (wrapping): codes and
+// quantised values, both formats, both overflow policies, scales 2^log2Scale,
+// in the portable loops and (where the CPU has it) the AVX2 kernels. Returns
+// the number of mismatches; stride 1 from 0 with count 2^32 is every pattern.
+IUS_EXPORT std::int64_t ius_fast_selftest(std::uint32_t start, std::uint32_t stride,
+                                          std::int64_t count, int log2Scale) {
+  constexpr Index kChunk = 4096;
+  std::vector<float> x(kChunk), values(kChunk);
+  std::vector<std::uint8_t> codes(kChunk);
+  const float scale = ius::powerOfTwo(log2Scale), inverse = ius::powerOfTwo(-log2Scale);
+  std::int64_t mismatches = 0;
+  std::uint32_t pattern = start;
+  auto& tuning = ius::fused::tuning();
+  const int simd = tuning.simd.load();
+  for (Index done = 0; done < count; done += kChunk) {
+    const Index n = count - done < kChunk ? count - done : kChunk;
+    for (Index i = 0; i < n; ++i, pattern += stride) x[i] = ius::floatFromBits(pattern);
+    for (int useSimd = 0; useSimd < 2; ++useSimd) {
+      tuning.simd.store(useSimd);
+      if (useSimd && !ius::fused::avx2()) break;
+      for (int bits = 4; bits <= 5; ++bits) {
+        for (int saturate = 0; saturate < 2; ++saturate) {
+          mismatches += ius::fused::withFormat(bits, saturate != 0, [&](auto e, auto sat) {
+            constexpr unsigned E = decltype(e)::value;
+            constexpr bool S = decltype(sat)::value;
+            const ius::fused::CastKernel<float, E, S> cast{x.data(), codes.data()};
+            const ius::fused::QuantiseKernel<E, S> quantise{x.data(), values.data()};
+            cast.apply(0, n, log2Scale);
+            quantise.apply(0, n, log2Scale);
+            int bad = 0;
+            for (Index i = 0; i < n; ++i) {
+              const std::uint8_t code = ius::encodeFp8<E, S>(x[i] * scale);
+              const float value = ius::decodeFp8<E>(code) * inverse;
+              bad += code != codes[i] || ius::floatBits(value) != ius::floatBits(values[i]);
+            }
+            return bad;
+          });
+        }
+      }
+    }
+    tuning.simd.store(simd);
+  }
+  return mismatches;
 }

@@ -1,0 +1,196 @@
+"""The eager forms (one autograd Function per op) against the scale() composition they replace.
+
+The composition is built here from `scale` / `scale_bwd` exactly as the ops were before the
+fusion. Values and gradients agree to float32 rounding (a scale inside a GEMM rounds
+differently); layer norm and embedding, whose scales stay where they were, agree bit for bit.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, List, Sequence
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ipu_unit_scaling.functional as U
+from ipu_unit_scaling import fused
+from ipu_unit_scaling.scale import scale, scale_bwd, scale_fwd
+
+
+def run(fn: Callable, inputs: Sequence[torch.Tensor], seed: int = 0):
+    leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    out = fn(*leaves)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed),
+                       dtype=out.dtype)
+    out.backward(grad)
+    return out.detach(), [t.grad for t in leaves]
+
+
+def assert_match(a, b, rtol: float = 2e-6, exact: bool = False) -> None:
+    (out_a, grads_a), (out_b, grads_b) = a, b
+    pairs: List = [(out_a, out_b)] + list(zip(grads_a, grads_b))
+    for x, y in pairs:
+        assert (x is None) == (y is None)
+        if x is None:
+            continue
+        if exact:
+            assert torch.equal(x, y)
+        else:
+            torch.testing.assert_close(x, y, rtol=rtol, atol=rtol * y.abs().max().item())
+
+
+def composed_linear(x, w, b, scales):
+    output_scale, grad_input_scale, grad_weight_scale = scales
+    w = scale(w, output_scale, grad_weight_scale)
+    x = scale_bwd(x, grad_input_scale / output_scale)
+    b = None if b is None else scale_bwd(b, grad_weight_scale)
+    return F.linear(x, w, b)
+
+
+def randn(*shape, seed=1, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+@pytest.mark.parametrize("x_shape", [(6, 8), (2, 3, 8), (2, 1, 3, 8)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_the_composition(x_shape, bias):
+    scales = (0.3, 0.7, 0.11)
+    inputs = [randn(*x_shape), randn(5, 8, seed=2)] + ([randn(5, seed=3)] if bias else [])
+
+    def fused_fn(x, w, *b):
+        return fused.linear(x, w, b[0] if b else None, *scales)
+
+    def composed_fn(x, w, *b):
+        return composed_linear(x, w, b[0] if b else None, scales)
+
+    assert_match(run(fused_fn, inputs), run(composed_fn, inputs))
+
+
+def test_linear_on_a_transposed_input_and_float64():
+    x = randn(8, 6).t()  # not contiguous
+    w = randn(5, 8, seed=2)
+    assert_match(run(lambda x, w: fused.linear(x, w, None, 0.3, 0.7, 0.11), [x, w]),
+                 run(lambda x, w: composed_linear(x, w, None, (0.3, 0.7, 0.11)), [x, w]))
+    x64, w64 = randn(4, 8, dtype=torch.float64), randn(5, 8, seed=2, dtype=torch.float64)
+    assert_match(run(lambda x, w: fused.linear(x, w, None, 0.3, 0.7, 0.11), [x64, w64]),
+                 run(lambda x, w: composed_linear(x, w, None, (0.3, 0.7, 0.11)), [x64, w64]),
+                 rtol=1e-12)
+
+
+def test_linear_gradients_only_where_asked_and_none_without_grad():
+    x, w = randn(4, 8), randn(5, 8, seed=2).requires_grad_()
+    out = fused.linear(x, w, None, 0.3, 0.7, 0.11)
+    out.sum().backward()
+    assert x.grad is None and w.grad is not None
+    with torch.no_grad():
+        plain = fused.linear(x, w, None, 0.3, 0.7, 0.11)
+    assert plain.grad_fn is None
+    torch.testing.assert_close(plain, out.detach())
+    vector = fused.linear(randn(8), w, None, 0.3, 0.7, 0.11)  # 1-D input, as F.linear takes
+    assert vector.shape == (5,)
+
+
+@pytest.mark.parametrize("left, right", [((6, 8), (8, 5)), ((3, 6, 8), (3, 8, 5)),
+                                         ((2, 3, 6, 8), (8, 5)), ((3, 6, 8), (1, 8, 5))])
+def test_matmul_matches_the_composition(left, right):
+    scales = (0.3, 0.5, 0.9)
+
+    def composed(a, b):
+        out = torch.matmul(scale_bwd(a, scales[1] / scales[0]), scale_bwd(b, scales[2] / scales[0]))
+        return out * scales[0]
+
+    inputs = [randn(*left), randn(*right, seed=2)]
+    assert_match(run(lambda a, b: fused.matmul(a, b, *scales), inputs), run(composed, inputs))
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_matches_the_composition(approximate):
+    def composed(x):
+        return F.gelu(scale_bwd(x, 1.3 / 1.7), approximate=approximate) * 1.7
+
+    inputs = [randn(4, 16)]
+    assert_match(run(lambda x: fused.gelu(x, approximate, 1.7, 1.3), inputs),
+                 run(composed, inputs))
+
+
+@pytest.mark.parametrize("affine", ["none", "weight", "both"])
+def test_layer_norm_is_torch_bit_for_bit(affine):
+    weight = None if affine == "none" else randn(16, seed=2) + 1
+    bias = randn(16, seed=3) if affine == "both" else None
+    params = [t for t in (weight, bias) if t is not None]
+
+    def eager(x, *p):
+        return fused.layer_norm(x, (16,), *_affine(p, weight, bias), 1e-5, 0.25)
+
+    def composed(x, *p):
+        w, b = _affine(p, weight, bias)
+        w = None if w is None else scale_bwd(w, 0.25)
+        b = None if b is None else scale_bwd(b, 0.25)
+        return F.layer_norm(x, (16,), w, b, 1e-5)
+
+    inputs = [randn(3, 5, 16)] + params
+    assert_match(run(eager, inputs), run(composed, inputs), exact=True)
+
+
+def _affine(params, weight, bias):
+    params = list(params)
+    w = params.pop(0) if weight is not None else None
+    b = params.pop(0) if bias is not None else None
+    return w, b
+
+
+@pytest.mark.parametrize("padding_idx", [None, 2])
+def test_embedding_is_torch_bit_for_bit(padding_idx):
+    ids = torch.randint(0, 10, (4, 7), generator=torch.Generator().manual_seed(0))
+    weight = randn(10, 8)
+    eager = run(lambda w: fused.embedding(ids, w, padding_idx, 0.4), [weight])
+    composed = run(lambda w: F.embedding(ids, scale_bwd(w, 0.4), padding_idx), [weight])
+    assert_match(eager, composed, exact=True)
+
+
+def composed_residual(x, w, tau):
+    a, b = tau / math.sqrt(1 + tau**2), 1 / math.sqrt(1 + tau**2)
+    branch, skip = scale_bwd(x, a), x
+    return skip * b + scale_fwd(F.linear(branch, w), a)
+
+
+def test_residual_split_and_add_match_the_composition():
+    tau = 0.3
+
+    def eager(x, w):
+        branch, skip = U.residual_split(x, tau)
+        return U.residual_add(F.linear(branch, w), skip, tau)
+
+    inputs = [randn(4, 8), randn(8, 8, seed=2)]
+    assert_match(run(eager, inputs), run(lambda x, w: composed_residual(x, w, tau), inputs))
+
+
+def test_residual_split_with_an_unused_side():
+    x = randn(4, 8).requires_grad_()
+    branch, skip = U.residual_split(x, 0.5)
+    (branch * 2).sum().backward()  # skip unused: the branch gradient, scaled
+    a = 0.5 / math.sqrt(1.25)
+    torch.testing.assert_close(x.grad, torch.full_like(x, 2 * a))
+    x.grad = None
+    branch, skip = U.residual_split(x, 0.5)
+    (skip * 3).sum().backward()  # branch unused: the skip gradient as it is
+    torch.testing.assert_close(x.grad, torch.full_like(x, 3.0))
+
+
+def test_residual_add_with_broadcast_or_mixed_dtypes_takes_the_composition():
+    residual, skip = randn(4, 8).requires_grad_(), randn(8).requires_grad_()
+    out = U.residual_add(residual, skip, 0.5)
+    assert out.shape == (4, 8)
+    out.sum().backward()
+    torch.testing.assert_close(skip.grad, torch.full((8,), 4 / math.sqrt(1.25)))
+
+
+def test_attention_row_scale_is_cached_per_shape_and_matches_the_uncached_one():
+    q = randn(2, 3, 6, 4)
+    causal = U.scaled_dot_product_attention(q, q, q, is_causal=True)
+    again = U.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert torch.equal(causal, again)
+    row = U._row_scale(6, 6, None, True, 1.0, 0.0, torch.float32, q.device)
+    expected = F.scaled_dot_product_attention(q, q, q, is_causal=True) * row
+    assert torch.equal(causal, expected)
