@@ -494,6 +494,25 @@ def scaled_dot_product_attention(
     a softmax, which PopTorch supports, instead of the fused op.
     """
     _reject("enable_gqa", enable_gqa, False, "grouped-query attention is not supported")
+    out, row_scale = attention_before_row_scale(query, key, value, attn_mask, dropout_p,
+                                                is_causal, scale)
+    return out * row_scale
+
+
+def attention_before_row_scale(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+) -> Tuple[Tensor, Union[float, Tensor]]:
+    """`scaled_dot_product_attention` as (the attention output, the row scale that makes it
+    unit): a float, or a tensor broadcasting over the output's (..., rows, 1).
+
+    For callers that can apply the row scale later, where it costs less (see `uu.MHSA`).
+    """
     if attn_mask is not None and is_causal:
         raise ValueError("attn_mask and is_causal=True cannot both be given")
     head_dim = query.shape[-1]
@@ -513,7 +532,7 @@ def scaled_dot_product_attention(
     else:
         row_scale = _row_scale(query.shape[-2], key.shape[-2], attn_mask, is_causal, logit_std,
                                dropout_p, out.dtype, out.device)
-    return out * row_scale
+    return out, row_scale
 
 
 def _row_scale(query_len: int, key_len: int, attn_mask: Optional[Tensor], is_causal: bool,

@@ -149,6 +149,15 @@ def _plain_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optio
                                           dropout_p=dropout_p, is_causal=is_causal)
 
 
+def _observed(module: nn.Module) -> bool:
+    """Whether a hook or a torch function mode could see `module`'s output (scale tracking,
+    say)."""
+    hooks = nn.modules.module
+    modes = getattr(torch._C, "_len_torch_function_stack", None)
+    return bool(module._forward_hooks or module._forward_pre_hooks or hooks._global_forward_hooks
+                or hooks._global_forward_pre_hooks or (modes is not None and modes()))
+
+
 @dataclass(frozen=True)
 class Ops:
     """The parts a transformer block is built from: module classes and functions."""
@@ -226,11 +235,19 @@ class MHSA(nn.Module):
         batch, seq, hidden = input.shape
         qkv = self.qkv(input).view(batch, seq, 3, self.heads, hidden // self.heads)
         query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        out = self.attention(
-            query, key, value,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            is_causal=self.is_causal,
-        )
+        dropout_p = self.dropout_p if self.training else 0.0
+        if (self.attention is U.scaled_dot_product_attention and type(self.proj) is Linear
+                and self.proj.bias is None and not _observed(self.proj)
+                and not is_ipu_tracing()):
+            # Unit scaling's row scale depends on the query position only, so it commutes with
+            # the (bias-free) output projection. After it, the projection's input is the attention
+            # output itself, which attention keeps for its backward pass anyway: no scaled
+            # copy of it is held until the backward pass. Only where nothing looks at the
+            # projection's own output, which is then not scaled yet.
+            out, row_scale = U.attention_before_row_scale(
+                query, key, value, dropout_p=dropout_p, is_causal=self.is_causal)
+            return self.proj(out.transpose(1, 2).reshape(batch, seq, hidden)) * row_scale
+        out = self.attention(query, key, value, dropout_p=dropout_p, is_causal=self.is_causal)
         return self.proj(out.transpose(1, 2).reshape(batch, seq, hidden))
 
 
