@@ -560,11 +560,13 @@ def _cached_row_scale(*key: Any) -> Union[float, Tensor]:
     return row_scale
 
 
-def _compiling() -> bool:
-    """Whether torch.compile is tracing this call (torch 2.1 on; torch 2.0 never says so)."""
-    compiler = getattr(torch, "compiler", None)
-    is_compiling = getattr(compiler, "is_compiling", None)
-    return bool(is_compiling()) if is_compiling is not None else False
+def _never() -> bool:
+    return False
+
+
+# Whether torch.compile is tracing the call (torch 2.1 on; torch 2.0 never says so). Looked up
+# once: it is asked at every eager op.
+_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", _never)
 
 
 # ---------------------------------------------------------------- losses

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import functional as U
+from . import fused_blocks
 from .constraints import ConstraintArg
 from .tracing import is_ipu_tracing
 
@@ -263,7 +264,30 @@ class MLP(nn.Module):
         self.gelu = ops.gelu
 
     def forward(self, input: Tensor) -> Tensor:
+        if self._fusable(input):
+            return self._fused(input)
         return self.down(self.gelu(self.up(input)))
+
+    def _fusable(self, input: Tensor) -> bool:
+        """Whether the one-Function eager form applies: unit-scaled parts that nothing
+        observes, eager mode, a non-empty input."""
+        up, down = self.up, self.down
+        return (self.gelu is U.gelu and type(up) is Linear and type(down) is Linear
+                and input.dim() >= 2 and input.numel() > 0 and not _observed(up)
+                and not _observed(down) and U._eager_forms())
+
+    def _fused(self, input: Tensor) -> Tensor:
+        up, down = self.up, self.down
+        batch = input.numel() // input.shape[-1]
+        up_scales = U._cached(("linear", up.in_features, up.out_features, batch, up.constraint),
+                              U.linear_scales, up.in_features, up.out_features, batch,
+                              up.constraint)
+        gelu_scales = U._cached(("gelu", "none", "gmean"), U._gelu_scales, "none", "gmean")
+        down_scales = U._cached(
+            ("linear", down.in_features, down.out_features, batch, down.constraint),
+            U.linear_scales, down.in_features, down.out_features, batch, down.constraint)
+        return fused_blocks.mlp(input, up.weight, up.bias, down.weight, down.bias, "none",
+                                (*up_scales, *gelu_scales, *down_scales))
 
 
 class TransformerLayer(nn.Module):
@@ -301,6 +325,8 @@ class TransformerLayer(nn.Module):
         self.ops = ops
 
     def forward(self, input: Tensor) -> Tensor:
+        if self._fusable(input):
+            return self._fused(input)
         ops = self.ops
         branch, skip = ops.residual_split(input, self.attn_tau)
         branch = ops.dropout(self.attn(self.attn_norm(branch)), self.dropout_p, self.training)
@@ -308,6 +334,32 @@ class TransformerLayer(nn.Module):
         branch, skip = ops.residual_split(hidden, self.mlp_tau)
         branch = ops.dropout(self.mlp(self.mlp_norm(branch)), self.dropout_p, self.training)
         return ops.residual_add(branch, skip, self.mlp_tau)
+
+    def _fusable(self, input: Tensor) -> bool:
+        """Whether the residual joins, splits and norms take their one-Function eager form:
+        unit-scaled parts, norms that nothing observes, eager mode, a non-empty input."""
+        ops, norms = self.ops, (self.attn_norm, self.mlp_norm)
+        return (ops.residual_split is U.residual_split and ops.residual_add is U.residual_add
+                and all(type(norm) is LayerNorm and norm.normalized_shape == input.shape[-1:]
+                        and not _observed(norm) for norm in norms)
+                and input.numel() > 0 and U._eager_forms())
+
+    def _fused(self, input: Tensor) -> Tensor:
+        ops = self.ops
+        attn_branch, attn_skip = U._residual_weights(self.attn_tau)
+        mlp_branch, mlp_skip = U._residual_weights(self.mlp_tau)
+        # The norms' parameter gradients sum over every row (see U.layer_norm).
+        param_scale = (input.numel() // input.shape[-1]) ** -0.5
+        norm = self.attn_norm
+        normed, stream = fused_blocks.residual_norm(
+            input, None, 1.0, 1.0, attn_branch, norm.weight, norm.bias, norm.eps, param_scale)
+        branch = ops.dropout(self.attn(normed), self.dropout_p, self.training)
+        norm = self.mlp_norm
+        normed, stream = fused_blocks.residual_norm(
+            stream, branch, attn_branch, attn_skip, mlp_branch, norm.weight, norm.bias,
+            norm.eps, param_scale)
+        branch = ops.dropout(self.mlp(normed), self.dropout_p, self.training)
+        return U.residual_add(branch, stream, self.mlp_tau)
 
 
 class TransformerDecoder(nn.Module):
