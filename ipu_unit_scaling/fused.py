@@ -14,7 +14,7 @@ inside a GEMM, or to the product instead of the weight, rounds differently in th
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,23 @@ from torch import Tensor
 __all__ = [
     "scaled_mm", "linear", "matmul", "gelu", "layer_norm", "embedding", "residual_split", "residual_add",
 ]
+
+def applier(function: Any) -> Callable[..., Any]:
+    """``function.apply`` without its Python wrapper, whose work (unwrapping functorch's dead
+    wrappers) is a no-op outside functorch transforms yet costs microseconds per call; under
+    a transform the wrapper runs as usual."""
+    base = getattr(torch._C, "_FunctionBase", None)
+    raw = getattr(base, "__dict__", {}).get("apply")
+    transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    if raw is None or transforms_active is None:
+        return function.apply
+    direct = raw.__get__(None, function)
+
+    def apply(*args: Any) -> Any:
+        return function.apply(*args) if transforms_active() else direct(*args)
+
+    return apply
+
 
 _ZEROS: Dict[torch.dtype, Tensor] = {}
 
@@ -81,6 +98,8 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
+_linear_apply = applier(_Linear)
+
 def _linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
                     output_scale: float) -> Tensor:
     if bias is None:
@@ -101,7 +120,7 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], output_scale: floa
                                 grad_weight_scale)
     if not torch.is_grad_enabled():
         return _linear_forward(x, weight, bias, output_scale)
-    return _Linear.apply(x, weight, bias, output_scale, grad_input_scale, grad_weight_scale)
+    return _linear_apply(x, weight, bias, output_scale, grad_input_scale, grad_weight_scale)
 
 
 def _composed_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], output_scale: float,
@@ -142,10 +161,12 @@ class _Matmul(torch.autograd.Function):
         return grad_left, grad_right, None, None, None
 
 
+_matmul_apply = applier(_Matmul)
+
 def matmul(left: Tensor, right: Tensor, output_scale: float, left_scale: float,
            right_scale: float) -> Tensor:
     """The unit-scaled matmul of two operands with at least two dimensions each."""
-    return _Matmul.apply(left, right, output_scale, left_scale, right_scale)
+    return _matmul_apply(left, right, output_scale, left_scale, right_scale)
 
 
 class _Gelu(torch.autograd.Function):
@@ -165,8 +186,10 @@ class _Gelu(torch.autograd.Function):
         return grad_x.mul_(ctx.grad_scale), None, None, None
 
 
+_gelu_apply = applier(_Gelu)
+
 def gelu(x: Tensor, approximate: str, output_scale: float, grad_scale: float) -> Tensor:
-    return _Gelu.apply(x, approximate, output_scale, grad_scale)
+    return _gelu_apply(x, approximate, output_scale, grad_scale)
 
 
 class _LayerNorm(torch.autograd.Function):
@@ -194,9 +217,11 @@ class _LayerNorm(torch.autograd.Function):
         return grad_x, None, grad_w, grad_b, None, None
 
 
+_layernorm_apply = applier(_LayerNorm)
+
 def layer_norm(x: Tensor, normalized_shape: Tuple[int, ...], weight: Optional[Tensor],
                bias: Optional[Tensor], eps: float, param_grad_scale: float) -> Tensor:
-    return _LayerNorm.apply(x, normalized_shape, weight, bias, eps, param_grad_scale)
+    return _layernorm_apply(x, normalized_shape, weight, bias, eps, param_grad_scale)
 
 
 class _Embedding(torch.autograd.Function):
@@ -218,9 +243,11 @@ class _Embedding(torch.autograd.Function):
         return None, grad_w.mul_(ctx.grad_scale), None, None
 
 
+_embedding_apply = applier(_Embedding)
+
 def embedding(indices: Tensor, weight: Tensor, padding_idx: Optional[int],
               grad_scale: float) -> Tensor:
-    return _Embedding.apply(indices, weight, padding_idx, grad_scale)
+    return _embedding_apply(indices, weight, padding_idx, grad_scale)
 
 
 class _ResidualSplit(torch.autograd.Function):
@@ -243,8 +270,10 @@ class _ResidualSplit(torch.autograd.Function):
         return torch.add(grad_skip, grad_branch, alpha=ctx.branch_weight), None
 
 
+_residualsplit_apply = applier(_ResidualSplit)
+
 def residual_split(x: Tensor, branch_weight: float) -> Tuple[Tensor, Tensor]:
-    return _ResidualSplit.apply(x, branch_weight)
+    return _residualsplit_apply(x, branch_weight)
 
 
 class _ResidualAdd(torch.autograd.Function):
@@ -262,6 +291,8 @@ class _ResidualAdd(torch.autograd.Function):
         return grad, grad * ctx.skip_weight, None, None
 
 
+_residualadd_apply = applier(_ResidualAdd)
+
 def residual_add(residual: Tensor, skip: Tensor, branch_weight: float,
                  skip_weight: float) -> Tensor:
-    return _ResidualAdd.apply(residual, skip, branch_weight, skip_weight)
+    return _residualadd_apply(residual, skip, branch_weight, skip_weight)

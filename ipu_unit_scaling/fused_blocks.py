@@ -8,7 +8,8 @@ model makes anyway:
 
 - :func:`residual_norm`: the residual join of the previous branch (``a * f + b * x``, where
   there is one), the split of the stream into branch and skip, and the branch's layer norm;
-- :func:`mlp`: linear, GELU, linear, with GELU's scales folded into the second GEMM.
+- :func:`mlp`: linear, GELU, linear, with GELU's scales folded into the second GEMM;
+- :func:`embed`: token and position lookups and their unit-scaled sum.
 
 Values and gradients are those of the ops composed one by one (`U.residual_add`,
 `U.residual_split`, `U.layer_norm`, `U.linear`, `U.gelu`) up to float32 rounding. The modules
@@ -23,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .fused import _zero
+from .fused import _zero, applier
 
-__all__ = ["residual_norm", "mlp"]
+__all__ = ["residual_norm", "mlp", "embed"]
 
 _layer_norm_backward = torch.ops.aten.native_layer_norm_backward
 _gelu_backward = torch.ops.aten.gelu_backward
@@ -82,12 +83,14 @@ class _ResidualNorm(torch.autograd.Function):
         return grad_x, grad_stream, None, None, None, grad_w, grad_b, None, None
 
 
+_residualnorm_apply = applier(_ResidualNorm)
+
 def residual_norm(x: Tensor, f: Optional[Tensor], branch_weight: float, skip_weight: float,
                   next_branch_weight: float, weight: Optional[Tensor], bias: Optional[Tensor],
                   eps: float, param_grad_scale: float) -> Tuple[Tensor, Tensor]:
     """(the next branch's normalised input, the stream) after joining ``f`` into ``x`` (if
     given); see :class:`_ResidualNorm`."""
-    return _ResidualNorm.apply(x, f, branch_weight, skip_weight, next_branch_weight, weight,
+    return _residualnorm_apply(x, f, branch_weight, skip_weight, next_branch_weight, weight,
                                bias, eps, param_grad_scale)
 
 
@@ -142,8 +145,51 @@ class _MLP(torch.autograd.Function):
         return grad_x, grad_up_w, grad_up_b, grad_down_w, grad_down_b, None, None
 
 
+_mlp_apply = applier(_MLP)
+
 def mlp(x: Tensor, up_weight: Tensor, up_bias: Optional[Tensor], down_weight: Tensor,
         down_bias: Optional[Tensor], approximate: str, scales: Tuple[float, ...]) -> Tensor:
     """The unit-scaled MLP block in one Function (see :class:`_MLP`); ``x`` non-empty, at
     least 2-D."""
-    return _MLP.apply(x, up_weight, up_bias, down_weight, down_bias, approximate, scales)
+    return _mlp_apply(x, up_weight, up_bias, down_weight, down_bias, approximate, scales)
+
+
+class _Embed(torch.autograd.Function):
+    """``output_scale * (token_weight[ids] + position_weight[:seq])`` for ``ids`` of shape
+    (batch, seq); the token weight's gradient scaled by ``token_grad_scale`` and the position
+    weight's (a sum over the batch) by ``position_grad_scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, ids: Tensor, token_weight: Tensor, position_weight: Tensor,
+                output_scale: float, token_grad_scale: float,
+                position_grad_scale: float) -> Tensor:
+        ctx.save_for_backward(ids)
+        ctx.meta = (token_weight.shape[0], position_weight.shape, token_grad_scale,
+                    position_grad_scale)
+        out = F.embedding(ids, token_weight)
+        return out.add_(position_weight[:ids.shape[-1]]).mul_(output_scale)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+        (ids,) = ctx.saved_tensors
+        rows, position_shape, token_grad_scale, position_grad_scale = ctx.meta
+        grad_token = grad_position = None
+        if ctx.needs_input_grad[1]:
+            grad_token = _embedding_backward(grad, ids, rows, -1, False, False)
+            grad_token = grad_token.mul_(token_grad_scale)
+        if ctx.needs_input_grad[2]:
+            grad_position = grad.new_zeros(position_shape)
+            torch.sum(grad, 0, out=grad_position[:ids.shape[-1]])
+            grad_position = grad_position.mul_(position_grad_scale)
+        return None, grad_token, grad_position, None, None, None
+
+
+_embed_apply = applier(_Embed)
+_embedding_backward = torch.ops.aten.embedding_backward
+
+
+def embed(ids: Tensor, token_weight: Tensor, position_weight: Tensor, output_scale: float,
+          token_grad_scale: float, position_grad_scale: float) -> Tensor:
+    """Token plus position embedding in one Function (see :class:`_Embed`)."""
+    return _embed_apply(ids, token_weight, position_weight, output_scale, token_grad_scale,
+                        position_grad_scale)

@@ -399,9 +399,34 @@ class TransformerDecoder(nn.Module):
         self.head = ops.Linear(hidden_size, vocab_size, bias=False)
 
     def embed(self, input_ids: Tensor) -> Tensor:
-        positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
-        hidden = self.ops.add(self.embedding(input_ids), self.position_embedding(positions))
+        if self._fusable_embed(input_ids):
+            hidden = self._fused_embed(input_ids)
+        else:
+            positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
+            hidden = self.ops.add(self.embedding(input_ids), self.position_embedding(positions))
         return self.ops.dropout(hidden, self.dropout_p, self.training)
+
+    def _fusable_embed(self, input_ids: Tensor) -> bool:
+        """Whether the lookups and their sum take one Function: unit-scaled embeddings that
+        nothing observes, without options, (batch, seq) ids, eager mode."""
+        tables = (self.embedding, self.position_embedding)
+        return (self.ops.add is U.add and input_ids.dim() == 2 and input_ids.numel() > 0
+                and all(type(table) is Embedding and table.padding_idx is None
+                        and table.max_norm is None and not table.scale_grad_by_freq
+                        and not table.sparse and not _observed(table) for table in tables)
+                and U._eager_forms())
+
+    def _fused_embed(self, input_ids: Tensor) -> Tensor:
+        # The scales of U.embedding for each lookup and of U.add's sum (constraint
+        # to_output_scale, the position embedding broadcast over the batch).
+        batch, seq = input_ids.shape
+        output_scale = 0.5**0.5
+        token_scale = output_scale * (self.embedding.num_embeddings / input_ids.numel()) ** 0.5
+        position_scale = (output_scale * batch**-0.5
+                          * (self.position_embedding.num_embeddings / seq) ** 0.5)
+        return fused_blocks.embed(input_ids, self.embedding.weight,
+                                  self.position_embedding.weight, output_scale, token_scale,
+                                  position_scale)
 
     def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         return self.ops.cross_entropy(logits.flatten(0, -2), labels.flatten())

@@ -194,3 +194,47 @@ def test_attention_row_scale_is_cached_per_shape_and_matches_the_uncached_one():
     row = U._row_scale(6, 6, None, True, 1.0, 0.0, torch.float32, q.device)
     expected = F.scaled_dot_product_attention(q, q, q, is_causal=True) * row
     assert torch.equal(causal, expected)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_modules_match_the_op_by_op_forms(monkeypatch, bias):
+    """uu.TransformerDecoder, TransformerLayer and MLP with their one-Function eager forms
+    against the same model computed op by op (the forms switched off)."""
+    import ipu_unit_scaling as uu
+    from ipu_unit_scaling import modules
+
+    torch.manual_seed(0)
+    model = uu.TransformerDecoder(vocab_size=48, hidden_size=32, depth=2, heads=4, seq_len=12,
+                                  bias=bias)
+    ids = torch.randint(0, 48, (3, 11))
+    labels = torch.randint(0, 48, (3, 11))
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(ids, labels)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    fused_loss, fused_grads = loss_and_grads()
+    for cls, name in [(modules.TransformerLayer, "_fusable"), (modules.MLP, "_fusable"),
+                      (modules.TransformerDecoder, "_fusable_embed")]:
+        monkeypatch.setattr(cls, name, lambda self, x: False)
+    loss, grads = loss_and_grads()
+    torch.testing.assert_close(fused_loss, loss, rtol=1e-6, atol=0)
+    for got, want in zip(fused_grads, grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+def test_hooks_turn_the_fused_forms_off():
+    import ipu_unit_scaling as uu
+
+    torch.manual_seed(0)
+    layer = uu.TransformerLayer(16, 2)
+    x = randn(2, 5, 16)
+    assert layer._fusable(x) and layer.mlp._fusable(x)
+    handle = layer.mlp.up.register_forward_hook(lambda module, args, out: None)
+    assert not layer.mlp._fusable(x)
+    handle.remove()
+    handle = layer.attn_norm.register_forward_hook(lambda module, args, out: None)
+    assert not layer._fusable(x)
+    handle.remove()
