@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import csv
+import io
 import math
 from pathlib import Path
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
+
+from .rundir import atomic_write
 
 __all__ = ["plot_run", "plot_compare"]
 
@@ -13,9 +16,7 @@ def _pyplot() -> Any:
     try:
         import matplotlib
     except ImportError as error:
-        raise RuntimeError(
-            "plots need matplotlib: pip install 'ipu-unit-scaling[analysis]'"
-        ) from error
+        raise RuntimeError("plots need matplotlib: pip install matplotlib") from error
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
 
@@ -52,8 +53,7 @@ def plot_run(metrics_csv: Path, out: Path, baseline: Optional[float], title: str
     axes.legend()
     axes.grid(alpha=0.3)
     figure.tight_layout()
-    figure.savefig(out, dpi=100)
-    plt.close(figure)
+    _save(plt, figure, Path(out))
     return Path(out)
 
 
@@ -80,6 +80,15 @@ def plot_compare(
     axes.legend(fontsize=8)
     axes.grid(alpha=0.3)
     figure.tight_layout()
-    figure.savefig(out, dpi=100)
-    plt.close(figure)
+    _save(plt, figure, Path(out))
     return Path(out)
+
+
+def _save(plt: Any, figure: Any, out: Path) -> None:
+    # Whole or not at all, like every file of a run directory.
+    buffer = io.BytesIO()
+    try:
+        figure.savefig(buffer, dpi=100, format="png")
+    finally:
+        plt.close(figure)
+    atomic_write(out, buffer.getvalue())
