@@ -63,11 +63,15 @@ def estimate_step_memory(config: Config) -> MemoryEstimate:
     tokens = config.micro_batch_size * m.seq_len
     hidden, inner = m.hidden_size, m.mlp_expansion * m.hidden_size
     # per token and layer: norms, q/k/v, attention output, projections, residual halves, MLP
-    per_token_layer = 16 * hidden + 3 * inner
-    # scores, probabilities and their scaled copy, kept per head for every pair of positions
-    attention = 4 * config.micro_batch_size * m.heads * m.seq_len * m.seq_len
-    low_precision = 2 if config.precision.dtype in ("fp8", "fp16") else 1  # cast copies
-    activations = FLOAT * low_precision * m.depth * (tokens * per_token_layer + attention)
+    per_token_layer = 10 * hidden + 3 * inner
+    # scores and probabilities, kept per head for every pair of positions
+    attention = 2 * config.micro_batch_size * m.heads * m.seq_len * m.seq_len
+    low_precision = config.precision.dtype in ("fp8", "fp16")
+    if low_precision and config.precision.fp8.attention:
+        attention *= 2  # the cast copies of attention's operands
+    # FP8 and FP16 layers keep cast copies of their inputs next to the inputs
+    per_token_layer = per_token_layer * 3 // 2 if low_precision else per_token_layer
+    activations = FLOAT * m.depth * (tokens * per_token_layer + attention)
     activations += FLOAT * 3 * tokens * (m.vocab_size + hidden)  # logits, softmax, gradient
 
     call_tokens = config.samples_per_call * m.seq_len
