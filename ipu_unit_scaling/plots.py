@@ -52,7 +52,8 @@ def plot_run(metrics_csv: Path, out: Path, baseline: Optional[float], title: str
     axes.set_title(title)
     axes.legend()
     axes.grid(alpha=0.3)
-    figure.tight_layout()
+    # Fixed margins: tight_layout costs more than drawing the figure.
+    figure.subplots_adjust(left=0.11, right=0.97, bottom=0.12, top=0.92)
     _save(plt, figure, Path(out))
     return Path(out)
 
@@ -79,7 +80,8 @@ def plot_compare(
     axes.set_title(title)
     axes.legend(fontsize=8)
     axes.grid(alpha=0.3)
-    figure.tight_layout()
+    # Fixed margins: tight_layout costs more than drawing the figure.
+    figure.subplots_adjust(left=0.11, right=0.97, bottom=0.12, top=0.92)
     _save(plt, figure, Path(out))
     return Path(out)
 

@@ -371,10 +371,12 @@ def _write_settings(run_dir: Path, config: Config, corpus: Corpus) -> None:
 
     import yaml
 
-    tokenizer = {"kind": "char", "chars": corpus.tokenizer.chars}
-    atomic_write(run_dir / TOKENIZER_FILE, json.dumps(tokenizer, ensure_ascii=False).encode())
+    # The config first: a run killed before it can only start afresh, one killed after it
+    # can be resumed (from step 0 until a checkpoint exists; the vocabulary is the data's).
     text = yaml.safe_dump(config.to_dict(), sort_keys=False, allow_unicode=True)
     atomic_write(run_dir / CONFIG_FILE, text.encode("utf-8"))
+    tokenizer = {"kind": "char", "chars": corpus.tokenizer.chars}
+    atomic_write(run_dir / TOKENIZER_FILE, json.dumps(tokenizer, ensure_ascii=False).encode())
 
 
 def _remove(paths: Sequence[Path]) -> None:
