@@ -177,11 +177,12 @@ def _default_run_dir(config: Config, command: str) -> Path:
     return root / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def _one_line(error: BaseException) -> str:
+def _one_line(error: BaseException, most: int = 5) -> str:
     if isinstance(error, ConfigError):
-        return "invalid config: " + "; ".join(
-            f"{path}: {message}" if path else message for path, message in error.errors
-        )
+        problems = [f"{path}: {message}" if path else message for path, message in error.errors]
+        more = len(problems) - most
+        text = "; ".join(problems[:most]) + (f"; and {more} more" if more > 0 else "")
+        return "invalid config: " + " ".join(text.split())
     return " ".join(str(error).split())
 
 
@@ -444,8 +445,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except Exception as error:  # a bug: still one line, with a way to see where
         if os.environ.get(DEBUG_ENV):
             raise
-        return _fail(f"unexpected {type(error).__name__}: {_one_line(error)} (set {DEBUG_ENV}=1 "
-                     "for the traceback)")
+        return _fail(f"internal error ({type(error).__name__}): {_one_line(error)}; set "
+                     f"{DEBUG_ENV}=1 for the traceback")
 
 
 def _fail(message: str) -> int:

@@ -42,6 +42,7 @@ REGIMES = (
     "unit-fp8-amax",
 )
 MAX_SEED = 2**63 - 1
+MAX_TAU = 1e6
 
 
 def _configs_dir() -> Path:
@@ -248,7 +249,7 @@ def _resolve_path(path: Union[str, Path]) -> Path:
         return candidate
     if str(path) and candidate.parent == Path(".") and _is_file(named):
         return named
-    if _exists(candidate):
+    if str(path) and _exists(candidate):
         raise ConfigError([("", f"config file {str(path)!r} is not a regular file")])
     raise ConfigError([("", f"config file {str(path)!r} not found (nor {named})")])
 
@@ -318,7 +319,8 @@ def apply_override(raw: Dict[str, Any], override: str) -> None:
 
 _REPR = reprlib.Repr()
 _REPR.maxstring = _REPR.maxother = 60
-_REPR.maxlevel = 3
+_REPR.maxlevel = 2
+_REPR.maxlist = _REPR.maxdict = 4
 
 
 def _short(value: Any) -> str:
@@ -497,8 +499,9 @@ def _check_rules(config: Config, errors: List[Tuple[str, str]]) -> None:
     if not 0.0 <= model.dropout < 1.0:
         error("model.dropout", f"got {model.dropout!r}; allowed: 0 <= dropout < 1")
     for name in ("attn_tau", "mlp_tau"):
-        if not getattr(model, name) > 0:
-            error(f"model.{name}", f"got {getattr(model, name)!r}; must be > 0")
+        # Past MAX_TAU the skip path's weight 1 / sqrt(1 + tau**2) is below 1e-6: no residual.
+        if not 0 < getattr(model, name) <= MAX_TAU:
+            error(f"model.{name}", f"got {getattr(model, name)!r}; allowed: 0 < tau <= {MAX_TAU:g}")
 
     # precision.fp8 is an FP8Config, which refuses bad values itself when it is built.
     choice("precision.dtype", config.precision.dtype, DTYPES)

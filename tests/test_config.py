@@ -1,7 +1,6 @@
 """Config loading and validation: shipped configs load, broken ones name the bad key."""
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
