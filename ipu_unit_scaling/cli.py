@@ -256,6 +256,8 @@ def _regime_plan(config: Config, regime: str, regime_dir: Path, corpus: Any) -> 
     if not has_checkpoint and summary is None:
         return cfg, "start"  # new, or killed before anything worth keeping
     differences = _differences(load_run_config(regime_dir).to_dict(), cfg.to_dict())
+    if summary is not None and summary.get("data_sha256") != corpus.sha256:
+        differences.append(f"data: {corpus.source} is not the text it trained on")
     if differences:
         shown = ", ".join(differences[:4]) + (", ..." if len(differences) > 4 else "")
         raise RunError(

@@ -231,6 +231,7 @@ class RunSummary:
     data: str
     message: str = ""
     val_curve: List[Tuple[int, float]] = field(default_factory=list)
+    data_sha256: str = ""  # of the text trained on: compare reuses a run only on the same text
 
 
 @dataclass
@@ -542,6 +543,7 @@ class _Session:
             tokens_per_s=self.trained_tokens / self.train_seconds if self.train_seconds else 0.0,
             elapsed_s=time.perf_counter() - self.started, backend=run.backend,
             data=run.corpus.source, message=message, val_curve=self.val_curve,
+            data_sha256=run.corpus.sha256,
         )
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ipu_unit_scaling.rundir as rundir
+import ipu_unit_scaling.train as train_module
 from ipu_unit_scaling.cli import main
 from ipu_unit_scaling.rundir import (
     MetricsLog,
@@ -395,3 +396,76 @@ def test_empty_data_argument_is_refused_not_ignored(capsys, tmp_path):
                          tmp_path / "run")
     assert status == 2 and one_line_error(err) and "--data needs a file name" in err
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------ compare
+
+
+def compare_args(run_dir: Path, data: Path, *settings: str, quiet: bool = True) -> List[str]:
+    return ["compare", "--config", "tiny", "--data", str(data), "--run-dir", str(run_dir),
+            *(["--quiet"] if quiet else []), "--regimes", "fp32", "unit-fp8", "--set", *FAST,
+            *settings]
+
+
+def test_compare_reuses_a_regime_only_with_the_same_settings(capsys, tmp_path, data):
+    run_dir = tmp_path / "compare"
+    assert run(capsys, *compare_args(run_dir, data, "training.steps=3"))[0] == 0
+    files = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+
+    status, _, err = run(capsys, *compare_args(run_dir, data, "training.steps=6"))
+    assert status == 2 and one_line_error(err)
+    assert "fp32 was trained with other settings (training.steps: 3 -> 6" in err
+    status, _, err = run(capsys, *compare_args(run_dir, data, "training.steps=3",
+                                               "compare.learning_rates.fp32=0.1"))
+    assert status == 2 and "training.learning_rate: 0.006 -> 0.1" in err
+    other = tmp_path / "other.txt"
+    other.write_text(TEXT.replace("fox", "cat"))
+    status, _, err = run(capsys, *compare_args(run_dir, other, "training.steps=3"))
+    assert status == 2 and "is not the text it trained on" in err
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == files
+
+    # Settings that are not the regime's (another regime's learning rate) do not matter.
+    status, out, _ = run(capsys, *compare_args(run_dir, data, "training.steps=3",
+                                               "compare.learning_rates.fp16=0.1", quiet=False))
+    assert status == 0 and out.count("reusing the finished run") == 2
+    table = (run_dir / "compare.md").read_text()
+    assert "| fp32 |" in table and "| unit-fp8 |" in table
+
+
+class Killed(BaseException):
+    """Stands for a kill: nothing in the package catches it."""
+
+
+def test_compare_resumes_a_regime_killed_after_a_checkpoint(capsys, tmp_path, data, monkeypatch):
+    settings = ["training.steps=4", "training.checkpoint_interval=2"]
+    reference = tmp_path / "reference"
+    assert run(capsys, *compare_args(reference, data, *settings))[0] == 0
+
+    real_save = train_module.save_checkpoint
+
+    def save_then_die(path, state):
+        real_save(path, state)
+        if state["step"] == 2 and path.parent.name == "unit-fp8":
+            raise Killed
+
+    monkeypatch.setattr(train_module, "save_checkpoint", save_then_die)
+    run_dir = tmp_path / "compare"
+    with pytest.raises(Killed):
+        main(compare_args(run_dir, data, *settings))
+    monkeypatch.undo()
+    assert not (run_dir / "unit-fp8" / "summary.json").exists()
+
+    status, out, _ = run(capsys, *compare_args(run_dir, data, *settings, quiet=False))
+    assert status == 0 and "fp32: reusing" in out and "unit-fp8: resuming" in out
+    for regime in ("fp32", "unit-fp8"):
+        assert losses(run_dir / regime) == losses(reference / regime)
+
+
+def test_compare_curves_have_at_least_ten_points(capsys, tmp_path, data):
+    run_dir = tmp_path / "compare"
+    assert run(capsys, *compare_args(run_dir, data, "training.steps=20",
+                                     "training.eval_interval=100"))[0] == 0
+    for regime in ("fp32", "unit-fp8"):
+        curve = json.loads((run_dir / regime / "summary.json").read_text())["val_curve"]
+        assert [step for step, _ in curve] == list(range(2, 21, 2))
+    assert (run_dir / "compare.png").read_bytes()[:4] == b"\x89PNG"
