@@ -112,7 +112,7 @@ BROKEN = [
     (["model.heads=3"], "model.heads", "must divide model.hidden_size"),
     (["model.dropout=1.5"], "model.dropout", "0 <= dropout < 1"),
     (["model.attn_tau=0"], "model.attn_tau", "0 < tau <= 1e+06"),
-    (["model.mlp_tau=1e7"], "model.mlp_tau", "0 < tau <= 1e+06"),
+    (["model.mlp_tau=10000000.0"], "model.mlp_tau", "0 < tau <= 1e+06"),
     (["model.widht=3"], "model.widht", "unknown key"),
     (["modle.depth=3"], "modle", "did you mean 'model'"),
     (["model=3"], "model", "expected a mapping"),
