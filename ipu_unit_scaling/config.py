@@ -2,12 +2,17 @@
 
 A config file is a YAML mapping with the sections below; every key is optional and falls back to
 the dataclass default, so ``Config()`` *is* the default run (``configs/default.yaml`` spells the
-same values out). A file may start from another one with ``extends: other.yaml`` (a path relative
+same values out). The ``model`` section is ``models.GPTConfig`` and ``precision.fp8`` is
+``fp8.FP8Config``: the library's own classes, so a key cannot be in one and not the other.
+
+A file may start from another one with ``extends: other.yaml`` (a path relative
 to the file; mappings merge key by key, everything else is replaced). YAML anchors and merge keys
 (``<<: *base``) work inside one file as usual.
 
 Errors name the key path, the bad value and what is allowed, e.g.
-``ipu.layers_per_ipu: [2, 2] places 4 layers but model.depth is 6; ...``.
+``ipu.layers_per_ipu: [2, 2] places 4 layers but model.depth is 6; ...``; a file that cannot be
+read (missing, not UTF-8, not YAML, nested too deeply) is a ConfigError too, with the line and
+column of a YAML error.
 """
 from __future__ import annotations
 

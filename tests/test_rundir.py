@@ -469,3 +469,17 @@ def test_compare_curves_have_at_least_ten_points(capsys, tmp_path, data):
         curve = json.loads((run_dir / regime / "summary.json").read_text())["val_curve"]
         assert [step for step, _ in curve] == list(range(2, 21, 2))
     assert (run_dir / "compare.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_missing_plotting_library_costs_the_figure_only(capsys, tmp_path, data, monkeypatch):
+    import ipu_unit_scaling.plots as plots
+
+    def no_matplotlib():
+        raise RuntimeError("plots need matplotlib: pip install matplotlib")
+
+    monkeypatch.setattr(plots, "_pyplot", no_matplotlib)
+    status, out, err = run(capsys, "train", "--config", "tiny", "--data", data, "--run-dir",
+                           tmp_path / "run", "--set", *FAST, "training.steps=2")
+    assert status == 0, err
+    assert "loss.png not written: plots need matplotlib" in out
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "completed"
