@@ -39,7 +39,7 @@ def test_two_ipu_pipelined_training_model_on_ipu_model():
     from ipu_unit_scaling.backends import build_training_model, make_optimizer
 
     config = load_config("tiny", ["model.depth=2", "ipu.device_iterations=2",
-                                  "ipu.executable_cache_dir=null"])
+                                  "ipu.executable_cache_dir=null", "training.steps=6"])
     torch.manual_seed(0)
     model = _standin().StandInGPT(depth=2)
     before = [p.detach().clone() for p in model.parameters()]
