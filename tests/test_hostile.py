@@ -310,16 +310,14 @@ def test_hostile_input_exits_cleanly(case, tmp_path, capsys, monkeypatch):
     assert len(err) < 2000  # one readable line, even for megabyte values
 
 
-@pytest.mark.parametrize("text, words", [
-    (nested_yaml(20000), "nested too deeply"),
-    (b"\x80binary\x00config", "not UTF-8"),
-], ids=["nested", "binary"])
-def test_the_real_command_line_prints_one_line(tmp_path, text, words):
-    config = write(tmp_path, "config.yaml", text)
+def test_the_real_command_line_prints_one_line(tmp_path):
+    """In a fresh interpreter too (its own recursion limit and entry point)."""
+    config = write(tmp_path, "config.yaml", nested_yaml(20000))
     result = subprocess.run(
         [sys.executable, "-m", "ipu_unit_scaling.cli", "train", "--config", config],
         cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
         text=True, timeout=120,
     )
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.count("\n") == 1 and words in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "nested too deeply" in result.stderr

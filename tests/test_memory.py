@@ -95,7 +95,7 @@ print(json.dumps({"estimate": estimate_step_memory(config).total, "used": peak -
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads /proc (Linux)")
 def test_the_estimate_is_within_a_factor_of_two_of_a_real_step():
-    overrides = ["model.vocab_size=103", "model.seq_len=512", "training.batch_size=16"]
+    overrides = ["model.vocab_size=103", "model.seq_len=384", "training.batch_size=8"]
     result = subprocess.run(
         [sys.executable, "-c", MEASURE, *overrides], cwd=ROOT, capture_output=True, text=True,
         env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=300,
