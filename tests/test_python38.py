@@ -76,7 +76,8 @@ def runtime_problems(source: str) -> List[str]:
         if not newer_than_38(node) or (postponed and id(node) in function_annotations):
             continue
         where = "class annotation" if id(node) in class_annotations else "expression"
-        problems.append(f"line {node.lineno}: {where} {ast.get_source_segment(source, node)!r} needs Python >= 3.9")
+        text = ast.get_source_segment(source, node)
+        problems.append(f"line {node.lineno}: {where} {text!r} needs Python >= 3.9")
     return problems
 
 
