@@ -182,6 +182,9 @@ def test_tensor_factories_with_traced_arguments() -> None:
     torch.testing.assert_close(shorter, converted(ids)[:, :5])
     tokens = converted.graph_module.get_submodule("inner.tokens")
     assert isinstance(tokens, uu.Embedding)
+    with pytest.warns(UnitScaleWarning, match="not traced"):
+        unit_scale(plain_gpt())  # without inputs its tracing fails part-way
+    assert (torch.arange, torch.full) == originals
 
 
 class SkipMLP(nn.Module):

@@ -54,7 +54,7 @@ class ConcreteTracer(fx.Tracer):
         return self._is_leaf(m, module_qualified_name)
 
     def trace(self, root: Any, concrete_args: Optional[Dict[str, Any]] = None) -> fx.Graph:
-        with _factories_accept_proxies(self):
+        with _factories_accept_proxies():
             return super().trace(root, concrete_args)
 
     def trace_with_inputs(
@@ -150,7 +150,7 @@ _FACTORY_FUNCTIONS = (
 
 
 @contextlib.contextmanager
-def _factories_accept_proxies(tracer: fx.Tracer) -> Iterator[None]:
+def _factories_accept_proxies() -> Iterator[None]:
     """While tracing, record a tensor factory called with traced arguments as a graph node.
 
     Torch 2.0's factories reject an `fx.Proxy` argument with a TypeError (later versions hand
@@ -158,16 +158,21 @@ def _factories_accept_proxies(tracer: fx.Tracer) -> Iterator[None]:
     input's length would be untraceable there. The node's target is the original function, so
     the graph is the same on every torch version.
     """
-    originals = {name: getattr(torch, name) for name in _FACTORY_FUNCTIONS}
+    originals = {
+        name: getattr(torch, name) for name in _FACTORY_FUNCTIONS
+        if not hasattr(getattr(torch, name), "_records_proxies")  # not already, by an outer trace
+    }
 
     def accepting_proxies(factory: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(factory)
         def call(*args: Any, **kwargs: Any) -> Any:
             leaves = pytree.tree_flatten((args, kwargs))[0]
-            if any(isinstance(leaf, fx.Proxy) for leaf in leaves):
-                return tracer.create_proxy("call_function", factory, args, kwargs)
+            proxies = [leaf for leaf in leaves if isinstance(leaf, fx.Proxy)]
+            if proxies:
+                return proxies[0].tracer.create_proxy("call_function", factory, args, kwargs)
             return factory(*args, **kwargs)
 
+        call._records_proxies = True  # type: ignore[attr-defined]
         return call
 
     for name, factory in originals.items():
