@@ -10,12 +10,12 @@ import torch
 
 poptorch = pytest.importorskip("poptorch", reason="poptorch (Poplar SDK) is not installed")
 
-from ipu_unit_scaling.fp8 import F143, F152, cast_to_fp8_reference  # noqa: E402
-from ipu_unit_scaling.ipu.custom_op import (  # noqa: E402
+from ipu_unit_scaling.backends.ipu.custom_op import (  # noqa: E402
     custom_op_library_path,
     fp8_amax_cast,
     load_custom_op_library,
 )
+from ipu_unit_scaling.fp8 import F143, F152, cast_to_fp8_reference  # noqa: E402
 
 pytestmark = pytest.mark.ipu
 REPO = Path(__file__).resolve().parents[1]

@@ -211,6 +211,8 @@ def cast_from_fp8(t: Fp8Tensor, dtype: torch.dtype = torch.float32) -> torch.Ten
     """
     if not isinstance(t, Fp8Tensor):
         raise TypeError(f"expected an Fp8Tensor, got {type(t).__name__}")
+    if not dtype.is_floating_point:
+        raise TypeError(f"FP8 values decode to a floating-point dtype, not {dtype}")
     values = _try_host_decode(t)
     if values is None:
         values = decode(t.codes, t.fmt)

@@ -24,7 +24,7 @@ DOMAIN = "ai.graphcore.unit_scaling"
 OP_NAME = "Fp8AmaxCast"
 DOMAIN_VERSION = 1
 LIBRARY_ENV = "IPU_UNIT_SCALING_CUSTOM_OPS"
-_REPO_ROOT = Path(__file__).resolve().parents[2]
+_REPO_ROOT = Path(__file__).resolve().parents[3]
 _DEFAULT_LIBRARY = _REPO_ROOT / "custom_ops" / "build" / "libfp8_custom_ops.so"
 
 _loaded: Dict[str, ctypes.CDLL] = {}
@@ -107,7 +107,7 @@ def fp8_amax_cast(
     ``log2_scale=None`` derives ``s`` from the amax with ``margin``; ``overflow`` is
     "saturate" or "nan".
     """
-    from ..fp8 import cast_to_fp8, get_format
+    from ...fp8 import cast_to_fp8, get_format
 
     fmt_name = get_format(fmt).name  # type: ignore[arg-type]
     if fmt_name not in ("F143", "F152"):
