@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = sorted(
-    [path for folder in ("ipu_unit_scaling", "benchmarks", "tests")
+    [path for folder in ("ipu_unit_scaling", "benchmarks", "scripts", "tests")
      for path in (ROOT / folder).rglob("*.py")] + [ROOT / "setup.py"]
 )
 PYTHON_38 = (3, 8)
