@@ -151,7 +151,10 @@ def _try_host_cast(
         return None
     if not _host.fused_cast_available():
         return None
-    return _host.fused_cast_to_fp8(x, fmt.name, scale, margin, saturate)
+    try:
+        return _host.fused_cast_to_fp8(x, fmt.name, scale, margin, saturate)
+    except _host.NonFiniteAmax as error:
+        raise NonFiniteAmaxError(str(error)) from error
 
 
 def cast_to_fp8(
