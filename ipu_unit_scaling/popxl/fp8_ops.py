@@ -49,7 +49,8 @@ def fp8_dtype(xl: Any, fmt: FP8Format) -> Any:
 
 
 def scaling_bias(xl: Any, amax: Tensor, fmt: FP8Format, margin: int) -> Tuple[Tensor, Tensor]:
-    """``(s, non_finite)`` for a scalar float32 ``amax``, exactly :func:`fp8.log2_scale`.
+    """``(s, non_finite)`` for float32 ``amax`` (any shape, elementwise): exactly
+    :func:`fp8.log2_scale`, as int32, and a bool flag.
 
     ``floor(log2(fmt.max / amax))`` from ``log2`` and a rounded division can be off by one
     next to powers of two. Instead ``amax`` is compared with the exact float32 thresholds
@@ -65,7 +66,9 @@ def scaling_bias(xl: Any, amax: Tensor, fmt: FP8Format, margin: int) -> Tuple[Te
     table = np.array(thresholds, np.float32)
     if [float(v) for v in table] != thresholds:  # would break exactness; cannot for F143/F152
         raise ValueError(f"{fmt.name} thresholds are not exact in float32 for margin {margin}")
-    exceeded = ops.sum(ops.cast(ops.greater(amax, xl.constant(table, xl.float32)), xl.int32))
+    column = amax.reshape(tuple(amax.shape) + (1,))
+    exceeded = ops.sum(ops.cast(ops.greater(column, xl.constant(table, xl.float32)), xl.int32),
+                       axis=-1)
     bias = xl.constant(high - margin, xl.int32) - exceeded
     finite = ops.isfinite(amax)
     usable = ops.logical_and(finite, ops.greater(amax, xl.constant(0.0, xl.float32)))

@@ -93,7 +93,7 @@ class DecoderSpec:
         if not isinstance(model, TransformerDecoder):
             raise ConfigError([("model", f"the popxl backend builds uu.TransformerDecoder, "
                                          f"not {type(model).__name__}")])
-        if model.ops is not UNIT_OPS:
+        if model.ops != UNIT_OPS:  # by value: a deep copy holds an equal Ops
             raise ConfigError([("model.unit_scaled", "the popxl backend builds the unit-scaled "
                                                      "decoder only; set it to true")])
         if model.dropout_p:

@@ -22,8 +22,10 @@ is at least as strict as ``popxl.in_sequence(True)``. Differences that matter fo
 - An FP8 device cast that overflows gives NaN (what ``host_pow2scale_cast_to_fp8`` does by
   default, ``nan_on_overflow=True``, and what the IPU does with NaN-on-overflow set).
 
-Stand-in only: ``Session.keep_values = True`` makes ``Session.values`` hold every tensor value
-the last run computed, which real PopXL cannot do; tests use it to read intermediate FP8 codes.
+Stand-in only, for tests, with no PopXL counterpart: ``Session.keep_values = True`` makes
+``Session.values`` hold every tensor value the last run computed (tests read intermediate FP8
+codes from it), and ``with fp8_matmul_output(torch.float32):`` makes ``matmul_pow2scaled``
+return its float32 sum unrounded, which is what ``fp8.simulate_fp8`` computes.
 """
 from __future__ import annotations
 
@@ -41,11 +43,28 @@ from ..fp8.codec import decode, encode
 from ..fp8.formats import F143, F152, FP8Format
 
 __all__ = [
-    "dtype", "float16", "float32", "int32", "float8_143", "float8_152",
+    "fp8_matmul_output", "dtype", "float16", "float32", "int32", "float8_143", "float8_152",
     "Tensor", "Variable", "Constant", "TensorSpec", "Graph", "Ir", "Session",
     "HostToDeviceStream", "DeviceToHostStream", "h2d_stream", "d2h_stream",
     "variable", "constant", "in_sequence", "ops", "transforms",
 ]
+
+
+# ------------------------------------------------------------------------- stand-in settings
+
+_fp8_matmul_output: List[torch.dtype] = [torch.float16]
+
+
+@contextlib.contextmanager
+def fp8_matmul_output(dtype_: torch.dtype) -> Iterator[None]:
+    """Inside, ``matmul_pow2scaled`` rounds its result to ``dtype_`` instead of float16 (see
+    the module docstring). Not a PopXL feature: it separates PopXL's float16 matmul output
+    from everything else when comparing with ``simulate_fp8``."""
+    _fp8_matmul_output.append(dtype_)
+    try:
+        yield
+    finally:
+        _fp8_matmul_output.pop()
 
 
 # ----------------------------------------------------------------------------------- dtypes
