@@ -11,7 +11,6 @@ from fractions import Fraction
 import ml_dtypes
 import numpy as np
 import pytest
-import torch
 
 from ipu_unit_scaling.fp8 import F143, F152, FP8Config, log2_scale
 from ipu_unit_scaling.popxl import cast_to_fp8, fp8_matmul, reference, scaled, scaling_bias

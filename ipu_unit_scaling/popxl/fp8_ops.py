@@ -103,7 +103,8 @@ def fp8_matmul(xl: Any, a: Tensor, a_bias: Tensor, b: Tensor, b_bias: Tensor,
     combined = -(a_bias + b_bias)
     fused = ops.clip(combined, _FUSED_LOW, _FUSED_HIGH)
     rest = combined - fused
-    factor = ops.gather(xl.constant(_POW2_TABLE, xl.float32), rest - _TABLE_LOW)
+    # A one-element index rather than a scalar one: the gather then needs no rank-0 support.
+    factor = ops.gather(xl.constant(_POW2_TABLE, xl.float32), (rest - _TABLE_LOW).reshape((1,)))
     product = ops.cast(ops.matmul_pow2scaled(a, b, fused), xl.float32)
     return product * (factor * post_scale)
 

@@ -69,7 +69,8 @@ class LayerSpec:
     mlp_tau: float
     attn_norm_eps: float
     mlp_norm_eps: float
-    constraints: Tuple[ConstraintArg, ConstraintArg, ConstraintArg, ConstraintArg]  # qkv, proj, up, down
+    # of qkv, proj, up, down
+    constraints: Tuple[ConstraintArg, ConstraintArg, ConstraintArg, ConstraintArg]
 
 
 @dataclass(frozen=True)
@@ -87,12 +88,13 @@ class DecoderSpec:
     head_constraint: ConstraintArg
 
     @classmethod
-    def from_module(cls, model: nn.Module) -> DecoderSpec:
+    def from_module(cls, module: nn.Module) -> DecoderSpec:
         """Read a ``uu.TransformerDecoder`` (plain or after ``simulate_fp8``); ConfigError if it
         is something the PopXL decoder does not build."""
-        if not isinstance(model, TransformerDecoder):
+        if not isinstance(module, TransformerDecoder):
             raise ConfigError([("model", f"the popxl backend builds uu.TransformerDecoder, "
-                                         f"not {type(model).__name__}")])
+                                         f"not {type(module).__name__}")])
+        model: Any = module  # submodules are read by attribute, as the decoder defines them
         if model.ops != UNIT_OPS:  # by value: a deep copy holds an equal Ops
             raise ConfigError([("model.unit_scaled", "the popxl backend builds the unit-scaled "
                                                      "decoder only; set it to true")])

@@ -31,15 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from ..fp8.codec import decode, encode
 from ..fp8.formats import F143, F152, FP8Format
 
 __all__ = [
@@ -516,7 +513,7 @@ class Session:
                 for stream, values in run.stored.items()}
 
     def get_tensors_data(self, tensors: Sequence[Tensor]) -> Dict[Tensor, np.ndarray]:
-        result = {}
+        result: Dict[Tensor, np.ndarray] = {}
         for t in tensors:
             if isinstance(t, Variable):
                 result[t] = self._variables[t].numpy().copy()

@@ -184,7 +184,7 @@ def loss_and_gradients(model: nn.Module, input_ids: torch.Tensor, labels: torch.
         logits, loss, grads, flags, tape = _forward_backward(
             xl, decoder, xl.ops.host_load(ids_stream), xl.ops.host_load(labels_stream), params)
         outputs = {"loss": loss, "logits": logits, "non_finite": flags}
-        outputs.update({f"grad:{name}": grads[name] for name in names})
+        outputs.update({f"grad_{name}": grads[name] for name in names})
         streams = {}
         for key, tensor in outputs.items():
             streams[key] = xl.d2h_stream(tensor.shape, tensor.dtype, key)
@@ -198,7 +198,7 @@ def loss_and_gradients(model: nn.Module, input_ids: torch.Tensor, labels: torch.
     return StepResult(
         loss=float(results[streams["loss"]]),
         logits=torch.from_numpy(np.array(results[streams["logits"]])),
-        gradients={name: torch.from_numpy(np.array(results[streams[f"grad:{name}"]]))
+        gradients={name: torch.from_numpy(np.array(results[streams[f"grad_{name}"]]))
                    for name in names},
         non_finite=int(results[streams["non_finite"]]),
         casts=tape.casts,
