@@ -10,8 +10,14 @@ import torch
 
 from ipu_unit_scaling import backends
 from ipu_unit_scaling.backends import BACKEND_ENV, BackendError, select_backend
+from ipu_unit_scaling.backends.ipu.options import (
+    New,
+    OptionCall,
+    Ref,
+    apply_option_calls,
+    option_calls,
+)
 from ipu_unit_scaling.config import load_config
-from ipu_unit_scaling.ipu.options import New, OptionCall, Ref, apply_option_calls, option_calls
 
 
 def fake_poptorch(hardware: bool) -> types.SimpleNamespace:
@@ -33,7 +39,7 @@ def test_environment_variable_overrides(monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "cpu")
     assert select_backend("ipu") == "cpu"
     monkeypatch.setenv(BACKEND_ENV, "tpu")
-    with pytest.raises(BackendError, match="allowed: auto, ipu, ipu_model, cpu"):
+    with pytest.raises(BackendError, match="allowed: auto, ipu, ipu_model, emulator, cpu"):
         select_backend("auto")
 
 
@@ -48,8 +54,9 @@ def test_package_imports_without_poptorch():
     # A poptorch that fails to import must not break the package, nor be imported eagerly.
     code = (
         "import sys; sys.modules['poptorch'] = None\n"
-        "import ipu_unit_scaling, ipu_unit_scaling.backends, ipu_unit_scaling.ipu.training\n"
-        "import ipu_unit_scaling.ipu.options, ipu_unit_scaling.distributed\n"
+        "import ipu_unit_scaling, ipu_unit_scaling.backends, ipu_unit_scaling.ipu\n"
+        "import ipu_unit_scaling.backends.ipu.training, ipu_unit_scaling.backends.emulator\n"
+        "import ipu_unit_scaling.backends.ipu.options, ipu_unit_scaling.backends.distributed\n"
         "from ipu_unit_scaling.backends import select_backend\n"
         "assert select_backend('auto') == 'cpu'\n"
     )

@@ -401,7 +401,7 @@ class PopXLTrainingModel:
                  optimizer: Union[torch.optim.Optimizer, TrainingConfig, None] = None,
                  config: Optional[Config] = None, *, xl: Any = None,
                  device: Optional[str] = None):
-        from ..training_model import stages
+        from ..backends.stages import stages
 
         config = config if config is not None else Config()
         check_config(config)

@@ -4,23 +4,38 @@ PopTorch is imported inside the functions only, so this module imports anywhere.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence, Tuple
+import contextlib
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-from ..config import Config
-from ..training_model import Stage, TrainingModule, stages
+from ...config import Config
+from ...tracing import FP8CustomOps, ipu_tracing
+from ..cpu import TrainingModule
+from ..stages import Stage, stages
 from .options import build_options
 
 
 class IPUTrainingModule(TrainingModule):
-    """``(output, loss)`` with the loss marked for PopTorch's autograd."""
+    """``(output, loss)`` with the loss marked for PopTorch's autograd.
+
+    While PopTorch traces it for the IPU (``poptorch.isRunningOnIpu()``), the model runs inside
+    ``ipu_tracing()``: unit scaling's backward scales are then part of the forward graph that
+    PopART differentiates, and FP8 casts are the PopART custom ops.
+    """
+
+    def __init__(self, model: nn.Module, fp8_ops: Optional[FP8CustomOps] = None):
+        super().__init__(model)
+        self.fp8_ops = fp8_ops
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         import poptorch
 
-        logits, loss = super().forward(inputs, labels)
+        tracing = (ipu_tracing(self.fp8_ops) if poptorch.isRunningOnIpu()
+                   else contextlib.nullcontext())
+        with tracing:
+            logits, loss = super().forward(inputs, labels)
         # The model's loss is already a mean; "none" tells PopTorch to take it as is.
         return logits, poptorch.identity_loss(loss, reduction="none")
 
@@ -60,6 +75,7 @@ class IPUTrainingModel:
     def __init__(self, model: nn.Module, optimizer: Any, config: Config, use_ipu_model: bool):
         import poptorch
 
+        self.model = model
         self.stages = stages(model, config)
         if config.ipu.ipus_per_replica > 1:
             annotate_pipeline(model, self.stages, poptorch)
@@ -80,4 +96,8 @@ class IPUTrainingModel:
         self.executor.copyWeightsToHost()
 
     def destroy(self) -> None:
+        """Release the device and take the pipeline annotations off the model."""
+        import poptorch
+
         self.executor.destroy()
+        poptorch.removeBlocks(self.model)

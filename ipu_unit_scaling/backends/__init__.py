@@ -1,8 +1,20 @@
-"""Backend choice and the one entry point that wraps a model for training on it.
+"""Backends: where a model trains, behind one small interface.
+
+``build_training_model(model, optimizer, config)`` returns a wrapper called PopTorch-style,
+``wrapper(inputs, labels) -> (output, loss)``, that runs backward and the optimizer step with
+``poptorch.trainingModel``'s semantics (device iterations, gradient accumulation with mean
+reduction, one loss per micro-batch). The backends:
+
+- ``ipu``: PopTorch on IPU hardware; ``ipu_model``: PopTorch on the IPU Model (no hardware);
+- ``emulator``: PopTorch's semantics without the SDK: the model is traced forward under
+  ``ipu_tracing()`` and its gradients come from the traced graph, as PopART's autodiff takes them;
+- ``cpu``: eager PyTorch;
+- ``distributed`` (a module, launched with torchrun): the same stage split on
+  ``torch.distributed.pipelining``.
 
 ``auto`` picks ``ipu`` when PopTorch imports and IPU hardware is present, else ``ipu_model``
 when PopTorch imports, else ``cpu``. ``IPU_UNIT_SCALING_BACKEND`` overrides the configured
-name. Only this module and ``ipu_unit_scaling.ipu`` ever import poptorch, and only on demand.
+name. Only ``backends.ipu`` ever imports poptorch, and only on demand.
 """
 from __future__ import annotations
 
@@ -13,8 +25,14 @@ from typing import Any, Iterable, Optional, Union
 import torch
 from torch import nn
 
-from .config import BACKEND_NAMES, Config
-from .training_model import CPUTrainingModel, TrainingModule, stages
+from ..config import BACKEND_NAMES, Config
+from .cpu import CPUTrainingModel, TrainingModule
+from .stages import Stage, stages
+
+__all__ = [
+    "BACKEND_ENV", "BackendError", "Stage", "stages", "poptorch_available", "select_backend",
+    "make_optimizer", "build_training_model",
+]
 
 BACKEND_ENV = "IPU_UNIT_SCALING_BACKEND"
 
@@ -35,11 +53,11 @@ def poptorch_available() -> bool:
 
 
 def select_backend(name: str = "auto") -> str:
-    """Resolve a backend name (or ``auto``) to ``ipu``, ``ipu_model`` or ``cpu``."""
+    """Resolve a backend name (or ``auto``) to ``ipu``, ``ipu_model``, ``emulator`` or ``cpu``."""
     name = os.environ.get(BACKEND_ENV) or name
     if name not in BACKEND_NAMES:
         raise BackendError(f"backend {name!r} unknown; allowed: {', '.join(BACKEND_NAMES)}")
-    if name == "cpu":
+    if name in ("cpu", "emulator"):
         return name
     poptorch = _import_poptorch()
     if name == "auto":
@@ -49,7 +67,7 @@ def select_backend(name: str = "auto") -> str:
     if poptorch is None:
         raise BackendError(
             f"backend {name!r} needs PopTorch (Poplar SDK), which does not import here; "
-            f"use 'cpu' or 'auto', or unset {BACKEND_ENV}"
+            f"use 'emulator', 'cpu' or 'auto', or unset {BACKEND_ENV}"
         )
     return name
 
@@ -59,7 +77,7 @@ def make_optimizer(
 ) -> torch.optim.Optimizer:
     """The optimizer ``config.training`` names, in the flavour the backend needs."""
     backend = backend or select_backend(config.backend)
-    if backend != "cpu":
+    if backend in ("ipu", "ipu_model"):
         from .ipu.training import make_ipu_optimizer
 
         return make_ipu_optimizer(parameters, config)
@@ -81,15 +99,20 @@ def build_training_model(
     """Wrap ``model`` so that ``wrapper(inputs, labels) -> (output, loss)`` trains it.
 
     Each call runs ``config.ipu.device_iterations`` optimizer steps over inputs whose leading
-    dimension is ``config.samples_per_call``; see ``training_model`` for the exact semantics.
+    dimension is ``config.samples_per_call``; see :mod:`.cpu` for the exact semantics.
     The wrapper also has ``stages`` (the pipeline split), ``update_optimizer()`` (after
     changing learning rates), ``copy_weights_to_host()`` and ``destroy()``.
     """
     backend = backend or select_backend(config.backend)
-    if backend == "cpu":
+    if backend in ("cpu", "emulator"):
+        module: nn.Module = TrainingModule(model)
+        if backend == "emulator":
+            from .emulator import TracedTrainingModule
+
+            module = TracedTrainingModule(module)
         ipu = config.ipu
         return CPUTrainingModel(
-            TrainingModule(model),
+            module,
             optimizer,
             device_iterations=ipu.device_iterations,
             gradient_accumulation=ipu.gradient_accumulation,
