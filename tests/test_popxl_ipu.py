@@ -85,3 +85,22 @@ def test_a_training_call_on_the_ipu_model_matches_the_reference():
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-2, atol=0)
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
         assert relative(a, b) < 1e-2, name
+
+
+def test_the_codelets_custom_op_on_the_ipu_model_matches_the_reference():
+    """amax="codelets" with the PopXL binding built by CMake (target ius_popxl_ops)."""
+    popxl = pytest.importorskip("popxl")
+    from ipu_unit_scaling.popxl import codelets
+
+    try:
+        codelets.binding_path()
+    except ImportError as error:
+        pytest.skip(str(error))
+    model, config = tiny_decoder(), FP8Config()
+    real = loss_and_gradients(model, *batch(), fp8=config, xl=popxl, device="ipu_model",
+                              amax="codelets")
+    stand_in = loss_and_gradients(model, *batch(), fp8=config, xl=reference, amax="codelets")
+    assert real.non_finite == 0
+    assert real.loss == pytest.approx(stand_in.loss, rel=1e-2)
+    for name, grad in stand_in.gradients.items():
+        assert relative(real.gradients[name], grad) < 0.15, name

@@ -279,3 +279,44 @@ def test_popxl_is_a_backend_name_and_needs_popxl():
         pytest.skip("popxl imports here")
     with pytest.raises(ImportError, match="PopXL"):
         PopXLTrainingModel(build_model(config), None, config)
+
+
+# ---------------------------------------------------------------------- the codelets' custom op
+
+
+@pytest.fixture
+def host_codelets():
+    from ipu_unit_scaling import _host
+
+    if not _host.fused_cast_available():
+        pytest.skip(f"host library of the codelets not built: {_host.fast_path_status()}")
+
+
+def test_codelet_amax_gives_the_same_step_as_popxl_ops_on_the_reference(host_codelets):
+    """amax="codelets": the custom op's stand-in runs the codelets' host build (emulator);
+    every cast, loss and gradient equals those of the PopXL-ops scaling bias."""
+    model, config = tiny_decoder(), FP8Config()
+    by_ops = loss_and_gradients(model, *batch(), fp8=config, xl=reference, keep_values=True)
+    by_codelets = loss_and_gradients(model, *batch(), fp8=config, xl=reference,
+                                     keep_values=True, amax="codelets")
+    assert len(by_codelets.casts) == len(by_ops.casts) == 27
+    for a, b in zip(by_ops.casts, by_codelets.casts):
+        assert (a.site, a.role) == (b.site, b.role)
+        assert int(by_ops.session.values[a.log2_scale]) == int(
+            by_codelets.session.values[b.log2_scale])
+        assert torch.equal(by_ops.session.values[a.codes], by_codelets.session.values[b.codes])
+    assert by_codelets.loss == by_ops.loss
+    for name, grad in by_ops.gradients.items():
+        assert torch.equal(by_codelets.gradients[name], grad), name
+
+
+def test_codelet_amax_flags_a_non_finite_amax_on_the_reference(host_codelets):
+    model = tiny_decoder()
+    with torch.no_grad():
+        model.head.weight[0, 0] = float("nan")
+    result = loss_and_gradients(model, *batch(), fp8=FP8Config(), xl=reference,
+                                amax="codelets")
+    assert result.non_finite >= 1
+    with pytest.raises(ValueError, match="amax"):
+        PopXLTrainingModel(model, None, small_config("fp8", "adam"), xl=reference,
+                           amax="tiles")

@@ -26,8 +26,8 @@ from ..fp8.config import FP8Config
 from ..fp8.formats import FP8Format
 from ..fp8.scaling import MAX_LOG2_SCALE
 
-__all__ = ["scaling_bias", "cast_to_fp8", "fp8_matmul", "FP8LinearBlock", "CastSite",
-           "fp8_dtype"]
+__all__ = ["AMAX_SOURCES", "scaling_bias", "cast_to_fp8", "fp8_matmul", "FP8LinearBlock",
+           "CastSite", "fp8_dtype"]
 
 Tensor = Any  # a popxl.Tensor or a reference.Tensor
 
@@ -76,19 +76,32 @@ def scaling_bias(xl: Any, amax: Tensor, fmt: FP8Format, margin: int) -> Tuple[Te
     return bias, ops.logical_not(finite)
 
 
-def cast_to_fp8(xl: Any, x: Tensor, fmt: FP8Format, margin: int, config: FP8Config
-                ) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
+AMAX_SOURCES = ("ops", "codelets")
+
+
+def cast_to_fp8(xl: Any, x: Tensor, fmt: FP8Format, margin: int, config: FP8Config,
+                amax: str = "ops") -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """``(codes, s, non_finite)``: AMAX scaling with ``margin``, or the static bias 0.
 
-    Static casts with ``overflow="saturate"`` clip first, so the result does not depend on
-    the device's overflow mode; AMAX scaling cannot overflow (``amax * 2**s <= max``)."""
+    ``amax="ops"`` computes the bias with PopXL ops (:func:`scaling_bias`) and casts with
+    ``pow2scale_cast_to_fp8``; ``amax="codelets"`` does both in the codelets' custom op
+    (:mod:`.codelets`). Static casts with ``overflow="saturate"`` clip first, so the result
+    does not depend on the device's overflow mode; AMAX scaling cannot overflow
+    (``amax * 2**s <= max``)."""
     ops = xl.ops
+    saturate = config.overflow == "saturate"
+    if config.scaling == "amax" and amax == "codelets":
+        from .codelets import fp8_amax_cast
+
+        return fp8_amax_cast(xl, x, fmt, margin, saturate)
+    if amax not in AMAX_SOURCES:
+        raise ValueError(f"amax must be one of {AMAX_SOURCES}, got {amax!r}")
     non_finite = None
     if config.scaling == "amax":
         bias, non_finite = scaling_bias(xl, ops.max(ops.abs(x)), fmt, margin)
     else:
         bias = xl.constant(0, xl.int32)
-        if config.overflow == "saturate":
+        if saturate:
             x = ops.clip(x, -fmt.max, fmt.max)
     return ops.pow2scale_cast_to_fp8(x, bias, fp8_dtype(xl, fmt)), bias, non_finite
 
@@ -110,7 +123,8 @@ def fp8_matmul(xl: Any, a: Tensor, a_bias: Tensor, b: Tensor, b_bias: Tensor,
 
 
 def count_flags(xl: Any, flags: Sequence[Optional[Tensor]]) -> Tensor:
-    """How many of ``flags`` (bool scalars; None for casts that cannot flag) are set, int32."""
+    """How many of ``flags`` (bool or 0/1 int32 scalars; None for casts that cannot flag) are
+    set, as int32."""
     total = xl.constant(0, xl.int32)
     for flag in flags:
         if flag is not None:
@@ -139,7 +153,7 @@ class FP8LinearBlock:
     """
 
     def __init__(self, xl: Any, ir: Any, x: Tensor, weight: Tensor, bias: bool,
-                 constraint: ConstraintArg, config: FP8Config):
+                 constraint: ConstraintArg, config: FP8Config, amax: str = "ops"):
         self.xl = xl
         self.config = config
         self.bias = bias
@@ -153,8 +167,8 @@ class FP8LinearBlock:
 
         def forward(*inputs: Tensor) -> Tuple[Tensor, ...]:
             x8, x_bias, x_flag = cast_to_fp8(xl, inputs[0].reshape((rows, in_features)),
-                                             c.activation, c.activation_margin, c)
-            w8, w_bias, w_flag = cast_to_fp8(xl, inputs[1], c.weight, c.weight_margin, c)
+                                             c.activation, c.activation_margin, c, amax)
+            w8, w_bias, w_flag = cast_to_fp8(xl, inputs[1], c.weight, c.weight_margin, c, amax)
             y = fp8_matmul(xl, x8, x_bias, w8.transpose(), w_bias, output_scale)
             y = y.reshape(x_shape[:-1] + (out_features,))
             if bias:
@@ -164,7 +178,7 @@ class FP8LinearBlock:
         def backward(g: Tensor, x8: Tensor, w8: Tensor, x_bias: Tensor, w_bias: Tensor
                      ) -> Tuple[Tensor, ...]:
             g2 = g.reshape((rows, out_features))
-            g8, g_bias, g_flag = cast_to_fp8(xl, g2, c.gradient, c.gradient_margin, c)
+            g8, g_bias, g_flag = cast_to_fp8(xl, g2, c.gradient, c.gradient_margin, c, amax)
             grad_x = fp8_matmul(xl, g8, g_bias, w8, w_bias, grad_input_scale).reshape(x_shape)
             grad_w = fp8_matmul(xl, g8.transpose(), g_bias, x8, x_bias, grad_weight_scale)
             grads = [grad_x, grad_w]

@@ -37,7 +37,7 @@ from ..config import ConfigError
 from ..constraints import ConstraintArg, apply_constraint
 from ..fp8.config import FP8Config
 from ..modules import UNIT_OPS, TransformerDecoder
-from .fp8_ops import CastSite, FP8LinearBlock
+from .fp8_ops import AMAX_SOURCES, CastSite, FP8LinearBlock
 
 __all__ = ["DecoderSpec", "LayerSpec", "PopXLDecoder", "Tape", "scaled"]
 
@@ -207,13 +207,18 @@ class PopXLDecoder:
 
     ``forward(tape, ids, labels, params)`` adds one micro-batch's forward calls to the current
     graph and returns ``(logits, loss)``; ``tape.backward({loss: one})`` then gives every
-    parameter's gradient. ``params`` maps state-dict keys to (variable) tensors."""
+    parameter's gradient. ``params`` maps state-dict keys to (variable) tensors. ``amax``:
+    where FP8 AMAX casts get their scale, "ops" (PopXL ops) or "codelets" (our custom op)."""
 
-    def __init__(self, xl: Any, ir: Any, spec: DecoderSpec, fp8: Optional[FP8Config] = None):
+    def __init__(self, xl: Any, ir: Any, spec: DecoderSpec, fp8: Optional[FP8Config] = None,
+                 amax: str = "ops"):
+        if amax not in AMAX_SOURCES:
+            raise ValueError(f"amax must be one of {AMAX_SOURCES}, got {amax!r}")
         self.xl = xl
         self.ir = ir
         self.spec = spec
         self.fp8 = fp8
+        self.amax = amax
         self._blocks: Dict[Tuple[Any, ...], Any] = {}
 
     def forward(self, tape: Tape, ids: Tensor, labels: Tensor, params: Dict[str, Tensor]
@@ -309,7 +314,7 @@ class PopXLDecoder:
         if self.fp8 is not None:
             fp8 = self.fp8
             block = self._block(("fp8_linear",) + shapes, lambda: FP8LinearBlock(
-                xl, self.ir, x, weight, has_bias, constraint, fp8))
+                xl, self.ir, x, weight, has_bias, constraint, fp8, self.amax))
             return tape.call(block, *inputs, site=name)[0]
         out_features, in_features = weight.shape
         rows = int(np.prod(x.shape[:-1]))

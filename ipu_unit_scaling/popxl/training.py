@@ -19,7 +19,7 @@ from torch import nn
 from ..config import Config, ConfigError, TrainingConfig
 from ..fp8.config import FP8Config
 from ..fp8.scaling import NonFiniteAmaxError
-from .fp8_ops import CastSite
+from .fp8_ops import AMAX_SOURCES, CastSite
 from .model import DecoderSpec, PopXLDecoder, Tape
 
 __all__ = ["popxl_available", "import_popxl", "OptimizerSpec", "StepResult",
@@ -167,9 +167,11 @@ class StepResult:
 
 def loss_and_gradients(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
                        fp8: Optional[FP8Config] = None, xl: Any = None,
-                       device: Optional[str] = None, keep_values: bool = False) -> StepResult:
+                       device: Optional[str] = None, keep_values: bool = False,
+                       amax: str = "ops") -> StepResult:
     """The loss, logits and every parameter gradient of ``model`` (a ``uu.TransformerDecoder``)
-    on one batch, computed by the PopXL decoder: on ``xl`` (default: the real ``popxl``)."""
+    on one batch, computed by the PopXL decoder: on ``xl`` (default: the real ``popxl``).
+    ``amax``: "ops" or "codelets" (see :class:`~.model.PopXLDecoder`)."""
     xl = xl if xl is not None else import_popxl()
     spec = DecoderSpec.from_module(model)
     names = spec.parameter_names()
@@ -180,7 +182,7 @@ def loss_and_gradients(model: nn.Module, input_ids: torch.Tensor, labels: torch.
         params = {name: xl.variable(weights[name], xl.float32, name) for name in names}
         ids_stream = xl.h2d_stream((batch, seq), xl.int32, "input_ids")
         labels_stream = xl.h2d_stream((batch, seq), xl.int32, "labels")
-        decoder = PopXLDecoder(xl, ir, spec, fp8)
+        decoder = PopXLDecoder(xl, ir, spec, fp8, amax)
         logits, loss, grads, flags, tape = _forward_backward(
             xl, decoder, xl.ops.host_load(ids_stream), xl.ops.host_load(labels_stream), params)
         outputs = {"loss": loss, "logits": logits, "non_finite": flags}
@@ -215,7 +217,7 @@ class TrainingProgram:
     def __init__(self, xl: Any, model: nn.Module, fp8: Optional[FP8Config],
                  optimizer: OptimizerSpec, micro_batch: int, seq: int, micro_batches: int,
                  device_iterations: int, max_grad_norm: Optional[float], device: str,
-                 optimizer_state: Optional[torch.optim.Optimizer] = None):
+                 optimizer_state: Optional[torch.optim.Optimizer] = None, amax: str = "ops"):
         self.xl = xl
         self.model = model
         self.optimizer = optimizer
@@ -246,7 +248,7 @@ class TrainingProgram:
                                                n + ".grad") for n in self.names}
             self.ids = xl.h2d_stream(self.shape, xl.int32, "input_ids")
             self.labels = xl.h2d_stream(self.shape, xl.int32, "labels")
-            decoder = PopXLDecoder(xl, ir, self.spec, fp8)
+            decoder = PopXLDecoder(xl, ir, self.spec, fp8, amax)
             for _ in range(device_iterations):
                 grads: Dict[str, Tensor] = {}
                 for micro in range(micro_batches):
@@ -394,13 +396,15 @@ class PopXLTrainingModel:
     read again by :meth:`update_optimizer`, its state filled by :meth:`copy_weights_to_host`),
     a ``TrainingConfig``, or None for ``config.training``. ``xl``: the ``popxl`` module (the
     default) or :mod:`ipu_unit_scaling.popxl.reference`. ``device``: "ipu_hw", "ipu_model"
-    (default: hardware where PopART sees it) or "cpu".
+    (default: hardware where PopART sees it) or "cpu". ``amax``: where FP8 AMAX casts get their
+    scale, "ops" (PopXL ops, the default) or "codelets" (the package's custom op; see
+    :mod:`.codelets`).
     """
 
     def __init__(self, model: nn.Module,
                  optimizer: Union[torch.optim.Optimizer, TrainingConfig, None] = None,
                  config: Optional[Config] = None, *, xl: Any = None,
-                 device: Optional[str] = None):
+                 device: Optional[str] = None, amax: str = "ops"):
         from ..backends.stages import stages
 
         config = config if config is not None else Config()
@@ -422,6 +426,9 @@ class PopXLTrainingModel:
         self.stages = stages(model, config)
         self.xl = xl if xl is not None else import_popxl()
         self.device = device or default_device()
+        if amax not in AMAX_SOURCES:
+            raise ValueError(f"amax must be one of {AMAX_SOURCES}, got {amax!r}")
+        self.amax = amax
         self._program: Optional[TrainingProgram] = None
 
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, ...]:
@@ -436,7 +443,7 @@ class PopXLTrainingModel:
             self._program = TrainingProgram(
                 self.xl, self.model, self.fp8, self.optimizer, shape[0], shape[1],
                 self.micro_batches, self.device_iterations, self.config.training.grad_clip,
-                self.device, self.torch_optimizer)
+                self.device, self.torch_optimizer, self.amax)
             self.update_optimizer()
         elif self._program.shape != shape:
             raise ValueError(f"the model was built for micro-batches of {self._program.shape}, "
