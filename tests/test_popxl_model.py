@@ -253,6 +253,33 @@ def test_weights_and_adam_state_carry_over_to_a_new_training_model_on_the_refere
         assert not torch.equal(value, start[name]), name  # every weight trained
 
 
+def test_the_training_loop_checkpoints_and_resumes_the_popxl_training_model_on_the_reference(
+        monkeypatch, tmp_path):
+    """train() with the PopXL training model in place of the backend's wrapper: 10 steps in one
+    go equal 5 steps, a checkpoint (weights and Adam state) and 5 resumed steps."""
+    import ipu_unit_scaling.train as train_module
+
+    def build(model, optimizer, config, backend=None):
+        return PopXLTrainingModel(model, optimizer, config, xl=reference, device="ipu_model")
+
+    monkeypatch.setattr(train_module, "build_training_model", build)
+    monkeypatch.setattr(train_module, "select_backend", lambda name="auto": "popxl")
+
+    def config(steps):
+        return load_config(None, [
+            "model.depth=1", "model.hidden_size=16", "model.heads=2", "model.seq_len=8",
+            "training.batch_size=4", f"training.steps={steps}", "training.warmup_steps=2",
+            "training.schedule=constant", "training.eval_interval=5", "training.eval_batches=1",
+            "backend=popxl"])
+
+    whole = train_module.train(config(10), tmp_path / "whole", quiet=True)
+    train_module.train(config(5), tmp_path / "split", quiet=True)
+    resumed = train_module.train(config(10), tmp_path / "split", resume=True, quiet=True)
+    assert whole.steps == resumed.steps == 10 and whole.backend == "popxl"
+    assert resumed.final_train_loss == whole.final_train_loss
+    assert resumed.val_curve == whole.val_curve
+
+
 # ------------------------------------------------------------------------------------- wiring
 
 
