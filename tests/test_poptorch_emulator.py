@@ -15,6 +15,7 @@ import ipu_unit_scaling as uu
 import ipu_unit_scaling.functional as U
 from ipu_unit_scaling.backends import build_training_model, make_optimizer
 from ipu_unit_scaling.config import load_config
+from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
 from ipu_unit_scaling.ipu import (
     PopTorchError,
     check_poptorch,
@@ -315,7 +316,7 @@ def test_eager_form_is_unchanged_outside_the_switch():
 
 
 def _shrunk_ipu2(extra: List[str]):
-    return load_config("ipu-2", ["precision.dtype=fp32",
+    return load_config("ipu-2", [
         "model.depth=2", "model.hidden_size=16", "model.heads=2", "model.seq_len=8",
         "ipu.layers_per_ipu=[1, 1]", "ipu.device_iterations=2", "ipu.gradient_accumulation=4",
         "ipu.executable_cache_dir=null", "training.batch_size=8", *extra])
@@ -338,14 +339,19 @@ def _train_steps(config, backend: str, calls: int) -> torch.Tensor:
     return torch.cat(losses)
 
 
-def test_emulator_backend_trains_like_the_cpu_backend_for_20_steps():
-    config = _shrunk_ipu2([])
+@pytest.mark.parametrize("precision, tolerance", [
+    ("precision.dtype=fp32", 1e-5),
+    ("precision.fp8.scaling=amax", 1e-3),
+    ("precision.fp8.scaling=static", 1e-3),
+], ids=["fp32", "fp8-amax", "fp8-static"])
+def test_emulator_backend_trains_like_the_cpu_backend_for_20_steps(precision, tolerance):
+    config = _shrunk_ipu2([precision])
     calls = 20 // config.ipu.device_iterations
     cpu = _train_steps(config, "cpu", calls)
     emulated = _train_steps(copy.deepcopy(config), "emulator", calls)
     assert cpu.shape == (20,)
     assert cpu[-1] < cpu[0]
-    assert torch.allclose(emulated, cpu, rtol=1e-5, atol=0)
+    assert torch.allclose(emulated, cpu, rtol=tolerance, atol=0)
 
 
 def test_emulator_backend_refuses_a_model_poptorch_would_refuse():
@@ -370,12 +376,67 @@ def test_emulator_backend_refuses_a_model_poptorch_would_refuse():
         wrapper(ids, ids)
 
 
-def test_gpt_in_fp32_and_fp16_traces_with_supported_ops_only():
+PRECISIONS = {
+    "fp32": None,
+    "fp16": "fp16",
+    "fp8-amax": FP8Config(),
+    "fp8-static": FP8Config(scaling="static"),
+    "fp8-amax-attention": FP8Config(attention=True),
+}
+
+
+def _gpt_in(precision: str, unit_scaled: bool = True) -> nn.Module:
     from ipu_unit_scaling.train import simulate_fp16
 
-    for plain in (False, True):
-        model = build_gpt(GPTConfig(vocab_size=32, seq_len=8, depth=1, hidden_size=16, heads=2,
-                                    unit_scaled=not plain))
-        ids = torch.randint(0, 32, (2, 8))
-        assert check_poptorch(model, ids, ids).ok
-        assert check_poptorch(simulate_fp16(model), ids, ids).ok
+    torch.manual_seed(0)
+    model = build_gpt(GPTConfig(vocab_size=32, seq_len=8, depth=2, hidden_size=16, heads=2,
+                                unit_scaled=unit_scaled))
+    setting = PRECISIONS[precision]
+    if setting == "fp16":
+        return simulate_fp16(model)
+    if isinstance(setting, FP8Config):
+        return simulate_fp8(model, setting)
+    return model
+
+
+@pytest.mark.parametrize("unit_scaled", [True, False], ids=["unit", "plain"])
+@pytest.mark.parametrize("precision", sorted(PRECISIONS))
+def test_gpt_in_every_precision_traces_with_supported_ops_only(precision, unit_scaled):
+    model = _gpt_in(precision, unit_scaled)
+    ids = torch.randint(0, 32, (2, 8))
+    report = check_poptorch(model, ids, ids)
+    assert report.ok
+    fp8_ops = sum(n for op, n in report.op_counts.items() if op.startswith("ipu_unit_scaling::"))
+    assert (fp8_ops > 0) == precision.startswith("fp8")
+
+
+@pytest.mark.parametrize("precision", sorted(PRECISIONS))
+def test_gpt_in_every_precision_traced_matches_eager(precision):
+    # FP8 traced and eager cast the same tensors with the same codes; only the order of
+    # float32 sums may differ, far below one FP8 rounding step (2**-3 relative for F143).
+    model = _gpt_in(precision)
+    ids, labels = torch.randint(0, 32, (2, 3, 8), generator=torch.Generator().manual_seed(2))
+    eager_loss, eager = _loss_and_gradients(lambda: model(ids, labels), model)
+    trace = trace_like_poptorch(model, ids, labels)
+    traced_loss, traced = _loss_and_gradients(lambda: trace(ids, labels), model)
+    tolerance = 1e-5 if precision == "fp32" else 1e-4
+    assert _relative_error(traced_loss, eager_loss) < tolerance
+    for (name, _), e, t in zip(model.named_parameters(), eager, traced):
+        assert _relative_error(t, e) < tolerance, name
+
+
+def test_fp16_gradients_are_rounded_in_the_traced_graph_too():
+    from ipu_unit_scaling.train import round_to_half
+
+    weight = nn.Parameter(torch.tensor([1.0001, 3.14159265]))
+    module = Call(lambda w: round_to_half(w) * torch.tensor([1.0001, 2.71828182]), weight.data)
+    (traced,) = torch.autograd.grad(trace_like_poptorch(module)().sum(), list(module.parameters()))
+    assert torch.equal(traced, torch.tensor([1.0001, 2.71828182]).half().float())
+
+
+def test_stochastic_rounding_is_refused_in_the_poptorch_form():
+    model = _gpt_in("fp32")
+    simulate_fp8(model, FP8Config(rounding="stochastic"))
+    ids = torch.randint(0, 32, (2, 8))
+    with pytest.raises(ValueError, match="stochastic"):
+        check_poptorch(model, ids, ids)

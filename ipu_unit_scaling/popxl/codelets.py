@@ -24,8 +24,9 @@ import torch
 from ..fp8.formats import FP8Format
 from .fp8_ops import fp8_dtype
 
-__all__ = ["fp8_amax_cast", "binding_path", "load_binding"]
+__all__ = ["OP_NAME", "fp8_amax_cast", "binding_path", "load_binding"]
 
+OP_NAME = "Fp8AmaxCastFloat8"  # in domain "ai.graphcore.unit_scaling", version 1
 BINDING_ENV = "IPU_UNIT_SCALING_POPXL_OPS"
 _STAND_IN_TILES = 16  # the emulator's split, for the stand-in only
 
@@ -76,7 +77,7 @@ def _popxl(x: Tensor, fmt: FP8Format, margin: int, saturate: bool
     context = get_current_context()
     graph = context.graph
     check_in_graph(graph, x=x)
-    op = binding.Fp8AmaxCastFloat8.create_op_in_graph(
+    op = getattr(binding, OP_NAME).create_op_in_graph(
         graph=graph._pb_graph,
         inputs={0: x.id},
         outputs={i: graph._create_tensor_id(name)

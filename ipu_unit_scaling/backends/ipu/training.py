@@ -14,6 +14,7 @@ from ...config import Config
 from ...tracing import FP8CustomOps, ipu_tracing
 from ..cpu import TrainingModule
 from ..stages import Stage, stages
+from .custom_op import PopTorchFP8CustomOps, load_custom_op_library
 from .options import build_options
 
 
@@ -81,8 +82,11 @@ class IPUTrainingModel:
             annotate_pipeline(model, self.stages, poptorch)
         self.options = build_options(config, use_ipu_model)
         self.optimizer = optimizer
+        fp8_ops = PopTorchFP8CustomOps()
+        if config.precision.dtype == "fp8":
+            load_custom_op_library()  # a missing library fails here, not mid-compilation
         self.executor = poptorch.trainingModel(
-            IPUTrainingModule(model), options=self.options, optimizer=optimizer
+            IPUTrainingModule(model, fp8_ops), options=self.options, optimizer=optimizer
         )
 
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> Any:
