@@ -8,9 +8,18 @@
 // Both have a single NaN code (0x80), no infinities and no negative zero;
 // both have their largest finite magnitude at code 0x7f.
 //
+// Every rounding is done in integer arithmetic. With Poplar's stochastic
+// rounding on (enableStochasticRounding), the IPU's float adds and float ->
+// half conversions may round stochastically; the only float operations left
+// are multiplies by powers of two, which are exact wherever the result matters
+// (see castToFp8Span and castFromFp8Span).
+//
 // Scaling-bias convention: q = encode(x * 2^s), x ~= decode(q) * 2^-s, with
 // s = clamp(floor(log2(max / amax)) - margin, -31, 31) and s = 0 for amax 0.
 #pragma once
+
+#include <cstring>
+#include <type_traits>
 
 namespace ius {
 
@@ -37,9 +46,18 @@ constexpr int kMaxLog2Scale = 31;
 constexpr unsigned kFloatExponentMask = 0x7f800000u;
 constexpr unsigned kFloatMagnitudeMask = 0x7fffffffu;
 
-inline unsigned floatBits(float value) { return __builtin_bit_cast(unsigned, value); }
+// memcpy is the portable bit cast (popc and g++ alike); compilers turn it into a move.
+inline unsigned floatBits(float value) {
+  unsigned bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  return bits;
+}
 
-inline float floatFromBits(unsigned bits) { return __builtin_bit_cast(float, bits); }
+inline float floatFromBits(unsigned bits) {
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
 
 // 2^exponent as a float, exact for |exponent| <= 126.
 inline float powerOfTwo(int exponent) {
@@ -69,14 +87,35 @@ inline unsigned amaxKeyOfSpan(const T* __restrict__ x, Index count) {
   return key;
 }
 
+// A finite float32 magnitude (sign bit clear) rounded to nearest, ties to
+// even, onto a grid with MantissaBits stored bits whose smallest normal binade
+// has the float32 exponent field MinNormalField, as the magnitude bits of that
+// format: binade offset << MantissaBits plus the rounded significand, so a
+// carry out of the top of a binade lands on the next binade's first code. The
+// grid has subnormals below MinNormalField and no upper end: overflow is the
+// caller's to decide. Integer arithmetic only.
+template <int MantissaBits, int MinNormalField>
+inline int roundMagnitude(int magnitude) {
+  static_assert(MinNormalField + 23 - MantissaBits >= 25,
+                "float32 subnormals must fall below half the grid's smallest step");
+  const int rawField = magnitude >> 23;
+  const int field = rawField > MinNormalField ? rawField : MinNormalField;
+  // Significand bits below the grid's step: 23 - MantissaBits in a normal
+  // binade, one more per binade below it. From 25 on, every significand
+  // (< 2^24) rounds to 0, so 30 keeps the shifts in range without changing a
+  // result; float32 zero and subnormals (rawField 0) land there too.
+  const int unclamped = field - rawField + 23 - MantissaBits;
+  const int shift = unclamped < 30 ? unclamped : 30;
+  const int significand = (magnitude & 0x7fffff) | 0x800000;
+  const int halfStepMinusOne = (1 << (shift - 1)) - 1;
+  const int odd = (significand >> shift) & 1;
+  const int steps = (significand + halfStepMinusOne + odd) >> shift;
+  return ((field - MinNormalField) << MantissaBits) + steps;
+}
+
 // Round-to-nearest-even float32 -> FP8 code of a value already multiplied by
-// the scale. The float adder does the rounding: adding 2^k, whose ulp is the
-// FP8 step for the value's binade (the subnormal step below the smallest
-// normal), leaves the rounded count of steps in the low bits of the sum; the
-// code is that count plus the binade's offset, and a carry into the next
-// binade lands on the right code by construction. Overflow is decided on the
-// input (at or above max + half a step, ties-to-even rounds away from max):
-// +-max when saturating, else NaN.
+// the scale. Overflow is decided on the input (at or above max + half a step,
+// ties-to-even rounds away from max): +-max when saturating, else NaN.
 template <unsigned ExponentBits, bool Saturate>
 inline unsigned char encodeFp8(float scaled) {
   using Spec = Fp8Spec<ExponentBits>;
@@ -91,15 +130,7 @@ inline unsigned char encodeFp8(float scaled) {
   // are single vector instructions where unsigned ones are not.
   const int bits = static_cast<int>(floatBits(scaled));
   const int magnitude = bits & 0x7fffffff;
-  const int rawField = magnitude >> 23;
-  const int field = rawField > minNormalField ? rawField : minNormalField;
-  // Only meaningful below overflowBits; larger inputs are replaced below.
-  const int magicBits = (field + 23 - mantissaBits) << 23;
-  const float sum = floatFromBits(static_cast<unsigned>(magnitude)) +
-                    floatFromBits(static_cast<unsigned>(magicBits));
-  const int steps = static_cast<int>(floatBits(sum)) - magicBits;
-  int code = ((field - minNormalField) << mantissaBits) + steps;
-
+  int code = roundMagnitude<mantissaBits, minNormalField>(magnitude);
   code = magnitude >= overflowBits ? (Saturate ? kFp8MaxCode : kFp8NanCode) : code;
   code = magnitude > nanBits ? kFp8NanCode : code;
   // The sign goes on every non-zero code (0x80 already has it): there is no
@@ -107,6 +138,38 @@ inline unsigned char encodeFp8(float scaled) {
   const int nonZeroMask = (-code) >> 8;  // all ones for code in 1..0x80, else 0
   code |= (bits >> 24) & 0x80 & nonZeroMask;
   return static_cast<unsigned char>(code);
+}
+
+// float32 -> IEEE binary16 bits, round to nearest even: what a float -> half
+// conversion gives in round-to-nearest mode, without the conversion (which
+// rounds stochastically under stochastic rounding). Overflow gives +-inf, NaN
+// the quiet NaN with the input's sign.
+inline unsigned short halfBitsFromFloat(float value) {
+  constexpr int halfMinNormalField = 127 - 14;
+  constexpr int halfInfinity = 0x7c00;
+  constexpr int nanBits = 0x7f800000;
+  const int bits = static_cast<int>(floatBits(value));
+  const int magnitude = bits & 0x7fffffff;
+  int code = roundMagnitude<10, halfMinNormalField>(magnitude);
+  // Rounding 65520 and above already carries into the infinity code.
+  code = code > halfInfinity ? halfInfinity : code;
+  code = magnitude > nanBits ? 0x7e00 : code;
+  return static_cast<unsigned short>(code | ((bits >> 16) & 0x8000));
+}
+
+// What a vertex stores for a float32 result: the value itself for float, the
+// round-to-nearest-even half for half.
+template <typename T>
+inline T storedAs(float value) {
+  if constexpr (std::is_same<T, float>::value) {
+    return value;
+  } else {
+    static_assert(sizeof(T) == sizeof(unsigned short), "T is float or half");
+    const unsigned short bits = halfBitsFromFloat(value);
+    T stored;
+    std::memcpy(&stored, &bits, sizeof stored);
+    return stored;
+  }
 }
 
 // FP8 code -> float32 (exact); the NaN code gives a quiet NaN.
@@ -129,6 +192,9 @@ inline float decodeFp8(unsigned char code) {
   return c == kFp8NanCode ? floatFromBits(0x7fc00000u) : value;
 }
 
+// The multiply by 2^s is exact unless the product leaves float32's normal
+// range, and then the code does not depend on how it rounded: a product below
+// 2^-126 encodes to 0 and one that overflows float32 is past every FP8 max.
 template <unsigned ExponentBits, bool Saturate, typename T, typename Index>
 inline void castToFp8Span(const T* __restrict__ x, Index count, float scale,
                           unsigned char* __restrict__ codes) {
@@ -137,11 +203,13 @@ inline void castToFp8Span(const T* __restrict__ x, Index count, float scale,
   }
 }
 
+// decode(code) has at most 4 significant bits and |s| <= 31, so the multiply
+// by 2^-s stays inside float32's normal range and is exact.
 template <unsigned ExponentBits, typename T, typename Index>
 inline void castFromFp8Span(const unsigned char* __restrict__ codes, Index count, float scale,
                             T* __restrict__ y) {
   for (Index i = 0; i < count; ++i) {
-    y[i] = static_cast<T>(decodeFp8<ExponentBits>(codes[i]) * scale);
+    y[i] = storedAs<T>(decodeFp8<ExponentBits>(codes[i]) * scale);
   }
 }
 

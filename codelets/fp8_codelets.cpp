@@ -16,6 +16,13 @@
 
 using namespace poplar;
 
+// Sub-word outputs (uint8 codes, half values) are 64-bit aligned, as poplibs
+// does for its casts: a store narrower than 32 bits is a read-modify-write of
+// its word, so two workers must never share one. Worker slices start on
+// multiples of ius::kPartitionGrain (8) elements of an aligned region, so they
+// start on 8-byte boundaries too.
+constexpr unsigned kSubWordAlignment = 8;
+
 // The absolute maximum of this worker's slice of the tile's input, NaN-aware.
 template <typename T>
 class PartialAmax : public MultiVertex {
@@ -71,7 +78,7 @@ class CastToFp8 : public MultiVertex {
  public:
   Input<Vector<T>> in;
   Input<int> log2Scale;
-  Output<Vector<unsigned char>> out;
+  Output<Vector<unsigned char, VectorLayout::SPAN, kSubWordAlignment>> out;
 
   bool compute(unsigned workerId) {
     const auto slice = ius::splitRange(in.size(), numWorkers(), workerId);
@@ -99,7 +106,7 @@ class CastFromFp8 : public MultiVertex {
  public:
   Input<Vector<unsigned char>> in;
   Input<int> log2Scale;
-  Output<Vector<T>> out;
+  Output<Vector<T, VectorLayout::SPAN, kSubWordAlignment>> out;
 
   bool compute(unsigned workerId) {
     const auto slice = ius::splitRange(in.size(), numWorkers(), workerId);

@@ -6,7 +6,12 @@ this file (a plain C ABI library, loaded with ctypes). It gives two things:
 
 * the fast CPU path of :func:`ipu_unit_scaling.fp8.cast_to_fp8`: one pass for the amax and
   one for scale + round + store, over all threads, bit-identical to the torch reference;
+* the CPU kernel of the FP8 quantise custom ops (:func:`fused_quantise`, used by
+  :mod:`ipu_unit_scaling.fp8.ops`);
 * the vertices themselves, which :mod:`ipu_unit_scaling.emulator` runs tile by tile.
+
+This module sits below everything else in the package and imports none of it: it reports
+with its own types (:class:`NonFiniteAmax`, :class:`HostLibraryUnavailable`) and plain values.
 
 When the library is missing (no C++ compiler at install time) or disabled with
 ``IPU_UNIT_SCALING_HOST_LIB=0``, everything still works on the torch path, and
@@ -23,8 +28,9 @@ from typing import Optional, Tuple
 import torch
 
 __all__ = [
-    "HostLibraryUnavailable", "LIBRARY_PATH", "DISABLE_ENV", "library", "fast_path_status",
-    "fused_cast_available", "fused_cast_to_fp8", "exponent_bits", "partition", "partition_grain",
+    "HostLibraryUnavailable", "NonFiniteAmax", "MISALIGNED", "LIBRARY_PATH", "DISABLE_ENV",
+    "library", "fast_path_status", "fused_cast_available", "fused_cast_to_fp8",
+    "fused_cast_from_fp8", "fused_quantise", "exponent_bits", "partition", "partition_grain",
     "dtype_code", "num_threads",
 ]
 
@@ -34,6 +40,8 @@ _ABI_VERSION = 1
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1}
 # The IPU formats the codelets implement, by FP8Format.name, keyed to their exponent bits.
 _EXPONENT_BITS = {"F143": 4, "F152": 5}
+# Status of a vertex entry point whose field was connected to memory breaking its alignment.
+MISALIGNED = -2
 
 _c_int64 = ctypes.c_int64
 _c_int = ctypes.c_int
@@ -58,6 +66,19 @@ _SIGNATURES = {
 
 class HostLibraryUnavailable(RuntimeError):
     """The compiled host library is not there (or not usable); the message says why."""
+
+
+class NonFiniteAmax(ValueError):
+    """The amax of a cast's input is inf or NaN, so no scale follows from it.
+
+    The host library's own report; :mod:`ipu_unit_scaling.fp8` turns it into its
+    ``NonFiniteAmaxError``.
+    """
+
+    def __init__(self, amax: float, fmt_name: str):
+        super().__init__(f"amax is {amax}; cannot choose an FP8 scale for {fmt_name}")
+        self.amax = amax
+        self.fmt_name = fmt_name
 
 
 _library: Optional[ctypes.CDLL] = None
@@ -141,22 +162,10 @@ def _pointer(t: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
 
-def fused_cast_to_fp8(
-    x: torch.Tensor,
-    fmt_name: str,
-    log2_scale: Optional[int],
-    margin: int,
-    saturate: bool,
-) -> Optional[Tuple[torch.Tensor, int]]:
-    """Scale, round to nearest even and encode ``x`` in one fused multi-threaded host pass.
-
-    ``x`` is a contiguous CPU float32/float16 tensor. ``log2_scale=None`` derives the scale
-    from the amax with ``margin`` (raising ``NonFiniteAmaxError`` for an inf/NaN amax).
-    Returns (uint8 codes shaped like ``x``, the log2 scale used), or None for a format the
-    codelets do not implement (the OCP formats), so the caller takes its torch path.
-    """
-    if fmt_name.upper() not in _EXPONENT_BITS:
-        return None
+def _fused_cast(x: torch.Tensor, fmt_name: str, log2_scale: Optional[int], margin: int,
+                saturate: bool) -> Tuple[torch.Tensor, int, Optional[float]]:
+    """(codes, scale used, the amax when it was not finite, else None); codes are
+    unspecified in the non-finite case."""
     if x.device.type != "cpu" or not x.is_contiguous():
         raise ValueError("the fused host cast needs a contiguous CPU tensor")
     lib = library()
@@ -168,13 +177,59 @@ def fused_cast_to_fp8(
         int(log2_scale is not None), int(log2_scale or 0), int(margin), num_threads(),
         _pointer(codes), ctypes.byref(used), ctypes.byref(amax))
     if status == 1:
-        from .fp8 import NonFiniteAmaxError
-
-        raise NonFiniteAmaxError(
-            f"amax is {amax.value}; cannot choose an FP8 scale for {fmt_name.upper()}")
+        return codes, 0, amax.value
     if status != 0:
         raise ValueError(f"fused host cast rejected its arguments (log2_scale={log2_scale})")
-    return codes, used.value
+    return codes, used.value, None
+
+
+def fused_cast_to_fp8(
+    x: torch.Tensor,
+    fmt_name: str,
+    log2_scale: Optional[int],
+    margin: int,
+    saturate: bool,
+) -> Optional[Tuple[torch.Tensor, int]]:
+    """Scale, round to nearest even and encode ``x`` in one fused multi-threaded host pass.
+
+    ``x`` is a contiguous CPU float32/float16 tensor. ``log2_scale=None`` derives the scale
+    from the amax with ``margin`` (raising :class:`NonFiniteAmax` for an inf/NaN amax).
+    Returns (uint8 codes shaped like ``x``, the log2 scale used), or None for a format the
+    codelets do not implement (the OCP formats), so the caller takes its torch path.
+    """
+    if fmt_name.upper() not in _EXPONENT_BITS:
+        return None
+    codes, used, non_finite_amax = _fused_cast(x, fmt_name, log2_scale, margin, saturate)
+    if non_finite_amax is not None:
+        raise NonFiniteAmax(non_finite_amax, fmt_name.upper())
+    return codes, used
+
+
+def fused_quantise(
+    x: torch.Tensor,
+    fmt_name: str,
+    log2_scale: Optional[int],
+    margin: int,
+    saturate: bool,
+) -> Tuple[torch.Tensor, int, bool]:
+    """``decode(cast(x * 2**s)) * 2**-s`` in x's dtype and shape, as the Fp8Quantise custom op.
+
+    ``x`` is a contiguous CPU float32/float16 tensor; the format is F143 or F152. ``s`` is
+    ``log2_scale``, or comes from the amax with ``margin``. As on the IPU, where a vertex
+    cannot raise, a non-finite amax gives ``s = 0`` and the cast goes on (NaN stays NaN,
+    inf follows the overflow policy). Returns (values, s, whether the amax was non-finite).
+    The decode runs the CastFromFp8 vertex code, half output included.
+    """
+    codes, used, non_finite_amax = _fused_cast(x, fmt_name, log2_scale, margin, saturate)
+    if non_finite_amax is not None:
+        codes, used, _ = _fused_cast(x, fmt_name, 0, margin, saturate)
+    values = torch.empty(x.shape, dtype=x.dtype)
+    status = library().ius_vertex_cast_from_fp8(
+        _pointer(codes), codes.numel(), dtype_code(x.dtype), exponent_bits(fmt_name), 1, used,
+        _pointer(values))
+    if status != 0:
+        raise ValueError(f"host decode rejected its arguments (status {status})")
+    return values, used, non_finite_amax is not None
 
 
 def fused_cast_from_fp8(

@@ -6,6 +6,8 @@ The PopART custom op (``custom_ops/``) builds this graph for a flat input of ``n
     on one tile:       ScalingBias<E>      on partials    -> log2 scale, non-finite flag
     for every tile t:  CastToFp8<T, E, S>  on x[tile t]  -> codes[tile t]
 
+and the ``Fp8Quantise`` op (and the grad op of ``Fp8GradientQuantise``) adds
+``CastFromFp8<T, E>`` on every tile, back to x's dtype: see :func:`quantise`.
 The emulator does the same with the same vertex sources, compiled for the host
 (``_fp8_host.so``), and the same split: tile ranges come from the C++ partition function the
 custom op uses, and each MultiVertex picks its workers' slices itself, exactly as on the IPU.
@@ -23,7 +25,7 @@ from .fp8 import MAX_LOG2_SCALE, FP8Format, NonFiniteAmaxError, get_format
 
 __all__ = [
     "IPU_TILES", "IPU_WORKERS", "EmulatedCast", "partition", "python_partition",
-    "partial_amaxes", "scaling_bias", "cast_to_fp8", "cast_from_fp8",
+    "partial_amaxes", "scaling_bias", "cast_to_fp8", "cast_from_fp8", "quantise",
 ]
 
 # A Mk2 IPU (GC200): 1472 tiles, 6 hardware worker threads per tile.
@@ -87,6 +89,8 @@ def _address(t: torch.Tensor, element: int = 0) -> ctypes.c_void_p:
 
 
 def _check(status: int, what: str) -> None:
+    if status == _host.MISALIGNED:
+        raise ValueError(f"{what}: a vertex field was connected to misaligned memory")
     if status != 0:
         raise ValueError(f"{what}: the host vertex rejected its arguments")
 
@@ -189,3 +193,28 @@ def cast_from_fp8(
                                               _address(out, begin))
         _check(status, "CastFromFp8")
     return out.reshape(codes.shape)
+
+
+def quantise(
+    x: torch.Tensor,
+    fmt: object,
+    log2_scale: Optional[int] = None,
+    margin: int = 0,
+    overflow: str = "saturate",
+    tiles: int = IPU_TILES,
+    workers: int = IPU_WORKERS,
+) -> Tuple[torch.Tensor, int, bool]:
+    """The ``Fp8Quantise`` graph, vertex by vertex: ``decode(cast(x * 2**s)) * 2**-s``.
+
+    Returns (values in x's dtype and shape, s, the non-finite flag). As on the IPU, a
+    non-finite amax does not raise: ScalingBias writes s = 0 and sets the flag, and the cast
+    goes on with s = 0.
+    """
+    fmt = get_format(fmt)  # type: ignore[arg-type]
+    flag = False
+    if log2_scale is None:
+        partials = partial_amaxes(x, tiles, workers)
+        log2_scale, flag = scaling_bias(partials, fmt, margin)
+    codes = cast_to_fp8(x, fmt, log2_scale, margin, overflow, tiles, workers).codes
+    values = cast_from_fp8(codes, fmt, log2_scale, x.dtype, tiles, workers)
+    return values, log2_scale, flag

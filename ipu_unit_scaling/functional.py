@@ -23,6 +23,7 @@ from torch import Tensor
 
 from .constraints import ConstraintArg, apply_constraint
 from .scale import scale, scale_bwd, scale_fwd
+from .tracing import is_ipu_tracing
 
 __all__ = [
     "linear",
@@ -77,7 +78,11 @@ def _reject(name: str, value: object, default: object, why: str) -> None:
 def linear_scales(
     fan_in: int, fan_out: int, batch_size: int, constraint: ConstraintArg = "gmean"
 ) -> Tuple[float, float, float]:
-    """(output, grad-input, grad-weight) scales of a unit-scaled linear, after `constraint`."""
+    """(output, grad-input, grad-weight) scales of a unit-scaled linear, after `constraint`.
+
+    A zero size sums nothing; it counts as 1, so empty tensors pass through like torch's.
+    """
+    fan_in, fan_out, batch_size = max(1, fan_in), max(1, fan_out), max(1, batch_size)
     output_scale, grad_input_scale = apply_constraint(constraint, fan_in**-0.5, fan_out**-0.5)
     return output_scale, grad_input_scale, batch_size**-0.5
 
@@ -95,7 +100,7 @@ def linear(
     batch_size is the number of rows the weight gradient sums over.
     """
     fan_out, fan_in = weight.shape
-    batch_size = max(1, input.numel() // fan_in)
+    batch_size = max(1, input.numel() // max(1, fan_in))
     output_scale, grad_input_scale, grad_weight_scale = linear_scales(
         fan_in, fan_out, batch_size, constraint
     )
@@ -108,6 +113,16 @@ def linear(
     return F.linear(input, weight, bias)
 
 
+def _matmul_output_numel(left: Sequence[int], right: Sequence[int]) -> int:
+    """Elements of `torch.matmul`'s output, from the shapes alone (no tensors: nothing traced)."""
+    if len(left) == 0 or len(right) == 0:
+        raise ValueError("matmul needs inputs with at least one dimension")
+    rows = [left[-2]] if len(left) > 1 else []
+    columns = [right[-1]] if len(right) > 1 else []
+    batch = torch.broadcast_shapes(torch.Size(left[:-2]), torch.Size(right[:-2]))
+    return math.prod([*batch, *rows, *columns])
+
+
 def matmul(left: Tensor, right: Tensor, constraint: ConstraintArg = "gmean") -> Tensor:
     """Unit-scaled `torch.matmul`.
 
@@ -116,11 +131,8 @@ def matmul(left: Tensor, right: Tensor, constraint: ConstraintArg = "gmean") -> 
     output elements per input element (n for the left input, m times broadcast batch for the
     right). All three tied by `constraint`.
     """
-    # Shapes only: matmul on meta tensors gives the broadcast output shape without computing.
-    out_numel = torch.matmul(
-        torch.empty(left.shape, device="meta"), torch.empty(right.shape, device="meta")
-    ).numel()
-    inner = left.shape[-1]
+    out_numel = _matmul_output_numel(left.shape, right.shape)
+    inner = max(1, left.shape[-1])
     left_count = max(1, out_numel * inner // max(1, left.numel()))
     right_count = max(1, out_numel * inner // max(1, right.numel()))
     output_scale, left_scale, right_scale = apply_constraint(
@@ -364,7 +376,7 @@ def residual_add(residual: Tensor, skip: Tensor, tau: float = 1.0) -> Tensor:
 def _visible_keys(
     query_len: int, key_len: int, attn_mask: Optional[Tensor], is_causal: bool, device: torch.device
 ) -> Union[float, Tensor]:
-    """How many keys each query row attends to: a float, or a (..., rows, 1) tensor."""
+    """How many keys each query row attends to (at least 1): a float, or a (..., rows, 1) tensor."""
     if attn_mask is not None:
         if attn_mask.dtype != torch.bool:
             raise ValueError(
@@ -374,8 +386,35 @@ def _visible_keys(
         return attn_mask.sum(dim=-1, keepdim=True).clamp(min=1).to(torch.float32)
     if is_causal:
         rows = torch.arange(1, query_len + 1, device=device, dtype=torch.float32)
-        return rows.clamp(max=key_len).unsqueeze(-1)
-    return float(key_len)
+        return rows.clamp(min=1, max=max(1, key_len)).unsqueeze(-1)
+    return float(max(1, key_len))
+
+
+def _explicit_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Optional[Tensor],
+    dropout_p: float,
+    is_causal: bool,
+) -> Tensor:
+    """`F.scaled_dot_product_attention` (default scale) from matmul, masking and softmax.
+
+    PopTorch has no handler for the fused attention op; every op used here is on its list.
+    """
+    scores = torch.matmul(query, key.transpose(-2, -1)) * max(1, query.shape[-1]) ** -0.5
+    if is_causal:
+        hidden = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool,
+                            device=query.device).triu(diagonal=1)
+        scores = scores.masked_fill(hidden, -math.inf)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        scores = scores.masked_fill(attn_mask.logical_not(), -math.inf)
+    elif attn_mask is not None:
+        scores = scores + attn_mask
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0.0:
+        probs = F.dropout(probs, dropout_p)
+    return torch.matmul(probs, value)
 
 
 def scaled_dot_product_attention(
@@ -395,7 +434,8 @@ def scaled_dot_product_attention(
     (see `softmax`), times 1/(1-p) with dropout. Each row is multiplied by
     sqrt((1 - dropout_p) / S(m)) in both passes, which makes the output unit and, on average
     over key positions, the value and key gradients unit too. m comes from `is_causal` or a
-    boolean `attn_mask`.
+    boolean `attn_mask`. Under `ipu_tracing()` the attention is built from matmuls, a mask and
+    a softmax, which PopTorch supports, instead of the fused op.
     """
     _reject("enable_gqa", enable_gqa, False, "grouped-query attention is not supported")
     if attn_mask is not None and is_causal:
@@ -405,9 +445,12 @@ def scaled_dot_product_attention(
     if scale is not None:
         # torch 2.0 has no `scale` argument: fold it into the query instead.
         query = query * logit_std
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal
-    )
+    if is_ipu_tracing():
+        out = _explicit_attention(query, key, value, attn_mask, dropout_p, is_causal)
+    else:
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal
+        )
     visible = _visible_keys(query.shape[-2], key.shape[-2], attn_mask, is_causal, query.device)
     square_sum = _expected_softmax_square_sum(visible, logit_std)
     row_scale = ((1 - dropout_p) / square_sum) ** 0.5

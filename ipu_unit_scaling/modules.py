@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from . import functional as U
 from .constraints import ConstraintArg
+from .tracing import is_ipu_tracing
 
 __all__ = [
     "Linear",
@@ -139,6 +140,15 @@ def _plain_residual_add(residual: Tensor, skip: Tensor, tau: float = 1.0) -> Ten
     return residual + skip
 
 
+def _plain_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+                     dropout_p: float = 0.0, is_causal: bool = False) -> Tensor:
+    """`F.scaled_dot_product_attention`; under `ipu_tracing()` built from ops PopTorch has."""
+    if is_ipu_tracing():
+        return U._explicit_attention(query, key, value, attn_mask, dropout_p, is_causal)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
+                                          dropout_p=dropout_p, is_causal=is_causal)
+
+
 @dataclass(frozen=True)
 class Ops:
     """The parts a transformer block is built from: module classes and functions."""
@@ -177,7 +187,7 @@ TORCH_OPS = Ops(
     add=torch.add,
     residual_split=_plain_residual_split,
     residual_add=_plain_residual_add,
-    scaled_dot_product_attention=F.scaled_dot_product_attention,
+    scaled_dot_product_attention=_plain_attention,
     cross_entropy=F.cross_entropy,
 )
 

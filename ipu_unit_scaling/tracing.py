@@ -34,9 +34,10 @@ class FP8CustomOps(Protocol):
         """``decode(cast(x * 2**s)) * 2**-s`` in x's dtype; the gradient passes straight through."""
         ...
 
-    def quantise_gradient(self, x: torch.Tensor, fmt_name: str, margin: int,
-                          saturate: bool) -> torch.Tensor:
-        """The identity; its gradient is quantised as :meth:`quantise` does with AMAX scaling."""
+    def quantise_gradient(self, x: torch.Tensor, fmt_name: str, margin: int, saturate: bool,
+                          log2_scale: Optional[int] = None) -> torch.Tensor:
+        """The identity; its gradient is quantised as :meth:`quantise` does (AMAX scaling when
+        ``log2_scale`` is None)."""
         ...
 
 

@@ -111,6 +111,10 @@ class TrainingInterrupted(RuntimeError):
 
 # ------------------------------------------------------------------------ opening a run
 
+# Backends whose activations live in IPU memory, not the host's (the IPU Model and the
+# emulator simulate on the host).
+_ON_IPU = ("ipu", "popxl")
+
 
 @dataclass
 class RunSummary:
@@ -213,7 +217,7 @@ def _open_new(config: Config, run_dir: Path, backend: str) -> _Run:
         )
     corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
     config = resolved_config(config, corpus)
-    notes = [check_memory(config, host_activations=backend == "cpu")]
+    notes = [check_memory(config, host_activations=backend not in _ON_IPU)]
     if old:
         notes.append(f"{run_dir} held a run stopped before its first checkpoint; starting afresh")
     _remove(old)
@@ -249,7 +253,7 @@ def _open_resumed(config: Config, run_dir: Path, backend: str) -> _Run:
             f"cannot resume {run_dir} at step {step}: the {steps - step} remaining steps are "
             f"not a multiple of ipu.device_iterations ({iterations})"
         )
-    notes = [check_memory(config, host_activations=backend == "cpu")]
+    notes = [check_memory(config, host_activations=backend not in _ON_IPU)]
     atomic_write(run_dir / METRICS_FILE, metrics_up_to(run_dir, step))
     keep_report_rows_up_to(run_dir / SCALE_REPORT_FILE, step)
     _write_settings(run_dir, config, corpus)

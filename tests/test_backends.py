@@ -10,8 +10,14 @@ import torch
 
 from ipu_unit_scaling import backends
 from ipu_unit_scaling.backends import BACKEND_ENV, BackendError, select_backend
+from ipu_unit_scaling.backends.ipu.options import (
+    New,
+    OptionCall,
+    Ref,
+    apply_option_calls,
+    option_calls,
+)
 from ipu_unit_scaling.config import load_config
-from ipu_unit_scaling.ipu.options import New, OptionCall, Ref, apply_option_calls, option_calls
 
 
 def fake_poptorch(hardware: bool) -> types.SimpleNamespace:
@@ -33,7 +39,7 @@ def test_environment_variable_overrides(monkeypatch):
     monkeypatch.setenv(BACKEND_ENV, "cpu")
     assert select_backend("ipu") == "cpu"
     monkeypatch.setenv(BACKEND_ENV, "tpu")
-    with pytest.raises(BackendError, match="allowed: auto, ipu, ipu_model, cpu"):
+    with pytest.raises(BackendError, match="allowed: auto, ipu, ipu_model, emulator, cpu"):
         select_backend("auto")
 
 
@@ -48,8 +54,9 @@ def test_package_imports_without_poptorch():
     # A poptorch that fails to import must not break the package, nor be imported eagerly.
     code = (
         "import sys; sys.modules['poptorch'] = None\n"
-        "import ipu_unit_scaling, ipu_unit_scaling.backends, ipu_unit_scaling.ipu.training\n"
-        "import ipu_unit_scaling.ipu.options, ipu_unit_scaling.distributed\n"
+        "import ipu_unit_scaling, ipu_unit_scaling.backends, ipu_unit_scaling.ipu\n"
+        "import ipu_unit_scaling.backends.ipu.training, ipu_unit_scaling.backends.emulator\n"
+        "import ipu_unit_scaling.backends.ipu.options, ipu_unit_scaling.backends.distributed\n"
         "from ipu_unit_scaling.backends import select_backend\n"
         "assert select_backend('auto') == 'cpu'\n"
     )
@@ -124,3 +131,28 @@ def test_calls_apply_through_getattr_chains_with_resolved_arguments():
     (strategy,) = made["setExecutionStrategy"]
     assert isinstance(strategy, PipelinedExecution) and strategy.auto_stage == "AUTO"
     assert len(log) == len(calls)
+
+
+def test_popxl_backend_needs_popxl(monkeypatch):
+    monkeypatch.setitem(sys.modules, "popxl", None)
+    with pytest.raises(BackendError, match="'popxl' needs PopXL"):
+        select_backend("popxl")
+
+
+def test_inference_model_on_cpu_and_emulator_gives_the_eval_logits():
+    from ipu_unit_scaling import TransformerDecoder
+    from ipu_unit_scaling.backends import build_inference_model
+
+    torch.manual_seed(0)
+    model = TransformerDecoder(vocab_size=16, hidden_size=8, depth=1, heads=2, seq_len=6,
+                               dropout_p=0.5)
+    ids = torch.randint(0, 16, (3, 6))
+    config = load_config("tiny")
+    model.train()
+    cpu = build_inference_model(model, config, backend="cpu")(ids)
+    assert not model.training  # evaluation switches dropout off
+    expected = model(ids)
+    assert torch.equal(cpu, expected) and not cpu.requires_grad
+    model.train()
+    emulated = build_inference_model(model, config, backend="emulator")(ids)
+    assert torch.allclose(emulated, expected, rtol=1e-5, atol=1e-6)

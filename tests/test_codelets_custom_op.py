@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ipu_unit_scaling.backends.ipu import custom_op
 from ipu_unit_scaling.fp8 import F143, F152, NonFiniteAmaxError, cast_to_fp8_reference
-from ipu_unit_scaling.ipu import custom_op
 
 
 def test_off_ipu_it_runs_the_host_path():

@@ -1,4 +1,4 @@
-"""The codelets compiled with popc and the PopART custom op on IPUModel (needs the Poplar SDK)."""
+"""The codelets compiled with popc and the PopART custom ops on IPUModel (needs the Poplar SDK)."""
 from __future__ import annotations
 
 import shutil
@@ -10,12 +10,20 @@ import torch
 
 poptorch = pytest.importorskip("poptorch", reason="poptorch (Poplar SDK) is not installed")
 
-from ipu_unit_scaling.fp8 import F143, F152, cast_to_fp8_reference  # noqa: E402
-from ipu_unit_scaling.ipu.custom_op import (  # noqa: E402
+from ipu_unit_scaling.backends.ipu.custom_op import (  # noqa: E402
+    PopTorchFP8CustomOps,
     custom_op_library_path,
     fp8_amax_cast,
     load_custom_op_library,
 )
+from ipu_unit_scaling.fp8 import (  # noqa: E402
+    F143,
+    F152,
+    cast_to_fp8_reference,
+    fp8_quantise,
+    fp8_quantise_gradient,
+)
+from ipu_unit_scaling.tracing import ipu_tracing  # noqa: E402
 
 pytestmark = pytest.mark.ipu
 REPO = Path(__file__).resolve().parents[1]
@@ -100,3 +108,62 @@ def test_custom_op_flags_a_non_finite_amax(custom_op_library):
     x[17] = float("inf")
     _, scale, non_finite = run_on_ipu_model(AmaxCast(F152), x)
     assert int(non_finite) == 1 and int(scale) == 0
+
+
+class Quantise(torch.nn.Module):
+    def __init__(self, library: Path, fmt: str, margin: int, saturate: bool, log2_scale=None):
+        super().__init__()
+        self.ops = PopTorchFP8CustomOps(library)
+        self.args = (fmt, margin, saturate, log2_scale)
+
+    def forward(self, x):
+        with ipu_tracing(custom_ops=self.ops):
+            return fp8_quantise(x, *self.args)
+
+
+@pytest.mark.parametrize("fmt,margin,saturate", [("F143", 0, True), ("F152", 3, False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("log2_scale", [None, -2])
+def test_quantise_op_matches_the_torch_library_op(custom_op_library, fmt, margin, saturate,
+                                                  dtype, log2_scale):
+    x = wide_range_input(1472 * 6 + 5, dtype)
+    out = run_on_ipu_model(Quantise(custom_op_library, fmt, margin, saturate, log2_scale), x)
+    expected = torch.ops.ipu_unit_scaling.fp8_quantise(x, fmt, margin, saturate, log2_scale)
+    assert out.dtype == dtype
+    assert torch.equal(out.isnan(), expected.isnan())
+    assert torch.equal(out[~expected.isnan()], expected[~expected.isnan()])
+
+
+class GradientProbe(torch.nn.Module):
+    """A zero parameter added to the input: one SGD step with lr 1 leaves ``-dloss/dx`` in it."""
+
+    def __init__(self, library: Path, size: int, gradient_op: bool):
+        super().__init__()
+        self.ops = PopTorchFP8CustomOps(library)
+        self.w = torch.nn.Parameter(torch.zeros(size))
+        self.gradient_op = gradient_op
+
+    def forward(self, x, dy):
+        with ipu_tracing(custom_ops=self.ops):
+            if self.gradient_op:
+                y = fp8_quantise_gradient(x + self.w, "F152", margin=3)
+            else:
+                y = fp8_quantise(x + self.w, "F143")
+        return poptorch.identity_loss((y * dy).sum(), reduction="sum")
+
+
+@pytest.mark.parametrize("gradient_op", [False, True], ids=["quantise", "gradient_quantise"])
+def test_grad_ops_give_the_defined_gradients(custom_op_library, gradient_op):
+    size = 4096
+    x = wide_range_input(size, torch.float32)
+    dy = wide_range_input(size + 1, torch.float32)[:size] * 1e-3
+    model = GradientProbe(custom_op_library, size, gradient_op)
+    options = poptorch.Options()
+    options.useIpuModel(True)
+    optimizer = poptorch.optim.SGD(model.parameters(), lr=1.0)
+    training = poptorch.trainingModel(model, options, optimizer=optimizer)
+    training(x, dy)
+    training.copyWeightsToHost()
+    expected = (torch.ops.ipu_unit_scaling.fp8_quantise(dy, "F152", 3, True, None)
+                if gradient_op else dy)
+    assert torch.equal(-model.w.detach(), expected)

@@ -159,7 +159,7 @@ BROKEN = [
     (["compare.regimes=[fp32, fp32]"], "compare.regimes", "at most once"),
     (["compare.learning_rates={fp8-amx: 0.1}"], "compare.learning_rates.fp8-amx",
      "did you mean 'fp8-amax'"),
-    (["backend=gpu"], "backend", "auto, ipu, ipu_model, cpu"),
+    (["backend=gpu"], "backend", "auto, ipu, ipu_model, emulator, cpu"),
 ]
 
 

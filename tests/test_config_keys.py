@@ -73,7 +73,7 @@ def _stages(tmp_path: Path, monkeypatch: Any, overrides: List[str]) -> Any:
 
 
 def _options(tmp_path: Path, monkeypatch: Any, overrides: List[str]) -> Any:
-    from ipu_unit_scaling.ipu.options import option_calls
+    from ipu_unit_scaling.backends.ipu.options import option_calls
 
     return option_calls(_config(*overrides))
 

@@ -75,7 +75,7 @@ def _worker() -> None:
     """One rank; run as a script by the test with RANK/WORLD_SIZE/MASTER_* in the environment."""
     import torch.distributed as dist
 
-    from ipu_unit_scaling.distributed import train_pipeline
+    from ipu_unit_scaling.backends.distributed import train_pipeline
 
     kind, raw, out = sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
     config = config_from_dict(raw)
@@ -143,7 +143,7 @@ def test_two_stage_pipeline_matches_single_process(tmp_path):
 
 def test_stage_bounds():
     pytest.importorskip("torch.distributed.pipelining")
-    from ipu_unit_scaling.distributed import stage_bounds
+    from ipu_unit_scaling.backends.distributed import stage_bounds
 
     assert stage_bounds([1, 3], 0) == (0, 1)
     assert stage_bounds([1, 3], 1) == (1, 4)

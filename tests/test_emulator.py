@@ -13,6 +13,7 @@ from ipu_unit_scaling import _host, emulator
 from ipu_unit_scaling.fp8 import (
     F143,
     F152,
+    Fp8Tensor,
     NonFiniteAmaxError,
     cast_from_fp8,
     cast_to_fp8_reference,
@@ -166,3 +167,55 @@ def test_uneven_slices_and_empty_tiles_appear_on_a_full_ipu():
     tile_sizes = (bounds[:, -1, 1] - bounds[:, 0, 0]).tolist()
     assert set(tile_sizes) == {0, 5, 8}
     assert tile_sizes.count(0) == 1472 - 1105
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_half_decode_rounds_to_nearest_even_at_every_scale(fmt):
+    # Scales far from 0 push decoded values below half's subnormals and above its max, where
+    # the vertex's integer conversion to half must round as numpy's float32 -> float16 does.
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    for scale in range(-31, 32):
+        decoded = emulator.cast_from_fp8(codes, fmt, scale, dtype=torch.float16, tiles=2)
+        with np.errstate(over="ignore"):
+            oracle = (codes.numpy().view(ML_DTYPES[fmt.name]).astype(np.float32)
+                      * np.float32(2.0**-scale)).astype(np.float16)
+        expected = torch.from_numpy(oracle)
+        assert torch.equal(decoded.isnan(), expected.isnan())
+        finite = ~expected.isnan()
+        same_bits = torch.equal(decoded[finite].view(torch.int16),
+                                expected[finite].view(torch.int16))
+        assert same_bits, scale
+
+
+def test_half_decode_hits_ties_overflow_and_subnormals():
+    # 1.5 * 2**-25 is 0.75 of half's smallest step; 2**-25 is a tie (to 0, even);
+    # 1.5 * 2**-24 a tie (to 2 steps, even); 57344 * 2**31 overflows to inf.
+    codes = torch.tensor([0x08, 0x0A, 0x0E, 0x7F, 0xFF], dtype=torch.uint8)  # F152 codes
+    values = cast_from_fp8(Fp8Tensor(codes, 0, F152), torch.float32)
+    assert values.tolist() == [2.0**-14, 1.5 * 2.0**-14, 1.5 * 2.0**-13, 57344.0, -57344.0]
+    out = emulator.cast_from_fp8(codes, F152, 11, dtype=torch.float16, tiles=1)
+    assert out[:3].tolist() == [0.0, 2.0**-24, 2.0**-23]
+    out = emulator.cast_from_fp8(codes, F152, -31, dtype=torch.float16, tiles=1)
+    assert out[3:].tolist() == [float("inf"), float("-inf")]
+
+
+@pytest.mark.parametrize("offset", [1, 2, 4, 7])
+def test_vertices_refuse_outputs_that_break_their_alignment(offset):
+    # Sub-word outputs are declared 8-byte aligned, as Poplar lays them out; the host shim
+    # checks the declaration, so a misaligned connection fails instead of running.
+    lib = _host.library()
+    x = torch.randn(64)
+    codes = torch.zeros(64 + 8, dtype=torch.uint8)
+    address = codes.data_ptr()
+    assert address % 8 == 0
+    status = lib.ius_vertex_cast_to_fp8(x.data_ptr(), 32, 0, 4, 1, 6, 0, address + offset)
+    assert status == _host.MISALIGNED
+    assert int(codes.sum()) == 0  # nothing was written
+    assert lib.ius_vertex_cast_to_fp8(x.data_ptr(), 32, 0, 4, 1, 6, 0, address + 8) == 0
+    halves = torch.zeros(64 + 8, dtype=torch.float16)
+    status = lib.ius_vertex_cast_from_fp8(codes.data_ptr(), 32, 1, 4, 6, 0,
+                                          halves.data_ptr() + 2 * offset)
+    assert status == (_host.MISALIGNED if (2 * offset) % 8 else 0)
+    # Inputs carry no such requirement: codes may start anywhere.
+    floats = torch.zeros(64, dtype=torch.float32)
+    assert lib.ius_vertex_cast_from_fp8(address + offset, 32, 0, 4, 6, 0, floats.data_ptr()) == 0

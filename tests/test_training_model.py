@@ -9,14 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ipu_unit_scaling.backends import build_training_model, make_optimizer
+from ipu_unit_scaling.backends.cpu import CPUTrainingModel, TrainingModule
+from ipu_unit_scaling.backends.stages import check_no_shared_parameters, split_stages, stages
 from ipu_unit_scaling.config import load_config
-from ipu_unit_scaling.training_model import (
-    CPUTrainingModel,
-    TrainingModule,
-    check_no_shared_parameters,
-    split_stages,
-    stages,
-)
 
 
 class StandInBlock(nn.Module):

@@ -150,6 +150,43 @@ def test_transformer_encoder_stack() -> None:
     assert fraction_unit(track_scales(model.eval(), x)) < 0.9
 
 
+class PositionalEmbedder(nn.Module):
+    """Builds positions and a scale from its input's traced length and device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(10, 16)
+        self.positions = nn.Embedding(8, 16)
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        positions = torch.arange(ids.shape[-1], device=ids.device)
+        hidden = self.tokens(ids) + self.positions(positions)
+        return self.fc(hidden) * torch.full((ids.shape[-1], 1), 2.0, device=ids.device)
+
+
+def test_tensor_factories_with_traced_arguments() -> None:
+    """`torch.arange(x.shape[-1], device=x.device)` traces (torch 2.0.1 rejects the proxies)."""
+    originals = (torch.arange, torch.full)
+    model = PositionalEmbedder()
+    ids = torch.randint(0, 10, (3, 8))
+    converted, report = unit_scale_with_report(model, (ids,))
+    assert (torch.arange, torch.full) == originals
+    assert not report.untraceable and "add" in report.converted
+    code = converted.graph_module.code
+    assert "torch.arange(" in code and "torch.full(" in code
+    # Positions follow the input length at run time: every position only sees its own token,
+    # so a shorter sequence gives the longer one's prefix.
+    shorter = converted(ids[:, :5])
+    assert shorter.shape == (3, 5, 16)
+    torch.testing.assert_close(shorter, converted(ids)[:, :5])
+    tokens = converted.graph_module.get_submodule("inner.tokens")
+    assert isinstance(tokens, uu.Embedding)
+    with pytest.warns(UnitScaleWarning, match="not traced"):
+        unit_scale(plain_gpt())  # without inputs its tracing fails part-way
+    assert (torch.arange, torch.full) == originals
+
+
 class SkipMLP(nn.Module):
     """An MLP classifier with skip connections and its loss inside."""
 
@@ -184,6 +221,10 @@ def test_mlp_with_skip_connections() -> None:
 
 def test_gpt2_from_transformers() -> None:
     transformers = pytest.importorskip("transformers")
+    if not transformers.utils.is_torch_available():
+        # transformers 5 turns its PyTorch models off below torch 2.6 (the SDK's torch is 2.0.1).
+        pytest.skip(f"transformers {transformers.__version__} has no PyTorch GPT-2 for torch "
+                    f"{torch.__version__}")
     torch.manual_seed(0)
     config = transformers.GPT2Config(
         n_layer=2, n_embd=64, n_head=2, vocab_size=100, n_positions=32

@@ -8,6 +8,9 @@
 //    scale + round + store, split over threads; it calls the same per-element
 //    functions (fp8_arith.hpp) as the vertices.
 // Both use splitRange (partition.hpp), which ius_partition exposes to Python.
+//
+// Status codes: 0 done, -1 bad arguments, -2 a vertex field connected to
+// memory that breaks its declared alignment (Poplar would refuse the graph).
 #include <cstdint>
 #include <thread>
 #include <vector>
@@ -34,6 +37,8 @@ using Index = std::int64_t;
 enum DType : int { kFloat32 = 0, kFloat16 = 1 };
 
 constexpr int kAbiVersion = 1;
+constexpr int kBadArguments = -1;
+constexpr int kMisaligned = -2;
 
 // Below this many elements a second thread costs more than it saves.
 constexpr Index kMinElementsPerThread = Index(1) << 16;
@@ -43,56 +48,60 @@ const T* offset(const void* base, Index elements) {
   return static_cast<const T*>(base) + elements;
 }
 
-template <typename T>
-void runPartialAmax(const void* in, Index count, unsigned workers, float* partials) {
-  PartialAmax<T> vertex;
-  vertex.in.connect(static_cast<const T*>(in), static_cast<std::size_t>(count));
-  vertex.partials.connect(partials, workers);
+// Runs every worker of a connected MultiVertex, unless a field was misaligned.
+template <typename MultiVertexType>
+int runWorkers(MultiVertexType& vertex, unsigned workers) {
+  if (poplar::host_shim::misaligned()) return kMisaligned;
   poplar::host_shim::workerCount() = workers;
   for (unsigned w = 0; w < workers; ++w) {
     vertex.compute(w);
   }
+  return 0;
+}
+
+template <typename T>
+int runPartialAmax(const void* in, Index count, unsigned workers, float* partials) {
+  PartialAmax<T> vertex;
+  poplar::host_shim::misaligned() = false;
+  vertex.in.connect(static_cast<const T*>(in), static_cast<std::size_t>(count));
+  vertex.partials.connect(partials, workers);
+  return runWorkers(vertex, workers);
 }
 
 template <typename T, unsigned E, bool Saturate>
-void runCastToFp8(const void* in, Index count, unsigned workers, const int* log2Scale,
-                  std::uint8_t* out) {
+int runCastToFp8(const void* in, Index count, unsigned workers, const int* log2Scale,
+                 std::uint8_t* out) {
   CastToFp8<T, E, Saturate> vertex;
+  poplar::host_shim::misaligned() = false;
   vertex.in.connect(static_cast<const T*>(in), static_cast<std::size_t>(count));
   vertex.log2Scale.connect(log2Scale);
   vertex.out.connect(out, static_cast<std::size_t>(count));
-  poplar::host_shim::workerCount() = workers;
-  for (unsigned w = 0; w < workers; ++w) {
-    vertex.compute(w);
-  }
+  return runWorkers(vertex, workers);
 }
 
 template <typename T, unsigned E>
-void runCastFromFp8(const std::uint8_t* in, Index count, unsigned workers, const int* log2Scale,
-                    void* out) {
+int runCastFromFp8(const std::uint8_t* in, Index count, unsigned workers, const int* log2Scale,
+                   void* out) {
   CastFromFp8<T, E> vertex;
+  poplar::host_shim::misaligned() = false;
   vertex.in.connect(in, static_cast<std::size_t>(count));
   vertex.log2Scale.connect(log2Scale);
   vertex.out.connect(static_cast<T*>(out), static_cast<std::size_t>(count));
-  poplar::host_shim::workerCount() = workers;
-  for (unsigned w = 0; w < workers; ++w) {
-    vertex.compute(w);
-  }
+  return runWorkers(vertex, workers);
 }
 
 template <typename T>
 int dispatchCastToFp8(const void* in, Index count, int exponentBits, int saturate,
                       unsigned workers, const int* log2Scale, std::uint8_t* out) {
   if (exponentBits == 4) {
-    saturate ? runCastToFp8<T, 4, true>(in, count, workers, log2Scale, out)
-             : runCastToFp8<T, 4, false>(in, count, workers, log2Scale, out);
-  } else if (exponentBits == 5) {
-    saturate ? runCastToFp8<T, 5, true>(in, count, workers, log2Scale, out)
-             : runCastToFp8<T, 5, false>(in, count, workers, log2Scale, out);
-  } else {
-    return -1;
+    return saturate ? runCastToFp8<T, 4, true>(in, count, workers, log2Scale, out)
+                    : runCastToFp8<T, 4, false>(in, count, workers, log2Scale, out);
   }
-  return 0;
+  if (exponentBits == 5) {
+    return saturate ? runCastToFp8<T, 5, true>(in, count, workers, log2Scale, out)
+                    : runCastToFp8<T, 5, false>(in, count, workers, log2Scale, out);
+  }
+  return kBadArguments;
 }
 
 IUS_HOT unsigned amaxKeyFloat(const float* x, Index count) {
@@ -266,15 +275,10 @@ IUS_EXPORT void ius_partition(Index count, unsigned tiles, unsigned workers, Ind
 
 IUS_EXPORT int ius_vertex_partial_amax(const void* in, Index count, int dtype, unsigned workers,
                                        float* partials) {
-  if (workers == 0) return -1;
-  if (dtype == kFloat32) {
-    runPartialAmax<float>(in, count, workers, partials);
-  } else if (dtype == kFloat16) {
-    runPartialAmax<half>(in, count, workers, partials);
-  } else {
-    return -1;
-  }
-  return 0;
+  if (workers == 0) return kBadArguments;
+  if (dtype == kFloat32) return runPartialAmax<float>(in, count, workers, partials);
+  if (dtype == kFloat16) return runPartialAmax<half>(in, count, workers, partials);
+  return kBadArguments;
 }
 
 IUS_EXPORT int ius_vertex_scaling_bias(const float* partials, Index count, int exponentBits,
@@ -294,7 +298,7 @@ IUS_EXPORT int ius_vertex_scaling_bias(const float* partials, Index count, int e
     vertex.margin = margin;
     vertex.compute();
   } else {
-    return -1;
+    return kBadArguments;
   }
   return 0;
 }
@@ -302,32 +306,31 @@ IUS_EXPORT int ius_vertex_scaling_bias(const float* partials, Index count, int e
 IUS_EXPORT int ius_vertex_cast_to_fp8(const void* in, Index count, int dtype, int exponentBits,
                                       int saturate, unsigned workers, int log2Scale,
                                       std::uint8_t* out) {
-  if (workers == 0) return -1;
+  if (workers == 0) return kBadArguments;
   if (dtype == kFloat32) {
     return dispatchCastToFp8<float>(in, count, exponentBits, saturate, workers, &log2Scale, out);
   }
   if (dtype == kFloat16) {
     return dispatchCastToFp8<half>(in, count, exponentBits, saturate, workers, &log2Scale, out);
   }
-  return -1;
+  return kBadArguments;
 }
 
 IUS_EXPORT int ius_vertex_cast_from_fp8(const std::uint8_t* in, Index count, int dtype,
                                         int exponentBits, unsigned workers, int log2Scale,
                                         void* out) {
-  if (workers == 0) return -1;
+  if (workers == 0) return kBadArguments;
   const bool f143 = exponentBits == 4;
-  if (!f143 && exponentBits != 5) return -1;
+  if (!f143 && exponentBits != 5) return kBadArguments;
   if (dtype == kFloat32) {
-    f143 ? runCastFromFp8<float, 4>(in, count, workers, &log2Scale, out)
-         : runCastFromFp8<float, 5>(in, count, workers, &log2Scale, out);
-  } else if (dtype == kFloat16) {
-    f143 ? runCastFromFp8<half, 4>(in, count, workers, &log2Scale, out)
-         : runCastFromFp8<half, 5>(in, count, workers, &log2Scale, out);
-  } else {
-    return -1;
+    return f143 ? runCastFromFp8<float, 4>(in, count, workers, &log2Scale, out)
+                : runCastFromFp8<float, 5>(in, count, workers, &log2Scale, out);
   }
-  return 0;
+  if (dtype == kFloat16) {
+    return f143 ? runCastFromFp8<half, 4>(in, count, workers, &log2Scale, out)
+                : runCastFromFp8<half, 5>(in, count, workers, &log2Scale, out);
+  }
+  return kBadArguments;
 }
 
 // The fast path. With hasScale == 0 the scale comes from the amax (written to
@@ -337,9 +340,9 @@ IUS_EXPORT int ius_fused_cast_to_fp8(const void* in, Index count, int dtype, int
                                      int threads, std::uint8_t* codes, int* usedScale,
                                      float* amax) {
   if ((dtype != kFloat32 && dtype != kFloat16) || (exponentBits != 4 && exponentBits != 5)) {
-    return -1;
+    return kBadArguments;
   }
-  if (hasScale && (log2Scale > 126 || log2Scale < -126)) return -1;
+  if (hasScale && (log2Scale > 126 || log2Scale < -126)) return kBadArguments;
   const unsigned parts = threadsFor(count, threads);
   if (hasScale) {
     *usedScale = log2Scale;

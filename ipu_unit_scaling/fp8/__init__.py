@@ -10,6 +10,7 @@ from .codec import decode, encode, quantise, stochastic_round_to_grid
 from .config import FP8Config, FP8ConfigError
 from .formats import E4M3FN, E5M2, F143, F152, FORMATS, FP8Format, get_format
 from .linear import FP8Linear, fp8_linear, fp8_matmul, scaled_mm_supported
+from .ops import fp8_quantise, fp8_quantise_gradient
 from .scaling import (
     MAX_LOG2_SCALE,
     MAX_MARGIN,
@@ -31,4 +32,5 @@ __all__ = [
     "FP8Config", "FP8ConfigError", "FP8Linear", "FP8UnitScaledLinear", "fp8_linear", "fp8_matmul",
     "scaled_mm_supported", "fp8_attention", "fp8_scaled_dot_product_attention",
     "FP8AttentionFn", "simulate_fp8", "CastRecord", "Fp8Stats", "fp8_stats",
+    "fp8_quantise", "fp8_quantise_gradient",
 ]

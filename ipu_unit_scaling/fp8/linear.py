@@ -14,11 +14,12 @@ differ only in float32 accumulation order.
 from __future__ import annotations
 
 import math
-from typing import Optional, Type, TypeVar
+from typing import Optional, Tuple, Type, TypeVar
 
 import torch
 from torch import nn
 
+from ..tracing import is_ipu_tracing
 from .config import FP8Config
 from .formats import FP8Format
 from .scaling import Fp8Tensor, cast_from_fp8, cast_to_fp8
@@ -141,6 +142,35 @@ class _FP8LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
+def _traced_casts(config: FP8Config) -> Tuple[Optional[int], bool]:
+    """(log2 scale or None for AMAX, saturate) of the custom ops for ``config``."""
+    if config.rounding != "nearest":
+        raise ValueError(
+            "FP8 under ipu_tracing() rounds to nearest: the FP8 custom ops have no stochastic "
+            "rounding (set rounding: nearest)")
+    return (None if config.scaling == "amax" else 0), config.overflow == "saturate"
+
+
+def _traced_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                       config: FP8Config) -> torch.Tensor:
+    """The PopTorch form of :func:`fp8_linear`, from the FP8 custom ops and ordinary ops.
+
+    The input and weight pass through ``fp8_quantise`` (its gradient is straight-through) and the
+    product through ``fp8_quantise_gradient`` (identity forward; its gradient op quantises the
+    output gradient), so PopART's autodiff computes the input and weight gradients from FP8
+    values, as the eager form does. The bias joins after the gradient cast, so its gradient is
+    the unquantised output gradient, also as in the eager form.
+    """
+    from .ops import fp8_quantise, fp8_quantise_gradient
+
+    scale, saturate = _traced_casts(config)
+    x8 = fp8_quantise(x, config.activation, config.activation_margin, saturate, scale)
+    w8 = fp8_quantise(weight, config.weight, config.weight_margin, saturate, scale)
+    y = fp8_quantise_gradient(torch.nn.functional.linear(x8, w8), config.gradient,
+                              config.gradient_margin, saturate, scale)
+    return y if bias is None else y + bias
+
+
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -158,6 +188,8 @@ def fp8_linear(
     """
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"x has {x.shape[-1]} features but weight expects {weight.shape[-1]}")
+    if is_ipu_tracing():
+        return _traced_fp8_linear(x, weight, bias, config or _DEFAULT_CONFIG)
     return _FP8LinearFunction.apply(x, weight, bias, config or _DEFAULT_CONFIG, site,
                                     use_scaled_mm)
 
@@ -208,7 +240,16 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, config: Optional[FP8Config] = N
     the output gradient to the gradient format, each with its own per-tensor scale."""
     if a.dim() < 2 or b.dim() < 2:
         raise ValueError("fp8_matmul needs operands with at least 2 dimensions")
-    return _FP8MatmulFunction.apply(a, b, config or _DEFAULT_CONFIG, site)
+    config = config or _DEFAULT_CONFIG
+    if is_ipu_tracing():
+        from .ops import fp8_quantise, fp8_quantise_gradient
+
+        scale, saturate = _traced_casts(config)
+        a8 = fp8_quantise(a, config.activation, config.activation_margin, saturate, scale)
+        b8 = fp8_quantise(b, config.activation, config.activation_margin, saturate, scale)
+        return fp8_quantise_gradient(torch.matmul(a8, b8), config.gradient,
+                                     config.gradient_margin, saturate, scale)
+    return _FP8MatmulFunction.apply(a, b, config, site)
 
 
 class FP8Linear(nn.Linear):

@@ -151,7 +151,10 @@ def _try_host_cast(
         return None
     if not _host.fused_cast_available():
         return None
-    return _host.fused_cast_to_fp8(x, fmt.name, scale, margin, saturate)
+    try:
+        return _host.fused_cast_to_fp8(x, fmt.name, scale, margin, saturate)
+    except _host.NonFiniteAmax as error:
+        raise NonFiniteAmaxError(str(error)) from error
 
 
 def cast_to_fp8(
@@ -211,6 +214,8 @@ def cast_from_fp8(t: Fp8Tensor, dtype: torch.dtype = torch.float32) -> torch.Ten
     """
     if not isinstance(t, Fp8Tensor):
         raise TypeError(f"expected an Fp8Tensor, got {type(t).__name__}")
+    if not dtype.is_floating_point:
+        raise TypeError(f"FP8 values decode to a floating-point dtype, not {dtype}")
     values = _try_host_decode(t)
     if values is None:
         values = decode(t.codes, t.fmt)

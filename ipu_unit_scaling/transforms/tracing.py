@@ -8,8 +8,10 @@ same way (fx adds a guard for None, bool and number arguments).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -50,6 +52,10 @@ class ConcreteTracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return self._is_leaf(m, module_qualified_name)
+
+    def trace(self, root: Any, concrete_args: Optional[Dict[str, Any]] = None) -> fx.Graph:
+        with _factories_accept_proxies():
+            return super().trace(root, concrete_args)
 
     def trace_with_inputs(
         self, root: nn.Module, inputs: Optional[Dict[str, Any]], concrete_args: Any
@@ -133,6 +139,49 @@ class ConcreteTracer(fx.Tracer):
         if isinstance(value, (tuple, list, torch.Size)):
             return iter([obj[i] for i in range(len(value))])  # type: ignore[index]
         return super().iter(obj)
+
+
+# Tensor factories whose arguments are often traced values: `torch.arange(x.shape[-1],
+# device=x.device)`, `torch.zeros(batch, width)`.
+_FACTORY_FUNCTIONS = (
+    "arange", "empty", "eye", "full", "linspace", "logspace", "ones", "rand", "randint", "randn",
+    "randperm", "scalar_tensor", "tensor", "zeros",
+)
+
+
+@contextlib.contextmanager
+def _factories_accept_proxies() -> Iterator[None]:
+    """While tracing, record a tensor factory called with traced arguments as a graph node.
+
+    Torch 2.0's factories reject an `fx.Proxy` argument with a TypeError (later versions hand
+    it to fx through `__torch_function__`), so every model that builds positions from its
+    input's length would be untraceable there. The node's target is the original function, so
+    the graph is the same on every torch version.
+    """
+    originals = {
+        name: getattr(torch, name) for name in _FACTORY_FUNCTIONS
+        if not hasattr(getattr(torch, name), "_records_proxies")  # not already, by an outer trace
+    }
+
+    def accepting_proxies(factory: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(factory)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            leaves = pytree.tree_flatten((args, kwargs))[0]
+            proxies = [leaf for leaf in leaves if isinstance(leaf, fx.Proxy)]
+            if proxies:
+                return proxies[0].tracer.create_proxy("call_function", factory, args, kwargs)
+            return factory(*args, **kwargs)
+
+        call._records_proxies = True  # type: ignore[attr-defined]
+        return call
+
+    for name, factory in originals.items():
+        setattr(torch, name, accepting_proxies(factory))
+    try:
+        yield
+    finally:
+        for name, factory in originals.items():
+            setattr(torch, name, factory)
 
 
 def _carries_data(value: Any) -> bool:

@@ -5,9 +5,15 @@
 // plain pointers with connect(), where a Poplar graph would use
 // graph.connect(vertex["field"], tensor). MultiVertex::numWorkers() returns
 // the worker count the host runner sets, 6 on a real IPU tile.
+//
+// A Vector field's alignment (its third template argument) is checked when it
+// is connected, as Poplar's graph compiler guarantees it on the IPU: a
+// misaligned pointer sets host_shim::misaligned(), which the host runner
+// reports instead of running the vertex.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 namespace poplar {
 
@@ -18,6 +24,7 @@ template <typename T, VectorLayout Layout = VectorLayout::SPAN, unsigned Alignme
 class Vector {
  public:
   using value_type = T;
+  static constexpr unsigned alignment = Alignment;
   void connect(T* data, std::size_t size) {
     data_ = data;
     size_ = size;
@@ -35,6 +42,12 @@ class Vector {
 
 namespace host_shim {
 
+// Set when a Vector field is connected to memory that breaks its alignment.
+inline bool& misaligned() {
+  static thread_local bool flag = false;
+  return flag;
+}
+
 // A scalar field: `*field` reads or writes it, reads also convert implicitly.
 template <typename Element>
 class ScalarField {
@@ -48,10 +61,19 @@ class ScalarField {
 };
 
 // A vector field: `field[i]`, `field.size()`, iteration.
-template <typename Element>
+template <typename Element, unsigned Alignment>
 class VectorField {
  public:
-  void connect(Element* data, std::size_t size) { vector_.connect(data, size); }
+  static_assert(Alignment != 0 && (Alignment & (Alignment - 1)) == 0,
+                "a Vector's alignment is a power of two");
+  static constexpr unsigned alignment = Alignment;
+
+  void connect(Element* data, std::size_t size) {
+    if (reinterpret_cast<std::uintptr_t>(data) % Alignment != 0) {
+      misaligned() = true;
+    }
+    vector_.connect(data, size);
+  }
   Element& operator[](std::size_t i) const { return vector_[i]; }
   std::size_t size() const { return vector_.size(); }
   Element* begin() const { return vector_.begin(); }
@@ -71,17 +93,17 @@ inline unsigned& workerCount() {
 template <typename T>
 class Input : public host_shim::ScalarField<const T> {};
 template <typename T, VectorLayout L, unsigned A, bool I>
-class Input<Vector<T, L, A, I>> : public host_shim::VectorField<const T> {};
+class Input<Vector<T, L, A, I>> : public host_shim::VectorField<const T, A> {};
 
 template <typename T>
 class Output : public host_shim::ScalarField<T> {};
 template <typename T, VectorLayout L, unsigned A, bool I>
-class Output<Vector<T, L, A, I>> : public host_shim::VectorField<T> {};
+class Output<Vector<T, L, A, I>> : public host_shim::VectorField<T, A> {};
 
 template <typename T>
 class InOut : public host_shim::ScalarField<T> {};
 template <typename T, VectorLayout L, unsigned A, bool I>
-class InOut<Vector<T, L, A, I>> : public host_shim::VectorField<T> {};
+class InOut<Vector<T, L, A, I>> : public host_shim::VectorField<T, A> {};
 
 class Vertex {};
 

@@ -13,7 +13,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
-from ..config import Config
+from ...config import Config
 
 
 @dataclass(frozen=True)

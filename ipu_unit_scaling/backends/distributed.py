@@ -6,7 +6,7 @@ stage, with ``ipu.gradient_accumulation`` micro-batches per step (GPipe schedule
 replicas). One optimizer step per batch of ``training.batch_size`` samples, the same numbers as
 the single-process fallback. Launch one process per stage and replica::
 
-    torchrun --nproc-per-node 2 -m ipu_unit_scaling.distributed --config configs/tiny.yaml
+    torchrun --nproc-per-node 2 -m ipu_unit_scaling.backends.distributed --config configs/tiny.yaml
 
 Stages reuse the model's own ``forward``: every process builds the whole model from the same
 seed, replaces the layers it does not own by ``nn.Identity`` and, with forward pre-hooks, feeds
@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import Config, load_config, resolve_layers_per_ipu, scheduled_learning_rate
-from .training_model import Stage, check_no_shared_parameters, split_stages, stage_parameters
+from ..config import Config, load_config, resolve_layers_per_ipu, scheduled_learning_rate
+from .stages import Stage, check_no_shared_parameters, split_stages, stage_parameters
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
 
@@ -138,7 +138,7 @@ class PipelineTrainer:
     """
 
     def __init__(self, model: nn.Module, config: Config, device: Optional[torch.device] = None):
-        from .backends import make_optimizer
+        from . import make_optimizer
 
         pipelining = _pipelining()
         ipu = config.ipu
@@ -254,7 +254,7 @@ def train_pipeline(
 def _default_model(config: Config) -> nn.Module:
     from dataclasses import asdict
 
-    from .models import GPTConfig, build_gpt  # type: ignore[attr-defined]
+    from ..models import GPTConfig, build_gpt  # type: ignore[attr-defined]
 
     return build_gpt(GPTConfig(**asdict(config.model)))
 
@@ -266,7 +266,7 @@ def _text_batches(config: Config, seed: int) -> Iterable[Batch]:
             tokens = torch.tensor(list(handle.read()), dtype=torch.long)
     else:
         try:
-            from .data import load_tokens  # type: ignore[attr-defined]
+            from ..data import load_tokens  # type: ignore[attr-defined]
         except ImportError as error:
             raise RuntimeError("no embedded corpus here; set data.path to a text file") from error
         tokens = torch.as_tensor(load_tokens(config), dtype=torch.long)

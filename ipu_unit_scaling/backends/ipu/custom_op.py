@@ -1,9 +1,15 @@
-"""The ``Fp8AmaxCast`` PopART custom op from Python.
+"""The FP8 PopART custom ops from Python.
 
-On an IPU (inside a PopTorch model, ``poptorch.isRunningOnIpu()``) :func:`fp8_amax_cast`
-calls the custom op built from ``custom_ops/``: tile-local amax, scaling bias and cast in
-the Poplar codelets. Everywhere else it runs the host path with the same numerics
-(:func:`ipu_unit_scaling.fp8.cast_to_fp8`: the compiled host cast when built, else torch).
+* :func:`fp8_amax_cast`: on an IPU (inside a PopTorch model, ``poptorch.isRunningOnIpu()``)
+  it calls ``Fp8AmaxCast``, built from ``custom_ops/``: tile-local amax, scaling bias and cast
+  in the Poplar codelets. Everywhere else it runs the host path with the same numerics
+  (:func:`ipu_unit_scaling.fp8.cast_to_fp8`: the compiled host cast when built, else torch).
+* :class:`PopTorchFP8CustomOps`: the ``Fp8Quantise`` and ``Fp8GradientQuantise`` ops, with
+  their PopART grad ops, through ``poptorch.custom_op``. It implements
+  :class:`ipu_unit_scaling.tracing.FP8CustomOps`; the IPU backend passes it to
+  ``ipu_tracing(custom_ops=...)`` so that :func:`ipu_unit_scaling.fp8.fp8_quantise` and
+  :func:`~ipu_unit_scaling.fp8.fp8_quantise_gradient` become these ops in the traced graph.
+
 PopTorch is imported lazily; importing this module never needs it.
 """
 from __future__ import annotations
@@ -16,15 +22,18 @@ from typing import Any, Dict, NamedTuple, Optional
 import torch
 
 __all__ = [
-    "DOMAIN", "OP_NAME", "DOMAIN_VERSION", "LIBRARY_ENV", "Fp8CastOutputs",
-    "custom_op_library_path", "load_custom_op_library", "running_on_ipu", "fp8_amax_cast",
+    "DOMAIN", "OP_NAME", "QUANTISE_OP", "GRADIENT_QUANTISE_OP", "DOMAIN_VERSION", "LIBRARY_ENV",
+    "Fp8CastOutputs", "custom_op_library_path", "load_custom_op_library", "running_on_ipu",
+    "fp8_amax_cast", "quantise_attributes", "PopTorchFP8CustomOps",
 ]
 
 DOMAIN = "ai.graphcore.unit_scaling"
 OP_NAME = "Fp8AmaxCast"
+QUANTISE_OP = "Fp8Quantise"
+GRADIENT_QUANTISE_OP = "Fp8GradientQuantise"
 DOMAIN_VERSION = 1
 LIBRARY_ENV = "IPU_UNIT_SCALING_CUSTOM_OPS"
-_REPO_ROOT = Path(__file__).resolve().parents[2]
+_REPO_ROOT = Path(__file__).resolve().parents[3]
 _DEFAULT_LIBRARY = _REPO_ROOT / "custom_ops" / "build" / "libfp8_custom_ops.so"
 
 _loaded: Dict[str, ctypes.CDLL] = {}
@@ -107,7 +116,7 @@ def fp8_amax_cast(
     ``log2_scale=None`` derives ``s`` from the amax with ``margin``; ``overflow`` is
     "saturate" or "nan".
     """
-    from ..fp8 import cast_to_fp8, get_format
+    from ...fp8 import cast_to_fp8, get_format
 
     fmt_name = get_format(fmt).name  # type: ignore[arg-type]
     if fmt_name not in ("F143", "F152"):
@@ -119,3 +128,49 @@ def fp8_amax_cast(
     cast = cast_to_fp8(x, fmt_name, log2_scale=log2_scale, margin=margin, overflow=overflow)
     return Fp8CastOutputs(cast.codes, torch.tensor(cast.log2_scale, dtype=torch.int32),
                           torch.tensor(0, dtype=torch.int32))
+
+
+def quantise_attributes(fmt_name: str, margin: int, saturate: bool,
+                        log2_scale: Optional[int] = None) -> Dict[str, Any]:
+    """The PopART attributes of ``Fp8Quantise`` and ``Fp8GradientQuantise``, as
+    ``custom_ops/`` reads them (``log2_scale=None``: the scale comes from the amax)."""
+    return {
+        "format": fmt_name,
+        "margin": int(margin),
+        "saturate": int(saturate),
+        "has_log2_scale": int(log2_scale is not None),
+        "log2_scale": int(log2_scale or 0),
+    }
+
+
+class PopTorchFP8CustomOps:
+    """:class:`ipu_unit_scaling.tracing.FP8CustomOps` through ``poptorch.custom_op``.
+
+    Each call adds one PopART op to the traced graph; PopART differentiates it with the op's
+    grad op (straight through for ``Fp8Quantise``, the AMAX quantise of the gradient for
+    ``Fp8GradientQuantise``). The library is loaded on first use, from ``library_path`` or
+    :func:`custom_op_library_path`. The arguments are checked by the callers
+    (:func:`ipu_unit_scaling.fp8.fp8_quantise`), as for the ``torch.library`` ops.
+    """
+
+    def __init__(self, library_path: Optional[Path] = None):
+        self.library_path = library_path
+
+    def _custom_op(self, x: torch.Tensor, name: str, attributes: Dict[str, Any]) -> torch.Tensor:
+        import poptorch
+
+        load_custom_op_library(self.library_path)
+        # The output has x's shape and dtype; PopTorch only reads the example's metadata.
+        outputs = poptorch.custom_op([x], name, DOMAIN, DOMAIN_VERSION, example_outputs=[x],
+                                     attributes=attributes)
+        return outputs[0]
+
+    def quantise(self, x: torch.Tensor, fmt_name: str, margin: int, saturate: bool,
+                 log2_scale: Optional[int]) -> torch.Tensor:
+        return self._custom_op(x, QUANTISE_OP,
+                               quantise_attributes(fmt_name, margin, saturate, log2_scale))
+
+    def quantise_gradient(self, x: torch.Tensor, fmt_name: str, margin: int, saturate: bool,
+                          log2_scale: Optional[int] = None) -> torch.Tensor:
+        return self._custom_op(x, GRADIENT_QUANTISE_OP,
+                               quantise_attributes(fmt_name, margin, saturate, log2_scale))

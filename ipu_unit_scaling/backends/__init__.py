@@ -1,0 +1,178 @@
+"""Backends: where a model trains, behind one small interface.
+
+``build_training_model(model, optimizer, config)`` returns a wrapper called PopTorch-style,
+``wrapper(inputs, labels) -> (output, loss)``, that runs backward and the optimizer step with
+``poptorch.trainingModel``'s semantics (device iterations, gradient accumulation with mean
+reduction, one loss per micro-batch). The backends:
+
+- ``ipu``: PopTorch on IPU hardware; ``ipu_model``: PopTorch on the IPU Model (no hardware);
+- ``emulator``: PopTorch's semantics without the SDK: the model is traced forward under
+  ``ipu_tracing()`` and its gradients come from the traced graph, as PopART's autodiff takes them;
+- ``cpu``: eager PyTorch;
+- ``popxl``: the unit-scaled GPT written in PopXL, with real FP8 matmuls (:mod:`..popxl`);
+- ``distributed`` (a module, launched with torchrun): the same stage split on
+  ``torch.distributed.pipelining``.
+
+``auto`` picks ``ipu`` when PopTorch imports and IPU hardware is present, else ``ipu_model``
+when PopTorch imports, else ``cpu``. ``IPU_UNIT_SCALING_BACKEND`` overrides the configured
+name. Only ``backends.ipu`` ever imports poptorch, and only on demand.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+from torch import nn
+
+from ..config import BACKEND_NAMES, Config
+from .cpu import CPUTrainingModel, TrainingModule
+from .stages import Stage, stages
+
+__all__ = [
+    "BACKEND_ENV", "BackendError", "Stage", "stages", "poptorch_available", "select_backend",
+    "make_optimizer", "build_training_model", "build_inference_model",
+]
+
+BACKEND_ENV = "IPU_UNIT_SCALING_BACKEND"
+
+
+class BackendError(RuntimeError):
+    pass
+
+
+def _import_poptorch() -> Optional[Any]:
+    try:
+        return importlib.import_module("poptorch")
+    except Exception:  # an SDK that is present but broken counts as absent
+        return None
+
+
+def poptorch_available() -> bool:
+    return _import_poptorch() is not None
+
+
+def select_backend(name: str = "auto") -> str:
+    """Resolve a backend name (or ``auto``) to ``ipu``, ``ipu_model``, ``emulator`` or ``cpu``."""
+    name = os.environ.get(BACKEND_ENV) or name
+    if name not in BACKEND_NAMES:
+        raise BackendError(f"backend {name!r} unknown; allowed: {', '.join(BACKEND_NAMES)}")
+    if name in ("cpu", "emulator"):
+        return name
+    if name == "popxl":
+        from ..popxl import popxl_available
+
+        if not popxl_available():
+            raise BackendError(
+                "backend 'popxl' needs PopXL (the Poplar SDK's popxl), which does not import "
+                f"here; use 'emulator', 'cpu' or 'auto', or unset {BACKEND_ENV}")
+        return name
+    poptorch = _import_poptorch()
+    if name == "auto":
+        if poptorch is None:
+            return "cpu"
+        return "ipu" if poptorch.ipuHardwareIsAvailable() else "ipu_model"
+    if poptorch is None:
+        raise BackendError(
+            f"backend {name!r} needs PopTorch (Poplar SDK), which does not import here; "
+            f"use 'emulator', 'cpu' or 'auto', or unset {BACKEND_ENV}"
+        )
+    return name
+
+
+def make_optimizer(
+    parameters: Iterable[nn.Parameter], config: Config, backend: Optional[str] = None
+) -> torch.optim.Optimizer:
+    """The optimizer ``config.training`` names, in the flavour the backend needs."""
+    backend = backend or select_backend(config.backend)
+    if backend in ("ipu", "ipu_model"):
+        from .ipu.training import make_ipu_optimizer
+
+        return make_ipu_optimizer(parameters, config)
+    training = config.training
+    lr, decay = training.learning_rate, training.weight_decay
+    if training.optimizer == "sgd":
+        return torch.optim.SGD(parameters, lr=lr, weight_decay=decay)
+    if training.optimizer == "adam":
+        return torch.optim.Adam(parameters, lr=lr, weight_decay=decay)
+    return torch.optim.AdamW(parameters, lr=lr, weight_decay=decay)
+
+
+def build_training_model(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: Config,
+    backend: Optional[str] = None,
+) -> Union[CPUTrainingModel, Any]:
+    """Wrap ``model`` so that ``wrapper(inputs, labels) -> (output, loss)`` trains it.
+
+    Each call runs ``config.ipu.device_iterations`` optimizer steps over inputs whose leading
+    dimension is ``config.samples_per_call``; see :mod:`.cpu` for the exact semantics.
+    The wrapper also has ``stages`` (the pipeline split), ``update_optimizer()`` (after
+    changing learning rates), ``copy_weights_to_host()`` and ``destroy()``.
+    """
+    backend = backend or select_backend(config.backend)
+    if backend in ("cpu", "emulator"):
+        module: nn.Module = TrainingModule(model)
+        if backend == "emulator":
+            from .emulator import TracedTrainingModule
+
+            module = TracedTrainingModule(module)
+        ipu = config.ipu
+        return CPUTrainingModel(
+            module,
+            optimizer,
+            device_iterations=ipu.device_iterations,
+            gradient_accumulation=ipu.gradient_accumulation,
+            replication_factor=ipu.replication_factor,
+            max_grad_norm=config.training.grad_clip,
+            split=stages(model, config),
+        )
+    if backend in ("ipu", "ipu_model"):
+        from .ipu.training import IPUTrainingModel
+
+        return IPUTrainingModel(model, optimizer, config, use_ipu_model=backend == "ipu_model")
+    if backend == "popxl":
+        from ..popxl import PopXLTrainingModel
+
+        return PopXLTrainingModel(model, optimizer, config)
+    raise BackendError(f"backend {backend!r} cannot build a training model")
+
+
+def build_inference_model(model: nn.Module, config: Config,
+                          backend: Optional[str] = None) -> Callable[..., Any]:
+    """Wrap ``model`` for evaluation and sampling: ``wrapper(*inputs)`` is ``model(*inputs)``
+    in eval mode without gradients, on the backend.
+
+    ``ipu``/``ipu_model`` build a ``poptorch.inferenceModel`` traced under ``ipu_tracing()``
+    (the same rules as training); ``emulator`` runs the graph PopTorch would trace (one trace per
+    input signature); ``cpu`` (and ``popxl``, whose programs are for training) run eager
+    PyTorch, the code path of training's evaluation.
+    """
+    backend = backend or select_backend(config.backend)
+    if backend in ("ipu", "ipu_model"):
+        from .ipu.training import IPUInferenceModel
+
+        return IPUInferenceModel(model, config, use_ipu_model=backend == "ipu_model")
+    if backend == "emulator":
+        from .emulator import TracedTrainingModule
+
+        return _EvalWrapper(TracedTrainingModule(model), model)
+    if backend in ("cpu", "popxl"):
+        return _EvalWrapper(model, model)
+    raise BackendError(f"backend {backend!r} cannot build an inference model")
+
+
+class _EvalWrapper:
+    def __init__(self, runner: nn.Module, model: nn.Module):
+        self.runner = runner
+        self.model = model
+
+    def __call__(self, *inputs: Any) -> Any:
+        self.model.eval()
+        with torch.no_grad():
+            return self.runner(*inputs)
+
+    def destroy(self) -> None:
+        """Nothing to release off the IPU."""

@@ -1,0 +1,158 @@
+"""``poptorch.trainingModel`` built from a config: options, pipeline annotation, optimizer.
+
+PopTorch is imported inside the functions only, so this module imports anywhere.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ...config import Config
+from ...tracing import FP8CustomOps, ipu_tracing
+from ..cpu import TrainingModule
+from ..stages import Stage, stages
+from .custom_op import PopTorchFP8CustomOps, load_custom_op_library
+from .options import build_options
+
+
+class IPUTrainingModule(TrainingModule):
+    """``(output, loss)`` with the loss marked for PopTorch's autograd.
+
+    While PopTorch traces it for the IPU (``poptorch.isRunningOnIpu()``), the model runs inside
+    ``ipu_tracing()``: unit scaling's backward scales are then part of the forward graph that
+    PopART differentiates, and FP8 casts are the PopART custom ops.
+    """
+
+    def __init__(self, model: nn.Module, fp8_ops: Optional[FP8CustomOps] = None):
+        super().__init__(model)
+        self.fp8_ops = fp8_ops
+
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        import poptorch
+
+        tracing = (ipu_tracing(self.fp8_ops) if poptorch.isRunningOnIpu()
+                   else contextlib.nullcontext())
+        with tracing:
+            logits, loss = super().forward(inputs, labels)
+        # The model's loss is already a mean; "none" tells PopTorch to take it as is.
+        return logits, poptorch.identity_loss(loss, reduction="none")
+
+
+def annotate_pipeline(model: nn.Module, split: Sequence[Stage], poptorch: Any) -> None:
+    """``poptorch.BeginBlock`` on every module of every stage, one block id per IPU.
+
+    Blocks that share a user id form one block, so each IPU holds one pipeline stage and
+    ``AutoStage.AutoIncrement`` numbers the stages in IPU order.
+    """
+    for stage in split:
+        for name in stage.modules:
+            poptorch.BeginBlock(model.get_submodule(name), f"ipu{stage.index}", stage.index)
+
+
+def make_ipu_optimizer(parameters: Any, config: Config) -> torch.optim.Optimizer:
+    """The PopTorch optimizer for ``config.training`` (gradient clipping runs on the IPU)."""
+    import poptorch
+
+    training = config.training
+    classes = {
+        "sgd": poptorch.optim.SGD,
+        "adam": poptorch.optim.Adam,
+        "adamw": poptorch.optim.AdamW,
+    }
+    return classes[training.optimizer](
+        parameters,
+        lr=training.learning_rate,
+        weight_decay=training.weight_decay,
+        max_grad_norm=training.grad_clip,
+    )
+
+
+class IPUTrainingModel:
+    """A compiled-on-first-call ``poptorch.trainingModel`` with the fallback's interface."""
+
+    def __init__(self, model: nn.Module, optimizer: Any, config: Config, use_ipu_model: bool):
+        import poptorch
+
+        self.model = model
+        self.stages = stages(model, config)
+        if config.ipu.ipus_per_replica > 1:
+            annotate_pipeline(model, self.stages, poptorch)
+        self.options = build_options(config, use_ipu_model)
+        self.optimizer = optimizer
+        fp8_ops = PopTorchFP8CustomOps()
+        if config.precision.dtype == "fp8":
+            load_custom_op_library()  # a missing library fails here, not mid-compilation
+        self.executor = poptorch.trainingModel(
+            IPUTrainingModule(model, fp8_ops), options=self.options, optimizer=optimizer
+        )
+
+    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> Any:
+        return self.executor(inputs, labels)
+
+    def update_optimizer(self) -> None:
+        """Send changed learning rates (or other hyperparameters) to the device."""
+        self.executor.setOptimizer(self.optimizer)
+
+    def copy_weights_to_host(self) -> None:
+        self.executor.copyWeightsToHost()
+
+    def destroy(self) -> None:
+        """Release the device and take the pipeline annotations off the model."""
+        import poptorch
+
+        self.executor.destroy()
+        poptorch.removeBlocks(self.model)
+
+
+class IPUInferenceModule(nn.Module):
+    """The model in eval mode, traced under ``ipu_tracing()`` when PopTorch traces it."""
+
+    def __init__(self, model: nn.Module, fp8_ops: Optional[FP8CustomOps] = None):
+        super().__init__()
+        self.model = model
+        self.fp8_ops = fp8_ops
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        import poptorch
+
+        tracing = (ipu_tracing(self.fp8_ops) if poptorch.isRunningOnIpu()
+                   else contextlib.nullcontext())
+        with tracing:
+            return self.model(*inputs)
+
+
+class IPUInferenceModel:
+    """A compiled-on-first-call ``poptorch.inferenceModel`` for evaluation and sampling.
+
+    Inference takes one micro-batch per device iteration: PopTorch refuses gradient
+    accumulation there, and the pipeline is filled by device iterations instead.
+    """
+
+    def __init__(self, model: nn.Module, config: Config, use_ipu_model: bool):
+        import poptorch
+
+        self.model = model
+        inference = copy.deepcopy(config)
+        inference.ipu.gradient_accumulation = 1
+        self.stages = stages(model, inference)
+        if inference.ipu.ipus_per_replica > 1:
+            annotate_pipeline(model, self.stages, poptorch)
+        if config.precision.dtype == "fp8":
+            load_custom_op_library()
+        model.eval()
+        self.executor = poptorch.inferenceModel(
+            IPUInferenceModule(model, PopTorchFP8CustomOps()),
+            options=build_options(inference, use_ipu_model))
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        return self.executor(*inputs)
+
+    def destroy(self) -> None:
+        import poptorch
+
+        self.executor.destroy()
+        poptorch.removeBlocks(self.model)

@@ -1,0 +1,97 @@
+"""The pipeline stage split, shared by every backend: PopTorch blocks, torch pipeline ranks.
+
+The model follows the contract of ``ipu_unit_scaling.models``: its transformer blocks are in an
+``nn.ModuleList`` called ``layers``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Dict, Iterator, List, Sequence, Tuple
+
+from torch import nn
+
+from ..config import resolve_layers_per_ipu
+
+if TYPE_CHECKING:
+    from ..config import Config
+
+# Children that must sit with the first or last stage whatever their registration order.
+INPUT_SIDE = ("embedding", "position_embedding")
+OUTPUT_SIDE = ("final_norm", "head")
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: IPU ``index`` of a replica, or one rank of a torch pipeline."""
+
+    index: int
+    modules: Tuple[str, ...]  # names of the model's submodules placed on this stage
+    layers: Tuple[int, ...]  # indices into model.layers
+
+
+def split_stages(model: nn.Module, layers_per_stage: Sequence[int]) -> List[Stage]:
+    """Place ``model.layers`` by ``layers_per_stage`` (explicit counts, no ``-1``).
+
+    Children registered before ``layers`` (embeddings) go on the first stage and those after
+    it (final norm, head, loss) on the last, so activations flow one way through the stages.
+    """
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise TypeError(f"{type(model).__name__} has no nn.ModuleList 'layers' to split")
+    if sum(layers_per_stage) != len(layers) or any(c < 0 for c in layers_per_stage):
+        raise ValueError(
+            f"layers_per_stage {list(layers_per_stage)} must be counts summing to the "
+            f"{len(layers)} layers of the model"
+        )
+    first: List[str] = []
+    last: List[str] = []
+    seen_layers = False
+    for name, _ in model.named_children():
+        if name == "layers":
+            seen_layers = True
+        elif name in INPUT_SIDE:
+            first.append(name)
+        elif name in OUTPUT_SIDE or seen_layers:
+            last.append(name)
+        else:
+            first.append(name)
+    stages: List[Stage] = []
+    start = 0
+    for index, count in enumerate(layers_per_stage):
+        indices = tuple(range(start, start + count))
+        names = [f"layers.{i}" for i in indices]
+        if index == 0:
+            names = first + names
+        if index == len(layers_per_stage) - 1:
+            names = names + last
+        stages.append(Stage(index=index, modules=tuple(names), layers=indices))
+        start += count
+    return stages
+
+
+def stages(model: nn.Module, config: Config) -> List[Stage]:
+    """The stage split ``config.ipu.layers_per_ipu`` gives ``model`` (for inspection)."""
+    counts = resolve_layers_per_ipu(
+        config.ipu.layers_per_ipu, len(getattr(model, "layers", ())), config.ipu.ipus_per_replica
+    )
+    return split_stages(model, counts)
+
+
+def stage_parameters(model: nn.Module, stage: Stage) -> Iterator[nn.Parameter]:
+    for name in stage.modules:
+        yield from model.get_submodule(name).parameters()
+
+
+def check_no_shared_parameters(model: nn.Module, split: Sequence[Stage]) -> None:
+    """Tied weights cannot live on two stages at once; say which ones are."""
+    owner: Dict[int, Tuple[int, str]] = {}
+    for stage in split:
+        for module_name in stage.modules:
+            module = model.get_submodule(module_name)
+            for param_name, param in module.named_parameters():
+                previous = owner.setdefault(id(param), (stage.index, module_name))
+                if previous[0] != stage.index:
+                    raise ValueError(
+                        f"parameter {module_name}.{param_name} is shared with {previous[1]} on "
+                        f"stage {previous[0]}; untie it or place both on one stage"
+                    )
