@@ -91,6 +91,7 @@ __all__ = [
     "PLOT_FILE", "METRIC_FIELDS",
 ]
 
+
 class TrainingDiverged(RuntimeError):
     """The loss (or the weights) became non-finite; nothing was saved after that."""
 
