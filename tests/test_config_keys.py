@@ -26,8 +26,19 @@ BASE = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accum
         "training.warmup_steps=0", "training.log_interval=1"]
 
 
+TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(80))
+DATA: List[str] = []  # a small text file: a short run need not encode the embedded corpus
+
+
+@pytest.fixture(autouse=True, scope="module")
+def small_text(tmp_path_factory: Any) -> None:
+    path = tmp_path_factory.mktemp("data") / "text.txt"
+    path.write_text(TEXT)
+    DATA[:] = [f"data.path={path}"]
+
+
 def _config(*overrides: str) -> Config:
-    return load_config("tiny", BASE + list(overrides))
+    return load_config("tiny", BASE + DATA + list(overrides))
 
 
 def _losses(tmp_path: Path, monkeypatch: Any, overrides: List[str]) -> List[Any]:
@@ -108,7 +119,7 @@ def _default_run_dir(tmp_path: Path, monkeypatch: Any, overrides: List[str]) -> 
         raise cli.UsageError("stop here")
 
     monkeypatch.setattr(train_module, "train", fake_train)  # the CLI imports it when it runs
-    cli.main(["train", "--config", "tiny", "--quiet", "--set", *BASE, *overrides])
+    cli.main(["train", "--config", "tiny", "--quiet", "--set", *BASE, *DATA, *overrides])
     monkeypatch.setattr(train_module, "train", train)
     return seen["run_dir"].parent
 
@@ -122,7 +133,7 @@ def _compare_regimes(tmp_path: Path, monkeypatch: Any, overrides: List[str]) -> 
 
     monkeypatch.setattr(cli, "run_compare", fake_compare)
     cli.main(["compare", "--config", "tiny", "--run-dir", str(tmp_path / "c"), "--set",
-              *BASE, *overrides])
+              *BASE, *DATA, *overrides])
     return seen["regimes"]
 
 
@@ -142,7 +153,7 @@ PIPELINE = ["ipu.ipus_per_replica=2", "ipu.layers_per_ipu=[1, 1]", "ipu.gradient
 # key -> (the new value, or the overrides that change it; what to observe; settings both
 # observations share)
 KEYS: Dict[str, Any] = {
-    "model.vocab_size": ("50", _refusal, []),  # an upper bound: below the corpus's, refused
+    "model.vocab_size": ("10", _refusal, []),  # an upper bound: below the corpus's, refused
     "model.seq_len": ("8", _losses, []),
     "model.depth": ("1", _losses, []),
     "model.hidden_size": ("16", _losses, []),
