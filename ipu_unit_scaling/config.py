@@ -522,6 +522,8 @@ def _check_rules(config: Config, errors: List[Tuple[str, str]]) -> None:
 
     for index, regime in enumerate(config.compare.regimes):
         choice(f"compare.regimes[{index}]", regime, REGIMES)
+    if not config.compare.regimes:
+        error("compare.regimes", "got []; name at least one regime")
     if len(set(config.compare.regimes)) != len(config.compare.regimes):
         error("compare.regimes", f"got {config.compare.regimes}; each regime at most once")
     for regime, rate in config.compare.learning_rates.items():

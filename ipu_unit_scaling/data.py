@@ -62,6 +62,7 @@ def read_text_file(path: Union[str, Path]) -> str:
             raise DataError(f"data file {name} does not exist")
         if not path.is_file():
             raise DataError(f"data file {name} is not a regular file")
+        _check_fits(name, path.stat().st_size)
         raw = path.read_bytes()
     except OSError as error:
         raise DataError(f"cannot read data file {name}: {error.strerror or error}") from None
@@ -78,6 +79,23 @@ def read_text_file(path: Union[str, Path]) -> str:
             f"data file {name} is not UTF-8 text (invalid byte 0x{raw[error.start]:02x} "
             f"at offset {error.start})"
         ) from None
+
+
+# Host bytes per byte of text while it is decoded and encoded: the bytes, the string (up to 4
+# bytes a character), the list of ids (8) and the tensor of ids (8).
+BYTES_PER_TEXT_BYTE = 21
+
+
+def _check_fits(name: str, size: int) -> None:
+    from .memory import format_bytes, machine_memory
+
+    available = machine_memory()
+    if available is not None and size * BYTES_PER_TEXT_BYTE > available:
+        raise DataError(
+            f"data file {name} has {format_bytes(size)}; reading and encoding it needs about "
+            f"{format_bytes(size * BYTES_PER_TEXT_BYTE)}, more than the "
+            f"{format_bytes(available)} of this machine"
+        )
 
 
 class CharTokenizer:

@@ -175,6 +175,8 @@ CASES = [
     Case("backend-unknown", setting("backend=gpu"), 2, "backend"),
     Case("regimes-twice", lambda tmp: ["compare", "--run-dir", str(tmp / "c"), "--regimes",
                                        "fp32", "fp32"], 2, "lists a regime twice"),
+    Case("compare-no-regimes", lambda tmp: ["compare", "--run-dir", str(tmp / "c"), "--set",
+                                            "compare.regimes=[]"], 2, "at least one regime"),
     Case("compare-rate-negative", setting("compare.learning_rates={fp32: -1}"), 2,
          "compare.learning_rates.fp32"),
     # --- overrides and arguments

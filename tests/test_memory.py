@@ -106,3 +106,17 @@ def test_the_estimate_is_within_a_factor_of_two_of_a_real_step():
     assert result.returncode == 0, result.stderr
     numbers = json.loads(result.stdout)
     assert 0.5 < numbers["estimate"] / numbers["used"] < 2.0, numbers
+
+
+def test_a_data_file_too_big_to_encode_is_refused_before_it_is_read(capsys, tmp_path,
+                                                                    monkeypatch):
+    text = tmp_path / "big.txt"
+    with open(text, "wb") as handle:  # sparse: 64 MiB on paper, nothing on disk
+        handle.truncate(64 * 2**20)
+    monkeypatch.setattr(memory, "machine_memory", lambda: 2**30)
+    status = main(["train", "--config", "tiny", "--data", str(text), "--run-dir",
+                   str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1
+    assert "has 64.0 MiB; reading and encoding it needs about 1.3 GiB, more than the 1.0 GiB" \
+        in err
