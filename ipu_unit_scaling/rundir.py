@@ -23,6 +23,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -243,11 +244,16 @@ def _holder_text() -> str:
 
 
 def _read_holder(fd: int) -> str:
-    try:
-        text = os.pread(fd, 1024, 0).decode("utf-8", "replace").strip()
-    except OSError:
-        text = ""
-    return " ".join(text.split()) or "another process"
+    # The holder writes its name just after taking the lock: give it a moment to appear.
+    for _ in range(50):
+        try:
+            text = os.pread(fd, 1024, 0).decode("utf-8", "replace").strip()
+        except OSError:
+            break
+        if text:
+            return " ".join(text.split())
+        time.sleep(0.01)
+    return "another process"
 
 
 # ------------------------------------------------------------------------------ checkpoints
