@@ -155,6 +155,22 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
         pass
 
 
+def test_a_writer_refused_just_as_the_lock_was_taken_still_names_the_holder(tmp_path):
+    import fcntl
+    import threading
+
+    fd = os.open(tmp_path / ".lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # taken, the holder's name not written yet
+    late = threading.Timer(0.1, lambda: os.pwrite(fd, b"process 99 on elsewhere (train)", 0))
+    late.start()
+    try:
+        with pytest.raises(RunError, match=r"in use by process 99 on elsewhere \(train\)"):
+            RunLock(tmp_path).acquire()
+    finally:
+        late.join()
+        os.close(fd)
+
+
 def test_train_refuses_a_directory_another_run_holds(capsys, tmp_path, data):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
