@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import yaml
 
-BACKEND_NAMES = ("auto", "ipu", "ipu_model", "emulator", "cpu")
+BACKEND_NAMES = ("auto", "ipu", "ipu_model", "emulator", "cpu", "popxl")
 DTYPES = ("fp32", "fp16", "fp8")
 FP8_FORMATS = ("F143", "F152", "E4M3FN", "E5M2")
 FP8_SCALINGS = ("amax", "static")
