@@ -34,10 +34,18 @@ from torch import Tensor, nn
 
 from . import functional as U
 from .backends import build_training_model, make_optimizer, select_backend
-from .config import REGIMES, Config, config_from_dict, scheduled_learning_rate, validate
+from .config import (
+    REGIMES,
+    UMUP_MULTIPLIERS,
+    Config,
+    config_from_dict,
+    scheduled_learning_rate,
+    validate,
+)
 from .data import CharTokenizer, Corpus, DataError, get_batch, load_corpus, unigram_cross_entropy
 from .fp8 import NonFiniteAmaxError
 from .models import GPTConfig, build_gpt
+from .optim import set_learning_rate
 
 __all__ = [
     "RunError",
@@ -46,6 +54,9 @@ __all__ = [
     "RunSummary",
     "REGIME_SETTINGS",
     "regime_config",
+    "MODEL_KINDS",
+    "set_model_kind",
+    "model_kind",
     "simulate_fp16",
     "build_model",
     "save_checkpoint",
@@ -62,18 +73,23 @@ SUMMARY_FILE = "summary.json"
 PLOT_FILE = "loss.png"
 METRIC_FIELDS = ("step", "lr", "train_loss", "val_loss", "tokens_per_s", "elapsed_s")
 
-# regime -> (unit-scaled model, precision dtype, FP8 scaling)
-REGIME_SETTINGS: Dict[str, Tuple[bool, str, str]] = {
-    "fp32": (False, "fp32", "amax"),
-    "fp16": (False, "fp16", "amax"),
-    "fp8-naive": (False, "fp8", "static"),
-    "fp8-amax": (False, "fp8", "amax"),
-    "unit-fp32": (True, "fp32", "amax"),
-    "unit-fp16": (True, "fp16", "amax"),
-    "unit-fp8": (True, "fp8", "static"),
-    "unit-fp8-amax": (True, "fp8", "amax"),
+# regime -> (model: plain, unit or u-mup; precision dtype; FP8 scaling)
+REGIME_SETTINGS: Dict[str, Tuple[str, str, str]] = {
+    "fp32": ("plain", "fp32", "amax"),
+    "fp16": ("plain", "fp16", "amax"),
+    "fp8-naive": ("plain", "fp8", "static"),
+    "fp8-amax": ("plain", "fp8", "amax"),
+    "unit-fp32": ("unit", "fp32", "amax"),
+    "unit-fp16": ("unit", "fp16", "amax"),
+    "unit-fp8": ("unit", "fp8", "static"),
+    "unit-fp8-amax": ("unit", "fp8", "amax"),
+    "umup-fp32": ("u-mup", "fp32", "amax"),
+    "umup-fp16": ("u-mup", "fp16", "amax"),
+    "umup-fp8": ("u-mup", "fp8", "static"),
+    "umup-fp8-amax": ("u-mup", "fp8", "amax"),
 }
 assert set(REGIME_SETTINGS) == set(REGIMES)
+MODEL_KINDS = ("plain", "unit", "u-mup")
 
 
 class RunError(ValueError):
@@ -105,13 +121,34 @@ def regime_config(config: Config, regime: str) -> Config:
     """``config`` set to one comparison regime: model build, precision and learning rate."""
     if regime not in REGIME_SETTINGS:
         raise ValueError(f"unknown regime {regime!r}; allowed: {', '.join(REGIMES)}")
-    unit_scaled, dtype, scaling = REGIME_SETTINGS[regime]
+    model, dtype, scaling = REGIME_SETTINGS[regime]
     result = copy.deepcopy(config)
-    result.model.unit_scaled = unit_scaled
+    set_model_kind(result, model)
     result.precision.dtype = dtype
     result.precision.fp8.scaling = scaling
     result.training.learning_rate = config.compare.learning_rates[regime]
     return result
+
+
+def set_model_kind(config: Config, kind: str) -> None:
+    """Make ``config.model`` a plain, unit-scaled or u-μP GPT, in place. Each takes the model
+    keys that apply to it: the others go back to their defaults (u-μP's multipliers outside
+    u-μP, unit scaling's taus inside it), so the result always validates."""
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"model kind {kind!r} is not one of {', '.join(MODEL_KINDS)}")
+    model, defaults = config.model, type(config.model)()
+    model.unit_scaled = kind != "plain"
+    model.parametrization = "u-mup" if kind == "u-mup" else "unit"
+    reset = ("attn_tau", "mlp_tau") if kind == "u-mup" else UMUP_MULTIPLIERS
+    for name in reset:
+        setattr(model, name, getattr(defaults, name))
+
+
+def model_kind(config: Config) -> str:
+    """``plain``, ``unit`` or ``u-mup``: what :func:`set_model_kind` set."""
+    if not config.model.unit_scaled:
+        return "plain"
+    return "u-mup" if config.model.parametrization == "u-mup" else "unit"
 
 
 def round_to_half(x: Tensor) -> Tensor:
@@ -165,14 +202,7 @@ def simulate_fp16(model: nn.Module) -> nn.Module:
 
 def build_model(config: Config) -> nn.Module:
     """The example GPT that ``config.model`` describes, in ``config.precision``."""
-    m = config.model
-    model: nn.Module = build_gpt(
-        GPTConfig(
-            vocab_size=m.vocab_size, seq_len=m.seq_len, depth=m.depth,
-            hidden_size=m.hidden_size, heads=m.heads, mlp_expansion=m.mlp_expansion,
-            dropout=m.dropout, unit_scaled=m.unit_scaled,
-        )
-    )
+    model: nn.Module = build_gpt(GPTConfig(**asdict(config.model)))
     if config.precision.dtype == "fp8":
         from .fp8 import FP8Config, simulate_fp8
 
@@ -408,7 +438,7 @@ def train(
     backend = select_backend(config.backend)
     torch.manual_seed(training.seed)
     model = build_model(config)
-    optimizer = make_optimizer(model.parameters(), config, backend)
+    optimizer = make_optimizer(model, config, backend)
     batch_generator = torch.Generator().manual_seed(training.seed)
     # The same validation windows at every evaluation, drawn from their own generator.
     val_generator = torch.Generator().manual_seed(training.seed + 1)
@@ -487,8 +517,7 @@ def train(
         with _StopRequest() as stop:
             while step < training.steps:
                 lr = scheduled_learning_rate(training, step)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
+                set_learning_rate(optimizer, lr)
                 wrapper.update_optimizer()
                 inputs, labels = get_batch(
                     corpus.train, config.samples_per_call, seq_len, batch_generator
@@ -609,7 +638,7 @@ def _finish(
         json.dump(asdict(summary), handle, indent=2)
     from .plots import plot_run
 
+    model_name = {"unit": "unit-scaled", "u-mup": "u-μP"}.get(model_kind(config), "plain")
     plot_run(run_dir / METRICS_FILE, run_dir / PLOT_FILE, unigram,
-             title=f"{config.model.unit_scaled and 'unit-scaled' or 'plain'} GPT, "
-                   f"{config.precision.dtype}")
+             title=f"{model_name} GPT, {config.precision.dtype}")
     return summary
