@@ -317,3 +317,36 @@ def test_matches_the_published_library_where_it_is_installed():
     embedding = library.Embedding(65, 64)
     assert lr_scale(WeightRule("embedding", (65, 64))) == pytest.approx(
         library.optim.lr_scale_func_adam(embedding.weight))
+
+
+# ------------------------------------------------------------------------------ config
+
+
+def test_config_refuses_keys_the_parametrization_would_ignore():
+    from ipu_unit_scaling.config import ConfigError, load_config
+
+    load_config(None, ["model.parametrization=u-mup", "model.residual_mult=2"])  # fine
+    cases = {
+        "model.residual_mult": ["model.residual_mult=2"],  # only u-mup uses it
+        "model.attn_tau": ["model.parametrization=u-mup", "model.attn_tau=0.3"],
+        "model.parametrization": ["model.parametrization=u-mup", "model.unit_scaled=false"],
+        "model.loss_softmax_mult": ["model.parametrization=u-mup", "model.loss_softmax_mult=0"],
+    }
+    for key, overrides in cases.items():
+        with pytest.raises(ConfigError) as error:
+            load_config(None, overrides)
+        assert [path for path, _ in error.value.errors] == [key], overrides
+    with pytest.raises(ConfigError, match="did you mean 'u-mup'"):
+        load_config(None, ["model.parametrization=u-mu"])
+
+
+def test_the_umup_config_builds_the_umup_gpt():
+    from ipu_unit_scaling.config import load_config
+    from ipu_unit_scaling.train import build_model
+
+    config = load_config("umup", ["precision.dtype=fp32", "model.attn_softmax_mult=2"])
+    assert config.training.learning_rate == 1.0
+    model = build_model(config)
+    width, heads = config.model.hidden_size, config.model.heads
+    assert model.layers[0].attn.attention_scale == 2 / (width // heads)
+    assert model.logit_scale == pytest.approx(width**-0.5) and model.head.constraint is None
