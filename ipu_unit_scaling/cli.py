@@ -5,6 +5,7 @@ Exit status: 0 done, 1 training diverged, 2 bad arguments, config or data, 130 C
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import sys
@@ -350,8 +351,6 @@ def run_compare_seeds(config: Config, regimes: Sequence[str], run_dir: Path, see
                       quiet: bool = False) -> str:
     """``compare`` once per seed (``run_dir/seed-<seed>``), then the mean ± std table; returns
     it (also in ``compare.md``, with ``compare.json`` and ``compare.png``)."""
-    import copy
-
     from .experiments import write_seed_results
 
     per_seed: Dict[int, List[Dict[str, Any]]] = {}
