@@ -350,3 +350,24 @@ def test_the_umup_config_builds_the_umup_gpt():
     width, heads = config.model.hidden_size, config.model.heads
     assert model.layers[0].attn.attention_scale == 2 / (width // heads)
     assert model.logit_scale == pytest.approx(width**-0.5) and model.head.constraint is None
+
+
+# ------------------------------------------------------------------------------ FP8
+
+
+def test_static_fp8_needs_no_scaling_in_umup_either():
+    # Unit scale is what lets plain FP8 casts (scale 2^0) work; u-μP keeps it, so at init the
+    # casts of the forward and backward pass flush and saturate almost nothing.
+    from ipu_unit_scaling.fp8 import FP8Config, fp8_stats, simulate_fp8
+
+    ids, labels = batch()
+    reference = gpt(width=128, depth=4)(ids, labels).item()
+    model = simulate_fp8(gpt(width=128, depth=4), FP8Config(scaling="static"))
+    with fp8_stats() as stats:
+        loss = model(ids, labels)
+        loss.backward()
+    assert loss.item() == pytest.approx(reference, rel=0.01)
+    assert len(stats.records) > 0
+    flushed = sum(r.flushed for r in stats.records) / sum(r.nonzero for r in stats.records)
+    assert flushed < 0.01
+    assert sum(r.saturated for r in stats.records) == 0
