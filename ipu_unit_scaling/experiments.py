@@ -185,11 +185,16 @@ def plot_seed_curves(curves: Mapping[str, Sequence[Tuple[int, float, float]]], o
 
 
 def _save(plt: Any, figure: Any, out: Path) -> None:
+    from .plots import _save as save_whole
+
     figure.tight_layout()
-    try:
-        figure.savefig(out, dpi=100)
-    finally:
-        plt.close(figure)
+    save_whole(plt, figure, out)
+
+
+def _write_text(path: Path, text: str) -> None:
+    from .rundir import atomic_write
+
+    atomic_write(path, text.encode("utf-8"))
 
 
 def write_seed_results(run_dir: Path, per_seed: Mapping[int, Sequence[Mapping[str, Any]]],
@@ -207,10 +212,10 @@ def write_seed_results(run_dir: Path, per_seed: Mapping[int, Sequence[Mapping[st
             curves[seed][row["regime"]] = [(int(s), float(v))
                                            for s, v in summary.get("val_curve", [])]
     table = format_seed_table(summaries, baseline)
-    (run_dir / "compare.md").write_text(table + "\n", encoding="utf-8")
+    _write_text(run_dir / "compare.md", table + "\n")
     payload = {"unigram_baseline": baseline, "seeds": sorted(per_seed),
                "regimes": [vars(s) for s in summaries]}
-    (run_dir / "compare.json").write_text(json.dumps(payload, indent=2), encoding="utf-8")
+    _write_text(run_dir / "compare.json", json.dumps(payload, indent=2))
     plot_seed_curves(mean_curves(curves), run_dir / "compare.png", baseline, len(per_seed))
     return summaries, table
 
@@ -271,23 +276,41 @@ def run_sweep(
     ``sweep.json`` and ``sweep.png``. Finished points found in ``run_dir`` are reused,
     unfinished ones resumed; a point that diverges is recorded as such and the sweep goes on."""
     from .config import validate
-    from .train import TrainingDiverged, train
+    from .rundir import RunLock, make_run_dir
 
-    points: List[SweepPoint] = []
     plan = [(kind, depth, width, e) for kind in kinds for depth in depths for width in widths
             for e in exponents[kind]]
     for kind, depth, width, log2_lr in plan:  # every point is checked before the first trains
         validate(point_config(config, kind, width, depth, log2_lr))
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_run_dir(run_dir)
+    with RunLock(run_dir):  # one sweep at a time in a directory
+        points = _train_points(config, plan, run_dir, quiet, log)
+        defaults = {kind: config.compare.learning_rates[DEFAULT_REGIME[kind]] for kind in kinds}
+        tables = format_sweep_tables(points, defaults)
+        _write_text(run_dir / "sweep.md", tables + "\n")
+        _write_text(run_dir / "sweep.json", json.dumps({
+            "points": [vars(p) for p in points], "default_learning_rates": defaults,
+            "summary": transfer_summary(points, defaults)}, indent=2))
+        plot_sweep(points, defaults, run_dir / "sweep.png")
+    return points
+
+
+def _train_points(config: Config, plan: Sequence[Tuple[str, int, int, int]], run_dir: Path,
+                  quiet: bool, log: Callable[[str], None]) -> List[SweepPoint]:
+    from .train import TrainingDiverged, train
+
+    points: List[SweepPoint] = []
     for index, (kind, depth, width, log2_lr) in enumerate(plan, 1):
         directory = _point_dir(run_dir, kind, width, depth, log2_lr)
         summary = _read_json(directory / "summary.json")
         name = f"{kind} w{width} d{depth} lr 2^{log2_lr}"
+        cfg = point_config(config, kind, width, depth, log2_lr)
+        if summary or (directory / "checkpoint.pt").is_file():
+            _check_same_settings(directory, cfg)
         if summary.get("status") not in ("completed", "diverged"):
             resume = (directory / "checkpoint.pt").is_file()
             try:
-                train(point_config(config, kind, width, depth, log2_lr), directory,
-                      resume=resume, quiet=True, desc=name)
+                train(cfg, directory, resume=resume, quiet=True, desc=name)
             except TrainingDiverged:
                 pass
             summary = _read_json(directory / "summary.json")
@@ -298,14 +321,33 @@ def run_sweep(
         if not quiet:
             shown = f"{loss:.4f}" if loss is not None else status
             log(f"sweep [{index}/{len(plan)}] {name}: final validation loss {shown}")
-    defaults = {kind: config.compare.learning_rates[DEFAULT_REGIME[kind]] for kind in kinds}
-    tables = format_sweep_tables(points, defaults)
-    (run_dir / "sweep.md").write_text(tables + "\n", encoding="utf-8")
-    (run_dir / "sweep.json").write_text(json.dumps({
-        "points": [vars(p) for p in points], "default_learning_rates": defaults,
-        "summary": transfer_summary(points, defaults)}, indent=2), encoding="utf-8")
-    plot_sweep(points, defaults, run_dir / "sweep.png")
     return points
+
+
+def _flat(tree: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
+    flat: Dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and key != "learning_rates":
+            flat.update(_flat(value, f"{prefix}{key}."))
+        else:
+            flat[prefix + key] = value
+    return flat
+
+
+def _check_same_settings(directory: Path, cfg: Config) -> None:
+    """A point found in the run directory is reused only if it ran with these settings (the
+    vocabulary aside: a run saves its corpus's); else RunError names what differs."""
+    from .rundir import RunError
+    from .train import load_run_config
+
+    saved = _flat(load_run_config(directory).to_dict())
+    wanted = _flat(cfg.to_dict())
+    wanted["model.vocab_size"] = saved.get("model.vocab_size")
+    differing = [key for key in sorted(set(saved) | set(wanted))
+                 if not key.startswith("compare.") and saved.get(key) != wanted.get(key)]
+    if differing:
+        raise RunError(f"{directory} was trained with other settings ({', '.join(differing[:4])})"
+                       "; rerun with the same settings or choose another --run-dir")
 
 
 def _best(points: Sequence[SweepPoint]) -> Optional[SweepPoint]:
