@@ -1,4 +1,4 @@
-"""The ``ipu-unit-scaling`` command: ``train``, ``compare`` and ``analyse``.
+"""The ``ipu-unit-scaling`` command: ``train``, ``compare``, ``sweep`` and ``analyse``.
 
 Exit status: 0 done, 1 training diverged, 2 bad arguments, config, data or run directory (one
 line on stderr, never a traceback), 130 Ctrl-C.
@@ -6,6 +6,7 @@ line on stderr, never a traceback), 130 Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -16,6 +17,8 @@ from typing import Any, Dict, List, NoReturn, Optional, Sequence
 
 from .config import CONFIGS_DIR, REGIMES, Config, ConfigError, load_config
 
+MODEL_KINDS = ("plain", "unit", "u-mup")  # as ipu_unit_scaling.train.MODEL_KINDS
+
 PROG = "ipu-unit-scaling"
 EXIT_DIVERGED = 1
 EXIT_USAGE = 2
@@ -23,7 +26,11 @@ EXIT_INTERRUPTED = 130
 MAX_THREADS = 1024
 DEBUG_ENV = "IPU_UNIT_SCALING_DEBUG"  # set to 1: unexpected errors show their traceback
 
-__all__ = ["main", "build_parser", "run_compare", "format_compare_table"]
+__all__ = ["main", "build_parser", "run_compare", "run_compare_seeds", "format_compare_table"]
+
+
+# How tables name the three model kinds of ipu_unit_scaling.train.MODEL_KINDS.
+MODEL_NAMES = {"plain": "plain", "unit": "unit-scaled", "u-mup": "u-μP"}
 
 
 class UsageError(ValueError):
@@ -134,6 +141,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--regimes", nargs="+", choices=REGIMES, metavar="REGIME",
         help=f"regimes to run (default: compare.regimes); any of {', '.join(REGIMES)}",
     )
+    compare.add_argument(
+        "--seeds", metavar="N", type=_positive_int, default=1,
+        help="run every regime with seeds training.seed, +1, ..., +N-1 (each seed in RUN_DIR/"
+             "seed-<seed>) and report the mean and standard deviation of the final validation "
+             "loss and of the gap to fp32; the figure shows mean curves with +-1 std bands",
+    )
+
+    sweep = commands.add_parser(
+        "sweep", help="learning-rate sweep across widths: does the best learning rate transfer?",
+        description="Train a grid of learning rates (powers of two) x widths (x depths) for each "
+                    "model (plain, unit = unit-scaled, u-mup = u-μP), then write sweep.md (final "
+                    "validation losses, the best learning rate at each width, how far it moves, "
+                    "and the default learning rate's loss against the best), sweep.json and "
+                    "sweep.png (loss against learning rate, one curve per width). Each model's "
+                    "grid is centred on its default learning rate (compare.learning_rates of its "
+                    "fp32 regime). Rerunning with the same --run-dir reuses finished points.",
+    )
+    _add_config_arguments(sweep)
+    sweep.add_argument("--models", nargs="+", choices=MODEL_KINDS, default=list(MODEL_KINDS),
+                       metavar="MODEL", help="models to sweep (default: plain unit u-mup)")
+    sweep.add_argument("--widths", nargs="+", type=_positive_int, default=[64, 128, 256],
+                       metavar="W", help="model.hidden_size values (default: 64 128 256)")
+    sweep.add_argument("--depths", nargs="+", type=_positive_int, metavar="D",
+                       help="model.depth values (default: the config's)")
+    sweep.add_argument("--span", type=_positive_int, default=2, metavar="K",
+                       help="learning rates 2^(c-K) .. 2^(c+K) around each model's default "
+                            "2^c (default 2: five rates)")
+    sweep.add_argument("--log2-lr", nargs="+", default=[], metavar="MODEL=LO:HI",
+                       help="an explicit grid for a model, e.g. u-mup=-3:2 (2^-3 .. 2^2)")
 
     analyse = commands.add_parser(
         "analyse", help="compare tensor scales of the plain and unit-scaled model",
@@ -289,7 +325,7 @@ def _differences(saved: Dict[str, Any], wanted: Dict[str, Any], prefix: str = ""
 def _run_regimes(plans: Sequence[Any], run_dir: Path, quiet: bool) -> List[Dict[str, Any]]:
     from .plots import plot_compare
     from .rundir import SUMMARY_FILE, atomic_write, read_json
-    from .train import TrainingDiverged, train
+    from .train import TrainingDiverged, model_kind, train
 
     rows: List[Dict[str, Any]] = []
     curves: Dict[str, List[Any]] = {}
@@ -310,7 +346,7 @@ def _run_regimes(plans: Sequence[Any], run_dir: Path, quiet: bool) -> List[Dict[
         curves[regime] = [tuple(p) for p in data.get("val_curve", [])]
         rows.append({
             "regime": regime,
-            "model": "unit-scaled" if cfg.model.unit_scaled else "plain",
+            "model": MODEL_NAMES[model_kind(cfg)],
             "precision": _precision_name(cfg),
             "learning_rate": cfg.training.learning_rate,
             "status": data.get("status", "missing"),
@@ -372,9 +408,65 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if len(set(regimes)) != len(regimes):
         raise UsageError(f"--regimes lists a regime twice: {' '.join(regimes)}")
     run_dir = args.run_dir or _default_run_dir(config, "compare")
-    rows = run_compare(config, regimes, run_dir, quiet=args.quiet)
-    print(format_compare_table(rows, _read_baseline(run_dir)))
+    if args.seeds == 1:
+        rows = run_compare(config, regimes, run_dir, quiet=args.quiet)
+        print(format_compare_table(rows, _read_baseline(run_dir)))
+    else:
+        print(run_compare_seeds(config, regimes, run_dir, args.seeds, quiet=args.quiet))
     print(f"curves: {run_dir / 'compare.png'}; table: {run_dir / 'compare.md'}")
+    return 0
+
+
+def run_compare_seeds(config: Config, regimes: Sequence[str], run_dir: Path, seeds: int,
+                      quiet: bool = False) -> str:
+    """``compare`` once per seed (``run_dir/seed-<seed>``), then the mean ± std table; returns
+    it (also in ``compare.md``, with ``compare.json`` and ``compare.png``)."""
+    from .experiments import write_seed_results
+    from .rundir import RunLock, make_run_dir
+
+    per_seed: Dict[int, List[Dict[str, Any]]] = {}
+    seed_dirs: Dict[int, Path] = {}
+    make_run_dir(run_dir)
+    with RunLock(run_dir):
+        for offset in range(seeds):
+            seeded = copy.deepcopy(config)
+            seed = seeded.training.seed = config.training.seed + offset
+            seed_dirs[seed] = run_dir / f"seed-{seed}"
+            if not quiet:
+                print(f"compare: seed {seed} ({offset + 1} of {seeds})")
+            per_seed[seed] = run_compare(seeded, regimes, seed_dirs[seed], quiet=quiet)
+        _, table = write_seed_results(run_dir, per_seed, seed_dirs)
+    return table
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from .experiments import DEFAULT_REGIME, default_exponents, format_sweep_tables, run_sweep
+
+    config = _load(args)
+    exponents = {kind: default_exponents(config, kind, args.span) for kind in args.models}
+    for item in args.log2_lr:
+        kind, _, bounds = item.partition("=")
+        low, _, high = bounds.partition(":")
+        try:
+            grid = list(range(int(low), int(high) + 1))
+        except ValueError:
+            grid = []
+        if kind not in args.models or not grid:
+            raise UsageError(f"--log2-lr {item!r}: expected MODEL=LO:HI with MODEL one of "
+                             f"{', '.join(args.models)} and integers LO <= HI")
+        exponents[kind] = grid
+    depths = args.depths or [config.model.depth]
+    for width in args.widths:
+        if width % config.model.heads:
+            raise UsageError(f"--widths {width}: model.heads ({config.model.heads}) must "
+                             "divide every width")
+    run_dir = args.run_dir or _default_run_dir(config, "sweep")
+    points = run_sweep(config, args.models, args.widths, depths, exponents, run_dir,
+                       quiet=args.quiet)
+    defaults = {kind: config.compare.learning_rates[DEFAULT_REGIME[kind]]
+                for kind in args.models}
+    print(format_sweep_tables(points, defaults))
+    print(f"transfer plot: {run_dir / 'sweep.png'}; table: {run_dir / 'sweep.md'}")
     return 0
 
 
@@ -406,7 +498,8 @@ def _cmd_analyse(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"train": _cmd_train, "compare": _cmd_compare, "analyse": _cmd_analyse}
+COMMANDS = {"train": _cmd_train, "compare": _cmd_compare, "sweep": _cmd_sweep,
+            "analyse": _cmd_analyse}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -36,6 +36,10 @@ DTYPES = ("fp32", "fp16", "fp8")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine")
 PARTIALS_TYPES = ("float", "half")
+PARAMETRIZATIONS = ("unit", "u-mup")
+# u-μP's principled hyperparameters (model keys); all default to 1.
+UMUP_MULTIPLIERS = ("residual_mult", "residual_attn_ratio", "attn_softmax_mult", "ffn_act_mult",
+                    "loss_softmax_mult")
 REGIMES = (
     "fp32",
     "fp16",
@@ -45,6 +49,10 @@ REGIMES = (
     "unit-fp16",
     "unit-fp8",
     "unit-fp8-amax",
+    "umup-fp32",
+    "umup-fp16",
+    "umup-fp8",
+    "umup-fp8-amax",
 )
 MAX_SEED = 2**63 - 1
 MAX_TAU = 1e6
@@ -135,6 +143,12 @@ def _default_learning_rates() -> Dict[str, float]:
         "unit-fp16": 0.06,
         "unit-fp8": 0.06,
         "unit-fp8-amax": 0.06,
+        # u-μP's global rate eta: each tensor's own rate is eta times its scale (see
+        # ipu_unit_scaling.umup); 1, like u-μP's other hyperparameters.
+        "umup-fp32": 1.0,
+        "umup-fp16": 1.0,
+        "umup-fp8": 1.0,
+        "umup-fp8-amax": 1.0,
     }
 
 
@@ -507,6 +521,7 @@ def _check_rules(config: Config, errors: List[Tuple[str, str]]) -> None:
         # Past MAX_TAU the skip path's weight 1 / sqrt(1 + tau**2) is below 1e-6: no residual.
         if not 0 < getattr(model, name) <= MAX_TAU:
             error(f"model.{name}", f"got {getattr(model, name)!r}; allowed: 0 < tau <= {MAX_TAU:g}")
+    _check_parametrization(model, error, choice)
 
     # precision.fp8 is an FP8Config, which refuses bad values itself when it is built.
     choice("precision.dtype", config.precision.dtype, DTYPES)
@@ -532,6 +547,27 @@ def _check_rules(config: Config, errors: List[Tuple[str, str]]) -> None:
             error(f"compare.learning_rates.{regime}", f"got {rate!r}; must be > 0")
 
     choice("backend", config.backend, BACKEND_NAMES)
+
+
+def _check_parametrization(model: ModelConfig, error: Any, choice: Any) -> None:
+    """u-μP's keys act only under u-μP, unit scaling's taus only under unit scaling: a value
+    that would be ignored is refused instead."""
+    choice("model.parametrization", model.parametrization, PARAMETRIZATIONS)
+    for name in UMUP_MULTIPLIERS:
+        value = getattr(model, name)
+        if not value > 0:
+            error(f"model.{name}", f"got {value!r}; must be > 0")
+        elif value != 1.0 and model.parametrization != "u-mup":
+            error(f"model.{name}", f"got {value!r}; only model.parametrization: u-mup uses it")
+    if model.parametrization != "u-mup":
+        return
+    if not model.unit_scaled:
+        error("model.parametrization", "u-mup needs model.unit_scaled: true")
+    defaults = ModelConfig()
+    for name in ("attn_tau", "mlp_tau"):
+        if getattr(model, name) != getattr(defaults, name):
+            error(f"model.{name}", "u-mup sets each layer's residual weights from "
+                  "model.residual_mult and model.residual_attn_ratio; leave it at its default")
 
 
 def _check_ipu(config: Config, error: Any) -> None:

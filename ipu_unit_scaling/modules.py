@@ -10,7 +10,7 @@ their default initialisation, which is what unit scaling is compared against.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from . import functional as U
 from .constraints import ConstraintArg
+from .scale import scale_fwd
 from .tracing import is_ipu_tracing
 
 __all__ = [
@@ -211,6 +212,7 @@ class MHSA(nn.Module):
         dropout_p: float = 0.0,
         bias: bool = False,
         ops: Ops = UNIT_OPS,
+        attention_scale: Optional[float] = None,
     ) -> None:
         super().__init__()
         if hidden_size % heads:
@@ -218,6 +220,8 @@ class MHSA(nn.Module):
         self.heads = heads
         self.is_causal = is_causal
         self.dropout_p = dropout_p
+        # None: the attention function's default, 1/sqrt(head_dim); u-μP asks for 1/head_dim.
+        self.attention_scale = attention_scale
         self.qkv = ops.Linear(hidden_size, 3 * hidden_size, bias=bias)
         self.proj = ops.Linear(hidden_size, hidden_size, bias=bias)
         self.attention = ops.scaled_dot_product_attention
@@ -226,10 +230,12 @@ class MHSA(nn.Module):
         batch, seq, hidden = input.shape
         qkv = self.qkv(input).view(batch, seq, 3, self.heads, hidden // self.heads)
         query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        scale = {} if self.attention_scale is None else {"scale": self.attention_scale}
         out = self.attention(
             query, key, value,
             dropout_p=self.dropout_p if self.training else 0.0,
             is_causal=self.is_causal,
+            **scale,
         )
         return self.proj(out.transpose(1, 2).reshape(batch, seq, hidden))
 
@@ -272,10 +278,11 @@ class TransformerLayer(nn.Module):
         mlp_tau: float = 0.5,
         bias: bool = False,
         ops: Ops = UNIT_OPS,
+        attention_scale: Optional[float] = None,
     ) -> None:
         super().__init__()
         self.attn_norm = layer_norm_module(ops, hidden_size, bias)
-        self.attn = MHSA(hidden_size, heads, is_causal, dropout_p, bias, ops)
+        self.attn = MHSA(hidden_size, heads, is_causal, dropout_p, bias, ops, attention_scale)
         self.mlp_norm = layer_norm_module(ops, hidden_size, bias)
         self.mlp = MLP(hidden_size, mlp_expansion, bias, ops)
         self.attn_tau = attn_tau
@@ -298,6 +305,11 @@ class TransformerDecoder(nn.Module):
 
     `forward(input_ids)` returns logits; `forward(input_ids, labels)` returns the mean
     cross-entropy loss, and `(loss, logits)` with `return_logits=True`.
+
+    Other parametrizations set the rest: `taus` gives each layer its own (attention tau, MLP
+    tau) instead of `attn_tau` and `mlp_tau`; `attention_scale` replaces attention's
+    1/sqrt(head_dim); `head` replaces the readout linear; `logit_scale` multiplies the logits in
+    the forward pass only (see `ipu_unit_scaling.umup`, which uses all four).
     """
 
     def __init__(
@@ -313,21 +325,30 @@ class TransformerDecoder(nn.Module):
         mlp_tau: float = 0.5,
         bias: bool = False,
         ops: Ops = UNIT_OPS,
+        taus: Optional[Sequence[Tuple[float, float]]] = None,
+        attention_scale: Optional[float] = None,
+        head: Optional[nn.Module] = None,
+        logit_scale: float = 1.0,
     ) -> None:
         super().__init__()
+        if taus is not None and len(taus) != depth:
+            raise ValueError(f"taus has {len(taus)} entries for depth={depth}")
+        layer_taus = list(taus) if taus is not None else [(attn_tau, mlp_tau)] * depth
         self.seq_len = seq_len
         self.ops = ops
         self.dropout_p = dropout_p
+        self.logit_scale = logit_scale
         self.embedding = ops.Embedding(vocab_size, hidden_size)
         self.position_embedding = ops.Embedding(seq_len, hidden_size)
         self.layers = nn.ModuleList(
             TransformerLayer(
-                hidden_size, heads, mlp_expansion, True, dropout_p, attn_tau, mlp_tau, bias, ops
+                hidden_size, heads, mlp_expansion, True, dropout_p, layer_attn_tau,
+                layer_mlp_tau, bias, ops, attention_scale,
             )
-            for _ in range(depth)
+            for layer_attn_tau, layer_mlp_tau in layer_taus
         )
         self.final_norm = layer_norm_module(ops, hidden_size, bias)
-        self.head = ops.Linear(hidden_size, vocab_size, bias=False)
+        self.head = head if head is not None else ops.Linear(hidden_size, vocab_size, bias=False)
 
     def embed(self, input_ids: Tensor) -> Tensor:
         positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
@@ -348,6 +369,8 @@ class TransformerDecoder(nn.Module):
         for layer in self.layers:
             hidden = layer(hidden)
         logits = self.head(self.final_norm(hidden))
+        if self.logit_scale != 1.0:
+            logits = scale_fwd(logits, self.logit_scale)
         if labels is None:
             return logits
         loss = self.loss(logits, labels)

@@ -14,24 +14,30 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import functional as U
-from .config import REGIMES, Config
+from .config import REGIMES, UMUP_MULTIPLIERS, Config
 from .models import build_gpt
 
-__all__ = ["REGIME_SETTINGS", "COMPARE_EVAL_POINTS", "regime_config", "round_to_half",
+__all__ = ["REGIME_SETTINGS", "MODEL_KINDS", "COMPARE_EVAL_POINTS", "regime_config",
+           "set_model_kind", "model_kind", "round_to_half",
            "FP16Linear", "simulate_fp16", "build_model"]
 
-# regime -> (unit-scaled model, precision dtype, FP8 scaling)
-REGIME_SETTINGS: Dict[str, Tuple[bool, str, str]] = {
-    "fp32": (False, "fp32", "amax"),
-    "fp16": (False, "fp16", "amax"),
-    "fp8-naive": (False, "fp8", "static"),
-    "fp8-amax": (False, "fp8", "amax"),
-    "unit-fp32": (True, "fp32", "amax"),
-    "unit-fp16": (True, "fp16", "amax"),
-    "unit-fp8": (True, "fp8", "static"),
-    "unit-fp8-amax": (True, "fp8", "amax"),
+# regime -> (model: plain, unit or u-mup; precision dtype; FP8 scaling)
+REGIME_SETTINGS: Dict[str, Tuple[str, str, str]] = {
+    "fp32": ("plain", "fp32", "amax"),
+    "fp16": ("plain", "fp16", "amax"),
+    "fp8-naive": ("plain", "fp8", "static"),
+    "fp8-amax": ("plain", "fp8", "amax"),
+    "unit-fp32": ("unit", "fp32", "amax"),
+    "unit-fp16": ("unit", "fp16", "amax"),
+    "unit-fp8": ("unit", "fp8", "static"),
+    "unit-fp8-amax": ("unit", "fp8", "amax"),
+    "umup-fp32": ("u-mup", "fp32", "amax"),
+    "umup-fp16": ("u-mup", "fp16", "amax"),
+    "umup-fp8": ("u-mup", "fp8", "static"),
+    "umup-fp8-amax": ("u-mup", "fp8", "amax"),
 }
 assert set(REGIME_SETTINGS) == set(REGIMES)
+MODEL_KINDS = ("plain", "unit", "u-mup")
 # compare draws one validation curve per regime: at least this many points where steps allow.
 COMPARE_EVAL_POINTS = 10
 
@@ -42,9 +48,9 @@ def regime_config(config: Config, regime: str) -> Config:
     evaluation interval that gives every curve at least ten points."""
     if regime not in REGIME_SETTINGS:
         raise ValueError(f"unknown regime {regime!r}; allowed: {', '.join(REGIMES)}")
-    unit_scaled, dtype, scaling = REGIME_SETTINGS[regime]
+    model, dtype, scaling = REGIME_SETTINGS[regime]
     result = copy.deepcopy(config)
-    result.model.unit_scaled = unit_scaled
+    set_model_kind(result, model)
     result.precision.dtype = dtype
     result.precision.fp8 = dataclasses.replace(result.precision.fp8, scaling=scaling)
     training = result.training
@@ -53,6 +59,27 @@ def regime_config(config: Config, regime: str) -> Config:
     if training.eval_interval == 0 or training.eval_interval > most:
         training.eval_interval = most
     return result
+
+
+def set_model_kind(config: Config, kind: str) -> None:
+    """Make ``config.model`` a plain, unit-scaled or u-μP GPT, in place. Each takes the model
+    keys that apply to it: the others go back to their defaults (u-μP's multipliers outside
+    u-μP, unit scaling's taus inside it), so the result always validates."""
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"model kind {kind!r} is not one of {', '.join(MODEL_KINDS)}")
+    model, defaults = config.model, type(config.model)()
+    model.unit_scaled = kind != "plain"
+    model.parametrization = "u-mup" if kind == "u-mup" else "unit"
+    reset = ("attn_tau", "mlp_tau") if kind == "u-mup" else UMUP_MULTIPLIERS
+    for name in reset:
+        setattr(model, name, getattr(defaults, name))
+
+
+def model_kind(config: Config) -> str:
+    """``plain``, ``unit`` or ``u-mup``: what :func:`set_model_kind` set."""
+    if not config.model.unit_scaled:
+        return "plain"
+    return "u-mup" if config.model.parametrization == "u-mup" else "unit"
 
 
 def round_to_half(x: Tensor) -> Tensor:

@@ -39,12 +39,16 @@ from .config import (
 from .data import CharTokenizer, Corpus, DataError, get_batch, load_corpus, unigram_cross_entropy
 from .fp8 import NonFiniteAmaxError
 from .memory import check_memory
+from .optim import set_learning_rate
 from .precision import (
+    MODEL_KINDS,
     REGIME_SETTINGS,
     FP16Linear,
     build_model,
+    model_kind,
     regime_config,
     round_to_half,
+    set_model_kind,
     simulate_fp16,
 )
 from .rundir import (
@@ -77,6 +81,9 @@ __all__ = [
     "RunSummary",
     "REGIME_SETTINGS",
     "regime_config",
+    "MODEL_KINDS",
+    "set_model_kind",
+    "model_kind",
     "simulate_fp16",
     "round_to_half",
     "FP16Linear",
@@ -306,7 +313,7 @@ class _Session:
         self.checkpoint_path = run.run_dir / CHECKPOINT_FILE
         torch.manual_seed(training.seed)
         self.model = build_model(config)
-        self.optimizer = make_optimizer(self.model.parameters(), config, run.backend)
+        self.optimizer = make_optimizer(self.model, config, run.backend)
         self.batch_generator = torch.Generator().manual_seed(training.seed)
         # The same validation windows at every evaluation, drawn from their own generator.
         val_generator = torch.Generator().manual_seed(training.seed + 1)
@@ -524,8 +531,7 @@ def _train(
         with _StopRequest() as stop:
             while session.step < training.steps:
                 lr = scheduled_learning_rate(training, session.step)
-                for group in session.optimizer.param_groups:
-                    group["lr"] = lr
+                set_learning_rate(session.optimizer, lr)
                 session.wrapper.update_optimizer()
                 inputs, labels = get_batch(corpus.train, config.samples_per_call,
                                            config.model.seq_len, session.batch_generator)
@@ -600,8 +606,8 @@ def _finish(session: _Session, status: str, message: str, say: Callable[[str], N
     summary = session.summary(status, message)
     run_dir, config = session.run.run_dir, session.config
     atomic_write(run_dir / SUMMARY_FILE, json.dumps(asdict(summary), indent=2).encode())
-    title = (f"{'unit-scaled' if config.model.unit_scaled else 'plain'} GPT, "
-             f"{config.precision.dtype}")
+    model_name = {"unit": "unit-scaled", "u-mup": "u-μP"}.get(model_kind(config), "plain")
+    title = f"{model_name} GPT, {config.precision.dtype}"
     try:
         plot_run(run_dir / METRICS_FILE, run_dir / PLOT_FILE, summary.unigram_baseline, title)
     except (ImportError, RuntimeError) as error:

@@ -15,7 +15,7 @@ def _step_losses(config, backend: str, calls: int) -> torch.Tensor:
 
     torch.manual_seed(0)
     model = build_model(config)
-    optimizer = make_optimizer(model.parameters(), config, backend=backend)
+    optimizer = make_optimizer(model, config, backend=backend)
     wrapper = build_training_model(model, optimizer, config, backend=backend)
     generator = torch.Generator().manual_seed(0)
     losses = []

@@ -164,6 +164,13 @@ KEYS: Dict[str, Any] = {
     "model.attn_tau": ("0.7", _losses, []),
     "model.mlp_tau": ("0.9", _losses, []),
     "model.bias": ("true", _losses, []),
+    "model.parametrization": ("u-mup", _losses, []),
+    # u-μP's multipliers act only under u-mup (elsewhere they are refused)
+    "model.residual_mult": ("0.5", _losses, ["model.parametrization=u-mup"]),
+    "model.residual_attn_ratio": ("0.5", _losses, ["model.parametrization=u-mup"]),
+    "model.attn_softmax_mult": ("4", _losses, ["model.parametrization=u-mup"]),
+    "model.ffn_act_mult": ("2", _losses, ["model.parametrization=u-mup"]),
+    "model.loss_softmax_mult": ("2", _losses, ["model.parametrization=u-mup"]),
     "precision.dtype": ("fp32", _losses, []),
     "precision.fp8.activation_format": ("E4M3FN", _casts, []),
     "precision.fp8.weight_format": ("E4M3FN", _casts, []),

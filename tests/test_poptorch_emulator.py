@@ -369,12 +369,14 @@ PRECISIONS = {
 }
 
 
-def _gpt_in(precision: str, unit_scaled: bool = True) -> nn.Module:
+def _gpt_in(precision: str, unit_scaled: bool = True, parametrization: str = "unit",
+            **umup_keys: float) -> nn.Module:
     from ipu_unit_scaling.train import simulate_fp16
 
     torch.manual_seed(0)
     model = build_gpt(GPTConfig(vocab_size=32, seq_len=8, depth=2, hidden_size=16, heads=2,
-                                unit_scaled=unit_scaled))
+                                unit_scaled=unit_scaled, parametrization=parametrization,
+                                **umup_keys))
     setting = PRECISIONS[precision]
     if setting == "fp16":
         return simulate_fp16(model)
@@ -407,6 +409,35 @@ def test_gpt_in_every_precision_traced_matches_eager(precision):
     assert _relative_error(traced_loss, eager_loss) < tolerance
     for (name, _), e, t in zip(model.named_parameters(), eager, traced):
         assert _relative_error(t, e) < tolerance, name
+
+
+@pytest.mark.parametrize("precision", sorted(PRECISIONS))
+def test_umup_gpt_traces_with_supported_ops_and_matches_eager(precision):
+    # u-μP adds per-layer taus, 1/head_dim attention, a scaled gelu and a forward-only logit
+    # scale (multipliers away from 1, so that each of them is in the graph).
+    model = _gpt_in(precision, parametrization="u-mup", attn_softmax_mult=2.0,
+                    ffn_act_mult=0.5, loss_softmax_mult=3.0, residual_mult=1.5)
+    ids, labels = torch.randint(0, 32, (2, 3, 8), generator=torch.Generator().manual_seed(2))
+    report = check_poptorch(model, ids, labels)
+    assert report.ok, str(report)
+    eager_loss, eager = _loss_and_gradients(lambda: model(ids, labels), model)
+    trace = trace_like_poptorch(model, ids, labels)
+    traced_loss, traced = _loss_and_gradients(lambda: trace(ids, labels), model)
+    tolerance = 1e-5 if precision == "fp32" else 1e-4
+    assert _relative_error(traced_loss, eager_loss) < tolerance
+    for (name, _), e, t in zip(model.named_parameters(), eager, traced):
+        assert _relative_error(t, e) < tolerance, name
+
+
+def test_umup_emulator_backend_trains_like_the_cpu_backend(step_losses):
+    # The emulator's gradients come from the traced graph; with u-μP's per-group learning
+    # rates, pipelined with gradient accumulation, 10 steps give the CPU backend's losses.
+    config = _shrunk_ipu2(["precision.dtype=fp32", "model.parametrization=u-mup",
+                           "training.learning_rate=1.0"])
+    cpu = step_losses(config, "cpu", 5)
+    emulated = step_losses(copy.deepcopy(config), "emulator", 5)
+    assert len(set(cpu.tolist())) == len(cpu)  # every step moved the weights
+    assert torch.allclose(emulated, cpu, rtol=1e-5, atol=0)
 
 
 def test_fp16_gradients_are_rounded_in_the_traced_graph_too():

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import torch
 from torch import nn
@@ -82,21 +82,43 @@ def select_backend(name: str = "auto") -> str:
 
 
 def make_optimizer(
-    parameters: Iterable[nn.Parameter], config: Config, backend: Optional[str] = None
+    parameters: Union[nn.Module, Iterable[nn.Parameter]],
+    config: Config,
+    backend: Optional[str] = None,
+    model: Optional[nn.Module] = None,
 ) -> torch.optim.Optimizer:
-    """The optimizer ``config.training`` names, in the flavour the backend needs."""
+    """The optimizer ``config.training`` names, in the flavour the backend needs.
+
+    ``parameters`` is the model, or the parameters to optimize. Under u-μP
+    (``model.parametrization: u-mup``) each tensor's learning rate depends on its type, which
+    the model tells (:func:`ipu_unit_scaling.umup.weight_rules`): pass the model, or the
+    parameters and ``model=``; the groups are :func:`ipu_unit_scaling.optim.param_groups`.
+    """
     backend = backend or select_backend(config.backend)
+    if isinstance(parameters, nn.Module):
+        model = parameters if model is None else model
+        parameters = parameters.parameters()
+    params: Union[Iterable[nn.Parameter], List[Dict[str, Any]]] = parameters
+    training = config.training
+    lr, decay = training.learning_rate, training.weight_decay
+    if config.model.parametrization == "u-mup":
+        from ..optim import param_groups
+
+        if model is None:
+            raise TypeError("u-μP needs the model to type its parameters: pass the model, or "
+                            "model=")
+        # Adam's decay is an L2 term Adam normalises; the decoupled decays are made
+        # independent of the learning rate (see ipu_unit_scaling.optim).
+        params = param_groups(model, lr, decay, training.optimizer != "adam", parameters)
     if backend in ("ipu", "ipu_model"):
         from .ipu.training import make_ipu_optimizer
 
-        return make_ipu_optimizer(parameters, config)
-    training = config.training
-    lr, decay = training.learning_rate, training.weight_decay
+        return make_ipu_optimizer(params, config)
     if training.optimizer == "sgd":
-        return torch.optim.SGD(parameters, lr=lr, weight_decay=decay)
+        return torch.optim.SGD(params, lr=lr, weight_decay=decay)
     if training.optimizer == "adam":
-        return torch.optim.Adam(parameters, lr=lr, weight_decay=decay)
-    return torch.optim.AdamW(parameters, lr=lr, weight_decay=decay)
+        return torch.optim.Adam(params, lr=lr, weight_decay=decay)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=decay)
 
 
 def build_training_model(

@@ -54,7 +54,14 @@ def annotate_pipeline(model: nn.Module, split: Sequence[Stage], poptorch: Any) -
 
 
 def make_ipu_optimizer(parameters: Any, config: Config) -> torch.optim.Optimizer:
-    """The PopTorch optimizer for ``config.training`` (gradient clipping runs on the IPU)."""
+    """The PopTorch optimizer for ``config.training`` (gradient clipping runs on the IPU).
+
+    ``parameters`` may be parameter groups, each with its own ``lr`` and ``weight_decay`` (u-μP's,
+    from :func:`ipu_unit_scaling.optim.param_groups`): PopTorch takes per-group values as
+    torch does, and sends the groups' changed learning rates to the device on ``setOptimizer``.
+    The groups' ``lr_scale`` key is for the host's schedule; PopTorch ignores keys it does not
+    use.
+    """
     import poptorch
 
     training = config.training
