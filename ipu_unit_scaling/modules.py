@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import functional as U
-from .constraints import ConstraintArg
+from .constraints import ConstraintArg, SharedInputGmean
 from .tracing import is_ipu_tracing
 
 __all__ = [
@@ -305,10 +305,11 @@ class MLP(nn.Module):
 class GatedMLP(nn.Module):
     """Gated feed-forward block (SwiGLU, as in Llama): `down(up(x) * silu(gate(x)))`.
 
-    Unit-scaled, each expanding projection is gmean-tied, which leaves its output at
-    (intermediate / hidden)**-0.25, and the product has two such factors: for Llama's 8/3
-    expansion the block's output and weight gradients sit near 0.6 to 0.8 of unit, and near 0.5
-    for a 4x expansion (`MLP`, with one factor, stays near 1).
+    Unit-scaled, the gate and up projections read the same input, so they share one
+    grad-input scale (`constraints.SharedInputGmean`: the input gets a unit gradient, not
+    sqrt(2)), gmean-tied to their output scale; that leaves each at
+    (2 intermediate / hidden)**-0.25, and the product has two such factors: for Llama's 8/3
+    expansion the block's output and weight gradients sit near 0.6 to 0.8 of unit.
     """
 
     def __init__(
@@ -319,6 +320,9 @@ class GatedMLP(nn.Module):
         self.up = ops.Linear(hidden_size, intermediate_size, bias=bias)
         self.down = ops.Linear(intermediate_size, hidden_size, bias=bias)
         self.silu_glu = ops.silu_glu
+        for projection in (self.gate, self.up):  # both read the input: see SharedInputGmean
+            if isinstance(projection, Linear):
+                projection.constraint = SharedInputGmean(2 * intermediate_size)
 
     def forward(self, input: Tensor) -> Tensor:
         return self.down(self.silu_glu(self.up(input), self.gate(input)))

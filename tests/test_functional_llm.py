@@ -127,18 +127,22 @@ def test_rms_norm_module_matches_torch_state_and_function():
 
 
 @pytest.mark.parametrize("intermediate", [96, 128, 172])  # Llama: 8/3 x hidden
-def test_gated_mlp_is_near_unit_and_its_weights_get_near_unit_gradients(intermediate):
-    """With unit-scaled parts, the block is unit up to the gmean ties of its two expanding
-    projections, which put each of the product's factors at (intermediate / hidden)**-0.25."""
+def test_gated_mlp_scales_are_the_documented_composition(intermediate):
+    """Unit-scaled parts, gmean ties: the two projections that share the input sit at
+    (2 intermediate / hidden)**-0.25, which the product squares; the input gradient stays
+    near unit (one shared grad-input scale, not two summed ones)."""
     torch.manual_seed(0)
     mlp = uu.GatedMLP(64, intermediate)
     x = torch.randn(32, 64, 64, requires_grad=True)
     out = mlp(x)
     out.backward(torch.randn_like(out))
-    assert 0.6 < out.std().item() < 1.2
-    assert 0.7 < x.grad.std().item() < 1.5  # the sum of the gate and up paths' gradients
+    factor = (2 * intermediate / 64) ** -0.25
+    for projection in (mlp.gate, mlp.up):
+        assert projection(x).std().item() == pytest.approx(factor, rel=0.05)
+    assert 0.45 < out.std().item() < 1.0
+    assert 0.7 < x.grad.std().item() < 1.1
     for name, parameter in mlp.named_parameters():
-        assert 0.5 < parameter.grad.std().item() < 2, name
+        assert 0.35 < parameter.grad.std().item() < 1.0, name
 
 
 def test_plain_gated_mlp_is_the_swiglu_formula():
@@ -271,3 +275,35 @@ def test_cross_entropy_with_class_probabilities_counts_rows_not_elements():
     square_sum = torch.softmax(z, -1).pow(2).sum(-1).mean().item()
     expected = 2048 * math.sqrt(40 / (1 - 2 / 40 + square_sum))
     assert ratio.flatten()[0].item() == pytest.approx(expected, rel=0.05)
+
+
+# ---------------------------------------------------------------- linears sharing an input
+
+
+def test_shared_input_gmean_gives_the_shared_input_a_unit_gradient_and_true_gradients():
+    from ipu_unit_scaling.constraints import SharedInputGmean
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 64, generator=gen, requires_grad=True)
+    weights = [torch.randn(out, 64, generator=gen) for out in (64, 32, 32)]  # q, k, v (GQA)
+
+    def input_grad_std(constraint) -> float:
+        x.grad = None
+        outs = [U.linear(x, w, None, constraint) for w in weights]
+        torch.autograd.backward(outs, [torch.randn(o.shape, generator=gen) for o in outs])
+        return x.grad.std().item()
+
+    shared = SharedInputGmean(128)
+    # As one fused 64 -> 128 linear under gmean: (128 / 64)**0.25; separately tied, the three
+    # gradients add up to sqrt(1 + 2 (32 / 64)**0.5).
+    assert input_grad_std(shared) == pytest.approx(2**0.25, rel=0.05)
+    assert input_grad_std("gmean") == pytest.approx((1 + 2 * 0.5**0.5) ** 0.5, rel=0.05)
+    # Each linear is scaled alike both ways: its input gradient is the true gradient of its
+    # (scaled) forward function, here in float64.
+    x64 = torch.randn(8, 64, dtype=torch.float64, requires_grad=True)
+    w64 = torch.randn(32, 64, dtype=torch.float64)
+    out = U.linear(x64, w64, None, shared)
+    (grad,) = torch.autograd.grad(out.sum(), x64)
+    scale = (64 * 128) ** -0.25
+    torch.testing.assert_close(out, x64 @ w64.T * scale)
+    torch.testing.assert_close(grad, torch.ones(8, 32, dtype=torch.float64) @ w64 * scale)
