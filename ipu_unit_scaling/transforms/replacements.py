@@ -22,6 +22,7 @@ from ..scale import scale_bwd
 
 __all__ = [
     "UnitMultiheadAttention",
+    "UnitAttention",
     "UnitConv1D",
     "module_converters",
     "FUNCTION_ADAPTERS",
@@ -108,6 +109,27 @@ def _as_allowed(mask: Tensor) -> Tensor:
     if not torch.all(blocked | (mask == 0)):
         raise ValueError("the unit-scaled attention takes float masks of 0 and -inf only")
     return ~blocked
+
+
+class UnitAttention(nn.Module):
+    """`U.scaled_dot_product_attention` whose dropout follows `train()` / `eval()`.
+
+    A traced call fixes `dropout_p` to the value it had when traced (in training, usually);
+    as a module, attention dropout is off in eval mode, as in the original model.
+    """
+
+    def __init__(self, dropout_p: float) -> None:
+        super().__init__()
+        self.dropout_p = dropout_p
+
+    def forward(
+        self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+        is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
+    ) -> Tensor:
+        return U.scaled_dot_product_attention(
+            query, key, value, attn_mask, self.dropout_p if self.training else 0.0, is_causal,
+            scale, enable_gqa,
+        )
 
 
 def _allowed_mask(

@@ -81,7 +81,7 @@ class UnitScaleReport:
 _UNIT_MODULES = (
     SpecialisedCall, fx.GraphModule, uu.Linear, uu.LayerNorm, uu.Embedding, uu.GELU, uu.ReLU,
     uu.Softmax, uu.Dropout, uu.CrossEntropyLoss, uu.RMSNorm, uu.SiLU, R.UnitMultiheadAttention,
-    R.UnitConv1D,
+    R.UnitConv1D, R.UnitAttention,
 )
 # Leaf modules that leave scales alone.
 _NEUTRAL_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten)
@@ -90,6 +90,7 @@ _ADD = R.ADD_TARGETS | E.ATEN_ADD
 _SUB = R.SUB_TARGETS | E.ATEN_SUB
 _MUL = R.MUL_TARGETS | E.ATEN_MUL
 _DROPOUT = R.DROPOUT_TARGETS | E.ATEN_DROPOUT
+_INSERTED = (R.unit_residual_branch, R.unit_residual_add, R.unit_silu_glu)
 
 
 def unit_scale(
@@ -318,6 +319,8 @@ class _Converter:
             return f"{prefix}.{local}" if prefix else local
 
         def is_tensor(node: fx.Node) -> bool:
+            if node.target in _INSERTED:  # made by this rewrite, after tracing
+                return True
             if tensor_nodes is not None:
                 return node.name in tensor_nodes
             return any(isinstance(a, fx.Node) for a in node.all_input_nodes)
@@ -374,6 +377,9 @@ class _Converter:
             self._dropout_to_module(root, node, where)
             return
         adapter = self.functions.get(target) if _hashable(target) else None
+        if adapter is R.unit_scaled_dot_product_attention and self._attention_to_module(
+                root, node, where):
+            return
         if adapter is not None:
             node.op = "call_function"
             node.target = adapter
@@ -386,6 +392,25 @@ class _Converter:
             if not is_tensor(node) or not _has_tensor_input(node, is_tensor):
                 return
         self.report.unconverted.append(f"{where(node)} ({_target_name(target)})")
+
+    def _attention_to_module(
+        self, root: nn.Module, node: fx.Node, where: Callable[[fx.Node], str]
+    ) -> bool:
+        """Attention traced with dropout: a `UnitAttention` module, so eval() turns it off."""
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+        arguments = dict(zip(names, node.args))
+        arguments.update(node.kwargs)
+        p = arguments.pop("dropout_p", 0.0)
+        if isinstance(p, fx.Node) or not p:
+            return False
+        name = f"unit_attention_{self._dropouts}"
+        self._dropouts += 1
+        root.add_module(name, R.UnitAttention(float(p)))  # type: ignore[arg-type]
+        node.op, node.target = "call_module", name
+        node.args = tuple(arguments.pop(k) for k in ("query", "key", "value"))
+        node.kwargs = arguments
+        self.report.converted.append(where(node))
+        return True
 
     def _dropout_to_module(
         self, root: nn.Module, node: fx.Node, where: Callable[[fx.Node], str]
