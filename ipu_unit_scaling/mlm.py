@@ -345,8 +345,8 @@ def format_mlm_table(rows: Sequence[Dict[str, Any]], seeds: Sequence[int]) -> st
     from .train import REGIME_SETTINGS
 
     lines = [
-        f"| regime | model | precision | learning rate | MLM loss | accuracy | gap to fp32 "
-        f"| completed | time per run |",
+        "| regime | model | precision | learning rate | MLM loss | accuracy | gap to fp32 "
+        "| completed | time per run |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
