@@ -13,7 +13,7 @@ from torch import nn
 
 import ipu_unit_scaling as uu
 import ipu_unit_scaling.functional as U
-from ipu_unit_scaling.backends import build_training_model, make_optimizer
+from ipu_unit_scaling.backends import build_training_model
 from ipu_unit_scaling.config import load_config
 from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
 from ipu_unit_scaling.ipu import (
@@ -338,33 +338,17 @@ def _shrunk_ipu2(extra: List[str]):
         "ipu.executable_cache_dir=null", "training.batch_size=8", *extra])
 
 
-def _train_steps(config, backend: str, calls: int) -> torch.Tensor:
-    from ipu_unit_scaling.train import build_model
-
-    torch.manual_seed(0)
-    model = build_model(config)
-    optimizer = make_optimizer(model.parameters(), config, backend=backend)
-    wrapper = build_training_model(model, optimizer, config, backend=backend)
-    generator = torch.Generator().manual_seed(0)
-    losses = []
-    for _ in range(calls):
-        ids = torch.randint(0, config.model.vocab_size, (config.samples_per_call, 9),
-                            generator=generator)
-        _, loss = wrapper(ids[:, :-1], ids[:, 1:])
-        losses.append(loss.view(config.ipu.device_iterations, -1).mean(1))
-    return torch.cat(losses)
-
-
 @pytest.mark.parametrize("precision, tolerance", [
     ("precision.dtype=fp32", 1e-5),
     ("precision.fp8.scaling=amax", 1e-3),
     ("precision.fp8.scaling=static", 1e-3),
 ], ids=["fp32", "fp8-amax", "fp8-static"])
-def test_emulator_backend_trains_like_the_cpu_backend_for_20_steps(precision, tolerance):
+def test_emulator_backend_trains_like_the_cpu_backend_for_20_steps(precision, tolerance,
+                                                                   step_losses):
     config = _shrunk_ipu2([precision])
     calls = 20 // config.ipu.device_iterations
-    cpu = _train_steps(config, "cpu", calls)
-    emulated = _train_steps(copy.deepcopy(config), "emulator", calls)
+    cpu = step_losses(config, "cpu", calls)
+    emulated = step_losses(copy.deepcopy(config), "emulator", calls)
     assert cpu.shape == (20,)
     assert cpu[-1] < cpu[0]
     assert torch.allclose(emulated, cpu, rtol=tolerance, atol=0)

@@ -9,6 +9,7 @@ reduction, one loss per micro-batch). The backends:
 - ``emulator``: PopTorch's semantics without the SDK: the model is traced forward under
   ``ipu_tracing()`` and its gradients come from the traced graph, as PopART's autodiff takes them;
 - ``cpu``: eager PyTorch;
+- ``popxl``: the unit-scaled GPT written in PopXL, with real FP8 matmuls (:mod:`..popxl`);
 - ``distributed`` (a module, launched with torchrun): the same stage split on
   ``torch.distributed.pipelining``.
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ from .stages import Stage, stages
 
 __all__ = [
     "BACKEND_ENV", "BackendError", "Stage", "stages", "poptorch_available", "select_backend",
-    "make_optimizer", "build_training_model",
+    "make_optimizer", "build_training_model", "build_inference_model",
 ]
 
 BACKEND_ENV = "IPU_UNIT_SCALING_BACKEND"
@@ -58,6 +59,14 @@ def select_backend(name: str = "auto") -> str:
     if name not in BACKEND_NAMES:
         raise BackendError(f"backend {name!r} unknown; allowed: {', '.join(BACKEND_NAMES)}")
     if name in ("cpu", "emulator"):
+        return name
+    if name == "popxl":
+        from ..popxl import popxl_available
+
+        if not popxl_available():
+            raise BackendError(
+                "backend 'popxl' needs PopXL (the Poplar SDK's popxl), which does not import "
+                f"here; use 'emulator', 'cpu' or 'auto', or unset {BACKEND_ENV}")
         return name
     poptorch = _import_poptorch()
     if name == "auto":
@@ -124,4 +133,46 @@ def build_training_model(
         from .ipu.training import IPUTrainingModel
 
         return IPUTrainingModel(model, optimizer, config, use_ipu_model=backend == "ipu_model")
+    if backend == "popxl":
+        from ..popxl import PopXLTrainingModel
+
+        return PopXLTrainingModel(model, optimizer, config)
     raise BackendError(f"backend {backend!r} cannot build a training model")
+
+
+def build_inference_model(model: nn.Module, config: Config,
+                          backend: Optional[str] = None) -> Callable[..., Any]:
+    """Wrap ``model`` for evaluation and sampling: ``wrapper(*inputs)`` is ``model(*inputs)``
+    in eval mode without gradients, on the backend.
+
+    ``ipu``/``ipu_model`` build a ``poptorch.inferenceModel`` traced under ``ipu_tracing()``
+    (the same rules as training); ``emulator`` runs the graph PopTorch would trace (one trace per
+    input signature); ``cpu`` (and ``popxl``, whose programs are for training) run eager
+    PyTorch, the code path of training's evaluation.
+    """
+    backend = backend or select_backend(config.backend)
+    if backend in ("ipu", "ipu_model"):
+        from .ipu.training import IPUInferenceModel
+
+        return IPUInferenceModel(model, config, use_ipu_model=backend == "ipu_model")
+    if backend == "emulator":
+        from .emulator import TracedTrainingModule
+
+        return _EvalWrapper(TracedTrainingModule(model), model)
+    if backend in ("cpu", "popxl"):
+        return _EvalWrapper(model, model)
+    raise BackendError(f"backend {backend!r} cannot build an inference model")
+
+
+class _EvalWrapper:
+    def __init__(self, runner: nn.Module, model: nn.Module):
+        self.runner = runner
+        self.model = model
+
+    def __call__(self, *inputs: Any) -> Any:
+        self.model.eval()
+        with torch.no_grad():
+            return self.runner(*inputs)
+
+    def destroy(self) -> None:
+        """Nothing to release off the IPU."""
