@@ -134,6 +134,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--regimes", nargs="+", choices=REGIMES, metavar="REGIME",
         help=f"regimes to run (default: compare.regimes); any of {', '.join(REGIMES)}",
     )
+    compare.add_argument(
+        "--model", choices=("gpt", "bert"), default="gpt",
+        help="gpt (default): the config's character-level GPT; bert: a BERT-style encoder "
+             "trained with masked-LM on padded, masked sequences, scored by validation MLM loss "
+             "and accuracy (default regimes fp32 fp16 fp8-naive unit-fp16 unit-fp8; settings "
+             "with --set mlm.<key>=VALUE, e.g. mlm.steps=100; no --config)",
+    )
+    compare.add_argument(
+        "--seeds", nargs="+", type=int, metavar="SEED",
+        help="with --model bert: the seeds to train each regime with (default 0 1 2); the "
+             "table gives the mean and standard deviation over them",
+    )
 
     analyse = commands.add_parser(
         "analyse", help="compare tensor scales of the plain and unit-scaled model",
@@ -366,7 +378,35 @@ def format_compare_table(rows: Sequence[Dict[str, Any]], baseline: Optional[floa
     return "\n".join(lines)
 
 
+def _cmd_compare_bert(args: argparse.Namespace) -> int:
+    from .mlm import MLM_REGIMES, MLMConfig, format_mlm_table, run_mlm_compare
+
+    if args.config:
+        raise UsageError("--model bert takes its settings from --set mlm.<key>=VALUE, not "
+                         "--config")
+    overrides = _overrides(args)
+    if args.data:
+        overrides.append(f"mlm.data={json.dumps(str(args.data))}")
+    try:
+        config = MLMConfig().with_overrides(overrides)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    regimes = list(args.regimes or MLM_REGIMES)
+    seeds = list(args.seeds if args.seeds is not None else (0, 1, 2))
+    if len(set(regimes)) != len(regimes) or len(set(seeds)) != len(seeds):
+        raise UsageError("--regimes and --seeds list each value once")
+    run_dir = args.run_dir or Path("runs") / f"compare-bert-{time.strftime('%Y%m%d-%H%M%S')}"
+    rows = run_mlm_compare(config, regimes, seeds, run_dir, quiet=args.quiet)
+    print(format_mlm_table(rows, seeds))
+    print(f"curves: {run_dir / 'compare.png'}; table: {run_dir / 'compare.md'}")
+    return 0
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
+    if args.model == "bert":
+        return _cmd_compare_bert(args)
+    if args.seeds is not None:
+        raise UsageError("--seeds is for --model bert; the GPT compare takes training.seed")
     config = _load(args)
     regimes = list(args.regimes or config.compare.regimes)
     if len(set(regimes)) != len(regimes):

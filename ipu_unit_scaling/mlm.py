@@ -158,7 +158,7 @@ class MLMBatches:
 
 def build_encoder(config: MLMConfig, vocab: int, regime: str) -> nn.Module:
     """The encoder for one regime: unit-scaled or plain, with its precision simulated."""
-    from .train import REGIME_SETTINGS, simulate_fp16
+    from .precision import REGIME_SETTINGS, simulate_fp16
 
     unit_scaled, dtype, scaling = REGIME_SETTINGS[regime]
     model: nn.Module = BertStyleEncoder(
@@ -342,7 +342,7 @@ def _pm(mean: Optional[float], std: Optional[float], fmt: str, suffix: str = "")
 
 def format_mlm_table(rows: Sequence[Dict[str, Any]], seeds: Sequence[int]) -> str:
     """Markdown: one row per regime, mean ± std over the seeds."""
-    from .train import REGIME_SETTINGS
+    from .precision import REGIME_SETTINGS
 
     lines = [
         "| regime | model | precision | learning rate | MLM loss | accuracy | gap to fp32 "
