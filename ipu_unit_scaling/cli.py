@@ -142,10 +142,18 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"regimes to run (default: compare.regimes); any of {', '.join(REGIMES)}",
     )
     compare.add_argument(
-        "--seeds", metavar="N", type=_positive_int, default=1,
-        help="run every regime with seeds training.seed, +1, ..., +N-1 (each seed in RUN_DIR/"
-             "seed-<seed>) and report the mean and standard deviation of the final validation "
-             "loss and of the gap to fp32; the figure shows mean curves with +-1 std bands",
+        "--model", choices=("gpt", "bert"), default="gpt",
+        help="gpt (default): the config's character-level GPT; bert: a BERT-style encoder "
+             "trained with masked-LM on padded, masked sequences, scored by validation MLM loss "
+             "and accuracy (default regimes fp32 fp16 fp8-naive unit-fp16 unit-fp8; settings "
+             "with --set mlm.<key>=VALUE, e.g. mlm.steps=100; no --config)",
+    )
+    compare.add_argument(
+        "--seeds", metavar="N", type=_positive_int, default=None,
+        help="run every regime with N seeds (GPT: training.seed, +1, ..., +N-1, each in RUN_DIR/"
+             "seed-<seed>; default 1. BERT: seeds 0..N-1, default 3) and report the mean and "
+             "standard deviation of the final validation loss and of the gap to fp32; the "
+             "figure shows mean curves with +-1 std bands",
     )
 
     sweep = commands.add_parser(
@@ -402,17 +410,44 @@ def format_compare_table(rows: Sequence[Dict[str, Any]], baseline: Optional[floa
     return "\n".join(lines)
 
 
+def _cmd_compare_bert(args: argparse.Namespace) -> int:
+    from .mlm import MLM_REGIMES, MLMConfig, format_mlm_table, run_mlm_compare
+
+    if args.config:
+        raise UsageError("--model bert takes its settings from --set mlm.<key>=VALUE, not "
+                         "--config")
+    overrides = _overrides(args)
+    if args.data:
+        overrides.append(f"mlm.data={json.dumps(str(args.data))}")
+    try:
+        config = MLMConfig().with_overrides(overrides)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    regimes = list(args.regimes or MLM_REGIMES)
+    seeds = list(range(args.seeds if args.seeds is not None else 3))
+    if len(set(regimes)) != len(regimes):
+        raise UsageError("--regimes lists each regime once")
+    run_dir = args.run_dir or Path("runs") / f"compare-bert-{time.strftime('%Y%m%d-%H%M%S')}"
+    rows = run_mlm_compare(config, regimes, seeds, run_dir, quiet=args.quiet)
+    print(format_mlm_table(rows, seeds))
+    print(f"curves: {run_dir / 'compare.png'}; table: {run_dir / 'compare.md'}")
+    return 0
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
+    if args.model == "bert":
+        return _cmd_compare_bert(args)
     config = _load(args)
+    seeds = args.seeds or 1
     regimes = list(args.regimes or config.compare.regimes)
     if len(set(regimes)) != len(regimes):
         raise UsageError(f"--regimes lists a regime twice: {' '.join(regimes)}")
     run_dir = args.run_dir or _default_run_dir(config, "compare")
-    if args.seeds == 1:
+    if seeds == 1:
         rows = run_compare(config, regimes, run_dir, quiet=args.quiet)
         print(format_compare_table(rows, _read_baseline(run_dir)))
     else:
-        print(run_compare_seeds(config, regimes, run_dir, args.seeds, quiet=args.quiet))
+        print(run_compare_seeds(config, regimes, run_dir, seeds, quiet=args.quiet))
     print(f"curves: {run_dir / 'compare.png'}; table: {run_dir / 'compare.md'}")
     return 0
 
