@@ -57,7 +57,8 @@ def test_only_dropout_of_the_model_may_change():
     check_same_model(pretrained, load_config("tiny", ["model.dropout=0.1",
                                                       "training.steps=3"]), "runs/x")
     with pytest.raises(ConfigError) as error:
-        check_same_model(pretrained, load_config("tiny", ["model.depth=4", "model.heads=4"]),
+        check_same_model(pretrained, load_config("tiny", ["model.hidden_size=64",
+                                                                   "model.heads=4"]),
                          "runs/x")
-    assert [path for path, _ in error.value.errors] == ["model.depth", "model.heads"]
-    assert "keeps the model of runs/x (depth = 2)" in error.value.errors[0][1]
+    assert [path for path, _ in error.value.errors] == ["model.hidden_size", "model.heads"]
+    assert "keeps the model of runs/x (hidden_size = 32)" in error.value.errors[0][1]
