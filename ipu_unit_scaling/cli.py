@@ -1,16 +1,18 @@
 """The ``ipu-unit-scaling`` command: ``train``, ``compare`` and ``analyse``.
 
-Exit status: 0 done, 1 training diverged, 2 bad arguments, config or data, 130 Ctrl-C.
+Exit status: 0 done, 1 training diverged, 2 bad arguments, config, data or run directory (one
+line on stderr, never a traceback), 130 Ctrl-C.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, NoReturn, Optional, Sequence
 
 from .config import CONFIGS_DIR, REGIMES, Config, ConfigError, load_config
 
@@ -18,12 +20,22 @@ PROG = "ipu-unit-scaling"
 EXIT_DIVERGED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+MAX_THREADS = 1024
+DEBUG_ENV = "IPU_UNIT_SCALING_DEBUG"  # set to 1: unexpected errors show their traceback
 
 __all__ = ["main", "build_parser", "run_compare", "format_compare_table"]
 
 
 class UsageError(ValueError):
     """Arguments that parse but cannot work together."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (argparse prints the usage too)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{PROG}: error: {' '.join(message.split())} "
+                              f"(see {self.prog} --help)\n")
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +62,7 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true",
                         help="no progress bar or log lines; errors and the result only")
     parser.add_argument(
-        "--threads", metavar="N", type=_positive_int, default=1,
+        "--threads", metavar="N", type=_thread_count, default=1,
         help="CPU threads for torch (default 1: a model this small gains little from more "
              "threads and loses much on a busy machine)",
     )
@@ -66,8 +78,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _thread_count(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_THREADS} threads, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         description="Unit scaling and FP8-AMAX for PyTorch: train a character-level GPT on "
                     "an embedded corpus, compare precisions as the papers do, and inspect "
@@ -105,8 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "fp16 (plain, float16 matmuls, no loss scaling), fp8-naive (plain, FP8 "
                     "casts without scaling), fp8-amax (plain, AMAX scaling), and their "
                     "unit-scaled twins unit-fp32, unit-fp16, unit-fp8, unit-fp8-amax. Each "
-                    "regime's learning rate is compare.learning_rates.<regime>. Rerunning with "
-                    "the same --run-dir reuses finished regimes and resumes unfinished ones.",
+                    "regime's learning rate is compare.learning_rates.<regime>, and each is "
+                    "evaluated at least ten times. Rerunning with the same --run-dir reuses "
+                    "finished regimes and resumes unfinished ones when their settings are the "
+                    "same, and refuses (naming the keys) when they are not.",
     )
     _add_config_arguments(compare)
     compare.add_argument(
@@ -136,15 +157,18 @@ def _overrides(args: argparse.Namespace) -> List[str]:
 
 def _config_path(args: argparse.Namespace) -> Optional[str]:
     """``--config``, else ``configs/default.yaml`` where the configs directory is installed."""
-    if args.config:
+    if args.config is not None:
         return str(args.config)
     return "default" if (CONFIGS_DIR / "default.yaml").is_file() else None
 
 
 def _load(args: argparse.Namespace) -> Config:
     config = load_config(_config_path(args), _overrides(args))
-    if getattr(args, "data", None):
-        config.data.path = args.data
+    data = getattr(args, "data", None)
+    if data is not None:
+        if not data.strip():
+            raise UsageError("--data needs a file name (leave it out for the embedded corpus)")
+        config.data.path = data
     return config
 
 
@@ -153,11 +177,12 @@ def _default_run_dir(config: Config, command: str) -> Path:
     return root / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def _one_line(error: BaseException) -> str:
+def _one_line(error: BaseException, most: int = 5) -> str:
     if isinstance(error, ConfigError):
-        return "invalid config: " + "; ".join(
-            f"{path}: {message}" if path else message for path, message in error.errors
-        )
+        problems = [f"{path}: {message}" if path else message for path, message in error.errors]
+        more = len(problems) - most
+        text = "; ".join(problems[:most]) + (f"; and {more} more" if more > 0 else "")
+        return "invalid config: " + " ".join(text.split())
     return " ".join(str(error).split())
 
 
@@ -171,7 +196,7 @@ def _fmt(value: Optional[float], digits: int = 4) -> str:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .train import load_run_config, train
+    from .train import train
 
     if args.scale_report:
         try:
@@ -181,16 +206,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 "--scale-report needs ipu_unit_scaling.analysis, which this installation lacks"
             ) from error
     if args.resume is not None:
-        if args.config or args.data or args.run_dir:
+        if args.config is not None or args.data is not None or args.run_dir is not None:
             raise UsageError("--resume continues a run with its own config, data and "
                              "directory; change settings with --set")
-        config = load_run_config(args.resume, _overrides(args))
+        config = None  # the run's own, read under its lock
         run_dir = args.resume
     else:
         config = _load(args)
         run_dir = args.run_dir or _default_run_dir(config, "train")
-    summary = train(config, run_dir, resume=args.resume is not None, quiet=args.quiet,
-                    scale_report=args.scale_report, log=print)
+    summary = train(config, run_dir, resume=args.resume is not None, overrides=_overrides(args),
+                    quiet=args.quiet, scale_report=args.scale_report, log=print)
     print(f"final validation loss {_fmt(summary.final_val_loss)} nats per character "
           f"(best {_fmt(summary.best_val_loss)}); unigram baseline "
           f"{_fmt(summary.unigram_baseline)}, uniform {_fmt(summary.uniform_baseline)}")
@@ -202,31 +227,85 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def run_compare(
     config: Config, regimes: Sequence[str], run_dir: Path, quiet: bool = False,
 ) -> List[Dict[str, Any]]:
-    """Train every regime into ``run_dir/<regime>``; returns one result row per regime."""
-    from .plots import plot_compare
-    from .train import SUMMARY_FILE, TrainingDiverged, regime_config, train
+    """Train every regime into ``run_dir/<regime>``; returns one result row per regime.
 
-    run_dir.mkdir(parents=True, exist_ok=True)
+    A regime already in ``run_dir`` is reused (finished) or resumed (unfinished) only when its
+    saved settings are those it would run with now; otherwise nothing runs and a RunError
+    names the keys that differ.
+    """
+    from .data import load_corpus
+    from .rundir import RunLock, make_run_dir, remove_temporaries
+
+    make_run_dir(run_dir)
+    with RunLock(run_dir):
+        remove_temporaries(run_dir)
+        corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
+        plans = [(regime, *_regime_plan(config, regime, run_dir / regime, corpus))
+                 for regime in regimes]
+        return _run_regimes(plans, run_dir, quiet)
+
+
+def _regime_plan(config: Config, regime: str, regime_dir: Path, corpus: Any) -> Any:
+    """The regime's resolved config, and whether to ``start``, ``resume`` or ``reuse`` it."""
+    from .rundir import CHECKPOINT_FILE, SUMMARY_FILE, RunError, read_json
+    from .train import load_run_config, regime_config, resolved_config
+
+    cfg = resolved_config(regime_config(config, regime), corpus)
+    has_checkpoint = (regime_dir / CHECKPOINT_FILE).exists()
+    summary = read_json(regime_dir / SUMMARY_FILE)
+    if not has_checkpoint and summary is None:
+        return cfg, "start"  # new, or killed before anything worth keeping
+    differences = _differences(load_run_config(regime_dir).to_dict(), cfg.to_dict())
+    if summary is not None and summary.get("data_sha256") != corpus.sha256:
+        differences.append(f"data: {corpus.source} is not the text it trained on")
+    if differences:
+        shown = ", ".join(differences[:4]) + (", ..." if len(differences) > 4 else "")
+        raise RunError(
+            f"{regime_dir} was trained with other settings ({shown}); rerun with the same "
+            "settings or choose another --run-dir"
+        )
+    status = summary.get("status") if summary else None
+    if status == "diverged" or (status == "completed" and
+                                summary.get("steps") == cfg.training.steps):  # type: ignore
+        return cfg, "reuse"
+    return cfg, "resume" if has_checkpoint else "start"
+
+
+def _differences(saved: Dict[str, Any], wanted: Dict[str, Any], prefix: str = "") -> List[str]:
+    """``key: saved -> wanted`` for each setting that differs (the compare section aside: it
+    holds no setting of one regime's run)."""
+    found = []
+    for key in sorted(set(saved) | set(wanted)):
+        if not prefix and key == "compare":
+            continue
+        old, new = saved.get(key), wanted.get(key)
+        if isinstance(old, dict) and isinstance(new, dict) and not prefix:
+            found += _differences(old, new, key + ".")
+        elif old != new:
+            found.append(f"{prefix}{key}: {old!r} -> {new!r}")
+    return found
+
+
+def _run_regimes(plans: Sequence[Any], run_dir: Path, quiet: bool) -> List[Dict[str, Any]]:
+    from .plots import plot_compare
+    from .rundir import SUMMARY_FILE, atomic_write, read_json
+    from .train import TrainingDiverged, train
+
     rows: List[Dict[str, Any]] = []
     curves: Dict[str, List[Any]] = {}
     baseline = None
-    for regime in regimes:
+    for regime, cfg, action in plans:
         regime_dir = run_dir / regime
-        cfg = regime_config(config, regime)
-        summary_path = regime_dir / SUMMARY_FILE
-        previous = _read_json(summary_path)
-        if previous and previous.get("status") in ("completed", "diverged"):
+        if action == "reuse":
             if not quiet:
                 print(f"{regime}: reusing the finished run in {regime_dir}")
-            data = previous
         else:
-            resume = (regime_dir / "checkpoint.pt").is_file()
             try:
-                train(cfg, regime_dir, resume=resume, quiet=quiet, desc=regime)
+                train(cfg, regime_dir, resume=action == "resume", quiet=quiet, desc=regime)
             except TrainingDiverged as error:
                 if not quiet:
                     print(f"{regime}: {error}")
-            data = _read_json(summary_path) or {}
+        data = read_json(regime_dir / SUMMARY_FILE) or {}
         baseline = data.get("unigram_baseline", baseline)
         curves[regime] = [tuple(p) for p in data.get("val_curve", [])]
         rows.append({
@@ -248,9 +327,9 @@ def run_compare(
             100.0 * (loss - reference) / reference if loss is not None and reference else None
         )
     table = format_compare_table(rows, baseline)
-    (run_dir / "compare.md").write_text(table + "\n", encoding="utf-8")
-    with open(run_dir / "compare.json", "w", encoding="utf-8") as handle:
-        json.dump({"unigram_baseline": baseline, "regimes": rows}, handle, indent=2)
+    atomic_write(run_dir / "compare.md", (table + "\n").encode("utf-8"))
+    atomic_write(run_dir / "compare.json", json.dumps(
+        {"unigram_baseline": baseline, "regimes": rows}, indent=2).encode("utf-8"))
     plot_compare(curves, run_dir / "compare.png", baseline)
     return rows
 
@@ -260,15 +339,6 @@ def _precision_name(config: Config) -> str:
     if dtype != "fp8":
         return dtype
     return f"fp8 {config.precision.fp8.scaling}"
-
-
-def _read_json(path: Path) -> Optional[Dict[str, Any]]:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def format_compare_table(rows: Sequence[Dict[str, Any]], baseline: Optional[float]) -> str:
@@ -309,12 +379,17 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 
 def _read_baseline(run_dir: Path) -> Optional[float]:
-    data = _read_json(run_dir / "compare.json") or {}
+    from .rundir import read_json
+
+    data = read_json(run_dir / "compare.json") or {}
     value = data.get("unigram_baseline")
     return float(value) if value is not None else None
 
 
 def _cmd_analyse(args: argparse.Namespace) -> int:
+    from .memory import check_memory
+    from .rundir import make_run_dir
+
     config = load_config(_config_path(args), _overrides(args))
     try:
         from .analysis import analyse  # type: ignore[attr-defined]
@@ -322,8 +397,9 @@ def _cmd_analyse(args: argparse.Namespace) -> int:
         raise UsageError(
             "'analyse' needs ipu_unit_scaling.analysis, which this installation lacks"
         ) from error
+    check_memory(config)
     run_dir = args.run_dir or _default_run_dir(config, "analyse")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_run_dir(run_dir)
     table, figure = analyse(config, run_dir)
     print(table)
     print(f"figure: {figure}")
@@ -335,8 +411,15 @@ COMMANDS = {"train": _cmd_train, "compare": _cmd_compare, "analyse": _cmd_analys
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)  # exits 2 with a usage line on bad arguments
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        print(f"{PROG}: error: no command; use '{PROG} train' to train the default config, or "
+              f"see '{PROG} --help' for train, compare and analyse", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as stop:  # --help (0), or one line on bad arguments (2)
+        return stop.code if isinstance(stop.code, int) else EXIT_USAGE
     if getattr(args, "threads", None):
         import torch
 
@@ -348,8 +431,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except (ConfigError, DataError, RunError, BackendError, UsageError) as error:
-        print(f"{PROG}: error: {_one_line(error)}", file=sys.stderr)
-        return EXIT_USAGE
+        return _fail(_one_line(error))
     except TrainingDiverged as error:
         print(f"{PROG}: {_one_line(error)}", file=sys.stderr)
         return EXIT_DIVERGED
@@ -357,6 +439,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         message = _one_line(error) or "interrupted"
         print(f"{PROG}: {message}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except OSError as error:  # a file system that refuses: full, read-only, gone
+        where = f" ({error.filename})" if error.filename else ""
+        return _fail(f"{error.strerror or _one_line(error)}{where}")
+    except MemoryError:
+        return _fail("out of memory; make the model or the batch smaller")
+    except Exception as error:  # a bug: still one line, with a way to see where
+        if os.environ.get(DEBUG_ENV):
+            raise
+        return _fail(f"internal error ({type(error).__name__}): {_one_line(error)}; set "
+                     f"{DEBUG_ENV}=1 for the traceback")
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":

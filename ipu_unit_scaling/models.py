@@ -8,11 +8,15 @@ from .modules import TORCH_OPS, UNIT_OPS, TransformerDecoder
 
 @dataclass
 class GPTConfig:
-    """Shape of a character-level GPT (nanoGPT-sized by default)."""
+    """Shape of a character-level GPT; defaults are the default run (``configs/default.yaml``).
 
-    vocab_size: int
+    It is also the ``model`` section of a run config (``ipu_unit_scaling.config``), where
+    ``vocab_size`` is an upper bound: a run uses exactly its corpus's characters.
+    """
+
+    vocab_size: int = 256
     seq_len: int = 64
-    depth: int = 4
+    depth: int = 2
     hidden_size: int = 128
     heads: int = 4
     mlp_expansion: int = 4

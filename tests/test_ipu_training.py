@@ -22,7 +22,7 @@ def _config(precision: str):
         f"precision.dtype={precision}", "model.depth=2", "model.hidden_size=16",
         "model.heads=2", "model.seq_len=8", "ipu.device_iterations=2",
         "ipu.executable_cache_dir=null", "training.optimizer=sgd",
-        "training.learning_rate=0.05"])
+        "training.learning_rate=0.05", "training.steps=6"])
 
 
 def test_options_apply_to_a_real_poptorch_options():

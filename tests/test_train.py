@@ -115,7 +115,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 def test_garbage_checkpoint_is_a_clear_error(tmp_path):
     path = tmp_path / "checkpoint.pt"
     path.write_bytes(b"not a checkpoint")
-    with pytest.raises(RunError, match="not a readable checkpoint"):
+    with pytest.raises(RunError, match="not a checkpoint of this package"):
         load_checkpoint(path)
     with pytest.raises(RunError, match="no checkpoint"):
         load_checkpoint(tmp_path / "missing.pt")
