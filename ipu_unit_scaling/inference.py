@@ -14,6 +14,7 @@ the same code runs under PopTorch's tracing rules.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -60,8 +61,10 @@ def precision_config(config: Config, precision: str) -> Config:
     """``config`` with its precision set to ``precision`` (other FP8 settings kept)."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; allowed: {', '.join(PRECISIONS)}")
+    dtype, scaling = PRECISIONS[precision]
     result = copy.deepcopy(config)
-    result.precision.dtype, result.precision.fp8.scaling = PRECISIONS[precision]
+    result.precision.dtype = dtype
+    result.precision.fp8 = dataclasses.replace(result.precision.fp8, scaling=scaling)
     return result
 
 

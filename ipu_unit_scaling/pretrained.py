@@ -35,21 +35,15 @@ from .inference import (
     text_batches,
     validation_batches,
 )
-from .train import (
-    CHECKPOINT_FILE,
-    TOKENIZER_FILE,
-    RunError,
-    build_model,
-    load_checkpoint,
-    load_run_config,
-)
+from .precision import build_model
+from .rundir import CHECKPOINT_FILE, EVALUATION_FILES, RunError, atomic_write, load_checkpoint
+from .train import load_run_config, read_tokenizer
 
 __all__ = [
     "TrainedRun", "open_run", "EvaluationRow", "Evaluation", "evaluate_run",
     "format_evaluation", "write_evaluation", "sample_run", "default_prompt",
 ]
 
-EVALUATION_FILES = ("evaluate.md", "evaluate.json")
 IPU_BACKENDS = ("ipu", "ipu_model")
 
 
@@ -94,20 +88,22 @@ class TrainedRun:
         return validation_batches(corpus.val, config)
 
 
-def open_run(run_dir: Path) -> TrainedRun:
-    """Read ``run_dir``'s config, tokenizer and checkpoint; RunError if any is unusable."""
+def open_run(run_dir: Path, action: str = "evaluate") -> TrainedRun:
+    """Read ``run_dir``'s config, tokenizer and checkpoint through the run directory's checked
+    loaders; a RunError ("cannot <action> ...") if any is missing or damaged."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise RunError(f"run directory {run_dir} does not exist")
+        raise RunError(f"cannot {action} {run_dir}: no such directory")
     if not (run_dir / CHECKPOINT_FILE).is_file():
-        raise RunError(f"{run_dir} holds no {CHECKPOINT_FILE}: it is not a trained run "
-                       "(or one stopped before its first checkpoint)")
-    config = load_run_config(run_dir, [])
-    try:
-        tokenizer = CharTokenizer.load(run_dir / TOKENIZER_FILE)
-    except (OSError, ValueError, KeyError, TypeError):
-        raise RunError(f"{run_dir / TOKENIZER_FILE} is missing or damaged") from None
-    return TrainedRun(run_dir, config, tokenizer, load_checkpoint(run_dir / CHECKPOINT_FILE))
+        raise RunError(f"cannot {action} {run_dir}: it holds no {CHECKPOINT_FILE} (not a "
+                       "trained run, or one stopped before its first checkpoint)")
+    config = load_run_config(run_dir, (), action)
+    tokenizer = read_tokenizer(run_dir, action)
+    checkpoint = load_checkpoint(run_dir / CHECKPOINT_FILE)
+    if tokenizer.vocab_size != config.model.vocab_size:
+        raise RunError(f"cannot {action} {run_dir}: its tokenizer has {tokenizer.vocab_size} "
+                       f"characters but its model {config.model.vocab_size}")
+    return TrainedRun(run_dir, config, tokenizer, checkpoint)
 
 
 def _destroy(runner: Any) -> None:
@@ -249,8 +245,8 @@ def format_evaluation(evaluation: Evaluation) -> str:
 def write_evaluation(evaluation: Evaluation, directory: Path) -> List[Path]:
     """``evaluate.md`` and ``evaluate.json`` in ``directory``; returns their paths."""
     markdown, data = (Path(directory) / name for name in EVALUATION_FILES)
-    markdown.write_text(format_evaluation(evaluation) + "\n", encoding="utf-8")
-    data.write_text(json.dumps(asdict(evaluation), indent=2) + "\n", encoding="utf-8")
+    atomic_write(markdown, (format_evaluation(evaluation) + "\n").encode("utf-8"))
+    atomic_write(data, (json.dumps(asdict(evaluation), indent=2) + "\n").encode("utf-8"))
     return [markdown, data]
 
 
