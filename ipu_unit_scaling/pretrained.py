@@ -41,7 +41,7 @@ from .train import load_run_config, read_tokenizer
 
 __all__ = [
     "TrainedRun", "open_run", "EvaluationRow", "Evaluation", "evaluate_run",
-    "format_evaluation", "write_evaluation", "sample_run", "default_prompt",
+    "format_evaluation", "write_evaluation", "check_prompt", "sample_run", "default_prompt",
 ]
 
 IPU_BACKENDS = ("ipu", "ipu_model")
@@ -259,6 +259,13 @@ def default_prompt(tokenizer: CharTokenizer) -> str:
     return "\n" if "\n" in tokenizer.chars else tokenizer.chars[0]
 
 
+def check_prompt(tokenizer: CharTokenizer, prompt: str) -> List[int]:
+    """The prompt's ids; a DataError if it is empty or holds characters the tokenizer lacks."""
+    if not prompt:
+        raise DataError("the prompt is empty; leave --prompt out to start a new paragraph")
+    return encode_known(tokenizer, prompt, "the prompt").tolist()
+
+
 def sample_run(
     run: TrainedRun,
     prompt: Optional[str] = None,
@@ -276,11 +283,7 @@ def sample_run(
 
     ``on_text`` receives each character as it is drawn. Deterministic for a seed.
     """
-    if prompt is None:
-        prompt = default_prompt(run.tokenizer)
-    if not prompt:
-        raise DataError("the prompt is empty; leave --prompt out to start a new paragraph")
-    ids = encode_known(run.tokenizer, prompt, "the prompt").tolist()
+    ids = check_prompt(run.tokenizer, default_prompt(run.tokenizer) if prompt is None else prompt)
     precision = precision or run.precision
     config = _inference_config(precision_config(run.config, precision))
     backend = backend or select_backend(config.backend)
