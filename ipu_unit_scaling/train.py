@@ -382,6 +382,9 @@ class _Session:
         elif run.weights is not None:
             self.model.load_state_dict(run.weights)
         self.wrapper = build_training_model(self.model, self.optimizer, config, run.backend)
+        # Until the first call, the host holds the only weights (PopTorch refuses to copy
+        # from a model it has not compiled yet).
+        self.weights_on_device = False
         self.metrics = MetricsLog(run.run_dir / METRICS_FILE, fresh=run.state is None)
         self.started = time.perf_counter()
 
@@ -411,6 +414,7 @@ class _Session:
         tick = time.perf_counter()
         try:
             _, losses = self.wrapper(inputs, labels)
+            self.weights_on_device = True
         except NonFiniteAmaxError as error:
             raise TrainingDiverged(
                 f"loss became nan at step {self.step + 1} (an FP8 cast met a non-finite "
@@ -423,8 +427,12 @@ class _Session:
         iterations = self.config.ipu.device_iterations
         return losses.detach().float().view(iterations, -1).mean(1).tolist()
 
+    def _weights_to_host(self) -> None:
+        if self.weights_on_device:
+            self.wrapper.copy_weights_to_host()
+
     def evaluate(self) -> float:
-        self.wrapper.copy_weights_to_host()
+        self._weights_to_host()
         model = self.model
         model.eval()
         try:
@@ -461,7 +469,7 @@ class _Session:
 
     def save(self) -> None:
         """Checkpoint the current step; rows logged so far are made durable first."""
-        self.wrapper.copy_weights_to_host()
+        self._weights_to_host()
         if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
             raise TrainingDiverged(
                 f"weights became non-finite at step {self.step}; last good checkpoint: "
@@ -562,9 +570,6 @@ def _train(
 ) -> RunSummary:
     config, training, corpus = run.config, run.config.training, run.corpus
     session = _Session(run)
-    if run.weights is not None and session.step == 0:
-        # Its first checkpoint holds the start, so that a resume after any kill fine-tunes.
-        session.save()
     reporter = None
     if scale_report:
         from .analysis import ScaleReporter  # type: ignore[attr-defined]
@@ -583,6 +588,12 @@ def _train(
         say(f"{desc}: resuming {run.run_dir} at step {session.step} of {training.steps}")
     for note in run.notes:
         say(f"{desc}: {note}")
+    if run.weights is not None and session.step == 0:
+        # Fine-tuning: the loss it starts from, and a first checkpoint holding the start, so
+        # that a resume after any kill still fine-tunes.
+        say(f"{desc}: step 0 (the pretrained weights): validation loss "
+            f"{session.evaluate():.4f} (unigram baseline {unigram:.4f})")
+        session.save()
     if training.warmup_steps > training.steps:
         say(f"{desc}: training.warmup_steps ({training.warmup_steps}) is longer than the run; "
             f"warming up over all {warmup_steps(training)} steps")
