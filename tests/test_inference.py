@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
 import warnings
 from pathlib import Path
@@ -10,6 +11,8 @@ from typing import Dict, List
 import pytest
 import torch
 
+from ipu_unit_scaling import cli
+from ipu_unit_scaling.cli import main
 from ipu_unit_scaling.config import Config, load_config
 from ipu_unit_scaling.data import CharTokenizer, DataError, embedded_corpus, get_batch
 from ipu_unit_scaling.fp8 import FP8Config, FP8Linear, simulate_fp8
@@ -247,3 +250,37 @@ def test_fp8_amax_inference_on_a_hugging_face_causal_lm():
     assert fp32 < math.log(tokenizer.vocab_size) - 1.0  # it learnt something
     assert fp8 != fp32  # the casts changed the numbers ...
     assert math.exp(fp8) == pytest.approx(math.exp(fp32), rel=0.01)  # ... not the perplexity
+
+
+# ---------------------------------------------------------------------------------- the CLI
+
+
+def test_cli_evaluate_prints_and_writes_the_table(runs, tmp_path, capsys):
+    run_dir = runs["unit-fp8-amax"]
+    assert main(["evaluate", str(run_dir), "--precision", "fp32", "fp8-amax",
+                 "--scale-report", "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "| fp8-amax (trained) |" in out and "| fp8-amax | activation |" in out
+    data = json.loads((tmp_path / "out" / "evaluate.json").read_text(encoding="utf-8"))
+    assert [row["precision"] for row in data["rows"]] == ["fp32", "fp8-amax"]
+    assert data["rows"][1]["loss"] == final_val_loss(run_dir)  # exact through JSON too
+    assert (tmp_path / "out" / "evaluate.md").read_text(encoding="utf-8") in out
+    assert cli.PRECISIONS == tuple(PRECISIONS)
+
+
+def test_cli_sample_is_deterministic_and_refuses_bad_prompts_in_one_line(runs, capsys):
+    args = ["sample", str(runs["fp32"]), "--prompt", "for ", "--tokens", "30", "--seed", "7",
+            "--top-k", "5", "--temperature", "0.8"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first
+    assert first.startswith("for ") and len(first.rstrip("\n")) >= 34
+    for extra in (["--prompt", "naïve"], ["--prompt", ""], ["--temperature", "nan"],
+                  ["--tokens", "0"], ["--precision", "bf16"]):
+        assert main(["sample", str(runs["fp32"])] + extra) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.count("\n") == 1
+    assert main(["evaluate", str(runs["fp32"]), "--precision", "fp32", "fp32"]) == 2
+    assert main(["evaluate", str(runs["fp32"] / "missing")]) == 2
+    assert "cannot evaluate" in capsys.readouterr().err
