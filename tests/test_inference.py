@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ipu_unit_scaling import cli
+from ipu_unit_scaling.backends import select_backend
 from ipu_unit_scaling.cli import main
 from ipu_unit_scaling.config import Config, load_config
 from ipu_unit_scaling.data import CharTokenizer, DataError, embedded_corpus, get_batch
@@ -284,3 +285,19 @@ def test_cli_sample_is_deterministic_and_refuses_bad_prompts_in_one_line(runs, c
     assert main(["evaluate", str(runs["fp32"]), "--precision", "fp32", "fp32"]) == 2
     assert main(["evaluate", str(runs["fp32"] / "missing")]) == 2
     assert "cannot evaluate" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ on PopTorch
+
+
+@pytest.mark.ipu
+def test_poptorch_inference_model_evaluates_and_samples_like_the_emulator(runs):
+    pytest.importorskip("poptorch")
+    backend = select_backend("ipu_model")  # IPU_UNIT_SCALING_BACKEND=ipu: on hardware
+    run = open_run(runs["unit-fp8-amax"])
+    on_ipu = evaluate_run(run, ["fp32", "fp8-amax"], backend=backend)
+    emulated = evaluate_run(run, ["fp32", "fp8-amax"], backend="emulator")
+    for ipu_row, emulated_row, tolerance in zip(on_ipu.rows, emulated.rows, (1e-4, 2e-2)):
+        assert ipu_row.loss == pytest.approx(emulated_row.loss, rel=tolerance)
+    text = sample_run(run, "def ", 10, seed=0, precision="fp8-amax", backend=backend)
+    assert len(text) == 10 and set(text) <= set(run.tokenizer.chars)
