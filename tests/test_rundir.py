@@ -239,12 +239,18 @@ def finished(capsys, tmp_path, data) -> Path:
     return run_dir
 
 
+def _first_lines(text: str, limit: int) -> str:
+    """The whole lines within the first ``limit`` characters of ``text``."""
+    return text[:text.rindex("\n", 0, limit) + 1]
+
+
 DAMAGE = {
     # artefact: (how to damage it, words the refusal must contain)
     "config-missing": (lambda d: (d / "config.yaml").unlink(), "config.yaml is missing"),
     "config-empty": (lambda d: (d / "config.yaml").write_text(""), "config.yaml is empty"),
-    "config-truncated": (lambda d: (d / "config.yaml").write_text(
-        (d / "config.yaml").read_text()[:300]), "config.yaml is incomplete"),
+    # Cut at a line end: valid YAML that lacks keys (a cut mid-line is a YAML syntax error).
+    "config-truncated": (lambda d: (d / "config.yaml").write_text(_first_lines(
+        (d / "config.yaml").read_text(), 300)), "config.yaml is incomplete"),
     "config-cut-value": (lambda d: (d / "config.yaml").write_text(
         (d / "config.yaml").read_text()[:-3]), "config.yaml is damaged"),
     "config-binary": (lambda d: (d / "config.yaml").write_bytes(b"\x00\xff" * 50),
