@@ -555,8 +555,9 @@ def _check_parametrization(model: ModelConfig, error: Any, choice: Any) -> None:
     choice("model.parametrization", model.parametrization, PARAMETRIZATIONS)
     for name in UMUP_MULTIPLIERS:
         value = getattr(model, name)
-        if not value > 0:
-            error(f"model.{name}", f"got {value!r}; must be > 0")
+        # Beyond 1e6 the squared shares and scales leave float range or stop meaning anything.
+        if not 0 < value <= MAX_TAU:
+            error(f"model.{name}", f"got {value!r}; allowed: 0 < x <= {MAX_TAU:g}")
         elif value != 1.0 and model.parametrization != "u-mup":
             error(f"model.{name}", f"got {value!r}; only model.parametrization: u-mup uses it")
     if model.parametrization != "u-mup":

@@ -331,6 +331,8 @@ def test_config_refuses_keys_the_parametrization_would_ignore():
         "model.attn_tau": ["model.parametrization=u-mup", "model.attn_tau=0.3"],
         "model.parametrization": ["model.parametrization=u-mup", "model.unit_scaled=false"],
         "model.loss_softmax_mult": ["model.parametrization=u-mup", "model.loss_softmax_mult=0"],
+        "model.residual_attn_ratio": ["model.parametrization=u-mup",
+                                      "model.residual_attn_ratio=1e300"],
     }
     for key, overrides in cases.items():
         with pytest.raises(ConfigError) as error:
