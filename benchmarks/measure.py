@@ -101,7 +101,8 @@ def peak_step_bytes(step: Callable[[], object], warmup: int = 1) -> int:
         step()
     events = _memory_events(prof)
     held = peak = 0
-    for _, nbytes in sorted(events):
+    # By time only: a stable sort keeps the recorded order of events within one time stamp.
+    for _, nbytes in sorted(events, key=lambda event: event[0]):
         held += nbytes
         peak = max(peak, held)
     return peak
@@ -110,5 +111,7 @@ def peak_step_bytes(step: Callable[[], object], warmup: int = 1) -> int:
 def _memory_events(prof: torch.profiler.profile) -> Sequence[tuple]:
     """(time in ns, signed bytes) of every CPU allocation (+) and free (-) in the profile."""
     results: Any = prof.profiler.kineto_results  # type: ignore[union-attr]
-    events: List[Any] = list(results.events())
-    return [(event.start_ns(), event.nbytes()) for event in events if event.name() == "[memory]"]
+    events: List[Any] = [event for event in results.events() if event.name() == "[memory]"]
+    if events and not hasattr(events[0], "start_ns"):  # torch < 2.1 times events in us only
+        return [(1000 * event.start_us(), event.nbytes()) for event in events]
+    return [(event.start_ns(), event.nbytes()) for event in events]

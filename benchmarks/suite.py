@@ -213,7 +213,7 @@ def _cast_rows(results: Results, settings: Settings) -> None:
     melem_label = "amax + cast to F143: fused host cast, Melem/s"
     threads = os.cpu_count() or 1
     try:
-        from .cast_throughput import FUSED
+        from .cast_throughput import EAGER, FUSED
         from .cast_throughput import run as run_cast_throughput
     except ImportError as error:
         results.notes.append(f"amax + cast throughput skipped: {error}")
@@ -232,7 +232,10 @@ def _cast_rows(results: Results, settings: Settings) -> None:
     fused = next((row for row in results.cast_rows if row["name"] == FUSED), None)
     ratio = None if fused is None else fused.get("ratio_to_eager")
     melem = None if fused is None else fused.get("melem_per_s")
-    missing = (str(fused.get("note", "")) if fused else "no fused cast row") or "not measured"
+    eager = next((row for row in results.cast_rows if row["name"] == EAGER), None)
+    # Without a measured fused cast or eager baseline, say which is missing and why.
+    missing = (str(fused.get("note", "")) if fused else "no fused cast row") or (
+        f"torch eager {eager['note']}" if eager and eager.get("note") else "not measured")
     where = f"{settings.cast_elements} float32 elements, {threads} threads"
     results.rows.append(Row(
         "cast_throughput", label, None if ratio is None else float(ratio),  # type: ignore[arg-type]
@@ -255,13 +258,14 @@ def run_suite(settings: Settings, log: Callable[[str], None] = print) -> Results
 
     log("training step, eager ...")
     _step_rows(results, settings, names, "eager", EAGER_TARGET, lambda model: model)
-    if settings.compile:
+    no_compile = "--no-compile" if not settings.compile else _compile_unavailable()
+    if no_compile is None:
         log("training step, torch.compile (compiling takes a while) ...")
         _step_rows(results, settings, names, "compiled", COMPILED_TARGET, _compiled)
     else:
         for key, label in _compiled_labels():
             target = COMPILED_TARGET if key == "step_compiled_ours" else None
-            _skip(results, key, label, target, "--no-compile")
+            _skip(results, key, label, target, no_compile)
     log("FP8-simulated step ...")
     _fp8_rows(results, settings, names)
     log("amax + cast throughput ...")
@@ -273,6 +277,19 @@ def run_suite(settings: Settings, log: Callable[[str], None] = print) -> Results
         if row.value is not None and not (math.isfinite(row.value) and row.value > 0):
             raise RuntimeError(f"{row.key}: measured a non-positive or non-finite {row.value}")
     return results
+
+
+def _compile_unavailable() -> Optional[str]:
+    """Why torch.compile cannot run here (torch 2.0 refuses Python 3.11), or None."""
+    import torch._dynamo
+
+    check = getattr(torch._dynamo.eval_frame, "check_if_dynamo_supported", None)
+    try:
+        if check is not None:
+            check()
+    except RuntimeError as error:
+        return f"torch.compile unavailable: {error}"
+    return None
 
 
 def _compiled(model: torch.nn.Module) -> torch.nn.Module:

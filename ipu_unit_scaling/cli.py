@@ -1,29 +1,53 @@
-"""The ``ipu-unit-scaling`` command: ``train``, ``compare`` and ``analyse``.
+"""The ``ipu-unit-scaling`` command: ``train``, ``compare``, ``sweep``, ``analyse``,
+``evaluate`` and ``sample``.
 
-Exit status: 0 done, 1 training diverged, 2 bad arguments, config or data, 130 Ctrl-C.
+Exit status: 0 done, 1 diverged (a non-finite training loss or sampled logits), 2 bad arguments,
+config, data or run directory (one line on stderr, never a traceback), 130 Ctrl-C.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, NoReturn, Optional, Sequence
 
 from .config import CONFIGS_DIR, REGIMES, Config, ConfigError, load_config
+
+MODEL_KINDS = ("plain", "unit", "u-mup")  # as ipu_unit_scaling.train.MODEL_KINDS
 
 PROG = "ipu-unit-scaling"
 EXIT_DIVERGED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+MAX_THREADS = 1024
+DEBUG_ENV = "IPU_UNIT_SCALING_DEBUG"  # set to 1: unexpected errors show their traceback
 
-__all__ = ["main", "build_parser", "run_compare", "format_compare_table"]
+__all__ = ["main", "build_parser", "run_compare", "run_compare_seeds", "format_compare_table"]
+
+
+# How tables name the three model kinds of ipu_unit_scaling.train.MODEL_KINDS.
+MODEL_NAMES = {"plain": "plain", "unit": "unit-scaled", "u-mup": "u-μP"}
+
+# Post-training precisions of `evaluate` and `sample` (inference.PRECISIONS, kept in step by a
+# test: importing it here would load torch before --help).
+PRECISIONS = ("fp32", "fp16", "fp8-static", "fp8-amax")
 
 
 class UsageError(ValueError):
     """Arguments that parse but cannot work together."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (argparse prints the usage too)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{PROG}: error: {' '.join(message.split())} "
+                              f"(see {self.prog} --help)\n")
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +74,7 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true",
                         help="no progress bar or log lines; errors and the result only")
     parser.add_argument(
-        "--threads", metavar="N", type=_positive_int, default=1,
+        "--threads", metavar="N", type=_thread_count, default=1,
         help="CPU threads for torch (default 1: a model this small gains little from more "
              "threads and loses much on a busy machine)",
     )
@@ -66,14 +90,23 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _thread_count(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_THREADS} threads, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG,
         description="Unit scaling and FP8-AMAX for PyTorch: train a character-level GPT on "
-                    "an embedded corpus, compare precisions as the papers do, and inspect "
-                    "tensor scales. Runs on IPUs through PopTorch when available, else on CPU.",
-        epilog="Exit status: 0 done, 1 training diverged (non-finite loss), 2 bad arguments, "
-               "config or data, 130 interrupted. IPU_UNIT_SCALING_BACKEND overrides the backend.",
+                    "an embedded corpus, compare precisions as the papers do, inspect tensor "
+                    "scales, fine-tune, evaluate and sample trained runs in FP32, FP16 and FP8. "
+                    "Runs on IPUs through PopTorch when available, else on CPU.",
+        epilog="Exit status: 0 done, 1 diverged (a non-finite loss or sampled logits), 2 bad "
+               "arguments, config or data, 130 interrupted. IPU_UNIT_SCALING_BACKEND overrides "
+               "the backend.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
@@ -93,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
              "(--set may change it, e.g. training.steps to train longer)",
     )
     train.add_argument(
+        "--init-from", metavar="RUN_DIR", type=Path,
+        help="fine-tune: start from the checkpoint of the run in RUN_DIR, with its config (its "
+             "model cannot change; --set changes the rest, e.g. precision or training.steps) "
+             "on --data (default: its own data). Characters the pretrained run lacks extend "
+             "its vocabulary, their embedding and head rows starting as the mean of its rows",
+    )
+    train.add_argument(
         "--scale-report", metavar="N", type=_positive_int, nargs="?", const=100,
         help="record per-tensor scales every N steps (default 100) into the run directory",
     )
@@ -105,14 +145,53 @@ def build_parser() -> argparse.ArgumentParser:
                     "fp16 (plain, float16 matmuls, no loss scaling), fp8-naive (plain, FP8 "
                     "casts without scaling), fp8-amax (plain, AMAX scaling), and their "
                     "unit-scaled twins unit-fp32, unit-fp16, unit-fp8, unit-fp8-amax. Each "
-                    "regime's learning rate is compare.learning_rates.<regime>. Rerunning with "
-                    "the same --run-dir reuses finished regimes and resumes unfinished ones.",
+                    "regime's learning rate is compare.learning_rates.<regime>, and each is "
+                    "evaluated at least ten times. Rerunning with the same --run-dir reuses "
+                    "finished regimes and resumes unfinished ones when their settings are the "
+                    "same, and refuses (naming the keys) when they are not.",
     )
     _add_config_arguments(compare)
     compare.add_argument(
         "--regimes", nargs="+", choices=REGIMES, metavar="REGIME",
         help=f"regimes to run (default: compare.regimes); any of {', '.join(REGIMES)}",
     )
+    compare.add_argument(
+        "--model", choices=("gpt", "bert"), default="gpt",
+        help="gpt (default): the config's character-level GPT; bert: a BERT-style encoder "
+             "trained with masked-LM on padded, masked sequences, scored by validation MLM loss "
+             "and accuracy (default regimes fp32 fp16 fp8-naive unit-fp16 unit-fp8; settings "
+             "with --set mlm.<key>=VALUE, e.g. mlm.steps=100; no --config)",
+    )
+    compare.add_argument(
+        "--seeds", metavar="N", type=_positive_int, default=None,
+        help="run every regime with N seeds (GPT: training.seed, +1, ..., +N-1, each in RUN_DIR/"
+             "seed-<seed>; default 1. BERT: seeds 0..N-1, default 3) and report the mean and "
+             "standard deviation of the final validation loss and of the gap to fp32; the "
+             "figure shows mean curves with +-1 std bands",
+    )
+
+    sweep = commands.add_parser(
+        "sweep", help="learning-rate sweep across widths: does the best learning rate transfer?",
+        description="Train a grid of learning rates (powers of two) x widths (x depths) for each "
+                    "model (plain, unit = unit-scaled, u-mup = u-μP), then write sweep.md (final "
+                    "validation losses, the best learning rate at each width, how far it moves, "
+                    "and the default learning rate's loss against the best), sweep.json and "
+                    "sweep.png (loss against learning rate, one curve per width). Each model's "
+                    "grid is centred on its default learning rate (compare.learning_rates of its "
+                    "fp32 regime). Rerunning with the same --run-dir reuses finished points.",
+    )
+    _add_config_arguments(sweep)
+    sweep.add_argument("--models", nargs="+", choices=MODEL_KINDS, default=list(MODEL_KINDS),
+                       metavar="MODEL", help="models to sweep (default: plain unit u-mup)")
+    sweep.add_argument("--widths", nargs="+", type=_positive_int, default=[64, 128, 256],
+                       metavar="W", help="model.hidden_size values (default: 64 128 256)")
+    sweep.add_argument("--depths", nargs="+", type=_positive_int, metavar="D",
+                       help="model.depth values (default: the config's)")
+    sweep.add_argument("--span", type=_positive_int, default=2, metavar="K",
+                       help="learning rates 2^(c-K) .. 2^(c+K) around each model's default "
+                            "2^c (default 2: five rates)")
+    sweep.add_argument("--log2-lr", nargs="+", default=[], metavar="MODEL=LO:HI",
+                       help="an explicit grid for a model, e.g. u-mup=-3:2 (2^-3 .. 2^2)")
 
     analyse = commands.add_parser(
         "analyse", help="compare tensor scales of the plain and unit-scaled model",
@@ -124,7 +203,71 @@ def build_parser() -> argparse.ArgumentParser:
                          dest="overrides", help="override config values")
     analyse.add_argument("--run-dir", metavar="DIR", type=Path,
                          help="where to write the figure and table (default: runs/analyse-...)")
+    _add_inference_commands(commands)
     return parser
+
+
+def _add_inference_commands(commands: Any) -> None:
+    evaluate = commands.add_parser(
+        "evaluate", help="a trained run's loss in fp32, fp16 and post-training FP8",
+        description="Evaluate a trained run's checkpoint in each precision: fp32, fp16 "
+                    "(float16 matmuls), fp8-static (FP8 casts at scale 2^0) and fp8-amax (FP8 "
+                    "with per-tensor AMAX scaling). The data is the windows its training "
+                    "validated on (so its own precision gives its final validation loss "
+                    "exactly), or any text file. Prints a table of loss and gap to fp32 and "
+                    "writes evaluate.md and evaluate.json.",
+    )
+    evaluate.add_argument("run_dir", metavar="RUN_DIR", type=Path,
+                          help="a run directory holding a checkpoint")
+    evaluate.add_argument("--data", metavar="FILE",
+                          help="evaluate on this UTF-8 text instead, every character after the "
+                               "first predicted once; it may hold only characters the run's "
+                               "tokenizer knows")
+    evaluate.add_argument("--precision", nargs="+", choices=PRECISIONS, metavar="PRECISION",
+                          help=f"precisions to evaluate (default: all of {', '.join(PRECISIONS)})")
+    evaluate.add_argument("--scale-report", action="store_true",
+                          help="also give the FP8 casts' under- and overflow fractions by role")
+    evaluate.add_argument("--out", metavar="DIR", type=Path,
+                          help="where to write evaluate.md and evaluate.json (default: RUN_DIR)")
+    evaluate.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    sample = commands.add_parser(
+        "sample", help="write text with a trained run's checkpoint",
+        description="Continue a prompt with characters drawn one at a time from a trained "
+                    "run's model, printed as they come. The model sees a window of "
+                    "model.seq_len characters that slides along the text, so memory stays one "
+                    "window however long the text. The same --seed writes the same text.",
+    )
+    sample.add_argument("run_dir", metavar="RUN_DIR", type=Path,
+                        help="a run directory holding a checkpoint")
+    sample.add_argument("--prompt", metavar="TEXT",
+                        help="text to continue, of characters the run's tokenizer knows "
+                             "(default: a newline, to start a new paragraph)")
+    sample.add_argument("--tokens", metavar="N", type=_positive_int, default=500,
+                        help="characters to write (default 500)")
+    sample.add_argument("--temperature", metavar="T", type=_temperature, default=1.0,
+                        help="divides the logits before the draw (default 1.0); 0 always takes "
+                             "the most likely character")
+    sample.add_argument("--top-k", metavar="K", type=_positive_int,
+                        help="draw only among the K most likely characters (default: all)")
+    sample.add_argument("--seed", metavar="S", type=int, default=0,
+                        help="seed of the draws (default 0)")
+    sample.add_argument("--precision", choices=PRECISIONS, metavar="PRECISION",
+                        help=f"one of {', '.join(PRECISIONS)} (default: the precision the run "
+                             "trained in)")
+    for parser in (evaluate, sample):
+        parser.add_argument("--threads", metavar="N", type=_thread_count, default=1,
+                            help="CPU threads for torch (default 1)")
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -136,15 +279,18 @@ def _overrides(args: argparse.Namespace) -> List[str]:
 
 def _config_path(args: argparse.Namespace) -> Optional[str]:
     """``--config``, else ``configs/default.yaml`` where the configs directory is installed."""
-    if args.config:
+    if args.config is not None:
         return str(args.config)
     return "default" if (CONFIGS_DIR / "default.yaml").is_file() else None
 
 
 def _load(args: argparse.Namespace) -> Config:
     config = load_config(_config_path(args), _overrides(args))
-    if getattr(args, "data", None):
-        config.data.path = args.data
+    data = getattr(args, "data", None)
+    if data is not None:
+        if not data.strip():
+            raise UsageError("--data needs a file name (leave it out for the embedded corpus)")
+        config.data.path = data
     return config
 
 
@@ -153,11 +299,12 @@ def _default_run_dir(config: Config, command: str) -> Path:
     return root / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def _one_line(error: BaseException) -> str:
+def _one_line(error: BaseException, most: int = 5) -> str:
     if isinstance(error, ConfigError):
-        return "invalid config: " + "; ".join(
-            f"{path}: {message}" if path else message for path, message in error.errors
-        )
+        problems = [f"{path}: {message}" if path else message for path, message in error.errors]
+        more = len(problems) - most
+        text = "; ".join(problems[:most]) + (f"; and {more} more" if more > 0 else "")
+        return "invalid config: " + " ".join(text.split())
     return " ".join(str(error).split())
 
 
@@ -171,7 +318,7 @@ def _fmt(value: Optional[float], digits: int = 4) -> str:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .train import load_run_config, train
+    from .train import train
 
     if args.scale_report:
         try:
@@ -181,16 +328,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 "--scale-report needs ipu_unit_scaling.analysis, which this installation lacks"
             ) from error
     if args.resume is not None:
-        if args.config or args.data or args.run_dir:
-            raise UsageError("--resume continues a run with its own config, data and "
-                             "directory; change settings with --set")
-        config = load_run_config(args.resume, _overrides(args))
+        if args.config is not None or args.data is not None or args.run_dir is not None \
+                or args.init_from is not None:
+            raise UsageError("--resume continues a run with its own config, data, directory "
+                             "and start; change settings with --set")
+        config = None  # the run's own, read under its lock
         run_dir = args.resume
+    elif args.init_from is not None:
+        config = _fine_tuning_config(args)
+        run_dir = args.run_dir or _default_run_dir(config, "finetune")
     else:
         config = _load(args)
         run_dir = args.run_dir or _default_run_dir(config, "train")
-    summary = train(config, run_dir, resume=args.resume is not None, quiet=args.quiet,
-                    scale_report=args.scale_report, log=print)
+    summary = train(config, run_dir, resume=args.resume is not None, overrides=_overrides(args),
+                    quiet=args.quiet, scale_report=args.scale_report, log=print,
+                    init_from=args.init_from)
     print(f"final validation loss {_fmt(summary.final_val_loss)} nats per character "
           f"(best {_fmt(summary.best_val_loss)}); unigram baseline "
           f"{_fmt(summary.unigram_baseline)}, uniform {_fmt(summary.uniform_baseline)}")
@@ -199,39 +351,109 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fine_tuning_config(args: argparse.Namespace) -> Config:
+    """The pretrained run's config with --set and --data: the config of ``--init-from``."""
+    from .train import load_run_config
+
+    if args.config is not None:
+        raise UsageError("--init-from fine-tunes with the pretrained run's config, whose model "
+                         "it keeps; change other settings with --set")
+    config = load_run_config(args.init_from, _overrides(args), "fine-tune from")
+    if args.data is not None:
+        if not args.data.strip():
+            raise UsageError("--data needs a file name (leave it out for the pretrained "
+                             "run's data)")
+        config.data.path = args.data
+    return config
+
+
 def run_compare(
     config: Config, regimes: Sequence[str], run_dir: Path, quiet: bool = False,
 ) -> List[Dict[str, Any]]:
-    """Train every regime into ``run_dir/<regime>``; returns one result row per regime."""
-    from .plots import plot_compare
-    from .train import SUMMARY_FILE, TrainingDiverged, regime_config, train
+    """Train every regime into ``run_dir/<regime>``; returns one result row per regime.
 
-    run_dir.mkdir(parents=True, exist_ok=True)
+    A regime already in ``run_dir`` is reused (finished) or resumed (unfinished) only when its
+    saved settings are those it would run with now; otherwise nothing runs and a RunError
+    names the keys that differ.
+    """
+    from .data import load_corpus
+    from .rundir import RunLock, make_run_dir, remove_temporaries
+
+    make_run_dir(run_dir)
+    with RunLock(run_dir):
+        remove_temporaries(run_dir)
+        corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
+        plans = [(regime, *_regime_plan(config, regime, run_dir / regime, corpus))
+                 for regime in regimes]
+        return _run_regimes(plans, run_dir, quiet)
+
+
+def _regime_plan(config: Config, regime: str, regime_dir: Path, corpus: Any) -> Any:
+    """The regime's resolved config, and whether to ``start``, ``resume`` or ``reuse`` it."""
+    from .rundir import CHECKPOINT_FILE, SUMMARY_FILE, RunError, read_json
+    from .train import load_run_config, regime_config, resolved_config
+
+    cfg = resolved_config(regime_config(config, regime), corpus)
+    has_checkpoint = (regime_dir / CHECKPOINT_FILE).exists()
+    summary = read_json(regime_dir / SUMMARY_FILE)
+    if not has_checkpoint and summary is None:
+        return cfg, "start"  # new, or killed before anything worth keeping
+    differences = _differences(load_run_config(regime_dir).to_dict(), cfg.to_dict())
+    if summary is not None and summary.get("data_sha256") != corpus.sha256:
+        differences.append(f"data: {corpus.source} is not the text it trained on")
+    if differences:
+        shown = ", ".join(differences[:4]) + (", ..." if len(differences) > 4 else "")
+        raise RunError(
+            f"{regime_dir} was trained with other settings ({shown}); rerun with the same "
+            "settings or choose another --run-dir"
+        )
+    status = summary.get("status") if summary else None
+    if status == "diverged" or (status == "completed" and
+                                summary.get("steps") == cfg.training.steps):  # type: ignore
+        return cfg, "reuse"
+    return cfg, "resume" if has_checkpoint else "start"
+
+
+def _differences(saved: Dict[str, Any], wanted: Dict[str, Any], prefix: str = "") -> List[str]:
+    """``key: saved -> wanted`` for each setting that differs (the compare section aside: it
+    holds no setting of one regime's run)."""
+    found = []
+    for key in sorted(set(saved) | set(wanted)):
+        if not prefix and key == "compare":
+            continue
+        old, new = saved.get(key), wanted.get(key)
+        if isinstance(old, dict) and isinstance(new, dict) and not prefix:
+            found += _differences(old, new, key + ".")
+        elif old != new:
+            found.append(f"{prefix}{key}: {old!r} -> {new!r}")
+    return found
+
+
+def _run_regimes(plans: Sequence[Any], run_dir: Path, quiet: bool) -> List[Dict[str, Any]]:
+    from .plots import plot_compare
+    from .rundir import SUMMARY_FILE, atomic_write, read_json
+    from .train import TrainingDiverged, model_kind, train
+
     rows: List[Dict[str, Any]] = []
     curves: Dict[str, List[Any]] = {}
     baseline = None
-    for regime in regimes:
+    for regime, cfg, action in plans:
         regime_dir = run_dir / regime
-        cfg = regime_config(config, regime)
-        summary_path = regime_dir / SUMMARY_FILE
-        previous = _read_json(summary_path)
-        if previous and previous.get("status") in ("completed", "diverged"):
+        if action == "reuse":
             if not quiet:
                 print(f"{regime}: reusing the finished run in {regime_dir}")
-            data = previous
         else:
-            resume = (regime_dir / "checkpoint.pt").is_file()
             try:
-                train(cfg, regime_dir, resume=resume, quiet=quiet, desc=regime)
+                train(cfg, regime_dir, resume=action == "resume", quiet=quiet, desc=regime)
             except TrainingDiverged as error:
                 if not quiet:
                     print(f"{regime}: {error}")
-            data = _read_json(summary_path) or {}
+        data = read_json(regime_dir / SUMMARY_FILE) or {}
         baseline = data.get("unigram_baseline", baseline)
         curves[regime] = [tuple(p) for p in data.get("val_curve", [])]
         rows.append({
             "regime": regime,
-            "model": "unit-scaled" if cfg.model.unit_scaled else "plain",
+            "model": MODEL_NAMES[model_kind(cfg)],
             "precision": _precision_name(cfg),
             "learning_rate": cfg.training.learning_rate,
             "status": data.get("status", "missing"),
@@ -248,9 +470,9 @@ def run_compare(
             100.0 * (loss - reference) / reference if loss is not None and reference else None
         )
     table = format_compare_table(rows, baseline)
-    (run_dir / "compare.md").write_text(table + "\n", encoding="utf-8")
-    with open(run_dir / "compare.json", "w", encoding="utf-8") as handle:
-        json.dump({"unigram_baseline": baseline, "regimes": rows}, handle, indent=2)
+    atomic_write(run_dir / "compare.md", (table + "\n").encode("utf-8"))
+    atomic_write(run_dir / "compare.json", json.dumps(
+        {"unigram_baseline": baseline, "regimes": rows}, indent=2).encode("utf-8"))
     plot_compare(curves, run_dir / "compare.png", baseline)
     return rows
 
@@ -260,15 +482,6 @@ def _precision_name(config: Config) -> str:
     if dtype != "fp8":
         return dtype
     return f"fp8 {config.precision.fp8.scaling}"
-
-
-def _read_json(path: Path) -> Optional[Dict[str, Any]]:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
 
 
 def format_compare_table(rows: Sequence[Dict[str, Any]], baseline: Optional[float]) -> str:
@@ -296,25 +509,113 @@ def format_compare_table(rows: Sequence[Dict[str, Any]], baseline: Optional[floa
     return "\n".join(lines)
 
 
-def _cmd_compare(args: argparse.Namespace) -> int:
-    config = _load(args)
-    regimes = list(args.regimes or config.compare.regimes)
+def _cmd_compare_bert(args: argparse.Namespace) -> int:
+    from .mlm import MLM_REGIMES, MLMConfig, format_mlm_table, run_mlm_compare
+
+    if args.config:
+        raise UsageError("--model bert takes its settings from --set mlm.<key>=VALUE, not "
+                         "--config")
+    overrides = _overrides(args)
+    if args.data:
+        overrides.append(f"mlm.data={json.dumps(str(args.data))}")
+    try:
+        config = MLMConfig().with_overrides(overrides)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    regimes = list(args.regimes or MLM_REGIMES)
+    seeds = list(range(args.seeds if args.seeds is not None else 3))
     if len(set(regimes)) != len(regimes):
-        raise UsageError(f"--regimes lists a regime twice: {' '.join(regimes)}")
-    run_dir = args.run_dir or _default_run_dir(config, "compare")
-    rows = run_compare(config, regimes, run_dir, quiet=args.quiet)
-    print(format_compare_table(rows, _read_baseline(run_dir)))
+        raise UsageError("--regimes lists each regime once")
+    run_dir = args.run_dir or Path("runs") / f"compare-bert-{time.strftime('%Y%m%d-%H%M%S')}"
+    rows = run_mlm_compare(config, regimes, seeds, run_dir, quiet=args.quiet)
+    print(format_mlm_table(rows, seeds))
     print(f"curves: {run_dir / 'compare.png'}; table: {run_dir / 'compare.md'}")
     return 0
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    if args.model == "bert":
+        return _cmd_compare_bert(args)
+    config = _load(args)
+    seeds = args.seeds or 1
+    regimes = list(args.regimes or config.compare.regimes)
+    if len(set(regimes)) != len(regimes):
+        raise UsageError(f"--regimes lists a regime twice: {' '.join(regimes)}")
+    run_dir = args.run_dir or _default_run_dir(config, "compare")
+    if seeds == 1:
+        rows = run_compare(config, regimes, run_dir, quiet=args.quiet)
+        print(format_compare_table(rows, _read_baseline(run_dir)))
+    else:
+        print(run_compare_seeds(config, regimes, run_dir, seeds, quiet=args.quiet))
+    print(f"curves: {run_dir / 'compare.png'}; table: {run_dir / 'compare.md'}")
+    return 0
+
+
+def run_compare_seeds(config: Config, regimes: Sequence[str], run_dir: Path, seeds: int,
+                      quiet: bool = False) -> str:
+    """``compare`` once per seed (``run_dir/seed-<seed>``), then the mean ± std table; returns
+    it (also in ``compare.md``, with ``compare.json`` and ``compare.png``)."""
+    from .experiments import write_seed_results
+    from .rundir import RunLock, make_run_dir
+
+    per_seed: Dict[int, List[Dict[str, Any]]] = {}
+    seed_dirs: Dict[int, Path] = {}
+    make_run_dir(run_dir)
+    with RunLock(run_dir):
+        for offset in range(seeds):
+            seeded = copy.deepcopy(config)
+            seed = seeded.training.seed = config.training.seed + offset
+            seed_dirs[seed] = run_dir / f"seed-{seed}"
+            if not quiet:
+                print(f"compare: seed {seed} ({offset + 1} of {seeds})")
+            per_seed[seed] = run_compare(seeded, regimes, seed_dirs[seed], quiet=quiet)
+        _, table = write_seed_results(run_dir, per_seed, seed_dirs)
+    return table
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from .experiments import DEFAULT_REGIME, default_exponents, format_sweep_tables, run_sweep
+
+    config = _load(args)
+    exponents = {kind: default_exponents(config, kind, args.span) for kind in args.models}
+    for item in args.log2_lr:
+        kind, _, bounds = item.partition("=")
+        low, _, high = bounds.partition(":")
+        try:
+            grid = list(range(int(low), int(high) + 1))
+        except ValueError:
+            grid = []
+        if kind not in args.models or not grid:
+            raise UsageError(f"--log2-lr {item!r}: expected MODEL=LO:HI with MODEL one of "
+                             f"{', '.join(args.models)} and integers LO <= HI")
+        exponents[kind] = grid
+    depths = args.depths or [config.model.depth]
+    for width in args.widths:
+        if width % config.model.heads:
+            raise UsageError(f"--widths {width}: model.heads ({config.model.heads}) must "
+                             "divide every width")
+    run_dir = args.run_dir or _default_run_dir(config, "sweep")
+    points = run_sweep(config, args.models, args.widths, depths, exponents, run_dir,
+                       quiet=args.quiet)
+    defaults = {kind: config.compare.learning_rates[DEFAULT_REGIME[kind]]
+                for kind in args.models}
+    print(format_sweep_tables(points, defaults))
+    print(f"transfer plot: {run_dir / 'sweep.png'}; table: {run_dir / 'sweep.md'}")
+    return 0
+
+
 def _read_baseline(run_dir: Path) -> Optional[float]:
-    data = _read_json(run_dir / "compare.json") or {}
+    from .rundir import read_json
+
+    data = read_json(run_dir / "compare.json") or {}
     value = data.get("unigram_baseline")
     return float(value) if value is not None else None
 
 
 def _cmd_analyse(args: argparse.Namespace) -> int:
+    from .memory import check_memory
+    from .rundir import make_run_dir
+
     config = load_config(_config_path(args), _overrides(args))
     try:
         from .analysis import analyse  # type: ignore[attr-defined]
@@ -322,41 +623,114 @@ def _cmd_analyse(args: argparse.Namespace) -> int:
         raise UsageError(
             "'analyse' needs ipu_unit_scaling.analysis, which this installation lacks"
         ) from error
+    check_memory(config)
     run_dir = args.run_dir or _default_run_dir(config, "analyse")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_run_dir(run_dir)
     table, figure = analyse(config, run_dir)
     print(table)
     print(f"figure: {figure}")
     return 0
 
 
-COMMANDS = {"train": _cmd_train, "compare": _cmd_compare, "analyse": _cmd_analyse}
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from .pretrained import evaluate_run, format_evaluation, open_run, write_evaluation
+
+    precisions = list(args.precision or PRECISIONS)
+    if len(set(precisions)) != len(precisions):
+        raise UsageError(f"--precision lists a precision twice: {' '.join(precisions)}")
+    run = open_run(args.run_dir, "evaluate")
+    bar = None
+    if not args.quiet and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(desc="evaluate", unit="batch", leave=False)
+    try:
+        evaluation = evaluate_run(run, precisions, args.data, scale_report=args.scale_report,
+                                  on_batch=bar.update if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    out = args.out or args.run_dir
+    if args.out is not None:
+        from .rundir import make_run_dir
+
+        make_run_dir(out)
+    table = format_evaluation(evaluation)
+    markdown, data = write_evaluation(evaluation, out)
+    print(table)
+    print(f"table: {markdown}; data: {data}")
+    return 0
+
+
+def _cmd_sample(args: argparse.Namespace) -> int:
+    from .pretrained import check_prompt, default_prompt, open_run, sample_run
+
+    run = open_run(args.run_dir, "sample")
+    prompt = default_prompt(run.tokenizer) if args.prompt is None else args.prompt
+    check_prompt(run.tokenizer, prompt)  # before anything is printed: an error is one line
+
+    def show(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    show(prompt)
+    text = sample_run(run, prompt, args.tokens, temperature=args.temperature, top_k=args.top_k,
+                      seed=args.seed, precision=args.precision, on_text=show)
+    show("" if text.endswith("\n") else "\n")
+    return 0
+
+
+COMMANDS = {"train": _cmd_train, "compare": _cmd_compare, "sweep": _cmd_sweep,
+            "analyse": _cmd_analyse, "evaluate": _cmd_evaluate, "sample": _cmd_sample}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
-    parser = build_parser()
-    args = parser.parse_args(argv)  # exits 2 with a usage line on bad arguments
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        print(f"{PROG}: error: no command; use '{PROG} train' to train the default config, or "
+              f"see '{PROG} --help' for train, compare, analyse, evaluate and sample",
+              file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as stop:  # --help (0), or one line on bad arguments (2)
+        return stop.code if isinstance(stop.code, int) else EXIT_USAGE
     if getattr(args, "threads", None):
         import torch
 
         torch.set_num_threads(args.threads)
     from .backends import BackendError
     from .data import DataError
+    from .inference import SamplingError
     from .train import RunError, TrainingDiverged, TrainingInterrupted
 
     try:
         return COMMANDS[args.command](args)
     except (ConfigError, DataError, RunError, BackendError, UsageError) as error:
-        print(f"{PROG}: error: {_one_line(error)}", file=sys.stderr)
-        return EXIT_USAGE
-    except TrainingDiverged as error:
+        return _fail(_one_line(error))
+    except (TrainingDiverged, SamplingError) as error:
         print(f"{PROG}: {_one_line(error)}", file=sys.stderr)
         return EXIT_DIVERGED
     except (TrainingInterrupted, KeyboardInterrupt) as error:
         message = _one_line(error) or "interrupted"
         print(f"{PROG}: {message}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except OSError as error:  # a file system that refuses: full, read-only, gone
+        where = f" ({error.filename})" if error.filename else ""
+        return _fail(f"{error.strerror or _one_line(error)}{where}")
+    except MemoryError:
+        return _fail("out of memory; make the model or the batch smaller")
+    except Exception as error:  # a bug: still one line, with a way to see where
+        if os.environ.get(DEBUG_ENV):
+            raise
+        return _fail(f"internal error ({type(error).__name__}): {_one_line(error)}; set "
+                     f"{DEBUG_ENV}=1 for the traceback")
+
+
+def _fail(message: str) -> int:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -2,18 +2,24 @@
 
 A config file is a YAML mapping with the sections below; every key is optional and falls back to
 the dataclass default, so ``Config()`` *is* the default run (``configs/default.yaml`` spells the
-same values out). A file may start from another one with ``extends: other.yaml`` (a path relative
+same values out). The ``model`` section is ``models.GPTConfig`` and ``precision.fp8`` is
+``fp8.FP8Config``: the library's own classes, so a key cannot be in one and not the other.
+
+A file may start from another one with ``extends: other.yaml`` (a path relative
 to the file; mappings merge key by key, everything else is replaced). YAML anchors and merge keys
 (``<<: *base``) work inside one file as usual.
 
 Errors name the key path, the bad value and what is allowed, e.g.
-``ipu.layers_per_ipu: [2, 2] places 4 layers but model.depth is 6; ...``.
+``ipu.layers_per_ipu: [2, 2] places 4 layers but model.depth is 6; ...``; a file that cannot be
+read (missing, not UTF-8, not YAML, nested too deeply) is a ConfigError too, with the line and
+column of a YAML error.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import math
+import reprlib
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -22,15 +28,18 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import yaml
 
-BACKEND_NAMES = ("auto", "ipu", "ipu_model", "emulator", "cpu")
+from .fp8.config import FP8Config, FP8ConfigError
+from .models import GPTConfig
+
+BACKEND_NAMES = ("auto", "ipu", "ipu_model", "emulator", "cpu", "popxl")
 DTYPES = ("fp32", "fp16", "fp8")
-FP8_FORMATS = ("F143", "F152", "E4M3FN", "E5M2")
-FP8_SCALINGS = ("amax", "static")
-FP8_ROUNDINGS = ("nearest", "stochastic")
-FP8_OVERFLOWS = ("saturate", "nan")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine")
 PARTIALS_TYPES = ("float", "half")
+PARAMETRIZATIONS = ("unit", "u-mup")
+# u-μP's principled hyperparameters (model keys); all default to 1.
+UMUP_MULTIPLIERS = ("residual_mult", "residual_attn_ratio", "attn_softmax_mult", "ffn_act_mult",
+                    "loss_softmax_mult")
 REGIMES = (
     "fp32",
     "fp16",
@@ -40,9 +49,14 @@ REGIMES = (
     "unit-fp16",
     "unit-fp8",
     "unit-fp8-amax",
+    "umup-fp32",
+    "umup-fp16",
+    "umup-fp8",
+    "umup-fp8-amax",
 )
-# Margins shift a power-of-two scaling bias that is clamped to [-31, 31] anyway.
-MAX_FP8_MARGIN = 31
+MAX_SEED = 2**63 - 1
+MAX_TAU = 1e6
+
 
 def _configs_dir() -> Path:
     """`configs/` of a source checkout, else the copy a non-editable install puts in its prefix."""
@@ -63,43 +77,14 @@ class ConfigError(ValueError):
         super().__init__("invalid config:\n  " + "\n  ".join(lines))
 
 
-@dataclass
-class ModelConfig:
-    """The example GPT; field names match ``ipu_unit_scaling.models.GPTConfig``."""
-
-    vocab_size: int = 256
-    seq_len: int = 64
-    depth: int = 2
-    hidden_size: int = 128
-    heads: int = 4
-    mlp_expansion: int = 4
-    dropout: float = 0.0
-    unit_scaled: bool = True
-    attn_tau: float = 0.2
-    mlp_tau: float = 0.5
-    bias: bool = False
-
-
-@dataclass
-class FP8Section:
-    """Fields of ``ipu_unit_scaling.fp8.FP8Config``."""
-
-    activation_format: str = "F143"
-    weight_format: str = "F143"
-    gradient_format: str = "F152"
-    scaling: str = "amax"
-    activation_margin: int = 0
-    weight_margin: int = 0
-    gradient_margin: int = 3
-    rounding: str = "nearest"
-    overflow: str = "saturate"
-    attention: bool = False
+# The model and FP8 sections are the library's own config classes: one definition each.
+ModelConfig = GPTConfig
 
 
 @dataclass
 class PrecisionConfig:
     dtype: str = "fp8"
-    fp8: FP8Section = field(default_factory=FP8Section)
+    fp8: FP8Config = field(default_factory=FP8Config)
 
 
 @dataclass
@@ -158,6 +143,12 @@ def _default_learning_rates() -> Dict[str, float]:
         "unit-fp16": 0.06,
         "unit-fp8": 0.06,
         "unit-fp8-amax": 0.06,
+        # u-μP's global rate eta: each tensor's own rate is eta times its scale (see
+        # ipu_unit_scaling.umup); 1, like u-μP's other hyperparameters.
+        "umup-fp32": 1.0,
+        "umup-fp16": 1.0,
+        "umup-fp8": 1.0,
+        "umup-fp8-amax": 1.0,
     }
 
 
@@ -210,7 +201,7 @@ def load_config(path: Union[str, Path, None] = None, overrides: Sequence[str] = 
     """
     raw = _read_with_extends(_resolve_path(path), ()) if path is not None else {}
     for override in overrides:
-        _apply_override(raw, override)
+        apply_override(raw, override)
     config = config_from_dict(raw)
     validate(config)
     return config
@@ -228,14 +219,72 @@ def config_from_dict(raw: Any) -> Config:
     return config
 
 
+def read_yaml_file(path: Path, what: str = "config file") -> Any:
+    """The YAML document in ``path``; any way it cannot be read is a one-line ConfigError."""
+    try:
+        data = path.read_bytes()
+    except (OSError, ValueError) as error:
+        reason = getattr(error, "strerror", None) or str(error)
+        raise ConfigError([("", f"cannot read {what} {str(path)!r}: {reason}")]) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError([("", (
+            f"{what} {str(path)!r} is not UTF-8 text (invalid byte 0x{data[error.start]:02x} "
+            f"at offset {error.start})"
+        ))]) from None
+    return parse_yaml(text, f"{what} {str(path)!r}")
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """``yaml.safe_load`` whose failures are ConfigErrors naming the line and column."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError([("", f"{where} is not valid YAML: {_yaml_problem(error)}")]) from None
+    except RecursionError:
+        raise ConfigError([("", f"{where} is nested too deeply to read")]) from None
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    def at(mark: Any) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    problem = getattr(error, "problem", None) or str(error)
+    text = " ".join(str(problem).split())
+    mark = getattr(error, "problem_mark", None)
+    if mark is not None:
+        text = f"{at(mark)}: {text}"
+    context, context_mark = getattr(error, "context", None), getattr(error, "context_mark", None)
+    if context and context_mark is not None:
+        text += f" ({' '.join(str(context).split())} started at {at(context_mark)})"
+    return text
+
+
 def _resolve_path(path: Union[str, Path]) -> Path:
     candidate = Path(path)
-    if candidate.is_file():
-        return candidate
     named = CONFIGS_DIR / (candidate.name if candidate.suffix else candidate.name + ".yaml")
-    if candidate.parent == Path(".") and named.is_file():
+    if _is_file(candidate):
+        return candidate
+    if str(path) and candidate.parent == Path(".") and _is_file(named):
         return named
+    if str(path) and _exists(candidate):
+        raise ConfigError([("", f"config file {str(path)!r} is not a regular file")])
     raise ConfigError([("", f"config file {str(path)!r} not found (nor {named})")])
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):  # a NUL byte or an unusable name: not a file we can read
+        return False
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
 
 
 def _read_with_extends(path: Path, seen: Tuple[Path, ...]) -> Dict[str, Any]:
@@ -243,11 +292,7 @@ def _read_with_extends(path: Path, seen: Tuple[Path, ...]) -> Dict[str, Any]:
     if path in seen:
         chain = " -> ".join(str(p) for p in seen + (path,))
         raise ConfigError([("extends", f"cycle: {chain}")])
-    with open(path, encoding="utf-8") as handle:
-        try:
-            data = yaml.safe_load(handle)
-        except yaml.YAMLError as error:
-            raise ConfigError([("", f"{path} is not valid YAML: {error}")]) from error
+    data = read_yaml_file(path)
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -255,15 +300,16 @@ def _read_with_extends(path: Path, seen: Tuple[Path, ...]) -> Dict[str, Any]:
     parent = data.pop("extends", None)
     if parent is None:
         return data
-    if not isinstance(parent, str):
-        raise ConfigError([("extends", f"got {parent!r}; expected a file path")])
+    if not isinstance(parent, str) or not parent:
+        raise ConfigError([("extends", f"got {_short(parent)}; expected a file path")])
     parent_path = path.parent / parent
-    if not parent_path.is_file():
-        raise ConfigError([("extends", f"{parent!r} not found next to {path}")])
+    if not _is_file(parent_path):
+        raise ConfigError([("extends", f"{_short(parent)} not found next to {path}")])
     return _deep_merge(_read_with_extends(parent_path, seen + (path,)), data)
 
 
 def _deep_merge(base: Dict[str, Any], update: Dict[str, Any]) -> Dict[str, Any]:
+    # Recursion is bounded by what the YAML parser could nest in the first place.
     merged = dict(base)
     for key, value in update.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
@@ -273,15 +319,13 @@ def _deep_merge(base: Dict[str, Any], update: Dict[str, Any]) -> Dict[str, Any]:
     return merged
 
 
-def _apply_override(raw: Dict[str, Any], override: str) -> None:
+def apply_override(raw: Dict[str, Any], override: str) -> None:
+    """Apply one ``section.key=value`` override (the value parsed as YAML) to a raw mapping."""
     key, sep, text = override.partition("=")
     key = key.strip()
     if not sep or not key:
-        raise ConfigError([("", f"override {override!r} must look like section.key=value")])
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise ConfigError([(key, f"cannot parse {text!r} as YAML: {error}")]) from error
+        raise ConfigError([("", f"override {_short(override)} must look like section.key=value")])
+    value = parse_yaml(text, f"the value of {key}")
     parts = key.split(".")
     node = raw
     for depth, part in enumerate(parts[:-1]):
@@ -292,10 +336,24 @@ def _apply_override(raw: Dict[str, Any], override: str) -> None:
     node[parts[-1]] = value
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlevel = 2
+_REPR.maxlist = _REPR.maxdict = 4
+
+
+def _short(value: Any) -> str:
+    """``repr`` cut to a readable length, even for hostile values (deep, huge, cyclic)."""
+    try:
+        return _REPR.repr(value)
+    except RecursionError:
+        return f"<{type(value).__name__}>"
+
+
 def _build(cls: Any, raw: Any, path: str, errors: List[Tuple[str, str]]) -> Any:
     """Instantiate dataclass ``cls`` from mapping ``raw``; records errors instead of raising."""
     if not isinstance(raw, dict):
-        errors.append((path, f"got {raw!r}; expected a mapping of {_field_names(cls)}"))
+        errors.append((path, f"got {_short(raw)}; expected a mapping of {_field_names(cls)}"))
         return cls()
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
@@ -310,14 +368,27 @@ def _build(cls: Any, raw: Any, path: str, errors: List[Tuple[str, str]]) -> Any:
         hint_type = hints[key]
         if dataclasses.is_dataclass(hint_type):
             kwargs[key] = _build(hint_type, value, key_path, errors)
-        elif _origin(hint_type) is dict and isinstance(value, dict):
+            continue
+        if _origin(hint_type) is dict and isinstance(value, dict):
             default = getattr(cls(), key)
             value_type = getattr(hint_type, "__args__", (Any, Any))[1]
             # A partial mapping updates the defaults; its values convert like any field's.
-            kwargs[key] = {**default, **{k: _coerce(v, value_type) for k, v in value.items()}}
+            value = {**default, **{k: _coerce(v, value_type) for k, v in value.items()}}
         else:
-            kwargs[key] = _coerce(value, hint_type)
-    return cls(**kwargs)
+            value = _coerce(value, hint_type)
+        if not _matches(value, hint_type):
+            errors.append((key_path, _type_error(value, hint_type)))
+            continue
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except FP8ConfigError as error:  # a section that checks its own rules
+        errors.extend((f"{path}.{name}", message) for name, message in error.problems)
+        return cls()
+
+
+def _type_error(value: Any, hint: Any) -> str:
+    return f"got {_short(value)} ({type(value).__name__}); expected {_describe(hint)}"
 
 
 def _field_names(cls: Any) -> str:
@@ -417,10 +488,9 @@ def _check_types(node: Any, path: str, errors: List[Tuple[str, str]]) -> None:
             if isinstance(value, hint):
                 _check_types(value, key_path, errors)
             else:
-                errors.append((key_path, f"got {value!r}; expected a mapping"))
+                errors.append((key_path, f"got {_short(value)}; expected a mapping"))
         elif not _matches(value, hint):
-            kind = type(value).__name__
-            errors.append((key_path, f"got {value!r} ({kind}); expected {_describe(hint)}"))
+            errors.append((key_path, _type_error(value, hint)))
 
 
 def _check_rules(config: Config, errors: List[Tuple[str, str]]) -> None:
@@ -431,7 +501,7 @@ def _check_rules(config: Config, errors: List[Tuple[str, str]]) -> None:
         if value not in allowed:
             guess = difflib.get_close_matches(value, allowed, n=1)
             hint = f"; did you mean {guess[0]!r}?" if guess else ""
-            error(path, f"got {value!r}; allowed: {', '.join(allowed)}{hint}")
+            error(path, f"got {_short(value)}; allowed: {', '.join(allowed)}{hint}")
 
     def at_least(path: str, value: float, low: float) -> None:
         if value < low:
@@ -448,30 +518,27 @@ def _check_rules(config: Config, errors: List[Tuple[str, str]]) -> None:
     if not 0.0 <= model.dropout < 1.0:
         error("model.dropout", f"got {model.dropout!r}; allowed: 0 <= dropout < 1")
     for name in ("attn_tau", "mlp_tau"):
-        if not getattr(model, name) > 0:
-            error(f"model.{name}", f"got {getattr(model, name)!r}; must be > 0")
+        # Past MAX_TAU the skip path's weight 1 / sqrt(1 + tau**2) is below 1e-6: no residual.
+        if not 0 < getattr(model, name) <= MAX_TAU:
+            error(f"model.{name}", f"got {getattr(model, name)!r}; allowed: 0 < tau <= {MAX_TAU:g}")
+    _check_parametrization(model, error, choice)
 
-    precision = config.precision
-    choice("precision.dtype", precision.dtype, DTYPES)
-    fp8 = precision.fp8
-    for name in ("activation_format", "weight_format", "gradient_format"):
-        choice(f"precision.fp8.{name}", getattr(fp8, name), FP8_FORMATS)
-    choice("precision.fp8.scaling", fp8.scaling, FP8_SCALINGS)
-    choice("precision.fp8.rounding", fp8.rounding, FP8_ROUNDINGS)
-    choice("precision.fp8.overflow", fp8.overflow, FP8_OVERFLOWS)
-    for name in ("activation_margin", "weight_margin", "gradient_margin"):
-        margin = getattr(fp8, name)
-        if abs(margin) > MAX_FP8_MARGIN:
-            error(f"precision.fp8.{name}", f"got {margin}; allowed: -31 .. 31")
+    # precision.fp8 is an FP8Config, which refuses bad values itself when it is built.
+    choice("precision.dtype", config.precision.dtype, DTYPES)
 
     _check_ipu(config, error)
     _check_training(config, error, choice, at_least)
 
     if not 0.0 < config.data.val_fraction < 1.0:
         error("data.val_fraction", f"got {config.data.val_fraction!r}; allowed: 0 < x < 1")
+    if config.data.path is not None and not config.data.path.strip():
+        error("data.path", f"got {config.data.path!r}; expected a file path, or null for the "
+                           "embedded corpus")
 
     for index, regime in enumerate(config.compare.regimes):
         choice(f"compare.regimes[{index}]", regime, REGIMES)
+    if not config.compare.regimes:
+        error("compare.regimes", "got []; name at least one regime")
     if len(set(config.compare.regimes)) != len(config.compare.regimes):
         error("compare.regimes", f"got {config.compare.regimes}; each regime at most once")
     for regime, rate in config.compare.learning_rates.items():
@@ -480,6 +547,28 @@ def _check_rules(config: Config, errors: List[Tuple[str, str]]) -> None:
             error(f"compare.learning_rates.{regime}", f"got {rate!r}; must be > 0")
 
     choice("backend", config.backend, BACKEND_NAMES)
+
+
+def _check_parametrization(model: ModelConfig, error: Any, choice: Any) -> None:
+    """u-μP's keys act only under u-μP, unit scaling's taus only under unit scaling: a value
+    that would be ignored is refused instead."""
+    choice("model.parametrization", model.parametrization, PARAMETRIZATIONS)
+    for name in UMUP_MULTIPLIERS:
+        value = getattr(model, name)
+        # Beyond 1e6 the squared shares and scales leave float range or stop meaning anything.
+        if not 0 < value <= MAX_TAU:
+            error(f"model.{name}", f"got {value!r}; allowed: 0 < x <= {MAX_TAU:g}")
+        elif value != 1.0 and model.parametrization != "u-mup":
+            error(f"model.{name}", f"got {value!r}; only model.parametrization: u-mup uses it")
+    if model.parametrization != "u-mup":
+        return
+    if not model.unit_scaled:
+        error("model.parametrization", "u-mup needs model.unit_scaled: true")
+    defaults = ModelConfig()
+    for name in ("attn_tau", "mlp_tau"):
+        if getattr(model, name) != getattr(defaults, name):
+            error(f"model.{name}", "u-mup sets each layer's residual weights from "
+                  "model.residual_mult and model.residual_attn_ratio; leave it at its default")
 
 
 def _check_ipu(config: Config, error: Any) -> None:
@@ -550,11 +639,17 @@ def _check_training(config: Config, error: Any, choice: Any, at_least: Any) -> N
         error("training.learning_rate", f"got {training.learning_rate!r}; must be > 0")
     at_least("training.weight_decay", training.weight_decay, 0.0)
     at_least("training.warmup_steps", training.warmup_steps, 0)
-    if training.warmup_steps > training.steps:
+    if ipu.device_iterations >= 1 and training.steps % ipu.device_iterations:
+        # Each call of the training model runs device_iterations steps; a last, shorter call
+        # is not possible (PopTorch compiles one step count).
         error(
-            "training.warmup_steps",
-            f"got {training.warmup_steps}; must be <= training.steps ({training.steps})",
+            "training.steps",
+            f"got {training.steps}; must be a multiple of ipu.device_iterations "
+            f"({ipu.device_iterations}), the steps one call of the training model runs",
         )
+    if not 0 <= training.seed <= MAX_SEED:
+        # The validation batches use seed + 1, which must still fit torch's 64-bit seeds.
+        error("training.seed", f"got {training.seed}; allowed: 0 .. 2**63 - 1")
     if training.grad_clip is not None and not training.grad_clip > 0:
         error("training.grad_clip", f"got {training.grad_clip!r}; must be > 0 or null")
     at_least("training.log_interval", training.log_interval, 1)
@@ -595,14 +690,20 @@ def resolve_layers_per_ipu(layers_per_ipu: Sequence[int], depth: int, ipus: int)
     return counts
 
 
+def warmup_steps(training: TrainingConfig) -> int:
+    """The warmup actually used: ``training.warmup_steps``, at most the whole run."""
+    return min(training.warmup_steps, training.steps)
+
+
 def scheduled_learning_rate(training: TrainingConfig, step: int) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then constant or
-    cosine decay to zero at ``training.steps``."""
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup (clamped to the run
+    length), then constant or cosine decay to zero at ``training.steps``."""
     peak = training.learning_rate
-    if step < training.warmup_steps:
-        return peak * (step + 1) / training.warmup_steps
+    warmup = warmup_steps(training)
+    if step < warmup:
+        return peak * (step + 1) / warmup
     if training.schedule == "constant":
         return peak
-    decay_steps = max(1, training.steps - training.warmup_steps)
-    progress = min(1.0, (step - training.warmup_steps) / decay_steps)
+    decay_steps = max(1, training.steps - warmup)
+    progress = min(1.0, (step - warmup) / decay_steps)
     return peak * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -55,25 +55,52 @@ def embedded_corpus() -> str:
 
 def read_text_file(path: Union[str, Path]) -> str:
     """Read a UTF-8 text file, with one clear error for each way it can be unusable."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"data file {str(path)!r} does not exist")
-    if not path.is_file():
-        raise DataError(f"data file {str(path)!r} is not a regular file")
-    raw = path.read_bytes()
+    name = repr(str(path))
+    try:
+        path = Path(path)
+        if not path.exists():
+            raise DataError(f"data file {name} does not exist")
+        if not path.is_file():
+            raise DataError(f"data file {name} is not a regular file")
+        _check_fits(name, path.stat().st_size)
+        raw = path.read_bytes()
+    except OSError as error:
+        raise DataError(f"cannot read data file {name}: {error.strerror or error}") from None
+    except ValueError as error:  # a NUL byte in the name
+        if isinstance(error, DataError):
+            raise
+        raise DataError(f"data file {name} is not a usable path: {error}") from None
     if not raw:
-        raise DataError(f"data file {str(path)!r} is empty")
+        raise DataError(f"data file {name} is empty")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise DataError(
-            f"data file {str(path)!r} is not UTF-8 text (invalid byte 0x{raw[error.start]:02x} "
+            f"data file {name} is not UTF-8 text (invalid byte 0x{raw[error.start]:02x} "
             f"at offset {error.start})"
-        ) from error
+        ) from None
+
+
+# Host bytes per byte of text while it is decoded and encoded: the bytes, the string (up to 4
+# bytes a character), the list of ids (8) and the tensor of ids (8).
+BYTES_PER_TEXT_BYTE = 21
+
+
+def _check_fits(name: str, size: int) -> None:
+    from .memory import format_bytes, machine_memory
+
+    available = machine_memory()
+    if available is not None and size * BYTES_PER_TEXT_BYTE > available:
+        raise DataError(
+            f"data file {name} has {format_bytes(size)}; reading and encoding it needs about "
+            f"{format_bytes(size * BYTES_PER_TEXT_BYTE)}, more than the "
+            f"{format_bytes(available)} of this machine"
+        )
 
 
 class CharTokenizer:
-    """One token per character; ids follow the sorted order of the characters."""
+    """One token per character; ids follow the order of ``chars``: sorted for a new run, the
+    pretrained ids then the new characters for a fine-tuning run (see ``finetune``)."""
 
     def __init__(self, chars: Sequence[str]):
         if len(set(chars)) != len(chars) or any(len(c) != 1 for c in chars):

@@ -10,7 +10,7 @@ their default initialisation, which is what unit scaling is compared against.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +18,8 @@ from torch import Tensor, nn
 
 from . import functional as U
 from . import fused_blocks
-from .constraints import ConstraintArg
+from .constraints import ConstraintArg, SharedInputGmean
+from .scale import scale_fwd
 from .tracing import is_ipu_tracing
 
 __all__ = [
@@ -30,6 +31,9 @@ __all__ = [
     "Softmax",
     "Dropout",
     "CrossEntropyLoss",
+    "RMSNorm",
+    "SiLU",
+    "GatedMLP",
     "MHSA",
     "MLP",
     "TransformerLayer",
@@ -130,6 +134,45 @@ class CrossEntropyLoss(nn.CrossEntropyLoss):
         )
 
 
+class SiLU(nn.SiLU):
+    """Unit-scaled `nn.SiLU`."""
+
+    def __init__(self, inplace: bool = False, constraint: ConstraintArg = "gmean") -> None:
+        super().__init__(inplace)
+        self.constraint = constraint
+
+    def forward(self, input: Tensor) -> Tensor:
+        return U.silu(input, self.inplace, self.constraint)
+
+
+class _RMSNormFallback(nn.Module):
+    """`nn.RMSNorm`'s attributes and state, for torch before 2.4 (which has no RMSNorm)."""
+
+    def __init__(self, normalized_shape: Union[int, Tuple[int, ...]], eps: Optional[float] = None,
+                 elementwise_affine: bool = True, device: Any = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
+        self.normalized_shape = tuple(shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device,
+                                                  dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+
+
+_RMSNormBase: Any = getattr(nn, "RMSNorm", _RMSNormFallback)
+
+
+class RMSNorm(_RMSNormBase):  # type: ignore[misc]  # nn.RMSNorm where torch has it (>= 2.4)
+    """Unit-scaled `nn.RMSNorm`: forward `U.rms_norm` (unit weight)."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return U.rms_norm(input, self.normalized_shape, self.weight, self.eps)
+
+
 # ---------------------------------------------------------------- one architecture, two builds
 
 
@@ -159,6 +202,10 @@ def _observed(module: nn.Module) -> bool:
                 or hooks._global_forward_pre_hooks or (modes is not None and modes()))
 
 
+def _plain_silu_glu(input: Tensor, gate: Tensor) -> Tensor:
+    return input * F.silu(gate)
+
+
 @dataclass(frozen=True)
 class Ops:
     """The parts a transformer block is built from: module classes and functions."""
@@ -173,6 +220,8 @@ class Ops:
     residual_add: Callable[..., Tensor]
     scaled_dot_product_attention: Callable[..., Tensor]
     cross_entropy: Callable[..., Tensor]
+    # input * silu(gate), for gated MLPs; defaults to the unit-scaled op.
+    silu_glu: Callable[..., Tensor] = U.silu_glu
 
 
 UNIT_OPS = Ops(
@@ -186,6 +235,7 @@ UNIT_OPS = Ops(
     residual_add=U.residual_add,
     scaled_dot_product_attention=U.scaled_dot_product_attention,
     cross_entropy=U.cross_entropy,
+    silu_glu=U.silu_glu,
 )
 
 TORCH_OPS = Ops(
@@ -199,6 +249,7 @@ TORCH_OPS = Ops(
     residual_add=_plain_residual_add,
     scaled_dot_product_attention=_plain_attention,
     cross_entropy=F.cross_entropy,
+    silu_glu=_plain_silu_glu,
 )
 
 
@@ -221,6 +272,7 @@ class MHSA(nn.Module):
         dropout_p: float = 0.0,
         bias: bool = False,
         ops: Ops = UNIT_OPS,
+        attention_scale: Optional[float] = None,
     ) -> None:
         super().__init__()
         if hidden_size % heads:
@@ -228,27 +280,34 @@ class MHSA(nn.Module):
         self.heads = heads
         self.is_causal = is_causal
         self.dropout_p = dropout_p
+        # None: the attention function's default, 1/sqrt(head_dim); u-μP asks for 1/head_dim.
+        self.attention_scale = attention_scale
         self.qkv = ops.Linear(hidden_size, 3 * hidden_size, bias=bias)
         self.proj = ops.Linear(hidden_size, hidden_size, bias=bias)
         self.attention = ops.scaled_dot_product_attention
 
-    def forward(self, input: Tensor) -> Tensor:
+    def forward(self, input: Tensor, attn_mask: Optional[Tensor] = None) -> Tensor:
+        """`attn_mask`: boolean, True where a query may attend (e.g. `(batch, 1, 1, seq)` to
+        hide padding keys); only without `is_causal`."""
         batch, seq, hidden = input.shape
         qkv = self.qkv(input).view(batch, seq, 3, self.heads, hidden // self.heads)
         query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         dropout_p = self.dropout_p if self.training else 0.0
-        if (self.attention is U.scaled_dot_product_attention and type(self.proj) is Linear
-                and self.proj.bias is None and not _observed(self.proj)
-                and not is_ipu_tracing()):
+        if (attn_mask is None and self.attention is U.scaled_dot_product_attention
+                and type(self.proj) is Linear and self.proj.bias is None
+                and not _observed(self.proj) and not is_ipu_tracing()):
             # Unit scaling's row scale depends on the query position only, so it commutes with
             # the (bias-free) output projection. After it, the projection's input is the attention
             # output itself, which attention keeps for its backward pass anyway: no scaled
             # copy of it is held until the backward pass. Only where nothing looks at the
             # projection's own output, which is then not scaled yet.
             out, row_scale = U.attention_before_row_scale(
-                query, key, value, dropout_p=dropout_p, is_causal=self.is_causal)
+                query, key, value, dropout_p=dropout_p, is_causal=self.is_causal,
+                scale=self.attention_scale)
             return self.proj(out.transpose(1, 2).reshape(batch, seq, hidden)) * row_scale
-        out = self.attention(query, key, value, dropout_p=dropout_p, is_causal=self.is_causal)
+        scale = {} if self.attention_scale is None else {"scale": self.attention_scale}
+        out = self.attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                             is_causal=self.is_causal, **scale)
         return self.proj(out.transpose(1, 2).reshape(batch, seq, hidden))
 
 
@@ -290,6 +349,32 @@ class MLP(nn.Module):
                                 (*up_scales, *gelu_scales, *down_scales))
 
 
+class GatedMLP(nn.Module):
+    """Gated feed-forward block (SwiGLU, as in Llama): `down(up(x) * silu(gate(x)))`.
+
+    Unit-scaled, the gate and up projections read the same input, so they share one
+    grad-input scale (`constraints.SharedInputGmean`: the input gets a unit gradient, not
+    sqrt(2)), gmean-tied to their output scale; that leaves each at
+    (2 intermediate / hidden)**-0.25, and the product has two such factors: for Llama's 8/3
+    expansion the block's output and weight gradients sit near 0.6 to 0.8 of unit.
+    """
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, ops: Ops = UNIT_OPS
+    ) -> None:
+        super().__init__()
+        self.gate = ops.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up = ops.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down = ops.Linear(intermediate_size, hidden_size, bias=bias)
+        self.silu_glu = ops.silu_glu
+        for projection in (self.gate, self.up):  # both read the input: see SharedInputGmean
+            if isinstance(projection, Linear):
+                projection.constraint = SharedInputGmean(2 * intermediate_size)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return self.down(self.silu_glu(self.up(input), self.gate(input)))
+
+
 class TransformerLayer(nn.Module):
     """Pre-norm transformer layer.
 
@@ -313,10 +398,11 @@ class TransformerLayer(nn.Module):
         mlp_tau: float = 0.5,
         bias: bool = False,
         ops: Ops = UNIT_OPS,
+        attention_scale: Optional[float] = None,
     ) -> None:
         super().__init__()
         self.attn_norm = layer_norm_module(ops, hidden_size, bias)
-        self.attn = MHSA(hidden_size, heads, is_causal, dropout_p, bias, ops)
+        self.attn = MHSA(hidden_size, heads, is_causal, dropout_p, bias, ops, attention_scale)
         self.mlp_norm = layer_norm_module(ops, hidden_size, bias)
         self.mlp = MLP(hidden_size, mlp_expansion, bias, ops)
         self.attn_tau = attn_tau
@@ -367,6 +453,11 @@ class TransformerDecoder(nn.Module):
 
     `forward(input_ids)` returns logits; `forward(input_ids, labels)` returns the mean
     cross-entropy loss, and `(loss, logits)` with `return_logits=True`.
+
+    Other parametrizations set the rest: `taus` gives each layer its own (attention tau, MLP
+    tau) instead of `attn_tau` and `mlp_tau`; `attention_scale` replaces attention's
+    1/sqrt(head_dim); `head` replaces the readout linear; `logit_scale` multiplies the logits in
+    the forward pass only (see `ipu_unit_scaling.umup`, which uses all four).
     """
 
     def __init__(
@@ -382,21 +473,30 @@ class TransformerDecoder(nn.Module):
         mlp_tau: float = 0.5,
         bias: bool = False,
         ops: Ops = UNIT_OPS,
+        taus: Optional[Sequence[Tuple[float, float]]] = None,
+        attention_scale: Optional[float] = None,
+        head: Optional[nn.Module] = None,
+        logit_scale: float = 1.0,
     ) -> None:
         super().__init__()
+        if taus is not None and len(taus) != depth:
+            raise ValueError(f"taus has {len(taus)} entries for depth={depth}")
+        layer_taus = list(taus) if taus is not None else [(attn_tau, mlp_tau)] * depth
         self.seq_len = seq_len
         self.ops = ops
         self.dropout_p = dropout_p
+        self.logit_scale = logit_scale
         self.embedding = ops.Embedding(vocab_size, hidden_size)
         self.position_embedding = ops.Embedding(seq_len, hidden_size)
         self.layers = nn.ModuleList(
             TransformerLayer(
-                hidden_size, heads, mlp_expansion, True, dropout_p, attn_tau, mlp_tau, bias, ops
+                hidden_size, heads, mlp_expansion, True, dropout_p, layer_attn_tau,
+                layer_mlp_tau, bias, ops, attention_scale,
             )
-            for _ in range(depth)
+            for layer_attn_tau, layer_mlp_tau in layer_taus
         )
         self.final_norm = layer_norm_module(ops, hidden_size, bias)
-        self.head = ops.Linear(hidden_size, vocab_size, bias=False)
+        self.head = head if head is not None else ops.Linear(hidden_size, vocab_size, bias=False)
 
     def embed(self, input_ids: Tensor) -> Tensor:
         if self._fusable_embed(input_ids):
@@ -442,6 +542,8 @@ class TransformerDecoder(nn.Module):
         for layer in self.layers:
             hidden = layer(hidden)
         logits = self.head(self.final_norm(hidden))
+        if self.logit_scale != 1.0:
+            logits = scale_fwd(logits, self.logit_scale)
         if labels is None:
             return logits
         loss = self.loss(logits, labels)

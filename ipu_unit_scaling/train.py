@@ -1,11 +1,11 @@
 """The training loop behind ``ipu-unit-scaling train`` and ``compare``.
 
-A run lives in one directory::
+A run lives in one directory (see ``ipu_unit_scaling.rundir`` for how it is written)::
 
     config.yaml      the resolved config (the model's vocabulary is the corpus's)
-    tokenizer.json   the character vocabulary, reused on resume
+    tokenizer.json   the character vocabulary
     metrics.csv      one row per optimizer step; validation loss on evaluation steps
-    checkpoint.pt    model, optimizer, RNG states and step (written atomically)
+    checkpoint.pt    model, optimizer, RNG states, step and progress, behind a checksum
     summary.json     final losses, baselines, throughput and how the run ended
     loss.png         training and validation loss against the unigram baseline
 
@@ -15,29 +15,66 @@ checkpoint produces bit for bit the losses of the uninterrupted run.
 from __future__ import annotations
 
 import copy
-import csv
-import json
 import math
-import os
 import signal
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
-import yaml
-from torch import Tensor, nn
+from torch import Tensor
 
-from . import functional as U
 from .backends import build_training_model, make_optimizer, select_backend
-from .config import REGIMES, Config, config_from_dict, scheduled_learning_rate, validate
+from .config import (
+    Config,
+    ConfigError,
+    config_from_dict,
+    read_yaml_file,
+    scheduled_learning_rate,
+    validate,
+    warmup_steps,
+)
 from .data import CharTokenizer, Corpus, DataError, get_batch, load_corpus, unigram_cross_entropy
+from .finetune import check_same_model, encode_with, extend_model_state, extend_tokenizer
 from .fp8 import NonFiniteAmaxError
-from .models import GPTConfig, build_gpt
+from .inference import mean_loss, validation_batches
+from .memory import check_memory
+from .optim import set_learning_rate
+from .precision import (
+    MODEL_KINDS,
+    REGIME_SETTINGS,
+    FP16Linear,
+    build_model,
+    model_kind,
+    regime_config,
+    round_to_half,
+    set_model_kind,
+    simulate_fp16,
+)
+from .rundir import (
+    CHECKPOINT_FILE,
+    CONFIG_FILE,
+    METRIC_FIELDS,
+    METRICS_FILE,
+    PLOT_FILE,
+    SCALE_REPORT_FILE,
+    SUMMARY_FILE,
+    TOKENIZER_FILE,
+    MetricsLog,
+    RunError,
+    RunLock,
+    atomic_write,
+    keep_report_rows_up_to,
+    leftovers,
+    load_checkpoint,
+    make_run_dir,
+    metrics_up_to,
+    read_metrics,
+    remove_temporaries,
+    save_checkpoint,
+)
 
 __all__ = [
     "RunError",
@@ -46,38 +83,23 @@ __all__ = [
     "RunSummary",
     "REGIME_SETTINGS",
     "regime_config",
+    "MODEL_KINDS",
+    "set_model_kind",
+    "model_kind",
     "simulate_fp16",
+    "round_to_half",
+    "FP16Linear",
     "build_model",
     "save_checkpoint",
     "load_checkpoint",
+    "load_run_config",
+    "read_tokenizer",
+    "resolved_config",
     "train",
     "read_metrics",
+    "CONFIG_FILE", "TOKENIZER_FILE", "METRICS_FILE", "CHECKPOINT_FILE", "SUMMARY_FILE",
+    "PLOT_FILE", "METRIC_FIELDS",
 ]
-
-CONFIG_FILE = "config.yaml"
-TOKENIZER_FILE = "tokenizer.json"
-METRICS_FILE = "metrics.csv"
-CHECKPOINT_FILE = "checkpoint.pt"
-SUMMARY_FILE = "summary.json"
-PLOT_FILE = "loss.png"
-METRIC_FIELDS = ("step", "lr", "train_loss", "val_loss", "tokens_per_s", "elapsed_s")
-
-# regime -> (unit-scaled model, precision dtype, FP8 scaling)
-REGIME_SETTINGS: Dict[str, Tuple[bool, str, str]] = {
-    "fp32": (False, "fp32", "amax"),
-    "fp16": (False, "fp16", "amax"),
-    "fp8-naive": (False, "fp8", "static"),
-    "fp8-amax": (False, "fp8", "amax"),
-    "unit-fp32": (True, "fp32", "amax"),
-    "unit-fp16": (True, "fp16", "amax"),
-    "unit-fp8": (True, "fp8", "static"),
-    "unit-fp8-amax": (True, "fp8", "amax"),
-}
-assert set(REGIME_SETTINGS) == set(REGIMES)
-
-
-class RunError(ValueError):
-    """A run that cannot start or resume as asked (bad run directory, mismatched data)."""
 
 
 class TrainingDiverged(RuntimeError):
@@ -98,163 +120,11 @@ class TrainingInterrupted(RuntimeError):
         self.checkpoint = checkpoint
 
 
-# ---------------------------------------------------------------------------------- precision
+# ------------------------------------------------------------------------ opening a run
 
-
-def regime_config(config: Config, regime: str) -> Config:
-    """``config`` set to one comparison regime: model build, precision and learning rate."""
-    if regime not in REGIME_SETTINGS:
-        raise ValueError(f"unknown regime {regime!r}; allowed: {', '.join(REGIMES)}")
-    unit_scaled, dtype, scaling = REGIME_SETTINGS[regime]
-    result = copy.deepcopy(config)
-    result.model.unit_scaled = unit_scaled
-    result.precision.dtype = dtype
-    result.precision.fp8.scaling = scaling
-    result.training.learning_rate = config.compare.learning_rates[regime]
-    return result
-
-
-def round_to_half(x: Tensor) -> Tensor:
-    """``x`` as float16 would hold it (overflow to inf, underflow to zero), gradient likewise.
-
-    A round trip through float16: autograd of the two casts rounds the gradient the same way,
-    so eager PyTorch and PopTorch's traced graph compute the same thing.
-    """
-    return x.to(torch.float16).to(x.dtype)
-
-
-class FP16Linear(nn.Linear):
-    """A linear layer whose matmul sees float16 operands and produces a float16 result.
-
-    Input, weight and output are rounded to float16 in the forward pass; the output gradient
-    and the input and weight gradients in the backward pass: the casts of an FP16 matmul with
-    float32 accumulation, at the places FP8 casts go. A unit-scaled layer keeps its scales
-    inside the rounding, as hardware that fuses them into the matmul would.
-    """
-
-    constraint: Optional[Any]
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear) -> FP16Linear:
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight = linear.weight
-        new.bias = linear.bias  # type: ignore[assignment]
-        new.constraint = getattr(linear, "constraint", None)
-        return new
-
-    def forward(self, input: Tensor) -> Tensor:
-        weight = round_to_half(self.weight)
-        bias = None if self.bias is None else round_to_half(self.bias)
-        if self.constraint is None:
-            output = F.linear(round_to_half(input), weight, bias)
-        else:
-            output = U.linear(round_to_half(input), weight, bias, self.constraint)
-        return round_to_half(output)
-
-
-def simulate_fp16(model: nn.Module) -> nn.Module:
-    """Make every linear layer of ``model`` an :class:`FP16Linear`, in place (no loss scaling)."""
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and not isinstance(child, FP16Linear):
-                setattr(parent, name, FP16Linear.from_linear(child))
-    return model
-
-
-def build_model(config: Config) -> nn.Module:
-    """The example GPT that ``config.model`` describes, in ``config.precision``."""
-    m = config.model
-    model: nn.Module = build_gpt(
-        GPTConfig(
-            vocab_size=m.vocab_size, seq_len=m.seq_len, depth=m.depth,
-            hidden_size=m.hidden_size, heads=m.heads, mlp_expansion=m.mlp_expansion,
-            dropout=m.dropout, unit_scaled=m.unit_scaled,
-        )
-    )
-    if config.precision.dtype == "fp8":
-        from .fp8 import FP8Config, simulate_fp8
-
-        try:
-            fp8_config = FP8Config(**asdict(config.precision.fp8))
-        except ValueError as error:
-            raise RunError(f"precision.fp8: {error}") from error
-        model = simulate_fp8(model, fp8_config)
-    elif config.precision.dtype == "fp16":
-        model = simulate_fp16(model)
-    return model
-
-
-# ------------------------------------------------------------------------------ checkpoints
-
-
-def save_checkpoint(path: Path, state: Dict[str, Any]) -> None:
-    """Write ``state`` so that ``path`` always holds a whole checkpoint, old or new."""
-    directory = path.parent
-    handle, temporary = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(handle, "wb") as stream:
-            torch.save(state, stream)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        if os.path.exists(temporary):
-            os.remove(temporary)
-        raise
-    _fsync_directory(directory)
-
-
-def _fsync_directory(directory: Path) -> None:
-    # Makes the rename itself durable; not possible on every platform, harmless to skip there.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def load_checkpoint(path: Path) -> Dict[str, Any]:
-    if not path.is_file():
-        raise RunError(f"no checkpoint at {path}")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # a truncated or foreign file: say which, not how torch failed
-        raise RunError(f"{path} is not a readable checkpoint ({type(error).__name__})") from error
-    if not isinstance(state, dict) or "step" not in state or "model" not in state:
-        raise RunError(f"{path} is not a checkpoint of this package")
-    return state
-
-
-# ---------------------------------------------------------------------------------- metrics
-
-
-def read_metrics(run_dir: Path) -> List[Dict[str, str]]:
-    """The rows of a run's metrics.csv, as strings."""
-    with open(Path(run_dir) / METRICS_FILE, newline="", encoding="utf-8") as handle:
-        return list(csv.DictReader(handle))
-
-
-def _keep_metrics_up_to(path: Path, step: int) -> None:
-    """Drop rows a killed run wrote after its last checkpoint, so a resume appends cleanly."""
-    rows = [row for row in read_metrics(path.parent) if int(row["step"]) <= step]
-    temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "w", newline="", encoding="utf-8") as handle:
-        writer = csv.DictWriter(handle, METRIC_FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    os.replace(temporary, path)
-
-
-def _format_float(value: Optional[float]) -> str:
-    # repr round-trips exactly, so runs can be compared bit for bit from the CSV.
-    return "" if value is None else repr(float(value))
+# Backends whose activations live in IPU memory, not the host's (the IPU Model and the
+# emulator simulate on the host).
+_ON_IPU = ("ipu", "popxl")
 
 
 @dataclass
@@ -275,9 +145,556 @@ class RunSummary:
     data: str
     message: str = ""
     val_curve: List[Tuple[int, float]] = field(default_factory=list)
+    data_sha256: str = ""  # of the text trained on: compare reuses a run only on the same text
+    init_from: Optional[str] = None  # the pretrained run a fine-tuning run started from
 
 
-# ------------------------------------------------------------------------------------ Ctrl-C
+@dataclass
+class _Run:
+    """A run directory opened for training: settings, data and the checkpoint to resume."""
+
+    run_dir: Path
+    config: Config
+    corpus: Corpus
+    backend: str
+    state: Optional[Dict[str, Any]]
+    notes: List[str]  # said once before the first step
+    # Fine-tuning: the pretrained weights to start from, its tokenizer's characters and its
+    # directory (kept in every checkpoint, so that a resume checks the extended tokenizer).
+    weights: Optional[Dict[str, Any]] = None
+    base_chars: List[str] = field(default_factory=list)
+    init_from: Optional[str] = None
+
+
+def load_run_config(
+    run_dir: Path, overrides: Sequence[str] = (), action: str = "resume"
+) -> Config:
+    """The resolved config saved in ``run_dir``, with ``section.key=value`` overrides.
+
+    A missing, empty, damaged or incomplete ``config.yaml`` is a RunError naming it: a resume
+    must never fall back to defaults for settings the run did not save. ``action`` says in the
+    message what could not be done ("resume", "evaluate", ...).
+    """
+    from .config import apply_override
+
+    path = Path(run_dir) / CONFIG_FILE
+    refuse = f"cannot {action} {run_dir}: {CONFIG_FILE}"
+    if not path.is_file():
+        raise RunError(f"{refuse} is missing")
+    try:
+        raw = read_yaml_file(path, "run config")
+        if raw is None:
+            raise RunError(f"{refuse} is empty")
+        if not isinstance(raw, dict):
+            raise RunError(f"{refuse} is damaged (not a mapping)")
+        missing = _missing_keys(raw, Config().to_dict())
+        if missing:
+            shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+            raise RunError(f"{refuse} is incomplete (no {shown})")
+        validate(config_from_dict(raw))
+    except ConfigError as error:
+        problems = "; ".join(f"{p}: {m}" if p else m for p, m in error.errors)
+        raise RunError(f"{refuse} is damaged: {' '.join(problems.split())}") from None
+    for override in overrides:
+        apply_override(raw, override)
+    config = config_from_dict(raw)
+    validate(config)
+    return config
+
+
+def _missing_keys(raw: Dict[str, Any], full: Dict[str, Any], prefix: str = "") -> List[str]:
+    missing = []
+    for key, value in full.items():
+        if key not in raw:
+            missing.append(prefix + key)
+        # (learning_rates is a value: a partial mapping of it is complete)
+        elif isinstance(value, dict) and isinstance(raw[key], dict) and key != "learning_rates":
+            missing += _missing_keys(raw[key], value, prefix + key + ".")
+    return missing
+
+
+def resolved_config(config: Config, corpus: Corpus) -> Config:
+    """``config`` as a run on ``corpus`` saves it: the vocabulary is the corpus's characters."""
+    vocab = corpus.tokenizer.vocab_size
+    if vocab > config.model.vocab_size:
+        raise DataError(
+            f"{corpus.source} has {vocab} distinct characters but model.vocab_size is "
+            f"{config.model.vocab_size}; raise model.vocab_size"
+        )
+    config = copy.deepcopy(config)
+    config.model.vocab_size = vocab
+    return config
+
+
+def _open_new(config: Config, run_dir: Path, backend: str,
+              init_from: Optional[Path] = None) -> _Run:
+    """A fresh run in an empty directory, or in one left by a run killed before its first
+    checkpoint (which is started afresh: nothing of it could be continued); with
+    ``init_from``, a fine-tuning run starting from that run's checkpoint."""
+    old = leftovers(run_dir)
+    if any(path.name == CHECKPOINT_FILE for path in old):
+        raise RunError(
+            f"run directory {run_dir} holds the checkpoint of an earlier run; continue it with "
+            f"--resume {run_dir} or choose another --run-dir"
+        )
+    if init_from is None:
+        corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
+        run = _Run(run_dir, resolved_config(config, corpus), corpus, backend, None, [])
+    else:
+        run = _fine_tuning(config, run_dir, backend, Path(init_from))
+    run.notes.insert(0, check_memory(run.config, host_activations=backend not in _ON_IPU))
+    if old:
+        run.notes.append(f"{run_dir} held a run stopped before its first checkpoint; "
+                         "starting afresh")
+    _remove(old)
+    _write_settings(run_dir, run.config, run.corpus)
+    return run
+
+
+def _fine_tuning(config: Config, run_dir: Path, backend: str, init_from: Path) -> _Run:
+    """A new run of ``config`` on its data, from the weights of the run in ``init_from``, with
+    the rules of :mod:`.finetune` (the same model, the tokenizer extended)."""
+    action = "fine-tune from"
+    if not (init_from / CHECKPOINT_FILE).is_file():
+        raise RunError(f"cannot {action} {init_from}: it holds no {CHECKPOINT_FILE}")
+    check_same_model(load_run_config(init_from, (), action), config, str(init_from))
+    base = read_tokenizer(init_from, action)
+    if base.vocab_size != config.model.vocab_size:
+        raise RunError(f"cannot {action} {init_from}: its {TOKENIZER_FILE} does not fit its "
+                       f"model ({base.vocab_size} characters, model.vocab_size "
+                       f"{config.model.vocab_size})")
+    state = load_checkpoint(init_from / CHECKPOINT_FILE)
+    text = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
+    tokenizer, added = extend_tokenizer(base, text.tokenizer.chars)
+    config = copy.deepcopy(config)
+    config.model.vocab_size = tokenizer.vocab_size
+    if added:
+        shown = "".join(added[:20]) + ("..." if len(added) > 20 else "")
+        note = (f"{len(added)} new characters ({shown!r}) extend its {base.vocab_size}; their "
+                "embedding and head rows start as the mean of the pretrained rows")
+    else:
+        note = f"its {base.vocab_size} characters cover the new text"
+    return _Run(
+        run_dir, config, encode_with(text, tokenizer), backend, None,
+        [f"fine-tuning {init_from} (step {int(state['step'])}): {note}"],
+        weights=extend_model_state(state["model"], tokenizer.vocab_size),
+        base_chars=list(base.chars), init_from=str(init_from),
+    )
+
+
+def _open_resumed(config: Config, run_dir: Path, backend: str) -> _Run:
+    """The run in ``run_dir`` at its checkpoint, every artefact checked before anything runs."""
+    checkpoint_path = run_dir / CHECKPOINT_FILE
+    if not checkpoint_path.exists():  # killed before its first checkpoint: from step 0
+        run = _open_new(config, run_dir, backend)
+        run.notes.append(f"{run_dir} has no checkpoint yet; training from step 0 with its "
+                         "saved config")
+        return run
+    state = load_checkpoint(checkpoint_path)
+    saved_tokenizer = read_tokenizer(run_dir)
+    corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
+    if state.get("data_sha256") != corpus.sha256:
+        raise RunError(f"cannot resume {run_dir}: {corpus.source} is not the text it trained on")
+    # The tokenizer rule: a pretrained run's characters (none for a run from scratch), then
+    # the text's characters it lacks, in sorted order.
+    base_chars = state.get("base_chars") or []
+    try:
+        expected, _ = extend_tokenizer(CharTokenizer(base_chars), corpus.tokenizer.chars)
+    except (TypeError, ValueError):
+        raise RunError(f"cannot resume {run_dir}: {CHECKPOINT_FILE} is damaged") from None
+    if saved_tokenizer.chars != expected.chars:
+        raise RunError(f"cannot resume {run_dir}: {TOKENIZER_FILE} does not match its data")
+    corpus = encode_with(corpus, saved_tokenizer)
+    config = resolved_config(config, corpus)
+    step, steps = int(state["step"]), config.training.steps
+    if step > steps:
+        raise RunError(
+            f"cannot resume {run_dir}: its checkpoint is at step {step}, beyond "
+            f"training.steps = {steps}; set training.steps higher to train longer"
+        )
+    iterations = config.ipu.device_iterations
+    if (steps - step) % iterations:
+        raise RunError(
+            f"cannot resume {run_dir} at step {step}: the {steps - step} remaining steps are "
+            f"not a multiple of ipu.device_iterations ({iterations})"
+        )
+    notes = [check_memory(config, host_activations=backend not in _ON_IPU)]
+    atomic_write(run_dir / METRICS_FILE, metrics_up_to(run_dir, step))
+    keep_report_rows_up_to(run_dir / SCALE_REPORT_FILE, step)
+    _write_settings(run_dir, config, corpus)
+    return _Run(run_dir, config, corpus, backend, state, notes, base_chars=list(base_chars),
+                init_from=state.get("init_from"))
+
+
+def read_tokenizer(run_dir: Path, action: str = "resume") -> CharTokenizer:
+    """The run's saved tokenizer; RunError ("cannot <action> ...") if missing or damaged."""
+    path = Path(run_dir) / TOKENIZER_FILE
+    if not path.is_file():
+        raise RunError(f"cannot {action} {run_dir}: {TOKENIZER_FILE} is missing")
+    try:
+        return CharTokenizer.load(path)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        raise RunError(f"cannot {action} {run_dir}: {TOKENIZER_FILE} is damaged") from None
+
+
+def _write_settings(run_dir: Path, config: Config, corpus: Corpus) -> None:
+    import json
+
+    import yaml
+
+    # The config first: a run killed before it can only start afresh, one killed after it
+    # can be resumed (from step 0 until a checkpoint exists; the vocabulary is the data's).
+    text = yaml.safe_dump(config.to_dict(), sort_keys=False, allow_unicode=True)
+    atomic_write(run_dir / CONFIG_FILE, text.encode("utf-8"))
+    tokenizer = {"kind": "char", "chars": corpus.tokenizer.chars}
+    atomic_write(run_dir / TOKENIZER_FILE, json.dumps(tokenizer, ensure_ascii=False).encode())
+
+
+def _remove(paths: Sequence[Path]) -> None:
+    for path in paths:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as error:
+            raise RunError(f"cannot remove {path}: {error.strerror or error}") from None
+
+
+# ------------------------------------------------------------------------------ a session
+
+
+class _Session:
+    """The model, optimizer, data streams and progress of one run, and its checkpoints."""
+
+    def __init__(self, run: _Run) -> None:
+        config, training = run.config, run.config.training
+        self.run, self.config, self.training = run, config, training
+        self.checkpoint_path = run.run_dir / CHECKPOINT_FILE
+        torch.manual_seed(training.seed)
+        self.model = build_model(config)
+        self.optimizer = make_optimizer(self.model, config, run.backend)
+        self.batch_generator = torch.Generator().manual_seed(training.seed)
+        # The same validation windows at every evaluation (and in `evaluate`).
+        self.val_batches = validation_batches(run.corpus.val, config)
+        self.step = 0
+        self.val_curve: List[Tuple[int, float]] = []
+        self.last_train: Optional[float] = None
+        self.train_seconds = 0.0
+        self.trained_tokens = 0
+        self.last_checkpoint: Optional[Path] = None
+        self.saved_step: Optional[int] = None
+        self.seconds = 0.0
+        if run.state is not None:
+            self._restore(run.state)
+        elif run.weights is not None:
+            self.model.load_state_dict(run.weights)
+        self.wrapper = build_training_model(self.model, self.optimizer, config, run.backend)
+        # Until the first call, the host holds the only weights (PopTorch refuses to copy
+        # from a model it has not compiled yet).
+        self.weights_on_device = False
+        self.metrics = MetricsLog(run.run_dir / METRICS_FILE, fresh=run.state is None)
+        self.started = time.perf_counter()
+
+    def _restore(self, state: Dict[str, Any]) -> None:
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            torch.set_rng_state(state["torch_rng"])
+            self.batch_generator.set_state(state["batch_rng"])
+            self.step = int(state["step"])
+            self.val_curve = [(int(s), float(v)) for s, v in state.get("val_curve", [])]
+            last = state.get("last_train_loss")
+            self.last_train = None if last is None else float(last)
+            self.train_seconds = float(state.get("train_seconds", 0.0))
+            self.trained_tokens = int(state.get("trained_tokens", 0))
+        except (RuntimeError, ValueError, KeyError, TypeError) as error:
+            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise RunError(f"checkpoint does not fit this config: {first_line}") from None
+        self.last_checkpoint = self.checkpoint_path
+        self.saved_step = self.step
+
+    def good_checkpoint(self) -> str:
+        return str(self.last_checkpoint or "none")
+
+    def train_call(self, inputs: Tensor, labels: Tensor) -> List[float]:
+        """One call of the training model: ``device_iterations`` optimizer steps."""
+        tick = time.perf_counter()
+        try:
+            _, losses = self.wrapper(inputs, labels)
+            self.weights_on_device = True
+        except NonFiniteAmaxError as error:
+            raise TrainingDiverged(
+                f"loss became nan at step {self.step + 1} (an FP8 cast met a non-finite "
+                f"value); last good checkpoint: {self.good_checkpoint()}",
+                self.step + 1, self.last_checkpoint,
+            ) from error
+        self.seconds = time.perf_counter() - tick
+        self.train_seconds += self.seconds
+        self.trained_tokens += inputs.numel()
+        iterations = self.config.ipu.device_iterations
+        return losses.detach().float().view(iterations, -1).mean(1).tolist()
+
+    def _weights_to_host(self) -> None:
+        if self.weights_on_device:
+            self.wrapper.copy_weights_to_host()
+
+    def evaluate(self) -> float:
+        self._weights_to_host()
+        model = self.model
+        model.eval()
+        try:
+            with torch.no_grad():
+                loss = mean_loss(model, self.val_batches)
+        finally:
+            model.train()
+        self.val_curve.append((self.step, loss))
+        return loss
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Of the last call."""
+        tokens = self.config.samples_per_call * self.config.model.seq_len
+        return tokens / self.seconds if self.seconds else 0.0
+
+    def log_step(self, lr: float, loss: float, val_loss: Optional[float]) -> None:
+        self.metrics.write({
+            "step": self.step, "lr": _exact(lr), "train_loss": _exact(loss),
+            "val_loss": _exact(val_loss), "tokens_per_s": f"{self.tokens_per_s:.1f}",
+            "elapsed_s": f"{time.perf_counter() - self.started:.3f}",
+        })
+        if not math.isfinite(loss):
+            raise TrainingDiverged(
+                f"loss became {loss} at step {self.step}; last good checkpoint: "
+                f"{self.good_checkpoint()}", self.step, self.last_checkpoint,
+            )
+        self.last_train = loss
+        if val_loss is not None and not math.isfinite(val_loss):
+            raise TrainingDiverged(
+                f"validation loss became {val_loss} at step {self.step}; last good "
+                f"checkpoint: {self.good_checkpoint()}", self.step, self.last_checkpoint,
+            )
+
+    def save(self) -> None:
+        """Checkpoint the current step; rows logged so far are made durable first."""
+        self._weights_to_host()
+        if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
+            raise TrainingDiverged(
+                f"weights became non-finite at step {self.step}; last good checkpoint: "
+                f"{self.good_checkpoint()}", self.step, self.last_checkpoint,
+            )
+        self.metrics.sync()
+        save_checkpoint(self.checkpoint_path, {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "batch_rng": self.batch_generator.get_state(),
+            "data_sha256": self.run.corpus.sha256,
+            "val_curve": [list(p) for p in self.val_curve],
+            "last_train_loss": self.last_train,
+            "train_seconds": self.train_seconds,
+            "trained_tokens": self.trained_tokens,
+            "base_chars": self.run.base_chars,
+            "init_from": self.run.init_from,
+        })
+        self.last_checkpoint = self.checkpoint_path
+        self.saved_step = self.step
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.wrapper.destroy()
+
+    def summary(self, status: str, message: str) -> RunSummary:
+        run = self.run
+        finite = [v for _, v in self.val_curve if math.isfinite(v)]
+        unigram = unigram_cross_entropy(run.corpus.train, run.corpus.val,
+                                        run.corpus.tokenizer.vocab_size)
+        return RunSummary(
+            run_dir=str(run.run_dir), status=status, steps=self.step,
+            final_train_loss=self.last_train,
+            final_val_loss=self.val_curve[-1][1] if self.val_curve else None,
+            best_val_loss=min(finite) if finite else None,
+            unigram_baseline=unigram, uniform_baseline=math.log(run.corpus.tokenizer.vocab_size),
+            tokens_per_s=self.trained_tokens / self.train_seconds if self.train_seconds else 0.0,
+            elapsed_s=time.perf_counter() - self.started, backend=run.backend,
+            data=run.corpus.source, message=message, val_curve=self.val_curve,
+            data_sha256=run.corpus.sha256, init_from=run.init_from,
+        )
+
+
+def _exact(value: Optional[float]) -> str:
+    # repr round-trips exactly, so runs can be compared bit for bit from the CSV.
+    return "" if value is None else repr(float(value))
+
+
+# ------------------------------------------------------------------------------ the loop
+
+
+def train(
+    config: Optional[Config],
+    run_dir: Path,
+    *,
+    resume: bool = False,
+    overrides: Sequence[str] = (),
+    quiet: bool = False,
+    progress: Optional[bool] = None,
+    scale_report: Optional[int] = None,
+    desc: str = "train",
+    log: Callable[[str], None] = print,
+    init_from: Optional[Path] = None,
+) -> RunSummary:
+    """Train ``config`` into ``run_dir``, or with ``resume`` continue the run there (with
+    ``config``, or None for the run's saved config with ``overrides`` applied).
+
+    ``init_from`` fine-tunes: the new run starts from the checkpoint of the run in that
+    directory, whose model ``config`` must keep (see :mod:`.finetune`).
+
+    Raises TrainingDiverged on a non-finite loss, TrainingInterrupted on Ctrl-C (after saving a
+    checkpoint at a step boundary), RunError, ConfigError or DataError for unusable inputs.
+    """
+    run_dir = Path(run_dir)
+    if resume and init_from is not None:
+        raise RunError("a resumed run keeps its own start; init_from is for new runs")
+    if not resume:
+        make_run_dir(run_dir)
+    elif not run_dir.is_dir():
+        raise RunError(f"cannot resume {run_dir}: no such directory")
+    with RunLock(run_dir):
+        remove_temporaries(run_dir)
+        if config is None:
+            config = load_run_config(run_dir, overrides)
+        backend = select_backend(config.backend)
+        if resume:
+            run = _open_resumed(config, run_dir, backend)
+        else:
+            run = _open_new(config, run_dir, backend, init_from)
+        return _train(run, quiet, progress, scale_report, desc, log)
+
+
+def _train(
+    run: _Run, quiet: bool, progress: Optional[bool], scale_report: Optional[int], desc: str,
+    log: Callable[[str], None],
+) -> RunSummary:
+    config, training, corpus = run.config, run.config.training, run.corpus
+    session = _Session(run)
+    reporter = None
+    if scale_report:
+        from .analysis import ScaleReporter  # type: ignore[attr-defined]
+
+        reporter = ScaleReporter(run.run_dir, scale_report)
+    show_bar = (not quiet) and (progress if progress is not None else _stderr_is_tty())
+    bar = _progress_bar(training.steps, session.step, show_bar, desc)
+    say = bar.write if bar is not None else (lambda text: None) if quiet else log
+
+    unigram = unigram_cross_entropy(corpus.train, corpus.val, corpus.tokenizer.vocab_size)
+    if session.step == 0:
+        say(f"{desc}: {corpus.source}, {len(corpus.train)} train / {len(corpus.val)} val "
+            f"characters, vocabulary {corpus.tokenizer.vocab_size}; unigram baseline "
+            f"{unigram:.4f} nats")
+    else:
+        say(f"{desc}: resuming {run.run_dir} at step {session.step} of {training.steps}")
+    for note in run.notes:
+        say(f"{desc}: {note}")
+    if run.weights is not None and session.step == 0:
+        # Fine-tuning: the loss it starts from, and a first checkpoint holding the start, so
+        # that a resume after any kill still fine-tunes.
+        say(f"{desc}: step 0 (the pretrained weights): validation loss "
+            f"{session.evaluate():.4f} (unigram baseline {unigram:.4f})")
+        session.save()
+    if training.warmup_steps > training.steps:
+        say(f"{desc}: training.warmup_steps ({training.warmup_steps}) is longer than the run; "
+            f"warming up over all {warmup_steps(training)} steps")
+
+    status, message = "completed", ""
+    try:
+        with _StopRequest() as stop:
+            while session.step < training.steps:
+                lr = scheduled_learning_rate(training, session.step)
+                set_learning_rate(session.optimizer, lr)
+                session.wrapper.update_optimizer()
+                inputs, labels = get_batch(corpus.train, config.samples_per_call,
+                                           config.model.seq_len, session.batch_generator)
+                losses = session.train_call(inputs, labels)
+
+                first_step = session.step
+                for index, loss in enumerate(losses):
+                    session.step += 1
+                    val_loss = None
+                    if index == len(losses) - 1 and math.isfinite(loss) and (
+                            session.step == training.steps
+                            or _crossed(first_step, session.step, training.eval_interval)):
+                        val_loss = session.evaluate()
+                    session.log_step(lr, loss, val_loss)
+                    if val_loss is not None:
+                        say(f"{desc}: step {session.step}: validation loss {val_loss:.4f} "
+                            f"(unigram baseline {unigram:.4f})")
+
+                if reporter is not None:
+                    micro = config.micro_batch_size
+                    reporter.maybe_record(session.step, session.model, inputs[:micro],
+                                          labels[:micro])
+                rate = session.tokens_per_s
+                if bar is not None:
+                    bar.update(session.step - first_step)
+                    bar.set_postfix(loss=f"{session.last_train:.4f}", tok_s=f"{rate:.0f}")
+                elif not quiet and _crossed(first_step, session.step, training.log_interval):
+                    log(f"{desc}: step {session.step}/{training.steps} loss "
+                        f"{session.last_train:.4f} {rate:.0f} tokens/s")
+                if session.step < training.steps and _crossed(
+                        first_step, session.step, training.checkpoint_interval):
+                    session.save()
+                if stop.requested:
+                    session.save()
+                    status = "interrupted"
+                    message = (f"interrupted at step {session.step}; checkpoint: "
+                               f"{session.checkpoint_path}; continue with: ipu-unit-scaling "
+                               f"train --resume {run.run_dir}")
+                    break
+            if status == "completed" and session.saved_step != session.step:
+                session.save()
+    except TrainingDiverged as error:
+        _finish(session, "diverged", str(error), say)
+        raise
+    except KeyboardInterrupt as error:
+        raise TrainingInterrupted(
+            f"interrupted during step {session.step + 1}; nothing saved after it; last "
+            f"checkpoint: {session.good_checkpoint()}", session.step, session.last_checkpoint,
+        ) from error
+    finally:
+        session.close()
+        if bar is not None:
+            bar.close()
+    summary = _finish(session, status, message, say)
+    if status == "interrupted":
+        raise TrainingInterrupted(message, session.step, session.checkpoint_path)
+    return summary
+
+
+def _crossed(before: int, after: int, interval: int) -> bool:
+    """Whether the steps ``before`` < s <= ``after`` of one call include a multiple of
+    ``interval`` (a call of several device iterations can step over it)."""
+    return bool(interval) and after // interval > before // interval
+
+
+def _finish(session: _Session, status: str, message: str, say: Callable[[str], None]) -> RunSummary:
+    """Write summary.json and loss.png; a figure that cannot be drawn costs only a warning."""
+    import json
+
+    from .plots import plot_run
+
+    summary = session.summary(status, message)
+    run_dir, config = session.run.run_dir, session.config
+    atomic_write(run_dir / SUMMARY_FILE, json.dumps(asdict(summary), indent=2).encode())
+    model_name = {"unit": "unit-scaled", "u-mup": "u-μP"}.get(model_kind(config), "plain")
+    title = f"{model_name} GPT, {config.precision.dtype}"
+    try:
+        plot_run(run_dir / METRICS_FILE, run_dir / PLOT_FILE, summary.unigram_baseline, title)
+    except (ImportError, RuntimeError) as error:
+        say(f"{PLOT_FILE} not written: {error}")
+    return summary
+
+
+# ------------------------------------------------------------------------------ Ctrl-C
 
 
 class _StopRequest:
@@ -305,9 +722,6 @@ class _StopRequest:
             signal.signal(signal.SIGINT, self._previous)
 
 
-# ------------------------------------------------------------------------------ the loop
-
-
 def _progress_bar(total: int, initial: int, enabled: bool, desc: str) -> Any:
     if not enabled:
         return None
@@ -320,296 +734,7 @@ def _progress_bar(total: int, initial: int, enabled: bool, desc: str) -> Any:
     return tqdm(total=total, initial=initial, desc=desc, unit="step", ncols=width)
 
 
-def _prepare_run_dir(run_dir: Path, resume: bool) -> None:
-    if resume:
-        if not (run_dir / CHECKPOINT_FILE).is_file():
-            raise RunError(f"cannot resume {run_dir}: it holds no {CHECKPOINT_FILE}")
-        return
-    if run_dir.exists() and not run_dir.is_dir():
-        raise RunError(f"run directory {run_dir} is a file")
-    if run_dir.is_dir() and any(run_dir.iterdir()):
-        raise RunError(
-            f"run directory {run_dir} is not empty; continue it with --resume {run_dir} "
-            "or choose another --run-dir"
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-
-
-def load_run_config(run_dir: Path, overrides: List[str]) -> Config:
-    """The resolved config saved in ``run_dir``, with ``section.key=value`` overrides."""
-    from .config import _apply_override  # the same override syntax as load_config
-
-    path = run_dir / CONFIG_FILE
-    if not path.is_file():
-        raise RunError(f"cannot resume {run_dir}: it holds no {CONFIG_FILE}")
-    with open(path, encoding="utf-8") as handle:
-        raw = yaml.safe_load(handle) or {}
-    for override in overrides:
-        _apply_override(raw, override)
-    config = config_from_dict(raw)
-    validate(config)
-    return config
-
-
-def _evaluate(model: nn.Module, batches: List[Tuple[Tensor, Tensor]]) -> float:
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            losses = [float(model(inputs, labels)) for inputs, labels in batches]
-    except NonFiniteAmaxError:  # FP8 casts refuse non-finite tensors: the loss is lost too
-        losses = [math.nan]
-    finally:
-        model.train(was_training)
-    return sum(losses) / len(losses)
-
-
-def _all_finite(model: nn.Module) -> bool:
-    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
-
-
-def train(
-    config: Config,
-    run_dir: Path,
-    *,
-    resume: bool = False,
-    quiet: bool = False,
-    progress: Optional[bool] = None,
-    scale_report: Optional[int] = None,
-    desc: str = "train",
-    log: Callable[[str], None] = print,
-) -> RunSummary:
-    """Train ``config`` into ``run_dir`` (or continue the run there with ``resume``).
-
-    Raises TrainingDiverged on a non-finite loss, TrainingInterrupted on Ctrl-C (after saving a
-    checkpoint at a step boundary), RunError or DataError for unusable inputs.
-    """
-    run_dir = Path(run_dir)
-    _prepare_run_dir(run_dir, resume)
-    checkpoint_path = run_dir / CHECKPOINT_FILE
-    state = load_checkpoint(checkpoint_path) if resume else None
-    tokenizer = CharTokenizer.load(run_dir / TOKENIZER_FILE) if resume else None
-    training, seq_len = config.training, config.model.seq_len
-    corpus: Corpus = load_corpus(config.data.path, config.data.val_fraction, seq_len, tokenizer)
-    if state is not None and state.get("data_sha256") != corpus.sha256:
-        raise RunError(f"cannot resume {run_dir}: {corpus.source} is not the text it trained on")
-    vocab = corpus.tokenizer.vocab_size
-    if vocab > config.model.vocab_size:
-        raise DataError(
-            f"{corpus.source} has {vocab} distinct characters but model.vocab_size is "
-            f"{config.model.vocab_size}; raise model.vocab_size"
-        )
-    config = copy.deepcopy(config)
-    config.model.vocab_size = vocab  # the model predicts exactly the corpus's characters
-    with open(run_dir / CONFIG_FILE, "w", encoding="utf-8") as handle:
-        yaml.safe_dump(config.to_dict(), handle, sort_keys=False)
-    corpus.tokenizer.save(run_dir / TOKENIZER_FILE)
-
-    backend = select_backend(config.backend)
-    torch.manual_seed(training.seed)
-    model = build_model(config)
-    optimizer = make_optimizer(model.parameters(), config, backend)
-    batch_generator = torch.Generator().manual_seed(training.seed)
-    # The same validation windows at every evaluation, drawn from their own generator.
-    val_generator = torch.Generator().manual_seed(training.seed + 1)
-    val_batches = [
-        get_batch(corpus.val, training.batch_size, seq_len, val_generator)
-        for _ in range(training.eval_batches)
-    ]
-    step = 0
-    if state is not None:
-        try:
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as error:
-            first_line = str(error).strip().splitlines()[0]
-            raise RunError(f"checkpoint does not fit this config: {first_line}") from error
-        torch.set_rng_state(state["torch_rng"])
-        batch_generator.set_state(state["batch_rng"])
-        step = int(state["step"])
-        _keep_metrics_up_to(run_dir / METRICS_FILE, step)
-    wrapper = build_training_model(model, optimizer, config, backend)
-
-    reporter = None
-    if scale_report:
-        from .analysis import ScaleReporter  # type: ignore[attr-defined]
-
-        reporter = ScaleReporter(run_dir, scale_report)
-
-    unigram = unigram_cross_entropy(corpus.train, corpus.val, vocab)
-    uniform = math.log(vocab)
-    steps_per_call = config.ipu.device_iterations
-    tokens_per_call = config.samples_per_call * seq_len
-    last_checkpoint: Optional[Path] = checkpoint_path if state is not None else None
-    val_curve: List[Tuple[int, float]] = []
-    if state is not None:
-        val_curve = [(int(s), float(v)) for s, v in state.get("val_curve", [])]
-    last_train: Optional[float] = None
-    train_seconds = 0.0
-    trained_tokens = 0
-    started = time.perf_counter()
-    status, message = "completed", ""
-
-    def checkpoint() -> None:
-        nonlocal last_checkpoint
-        wrapper.copy_weights_to_host()
-        if not _all_finite(model):
-            raise TrainingDiverged(
-                f"weights became non-finite at step {step}; last good checkpoint: "
-                f"{last_checkpoint or 'none'}", step, last_checkpoint,
-            )
-        save_checkpoint(checkpoint_path, {
-            "step": step,
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            "batch_rng": batch_generator.get_state(),
-            "data_sha256": corpus.sha256,
-            "val_curve": [list(p) for p in val_curve],
-        })
-        last_checkpoint = checkpoint_path
-
-    show_bar = (not quiet) and (progress if progress is not None else _stderr_is_tty())
-    bar = _progress_bar(training.steps, step, show_bar, desc)
-    say = bar.write if bar is not None else (lambda text: None) if quiet else log
-    if step == 0:
-        say(f"{desc}: {corpus.source}, {len(corpus.train)} train / {len(corpus.val)} val "
-            f"characters, vocabulary {vocab}; unigram baseline {unigram:.4f} nats")
-    else:
-        say(f"{desc}: resuming {run_dir} at step {step} of {training.steps}")
-    metrics_path = run_dir / METRICS_FILE
-    new_file = not metrics_path.exists()
-    metrics_handle = open(metrics_path, "a", newline="", encoding="utf-8")
-    writer = csv.DictWriter(metrics_handle, METRIC_FIELDS)
-    if new_file:
-        writer.writeheader()
-    try:
-        with _StopRequest() as stop:
-            while step < training.steps:
-                lr = scheduled_learning_rate(training, step)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                wrapper.update_optimizer()
-                inputs, labels = get_batch(
-                    corpus.train, config.samples_per_call, seq_len, batch_generator
-                )
-                tick = time.perf_counter()
-                try:
-                    _, losses = wrapper(inputs, labels)
-                except NonFiniteAmaxError as error:
-                    raise TrainingDiverged(
-                        f"loss became nan at step {step + 1} (an FP8 cast met a non-finite "
-                        f"value); last good checkpoint: {last_checkpoint or 'none'}",
-                        step + 1, last_checkpoint,
-                    ) from error
-                seconds = time.perf_counter() - tick
-                train_seconds += seconds
-                trained_tokens += tokens_per_call
-                step_losses = losses.detach().float().view(steps_per_call, -1).mean(1).tolist()
-                first_step = step
-                for offset, value in enumerate(step_losses):
-                    step = first_step + offset + 1
-                    val_loss = None
-                    last_of_call = offset == len(step_losses) - 1
-                    if math.isfinite(value) and last_of_call and (
-                        step == training.steps
-                        or (training.eval_interval and step % training.eval_interval == 0)
-                    ):
-                        wrapper.copy_weights_to_host()
-                        val_loss = _evaluate(model, val_batches)
-                        val_curve.append((step, val_loss))
-                    writer.writerow({
-                        "step": step, "lr": _format_float(lr),
-                        "train_loss": _format_float(value),
-                        "val_loss": _format_float(val_loss),
-                        "tokens_per_s": f"{tokens_per_call / seconds:.1f}",
-                        "elapsed_s": f"{time.perf_counter() - started:.3f}",
-                    })
-                    metrics_handle.flush()
-                    if not math.isfinite(value):
-                        raise TrainingDiverged(
-                            f"loss became {value} at step {step}; last good checkpoint: "
-                            f"{last_checkpoint or 'none'}", step, last_checkpoint,
-                        )
-                    last_train = value
-                    if val_loss is not None and not math.isfinite(val_loss):
-                        raise TrainingDiverged(
-                            f"validation loss became {val_loss} at step {step}; last good "
-                            f"checkpoint: {last_checkpoint or 'none'}", step, last_checkpoint,
-                        )
-                    if val_loss is not None:
-                        say(f"{desc}: step {step}: validation loss {val_loss:.4f} "
-                            f"(unigram baseline {unigram:.4f})")
-                if reporter is not None:
-                    reporter.maybe_record(step, model, inputs[: config.micro_batch_size],
-                                          labels[: config.micro_batch_size])
-                rate = tokens_per_call / seconds
-                if bar is not None:
-                    bar.update(step - first_step)
-                    bar.set_postfix(loss=f"{last_train:.4f}", tok_s=f"{rate:.0f}")
-                elif not quiet and step // training.log_interval > first_step // \
-                        training.log_interval:
-                    log(f"{desc}: step {step}/{training.steps} loss {last_train:.4f} "
-                        f"{rate:.0f} tokens/s")
-                if training.checkpoint_interval and \
-                        step // training.checkpoint_interval > first_step // \
-                        training.checkpoint_interval and step < training.steps:
-                    checkpoint()
-                if stop.requested:
-                    checkpoint()
-                    status = "interrupted"
-                    message = (f"interrupted at step {step}; checkpoint: {checkpoint_path}; "
-                               f"continue with: ipu-unit-scaling train --resume {run_dir}")
-                    break
-            if status == "completed":
-                checkpoint()
-    except TrainingDiverged as error:
-        status, message = "diverged", str(error)
-        _finish(run_dir, config, corpus, backend, status, message, step, last_train, val_curve,
-                unigram, uniform, trained_tokens, train_seconds, started)
-        raise
-    except KeyboardInterrupt as error:
-        message = (f"interrupted during step {step + 1}; nothing saved after it; last "
-                   f"checkpoint: {last_checkpoint or 'none'}")
-        raise TrainingInterrupted(message, step, last_checkpoint) from error
-    finally:
-        metrics_handle.close()
-        if bar is not None:
-            bar.close()
-        wrapper.destroy()
-    summary = _finish(run_dir, config, corpus, backend, status, message, step, last_train,
-                      val_curve, unigram, uniform, trained_tokens, train_seconds, started)
-    if status == "interrupted":
-        raise TrainingInterrupted(message, step, checkpoint_path)
-    return summary
-
-
 def _stderr_is_tty() -> bool:
     import sys
 
     return sys.stderr.isatty()
-
-
-def _finish(
-    run_dir: Path, config: Config, corpus: Corpus, backend: str, status: str, message: str,
-    step: int, last_train: Optional[float], val_curve: List[Tuple[int, float]],
-    unigram: float, uniform: float, tokens: int, train_seconds: float, started: float,
-) -> RunSummary:
-    finite_vals = [v for _, v in val_curve if math.isfinite(v)]
-    summary = RunSummary(
-        run_dir=str(run_dir), status=status, steps=step, final_train_loss=last_train,
-        final_val_loss=val_curve[-1][1] if val_curve else None,
-        best_val_loss=min(finite_vals) if finite_vals else None,
-        unigram_baseline=unigram, uniform_baseline=uniform,
-        tokens_per_s=tokens / train_seconds if train_seconds else 0.0,
-        elapsed_s=time.perf_counter() - started, backend=backend, data=corpus.source,
-        message=message, val_curve=val_curve,
-    )
-    with open(run_dir / SUMMARY_FILE, "w", encoding="utf-8") as handle:
-        json.dump(asdict(summary), handle, indent=2)
-    from .plots import plot_run
-
-    plot_run(run_dir / METRICS_FILE, run_dir / PLOT_FILE, unigram,
-             title=f"{config.model.unit_scaled and 'unit-scaled' or 'plain'} GPT, "
-                   f"{config.precision.dtype}")
-    return summary

@@ -131,3 +131,28 @@ def test_calls_apply_through_getattr_chains_with_resolved_arguments():
     (strategy,) = made["setExecutionStrategy"]
     assert isinstance(strategy, PipelinedExecution) and strategy.auto_stage == "AUTO"
     assert len(log) == len(calls)
+
+
+def test_popxl_backend_needs_popxl(monkeypatch):
+    monkeypatch.setitem(sys.modules, "popxl", None)
+    with pytest.raises(BackendError, match="'popxl' needs PopXL"):
+        select_backend("popxl")
+
+
+def test_inference_model_on_cpu_and_emulator_gives_the_eval_logits():
+    from ipu_unit_scaling import TransformerDecoder
+    from ipu_unit_scaling.backends import build_inference_model
+
+    torch.manual_seed(0)
+    model = TransformerDecoder(vocab_size=16, hidden_size=8, depth=1, heads=2, seq_len=6,
+                               dropout_p=0.5)
+    ids = torch.randint(0, 16, (3, 6))
+    config = load_config("tiny")
+    model.train()
+    cpu = build_inference_model(model, config, backend="cpu")(ids)
+    assert not model.training  # evaluation switches dropout off
+    expected = model(ids)
+    assert torch.equal(cpu, expected) and not cpu.requires_grad
+    model.train()
+    emulated = build_inference_model(model, config, backend="emulator")(ids)
+    assert torch.allclose(emulated, expected, rtol=1e-5, atol=1e-6)

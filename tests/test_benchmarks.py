@@ -73,6 +73,31 @@ def test_rows_are_skipped_only_for_a_stated_reason(tiny_run):
     assert published_measured == (published_version() is not None)
 
 
+def test_compiled_rows_say_why_where_torch_compile_cannot_run(monkeypatch):
+    """Torch 2.0 refuses torch.compile on Python 3.11: the compiled rows are skipped, not lost."""
+    import torch._dynamo
+
+    refusal = "Python 3.11+ not yet supported for torch.compile"
+
+    def refuse() -> None:
+        raise RuntimeError(refusal)
+
+    monkeypatch.setattr(torch._dynamo.eval_frame, "check_if_dynamo_supported", refuse)
+    threads = torch.get_num_threads()
+    settings = Settings(
+        shape=TINY, rounds=1, min_run_time=0.01, threads=1, compile=True, cast_elements=1 << 10
+    )
+    try:
+        results = run_suite(settings, log=lambda line: None)
+    finally:
+        torch.set_num_threads(threads)
+    for key in ("step_compiled_ours", "step_compiled_published", "step_compiled_ours_vs_published"):
+        row = results.row(key)
+        assert row.value is None and row.status == "skipped"
+        assert row.note == f"torch.compile unavailable: {refusal}"
+    assert results.row("step_eager_ours").value is not None
+
+
 def test_status_follows_the_target(tiny_run):
     _, results = tiny_run
     for row in results.rows:

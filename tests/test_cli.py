@@ -35,9 +35,7 @@ def losses(run_dir: Path, column: str = "train_loss") -> List[str]:
 
 
 def test_help_is_complete(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--help"])
-    assert exit_info.value.code == 0
+    assert main(["--help"]) == 0
     text = capsys.readouterr().out
     for word in ("train", "compare", "analyse", "Exit status"):
         assert word in text
@@ -48,9 +46,7 @@ def test_help_is_complete(capsys):
         "analyse": ("--config", "--set", "--run-dir"),
     }
     for command, flags in options.items():
-        with pytest.raises(SystemExit) as exit_info:
-            main([command, "--help"])
-        assert exit_info.value.code == 0
+        assert main([command, "--help"]) == 0
         text = capsys.readouterr().out
         assert all(flag in text for flag in flags), command
 
@@ -197,12 +193,20 @@ def test_bad_configs_exit_2_with_one_line(capsys, tmp_path, argv, message):
     assert message in err
 
 
-def test_bad_arguments_exit_2(capsys):
-    for argv in (["frobnicate"], ["train", "--bogus"], ["compare", "--regimes", "fp7"], []):
-        with pytest.raises(SystemExit) as exit_info:
-            main(argv)
-        assert exit_info.value.code == 2
-        assert "usage:" in capsys.readouterr().err
+@pytest.mark.parametrize("argv, words", [
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["train", "--bogus"], "unrecognized arguments: --bogus"),
+    (["compare", "--regimes", "fp7"], "invalid choice: 'fp7'"),
+    (["train", "--threads", "0"], "expected a positive integer"),
+    (["train", "--threads", "100000"], "at most 1024"),
+    (["train", "--set"], "expected at least one argument"),
+    ([], "no command; use 'ipu-unit-scaling train' to train the default config"),
+])
+def test_bad_arguments_exit_2_with_one_line(capsys, argv, words):
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("ipu-unit-scaling: error: ") and captured.err.count("\n") == 1
+    assert words in captured.err and captured.out == ""
 
 
 def test_existing_run_dir_is_not_overwritten(capsys, tmp_path):
@@ -247,3 +251,29 @@ def test_scale_report_and_analyse_write_their_files(capsys, tmp_path):
     status, out, _ = run(capsys, "analyse", "--config", "tiny", "--run-dir", tmp_path / "scales")
     assert status == 0 and "unit-scaled" in out and "plain" in out
     assert (tmp_path / "scales" / "scales.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_bert_trains_every_regime_and_seed(tmp_path, capsys):
+    from ipu_unit_scaling.cli import main
+
+    status = main(["compare", "--model", "bert", "--regimes", "fp32", "unit-fp8", "--seeds",
+                   "2", "--set", "mlm.steps=10", "mlm.hidden_size=32", "mlm.depth=1",
+                   "mlm.eval_interval=5", "mlm.eval_batches=1", "--run-dir", str(tmp_path),
+                   "--quiet"])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "| unit-fp8 | unit-scaled | fp8 static |" in out and "seeds 0, 1" in out
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
+        "fp32-seed0", "fp32-seed1", "unit-fp8-seed0", "unit-fp8-seed1"]
+
+
+@pytest.mark.parametrize("arguments,message", [
+    (["--model", "bert", "--config", "tiny"], "not --config"),
+    (["--model", "bert", "--set", "mlm.stepz=3"], "not an mlm setting"),
+    (["--seeds", "0"], "expected a positive integer"),
+])
+def test_compare_bert_arguments_are_checked(arguments, message, capsys):
+    from ipu_unit_scaling.cli import main
+
+    assert main(["compare", *arguments]) == 2
+    assert message in capsys.readouterr().err

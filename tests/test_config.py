@@ -1,7 +1,6 @@
 """Config loading and validation: shipped configs load, broken ones name the bad key."""
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
@@ -11,7 +10,6 @@ from ipu_unit_scaling.config import (
     CONFIGS_DIR,
     Config,
     ConfigError,
-    FP8Section,
     config_from_dict,
     load_config,
     resolve_layers_per_ipu,
@@ -113,7 +111,8 @@ BROKEN = [
     (["model.unit_scaled=1"], "model.unit_scaled", "expected a bool"),
     (["model.heads=3"], "model.heads", "must divide model.hidden_size"),
     (["model.dropout=1.5"], "model.dropout", "0 <= dropout < 1"),
-    (["model.attn_tau=0"], "model.attn_tau", "> 0"),
+    (["model.attn_tau=0"], "model.attn_tau", "0 < tau <= 1e+06"),
+    (["model.mlp_tau=10000000.0"], "model.mlp_tau", "0 < tau <= 1e+06"),
     (["model.widht=3"], "model.widht", "unknown key"),
     (["modle.depth=3"], "modle", "did you mean 'model'"),
     (["model=3"], "model", "expected a mapping"),
@@ -122,7 +121,10 @@ BROKEN = [
     (["precision.fp8.activation_format=E4M3"], "precision.fp8.activation_format", "F143"),
     (["precision.fp8.rounding=up"], "precision.fp8.rounding", "nearest, stochastic"),
     (["precision.fp8.overflow=wrap"], "precision.fp8.overflow", "saturate, nan"),
-    (["precision.fp8.gradient_margin=40"], "precision.fp8.gradient_margin", "-31 .. 31"),
+    (["precision.fp8.gradient_margin=40"], "precision.fp8.gradient_margin", "0 .. 31"),
+    (["precision.fp8.weight_margin=-1"], "precision.fp8.weight_margin", "0 .. 31"),
+    (["precision.fp8.activation_margin=1.5"], "precision.fp8.activation_margin",
+     "expected an int"),
     (["precision.fp8.margin=1"], "precision.fp8.margin", "unknown key"),
     (["ipu.layers_per_ipu=[1, 1, 0]"], "ipu.layers_per_ipu", "one entry per IPU"),
     (["ipu.layers_per_ipu=[1, 2]"], "ipu.layers_per_ipu", "places 3 layers but model.depth is 2"),
@@ -146,7 +148,11 @@ BROKEN = [
     (["training.schedule=linear"], "training.schedule", "constant, cosine"),
     (["training.learning_rate=0"], "training.learning_rate", "must be > 0"),
     (["training.learning_rate=fast"], "training.learning_rate", "expected a finite float"),
-    (["training.warmup_steps=10"], "training.warmup_steps", "<= training.steps"),
+    (["training.warmup_steps=-1"], "training.warmup_steps", ">= 0"),
+    (["training.seed=-1"], "training.seed", "0 .. 2**63 - 1"),
+    (["training.seed=18446744073709551616"], "training.seed", "0 .. 2**63 - 1"),
+    (["ipu.device_iterations=2"], "training.steps", "multiple of ipu.device_iterations"),
+    (["data.path=''"], "data.path", "expected a file path"),
     (["training.grad_clip=-1"], "training.grad_clip", "> 0 or null"),
     (["data.val_fraction=1"], "data.val_fraction", "0 < x < 1"),
     (["compare.regimes=[fp32, fp64]"], "compare.regimes[1]", "unit-fp8-amax"),
@@ -207,22 +213,37 @@ def test_learning_rate_schedule():
     assert scheduled_learning_rate(training, 100) == training.learning_rate
 
 
-def test_fp8_section_matches_fp8_config():
-    fp8 = pytest.importorskip("ipu_unit_scaling.fp8")
-    if not hasattr(fp8, "FP8Config"):
-        pytest.skip("ipu_unit_scaling.fp8.FP8Config not available yet")
-    theirs = {f.name: f.default for f in dataclasses.fields(fp8.FP8Config)}
-    ours = {f.name: f.default for f in dataclasses.fields(FP8Section)}
-    assert ours == theirs
-
-
-def test_model_section_has_exactly_the_gpt_config_fields():
-    from dataclasses import fields
-
-    from ipu_unit_scaling.config import ModelConfig
+def test_model_and_fp8_sections_are_the_library_config_classes():
+    from ipu_unit_scaling.config import ModelConfig, PrecisionConfig
+    from ipu_unit_scaling.fp8 import FP8Config
     from ipu_unit_scaling.models import GPTConfig
 
-    assert {f.name for f in fields(ModelConfig)} == {f.name for f in fields(GPTConfig)}
+    assert ModelConfig is GPTConfig
+    config = load_config("tiny", ["precision.fp8.gradient_margin=5", "model.bias=true"])
+    assert type(config.precision.fp8) is FP8Config and config.precision.fp8.gradient_margin == 5
+    assert type(config.model) is GPTConfig and config.model.bias is True
+    assert PrecisionConfig().fp8 == FP8Config()  # same defaults, because the same class
+    assert Config().model == GPTConfig()
+
+
+def test_fp8_rules_are_the_fp8_config_rules():
+    """A margin FP8Config refuses is refused by the config too, naming the key, before a run."""
+    from ipu_unit_scaling.fp8 import FP8Config
+
+    with pytest.raises(ValueError, match="weight_margin"):
+        FP8Config(weight_margin=-2)
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny", ["precision.fp8.weight_margin=-2", "precision.fp8.scaling=max"])
+    assert {path for path, _ in info.value.errors} == {
+        "precision.fp8.weight_margin", "precision.fp8.scaling"}
+
+
+def test_warmup_longer_than_the_run_is_clamped():
+    training = load_config("default", ["training.steps=20"]).training
+    assert training.warmup_steps == 50  # kept as written; the schedule clamps it
+    rates = [scheduled_learning_rate(training, step) for step in range(20)]
+    assert rates[-1] == pytest.approx(training.learning_rate)  # warmed up at the last step
+    assert all(a < b for a, b in zip(rates, rates[1:]))
 
 
 def test_exponent_notation_is_a_float_in_mappings_too():

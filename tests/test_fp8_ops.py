@@ -23,6 +23,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from ipu_unit_scaling import _host, emulator
 from ipu_unit_scaling.backends.ipu import custom_op
 from ipu_unit_scaling.fp8 import F143, F152, fp8_quantise, fp8_quantise_gradient, ops
+from ipu_unit_scaling.popxl import codelets as popxl_codelets
 from ipu_unit_scaling.tracing import ipu_tracing
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -364,7 +365,7 @@ def test_python_and_cpp_agree_on_op_names_and_attributes():
     sources = "".join(path.read_text() for path in sorted((REPO / "custom_ops").glob("*.?pp")))
     registered = set(re.findall(r'\{kDomain,\s*"(\w+)",\s*1,', sources))
     assert {custom_op.OP_NAME, custom_op.QUANTISE_OP, custom_op.GRADIENT_QUANTISE_OP,
-            "Fp8QuantiseGrad", "Fp8GradientQuantiseGrad"} == registered
+            "Fp8QuantiseGrad", "Fp8GradientQuantiseGrad", popxl_codelets.OP_NAME} == registered
     assert f'kDomain = "{custom_op.DOMAIN}"' in sources
     read = set(re.findall(r'getAttribute<popart::Attributes::\w+>\(\s*"(\w+)"', sources))
     assert set(custom_op.quantise_attributes("F143", 0, True, 3)) == read

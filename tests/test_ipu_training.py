@@ -22,26 +22,7 @@ def _config(precision: str):
         f"precision.dtype={precision}", "model.depth=2", "model.hidden_size=16",
         "model.heads=2", "model.seq_len=8", "ipu.device_iterations=2",
         "ipu.executable_cache_dir=null", "training.optimizer=sgd",
-        "training.learning_rate=0.05"])
-
-
-def _losses(config, backend: str, calls: int = 3) -> torch.Tensor:
-    from ipu_unit_scaling.backends import build_training_model, make_optimizer
-    from ipu_unit_scaling.train import build_model
-
-    torch.manual_seed(0)
-    model = build_model(config)
-    optimizer = make_optimizer(model.parameters(), config, backend=backend)
-    wrapper = build_training_model(model, optimizer, config, backend=backend)
-    generator = torch.Generator().manual_seed(0)
-    losses = []
-    for _ in range(calls):
-        ids = torch.randint(0, config.model.vocab_size, (config.samples_per_call, 9),
-                            generator=generator)
-        _, loss = wrapper(ids[:, :-1], ids[:, 1:])
-        losses.append(loss.view(config.ipu.device_iterations, -1).mean(1))
-    wrapper.destroy()
-    return torch.cat(losses)
+        "training.learning_rate=0.05", "training.steps=6"])
 
 
 def test_options_apply_to_a_real_poptorch_options():
@@ -56,11 +37,12 @@ def test_options_apply_to_a_real_poptorch_options():
 
 
 @pytest.mark.parametrize("precision, tolerance", [("fp32", 1e-4), ("fp8", 2e-2)])
-def test_real_decoder_on_a_2_ipu_pipeline_matches_the_emulator(precision, tolerance):
+def test_real_decoder_on_a_2_ipu_pipeline_matches_the_emulator(precision, tolerance,
+                                                               step_losses):
     pytest.importorskip("poptorch")
     config = _config(precision)
-    emulated = _losses(copy.deepcopy(config), "emulator")
-    on_ipu_model = _losses(config, "ipu_model")
+    emulated = step_losses(copy.deepcopy(config), "emulator", 3)
+    on_ipu_model = step_losses(config, "ipu_model", 3)
     assert torch.isfinite(on_ipu_model).all()
     assert torch.allclose(on_ipu_model, emulated, rtol=tolerance, atol=0)
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import ipu_unit_scaling as uu
-from ipu_unit_scaling.config import REGIMES, load_config
+from ipu_unit_scaling.config import REGIMES, load_config, validate
 from ipu_unit_scaling.fp8 import FP8Linear
 from ipu_unit_scaling.train import (
     FP16Linear,
@@ -23,24 +23,33 @@ from ipu_unit_scaling.train import (
 def test_each_regime_sets_model_precision_scaling_and_its_learning_rate():
     config = load_config("tiny", ["compare.learning_rates.unit-fp8=0.5"])
     expected = {
-        "fp32": (False, "fp32", None),
-        "fp16": (False, "fp16", None),
-        "fp8-naive": (False, "fp8", "static"),
-        "fp8-amax": (False, "fp8", "amax"),
-        "unit-fp32": (True, "fp32", None),
-        "unit-fp16": (True, "fp16", None),
-        "unit-fp8": (True, "fp8", "static"),
-        "unit-fp8-amax": (True, "fp8", "amax"),
+        "fp32": (False, "unit", "fp32", None),
+        "fp16": (False, "unit", "fp16", None),
+        "fp8-naive": (False, "unit", "fp8", "static"),
+        "fp8-amax": (False, "unit", "fp8", "amax"),
+        "unit-fp32": (True, "unit", "fp32", None),
+        "unit-fp16": (True, "unit", "fp16", None),
+        "unit-fp8": (True, "unit", "fp8", "static"),
+        "unit-fp8-amax": (True, "unit", "fp8", "amax"),
+        "umup-fp32": (True, "u-mup", "fp32", None),
+        "umup-fp16": (True, "u-mup", "fp16", None),
+        "umup-fp8": (True, "u-mup", "fp8", "static"),
+        "umup-fp8-amax": (True, "u-mup", "fp8", "amax"),
     }
     assert set(expected) == set(REGIMES)
-    for regime, (unit, dtype, scaling) in expected.items():
+    for regime, (unit, parametrization, dtype, scaling) in expected.items():
         cfg = regime_config(config, regime)
         assert cfg.model.unit_scaled is unit and cfg.precision.dtype == dtype
+        assert cfg.model.parametrization == parametrization
+        validate(cfg)  # each regime keeps only the model keys that apply to it
         if scaling:
             assert cfg.precision.fp8.scaling == scaling
         assert cfg.training.learning_rate == config.compare.learning_rates[regime]
     assert regime_config(config, "unit-fp8").training.learning_rate == 0.5
     assert config.model.unit_scaled is True  # the original is left alone
+    umup = load_config("tiny", ["model.parametrization=u-mup", "model.residual_mult=2"])
+    assert regime_config(umup, "unit-fp32").model.residual_mult == 1.0
+    assert regime_config(umup, "umup-fp8").model.residual_mult == 2.0
 
 
 @pytest.mark.parametrize("regime, linear_type", [
@@ -115,7 +124,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 def test_garbage_checkpoint_is_a_clear_error(tmp_path):
     path = tmp_path / "checkpoint.pt"
     path.write_bytes(b"not a checkpoint")
-    with pytest.raises(RunError, match="not a readable checkpoint"):
+    with pytest.raises(RunError, match="not a checkpoint of this package"):
         load_checkpoint(path)
     with pytest.raises(RunError, match="no checkpoint"):
         load_checkpoint(tmp_path / "missing.pt")

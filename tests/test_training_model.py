@@ -158,7 +158,7 @@ def test_tied_weights_across_stages_are_reported():
 
 def test_build_training_model_on_cpu_uses_the_config():
     config = load_config("tiny", ["model.depth=4", "ipu.layers_per_ipu=[1, -1]",
-                                  "ipu.device_iterations=2"])
+                                  "ipu.device_iterations=2", "training.steps=6"])
     model = StandInGPT(depth=4)
     optimizer = make_optimizer(model.parameters(), config, backend="cpu")
     assert isinstance(optimizer, torch.optim.Adam)

@@ -9,6 +9,7 @@ reduction, one loss per micro-batch). The backends:
 - ``emulator``: PopTorch's semantics without the SDK: the model is traced forward under
   ``ipu_tracing()`` and its gradients come from the traced graph, as PopART's autodiff takes them;
 - ``cpu``: eager PyTorch;
+- ``popxl``: the unit-scaled GPT written in PopXL, with real FP8 matmuls (:mod:`..popxl`);
 - ``distributed`` (a module, launched with torchrun): the same stage split on
   ``torch.distributed.pipelining``.
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ from .stages import Stage, stages
 
 __all__ = [
     "BACKEND_ENV", "BackendError", "Stage", "stages", "poptorch_available", "select_backend",
-    "make_optimizer", "build_training_model",
+    "make_optimizer", "build_training_model", "build_inference_model",
 ]
 
 BACKEND_ENV = "IPU_UNIT_SCALING_BACKEND"
@@ -59,6 +60,14 @@ def select_backend(name: str = "auto") -> str:
         raise BackendError(f"backend {name!r} unknown; allowed: {', '.join(BACKEND_NAMES)}")
     if name in ("cpu", "emulator"):
         return name
+    if name == "popxl":
+        from ..popxl import popxl_available
+
+        if not popxl_available():
+            raise BackendError(
+                "backend 'popxl' needs PopXL (the Poplar SDK's popxl), which does not import "
+                f"here; use 'emulator', 'cpu' or 'auto', or unset {BACKEND_ENV}")
+        return name
     poptorch = _import_poptorch()
     if name == "auto":
         if poptorch is None:
@@ -73,21 +82,43 @@ def select_backend(name: str = "auto") -> str:
 
 
 def make_optimizer(
-    parameters: Iterable[nn.Parameter], config: Config, backend: Optional[str] = None
+    parameters: Union[nn.Module, Iterable[nn.Parameter]],
+    config: Config,
+    backend: Optional[str] = None,
+    model: Optional[nn.Module] = None,
 ) -> torch.optim.Optimizer:
-    """The optimizer ``config.training`` names, in the flavour the backend needs."""
+    """The optimizer ``config.training`` names, in the flavour the backend needs.
+
+    ``parameters`` is the model, or the parameters to optimize. Under u-μP
+    (``model.parametrization: u-mup``) each tensor's learning rate depends on its type, which
+    the model tells (:func:`ipu_unit_scaling.umup.weight_rules`): pass the model, or the
+    parameters and ``model=``; the groups are :func:`ipu_unit_scaling.optim.param_groups`.
+    """
     backend = backend or select_backend(config.backend)
+    if isinstance(parameters, nn.Module):
+        model = parameters if model is None else model
+        parameters = parameters.parameters()
+    params: Union[Iterable[nn.Parameter], List[Dict[str, Any]]] = parameters
+    training = config.training
+    lr, decay = training.learning_rate, training.weight_decay
+    if config.model.parametrization == "u-mup":
+        from ..optim import param_groups
+
+        if model is None:
+            raise TypeError("u-μP needs the model to type its parameters: pass the model, or "
+                            "model=")
+        # Adam's decay is an L2 term Adam normalises; the decoupled decays are made
+        # independent of the learning rate (see ipu_unit_scaling.optim).
+        params = param_groups(model, lr, decay, training.optimizer != "adam", parameters)
     if backend in ("ipu", "ipu_model"):
         from .ipu.training import make_ipu_optimizer
 
-        return make_ipu_optimizer(parameters, config)
-    training = config.training
-    lr, decay = training.learning_rate, training.weight_decay
+        return make_ipu_optimizer(params, config)
     if training.optimizer == "sgd":
-        return torch.optim.SGD(parameters, lr=lr, weight_decay=decay)
+        return torch.optim.SGD(params, lr=lr, weight_decay=decay)
     if training.optimizer == "adam":
-        return torch.optim.Adam(parameters, lr=lr, weight_decay=decay)
-    return torch.optim.AdamW(parameters, lr=lr, weight_decay=decay)
+        return torch.optim.Adam(params, lr=lr, weight_decay=decay)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=decay)
 
 
 def build_training_model(
@@ -124,4 +155,46 @@ def build_training_model(
         from .ipu.training import IPUTrainingModel
 
         return IPUTrainingModel(model, optimizer, config, use_ipu_model=backend == "ipu_model")
+    if backend == "popxl":
+        from ..popxl import PopXLTrainingModel
+
+        return PopXLTrainingModel(model, optimizer, config)
     raise BackendError(f"backend {backend!r} cannot build a training model")
+
+
+def build_inference_model(model: nn.Module, config: Config,
+                          backend: Optional[str] = None) -> Callable[..., Any]:
+    """Wrap ``model`` for evaluation and sampling: ``wrapper(*inputs)`` is ``model(*inputs)``
+    in eval mode without gradients, on the backend.
+
+    ``ipu``/``ipu_model`` build a ``poptorch.inferenceModel`` traced under ``ipu_tracing()``
+    (the same rules as training); ``emulator`` runs the graph PopTorch would trace (one trace per
+    input signature); ``cpu`` (and ``popxl``, whose programs are for training) run eager
+    PyTorch, the code path of training's evaluation.
+    """
+    backend = backend or select_backend(config.backend)
+    if backend in ("ipu", "ipu_model"):
+        from .ipu.training import IPUInferenceModel
+
+        return IPUInferenceModel(model, config, use_ipu_model=backend == "ipu_model")
+    if backend == "emulator":
+        from .emulator import TracedTrainingModule
+
+        return _EvalWrapper(TracedTrainingModule(model), model)
+    if backend in ("cpu", "popxl"):
+        return _EvalWrapper(model, model)
+    raise BackendError(f"backend {backend!r} cannot build an inference model")
+
+
+class _EvalWrapper:
+    def __init__(self, runner: nn.Module, model: nn.Module):
+        self.runner = runner
+        self.model = model
+
+    def __call__(self, *inputs: Any) -> Any:
+        self.model.eval()
+        with torch.no_grad():
+            return self.runner(*inputs)
+
+    def destroy(self) -> None:
+        """Nothing to release off the IPU."""

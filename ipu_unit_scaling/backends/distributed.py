@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import Config, load_config, resolve_layers_per_ipu, scheduled_learning_rate
+from ..optim import set_learning_rate
 from .stages import Stage, check_no_shared_parameters, split_stages, stage_parameters
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
@@ -176,7 +177,7 @@ class PipelineTrainer:
                 self.data_parallel_group = group
 
         self.parameters = owned
-        self.optimizer = make_optimizer(owned, config, backend="cpu")
+        self.optimizer = make_optimizer(owned, config, backend="cpu", model=model)
         stage = pipelining.PipelineStage(
             self.module,
             self.stage_index,
@@ -192,8 +193,7 @@ class PipelineTrainer:
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> float:
         """One optimizer step on a global batch (same on every rank); returns its mean loss."""
         training = self.config.training
-        for group in self.optimizer.param_groups:
-            group["lr"] = scheduled_learning_rate(training, self.step_count)
+        set_learning_rate(self.optimizer, scheduled_learning_rate(training, self.step_count))
         inputs, labels = self._replica_slice(inputs), self._replica_slice(labels)
         self.optimizer.zero_grad(set_to_none=True)
         losses: List[torch.Tensor] = []

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .attention import FP8AttentionFn, fp8_attention, fp8_scaled_dot_product_attention
 from .codec import decode, encode, quantise, stochastic_round_to_grid
-from .config import FP8Config
+from .config import FP8Config, FP8ConfigError
 from .formats import E4M3FN, E5M2, F143, F152, FORMATS, FP8Format, get_format
 from .linear import FP8Linear, fp8_linear, fp8_matmul, scaled_mm_supported
 from .ops import fp8_quantise, fp8_quantise_gradient
@@ -29,7 +29,7 @@ __all__ = [
     "encode", "decode", "quantise", "stochastic_round_to_grid",
     "MAX_LOG2_SCALE", "MAX_MARGIN", "NonFiniteAmaxError", "log2_scale",
     "Fp8Tensor", "cast_to_fp8", "cast_to_fp8_reference", "cast_from_fp8",
-    "FP8Config", "FP8Linear", "FP8UnitScaledLinear", "fp8_linear", "fp8_matmul",
+    "FP8Config", "FP8ConfigError", "FP8Linear", "FP8UnitScaledLinear", "fp8_linear", "fp8_matmul",
     "scaled_mm_supported", "fp8_attention", "fp8_scaled_dot_product_attention",
     "FP8AttentionFn", "simulate_fp8", "CastRecord", "Fp8Stats", "fp8_stats",
     "fp8_quantise", "fp8_quantise_gradient",

@@ -1,15 +1,28 @@
-"""FP8Config: which format, scaling and rounding each role of an FP8 matmul uses."""
+"""FP8Config: which format, scaling and rounding each role of an FP8 matmul uses.
+
+It is also the ``precision.fp8`` section of a run config (``ipu_unit_scaling.config``): one
+definition, one set of rules.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import List, Sequence, Tuple
 
 from .codec import OVERFLOW_POLICIES, ROUNDING_MODES
 from .formats import FP8Format, get_format
 from .scaling import MAX_MARGIN
 
-__all__ = ["FP8Config", "SCALING_MODES"]
+__all__ = ["FP8Config", "FP8ConfigError", "SCALING_MODES"]
 
 SCALING_MODES = ("amax", "static")
+
+
+class FP8ConfigError(ValueError):
+    """Invalid FP8Config fields; ``problems`` lists (field name, message) pairs."""
+
+    def __init__(self, problems: Sequence[Tuple[str, str]]):
+        self.problems = list(problems)
+        super().__init__("; ".join(f"{name}: {message}" for name, message in self.problems))
 
 
 @dataclass(frozen=True)
@@ -24,6 +37,8 @@ class FP8Config:
     - ``rounding``: "nearest" (to even) or "stochastic"; ``overflow``: "saturate" or "nan".
     - ``attention``: also cast the operands of attention's two matmuls (see
       :func:`fp8_attention`).
+
+    Invalid fields raise :class:`FP8ConfigError` (a ValueError) naming each of them.
     """
 
     activation_format: str = "F143"
@@ -38,18 +53,28 @@ class FP8Config:
     attention: bool = False
 
     def __post_init__(self) -> None:
+        problems: List[Tuple[str, str]] = []
         for role in ("activation", "weight", "gradient"):
-            get_format(getattr(self, f"{role}_format"))  # ValueError naming the valid ones
-            margin = getattr(self, f"{role}_margin")
+            name = f"{role}_format"
+            try:
+                get_format(getattr(self, name))
+            except ValueError as error:
+                problems.append((name, str(error)))
+            name = f"{role}_margin"
+            margin = getattr(self, name)
             if isinstance(margin, bool) or not isinstance(margin, int):
-                raise ValueError(f"{role}_margin must be an int, got {margin!r}")
-            if not 0 <= margin <= MAX_MARGIN:
-                raise ValueError(f"{role}_margin must be in 0..{MAX_MARGIN}, got {margin}")
-        _check("scaling", self.scaling, SCALING_MODES)
-        _check("rounding", self.rounding, ROUNDING_MODES)
-        _check("overflow", self.overflow, OVERFLOW_POLICIES)
+                problems.append((name, f"got {margin!r}; expected an int"))
+            elif not 0 <= margin <= MAX_MARGIN:
+                problems.append((name, f"got {margin}; allowed: 0 .. {MAX_MARGIN}"))
+        for name, choices in (("scaling", SCALING_MODES), ("rounding", ROUNDING_MODES),
+                              ("overflow", OVERFLOW_POLICIES)):
+            value = getattr(self, name)
+            if value not in choices:
+                problems.append((name, f"got {value!r}; allowed: {', '.join(choices)}"))
         if not isinstance(self.attention, bool):
-            raise ValueError(f"attention must be a bool, got {self.attention!r}")
+            problems.append(("attention", f"got {self.attention!r}; expected a bool"))
+        if problems:
+            raise FP8ConfigError(problems)
 
     @property
     def activation(self) -> FP8Format:
@@ -62,8 +87,3 @@ class FP8Config:
     @property
     def gradient(self) -> FP8Format:
         return get_format(self.gradient_format)
-
-
-def _check(name: str, value: object, choices: tuple) -> None:
-    if value not in choices:
-        raise ValueError(f"FP8Config.{name} must be one of {', '.join(choices)}, got {value!r}")

@@ -8,8 +8,10 @@ same way (fx adds a guard for None, bool and number arguments).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -34,8 +36,13 @@ class ConcreteTracer(fx.Tracer):
     `nn.TransformerEncoderLayer`, is traced through.
     """
 
-    def __init__(self, is_leaf: Callable[[nn.Module, str], bool]) -> None:
-        super().__init__()
+    def __init__(
+        self, is_leaf: Callable[[nn.Module, str], bool],
+        autowrap_functions: Tuple[Callable[..., Any], ...] = (),
+    ) -> None:
+        # `autowrap_functions` are recorded as single calls wherever a traced module's code
+        # calls them by a global name, instead of being traced through.
+        super().__init__(autowrap_functions=autowrap_functions)
         self._is_leaf = is_leaf
         self._inputs: Dict[str, Any] = {}
         self._values: Dict[fx.Node, Any] = {}
@@ -50,6 +57,10 @@ class ConcreteTracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return self._is_leaf(m, module_qualified_name)
+
+    def trace(self, root: Any, concrete_args: Optional[Dict[str, Any]] = None) -> fx.Graph:
+        with _factories_accept_proxies():
+            return super().trace(root, concrete_args)
 
     def trace_with_inputs(
         self, root: nn.Module, inputs: Optional[Dict[str, Any]], concrete_args: Any
@@ -133,6 +144,49 @@ class ConcreteTracer(fx.Tracer):
         if isinstance(value, (tuple, list, torch.Size)):
             return iter([obj[i] for i in range(len(value))])  # type: ignore[index]
         return super().iter(obj)
+
+
+# Tensor factories whose arguments are often traced values: `torch.arange(x.shape[-1],
+# device=x.device)`, `torch.zeros(batch, width)`.
+_FACTORY_FUNCTIONS = (
+    "arange", "empty", "eye", "full", "linspace", "logspace", "ones", "rand", "randint", "randn",
+    "randperm", "scalar_tensor", "tensor", "zeros",
+)
+
+
+@contextlib.contextmanager
+def _factories_accept_proxies() -> Iterator[None]:
+    """While tracing, record a tensor factory called with traced arguments as a graph node.
+
+    Torch 2.0's factories reject an `fx.Proxy` argument with a TypeError (later versions hand
+    it to fx through `__torch_function__`), so every model that builds positions from its
+    input's length would be untraceable there. The node's target is the original function, so
+    the graph is the same on every torch version.
+    """
+    originals = {
+        name: getattr(torch, name) for name in _FACTORY_FUNCTIONS
+        if not hasattr(getattr(torch, name), "_records_proxies")  # not already, by an outer trace
+    }
+
+    def accepting_proxies(factory: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(factory)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            leaves = pytree.tree_flatten((args, kwargs))[0]
+            proxies = [leaf for leaf in leaves if isinstance(leaf, fx.Proxy)]
+            if proxies:
+                return proxies[0].tracer.create_proxy("call_function", factory, args, kwargs)
+            return factory(*args, **kwargs)
+
+        call._records_proxies = True  # type: ignore[attr-defined]
+        return call
+
+    for name, factory in originals.items():
+        setattr(torch, name, accepting_proxies(factory))
+    try:
+        yield
+    finally:
+        for name, factory in originals.items():
+            setattr(torch, name, factory)
 
 
 def _carries_data(value: Any) -> bool:
@@ -243,9 +297,15 @@ class SpecialisedCall(nn.Module):
     bool, number or string among them is refused rather than silently run on the old value.
     """
 
-    def __init__(self, graph_module: fx.GraphModule, frame: ArgumentFrame) -> None:
+    def __init__(
+        self, graph_module: nn.Module, frame: ArgumentFrame,
+        fixed_shapes: Optional[List[Tuple[Optional[int], ...]]] = None,
+    ) -> None:
         super().__init__()
         self.graph_module = graph_module
+        # Per tensor argument, the sizes the tracer fixed (None: free to change); torch.export
+        # fixes the sizes a model's code pins down, fx none.
+        self._fixed_shapes = fixed_shapes
         self._signature = frame.signature
         self._spec = frame.spec
         self._tensor_positions = frame.tensor_positions
@@ -270,15 +330,32 @@ class SpecialisedCall(nn.Module):
                     f"unit_scale specialised this module to the argument value {constant!r}; "
                     f"got {leaf!r}"
                 )
-        result = self.graph_module(*[leaves[i] for i in self._tensor_positions])
+        tensors = [leaves[i] for i in self._tensor_positions]
+        if self._fixed_shapes is not None:
+            _check_shapes(tensors, self._fixed_shapes)
+        result = self.graph_module(*tensors)
         output_type = self._output_type
         if type(result) is dict and output_type is not None and issubclass(output_type, dict):
             return output_type(**result)
         return result
 
 
+def _check_shapes(tensors: Sequence[Tensor], fixed: Sequence[Tuple[Optional[int], ...]]) -> None:
+    for position, (tensor, sizes) in enumerate(zip(tensors, fixed)):
+        wrong = len(tensor.shape) != len(sizes) or any(
+            size is not None and size != actual for size, actual in zip(sizes, tensor.shape)
+        )
+        if wrong:
+            shown = tuple("*" if size is None else size for size in sizes)
+            raise ValueError(
+                f"unit_scale traced this module with torch.export, which fixed the shape of "
+                f"tensor argument {position} to {shown} (* is free); got {tuple(tensor.shape)}"
+            )
+
+
 def trace_module(
-    module: nn.Module, is_leaf: Callable[[nn.Module, str], bool], inputs: Optional[Inputs]
+    module: nn.Module, is_leaf: Callable[[nn.Module, str], bool], inputs: Optional[Inputs],
+    autowrap: Tuple[Callable[..., Any], ...] = (),
 ) -> Tuple[nn.Module, fx.Graph, List[str], Optional[Set[str]]]:
     """Trace `module`, through an `ArgumentFrame` when example inputs are given.
 
@@ -287,7 +364,7 @@ def trace_module(
     produced tensors on the example inputs (None without inputs).
     """
     if inputs is None:
-        tracer = ConcreteTracer(is_leaf)
+        tracer = ConcreteTracer(is_leaf, autowrap)
         graph = tracer.trace_with_inputs(module, None, {})
         return module, graph, tracer.specialised, tracer.tensor_nodes
     frame = ArgumentFrame(module, inputs)
@@ -295,7 +372,7 @@ def trace_module(
     def frame_is_leaf(m: nn.Module, name: str) -> bool:
         return name != "inner" and is_leaf(m, name[len("inner."):])
 
-    tracer = ConcreteTracer(frame_is_leaf)
+    tracer = ConcreteTracer(frame_is_leaf, autowrap)
     # One `*tensors` placeholder; the tracer's `iter` splits it by the example's length.
     graph = tracer.trace_with_inputs(frame, {"tensors": tuple(frame.example_tensors)}, None)
     return frame, graph, tracer.specialised, tracer.tensor_nodes

@@ -5,6 +5,7 @@ PopTorch is imported inside the functions only, so this module imports anywhere.
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any, Optional, Sequence, Tuple
 
 import torch
@@ -53,7 +54,14 @@ def annotate_pipeline(model: nn.Module, split: Sequence[Stage], poptorch: Any) -
 
 
 def make_ipu_optimizer(parameters: Any, config: Config) -> torch.optim.Optimizer:
-    """The PopTorch optimizer for ``config.training`` (gradient clipping runs on the IPU)."""
+    """The PopTorch optimizer for ``config.training`` (gradient clipping runs on the IPU).
+
+    ``parameters`` may be parameter groups, each with its own ``lr`` and ``weight_decay`` (u-μP's,
+    from :func:`ipu_unit_scaling.optim.param_groups`): PopTorch takes per-group values as
+    torch does, and sends the groups' changed learning rates to the device on ``setOptimizer``.
+    The groups' ``lr_scale`` key is for the host's schedule; PopTorch ignores keys it does not
+    use.
+    """
     import poptorch
 
     training = config.training
@@ -101,6 +109,56 @@ class IPUTrainingModel:
 
     def destroy(self) -> None:
         """Release the device and take the pipeline annotations off the model."""
+        import poptorch
+
+        self.executor.destroy()
+        poptorch.removeBlocks(self.model)
+
+
+class IPUInferenceModule(nn.Module):
+    """The model in eval mode, traced under ``ipu_tracing()`` when PopTorch traces it."""
+
+    def __init__(self, model: nn.Module, fp8_ops: Optional[FP8CustomOps] = None):
+        super().__init__()
+        self.model = model
+        self.fp8_ops = fp8_ops
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        import poptorch
+
+        tracing = (ipu_tracing(self.fp8_ops) if poptorch.isRunningOnIpu()
+                   else contextlib.nullcontext())
+        with tracing:
+            return self.model(*inputs)
+
+
+class IPUInferenceModel:
+    """A compiled-on-first-call ``poptorch.inferenceModel`` for evaluation and sampling.
+
+    Inference takes one micro-batch per device iteration: PopTorch refuses gradient
+    accumulation there, and the pipeline is filled by device iterations instead.
+    """
+
+    def __init__(self, model: nn.Module, config: Config, use_ipu_model: bool):
+        import poptorch
+
+        self.model = model
+        inference = copy.deepcopy(config)
+        inference.ipu.gradient_accumulation = 1
+        self.stages = stages(model, inference)
+        if inference.ipu.ipus_per_replica > 1:
+            annotate_pipeline(model, self.stages, poptorch)
+        if config.precision.dtype == "fp8":
+            load_custom_op_library()
+        model.eval()
+        self.executor = poptorch.inferenceModel(
+            IPUInferenceModule(model, PopTorchFP8CustomOps()),
+            options=build_options(inference, use_ipu_model))
+
+    def __call__(self, *inputs: torch.Tensor) -> Any:
+        return self.executor(*inputs)
+
+    def destroy(self) -> None:
         import poptorch
 
         self.executor.destroy()

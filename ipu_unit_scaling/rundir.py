@@ -1,0 +1,409 @@
+"""The run directory: its files, how they are written, locked and checked on resume.
+
+Guarantees, whatever moment a run is killed at:
+
+- every file but the append-only ``metrics.csv`` is written whole or not at all: to a temporary
+  file in the same directory, fsynced, then renamed over the old one (the directory is fsynced
+  too). Temporary files a killed run leaves behind are removed by the next run;
+- ``checkpoint.pt`` starts with a header line holding the SHA-256 of the rest, checked on load;
+- one process at a time writes a run directory: an advisory lock (``flock``) on ``.lock`` is
+  held for the whole run, and a second writer is refused with the holder's process id. Where
+  ``fcntl`` is missing (Windows) there is no lock and concurrent runs are not detected;
+- a resume refuses, in one line naming the file, a missing, empty or damaged artefact.
+"""
+from __future__ import annotations
+
+import csv
+import datetime
+import errno
+import hashlib
+import io
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: runs go unlocked
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = [
+    "RunError", "CONFIG_FILE", "TOKENIZER_FILE", "METRICS_FILE", "CHECKPOINT_FILE",
+    "SUMMARY_FILE", "PLOT_FILE", "SCALE_REPORT_FILE", "LOCK_FILE", "ARTEFACTS", "COMPARE_FILES",
+    "EVALUATION_FILES", "METRIC_FIELDS", "leftovers",
+    "atomic_write", "remove_temporaries", "RunLock", "make_run_dir", "save_checkpoint",
+    "load_checkpoint", "MetricsLog", "read_metrics", "metrics_up_to", "keep_report_rows_up_to",
+    "read_json",
+]
+
+CONFIG_FILE = "config.yaml"
+TOKENIZER_FILE = "tokenizer.json"
+METRICS_FILE = "metrics.csv"
+CHECKPOINT_FILE = "checkpoint.pt"
+SUMMARY_FILE = "summary.json"
+PLOT_FILE = "loss.png"
+SCALE_REPORT_FILE = "scale_report.csv"
+LOCK_FILE = ".lock"
+ARTEFACTS = (CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, CHECKPOINT_FILE, SUMMARY_FILE,
+             PLOT_FILE, SCALE_REPORT_FILE)
+COMPARE_FILES = ("compare.md", "compare.json", "compare.png")
+EVALUATION_FILES = ("evaluate.md", "evaluate.json")  # what `evaluate` adds to a trained run
+METRIC_FIELDS = ("step", "lr", "train_loss", "val_loss", "tokens_per_s", "elapsed_s")
+TEMPORARY_SUFFIX = ".tmp"
+
+CHECKPOINT_MAGIC = b"ipu-unit-scaling checkpoint 1"
+
+
+class RunError(ValueError):
+    """A run that cannot start or resume as asked (bad run directory, damaged artefact)."""
+
+
+def _reason(error: OSError) -> str:
+    return error.strerror or str(error)
+
+
+# ------------------------------------------------------------------------------ atomic writes
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` so that it always holds the old or the new bytes, whole."""
+    path = Path(path)
+    try:
+        handle, temporary = tempfile.mkstemp(
+            prefix=f".{path.name}.", suffix=TEMPORARY_SUFFIX, dir=path.parent
+        )
+    except OSError as error:
+        raise RunError(f"cannot write {path}: {_reason(error)}") from None
+    try:
+        try:
+            os.fchmod(handle, 0o666 & ~_umask())  # mkstemp's 0600 would hide results from others
+            view = memoryview(data)
+            while view:
+                view = view[os.write(handle, view):]
+            os.fsync(handle)
+        finally:
+            os.close(handle)
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.remove(temporary)
+        except OSError:
+            pass
+        raise
+    _fsync_directory(path.parent)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_directory(directory: Path) -> None:
+    # Makes the rename itself durable; not possible on every platform, harmless to skip there.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _is_temporary(name: str) -> bool:
+    # Ours: ".<artefact>.<random>.tmp" (and "<artefact>...tmp" from earlier versions).
+    if not name.endswith(TEMPORARY_SUFFIX):
+        return False
+    stem = name[1:] if name.startswith(".") else name
+    return any(stem.startswith(artefact + ".")
+               for artefact in ARTEFACTS + COMPARE_FILES + EVALUATION_FILES)
+
+
+def remove_temporaries(run_dir: Path) -> List[str]:
+    """Delete temporary files left by killed writes (call with the lock held)."""
+    removed = []
+    for entry in _entries(run_dir):
+        if _is_temporary(entry.name):
+            try:
+                entry.unlink()
+            except OSError as error:
+                raise RunError(f"cannot remove {entry}: {_reason(error)}") from None
+            removed.append(entry.name)
+    return removed
+
+
+def _entries(run_dir: Path) -> List[Path]:
+    try:
+        return sorted(run_dir.iterdir())
+    except OSError as error:
+        raise RunError(f"cannot read run directory {run_dir}: {_reason(error)}") from None
+
+
+# ------------------------------------------------------------------------------ the directory
+
+
+def make_run_dir(run_dir: Path) -> None:
+    """Create ``run_dir`` (and its parents) if needed; one-line errors for every failure."""
+    try:
+        if run_dir.exists() and not run_dir.is_dir():
+            raise RunError(f"run directory {run_dir} exists and is not a directory")
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except ValueError as error:  # a NUL byte in the name
+        if isinstance(error, RunError):
+            raise
+        raise RunError(f"run directory {str(run_dir)!r} is not a usable path: {error}") from None
+    except OSError as error:
+        raise RunError(f"cannot create run directory {run_dir}: {_reason(error)}") from None
+
+
+def leftovers(run_dir: Path) -> List[Path]:
+    """Artefacts of an earlier run in ``run_dir``; RunError if it holds anything else."""
+    found = []
+    for entry in _entries(run_dir):
+        if entry.name == LOCK_FILE or _is_temporary(entry.name):
+            continue
+        if entry.name not in ARTEFACTS or not entry.is_file():
+            raise RunError(
+                f"run directory {run_dir} is not empty ({entry.name}); choose another --run-dir"
+            )
+        found.append(entry)
+    return found
+
+
+class RunLock:
+    """An exclusive advisory lock on a run directory, held from the start to the end of a run.
+
+    The lock file records who holds it, so that a refused writer can say so.
+    """
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+        self._fd: Optional[int] = None
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        path = self.run_dir / LOCK_FILE
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            raise RunError(f"cannot write to run directory {self.run_dir}: "
+                           f"{_reason(error)}") from None
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as error:
+                holder = _read_holder(fd)
+                os.close(fd)
+                if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise RunError(
+                        f"run directory {self.run_dir} is in use by {holder}; wait for it to "
+                        "finish or choose another --run-dir"
+                    ) from None
+                raise RunError(f"cannot lock run directory {self.run_dir}: "
+                               f"{_reason(error)}") from None
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, _holder_text().encode("utf-8"), 0)
+        except OSError as error:
+            os.close(fd)
+            raise RunError(f"cannot write to run directory {self.run_dir}: "
+                           f"{_reason(error)}") from None
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.ftruncate(self._fd, 0)
+        except OSError:
+            pass
+        os.close(self._fd)  # closing drops the flock
+        self._fd = None
+
+
+def _holder_text() -> str:
+    command = " ".join([Path(sys.argv[0]).name] + sys.argv[1:]) if sys.argv else "python"
+    if len(command) > 120:
+        command = command[:117] + "..."
+    since = datetime.datetime.now().isoformat(timespec="seconds")
+    return f"process {os.getpid()} on {socket.gethostname()} ({command}; since {since})"
+
+
+def _read_holder(fd: int) -> str:
+    # The holder writes its name just after taking the lock: give it a moment to appear.
+    for _ in range(50):
+        try:
+            text = os.pread(fd, 1024, 0).decode("utf-8", "replace").strip()
+        except OSError:
+            break
+        if text:
+            return " ".join(text.split())
+        time.sleep(0.01)
+    return "another process"
+
+
+# ------------------------------------------------------------------------------ checkpoints
+
+
+def save_checkpoint(path: Path, state: Dict[str, Any]) -> None:
+    """Write ``state`` atomically, behind a header holding the SHA-256 of the payload."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
+    digest = hashlib.sha256(payload).hexdigest()
+    header = b"%s sha256=%s bytes=%d\n" % (CHECKPOINT_MAGIC, digest.encode(), len(payload))
+    atomic_write(path, header + payload)
+
+
+def load_checkpoint(path: Path) -> Dict[str, Any]:
+    """The state saved by :func:`save_checkpoint`; RunError if missing, damaged or foreign."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise RunError(f"no checkpoint at {path}") from None
+    except OSError as error:
+        raise RunError(f"cannot read checkpoint {path}: {_reason(error)}") from None
+    header, _, payload = data.partition(b"\n")
+    fields = header.split(b" ")
+    if not header.startswith(CHECKPOINT_MAGIC + b" ") or len(fields) != 5:
+        raise RunError(f"{path} is not a checkpoint of this package")
+    try:
+        digest = fields[3].split(b"=", 1)[1].decode("ascii")
+        size = int(fields[4].split(b"=", 1)[1])
+    except (IndexError, ValueError, UnicodeDecodeError):
+        raise RunError(f"{path} has a damaged header") from None
+    if size != len(payload):
+        raise RunError(f"{path} is truncated ({len(payload)} of {size} bytes)")
+    if hashlib.sha256(payload).hexdigest() != digest:
+        raise RunError(f"{path} is damaged: its checksum does not match its contents")
+    try:
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as error:  # checksum fine yet unreadable: written by something else
+        raise RunError(f"{path} is not a readable checkpoint ({type(error).__name__})") from None
+    if not isinstance(state, dict) or "step" not in state or "model" not in state:
+        raise RunError(f"{path} is not a checkpoint of this package")
+    return state
+
+
+# ------------------------------------------------------------------------------ metrics
+
+
+class MetricsLog:
+    """``metrics.csv``, appended one whole row per write call; ``sync`` makes rows durable."""
+
+    def __init__(self, path: Path, fresh: bool) -> None:
+        self.path = Path(path)
+        if fresh:
+            atomic_write(self.path, _csv_line(METRIC_FIELDS))
+        try:
+            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        except OSError as error:
+            raise RunError(f"cannot write {self.path}: {_reason(error)}") from None
+
+    def write(self, row: Dict[str, Any]) -> None:
+        line = _csv_line([row.get(name, "") for name in METRIC_FIELDS])
+        view = memoryview(line)
+        while view:
+            view = view[os.write(self._fd, view):]
+
+    def sync(self) -> None:
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _csv_line(values: Sequence[Any]) -> bytes:
+    text = io.StringIO()
+    csv.writer(text, lineterminator="\n").writerow(values)
+    return text.getvalue().encode("utf-8")
+
+
+def read_metrics(run_dir: Path) -> List[Dict[str, str]]:
+    """The rows of a run's metrics.csv, as strings."""
+    with open(Path(run_dir) / METRICS_FILE, newline="", encoding="utf-8") as handle:
+        return list(csv.DictReader(handle))
+
+
+def metrics_up_to(run_dir: Path, step: int) -> bytes:
+    """metrics.csv holding exactly the rows of steps 1..``step``, from the file in ``run_dir``.
+
+    Rows after ``step`` (written after the last checkpoint, the last maybe cut short by a kill)
+    are dropped; a file without all of 1..``step`` is a RunError naming it.
+    """
+    path = Path(run_dir) / METRICS_FILE
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise RunError(f"cannot resume {run_dir}: {METRICS_FILE} is missing") from None
+    except OSError as error:
+        raise RunError(f"cannot read {path}: {_reason(error)}") from None
+    damaged = RunError(
+        f"cannot resume {run_dir}: {METRICS_FILE} is damaged (it must hold one complete row "
+        f"for each of steps 1 to {step} of the checkpoint)"
+    )
+    try:
+        lines = data.decode("utf-8").split("\n")
+    except UnicodeDecodeError:
+        raise damaged from None
+    if lines[0] != ",".join(METRIC_FIELDS):
+        raise damaged
+    kept = [lines[0] + "\n"]
+    for expected, line in enumerate(lines[1:step + 1], start=1):
+        complete = expected < len(lines) - 1  # the last piece has no newline after it
+        cells = next(csv.reader([line]), [])
+        if not complete or len(cells) != len(METRIC_FIELDS) or cells[0] != str(expected):
+            raise damaged
+        try:
+            [float(cell) for cell in cells[1:4] if cell]
+        except ValueError:
+            raise damaged from None
+        kept.append(line + "\n")
+    if len(kept) != step + 1:
+        raise damaged
+    return "".join(kept).encode("utf-8")
+
+
+def keep_report_rows_up_to(path: Path, step: int) -> None:
+    """Drop rows after ``step`` from a CSV whose first column is the step (the scale report)."""
+    try:
+        lines = path.read_bytes().decode("utf-8", "replace").split("\n")
+    except FileNotFoundError:
+        return
+    except OSError as error:
+        raise RunError(f"cannot read {path}: {_reason(error)}") from None
+    kept = lines[:1]
+    for line in lines[1:-1]:  # the last piece is empty or a row cut short
+        head = line.split(",", 1)[0]
+        if head.isdigit() and int(head) <= step:
+            kept.append(line)
+    atomic_write(path, ("\n".join(kept) + "\n").encode("utf-8"))
+
+
+def read_json(path: Path) -> Optional[Dict[str, Any]]:
+    """A JSON object from ``path``, or None when it is missing or not one."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (OSError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None

@@ -1,0 +1,349 @@
+"""The PopXL decoder and training model, run on the torch stand-in for PopXL
+(``ipu_unit_scaling/popxl/reference.py``), against the PyTorch model and the CPU backend.
+
+Every test here runs on the stand-in, not on PopXL; ``tests/test_popxl_ipu.py`` runs the same
+code on real PopXL where it imports.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ipu_unit_scaling as uu
+from ipu_unit_scaling.backends import build_training_model, make_optimizer
+from ipu_unit_scaling.config import ConfigError, load_config, scheduled_learning_rate
+from ipu_unit_scaling.fp8 import FP8Config, NonFiniteAmaxError, simulate_fp8
+from ipu_unit_scaling.fp8 import linear as fp8_linear_module
+from ipu_unit_scaling.popxl import (
+    PopXLTrainingModel,
+    check_config,
+    loss_and_gradients,
+    popxl_available,
+    reference,
+)
+from ipu_unit_scaling.train import build_model
+
+VOCAB, SEQ = 11, 8
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny ops on a shared machine: extra threads only contend."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_decoder(bias: bool = False, seed: int = 0) -> uu.TransformerDecoder:
+    torch.manual_seed(seed)
+    return uu.TransformerDecoder(vocab_size=VOCAB, hidden_size=16, depth=2, heads=2,
+                                 seq_len=SEQ, bias=bias)
+
+
+def batch(seed: int = 0, rows: int = 3):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, VOCAB, (rows, SEQ), generator=gen),
+            torch.randint(0, VOCAB, (rows, SEQ), generator=gen))
+
+
+def torch_step(model):
+    ids, labels = batch()
+    model.zero_grad()
+    loss, logits = model(ids, labels, return_logits=True)
+    loss.backward()
+    return loss.item(), logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+def test_fp32_loss_and_every_gradient_match_torch_on_the_reference(bias):
+    model = tiny_decoder(bias)
+    loss, logits, grads = torch_step(model)
+    result = loss_and_gradients(model, *batch(), xl=reference)
+    assert result.loss == pytest.approx(loss, rel=1e-5)
+    torch.testing.assert_close(result.logits, logits, rtol=1e-5, atol=1e-5)
+    assert set(result.gradients) == set(grads) and len(grads) == (29 if bias else 16)
+    for name, grad in grads.items():
+        torch.testing.assert_close(result.gradients[name], grad, rtol=1e-5, atol=1e-5,
+                                   msg=name)
+    assert result.non_finite == 0
+
+
+def simulated_fp8(model, config):
+    """simulate_fp8's loss, gradients and every cast it made, by site."""
+    casts = {}
+    original = fp8_linear_module.cast_to_fp8
+
+    def recording(*args, **kwargs):
+        result = original(*args, **kwargs)
+        casts[kwargs["site"]] = result
+        return result
+
+    fp8_model = simulate_fp8(copy.deepcopy(model), config)
+    fp8_linear_module.cast_to_fp8 = recording
+    try:
+        loss, _, grads = torch_step(fp8_model)
+    finally:
+        fp8_linear_module.cast_to_fp8 = original
+    return loss, grads, casts
+
+
+@pytest.mark.parametrize("scaling", ["amax", "static"])
+def test_fp8_with_unrounded_matmul_output_equals_simulate_fp8_on_the_reference(scaling):
+    """With matmul_pow2scaled's sum left in float32 (a stand-in knob), every FP8 cast of the
+    PopXL model, forward and backward, has simulate_fp8's codes and bias, and the loss and
+    gradients agree to float32 rounding: the two are the same computation."""
+    model, config = tiny_decoder(), FP8Config(scaling=scaling)
+    loss, grads, casts = simulated_fp8(model, config)
+    with reference.fp8_matmul_output(torch.float32):
+        result = loss_and_gradients(model, *batch(), fp8=config, xl=reference,
+                                    keep_values=True)
+    values = result.session.values
+    assert len(result.casts) == len(casts) == 9 * 3  # 9 linear layers: input, weight, grad
+    for cast in result.casts:
+        expected = casts[f"{cast.site}.{cast.role}"]
+        assert int(values[cast.log2_scale]) == expected.log2_scale, (cast.site, cast.role)
+        codes = values[cast.codes].reshape(expected.codes.shape)
+        assert torch.equal(codes, expected.codes), (cast.site, cast.role)
+    if scaling == "static":
+        assert {c.log2_scale for c in casts.values()} == {0}
+    assert result.loss == pytest.approx(loss, rel=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(result.gradients[name], grad, rtol=1e-5, atol=1e-5,
+                                   msg=name)
+
+
+def test_fp8_amax_with_float16_matmul_output_is_within_fp8_rounding_on_the_reference():
+    """As PopXL documents it, matmul_pow2scaled returns float16. The casts of the first layer
+    still give simulate_fp8's codes; later ones see slightly different inputs, and the loss and
+    gradients then differ from simulate_fp8 by less than FP8 itself moves them from FP32."""
+    model, config = tiny_decoder(), FP8Config()
+    loss, grads, casts = simulated_fp8(model, config)
+    _, _, fp32_grads = torch_step(model)
+    result = loss_and_gradients(model, *batch(), fp8=config, xl=reference, keep_values=True)
+    values = result.session.values
+    for cast in result.casts:
+        expected = casts[f"{cast.site}.{cast.role}"]
+        codes = values[cast.codes].reshape(expected.codes.shape)
+        if cast.role == "weight" or (cast.site, cast.role) == ("layers.0.attn.qkv", "input"):
+            assert torch.equal(codes, expected.codes), (cast.site, cast.role)
+        assert (codes == expected.codes).float().mean() > 0.6, (cast.site, cast.role)
+    assert result.loss == pytest.approx(loss, rel=1e-2)
+    to_simulated = [relative(result.gradients[n], g) for n, g in grads.items()]
+    fp8_effect = [relative(fp32_grads[n], g) for n, g in grads.items()]
+    assert max(to_simulated) < 0.15
+    assert sum(to_simulated) < 0.8 * sum(fp8_effect)
+
+
+def test_a_non_finite_amax_stops_the_step_on_the_reference():
+    model = tiny_decoder()
+    with torch.no_grad():
+        model.layers[1].mlp.up.weight[0, 0] = float("inf")
+    config = small_config("fp8", "sgd")
+    wrapper = PopXLTrainingModel(model, None, config, xl=reference, device="ipu_model")
+    ids, labels = batch(rows=config.samples_per_call)
+    with pytest.raises(NonFiniteAmaxError):
+        wrapper(ids, labels)
+    result = loss_and_gradients(model, *batch(), fp8=FP8Config(), xl=reference)
+    assert result.non_finite >= 1
+
+
+# ---------------------------------------------------------------------------------- training
+
+
+def small_config(dtype: str, optimizer: str, *extra: str):
+    return load_config(None, [
+        f"model.vocab_size={VOCAB}", f"model.seq_len={SEQ}", "model.depth=2",
+        "model.hidden_size=16", "model.heads=2", f"precision.dtype={dtype}",
+        f"training.optimizer={optimizer}", "training.batch_size=4", "training.steps=30",
+        "training.warmup_steps=5", "backend=cpu", *extra])
+
+
+def train_both(config, steps: int):
+    """The CPU backend and the PopXL training model on the stand-in, from the same weights,
+    on the same batches with the same schedule; their per-micro-batch losses."""
+    torch.manual_seed(0)
+    cpu_model = build_model(config)
+    popxl_model = copy.deepcopy(cpu_model)
+    cpu_optimizer = make_optimizer(cpu_model.parameters(), config, "cpu")
+    popxl_optimizer = make_optimizer(popxl_model.parameters(), config, "cpu")
+    cpu = build_training_model(cpu_model, cpu_optimizer, config, "cpu")
+    popxl = PopXLTrainingModel(popxl_model, popxl_optimizer, config, xl=reference,
+                               device="ipu_model")
+    gen = torch.Generator().manual_seed(1)
+    cpu_losses, popxl_losses = [], []
+    for step in range(0, steps, config.ipu.device_iterations):
+        for optimizer in (cpu_optimizer, popxl_optimizer):
+            for group in optimizer.param_groups:
+                group["lr"] = scheduled_learning_rate(config.training, step)
+        cpu.update_optimizer()
+        popxl.update_optimizer()
+        ids = torch.randint(0, VOCAB, (config.samples_per_call, SEQ), generator=gen)
+        labels = torch.randint(0, VOCAB, (config.samples_per_call, SEQ), generator=gen)
+        cpu_output, cpu_loss = cpu(ids, labels)
+        popxl_output, popxl_loss = popxl(ids, labels)
+        assert popxl_output.shape == cpu_output.shape and popxl_loss.shape == cpu_loss.shape
+        cpu_losses.append(cpu_loss)
+        popxl_losses.append(popxl_loss)
+    popxl.copy_weights_to_host()
+    popxl.destroy()
+    return (torch.cat(cpu_losses), torch.cat(popxl_losses), cpu_model, popxl_model,
+            popxl_optimizer)
+
+
+def test_30_fp32_adam_steps_with_accumulation_track_the_cpu_backend_on_the_reference():
+    config = small_config("fp32", "adam", "ipu.gradient_accumulation=2")
+    cpu, popxl, cpu_model, popxl_model, optimizer = train_both(config, 30)
+    assert cpu.numel() == 60 and cpu[-10:].mean() < cpu[:10].mean()  # it learns
+    torch.testing.assert_close(popxl, cpu, rtol=1e-4, atol=1e-4)
+    for (name, a), b in zip(cpu_model.named_parameters(), popxl_model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-4, msg=name)
+    state = optimizer.state[next(popxl_model.parameters())]
+    assert float(state["step"]) == 30 and state["exp_avg"].abs().sum() > 0
+
+
+def test_30_fp8_sgd_steps_with_clipping_track_the_cpu_backend_on_the_reference():
+    config = small_config("fp8", "sgd", "training.learning_rate=0.5", "training.grad_clip=1.0",
+                          "ipu.device_iterations=3", "training.steps=30")
+    cpu, popxl, *_ = train_both(config, 30)
+    assert cpu.numel() == 30 and cpu[-10:].mean() < cpu[:10].mean()
+    torch.testing.assert_close(popxl, cpu, rtol=2e-2, atol=0)
+
+
+def test_adamw_and_weight_decay_track_the_cpu_backend_on_the_reference():
+    config = small_config("fp32", "adamw", "training.weight_decay=0.1",
+                          "ipu.replication_factor=2")
+    cpu, popxl, *_ = train_both(config, 6)
+    torch.testing.assert_close(popxl, cpu, rtol=1e-4, atol=1e-4)
+
+
+def test_weights_and_adam_state_carry_over_to_a_new_training_model_on_the_reference():
+    """Train 3 steps, copy weights and moments to the host, build a fresh training model from
+    them and train 3 more: the same as 6 steps in one training model."""
+    config = small_config("fp32", "adam", "training.learning_rate=0.05")
+    ids, labels = batch(seed=5, rows=4 * 6)
+
+    def run(pieces):
+        model = build_model(config)
+        model.load_state_dict(start)
+        optimizer = make_optimizer(model.parameters(), config, "cpu")
+        losses = []
+        for piece in pieces:
+            wrapper = PopXLTrainingModel(model, optimizer, config, xl=reference,
+                                         device="ipu_model")
+            for step in piece:
+                losses.append(wrapper(ids[4 * step:4 * step + 4], labels[4 * step:4 * step + 4])[1])
+            wrapper.copy_weights_to_host()
+            wrapper.destroy()
+        return torch.cat(losses), model.state_dict()
+
+    torch.manual_seed(3)
+    start = copy.deepcopy(build_model(config).state_dict())
+    whole, whole_state = run([range(6)])
+    split, split_state = run([range(3), range(3, 6)])
+    torch.testing.assert_close(split, whole, rtol=1e-6, atol=1e-6)
+    for name, value in whole_state.items():
+        torch.testing.assert_close(split_state[name], value, rtol=1e-6, atol=1e-6)
+        assert not torch.equal(value, start[name]), name  # every weight trained
+
+
+def test_the_training_loop_checkpoints_and_resumes_the_popxl_training_model_on_the_reference(
+        monkeypatch, tmp_path):
+    """train() with the PopXL training model in place of the backend's wrapper: 10 steps in one
+    go equal 5 steps, a checkpoint (weights and Adam state) and 5 resumed steps."""
+    import ipu_unit_scaling.train as train_module
+
+    def build(model, optimizer, config, backend=None):
+        return PopXLTrainingModel(model, optimizer, config, xl=reference, device="ipu_model")
+
+    monkeypatch.setattr(train_module, "build_training_model", build)
+    monkeypatch.setattr(train_module, "select_backend", lambda name="auto": "popxl")
+
+    def config(steps):
+        return load_config(None, [
+            "model.depth=1", "model.hidden_size=16", "model.heads=2", "model.seq_len=8",
+            "training.batch_size=4", f"training.steps={steps}", "training.warmup_steps=2",
+            "training.schedule=constant", "training.eval_interval=5", "training.eval_batches=1",
+            "backend=popxl"])
+
+    whole = train_module.train(config(10), tmp_path / "whole", quiet=True)
+    train_module.train(config(5), tmp_path / "split", quiet=True)
+    resumed = train_module.train(config(10), tmp_path / "split", resume=True, quiet=True)
+    assert whole.steps == resumed.steps == 10 and whole.backend == "popxl"
+    assert resumed.final_train_loss == whole.final_train_loss
+    assert resumed.val_curve == whole.val_curve
+
+
+# ------------------------------------------------------------------------------------- wiring
+
+
+@pytest.mark.parametrize("override, key", [
+    ("precision.dtype=fp16", "precision.dtype"),
+    ("model.dropout=0.1", "model.dropout"),
+    ("model.unit_scaled=false", "model.unit_scaled"),
+    ("precision.fp8.rounding=stochastic", "precision.fp8.rounding"),
+    ("precision.fp8.attention=true", "precision.fp8.attention"),
+    ("precision.fp8.gradient_format=E5M2", "precision.fp8.gradient_format"),
+])
+def test_configs_it_does_not_build_are_refused_by_key(override, key):
+    config = small_config("fp8", "adam", override)
+    with pytest.raises(ConfigError, match=key):
+        check_config(config)
+    with pytest.raises(ConfigError, match=key):
+        PopXLTrainingModel(build_model(config), None, config, xl=reference)
+
+
+def test_popxl_is_a_backend_name_and_needs_popxl():
+    config = small_config("fp8", "adam", "backend=popxl")
+    assert config.backend == "popxl"
+    if popxl_available():
+        pytest.skip("popxl imports here")
+    with pytest.raises(ImportError, match="PopXL"):
+        PopXLTrainingModel(build_model(config), None, config)
+
+
+# ---------------------------------------------------------------------- the codelets' custom op
+
+
+@pytest.fixture
+def host_codelets():
+    from ipu_unit_scaling import _host
+
+    if not _host.fused_cast_available():
+        pytest.skip(f"host library of the codelets not built: {_host.fast_path_status()}")
+
+
+def test_codelet_amax_gives_the_same_step_as_popxl_ops_on_the_reference(host_codelets):
+    """amax="codelets": the custom op's stand-in runs the codelets' host build (emulator);
+    every cast, loss and gradient equals those of the PopXL-ops scaling bias."""
+    model, config = tiny_decoder(), FP8Config()
+    by_ops = loss_and_gradients(model, *batch(), fp8=config, xl=reference, keep_values=True)
+    by_codelets = loss_and_gradients(model, *batch(), fp8=config, xl=reference,
+                                     keep_values=True, amax="codelets")
+    assert len(by_codelets.casts) == len(by_ops.casts) == 27
+    for a, b in zip(by_ops.casts, by_codelets.casts):
+        assert (a.site, a.role) == (b.site, b.role)
+        assert int(by_ops.session.values[a.log2_scale]) == int(
+            by_codelets.session.values[b.log2_scale])
+        assert torch.equal(by_ops.session.values[a.codes], by_codelets.session.values[b.codes])
+    assert by_codelets.loss == by_ops.loss
+    for name, grad in by_ops.gradients.items():
+        assert torch.equal(by_codelets.gradients[name], grad), name
+
+
+def test_codelet_amax_flags_a_non_finite_amax_on_the_reference(host_codelets):
+    model = tiny_decoder()
+    with torch.no_grad():
+        model.head.weight[0, 0] = float("nan")
+    result = loss_and_gradients(model, *batch(), fp8=FP8Config(), xl=reference,
+                                amax="codelets")
+    assert result.non_finite >= 1
+    with pytest.raises(ValueError, match="amax"):
+        PopXLTrainingModel(model, None, small_config("fp8", "adam"), xl=reference,
+                           amax="tiles")
