@@ -8,7 +8,7 @@ from typing import List, Optional
 
 from .report import command_line, markdown, text_table
 from .suite import Settings, run_suite
-from .variants import FULL_SHAPE, QUICK_SHAPE
+from .variants import FULL_SHAPE, QUICK_SHAPE, SECOND_SHAPE, SWEEP_SHAPE, SWEEP_WIDTHS
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent.parent / "docs" / "BENCHMARKS.md"
 
@@ -43,6 +43,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         compile=not args.no_compile,
         clock=args.clock or ("cpu" if args.threads == 1 else "wall"),
         cast_elements=1 << 12 if quick else 16 << 20,
+        second_shape=QUICK_SHAPE if quick else SECOND_SHAPE,
+        sweep_widths=(16, 32) if quick else SWEEP_WIDTHS,
+        sweep_shape=QUICK_SHAPE if quick else SWEEP_SHAPE,
+        sweep_rounds=2 if quick else 7,
     )
     results = run_suite(settings, log=lambda line: print(line, file=sys.stderr, flush=True))
     print(text_table(results))

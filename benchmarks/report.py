@@ -15,10 +15,15 @@ from .variants import published_version
 # Why a missed target is missed, keyed by row; shown in the table's notes when it is.
 OBSTACLES: Dict[str, str] = {
     "step_eager_ours": (
-        "unit scaling adds memory-bound elementwise passes that plain torch does not have (the "
-        "residual branch and skip multiplies, the attention row scale, the gradient-only scales "
-        "in the backward pass) and about ten custom autograd nodes per layer; at this small "
-        "shape they are a visible share of a step, and they grow with machine load"
+        "what remains is per-op overhead, not arithmetic: the unit-scaled layer runs as a few "
+        "Python autograd Functions (each a few tens of microseconds on this CPU, more under "
+        "load) where torch runs C++ nodes, plus one elementwise pass each way for the attention "
+        "row scale and the residual skip weights; at this small width a step is short enough "
+        "for that to show, and it shrinks as the model grows (see the width sweep)"
+    ),
+    "step_eager_ours_second": (
+        "as for the first shape: per-op Python overhead and the row-scale and skip-weight "
+        "passes, a smaller share of the longer step"
     ),
     "step_eager_ours_vs_published": (
         "both libraries add similar elementwise passes; within the noise of a shared machine"
@@ -31,10 +36,23 @@ OBSTACLES: Dict[str, str] = {
         "both compile to similar graphs; within the noise of a shared machine"
     ),
     "fp8_static_ours": (
-        "FP8 is simulated on a CPU without FP8 matmuls: every FP8 linear encodes its input, "
-        "weight and output gradient to FP8 codes and decodes them back to FP32 (a uint8-to-float "
-        "copy and a rescale per operand, twice for the backward matmuls) around an FP32 matmul, "
-        "so the step does more work than the FP32 one, with no FP8 hardware to pay it back"
+        "FP8 is simulated on a CPU without FP8 matmuls: each FP8 linear rounds its input, weight "
+        "and output gradient to FP8 values (one pass each) around float32 GEMMs; the passes and "
+        "the calls around them are work the FP32 step does not do"
+    ),
+    "fp8_static_second": (
+        "the rounding passes of FP8 simulation, as for the first shape"
+    ),
+    "fp8_static_no_host": (
+        "without the host library the rounding is torch's float8 round trip: a clamp, a cast to "
+        "float8 and a cast back, three passes per operand instead of one"
+    ),
+    "memory_ours": (
+        "the tensors unit scaling adds that are held for the backward pass"
+    ),
+    "cast_fraction": (
+        "the fused amax + cast is bound by the arithmetic of the rounding as much as by memory "
+        "on this CPU; under load the two cores also share the copy's bandwidth unevenly"
     ),
 }
 
@@ -57,11 +75,20 @@ COMPARISON_NOTES = [
     "`unit_scaling.transforms.simulate_fp8` has one mode, without per-tensor scaling (E4M3 "
     "forward, E5M2 backward, stochastic rounding, through a TorchDynamo graph rewrite), so it "
     "is the counterpart of the static row only, against its own FP32 build.",
+    "FP8 rows with the host library off run the same step inside "
+    "`ipu_unit_scaling._host.disabled()`, as an install without a C++ compiler would: FP8 "
+    "values come from torch's float8 round trip instead of the fused kernel.",
+    "The width sweep builds the same GPT at each width with its other sizes fixed (depth, "
+    "sequence, batch as stated in the row), fewer rounds than the main rows: it shows the trend "
+    "of the unit-scaling and FP8 overheads with the model's size, not a target.",
     "Peak memory is counted by the profiler, not the process RSS: the running sum of the "
-    "allocator's allocation and free events during one step, after a warm-up step. Ours holds "
-    "a copy of each weight multiplied by its output scale for the step (folding the scale into "
-    "the weight saves a multiply over the activations), which at small widths is a visible "
-    "share of the total.",
+    "allocator's allocation and free events during one step, after a warm-up step.",
+    "Unit-scaled ops run as one autograd Function each in eager mode (scales inside the GEMMs, "
+    "no scaled weight copies), and `uu.TransformerLayer` / `uu.MLP` / the decoder's embedding "
+    "run their residual join + split + norm, their MLP and their lookups as one Function each "
+    "where nothing observes their parts; under `torch.compile` the ops are composed from "
+    "`scale()` as before.",
+    "GPU rows run only where a CUDA device exists; otherwise they are skipped with the reason.",
 ]
 
 
@@ -86,14 +113,17 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
+_PLAIN_NUMBERS = {"cast_melem": "{:.0f}", "copy_bandwidth": "{:.1f}", "cast_fraction": "{:.2f}"}
+
+
 def _unit(row: Row) -> str:
-    return "" if row.key == "cast_melem" else "x"
+    return "" if row.key in _PLAIN_NUMBERS else "x"
 
 
 def _format_value(row: Row) -> str:
     if row.value is None:
         return "-"
-    return f"{row.value:.0f}" if row.key == "cast_melem" else f"{row.value:.2f}x"
+    return _PLAIN_NUMBERS.get(row.key, "{:.2f}x").format(row.value)
 
 
 def _format_spread(row: Row) -> str:
@@ -190,6 +220,21 @@ def markdown(results: Results, settings: Settings, command: str) -> str:
         "Bytes held by tensors allocated during one step (after a warm-up step), counted from",
         "the allocation and free events of `torch.profiler` with `profile_memory=True`.",
     ]
+    if results.roofline_rows:
+        from .roofline import HEADER
+
+        lines += ["", "## Roofline of the host cast kernels", ""]
+        lines += [
+            f"{settings.cast_elements} float32 elements (more than the caches hold), outputs "
+            "allocated once. A kernel's bound is the copy bandwidth measured in the same run "
+            "(`copy_`, 8 bytes per element) divided by the bytes it must move per element: 4 for "
+            "the amax, 5 for a cast to codes, 8 for a quantise to float32 values. Fractions are "
+            "medians of per-round ratios (wall clock), with quartiles. `portable` is the "
+            "compiler-vectorised loop used where a CPU has no AVX2; `block` is the fused "
+            "amax + cast's block size in elements (default 32768).",
+            "",
+        ]
+        lines += _markdown_table(HEADER, [row.cells() for row in results.roofline_rows])
     if results.cast_rows:
         lines += ["", "## amax + cast throughput", ""]
         header = list(results.cast_rows[0])

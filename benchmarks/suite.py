@@ -5,10 +5,11 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .gpu import gpu_rows
 from .measure import Timings, peak_step_bytes, time_interleaved
 from .variants import (
     OURS,
@@ -21,13 +22,19 @@ from .variants import (
     published_version,
 )
 
-# Upper bounds from the project's goals; a row without one is reported for information.
-EAGER_TARGET = 1.15
-COMPILED_TARGET = 1.05
+# Bounds from the project's goals (issue 16); a row without one is reported for information.
+EAGER_TARGET = 1.03
+COMPILED_TARGET = 1.02
 VERSUS_PUBLISHED_TARGET = 1.0
-FP8_STATIC_TARGET = 1.5
+# "No slower than the library" once compiled: both compile to near-identical graphs, so the
+# bound carries a noise band instead of a bare 1.00.
+COMPILED_VERSUS_PUBLISHED_TARGET = 1.02
+FP8_STATIC_TARGET = 1.15
+FP8_NO_HOST_TARGET = 1.5  # an install without a C++ compiler: torch's float8 round trip
+MEMORY_TARGET = 1.05
 CAST_SPEEDUP_TARGET = 8.0  # fused host amax + cast vs torch eager, at least
 CAST_MELEM_TARGET = 2000.0  # Melem/s, at least, with all cores
+CAST_FRACTION_TARGET = 0.70  # of the copy bound measured in the same run, at least
 
 
 @dataclass
@@ -61,6 +68,12 @@ class Settings:
     compile: bool = True
     clock: str = "cpu"
     cast_elements: int = 16 << 20
+    # A second, larger shape for the eager and FP8 ratios (None: skipped).
+    second_shape: Optional[Shape] = None
+    # Widths of the sweep of the unit-scaling and FP8 overheads, on `sweep_shape`'s other sizes.
+    sweep_widths: Tuple[int, ...] = ()
+    sweep_shape: Optional[Shape] = None
+    sweep_rounds: int = 7
 
 
 @dataclass
@@ -69,6 +82,7 @@ class Results:
     step_ms: Dict[str, float] = field(default_factory=dict)
     peak_bytes: Dict[str, int] = field(default_factory=dict)
     cast_rows: List[Dict[str, object]] = field(default_factory=list)
+    roofline_rows: List[Any] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -128,13 +142,17 @@ def _step_rows(
         ))
         results.rows.append(_timed(
             f"step_{mode}_ours_vs_published", versus_label, timings, OURS, PUBLISHED,
-            VERSUS_PUBLISHED_TARGET,
+            _versus_published_target(mode),
         ))
     else:
         why = "unit-scaling not installed"
         _skip(results, f"step_{mode}_published", published_label, None, why)
         _skip(results, f"step_{mode}_ours_vs_published", versus_label,
-              VERSUS_PUBLISHED_TARGET, why)
+              _versus_published_target(mode), why)
+
+
+def _versus_published_target(mode: str) -> float:
+    return COMPILED_VERSUS_PUBLISHED_TARGET if mode == "compiled" else VERSUS_PUBLISHED_TARGET
 
 
 def _fp8_rows(results: Results, settings: Settings, names: List[str]) -> None:
@@ -151,6 +169,8 @@ def _fp8_rows(results: Results, settings: Settings, names: List[str]) -> None:
             simulate_fp8(build_model(OURS, settings.shape), FP8Config(scaling="amax")), batch
         ),
     }
+    for scaling in ("static", "amax"):
+        steps[f"{scaling} no host"] = _without_host_library(steps[scaling])
     if PUBLISHED in names:
         from unit_scaling.transforms import simulate_fp8 as published_simulate_fp8
 
@@ -170,6 +190,14 @@ def _fp8_rows(results: Results, settings: Settings, names: List[str]) -> None:
     results.rows.append(_timed(
         "fp8_amax_ours", "FP8 step, AMAX scaling / FP32 step: ours", timings, "amax", "fp32"
     ))
+    results.rows.append(_timed(
+        "fp8_static_no_host", "FP8 step, static / FP32 step, host library off: ours", timings,
+        "static no host", "fp32", FP8_NO_HOST_TARGET, note=_no_host_note(),
+    ))
+    results.rows.append(_timed(
+        "fp8_amax_no_host", "FP8 step, AMAX / FP32 step, host library off: ours", timings,
+        "amax no host", "fp32", note=_no_host_note(),
+    ))
     label = "FP8 step, static (simulate_fp8) / FP32 step: unit_scaling"
     if PUBLISHED in names:
         results.rows.append(_timed(
@@ -180,6 +208,90 @@ def _fp8_rows(results: Results, settings: Settings, names: List[str]) -> None:
         _skip(results, "fp8_static_published", label, None, "unit-scaling not installed")
 
 
+def _without_host_library(step: Callable[[], object]) -> Callable[[], object]:
+    """`step` as an install without a C++ compiler runs it: no host library."""
+    from ipu_unit_scaling import _host
+
+    def no_host() -> object:
+        with _host.disabled():
+            return step()
+
+    return no_host
+
+
+def _no_host_note() -> str:
+    from ipu_unit_scaling import _host
+    from ipu_unit_scaling.fp8 import F143
+    from ipu_unit_scaling.fp8.values import values_path
+
+    with _host.disabled():
+        return f"casts by {values_path(F143)}"
+
+
+def _second_shape_rows(results: Results, settings: Settings) -> None:
+    """Eager unit-scaling and FP8 overheads on a second, larger shape, in one group."""
+    from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
+
+    shape = settings.second_shape
+    where = "" if shape is None else f" ({_shape_words(shape)})"
+    labels = [("step_eager_ours_second", f"Training step, eager: ours / torch{where}",
+               EAGER_TARGET),
+              ("fp8_static_second", f"FP8 step, static / FP32 step: ours{where}",
+               FP8_STATIC_TARGET)]
+    if shape is None:
+        for key, label, target in labels:
+            _skip(results, key, label, target, "no second shape in this run")
+        return
+    batch = make_batch(shape)
+    steps = {
+        "torch": make_train_step(build_model(TORCH, shape), batch),
+        "ours": make_train_step(build_model(OURS, shape), batch),
+        "static": make_train_step(
+            simulate_fp8(build_model(OURS, shape), FP8Config(scaling="static")), batch),
+    }
+    timings = time_interleaved(steps, settings.rounds, settings.min_run_time,
+                               clock=settings.clock)
+    for name in steps:
+        results.step_ms[f"second shape {name}"] = timings.median_ms(name)
+    (key, label, target), (fp8_key, fp8_label, fp8_target) = labels
+    results.rows.append(_timed(key, label, timings, "ours", "torch", target))
+    results.rows.append(_timed(fp8_key, fp8_label, timings, "static", "ours", fp8_target))
+
+
+def _shape_words(shape: Shape) -> str:
+    return (f"depth {shape.depth}, width {shape.hidden_size}, seq {shape.seq_len}, "
+            f"batch {shape.batch_size}")
+
+
+def _sweep_rows(results: Results, settings: Settings) -> None:
+    """How the unit-scaling and FP8 overheads change with the width (information only)."""
+    from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
+
+    base = settings.sweep_shape
+    if base is None or not settings.sweep_widths:
+        return
+    for width in settings.sweep_widths:
+        shape = Shape(base.vocab_size, base.seq_len, base.depth, width, base.heads,
+                      base.batch_size)
+        batch = make_batch(shape)
+        steps = {
+            "torch": make_train_step(build_model(TORCH, shape), batch),
+            "ours": make_train_step(build_model(OURS, shape), batch),
+            "static": make_train_step(
+                simulate_fp8(build_model(OURS, shape), FP8Config(scaling="static")), batch),
+        }
+        timings = time_interleaved(steps, settings.sweep_rounds, settings.min_run_time,
+                                   clock=settings.clock)
+        for name in steps:
+            results.step_ms[f"width {width} {name}"] = timings.median_ms(name)
+        where = f"width {width} ({_shape_words(shape)})"
+        results.rows.append(_timed(f"sweep_unit_{width}", f"Sweep, eager: ours / torch, {where}",
+                                   timings, "ours", "torch"))
+        results.rows.append(_timed(f"sweep_fp8_{width}",
+                                   f"Sweep, FP8 static / FP32 (ours), {where}", timings,
+                                   "static", "ours"))
+
+
 def _memory_rows(results: Results, settings: Settings, names: List[str]) -> None:
     batch = make_batch(settings.shape)
     for name in names:
@@ -188,7 +300,7 @@ def _memory_rows(results: Results, settings: Settings, names: List[str]) -> None
     torch_bytes = results.peak_bytes[TORCH]
     results.rows.append(Row(
         "memory_ours", "Peak memory of a training step: ours / torch",
-        results.peak_bytes[OURS] / torch_bytes,
+        results.peak_bytes[OURS] / torch_bytes, MEMORY_TARGET,
     ))
     label = "Peak memory of a training step: unit_scaling / torch"
     if PUBLISHED in names:
@@ -219,6 +331,7 @@ def _cast_rows(results: Results, settings: Settings) -> None:
         results.notes.append(f"amax + cast throughput skipped: {error}")
         results.rows.append(Row("cast_throughput", label, None, note="benchmark not available"))
         results.rows.append(Row("cast_melem", melem_label, None, note="benchmark not available"))
+        _roofline_rows(results, settings, threads)
         return
     # The cast is measured as a user runs it: on every core, not the step benchmarks' one thread.
     step_threads = torch.get_num_threads()
@@ -247,6 +360,32 @@ def _cast_rows(results: Results, settings: Settings) -> None:
         target=CAST_MELEM_TARGET, higher_is_better=True,
         note=missing if melem is None else where,
     ))
+    _roofline_rows(results, settings, threads)
+
+
+def _roofline_rows(results: Results, settings: Settings, threads: int) -> None:
+    from .roofline import AMAX_CAST, COPY, available, measure
+
+    copy_label = f"Copy bandwidth, {threads} threads (torch copy_), GB/s"
+    fraction_label = (f"amax + cast to F143, {threads} threads: fraction of the copy bound "
+                      "(5 B/element) in the same run")
+    why = available()
+    if why is not None:
+        results.rows.append(Row("copy_bandwidth", copy_label, None, note=why))
+        results.rows.append(Row("cast_fraction", fraction_label, None, CAST_FRACTION_TARGET,
+                                note=why, higher_is_better=True))
+        return
+    results.roofline_rows = measure(settings.cast_elements, rounds=max(3, settings.rounds // 2),
+                                    min_run_time=settings.min_run_time)
+    copy = next(r for r in results.roofline_rows if r.kernel == COPY and r.threads == threads)
+    fused = next(r for r in results.roofline_rows
+                 if r.kernel == AMAX_CAST and r.threads == threads
+                 and not r.variant.startswith(("portable", "block")))
+    where = f"{settings.cast_elements} float32 elements; the roofline table below"
+    results.rows.append(Row("copy_bandwidth", copy_label, copy.gb_per_s, note=where))
+    results.rows.append(Row(
+        "cast_fraction", fraction_label, fused.fraction, CAST_FRACTION_TARGET, where,
+        spread=fused.spread, higher_is_better=True))
 
 
 def run_suite(settings: Settings, log: Callable[[str], None] = print) -> Results:
@@ -268,6 +407,12 @@ def run_suite(settings: Settings, log: Callable[[str], None] = print) -> Results
             _skip(results, key, label, target, no_compile)
     log("FP8-simulated step ...")
     _fp8_rows(results, settings, names)
+    log("second shape ...")
+    _second_shape_rows(results, settings)
+    log("width sweep ...")
+    _sweep_rows(results, settings)
+    log("GPU rows ...")
+    results.rows += gpu_rows(Row, settings.rounds)
     log("amax + cast throughput ...")
     _cast_rows(results, settings)
     log("peak memory ...")

@@ -38,6 +38,10 @@ class Shape:
 
 FULL_SHAPE = Shape()
 QUICK_SHAPE = Shape(vocab_size=64, seq_len=32, depth=2, hidden_size=64, heads=2, batch_size=4)
+# The second shape the targets are checked on, and the width sweep's other sizes.
+SECOND_SHAPE = Shape(depth=3, hidden_size=192, seq_len=128)
+SWEEP_SHAPE = Shape(depth=2)
+SWEEP_WIDTHS = (128, 256, 512)
 
 
 def published_version() -> Optional[str]:

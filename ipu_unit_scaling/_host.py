@@ -20,17 +20,18 @@ When the library is missing (no C++ compiler at install time) or disabled with
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 
 __all__ = [
     "HostLibraryUnavailable", "NonFiniteAmax", "MISALIGNED", "LIBRARY_PATH", "DISABLE_ENV",
-    "library", "fast_path_status", "fused_cast_available", "fused_cast_to_fp8",
+    "library", "fast_path_status", "fused_cast_available", "disabled", "fused_amax", "fused_cast_to_fp8",
     "fused_cast_from_fp8", "fused_quantise", "quantise_float32", "fused_tuning", "fast_selftest",
     "exponent_bits", "partition", "partition_grain", "dtype_code", "num_threads",
 ]
@@ -67,6 +68,7 @@ _SIGNATURES = {
                  _c_void_p, _c_void_p, _c_void_p]),
     "ius_fused_tuning": (_c_int, [_c_int64, _c_int]),
     "ius_fast_selftest": (_c_int64, [ctypes.c_uint32, ctypes.c_uint32, _c_int64, _c_int]),
+    "ius_fused_amax": (_c_int, [_c_void_p, _c_int64, _c_int, _c_int, _c_void_p]),
 }
 
 
@@ -100,8 +102,25 @@ def _missing_reason() -> str:
             "failed; see the install log). Run `python setup.py build_ext --inplace`")
 
 
+_disabled = 0
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Inside the block the library counts as missing, as on an install without a C++
+    compiler: every caller takes its torch path (benchmarks and tests compare the two)."""
+    global _disabled
+    _disabled += 1
+    try:
+        yield
+    finally:
+        _disabled -= 1
+
+
 def _load() -> Tuple[Optional[ctypes.CDLL], str]:
     global _library, _reason
+    if _disabled:
+        return None, "switched off by ipu_unit_scaling._host.disabled()"
     if _library is not None or _reason is not None:
         return _library, _reason or ""
     if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
@@ -168,14 +187,23 @@ def _pointer(t: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
 
+def _output(x: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor]) -> torch.Tensor:
+    if out is None:
+        return torch.empty(x.shape, dtype=dtype)
+    if out.dtype != dtype or out.numel() != x.numel() or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of {x.numel()} elements")
+    return out
+
+
 def _fused_cast(x: torch.Tensor, fmt_name: str, log2_scale: Optional[int], margin: int,
-                saturate: bool) -> Tuple[torch.Tensor, int, Optional[float]]:
+                saturate: bool, out: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, int, Optional[float]]:
     """(codes, scale used, the amax when it was not finite, else None); codes are
     unspecified in the non-finite case."""
     if x.device.type != "cpu" or not x.is_contiguous():
         raise ValueError("the fused host cast needs a contiguous CPU tensor")
     lib = library()
-    codes = torch.empty(x.shape, dtype=torch.uint8)
+    codes = _output(x, torch.uint8, out)
     used = ctypes.c_int(0)
     amax = ctypes.c_float(0.0)
     status = lib.ius_fused_cast_to_fp8(
@@ -195,17 +223,19 @@ def fused_cast_to_fp8(
     log2_scale: Optional[int],
     margin: int,
     saturate: bool,
+    out: Optional[torch.Tensor] = None,
 ) -> Optional[Tuple[torch.Tensor, int]]:
     """Scale, round to nearest even and encode ``x`` in one fused multi-threaded host pass.
 
     ``x`` is a contiguous CPU float32/float16 tensor. ``log2_scale=None`` derives the scale
     from the amax with ``margin`` (raising :class:`NonFiniteAmax` for an inf/NaN amax).
     Returns (uint8 codes shaped like ``x``, the log2 scale used), or None for a format the
-    codelets do not implement (the OCP formats), so the caller takes its torch path.
+    codelets do not implement (the OCP formats), so the caller takes its torch path. ``out``:
+    a contiguous uint8 tensor to write the codes to (returned as it is).
     """
     if fmt_name.upper() not in _EXPONENT_BITS:
         return None
-    codes, used, non_finite_amax = _fused_cast(x, fmt_name, log2_scale, margin, saturate)
+    codes, used, non_finite_amax = _fused_cast(x, fmt_name, log2_scale, margin, saturate, out)
     if non_finite_amax is not None:
         raise NonFiniteAmax(non_finite_amax, fmt_name.upper())
     return codes, used
@@ -244,8 +274,10 @@ def quantise_float32(
     log2_scale: Optional[int],
     margin: int,
     saturate: bool,
+    out: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, int, Optional[float]]:
-    """``decode(cast(x * 2**s)) * 2**-s`` as a new float32 tensor, in one pass with no codes.
+    """``decode(cast(x * 2**s)) * 2**-s`` as a float32 tensor (new, or ``out``), in one pass
+    with no codes.
 
     ``x`` is a contiguous CPU float32 tensor; the format is F143 or F152 (see
     :func:`exponent_bits`). ``s`` is ``log2_scale`` (-31..31), or comes from the amax with
@@ -255,7 +287,7 @@ def quantise_float32(
     if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
         raise ValueError("quantise_float32 needs a contiguous CPU float32 tensor")
     lib = library()
-    out = torch.empty(x.shape, dtype=torch.float32)
+    out = _output(x, torch.float32, out)
     used = ctypes.c_int(0)
     amax = ctypes.c_float(0.0)
     status = lib.ius_fused_quantise(
@@ -267,6 +299,19 @@ def quantise_float32(
     if status != 0:
         raise ValueError(f"host quantise rejected its arguments (log2_scale={log2_scale})")
     return out, used.value, None
+
+
+def fused_amax(x: torch.Tensor) -> float:
+    """max |x| of a contiguous CPU float32/float16 tensor by the fast path's amax loop (NaN
+    wins), over :func:`num_threads` threads."""
+    if x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError("fused_amax needs a contiguous CPU tensor")
+    amax = ctypes.c_float(0.0)
+    status = library().ius_fused_amax(_pointer(x), x.numel(), dtype_code(x.dtype), num_threads(),
+                                      ctypes.byref(amax))
+    if status != 0:
+        raise ValueError(f"fused_amax rejected its arguments (status {status})")
+    return amax.value
 
 
 def fused_tuning(block_elements: int = -1, simd: int = -1) -> bool:

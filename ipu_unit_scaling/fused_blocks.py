@@ -75,6 +75,9 @@ class _ResidualNorm(torch.autograd.Function):
                 grad_stream = grad_branch.mul_(next_branch_weight)
             else:
                 grad_stream = torch.add(grad_stream, grad_branch, alpha=next_branch_weight)
+            # Python holds a local until the function returns; autograd's own nodes free a
+            # gradient once used. Let go of it here, or the step's peak memory grows.
+            del grad_branch
         if not joined:
             return grad_stream, None, None, None, None, grad_w, grad_b, None, None
         grad_x = None
@@ -113,15 +116,25 @@ class _MLP(torch.autograd.Function):
         out = torch.addmm(_zero(rows) if down_bias is None else down_bias, activated,
                           down_weight.t(), beta=0 if down_bias is None else 1,
                           alpha=down_out * gelu_out)
-        ctx.save_for_backward(rows, up_weight, hidden, activated, down_weight)
+        ctx.save_for_backward(rows, up_weight, up_bias, down_weight)
+        # The intermediates are kept on ctx, not saved: the backward pass drops each once used,
+        # as torch's per-op nodes would (held to the end, they would raise the peak memory).
+        ctx.intermediates = (hidden, activated)
         ctx.meta = (x.shape, approximate, scales, up_bias is not None, down_bias is not None)
         return out.view(*x.shape[:-1], down_weight.shape[0])
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
-        rows, up_weight, hidden, activated, down_weight = ctx.saved_tensors
+        rows, up_weight, up_bias, down_weight = ctx.saved_tensors
         x_shape, approximate, scales, has_up_bias, has_down_bias = ctx.meta
-        _, up_grad_in, up_grad_w, gelu_out, gelu_grad, _, down_grad_in, down_grad_w = scales
+        up_out, up_grad_in, up_grad_w, gelu_out, gelu_grad, _, down_grad_in, down_grad_w = scales
+        if ctx.intermediates is None:  # a second backward (retain_graph=True): recompute them
+            hidden = torch.addmm(_zero(rows) if up_bias is None else up_bias, rows,
+                                 up_weight.t(), beta=0 if up_bias is None else 1, alpha=up_out)
+            activated = F.gelu(hidden, approximate=approximate)
+        else:
+            hidden, activated = ctx.intermediates
+            ctx.intermediates = None
         needs = ctx.needs_input_grad
         grad_rows = grad.reshape(-1, grad.shape[-1])
         zero = _zero(grad_rows)
@@ -129,12 +142,15 @@ class _MLP(torch.autograd.Function):
         if needs[3]:
             grad_down_w = torch.addmm(zero, grad_rows.t(), activated, beta=0,
                                       alpha=down_grad_w * gelu_out)
+        del activated
         if has_down_bias and needs[4]:
             grad_down_b = grad_rows.sum(0).mul_(down_grad_w)
         if needs[0] or needs[1] or needs[2]:
             grad_activated = torch.addmm(zero, grad_rows, down_weight, beta=0,
                                          alpha=down_grad_in * gelu_grad)
             grad_hidden = _gelu_backward(grad_activated, hidden, approximate=approximate)
+            # Freed once used, as autograd frees a node's gradient (peak memory).
+            del grad_activated, hidden
             if needs[0]:
                 grad_x = torch.addmm(zero, grad_hidden, up_weight, beta=0,
                                      alpha=up_grad_in).view(x_shape)

@@ -30,14 +30,24 @@ ROW_KEYS = {
     "cast_melem",
     "memory_ours",
     "memory_published",
+    "fp8_static_no_host",
+    "fp8_amax_no_host",
+    "step_eager_ours_second",
+    "fp8_static_second",
+    "copy_bandwidth",
+    "cast_fraction",
+    "gpu_scaled_mm",
+    "gpu_fp8_static_vs_amax",
 }
+SWEEP_WIDTHS = (8, 16)
 
 
 @pytest.fixture(scope="module")
 def tiny_run():
     threads = torch.get_num_threads()
     settings = Settings(
-        shape=TINY, rounds=2, min_run_time=0.01, threads=1, compile=False, cast_elements=1 << 10
+        shape=TINY, rounds=2, min_run_time=0.01, threads=1, compile=False, cast_elements=1 << 10,
+        second_shape=TINY, sweep_widths=SWEEP_WIDTHS, sweep_shape=TINY, sweep_rounds=1,
     )
     try:
         yield settings, run_suite(settings, log=lambda line: None)
@@ -48,7 +58,8 @@ def tiny_run():
 def test_every_row_is_present_once(tiny_run):
     _, results = tiny_run
     keys = [row.key for row in results.rows]
-    assert sorted(keys) == sorted(ROW_KEYS)
+    sweep = {f"sweep_{kind}_{width}" for width in SWEEP_WIDTHS for kind in ("unit", "fp8")}
+    assert sorted(keys) == sorted(ROW_KEYS | sweep)
 
 
 def test_measured_ratios_are_positive_and_finite(tiny_run):

@@ -238,3 +238,24 @@ def test_hooks_turn_the_fused_forms_off():
     handle = layer.attn_norm.register_forward_hook(lambda module, args, out: None)
     assert not layer._fusable(x)
     handle.remove()
+
+
+def test_fused_mlp_backward_twice_with_retain_graph():
+    """The fused MLP drops its intermediates during backward (peak memory); a second backward
+    through the same graph recomputes them and gives the same gradients."""
+    import ipu_unit_scaling as uu
+
+    torch.manual_seed(0)
+    mlp = uu.MLP(16, bias=True)
+    x = randn(2, 5, 16).requires_grad_()
+    assert mlp._fusable(x)
+    out = mlp(x)
+    grad = randn(2, 5, 16, seed=4)
+    out.backward(grad, retain_graph=True)
+    first = [x.grad.clone()] + [p.grad.clone() for p in mlp.parameters()]
+    x.grad = None
+    mlp.zero_grad()
+    out.backward(grad)
+    second = [x.grad] + [p.grad for p in mlp.parameters()]
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)

@@ -266,3 +266,20 @@ IUS_EXPORT std::int64_t ius_fast_selftest(std::uint32_t start, std::uint32_t str
   }
   return mismatches;
 }
+
+// The amax pass alone (for the roofline benchmark): max |x| of float32 or
+// float16 input over threads, NaN-aware, written to *amax.
+IUS_EXPORT int ius_fused_amax(const void* in, Index count, int dtype, int threads, float* amax) {
+  if (dtype != kFloat32 && dtype != kFloat16) return kBadArguments;
+  const unsigned parts = ius::fused::threadsFor(count, threads);
+  std::vector<unsigned> keys(parts, 0u);
+  ius::fused::parallelChunks(count, parts, [&](unsigned part, Index begin, Index end) {
+    keys[part] = dtype == kFloat32
+        ? ius::fused::amaxFloat(static_cast<const float*>(in) + begin, end - begin)
+        : ius::fused::amaxHalf(static_cast<const half*>(in) + begin, end - begin);
+  });
+  unsigned key = 0;
+  for (unsigned k : keys) key = ius::maxKey(key, k);
+  *amax = ius::floatFromKey(key);
+  return 0;
+}
