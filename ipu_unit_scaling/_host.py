@@ -31,7 +31,8 @@ import torch
 
 __all__ = [
     "HostLibraryUnavailable", "NonFiniteAmax", "MISALIGNED", "LIBRARY_PATH", "DISABLE_ENV",
-    "library", "fast_path_status", "fused_cast_available", "disabled", "fused_amax", "fused_cast_to_fp8",
+    "library", "fast_path_status", "fused_cast_available", "disabled", "fused_amax",
+    "fused_cast_to_fp8",
     "fused_cast_from_fp8", "fused_quantise", "quantise_float32", "fused_tuning", "fast_selftest",
     "exponent_bits", "partition", "partition_grain", "dtype_code", "num_threads",
 ]

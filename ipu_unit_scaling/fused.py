@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = [
-    "scaled_mm", "linear", "matmul", "gelu", "layer_norm", "embedding", "residual_split", "residual_add",
+    "applier", "scaled_mm", "linear", "matmul", "gelu", "layer_norm", "embedding",
+    "residual_split", "residual_add",
 ]
 
 def applier(function: Any) -> Callable[..., Any]:

@@ -10,7 +10,7 @@ their default initialisation, which is what unit scaling is compared against.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Optional, Sequence, Tuple, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -336,7 +336,7 @@ class MLP(nn.Module):
                 and not _observed(down) and U._eager_forms())
 
     def _fused(self, input: Tensor) -> Tensor:
-        up, down = self.up, self.down
+        up, down = cast(Linear, self.up), cast(Linear, self.down)
         batch = input.numel() // input.shape[-1]
         up_scales = U._cached(("linear", up.in_features, up.out_features, batch, up.constraint),
                               U.linear_scales, up.in_features, up.out_features, batch,
@@ -436,11 +436,11 @@ class TransformerLayer(nn.Module):
         mlp_branch, mlp_skip = U._residual_weights(self.mlp_tau)
         # The norms' parameter gradients sum over every row (see U.layer_norm).
         param_scale = (input.numel() // input.shape[-1]) ** -0.5
-        norm = self.attn_norm
+        norm = cast(LayerNorm, self.attn_norm)
         normed, stream = fused_blocks.residual_norm(
             input, None, 1.0, 1.0, attn_branch, norm.weight, norm.bias, norm.eps, param_scale)
         branch = ops.dropout(self.attn(normed), self.dropout_p, self.training)
-        norm = self.mlp_norm
+        norm = cast(LayerNorm, self.mlp_norm)
         normed, stream = fused_blocks.residual_norm(
             stream, branch, attn_branch, attn_skip, mlp_branch, norm.weight, norm.bias,
             norm.eps, param_scale)
@@ -520,13 +520,13 @@ class TransformerDecoder(nn.Module):
         # The scales of U.embedding for each lookup and of U.add's sum (constraint
         # to_output_scale, the position embedding broadcast over the batch).
         batch, seq = input_ids.shape
+        tokens = cast(Embedding, self.embedding)
+        positions = cast(Embedding, self.position_embedding)
         output_scale = 0.5**0.5
-        token_scale = output_scale * (self.embedding.num_embeddings / input_ids.numel()) ** 0.5
-        position_scale = (output_scale * batch**-0.5
-                          * (self.position_embedding.num_embeddings / seq) ** 0.5)
-        return fused_blocks.embed(input_ids, self.embedding.weight,
-                                  self.position_embedding.weight, output_scale, token_scale,
-                                  position_scale)
+        token_scale = output_scale * (tokens.num_embeddings / input_ids.numel()) ** 0.5
+        position_scale = output_scale * batch**-0.5 * (positions.num_embeddings / seq) ** 0.5
+        return fused_blocks.embed(input_ids, tokens.weight, positions.weight, output_scale,
+                                  token_scale, position_scale)
 
     def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         return self.ops.cross_entropy(logits.flatten(0, -2), labels.flatten())
