@@ -91,29 +91,6 @@ def linear_scales(
     return output_scale, grad_input_scale, batch_size**-0.5
 
 
-# Scales by (op, shape sizes, constraint name), for the eager forms: at small widths the Python
-# that derives them is a visible share of a step. Named constraints only (a callable could
-# depend on state), and never while torch.compile traces (it would guard on the cache).
-_SCALES: Dict[tuple, Tuple[float, ...]] = {}
-
-
-def _cached(key: tuple, compute, *args) -> Tuple[float, ...]:
-    scales = _SCALES.get(key)
-    if scales is None:
-        scales = compute(*args)
-        if isinstance(key[-1], str) or key[-1] is None:
-            if len(_SCALES) >= 4096:
-                _SCALES.clear()
-            _SCALES[key] = scales
-    return scales
-
-
-def _eager_forms() -> bool:
-    """Whether the fused eager forms apply: not under ipu_tracing() (PopTorch drops custom
-    backwards; see :mod:`ipu_unit_scaling.tracing`) and not while torch.compile traces."""
-    return not is_ipu_tracing() and not _compiling()
-
-
 def linear(
     input: Tensor,
     weight: Tensor,
@@ -128,10 +105,10 @@ def linear(
     """
     fan_out, fan_in = weight.shape
     batch_size = max(1, input.numel() // max(1, fan_in))
-    if _eager_forms():
+    if fused.eager_forms():
         # Every scale goes into a GEMM's alpha: no scaled weight copy, one autograd node.
-        scales = _cached(("linear", fan_in, fan_out, batch_size, constraint), linear_scales,
-                         fan_in, fan_out, batch_size, constraint)
+        scales = fused.cached_scales(("linear", fan_in, fan_out, batch_size, constraint),
+                                     linear_scales, fan_in, fan_out, batch_size, constraint)
         return fused.linear(input, weight, bias, *scales)
     output_scale, grad_input_scale, grad_weight_scale = linear_scales(
         fan_in, fan_out, batch_size, constraint
@@ -171,7 +148,7 @@ def matmul(left: Tensor, right: Tensor, constraint: ConstraintArg = "gmean") -> 
     output_scale, left_scale, right_scale = apply_constraint(
         constraint, inner**-0.5, left_count**-0.5, right_count**-0.5
     )
-    if left.dim() >= 2 and right.dim() >= 2 and _eager_forms():
+    if left.dim() >= 2 and right.dim() >= 2 and fused.eager_forms():
         return fused.matmul(left, right, output_scale, left_scale, right_scale)
     return _scaled_call(
         torch.matmul, (left, right), output_scale, (left_scale, right_scale), scale_in_place=True
@@ -228,9 +205,9 @@ def gelu(input: Tensor, approximate: str = "none", constraint: ConstraintArg = "
     Rule: output scale 1/std(gelu(z)), grad-input scale 1/rms(gelu'(z)) for z ~ N(0, 1),
     computed by quadrature; tied by `constraint`.
     """
-    if _eager_forms():
-        output_scale, grad_scale = _cached(("gelu", approximate, constraint), _gelu_scales,
-                                           approximate, constraint)
+    if fused.eager_forms():
+        output_scale, grad_scale = fused.cached_scales(
+            ("gelu", approximate, constraint), _gelu_scales, approximate, constraint)
         return fused.gelu(input, approximate, output_scale, grad_scale)
     output_scale, grad_scale = _gelu_scales(approximate, constraint)
     return _scaled_call(
@@ -318,7 +295,7 @@ def layer_norm(
     """
     normalized_shape = tuple(normalized_shape)
     batch_size = max(1, input.numel() // max(1, math.prod(normalized_shape)))
-    if _eager_forms():
+    if fused.eager_forms():
         return fused.layer_norm(input, normalized_shape, weight, bias, eps, batch_size**-0.5)
     if weight is not None:
         weight = scale_bwd(weight, batch_size**-0.5)
@@ -347,7 +324,7 @@ def embedding(
     _reject("sparse", sparse, False, "sparse gradients are not scaled")
     lookups = max(1, input.numel())
     grad_scale = math.sqrt(weight.shape[0] / lookups)
-    if _eager_forms():
+    if fused.eager_forms():
         return fused.embedding(input, weight, padding_idx, grad_scale)
     return F.embedding(input, scale_bwd(weight, grad_scale), padding_idx)
 
@@ -406,7 +383,7 @@ def residual_split(input: Tensor, tau: float = 1.0) -> Tuple[Tensor, Tensor]:
     (b is applied by `residual_add`), the true gradient of `a * f(x) + b * x`.
     """
     branch_weight, _ = _residual_weights(tau)
-    if _eager_forms():
+    if fused.eager_forms():
         return fused.residual_split(input, branch_weight)
     return scale_bwd(input, branch_weight), input
 
@@ -419,7 +396,7 @@ def residual_add(residual: Tensor, skip: Tensor, tau: float = 1.0) -> Tensor:
     applies a in the backward pass instead, where the branch gradient joins the stream.
     """
     branch_weight, skip_weight = _residual_weights(tau)
-    if residual.shape == skip.shape and residual.dtype == skip.dtype and _eager_forms():
+    if residual.shape == skip.shape and residual.dtype == skip.dtype and fused.eager_forms():
         return fused.residual_add(residual, skip, branch_weight, skip_weight)
     scaled_skip = skip * skip_weight
     scaled_residual = scale_fwd(residual, branch_weight)
@@ -556,7 +533,7 @@ def attention_before_row_scale(
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal
         )
-    if attn_mask is None and _eager_forms():
+    if attn_mask is None and fused.eager_forms():
         row_scale = _cached_row_scale(query.shape[-2], key.shape[-2], is_causal, logit_std,
                                       dropout_p, out.dtype, out.device)
     else:
@@ -590,13 +567,6 @@ def _cached_row_scale(*key: Any) -> Union[float, Tensor]:
     return row_scale
 
 
-def _never() -> bool:
-    return False
-
-
-# Whether torch.compile is tracing the call (torch 2.1 on; torch 2.0 never says so). Looked up
-# once: it is asked at every eager op.
-_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", _never)
 
 
 # ---------------------------------------------------------------- losses

@@ -20,10 +20,48 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .tracing import is_ipu_tracing
+
 __all__ = [
-    "applier", "scaled_mm", "linear", "matmul", "gelu", "layer_norm", "embedding",
-    "residual_split", "residual_add",
+    "eager_forms", "cached_scales", "applier", "scaled_mm", "linear", "matmul", "gelu",
+    "layer_norm", "embedding", "residual_split", "residual_add",
 ]
+
+def _never() -> bool:
+    return False
+
+
+# Whether torch.compile is tracing the call (torch 2.1 on; torch 2.0 never says so). Looked up
+# once: it is asked at every eager op.
+_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", _never)
+
+
+def eager_forms() -> bool:
+    """Whether the ops take these forms: not under ipu_tracing() (PopTorch drops custom
+    backwards; see :mod:`ipu_unit_scaling.tracing`) and not while torch.compile traces (it
+    gets the ``scale()`` composition, which it fuses itself)."""
+    return not is_ipu_tracing() and not _compiling()
+
+
+# Scales by (op, shape sizes, constraint name): at small widths the Python that derives them
+# is a visible share of a step. Named constraints only (a callable could depend on state);
+# eager only (under torch.compile the cache would be guarded on).
+_SCALES: Dict[tuple, Tuple[float, ...]] = {}
+
+
+def cached_scales(key: tuple, compute: Callable[..., Tuple[float, ...]],
+                  *args: Any) -> Tuple[float, ...]:
+    """``compute(*args)``, remembered under ``key`` when its last entry (the constraint) is a
+    name or None."""
+    scales = _SCALES.get(key)
+    if scales is None:
+        scales = compute(*args)
+        if isinstance(key[-1], str) or key[-1] is None:
+            if len(_SCALES) >= 4096:
+                _SCALES.clear()
+            _SCALES[key] = scales
+    return scales
+
 
 def applier(function: Any) -> Callable[..., Any]:
     """``function.apply`` without its Python wrapper, whose work (unwrapping functorch's dead

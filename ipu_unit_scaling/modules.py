@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import functional as U
-from . import fused_blocks
+from . import fused, fused_blocks
 from .constraints import ConstraintArg, SharedInputGmean
 from .scale import scale_fwd
 from .tracing import is_ipu_tracing
@@ -333,16 +333,17 @@ class MLP(nn.Module):
         up, down = self.up, self.down
         return (self.gelu is U.gelu and type(up) is Linear and type(down) is Linear
                 and input.dim() >= 2 and input.numel() > 0 and not _observed(up)
-                and not _observed(down) and U._eager_forms())
+                and not _observed(down) and fused.eager_forms())
 
     def _fused(self, input: Tensor) -> Tensor:
         up, down = cast(Linear, self.up), cast(Linear, self.down)
         batch = input.numel() // input.shape[-1]
-        up_scales = U._cached(("linear", up.in_features, up.out_features, batch, up.constraint),
-                              U.linear_scales, up.in_features, up.out_features, batch,
-                              up.constraint)
-        gelu_scales = U._cached(("gelu", "none", "gmean"), U._gelu_scales, "none", "gmean")
-        down_scales = U._cached(
+        up_scales = fused.cached_scales(
+            ("linear", up.in_features, up.out_features, batch, up.constraint),
+            U.linear_scales, up.in_features, up.out_features, batch, up.constraint)
+        gelu_scales = fused.cached_scales(("gelu", "none", "gmean"), U._gelu_scales, "none",
+                                          "gmean")
+        down_scales = fused.cached_scales(
             ("linear", down.in_features, down.out_features, batch, down.constraint),
             U.linear_scales, down.in_features, down.out_features, batch, down.constraint)
         return fused_blocks.mlp(input, up.weight, up.bias, down.weight, down.bias, "none",
@@ -428,7 +429,7 @@ class TransformerLayer(nn.Module):
         return (ops.residual_split is U.residual_split and ops.residual_add is U.residual_add
                 and all(type(norm) is LayerNorm and norm.normalized_shape == input.shape[-1:]
                         and not _observed(norm) for norm in norms)
-                and input.numel() > 0 and U._eager_forms())
+                and input.numel() > 0 and fused.eager_forms())
 
     def _fused(self, input: Tensor) -> Tensor:
         ops = self.ops
@@ -514,7 +515,7 @@ class TransformerDecoder(nn.Module):
                 and all(type(table) is Embedding and table.padding_idx is None
                         and table.max_norm is None and not table.scale_grad_by_freq
                         and not table.sparse and not _observed(table) for table in tables)
-                and U._eager_forms())
+                and fused.eager_forms())
 
     def _fused_embed(self, input_ids: Tensor) -> Tensor:
         # The scales of U.embedding for each lookup and of U.add's sum (constraint
