@@ -608,6 +608,8 @@ def cross_entropy(
     if target.is_floating_point():  # class probabilities: every row counts
         return scale_bwd(loss, max(1, input.numel() // max(1, classes)))
     rows = max(1, target.numel())
+    if fused.eager_forms():  # the same scale in one node, counted in the backward pass
+        return fused.scale_grad_by_count(loss, target != ignore_index, rows)
     counted = (target != ignore_index).sum().clamp(min=1).to(loss.dtype)
     return _scale_bwd_by_tensor(loss, torch.sqrt(counted * rows))
 

@@ -24,7 +24,7 @@ from .tracing import is_ipu_tracing
 
 __all__ = [
     "eager_forms", "cached_scales", "applier", "scaled_mm", "linear", "matmul", "gelu",
-    "layer_norm", "embedding", "residual_split", "residual_add",
+    "layer_norm", "embedding", "residual_split", "residual_add", "scale_grad_by_count",
 ]
 
 def _never() -> bool:
@@ -209,20 +209,23 @@ def matmul(left: Tensor, right: Tensor, output_scale: float, left_scale: float,
 
 
 class _Gelu(torch.autograd.Function):
-    """``output_scale * gelu(x)``; the gradient ``grad_scale * gelu'(x) * g``."""
+    """``output_scale * gelu(x)``; the gradient ``grad_scale * gelu'(x) * g``, rounded as the
+    ``scale()`` composition rounds it (times the output scale, GELU's backward, times the
+    ratio), so that the eager and PopTorch forms agree to the last bit here."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, approximate: str, output_scale: float,
                 grad_scale: float) -> Tensor:
         ctx.save_for_backward(x)
-        ctx.approximate, ctx.grad_scale = approximate, grad_scale
+        ctx.scales = (approximate, output_scale, grad_scale / output_scale)
         return F.gelu(x, approximate=approximate).mul_(output_scale)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
         (x,) = ctx.saved_tensors
-        grad_x = torch.ops.aten.gelu_backward(grad, x, approximate=ctx.approximate)
-        return grad_x.mul_(ctx.grad_scale), None, None, None
+        approximate, output_scale, ratio = ctx.scales
+        grad_x = torch.ops.aten.gelu_backward(grad * output_scale, x, approximate=approximate)
+        return grad_x.mul_(ratio), None, None, None
 
 
 _gelu_apply = applier(_Gelu)
@@ -335,3 +338,29 @@ _residualadd_apply = applier(_ResidualAdd)
 def residual_add(residual: Tensor, skip: Tensor, branch_weight: float,
                  skip_weight: float) -> Tensor:
     return _residualadd_apply(residual, skip, branch_weight, skip_weight)
+
+
+class _ScaleGradByCount(torch.autograd.Function):
+    """The identity on a scalar loss; its gradient times ``sqrt(max(1, counted) * rows)``,
+    where ``counted`` sums ``mask`` (the targets a mean loss averaged over)."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: Tensor, mask: Tensor, rows: int) -> Tensor:
+        ctx.save_for_backward(mask)
+        ctx.rows = rows
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
+        (mask,) = ctx.saved_tensors
+        counted = mask.sum().clamp_(min=1).to(grad.dtype)
+        return grad * torch.sqrt(counted * ctx.rows), None, None
+
+
+_scale_grad_by_count_apply = applier(_ScaleGradByCount)
+
+
+def scale_grad_by_count(loss: Tensor, mask: Tensor, rows: int) -> Tensor:
+    """A mean loss's gradient scale ``sqrt(counted * rows)`` in one node (see
+    :class:`_ScaleGradByCount`); the count stays a tensor, never read on the host."""
+    return _scale_grad_by_count_apply(loss, mask, rows)
