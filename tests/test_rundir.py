@@ -223,12 +223,16 @@ def finished(capsys, tmp_path, data) -> Path:
     return run_dir
 
 
+def _first_lines(text: str, chars: int) -> str:
+    return text[: text.rindex("\n", 0, chars) + 1]
+
+
 DAMAGE = {
     # artefact: (how to damage it, words the refusal must contain)
     "config-missing": (lambda d: (d / "config.yaml").unlink(), "config.yaml is missing"),
     "config-empty": (lambda d: (d / "config.yaml").write_text(""), "config.yaml is empty"),
-    "config-truncated": (lambda d: (d / "config.yaml").write_text(
-        (d / "config.yaml").read_text()[:300]), "config.yaml is incomplete"),
+    "config-truncated": (lambda d: (d / "config.yaml").write_text(  # cut at a line's end
+        _first_lines((d / "config.yaml").read_text(), 300)), "config.yaml is incomplete"),
     "config-cut-value": (lambda d: (d / "config.yaml").write_text(
         (d / "config.yaml").read_text()[:-3]), "config.yaml is damaged"),
     "config-binary": (lambda d: (d / "config.yaml").write_bytes(b"\x00\xff" * 50),
