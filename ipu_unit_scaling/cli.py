@@ -1,7 +1,8 @@
-"""The ``ipu-unit-scaling`` command: ``train``, ``compare``, ``sweep`` and ``analyse``.
+"""The ``ipu-unit-scaling`` command: ``train``, ``compare``, ``sweep``, ``analyse``,
+``evaluate`` and ``sample``.
 
-Exit status: 0 done, 1 training diverged, 2 bad arguments, config, data or run directory (one
-line on stderr, never a traceback), 130 Ctrl-C.
+Exit status: 0 done, 1 diverged (a non-finite training loss or sampled logits), 2 bad arguments,
+config, data or run directory (one line on stderr, never a traceback), 130 Ctrl-C.
 """
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ __all__ = ["main", "build_parser", "run_compare", "run_compare_seeds", "format_c
 
 # How tables name the three model kinds of ipu_unit_scaling.train.MODEL_KINDS.
 MODEL_NAMES = {"plain": "plain", "unit": "unit-scaled", "u-mup": "u-μP"}
+
+# Post-training precisions of `evaluate` and `sample` (inference.PRECISIONS, kept in step by a
+# test: importing it here would load torch before --help).
+PRECISIONS = ("fp32", "fp16", "fp8-static", "fp8-amax")
 
 
 class UsageError(ValueError):
@@ -96,10 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
         description="Unit scaling and FP8-AMAX for PyTorch: train a character-level GPT on "
-                    "an embedded corpus, compare precisions as the papers do, and inspect "
-                    "tensor scales. Runs on IPUs through PopTorch when available, else on CPU.",
-        epilog="Exit status: 0 done, 1 training diverged (non-finite loss), 2 bad arguments, "
-               "config or data, 130 interrupted. IPU_UNIT_SCALING_BACKEND overrides the backend.",
+                    "an embedded corpus, compare precisions as the papers do, inspect tensor "
+                    "scales, fine-tune, evaluate and sample trained runs in FP32, FP16 and FP8. "
+                    "Runs on IPUs through PopTorch when available, else on CPU.",
+        epilog="Exit status: 0 done, 1 diverged (a non-finite loss or sampled logits), 2 bad "
+               "arguments, config or data, 130 interrupted. IPU_UNIT_SCALING_BACKEND overrides "
+               "the backend.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
@@ -117,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", metavar="RUN_DIR", type=Path,
         help="continue the run in RUN_DIR from its checkpoint, with its saved config "
              "(--set may change it, e.g. training.steps to train longer)",
+    )
+    train.add_argument(
+        "--init-from", metavar="RUN_DIR", type=Path,
+        help="fine-tune: start from the checkpoint of the run in RUN_DIR, with its config (its "
+             "model cannot change; --set changes the rest, e.g. precision or training.steps) "
+             "on --data (default: its own data). Characters the pretrained run lacks extend "
+             "its vocabulary, their embedding and head rows starting as the mean of its rows",
     )
     train.add_argument(
         "--scale-report", metavar="N", type=_positive_int, nargs="?", const=100,
@@ -142,10 +156,18 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"regimes to run (default: compare.regimes); any of {', '.join(REGIMES)}",
     )
     compare.add_argument(
-        "--seeds", metavar="N", type=_positive_int, default=1,
-        help="run every regime with seeds training.seed, +1, ..., +N-1 (each seed in RUN_DIR/"
-             "seed-<seed>) and report the mean and standard deviation of the final validation "
-             "loss and of the gap to fp32; the figure shows mean curves with +-1 std bands",
+        "--model", choices=("gpt", "bert"), default="gpt",
+        help="gpt (default): the config's character-level GPT; bert: a BERT-style encoder "
+             "trained with masked-LM on padded, masked sequences, scored by validation MLM loss "
+             "and accuracy (default regimes fp32 fp16 fp8-naive unit-fp16 unit-fp8; settings "
+             "with --set mlm.<key>=VALUE, e.g. mlm.steps=100; no --config)",
+    )
+    compare.add_argument(
+        "--seeds", metavar="N", type=_positive_int, default=None,
+        help="run every regime with N seeds (GPT: training.seed, +1, ..., +N-1, each in RUN_DIR/"
+             "seed-<seed>; default 1. BERT: seeds 0..N-1, default 3) and report the mean and "
+             "standard deviation of the final validation loss and of the gap to fp32; the "
+             "figure shows mean curves with +-1 std bands",
     )
 
     sweep = commands.add_parser(
@@ -181,7 +203,71 @@ def build_parser() -> argparse.ArgumentParser:
                          dest="overrides", help="override config values")
     analyse.add_argument("--run-dir", metavar="DIR", type=Path,
                          help="where to write the figure and table (default: runs/analyse-...)")
+    _add_inference_commands(commands)
     return parser
+
+
+def _add_inference_commands(commands: Any) -> None:
+    evaluate = commands.add_parser(
+        "evaluate", help="a trained run's loss in fp32, fp16 and post-training FP8",
+        description="Evaluate a trained run's checkpoint in each precision: fp32, fp16 "
+                    "(float16 matmuls), fp8-static (FP8 casts at scale 2^0) and fp8-amax (FP8 "
+                    "with per-tensor AMAX scaling). The data is the windows its training "
+                    "validated on (so its own precision gives its final validation loss "
+                    "exactly), or any text file. Prints a table of loss and gap to fp32 and "
+                    "writes evaluate.md and evaluate.json.",
+    )
+    evaluate.add_argument("run_dir", metavar="RUN_DIR", type=Path,
+                          help="a run directory holding a checkpoint")
+    evaluate.add_argument("--data", metavar="FILE",
+                          help="evaluate on this UTF-8 text instead, every character after the "
+                               "first predicted once; it may hold only characters the run's "
+                               "tokenizer knows")
+    evaluate.add_argument("--precision", nargs="+", choices=PRECISIONS, metavar="PRECISION",
+                          help=f"precisions to evaluate (default: all of {', '.join(PRECISIONS)})")
+    evaluate.add_argument("--scale-report", action="store_true",
+                          help="also give the FP8 casts' under- and overflow fractions by role")
+    evaluate.add_argument("--out", metavar="DIR", type=Path,
+                          help="where to write evaluate.md and evaluate.json (default: RUN_DIR)")
+    evaluate.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    sample = commands.add_parser(
+        "sample", help="write text with a trained run's checkpoint",
+        description="Continue a prompt with characters drawn one at a time from a trained "
+                    "run's model, printed as they come. The model sees a window of "
+                    "model.seq_len characters that slides along the text, so memory stays one "
+                    "window however long the text. The same --seed writes the same text.",
+    )
+    sample.add_argument("run_dir", metavar="RUN_DIR", type=Path,
+                        help="a run directory holding a checkpoint")
+    sample.add_argument("--prompt", metavar="TEXT",
+                        help="text to continue, of characters the run's tokenizer knows "
+                             "(default: a newline, to start a new paragraph)")
+    sample.add_argument("--tokens", metavar="N", type=_positive_int, default=500,
+                        help="characters to write (default 500)")
+    sample.add_argument("--temperature", metavar="T", type=_temperature, default=1.0,
+                        help="divides the logits before the draw (default 1.0); 0 always takes "
+                             "the most likely character")
+    sample.add_argument("--top-k", metavar="K", type=_positive_int,
+                        help="draw only among the K most likely characters (default: all)")
+    sample.add_argument("--seed", metavar="S", type=int, default=0,
+                        help="seed of the draws (default 0)")
+    sample.add_argument("--precision", choices=PRECISIONS, metavar="PRECISION",
+                        help=f"one of {', '.join(PRECISIONS)} (default: the precision the run "
+                             "trained in)")
+    for parser in (evaluate, sample):
+        parser.add_argument("--threads", metavar="N", type=_thread_count, default=1,
+                            help="CPU threads for torch (default 1)")
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -242,22 +328,43 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 "--scale-report needs ipu_unit_scaling.analysis, which this installation lacks"
             ) from error
     if args.resume is not None:
-        if args.config is not None or args.data is not None or args.run_dir is not None:
-            raise UsageError("--resume continues a run with its own config, data and "
-                             "directory; change settings with --set")
+        if args.config is not None or args.data is not None or args.run_dir is not None \
+                or args.init_from is not None:
+            raise UsageError("--resume continues a run with its own config, data, directory "
+                             "and start; change settings with --set")
         config = None  # the run's own, read under its lock
         run_dir = args.resume
+    elif args.init_from is not None:
+        config = _fine_tuning_config(args)
+        run_dir = args.run_dir or _default_run_dir(config, "finetune")
     else:
         config = _load(args)
         run_dir = args.run_dir or _default_run_dir(config, "train")
     summary = train(config, run_dir, resume=args.resume is not None, overrides=_overrides(args),
-                    quiet=args.quiet, scale_report=args.scale_report, log=print)
+                    quiet=args.quiet, scale_report=args.scale_report, log=print,
+                    init_from=args.init_from)
     print(f"final validation loss {_fmt(summary.final_val_loss)} nats per character "
           f"(best {_fmt(summary.best_val_loss)}); unigram baseline "
           f"{_fmt(summary.unigram_baseline)}, uniform {_fmt(summary.uniform_baseline)}")
     print(f"{summary.steps} steps in {summary.elapsed_s:.1f} s "
           f"({summary.tokens_per_s:.0f} tokens/s, {summary.backend}); run directory: {run_dir}")
     return 0
+
+
+def _fine_tuning_config(args: argparse.Namespace) -> Config:
+    """The pretrained run's config with --set and --data: the config of ``--init-from``."""
+    from .train import load_run_config
+
+    if args.config is not None:
+        raise UsageError("--init-from fine-tunes with the pretrained run's config, whose model "
+                         "it keeps; change other settings with --set")
+    config = load_run_config(args.init_from, _overrides(args), "fine-tune from")
+    if args.data is not None:
+        if not args.data.strip():
+            raise UsageError("--data needs a file name (leave it out for the pretrained "
+                             "run's data)")
+        config.data.path = args.data
+    return config
 
 
 def run_compare(
@@ -402,17 +509,44 @@ def format_compare_table(rows: Sequence[Dict[str, Any]], baseline: Optional[floa
     return "\n".join(lines)
 
 
+def _cmd_compare_bert(args: argparse.Namespace) -> int:
+    from .mlm import MLM_REGIMES, MLMConfig, format_mlm_table, run_mlm_compare
+
+    if args.config:
+        raise UsageError("--model bert takes its settings from --set mlm.<key>=VALUE, not "
+                         "--config")
+    overrides = _overrides(args)
+    if args.data:
+        overrides.append(f"mlm.data={json.dumps(str(args.data))}")
+    try:
+        config = MLMConfig().with_overrides(overrides)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    regimes = list(args.regimes or MLM_REGIMES)
+    seeds = list(range(args.seeds if args.seeds is not None else 3))
+    if len(set(regimes)) != len(regimes):
+        raise UsageError("--regimes lists each regime once")
+    run_dir = args.run_dir or Path("runs") / f"compare-bert-{time.strftime('%Y%m%d-%H%M%S')}"
+    rows = run_mlm_compare(config, regimes, seeds, run_dir, quiet=args.quiet)
+    print(format_mlm_table(rows, seeds))
+    print(f"curves: {run_dir / 'compare.png'}; table: {run_dir / 'compare.md'}")
+    return 0
+
+
 def _cmd_compare(args: argparse.Namespace) -> int:
+    if args.model == "bert":
+        return _cmd_compare_bert(args)
     config = _load(args)
+    seeds = args.seeds or 1
     regimes = list(args.regimes or config.compare.regimes)
     if len(set(regimes)) != len(regimes):
         raise UsageError(f"--regimes lists a regime twice: {' '.join(regimes)}")
     run_dir = args.run_dir or _default_run_dir(config, "compare")
-    if args.seeds == 1:
+    if seeds == 1:
         rows = run_compare(config, regimes, run_dir, quiet=args.quiet)
         print(format_compare_table(rows, _read_baseline(run_dir)))
     else:
-        print(run_compare_seeds(config, regimes, run_dir, args.seeds, quiet=args.quiet))
+        print(run_compare_seeds(config, regimes, run_dir, seeds, quiet=args.quiet))
     print(f"curves: {run_dir / 'compare.png'}; table: {run_dir / 'compare.md'}")
     return 0
 
@@ -498,8 +632,56 @@ def _cmd_analyse(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from .pretrained import evaluate_run, format_evaluation, open_run, write_evaluation
+
+    precisions = list(args.precision or PRECISIONS)
+    if len(set(precisions)) != len(precisions):
+        raise UsageError(f"--precision lists a precision twice: {' '.join(precisions)}")
+    run = open_run(args.run_dir, "evaluate")
+    bar = None
+    if not args.quiet and sys.stderr.isatty():
+        from tqdm import tqdm
+
+        bar = tqdm(desc="evaluate", unit="batch", leave=False)
+    try:
+        evaluation = evaluate_run(run, precisions, args.data, scale_report=args.scale_report,
+                                  on_batch=bar.update if bar is not None else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    out = args.out or args.run_dir
+    if args.out is not None:
+        from .rundir import make_run_dir
+
+        make_run_dir(out)
+    table = format_evaluation(evaluation)
+    markdown, data = write_evaluation(evaluation, out)
+    print(table)
+    print(f"table: {markdown}; data: {data}")
+    return 0
+
+
+def _cmd_sample(args: argparse.Namespace) -> int:
+    from .pretrained import check_prompt, default_prompt, open_run, sample_run
+
+    run = open_run(args.run_dir, "sample")
+    prompt = default_prompt(run.tokenizer) if args.prompt is None else args.prompt
+    check_prompt(run.tokenizer, prompt)  # before anything is printed: an error is one line
+
+    def show(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    show(prompt)
+    text = sample_run(run, prompt, args.tokens, temperature=args.temperature, top_k=args.top_k,
+                      seed=args.seed, precision=args.precision, on_text=show)
+    show("" if text.endswith("\n") else "\n")
+    return 0
+
+
 COMMANDS = {"train": _cmd_train, "compare": _cmd_compare, "sweep": _cmd_sweep,
-            "analyse": _cmd_analyse}
+            "analyse": _cmd_analyse, "evaluate": _cmd_evaluate, "sample": _cmd_sample}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -507,7 +689,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         print(f"{PROG}: error: no command; use '{PROG} train' to train the default config, or "
-              f"see '{PROG} --help' for train, compare and analyse", file=sys.stderr)
+              f"see '{PROG} --help' for train, compare, analyse, evaluate and sample",
+              file=sys.stderr)
         return EXIT_USAGE
     try:
         args = build_parser().parse_args(argv)
@@ -519,13 +702,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         torch.set_num_threads(args.threads)
     from .backends import BackendError
     from .data import DataError
+    from .inference import SamplingError
     from .train import RunError, TrainingDiverged, TrainingInterrupted
 
     try:
         return COMMANDS[args.command](args)
     except (ConfigError, DataError, RunError, BackendError, UsageError) as error:
         return _fail(_one_line(error))
-    except TrainingDiverged as error:
+    except (TrainingDiverged, SamplingError) as error:
         print(f"{PROG}: {_one_line(error)}", file=sys.stderr)
         return EXIT_DIVERGED
     except (TrainingInterrupted, KeyboardInterrupt) as error:

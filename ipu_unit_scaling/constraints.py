@@ -48,6 +48,36 @@ def to_grad_input_scale(output_scale: float, *grad_input_scales: float) -> Scale
     return (grad_input_scales[0],) * (1 + len(grad_input_scales))
 
 
+class SharedInputGmean:
+    """`gmean` for one of several linears that read the same input (separate query, key and
+    value projections; the gate and up projections of a gated MLP).
+
+    The input's gradient is the sum of all their input gradients, so its ideal grad-input scale
+    counts the outputs of them all, `total_fan_out**-0.5`, as one fused linear's would; each
+    linear ties that to its output scale by the geometric mean. Each is then scaled the same way
+    in both passes (the gradient stays the true one), and the input receives the gradient one
+    fused linear would give it, (total_fan_out / fan_in)**0.25, instead of the sum of several
+    (sqrt(3) for three equal projections).
+    """
+
+    def __init__(self, total_fan_out: int) -> None:
+        if total_fan_out < 1:
+            raise ValueError(f"total_fan_out={total_fan_out!r} must be positive")
+        self.total_fan_out = total_fan_out
+
+    def __call__(self, output_scale: float, grad_input_scale: float) -> Scales:
+        return gmean(output_scale, self.total_fan_out**-0.5)
+
+    def __repr__(self) -> str:
+        return f"SharedInputGmean({self.total_fan_out})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SharedInputGmean) and other.total_fan_out == self.total_fan_out
+
+    def __hash__(self) -> int:
+        return hash(("SharedInputGmean", self.total_fan_out))
+
+
 def unconstrained(*scales: float) -> Scales:
     return tuple(scales)
 

@@ -99,7 +99,8 @@ def _check_fits(name: str, size: int) -> None:
 
 
 class CharTokenizer:
-    """One token per character; ids follow the sorted order of the characters."""
+    """One token per character; ids follow the order of ``chars``: sorted for a new run, the
+    pretrained ids then the new characters for a fine-tuning run (see ``finetune``)."""
 
     def __init__(self, chars: Sequence[str]):
         if len(set(chars)) != len(chars) or any(len(c) != 1 for c in chars):

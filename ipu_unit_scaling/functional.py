@@ -41,6 +41,9 @@ __all__ = [
     "scaled_dot_product_attention",
     "cross_entropy",
     "mse_loss",
+    "rms_norm",
+    "silu",
+    "silu_glu",
 ]
 
 
@@ -417,6 +420,22 @@ def _explicit_attention(
     return torch.matmul(probs, value)
 
 
+def _repeat_kv_heads(query: Tensor, key_or_value: Tensor) -> Tensor:
+    """Key or value heads repeated G times in place (h -> h // G), for grouped-query attention."""
+    if query.dim() < 3 or key_or_value.dim() < 3:
+        raise ValueError("enable_gqa needs query, key and value with a heads dimension (-3)")
+    heads, kv_heads = query.shape[-3], key_or_value.shape[-3]
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"enable_gqa: {heads} query heads are not a multiple of {kv_heads} "
+                         "key/value heads")
+    groups = heads // kv_heads
+    if groups == 1:
+        return key_or_value
+    *batch, _, length, width = key_or_value.shape
+    expanded = key_or_value.unsqueeze(-3).expand(*batch, kv_heads, groups, length, width)
+    return expanded.reshape(*batch, heads, length, width)
+
+
 def scaled_dot_product_attention(
     query: Tensor,
     key: Tensor,
@@ -436,8 +455,18 @@ def scaled_dot_product_attention(
     over key positions, the value and key gradients unit too. m comes from `is_causal` or a
     boolean `attn_mask`. Under `ipu_tracing()` the attention is built from matmuls, a mask and
     a softmax, which PopTorch supports, instead of the fused op.
+
+    With `enable_gqa` (grouped-query attention), key and value have fewer heads, Hkv, each
+    shared by G = Hq / Hkv query heads (query head h uses key/value head h // G, as in torch);
+    they are repeated with expand and reshape, ops PopTorch has. The output and the query
+    gradient stay unit. A key or value head's gradient sums over its G query heads: std
+    sqrt(G). That is the true gradient and is kept: a backward-only G**-0.5 would weigh the key
+    and value paths against the query path in every gradient upstream of the projections
+    (activations, not cut edges), and sqrt(G) (1.4 to 2.8 for G = 2 to 8) is far inside the
+    gradient format's range.
     """
-    _reject("enable_gqa", enable_gqa, False, "grouped-query attention is not supported")
+    if enable_gqa:
+        key, value = _repeat_kv_heads(query, key), _repeat_kv_heads(query, value)
     if attn_mask is not None and is_causal:
         raise ValueError("attn_mask and is_causal=True cannot both be given")
     head_dim = query.shape[-1]
@@ -470,22 +499,44 @@ def cross_entropy(
 ) -> Tensor:
     """Unit-scaled `F.cross_entropy`: the same loss value, a unit-scaled input gradient.
 
-    Rule: the gradient of one row is (p - y) / N with N the number of rows averaged over
-    (every target counts, ignored ones too, so the scale is fixed at trace time). For
-    unit-normal logits over V classes its per-element variance is (1 - 2/V + S(V)) / V, so the
-    grad-input scale is N * sqrt(V / (1 - 2/V + S(V))) (without N for reduction="sum"/"none").
+    Rule: for unit-normal logits over V classes, p - y has per-element variance
+    (1 - 2/V + S(V)) / V, so each row's gradient is scaled by sqrt(V / (1 - 2/V + S(V))). With
+    reduction="mean", torch divides by the number of counted targets, C (those not equal to
+    `ignore_index`; all N rows for class-probability targets); the grad scale is then
+    sqrt(C * N): the rows with a target get sqrt(N / C) each and the ignored rows zero, so the
+    gradient has unit mean square over the whole (N, V) tensor, and so do the gradients of the
+    layers below, whose scales count all N rows. In masked-LM training C is random (about 15%
+    of the tokens, varying batch to batch); it is counted from `target` in the graph, a tensor
+    that never leaves the device, so each batch gets its exact scale with no host read and no
+    assumed masking rate. Without ignored targets C = N and the scale is N, as before.
     """
     _reject("weight", weight, None, "class weights change the gradient's scale per row")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction={reduction!r} must be one of 'mean', 'sum', 'none'")
     classes = input.shape[1] if input.dim() > 1 else input.shape[0]
     per_element_var = (1 - 2 / classes + _expected_softmax_square_sum(classes)) / classes
-    rows = max(1, target.numel()) if reduction == "mean" else 1
-    input = scale_bwd(input, rows * per_element_var**-0.5)
-    return F.cross_entropy(
+    input = scale_bwd(input, per_element_var**-0.5)
+    loss = F.cross_entropy(
         input, target, ignore_index=ignore_index, reduction=reduction,
         label_smoothing=label_smoothing,
     )
+    if reduction != "mean":
+        return loss
+    if target.is_floating_point():  # class probabilities: every row counts
+        return scale_bwd(loss, max(1, input.numel() // max(1, classes)))
+    rows = max(1, target.numel())
+    counted = (target != ignore_index).sum().clamp(min=1).to(loss.dtype)
+    return _scale_bwd_by_tensor(loss, torch.sqrt(counted * rows))
+
+
+def _scale_bwd_by_tensor(x: Tensor, grad_scale: Tensor) -> Tensor:
+    """Identity forward; the gradient is multiplied by the (device-side) tensor `grad_scale`.
+
+    The same form as the traced `scale`, so it is right eagerly and under PopTorch alike; used
+    on a scalar loss, its three extra ops cost nothing.
+    """
+    detached = x.detach()
+    return detached + (x - detached) * grad_scale.detach()
 
 
 def mse_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
@@ -502,3 +553,7 @@ def mse_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
     grad_scale = elements / (2 * math.sqrt(2))
     input, target = scale_bwd(input, grad_scale), scale_bwd(target, grad_scale)
     return F.mse_loss(input, target, reduction=reduction)
+
+
+# Ops of current language models live in their own file; they build on the helpers above.
+from ._llm_ops import rms_norm, silu, silu_glu  # noqa: E402

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import functional as U
-from .constraints import ConstraintArg
+from .constraints import ConstraintArg, SharedInputGmean
 from .scale import scale_fwd
 from .tracing import is_ipu_tracing
 
@@ -30,6 +30,9 @@ __all__ = [
     "Softmax",
     "Dropout",
     "CrossEntropyLoss",
+    "RMSNorm",
+    "SiLU",
+    "GatedMLP",
     "MHSA",
     "MLP",
     "TransformerLayer",
@@ -130,6 +133,45 @@ class CrossEntropyLoss(nn.CrossEntropyLoss):
         )
 
 
+class SiLU(nn.SiLU):
+    """Unit-scaled `nn.SiLU`."""
+
+    def __init__(self, inplace: bool = False, constraint: ConstraintArg = "gmean") -> None:
+        super().__init__(inplace)
+        self.constraint = constraint
+
+    def forward(self, input: Tensor) -> Tensor:
+        return U.silu(input, self.inplace, self.constraint)
+
+
+class _RMSNormFallback(nn.Module):
+    """`nn.RMSNorm`'s attributes and state, for torch before 2.4 (which has no RMSNorm)."""
+
+    def __init__(self, normalized_shape: Union[int, Tuple[int, ...]], eps: Optional[float] = None,
+                 elementwise_affine: bool = True, device: Any = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        super().__init__()
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else normalized_shape
+        self.normalized_shape = tuple(shape)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(self.normalized_shape, device=device,
+                                                  dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+
+
+_RMSNormBase: Any = getattr(nn, "RMSNorm", _RMSNormFallback)
+
+
+class RMSNorm(_RMSNormBase):  # type: ignore[misc]  # nn.RMSNorm where torch has it (>= 2.4)
+    """Unit-scaled `nn.RMSNorm`: forward `U.rms_norm` (unit weight)."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return U.rms_norm(input, self.normalized_shape, self.weight, self.eps)
+
+
 # ---------------------------------------------------------------- one architecture, two builds
 
 
@@ -150,6 +192,10 @@ def _plain_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optio
                                           dropout_p=dropout_p, is_causal=is_causal)
 
 
+def _plain_silu_glu(input: Tensor, gate: Tensor) -> Tensor:
+    return input * F.silu(gate)
+
+
 @dataclass(frozen=True)
 class Ops:
     """The parts a transformer block is built from: module classes and functions."""
@@ -164,6 +210,8 @@ class Ops:
     residual_add: Callable[..., Tensor]
     scaled_dot_product_attention: Callable[..., Tensor]
     cross_entropy: Callable[..., Tensor]
+    # input * silu(gate), for gated MLPs; defaults to the unit-scaled op.
+    silu_glu: Callable[..., Tensor] = U.silu_glu
 
 
 UNIT_OPS = Ops(
@@ -177,6 +225,7 @@ UNIT_OPS = Ops(
     residual_add=U.residual_add,
     scaled_dot_product_attention=U.scaled_dot_product_attention,
     cross_entropy=U.cross_entropy,
+    silu_glu=U.silu_glu,
 )
 
 TORCH_OPS = Ops(
@@ -190,6 +239,7 @@ TORCH_OPS = Ops(
     residual_add=_plain_residual_add,
     scaled_dot_product_attention=_plain_attention,
     cross_entropy=F.cross_entropy,
+    silu_glu=_plain_silu_glu,
 )
 
 
@@ -226,13 +276,16 @@ class MHSA(nn.Module):
         self.proj = ops.Linear(hidden_size, hidden_size, bias=bias)
         self.attention = ops.scaled_dot_product_attention
 
-    def forward(self, input: Tensor) -> Tensor:
+    def forward(self, input: Tensor, attn_mask: Optional[Tensor] = None) -> Tensor:
+        """`attn_mask`: boolean, True where a query may attend (e.g. `(batch, 1, 1, seq)` to
+        hide padding keys); only without `is_causal`."""
         batch, seq, hidden = input.shape
         qkv = self.qkv(input).view(batch, seq, 3, self.heads, hidden // self.heads)
         query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         scale = {} if self.attention_scale is None else {"scale": self.attention_scale}
         out = self.attention(
             query, key, value,
+            attn_mask=attn_mask,
             dropout_p=self.dropout_p if self.training else 0.0,
             is_causal=self.is_causal,
             **scale,
@@ -253,6 +306,32 @@ class MLP(nn.Module):
 
     def forward(self, input: Tensor) -> Tensor:
         return self.down(self.gelu(self.up(input)))
+
+
+class GatedMLP(nn.Module):
+    """Gated feed-forward block (SwiGLU, as in Llama): `down(up(x) * silu(gate(x)))`.
+
+    Unit-scaled, the gate and up projections read the same input, so they share one
+    grad-input scale (`constraints.SharedInputGmean`: the input gets a unit gradient, not
+    sqrt(2)), gmean-tied to their output scale; that leaves each at
+    (2 intermediate / hidden)**-0.25, and the product has two such factors: for Llama's 8/3
+    expansion the block's output and weight gradients sit near 0.6 to 0.8 of unit.
+    """
+
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, bias: bool = False, ops: Ops = UNIT_OPS
+    ) -> None:
+        super().__init__()
+        self.gate = ops.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up = ops.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down = ops.Linear(intermediate_size, hidden_size, bias=bias)
+        self.silu_glu = ops.silu_glu
+        for projection in (self.gate, self.up):  # both read the input: see SharedInputGmean
+            if isinstance(projection, Linear):
+                projection.constraint = SharedInputGmean(2 * intermediate_size)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return self.down(self.silu_glu(self.up(input), self.gate(input)))
 
 
 class TransformerLayer(nn.Module):

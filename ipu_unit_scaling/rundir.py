@@ -23,6 +23,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -36,7 +37,7 @@ except ImportError:  # not POSIX: runs go unlocked
 __all__ = [
     "RunError", "CONFIG_FILE", "TOKENIZER_FILE", "METRICS_FILE", "CHECKPOINT_FILE",
     "SUMMARY_FILE", "PLOT_FILE", "SCALE_REPORT_FILE", "LOCK_FILE", "ARTEFACTS", "COMPARE_FILES",
-    "METRIC_FIELDS", "leftovers",
+    "EVALUATION_FILES", "METRIC_FIELDS", "leftovers",
     "atomic_write", "remove_temporaries", "RunLock", "make_run_dir", "save_checkpoint",
     "load_checkpoint", "MetricsLog", "read_metrics", "metrics_up_to", "keep_report_rows_up_to",
     "read_json",
@@ -53,6 +54,7 @@ LOCK_FILE = ".lock"
 ARTEFACTS = (CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, CHECKPOINT_FILE, SUMMARY_FILE,
              PLOT_FILE, SCALE_REPORT_FILE)
 COMPARE_FILES = ("compare.md", "compare.json", "compare.png")
+EVALUATION_FILES = ("evaluate.md", "evaluate.json")  # what `evaluate` adds to a trained run
 METRIC_FIELDS = ("step", "lr", "train_loss", "val_loss", "tokens_per_s", "elapsed_s")
 TEMPORARY_SUFFIX = ".tmp"
 
@@ -123,7 +125,8 @@ def _is_temporary(name: str) -> bool:
     if not name.endswith(TEMPORARY_SUFFIX):
         return False
     stem = name[1:] if name.startswith(".") else name
-    return any(stem.startswith(artefact + ".") for artefact in ARTEFACTS + COMPARE_FILES)
+    return any(stem.startswith(artefact + ".")
+               for artefact in ARTEFACTS + COMPARE_FILES + EVALUATION_FILES)
 
 
 def remove_temporaries(run_dir: Path) -> List[str]:
@@ -243,11 +246,16 @@ def _holder_text() -> str:
 
 
 def _read_holder(fd: int) -> str:
-    try:
-        text = os.pread(fd, 1024, 0).decode("utf-8", "replace").strip()
-    except OSError:
-        text = ""
-    return " ".join(text.split()) or "another process"
+    # The holder writes its name just after taking the lock: give it a moment to appear.
+    for _ in range(50):
+        try:
+            text = os.pread(fd, 1024, 0).decode("utf-8", "replace").strip()
+        except OSError:
+            break
+        if text:
+            return " ".join(text.split())
+        time.sleep(0.01)
+    return "another process"
 
 
 # ------------------------------------------------------------------------------ checkpoints

@@ -37,7 +37,9 @@ from .config import (
     warmup_steps,
 )
 from .data import CharTokenizer, Corpus, DataError, get_batch, load_corpus, unigram_cross_entropy
+from .finetune import check_same_model, encode_with, extend_model_state, extend_tokenizer
 from .fp8 import NonFiniteAmaxError
+from .inference import mean_loss, validation_batches
 from .memory import check_memory
 from .optim import set_learning_rate
 from .precision import (
@@ -91,6 +93,7 @@ __all__ = [
     "save_checkpoint",
     "load_checkpoint",
     "load_run_config",
+    "read_tokenizer",
     "resolved_config",
     "train",
     "read_metrics",
@@ -143,6 +146,7 @@ class RunSummary:
     message: str = ""
     val_curve: List[Tuple[int, float]] = field(default_factory=list)
     data_sha256: str = ""  # of the text trained on: compare reuses a run only on the same text
+    init_from: Optional[str] = None  # the pretrained run a fine-tuning run started from
 
 
 @dataclass
@@ -155,18 +159,26 @@ class _Run:
     backend: str
     state: Optional[Dict[str, Any]]
     notes: List[str]  # said once before the first step
+    # Fine-tuning: the pretrained weights to start from, its tokenizer's characters and its
+    # directory (kept in every checkpoint, so that a resume checks the extended tokenizer).
+    weights: Optional[Dict[str, Any]] = None
+    base_chars: List[str] = field(default_factory=list)
+    init_from: Optional[str] = None
 
 
-def load_run_config(run_dir: Path, overrides: Sequence[str] = ()) -> Config:
+def load_run_config(
+    run_dir: Path, overrides: Sequence[str] = (), action: str = "resume"
+) -> Config:
     """The resolved config saved in ``run_dir``, with ``section.key=value`` overrides.
 
     A missing, empty, damaged or incomplete ``config.yaml`` is a RunError naming it: a resume
-    must never fall back to defaults for settings the run did not save.
+    must never fall back to defaults for settings the run did not save. ``action`` says in the
+    message what could not be done ("resume", "evaluate", ...).
     """
     from .config import apply_override
 
     path = Path(run_dir) / CONFIG_FILE
-    refuse = f"cannot resume {run_dir}: {CONFIG_FILE}"
+    refuse = f"cannot {action} {run_dir}: {CONFIG_FILE}"
     if not path.is_file():
         raise RunError(f"{refuse} is missing")
     try:
@@ -214,23 +226,60 @@ def resolved_config(config: Config, corpus: Corpus) -> Config:
     return config
 
 
-def _open_new(config: Config, run_dir: Path, backend: str) -> _Run:
+def _open_new(config: Config, run_dir: Path, backend: str,
+              init_from: Optional[Path] = None) -> _Run:
     """A fresh run in an empty directory, or in one left by a run killed before its first
-    checkpoint (which is started afresh: nothing of it could be continued)."""
+    checkpoint (which is started afresh: nothing of it could be continued); with
+    ``init_from``, a fine-tuning run starting from that run's checkpoint."""
     old = leftovers(run_dir)
     if any(path.name == CHECKPOINT_FILE for path in old):
         raise RunError(
             f"run directory {run_dir} holds the checkpoint of an earlier run; continue it with "
             f"--resume {run_dir} or choose another --run-dir"
         )
-    corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
-    config = resolved_config(config, corpus)
-    notes = [check_memory(config, host_activations=backend not in _ON_IPU)]
+    if init_from is None:
+        corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
+        run = _Run(run_dir, resolved_config(config, corpus), corpus, backend, None, [])
+    else:
+        run = _fine_tuning(config, run_dir, backend, Path(init_from))
+    run.notes.insert(0, check_memory(run.config, host_activations=backend not in _ON_IPU))
     if old:
-        notes.append(f"{run_dir} held a run stopped before its first checkpoint; starting afresh")
+        run.notes.append(f"{run_dir} held a run stopped before its first checkpoint; "
+                         "starting afresh")
     _remove(old)
-    _write_settings(run_dir, config, corpus)
-    return _Run(run_dir, config, corpus, backend, None, notes)
+    _write_settings(run_dir, run.config, run.corpus)
+    return run
+
+
+def _fine_tuning(config: Config, run_dir: Path, backend: str, init_from: Path) -> _Run:
+    """A new run of ``config`` on its data, from the weights of the run in ``init_from``, with
+    the rules of :mod:`.finetune` (the same model, the tokenizer extended)."""
+    action = "fine-tune from"
+    if not (init_from / CHECKPOINT_FILE).is_file():
+        raise RunError(f"cannot {action} {init_from}: it holds no {CHECKPOINT_FILE}")
+    check_same_model(load_run_config(init_from, (), action), config, str(init_from))
+    base = read_tokenizer(init_from, action)
+    if base.vocab_size != config.model.vocab_size:
+        raise RunError(f"cannot {action} {init_from}: its {TOKENIZER_FILE} does not fit its "
+                       f"model ({base.vocab_size} characters, model.vocab_size "
+                       f"{config.model.vocab_size})")
+    state = load_checkpoint(init_from / CHECKPOINT_FILE)
+    text = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
+    tokenizer, added = extend_tokenizer(base, text.tokenizer.chars)
+    config = copy.deepcopy(config)
+    config.model.vocab_size = tokenizer.vocab_size
+    if added:
+        shown = "".join(added[:20]) + ("..." if len(added) > 20 else "")
+        note = (f"{len(added)} new characters ({shown!r}) extend its {base.vocab_size}; their "
+                "embedding and head rows start as the mean of the pretrained rows")
+    else:
+        note = f"its {base.vocab_size} characters cover the new text"
+    return _Run(
+        run_dir, config, encode_with(text, tokenizer), backend, None,
+        [f"fine-tuning {init_from} (step {int(state['step'])}): {note}"],
+        weights=extend_model_state(state["model"], tokenizer.vocab_size),
+        base_chars=list(base.chars), init_from=str(init_from),
+    )
 
 
 def _open_resumed(config: Config, run_dir: Path, backend: str) -> _Run:
@@ -242,12 +291,20 @@ def _open_resumed(config: Config, run_dir: Path, backend: str) -> _Run:
                          "saved config")
         return run
     state = load_checkpoint(checkpoint_path)
-    saved_tokenizer = _read_tokenizer(run_dir)
+    saved_tokenizer = read_tokenizer(run_dir)
     corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
     if state.get("data_sha256") != corpus.sha256:
         raise RunError(f"cannot resume {run_dir}: {corpus.source} is not the text it trained on")
-    if saved_tokenizer.chars != corpus.tokenizer.chars:
+    # The tokenizer rule: a pretrained run's characters (none for a run from scratch), then
+    # the text's characters it lacks, in sorted order.
+    base_chars = state.get("base_chars") or []
+    try:
+        expected, _ = extend_tokenizer(CharTokenizer(base_chars), corpus.tokenizer.chars)
+    except (TypeError, ValueError):
+        raise RunError(f"cannot resume {run_dir}: {CHECKPOINT_FILE} is damaged") from None
+    if saved_tokenizer.chars != expected.chars:
         raise RunError(f"cannot resume {run_dir}: {TOKENIZER_FILE} does not match its data")
+    corpus = encode_with(corpus, saved_tokenizer)
     config = resolved_config(config, corpus)
     step, steps = int(state["step"]), config.training.steps
     if step > steps:
@@ -265,17 +322,19 @@ def _open_resumed(config: Config, run_dir: Path, backend: str) -> _Run:
     atomic_write(run_dir / METRICS_FILE, metrics_up_to(run_dir, step))
     keep_report_rows_up_to(run_dir / SCALE_REPORT_FILE, step)
     _write_settings(run_dir, config, corpus)
-    return _Run(run_dir, config, corpus, backend, state, notes)
+    return _Run(run_dir, config, corpus, backend, state, notes, base_chars=list(base_chars),
+                init_from=state.get("init_from"))
 
 
-def _read_tokenizer(run_dir: Path) -> CharTokenizer:
-    path = run_dir / TOKENIZER_FILE
+def read_tokenizer(run_dir: Path, action: str = "resume") -> CharTokenizer:
+    """The run's saved tokenizer; RunError ("cannot <action> ...") if missing or damaged."""
+    path = Path(run_dir) / TOKENIZER_FILE
     if not path.is_file():
-        raise RunError(f"cannot resume {run_dir}: {TOKENIZER_FILE} is missing")
+        raise RunError(f"cannot {action} {run_dir}: {TOKENIZER_FILE} is missing")
     try:
         return CharTokenizer.load(path)
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
-        raise RunError(f"cannot resume {run_dir}: {TOKENIZER_FILE} is damaged") from None
+        raise RunError(f"cannot {action} {run_dir}: {TOKENIZER_FILE} is damaged") from None
 
 
 def _write_settings(run_dir: Path, config: Config, corpus: Corpus) -> None:
@@ -315,12 +374,8 @@ class _Session:
         self.model = build_model(config)
         self.optimizer = make_optimizer(self.model, config, run.backend)
         self.batch_generator = torch.Generator().manual_seed(training.seed)
-        # The same validation windows at every evaluation, drawn from their own generator.
-        val_generator = torch.Generator().manual_seed(training.seed + 1)
-        self.val_batches = [
-            get_batch(run.corpus.val, training.batch_size, config.model.seq_len, val_generator)
-            for _ in range(training.eval_batches)
-        ]
+        # The same validation windows at every evaluation (and in `evaluate`).
+        self.val_batches = validation_batches(run.corpus.val, config)
         self.step = 0
         self.val_curve: List[Tuple[int, float]] = []
         self.last_train: Optional[float] = None
@@ -331,7 +386,12 @@ class _Session:
         self.seconds = 0.0
         if run.state is not None:
             self._restore(run.state)
+        elif run.weights is not None:
+            self.model.load_state_dict(run.weights)
         self.wrapper = build_training_model(self.model, self.optimizer, config, run.backend)
+        # Until the first call, the host holds the only weights (PopTorch refuses to copy
+        # from a model it has not compiled yet).
+        self.weights_on_device = False
         self.metrics = MetricsLog(run.run_dir / METRICS_FILE, fresh=run.state is None)
         self.started = time.perf_counter()
 
@@ -361,6 +421,7 @@ class _Session:
         tick = time.perf_counter()
         try:
             _, losses = self.wrapper(inputs, labels)
+            self.weights_on_device = True
         except NonFiniteAmaxError as error:
             raise TrainingDiverged(
                 f"loss became nan at step {self.step + 1} (an FP8 cast met a non-finite "
@@ -373,18 +434,19 @@ class _Session:
         iterations = self.config.ipu.device_iterations
         return losses.detach().float().view(iterations, -1).mean(1).tolist()
 
+    def _weights_to_host(self) -> None:
+        if self.weights_on_device:
+            self.wrapper.copy_weights_to_host()
+
     def evaluate(self) -> float:
-        self.wrapper.copy_weights_to_host()
+        self._weights_to_host()
         model = self.model
         model.eval()
         try:
             with torch.no_grad():
-                losses = [float(model(inputs, labels)) for inputs, labels in self.val_batches]
-        except NonFiniteAmaxError:  # FP8 casts refuse non-finite tensors: the loss is lost too
-            losses = [math.nan]
+                loss = mean_loss(model, self.val_batches)
         finally:
             model.train()
-        loss = sum(losses) / len(losses)
         self.val_curve.append((self.step, loss))
         return loss
 
@@ -414,7 +476,7 @@ class _Session:
 
     def save(self) -> None:
         """Checkpoint the current step; rows logged so far are made durable first."""
-        self.wrapper.copy_weights_to_host()
+        self._weights_to_host()
         if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
             raise TrainingDiverged(
                 f"weights became non-finite at step {self.step}; last good checkpoint: "
@@ -432,6 +494,8 @@ class _Session:
             "last_train_loss": self.last_train,
             "train_seconds": self.train_seconds,
             "trained_tokens": self.trained_tokens,
+            "base_chars": self.run.base_chars,
+            "init_from": self.run.init_from,
         })
         self.last_checkpoint = self.checkpoint_path
         self.saved_step = self.step
@@ -454,7 +518,7 @@ class _Session:
             tokens_per_s=self.trained_tokens / self.train_seconds if self.train_seconds else 0.0,
             elapsed_s=time.perf_counter() - self.started, backend=run.backend,
             data=run.corpus.source, message=message, val_curve=self.val_curve,
-            data_sha256=run.corpus.sha256,
+            data_sha256=run.corpus.sha256, init_from=run.init_from,
         )
 
 
@@ -477,14 +541,20 @@ def train(
     scale_report: Optional[int] = None,
     desc: str = "train",
     log: Callable[[str], None] = print,
+    init_from: Optional[Path] = None,
 ) -> RunSummary:
     """Train ``config`` into ``run_dir``, or with ``resume`` continue the run there (with
     ``config``, or None for the run's saved config with ``overrides`` applied).
+
+    ``init_from`` fine-tunes: the new run starts from the checkpoint of the run in that
+    directory, whose model ``config`` must keep (see :mod:`.finetune`).
 
     Raises TrainingDiverged on a non-finite loss, TrainingInterrupted on Ctrl-C (after saving a
     checkpoint at a step boundary), RunError, ConfigError or DataError for unusable inputs.
     """
     run_dir = Path(run_dir)
+    if resume and init_from is not None:
+        raise RunError("a resumed run keeps its own start; init_from is for new runs")
     if not resume:
         make_run_dir(run_dir)
     elif not run_dir.is_dir():
@@ -494,7 +564,10 @@ def train(
         if config is None:
             config = load_run_config(run_dir, overrides)
         backend = select_backend(config.backend)
-        run = (_open_resumed if resume else _open_new)(config, run_dir, backend)
+        if resume:
+            run = _open_resumed(config, run_dir, backend)
+        else:
+            run = _open_new(config, run_dir, backend, init_from)
         return _train(run, quiet, progress, scale_report, desc, log)
 
 
@@ -522,6 +595,12 @@ def _train(
         say(f"{desc}: resuming {run.run_dir} at step {session.step} of {training.steps}")
     for note in run.notes:
         say(f"{desc}: {note}")
+    if run.weights is not None and session.step == 0:
+        # Fine-tuning: the loss it starts from, and a first checkpoint holding the start, so
+        # that a resume after any kill still fine-tunes.
+        say(f"{desc}: step 0 (the pretrained weights): validation loss "
+            f"{session.evaluate():.4f} (unigram baseline {unigram:.4f})")
+        session.save()
     if training.warmup_steps > training.steps:
         say(f"{desc}: training.warmup_steps ({training.warmup_steps}) is longer than the run; "
             f"warming up over all {warmup_steps(training)} steps")

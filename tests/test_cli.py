@@ -251,3 +251,29 @@ def test_scale_report_and_analyse_write_their_files(capsys, tmp_path):
     status, out, _ = run(capsys, "analyse", "--config", "tiny", "--run-dir", tmp_path / "scales")
     assert status == 0 and "unit-scaled" in out and "plain" in out
     assert (tmp_path / "scales" / "scales.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_bert_trains_every_regime_and_seed(tmp_path, capsys):
+    from ipu_unit_scaling.cli import main
+
+    status = main(["compare", "--model", "bert", "--regimes", "fp32", "unit-fp8", "--seeds",
+                   "2", "--set", "mlm.steps=10", "mlm.hidden_size=32", "mlm.depth=1",
+                   "mlm.eval_interval=5", "mlm.eval_batches=1", "--run-dir", str(tmp_path),
+                   "--quiet"])
+    out = capsys.readouterr().out
+    assert status == 0
+    assert "| unit-fp8 | unit-scaled | fp8 static |" in out and "seeds 0, 1" in out
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
+        "fp32-seed0", "fp32-seed1", "unit-fp8-seed0", "unit-fp8-seed1"]
+
+
+@pytest.mark.parametrize("arguments,message", [
+    (["--model", "bert", "--config", "tiny"], "not --config"),
+    (["--model", "bert", "--set", "mlm.stepz=3"], "not an mlm setting"),
+    (["--seeds", "0"], "expected a positive integer"),
+])
+def test_compare_bert_arguments_are_checked(arguments, message, capsys):
+    from ipu_unit_scaling.cli import main
+
+    assert main(["compare", *arguments]) == 2
+    assert message in capsys.readouterr().err

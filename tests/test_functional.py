@@ -54,6 +54,9 @@ for shape in [(64, 512), (8, 64, 256)]:
     _case(f"gelu-{shape}", [shape], lambda c: lambda x: U.gelu(x, constraint=c))
     _case(f"gelu-tanh-{shape}", [shape], lambda c: lambda x: U.gelu(x, "tanh", c))
     _case(f"relu-{shape}", [shape], lambda c: lambda x: U.relu(x, constraint=c))
+for shape in [(64, 512), (8, 64, 256)]:
+    _case(f"silu-{shape}", [shape], lambda c: lambda x: U.silu(x, constraint=c))
+    _case(f"silu_glu-{shape}", [shape, shape], lambda c: lambda u, g: U.silu_glu(u, g, c))
 for shape, dim in [((512, 64), -1), ((8, 16, 256), -1), ((128, 96), 0)]:
     _case(f"softmax-{shape}-dim{dim}", [shape], lambda c, d=dim: lambda x: U.softmax(x, d, None, c))
 for shape_a, shape_b in [((16, 64, 32), (16, 64, 32)), ((4, 32, 48), (32, 48))]:
@@ -309,7 +312,8 @@ def test_scale_primitives_scale_one_direction_each():
         ),
         (
             lambda: U.scaled_dot_product_attention(
-                *(torch.randn(1, 1, 4, 8) for _ in range(3)), enable_gqa=True
+                torch.randn(1, 3, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8),
+                enable_gqa=True,
             ),
             "enable_gqa",
         ),

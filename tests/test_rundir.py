@@ -155,6 +155,22 @@ def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
         pass
 
 
+def test_a_writer_refused_just_as_the_lock_was_taken_still_names_the_holder(tmp_path):
+    import fcntl
+    import threading
+
+    fd = os.open(tmp_path / ".lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # taken, the holder's name not written yet
+    late = threading.Timer(0.1, lambda: os.pwrite(fd, b"process 99 on elsewhere (train)", 0))
+    late.start()
+    try:
+        with pytest.raises(RunError, match=r"in use by process 99 on elsewhere \(train\)"):
+            RunLock(tmp_path).acquire()
+    finally:
+        late.join()
+        os.close(fd)
+
+
 def test_train_refuses_a_directory_another_run_holds(capsys, tmp_path, data):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -223,16 +239,18 @@ def finished(capsys, tmp_path, data) -> Path:
     return run_dir
 
 
-def _first_lines(text: str, chars: int) -> str:
-    return text[: text.rindex("\n", 0, chars) + 1]
+def _first_lines(text: str, limit: int) -> str:
+    """The whole lines within the first ``limit`` characters of ``text``."""
+    return text[:text.rindex("\n", 0, limit) + 1]
 
 
 DAMAGE = {
     # artefact: (how to damage it, words the refusal must contain)
     "config-missing": (lambda d: (d / "config.yaml").unlink(), "config.yaml is missing"),
     "config-empty": (lambda d: (d / "config.yaml").write_text(""), "config.yaml is empty"),
-    "config-truncated": (lambda d: (d / "config.yaml").write_text(  # cut at a line's end
-        _first_lines((d / "config.yaml").read_text(), 300)), "config.yaml is incomplete"),
+    # Cut at a line end: valid YAML that lacks keys (a cut mid-line is a YAML syntax error).
+    "config-truncated": (lambda d: (d / "config.yaml").write_text(_first_lines(
+        (d / "config.yaml").read_text(), 300)), "config.yaml is incomplete"),
     "config-cut-value": (lambda d: (d / "config.yaml").write_text(
         (d / "config.yaml").read_text()[:-3]), "config.yaml is damaged"),
     "config-binary": (lambda d: (d / "config.yaml").write_bytes(b"\x00\xff" * 50),

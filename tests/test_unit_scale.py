@@ -351,3 +351,21 @@ def test_converted_gpt_trains_in_fp32_and_fp8_static() -> None:
     final_fp8 = sum(fp8_losses[-5:]) / 5
     assert final_fp32 < 0.8 * fp32_losses[0]
     assert abs(final_fp8 - final_fp32) <= 0.05 * final_fp32
+
+
+class TanhBranch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.fc(torch.tanh(x))
+
+
+def test_ops_right_after_a_residual_fork_are_still_checked():
+    """The fork is a node the rewrite inserts; what reads it must still be converted or
+    reported (here tanh, which has no unit-scaled form)."""
+    x = torch.randn(8, 16)
+    _, report = unit_scale_with_report(TanhBranch(), (x,))
+    assert len(report.residuals) == 1
+    assert [u for u in report.unconverted if "tanh" in u], report.unconverted

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import operator
 import sys
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -22,15 +22,21 @@ from ..scale import scale_bwd
 
 __all__ = [
     "UnitMultiheadAttention",
+    "UnitAttention",
     "UnitConv1D",
     "module_converters",
     "FUNCTION_ADAPTERS",
     "ATTENTION_TARGETS",
     "SHAPE_TARGETS",
+    "SILU_TARGETS",
+    "MUL_TARGETS",
+    "is_silu_module",
+    "scale_preserving_functions",
 ]
 
 # Builds the replacement from the original module (typed loosely: each takes its own class).
-ModuleConverter = Callable[[Any], nn.Module]
+# None: this instance cannot be converted (it is kept, and reported).
+ModuleConverter = Callable[[Any], Optional[nn.Module]]
 
 
 # ---------------------------------------------------------------- modules
@@ -105,6 +111,27 @@ def _as_allowed(mask: Tensor) -> Tensor:
     return ~blocked
 
 
+class UnitAttention(nn.Module):
+    """`U.scaled_dot_product_attention` whose dropout follows `train()` / `eval()`.
+
+    A traced call fixes `dropout_p` to the value it had when traced (in training, usually);
+    as a module, attention dropout is off in eval mode, as in the original model.
+    """
+
+    def __init__(self, dropout_p: float) -> None:
+        super().__init__()
+        self.dropout_p = dropout_p
+
+    def forward(
+        self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+        is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
+    ) -> Tensor:
+        return U.scaled_dot_product_attention(
+            query, key, value, attn_mask, self.dropout_p if self.training else 0.0, is_causal,
+            scale, enable_gqa,
+        )
+
+
 def _allowed_mask(
     attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], batch: int, heads: int
 ) -> Optional[Tensor]:
@@ -160,6 +187,18 @@ def _cross_entropy_loss(m: nn.CrossEntropyLoss) -> nn.Module:
     )
 
 
+def _rms_norm(m: nn.Module) -> Optional[nn.Module]:
+    """`nn.RMSNorm`, or a model's own RMSNorm class (Llama's and its kin's): a 1-D `weight`
+    and an epsilon named `eps` or `variance_epsilon`. None (not converted) for another shape."""
+    weight = getattr(m, "weight", None)
+    eps = getattr(m, "eps", getattr(m, "variance_epsilon", None))
+    if isinstance(weight, Tensor) and weight.dim() == 1:
+        return uu.RMSNorm(weight.shape[0], eps=eps)
+    if isinstance(m, getattr(nn, "RMSNorm", ())) and weight is None:
+        return uu.RMSNorm(m.normalized_shape, eps=m.eps, elementwise_affine=False)
+    return None
+
+
 def module_converters() -> Dict[type, ModuleConverter]:
     """Built-in module conversions, keyed by the exact class they convert."""
     converters: Dict[type, ModuleConverter] = {
@@ -172,9 +211,19 @@ def module_converters() -> Dict[type, ModuleConverter]:
         nn.Dropout: lambda m: uu.Dropout(m.p),
         nn.CrossEntropyLoss: _cross_entropy_loss,
         nn.MultiheadAttention: UnitMultiheadAttention,
+        nn.SiLU: lambda m: uu.SiLU(),
     }
+    if hasattr(nn, "RMSNorm"):  # torch >= 2.4
+        converters[nn.RMSNorm] = _rms_norm
     converters.update(_transformers_converters())
     return converters
+
+
+def _transformers_modeling_modules() -> List[Any]:
+    """The `transformers.models.*.modeling_*` modules imported so far (a model's own module is
+    imported with the model); importing transformers itself takes seconds."""
+    return [module for name, module in list(sys.modules.items())
+            if name.startswith("transformers.models.") and ".modeling_" in name and module]
 
 
 def _gelu_converter(approximate: str) -> ModuleConverter:
@@ -202,6 +251,32 @@ def _transformers_converters() -> Dict[type, ModuleConverter]:
         cls = getattr(activations, name, None) if activations is not None else None
         if cls is not None:
             found[cls] = _gelu_converter(approximate)
+    silu = getattr(activations, "SiLUActivation", None) if activations is not None else None
+    if isinstance(silu, type):
+        found[silu] = lambda m: uu.SiLU()
+    # Llama's RMSNorm and the copies of it in other models' files (Mistral, Qwen2, ...).
+    for module in _transformers_modeling_modules():
+        for name, cls in list(vars(module).items()):
+            if name.endswith("RMSNorm") and isinstance(cls, type) and issubclass(cls, nn.Module):
+                found[cls] = _rms_norm
+    return found
+
+
+def scale_preserving_functions() -> Set[Callable[..., Any]]:
+    """Functions kept as they are because they preserve scale, traced as single calls.
+
+    Rotary position embeddings (`apply_rotary_pos_emb` of Hugging Face models): each pair of
+    features (x_i, x_j) of a query or key becomes (x_i cos t - x_j sin t, x_j cos t + x_i sin t),
+    a rotation, so every pair keeps its squared norm exactly and the tensor its mean square;
+    the gradient goes through the transposed rotation, also orthogonal, so it keeps its mean
+    square too (tested on the functions themselves). Traced through, their adds would look like
+    sums of independent tensors and be scaled by 1/sqrt(2), which would be wrong.
+    """
+    found: Set[Callable[..., Any]] = set()
+    for module in _transformers_modeling_modules():
+        function = vars(module).get("apply_rotary_pos_emb")
+        if callable(function):
+            found.add(function)
     return found
 
 
@@ -221,6 +296,22 @@ def unit_softmax(
     dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
     return U.softmax(input, -1 if dim is None else dim, dtype)
+
+
+def unit_silu(input: Tensor, inplace: bool = False) -> Tensor:
+    return U.silu(input)
+
+
+def unit_silu_glu(input: Tensor, gate: Tensor) -> Tensor:
+    """`input * silu(gate)` (a SiLU-gated product found in the graph): `U.silu_glu`."""
+    return U.silu_glu(input, gate)
+
+
+def unit_rms_norm(
+    input: Tensor, normalized_shape: Any, weight: Optional[Tensor] = None,
+    eps: Optional[float] = None,
+) -> Tensor:
+    return U.rms_norm(input, normalized_shape, weight, eps)
 
 
 def unit_matmul(input: Tensor, other: Tensor) -> Tensor:
@@ -329,7 +420,26 @@ FUNCTION_ADAPTERS: Dict[Any, Callable[..., Tensor]] = {
     F.scaled_dot_product_attention: unit_scaled_dot_product_attention,
     F.cross_entropy: unit_cross_entropy,
     F.mse_loss: unit_mse_loss,
+    F.silu: unit_silu,
+    torch.nn.functional.silu: unit_silu,
+    "silu": unit_silu,
 }
+if hasattr(F, "rms_norm"):  # torch >= 2.4
+    FUNCTION_ADAPTERS[F.rms_norm] = unit_rms_norm
+
+# SiLU in its forms: as a function, a method, or the target of a SiLU module.
+SILU_TARGETS: Set[Any] = {F.silu, "silu"}
+if hasattr(torch, "silu"):
+    SILU_TARGETS.add(torch.silu)
+MUL_TARGETS = {operator.mul, torch.mul, "mul"}
+
+
+def is_silu_module(module: nn.Module) -> bool:
+    """torch's, ours or Hugging Face's SiLU module."""
+    return isinstance(module, nn.SiLU) or (
+        type(module).__name__ == "SiLUActivation"
+        and type(module).__module__.startswith("transformers.")
+    )
 
 ADD_TARGETS = {operator.add, torch.add, "add"}
 SUB_TARGETS = {operator.sub, torch.sub, "sub"}

@@ -36,8 +36,13 @@ class ConcreteTracer(fx.Tracer):
     `nn.TransformerEncoderLayer`, is traced through.
     """
 
-    def __init__(self, is_leaf: Callable[[nn.Module, str], bool]) -> None:
-        super().__init__()
+    def __init__(
+        self, is_leaf: Callable[[nn.Module, str], bool],
+        autowrap_functions: Tuple[Callable[..., Any], ...] = (),
+    ) -> None:
+        # `autowrap_functions` are recorded as single calls wherever a traced module's code
+        # calls them by a global name, instead of being traced through.
+        super().__init__(autowrap_functions=autowrap_functions)
         self._is_leaf = is_leaf
         self._inputs: Dict[str, Any] = {}
         self._values: Dict[fx.Node, Any] = {}
@@ -292,9 +297,15 @@ class SpecialisedCall(nn.Module):
     bool, number or string among them is refused rather than silently run on the old value.
     """
 
-    def __init__(self, graph_module: fx.GraphModule, frame: ArgumentFrame) -> None:
+    def __init__(
+        self, graph_module: nn.Module, frame: ArgumentFrame,
+        fixed_shapes: Optional[List[Tuple[Optional[int], ...]]] = None,
+    ) -> None:
         super().__init__()
         self.graph_module = graph_module
+        # Per tensor argument, the sizes the tracer fixed (None: free to change); torch.export
+        # fixes the sizes a model's code pins down, fx none.
+        self._fixed_shapes = fixed_shapes
         self._signature = frame.signature
         self._spec = frame.spec
         self._tensor_positions = frame.tensor_positions
@@ -319,15 +330,32 @@ class SpecialisedCall(nn.Module):
                     f"unit_scale specialised this module to the argument value {constant!r}; "
                     f"got {leaf!r}"
                 )
-        result = self.graph_module(*[leaves[i] for i in self._tensor_positions])
+        tensors = [leaves[i] for i in self._tensor_positions]
+        if self._fixed_shapes is not None:
+            _check_shapes(tensors, self._fixed_shapes)
+        result = self.graph_module(*tensors)
         output_type = self._output_type
         if type(result) is dict and output_type is not None and issubclass(output_type, dict):
             return output_type(**result)
         return result
 
 
+def _check_shapes(tensors: Sequence[Tensor], fixed: Sequence[Tuple[Optional[int], ...]]) -> None:
+    for position, (tensor, sizes) in enumerate(zip(tensors, fixed)):
+        wrong = len(tensor.shape) != len(sizes) or any(
+            size is not None and size != actual for size, actual in zip(sizes, tensor.shape)
+        )
+        if wrong:
+            shown = tuple("*" if size is None else size for size in sizes)
+            raise ValueError(
+                f"unit_scale traced this module with torch.export, which fixed the shape of "
+                f"tensor argument {position} to {shown} (* is free); got {tuple(tensor.shape)}"
+            )
+
+
 def trace_module(
-    module: nn.Module, is_leaf: Callable[[nn.Module, str], bool], inputs: Optional[Inputs]
+    module: nn.Module, is_leaf: Callable[[nn.Module, str], bool], inputs: Optional[Inputs],
+    autowrap: Tuple[Callable[..., Any], ...] = (),
 ) -> Tuple[nn.Module, fx.Graph, List[str], Optional[Set[str]]]:
     """Trace `module`, through an `ArgumentFrame` when example inputs are given.
 
@@ -336,7 +364,7 @@ def trace_module(
     produced tensors on the example inputs (None without inputs).
     """
     if inputs is None:
-        tracer = ConcreteTracer(is_leaf)
+        tracer = ConcreteTracer(is_leaf, autowrap)
         graph = tracer.trace_with_inputs(module, None, {})
         return module, graph, tracer.specialised, tracer.tensor_nodes
     frame = ArgumentFrame(module, inputs)
@@ -344,7 +372,7 @@ def trace_module(
     def frame_is_leaf(m: nn.Module, name: str) -> bool:
         return name != "inner" and is_leaf(m, name[len("inner."):])
 
-    tracer = ConcreteTracer(frame_is_leaf)
+    tracer = ConcreteTracer(frame_is_leaf, autowrap)
     # One `*tensors` placeholder; the tracer's `iter` splits it by the example's length.
     graph = tracer.trace_with_inputs(frame, {"tensors": tuple(frame.example_tensors)}, None)
     return frame, graph, tracer.specialised, tracer.tensor_nodes

@@ -1,6 +1,8 @@
 """`unit_scale(model)`: a unit-scaled copy of an existing PyTorch model.
 
-The model is traced with torch.fx (see `tracing.ConcreteTracer`), and the graph is rewritten:
+The model is traced with torch.fx (see `tracing.ConcreteTracer`); where fx fails and example
+inputs were given, with `torch.export` (see `export`), which sees concrete shapes. The graph is
+then rewritten:
 
 - modules with unit-scaled versions (Linear, LayerNorm, Embedding, GELU, ReLU, Softmax, Dropout,
   CrossEntropyLoss, MultiheadAttention, Hugging Face Conv1D and GELU activations) are replaced
@@ -8,14 +10,18 @@ The model is traced with torch.fx (see `tracing.ConcreteTracer`), and the graph 
 - torch functions with unit-scaled versions (`F.gelu`, `F.softmax`, `torch.matmul`,
   `F.scaled_dot_product_attention`, `F.cross_entropy`, ...) call the `U` op instead, and
   `F.dropout` becomes a `uu.Dropout` module, so it follows `model.train()` / `model.eval()`;
+- a product `x * silu(g)` (a SwiGLU gate) becomes `U.silu_glu`; rotary position embeddings
+  are kept as they are (they preserve scale; see `replacements.scale_preserving_functions`);
 - an addition whose one operand feeds the other through layers with weights is a residual:
   it becomes `residual_split` at the fork and `residual_add` at the join, with `attn_tau` when
   the branch contains attention and `mlp_tau` otherwise; other sums of two learned tensors
   become `U.add`.
 
-A module that cannot be traced is kept, and its children are converted one by one: their own
-residuals are found, but the kept module's own arithmetic stays unscaled and is reported.
-Everything left unscaled is listed in a `UnitScaleWarning`.
+A module that neither tracer can trace is kept, and its children are converted one by one: their
+own residuals are found, but the kept module's own arithmetic stays unscaled and is reported.
+Everything left unscaled is listed in a `UnitScaleWarning`; ops that carry no gradient (rotary
+tables, masks and positions built from buffers and shapes) are not listed. Weights tied in the
+model (an input embedding shared with the output layer) stay tied in the copy.
 """
 from __future__ import annotations
 
@@ -26,10 +32,28 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 import torch
 import torch.fx as fx
-from torch import Tensor, nn
+from torch import nn
 
 from .. import modules as uu
+from . import export as E
 from . import replacements as R
+from .graph import (
+    _between,
+    _first_line,
+    _get_attr,
+    _gradient_nodes,
+    _has_tensor_input,
+    _has_weights,
+    _hashable,
+    _is_attention,
+    _learned_nodes,
+    _position,
+    _residual_operands,
+    _set_submodule,
+    _share_input_scales,
+    _silu_input,
+    _target_name,
+)
 from .tracing import ArgumentFrame, Inputs, SpecialisedCall, capture_inputs, trace_module
 
 __all__ = ["unit_scale", "unit_scale_with_report", "UnitScaleReport", "UnitScaleWarning"]
@@ -50,12 +74,17 @@ class UnitScaleReport:
     unconverted: List[str] = field(default_factory=list)
     untraceable: List[str] = field(default_factory=list)
     specialised: List[str] = field(default_factory=list)
+    # One line per traced module: which tracer traced it ("torch.fx" or "torch.export ...").
+    tracers: List[str] = field(default_factory=list)
 
     def summary(self) -> str:
         lines = [
             f"{len(self.converted)} ops converted, {len(self.residuals)} residuals, "
             f"{len(self.unconverted)} ops left unscaled"
         ]
+        exported = [t for t in self.tracers if ": torch.export" in t]
+        if exported:
+            lines.append("traced with torch.export: " + "; ".join(exported))
         if self.unconverted:
             lines.append("left unscaled: " + ", ".join(self.unconverted))
         if self.untraceable:
@@ -67,11 +96,16 @@ class UnitScaleReport:
 # Unit-scaled modules that are already what unit_scale would produce.
 _UNIT_MODULES = (
     SpecialisedCall, fx.GraphModule, uu.Linear, uu.LayerNorm, uu.Embedding, uu.GELU, uu.ReLU,
-    uu.Softmax, uu.Dropout, uu.CrossEntropyLoss, R.UnitMultiheadAttention, R.UnitConv1D,
+    uu.Softmax, uu.Dropout, uu.CrossEntropyLoss, uu.RMSNorm, uu.SiLU, R.UnitMultiheadAttention,
+    R.UnitConv1D, R.UnitAttention,
 )
 # Leaf modules that leave scales alone.
 _NEUTRAL_MODULES = (nn.Identity, nn.Flatten, nn.Unflatten)
-_ATTENTION_MODULES = (nn.MultiheadAttention, R.UnitMultiheadAttention, uu.MHSA, nn.Softmax)
+_ADD = R.ADD_TARGETS | E.ATEN_ADD
+_SUB = R.SUB_TARGETS | E.ATEN_SUB
+_MUL = R.MUL_TARGETS | E.ATEN_MUL
+_DROPOUT = R.DROPOUT_TARGETS | E.ATEN_DROPOUT
+_INSERTED = (R.unit_residual_branch, R.unit_residual_add, R.unit_silu_glu)
 
 
 def unit_scale(
@@ -138,7 +172,7 @@ def unit_scale_with_report(
         captured=captured,
         skip=set(skip),
         replacements=dict(replacements or {}),
-        functions={**R.FUNCTION_ADAPTERS, **dict(function_replacements or {})},
+        functions={**R.FUNCTION_ADAPTERS, **E.ATEN_ADAPTERS, **dict(function_replacements or {})},
         attn_tau=attn_tau,
         mlp_tau=mlp_tau,
     )
@@ -168,6 +202,9 @@ class _Converter:
         self.mlp_tau = mlp_tau
         self.report = UnitScaleReport()
         self._dropouts = 0
+        self.preserving = R.scale_preserving_functions()
+        # id of a parameter of the original model -> its replacement, to keep ties.
+        self._replaced_parameters: Dict[int, nn.Parameter] = {}
 
     # ------------------------------------------------------------ module policy
 
@@ -176,7 +213,7 @@ class _Converter:
 
     def _module_converter(
         self, module: nn.Module, name: str
-    ) -> Optional[Callable[[nn.Module], nn.Module]]:
+    ) -> Optional[Callable[[nn.Module], Optional[nn.Module]]]:
         if name in self.replacements:
             return self.replacements[name]
         return self.replacements.get(type(module)) or self.builtin.get(type(module))
@@ -198,8 +235,13 @@ class _Converter:
             return module
         make = self._module_converter(module, name)
         if make is not None:
+            new = make(module)
+            if new is None:
+                self.report.unconverted.append(f"{name} ({type(module).__name__})")
+                return module
             self.report.converted.append(name or type(module).__name__)
-            return make(module)
+            self._keep_ties(module, new)
+            return new
         if self._is_leaf(module, name):
             if not isinstance(module, _NEUTRAL_MODULES):
                 self.report.unconverted.append(f"{name} ({type(module).__name__})")
@@ -209,16 +251,21 @@ class _Converter:
         def is_leaf(child: nn.Module, child_name: str) -> bool:
             return self._is_leaf(child, f"{name}.{child_name}" if name else child_name)
 
+        label = name or type(module).__name__
         try:
             root, graph, specialised, tensor_nodes = trace_module(
-                module, is_leaf, self.captured.get(name)
+                module, is_leaf, self.captured.get(name), autowrap=tuple(self.preserving)
             )
-        except Exception as error:  # any tracing failure: fall back to the children
-            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            self.report.untraceable.append(
-                f"{name or type(module).__name__}: {type(error).__name__}: {first_line[:120]}"
-            )
+        except Exception as error:  # any tracing failure: torch.export, else the children
+            failure = f"{type(error).__name__}: {_first_line(error)}"
+            inputs = self.captured.get(name)
+            if inputs is not None:
+                exported = self._convert_exported(module, name, inputs, failure)
+                if exported is not None:
+                    return exported
+            self.report.untraceable.append(f"{label}: {failure}")
             return self._convert_children(module, name)
+        self.report.tracers.append(f"{label}: torch.fx")
         if specialised:
             self.report.specialised.append(f"{name or 'model'}: {', '.join(specialised)}")
         converted = self._rewrite(root, name, graph, tensor_nodes)
@@ -226,6 +273,47 @@ class _Converter:
             assert isinstance(converted, fx.GraphModule)
             return SpecialisedCall(converted, root)
         return converted
+
+    def _convert_exported(
+        self, module: nn.Module, name: str, inputs: Inputs, fx_failure: str
+    ) -> Optional[nn.Module]:
+        """Trace with torch.export after fx failed; None (and a note) if export fails too."""
+        label = name or type(module).__name__
+        unavailable = E.export_unavailable()
+        if unavailable is not None:
+            self.report.tracers.append(f"{label}: not traced ({unavailable})")
+            return None
+
+        def is_leaf(child: nn.Module, child_name: str) -> bool:
+            return self._is_leaf(child, f"{name}.{child_name}" if name else child_name)
+
+        try:
+            trace = E.trace_with_export(module, inputs, is_leaf)
+        except Exception as error:
+            self.report.tracers.append(
+                f"{label}: not traced (torch.fx: {fx_failure}; torch.export: "
+                f"{type(error).__name__}: {_first_line(error)})")
+            return None
+        shapes = "dynamic" if trace.dynamic else "static"
+        self.report.tracers.append(
+            f"{label}: torch.export ({shapes} shapes; torch.fx failed with {fx_failure})")
+        converted = self._rewrite(trace.root, name, trace.graph, trace.tensor_nodes,
+                                  namer=E.module_path)
+        for attribute, value in trace.attributes.items():
+            setattr(converted, attribute, value)
+        return SpecialisedCall(converted, trace.root, fixed_shapes=trace.fixed_shapes)
+
+    def _keep_ties(self, original: nn.Module, new: nn.Module) -> None:
+        """A parameter shared by several modules of the model is shared by their replacements."""
+        for attribute, parameter in original.named_parameters(recurse=False):
+            replacement = getattr(new, attribute, None)
+            if not isinstance(replacement, nn.Parameter):
+                continue
+            tied = self._replaced_parameters.get(id(parameter))
+            if tied is not None and tied.shape == replacement.shape:
+                setattr(new, attribute, tied)
+            else:
+                self._replaced_parameters[id(parameter)] = replacement
 
     def _convert_children(self, module: nn.Module, name: str) -> nn.Module:
         for child_name, child in list(module.named_children()):
@@ -236,27 +324,42 @@ class _Converter:
     # ------------------------------------------------------------ graph rewriting
 
     def _rewrite(
-        self, root: nn.Module, prefix: str, graph: fx.Graph, tensor_nodes: Optional[Set[str]]
+        self, root: nn.Module, prefix: str, graph: fx.Graph, tensor_nodes: Optional[Set[str]],
+        namer: Optional[Callable[[fx.Node], str]] = None,
     ) -> nn.Module:
         def where(node: fx.Node) -> str:
-            return f"{prefix}.{node.name}" if prefix else node.name
+            local = node.name
+            if namer is not None and namer(node):
+                local = f"{namer(node)}.{node.name}"
+            return f"{prefix}.{local}" if prefix else local
 
         def is_tensor(node: fx.Node) -> bool:
+            if node.target in _INSERTED:  # made by this rewrite, after tracing
+                return True
             if tensor_nodes is not None:
                 return node.name in tensor_nodes
             return any(isinstance(a, fx.Node) for a in node.all_input_nodes)
 
         learned = _learned_nodes(root, graph)
+        self._fuse_silu_gates(graph, root, is_tensor, where)
         self._rewrite_additions(graph, root, learned, is_tensor, where)
+        with_gradient = _gradient_nodes(root, graph, is_tensor)
         converted_modules: Dict[str, nn.Module] = {}
         for node in list(graph.nodes):
             if node.op == "call_module":
                 self._rewrite_module_call(root, prefix, node, converted_modules)
             elif node.op in ("call_function", "call_method"):
-                if node.target in (R.unit_residual_add, R.unit_residual_branch, R.unit_add):
+                if node.target in (R.unit_residual_add, R.unit_residual_branch, R.unit_add,
+                                   R.unit_silu_glu):
                     continue
+                if node not in with_gradient and tensor_nodes is not None:
+                    continue  # built from buffers, shapes and integer inputs: no scale to keep
                 self._rewrite_function_call(root, node, is_tensor, where)
         self._unit_initialise_direct_weights(root, graph)
+        _share_input_scales(root, graph)
+        for node in reversed(list(graph.nodes)):  # else GraphModule would keep what they read
+            if node.op == "get_attr" and not node.users:
+                graph.erase_node(node)
         converted = fx.GraphModule(root, graph, class_name=f"UnitScaled{type(root).__name__}")
         # Shape checks resolved at trace time leave unused nodes behind.
         converted.graph.eliminate_dead_code()
@@ -268,6 +371,8 @@ class _Converter:
         self, root: nn.Module, prefix: str, node: fx.Node, done: Dict[str, nn.Module]
     ) -> None:
         target = str(node.target)
+        if isinstance(root, ArgumentFrame) and not target.startswith("inner."):
+            return  # the frame's own helpers (torch.export's input guards)
         relative = target[len("inner."):] if isinstance(root, ArgumentFrame) else target
         qualified = f"{prefix}.{relative}" if prefix else relative
         if target in done:
@@ -283,21 +388,44 @@ class _Converter:
         where: Callable[[fx.Node], str],
     ) -> None:
         target = node.target
-        if target in R.DROPOUT_TARGETS:
+        if _hashable(target) and target in _DROPOUT:
             self._dropout_to_module(root, node, where)
             return
         adapter = self.functions.get(target) if _hashable(target) else None
+        if adapter is R.unit_scaled_dot_product_attention and self._attention_to_module(
+                root, node, where):
+            return
         if adapter is not None:
             node.op = "call_function"
             node.target = adapter
             self.report.converted.append(where(node))
             return
-        if _hashable(target) and target in R.SHAPE_TARGETS:
+        if _hashable(target) and (target in R.SHAPE_TARGETS or target in self.preserving
+                                  or E.is_aten_shape_op(target)):
             return
-        if target in R.ADD_TARGETS or target in R.SUB_TARGETS or not is_tensor(node):
+        if _hashable(target) and (target in _ADD or target in _SUB) or not is_tensor(node):
             if not is_tensor(node) or not _has_tensor_input(node, is_tensor):
                 return
         self.report.unconverted.append(f"{where(node)} ({_target_name(target)})")
+
+    def _attention_to_module(
+        self, root: nn.Module, node: fx.Node, where: Callable[[fx.Node], str]
+    ) -> bool:
+        """Attention traced with dropout: a `UnitAttention` module, so eval() turns it off."""
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+        arguments = dict(zip(names, node.args))
+        arguments.update(node.kwargs)
+        p = arguments.pop("dropout_p", 0.0)
+        if isinstance(p, fx.Node) or not p:
+            return False
+        name = f"unit_attention_{self._dropouts}"
+        self._dropouts += 1
+        root.add_module(name, R.UnitAttention(float(p)))  # type: ignore[arg-type]
+        node.op, node.target = "call_module", name
+        node.args = tuple(arguments.pop(k) for k in ("query", "key", "value"))
+        node.kwargs = arguments
+        self.report.converted.append(where(node))
+        return True
 
     def _dropout_to_module(
         self, root: nn.Module, node: fx.Node, where: Callable[[fx.Node], str]
@@ -320,7 +448,7 @@ class _Converter:
     ) -> None:
         for node in list(graph.nodes):
             is_add = node.op in ("call_function", "call_method") and _hashable(node.target) and (
-                node.target in R.ADD_TARGETS or node.target in R.SUB_TARGETS
+                node.target in _ADD or node.target in _SUB
             )
             if not is_add or len(node.args) != 2 or not is_tensor(node):
                 continue
@@ -328,7 +456,7 @@ class _Converter:
             if not (isinstance(left, fx.Node) and isinstance(right, fx.Node)) or left is right:
                 continue
             alpha = node.kwargs.get("alpha", 1)
-            subtract = node.target in R.SUB_TARGETS
+            subtract = node.target in _SUB
             skip_node, branch_node = _residual_operands(left, right, is_tensor)
             if skip_node is not None and branch_node is not None and alpha == 1 and not subtract:
                 branch = _between(skip_node, node)
@@ -344,6 +472,28 @@ class _Converter:
                 self.report.unconverted.append(
                     f"{where(node)} ({'sub' if subtract else 'add'} of a tensor without weights)"
                 )
+
+    def _fuse_silu_gates(
+        self, graph: fx.Graph, root: nn.Module, is_tensor: Callable[[fx.Node], bool],
+        where: Callable[[fx.Node], str],
+    ) -> None:
+        """`x * silu(g)` (either order), silu used nowhere else: one `U.silu_glu(x, g)`."""
+        for node in list(graph.nodes):
+            is_mul = node.op in ("call_function", "call_method") and _hashable(node.target) \
+                and node.target in _MUL
+            if not is_mul or len(node.args) != 2 or node.kwargs:
+                continue
+            for gated, other in (node.args, tuple(reversed(node.args))):
+                if not (isinstance(gated, fx.Node) and isinstance(other, fx.Node)):
+                    continue
+                gate = _silu_input(root, gated)
+                if gate is None or len(gated.users) != 1 or not is_tensor(other):
+                    continue
+                node.op, node.target = "call_function", R.unit_silu_glu
+                node.args, node.kwargs = (other, gate), {}
+                graph.erase_node(gated)
+                self.report.converted.append(f"{where(node)} (silu-gated product)")
+                break
 
     def _make_residual(
         self, graph: fx.Graph, root: nn.Module, join: fx.Node, skip_node: fx.Node,
@@ -361,8 +511,9 @@ class _Converter:
 
     def _unit_initialise_direct_weights(self, root: nn.Module, graph: fx.Graph) -> None:
         """Weights a converted function reads straight from an attribute: unit init."""
-        weight_positions = {
+        weight_positions: Dict[Any, Any] = {
             R.unit_linear: (1, 2), R.unit_embedding: (1, None), R.unit_addmm: (2, 0),
+            **E.ATEN_WEIGHT_POSITIONS,
         }
         for node in graph.nodes:
             if node.op != "call_function" or node.target not in weight_positions:
@@ -377,118 +528,3 @@ class _Converter:
                     if isinstance(value, nn.Parameter):
                         with torch.no_grad():
                             init(value)
-
-
-# ---------------------------------------------------------------- graph helpers
-
-
-def _hashable(target: Any) -> bool:
-    try:
-        hash(target)
-    except TypeError:
-        return False
-    return True
-
-
-def _target_name(target: Any) -> str:
-    return target if isinstance(target, str) else getattr(target, "__name__", repr(target))
-
-
-def _has_tensor_input(node: fx.Node, is_tensor: Callable[[fx.Node], bool]) -> bool:
-    return any(is_tensor(n) for n in node.all_input_nodes)
-
-
-def _get_attr(root: nn.Module, target: str) -> Any:
-    value: Any = root
-    for atom in target.split("."):
-        value = getattr(value, atom)
-    return value
-
-
-def _set_submodule(root: nn.Module, target: str, module: nn.Module) -> None:
-    parent_name, _, child = target.rpartition(".")
-    parent = root.get_submodule(parent_name) if parent_name else root
-    setattr(parent, child, module)
-
-
-def _position(graph: fx.Graph) -> Callable[[fx.Node], int]:
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    return lambda n: order[n]
-
-
-def _ancestors(
-    node: fx.Node, follow: Optional[Callable[[fx.Node], bool]] = None
-) -> Set[fx.Node]:
-    """Nodes `node` depends on; with `follow`, only through nodes it accepts (tensor data)."""
-    seen: Set[fx.Node] = set()
-    stack = list(node.all_input_nodes)
-    while stack:
-        current = stack.pop()
-        if current not in seen and (follow is None or follow(current)):
-            seen.add(current)
-            stack.extend(current.all_input_nodes)
-    return seen
-
-
-def _descendants(node: fx.Node) -> Set[fx.Node]:
-    seen: Set[fx.Node] = set()
-    stack = list(node.users)
-    while stack:
-        current = stack.pop()
-        if current not in seen:
-            seen.add(current)
-            stack.extend(current.users)
-    return seen
-
-
-def _between(start: fx.Node, end: fx.Node) -> Set[fx.Node]:
-    """Nodes on some path from `start` to `end`, both excluded."""
-    return (_descendants(start) & _ancestors(end)) - {start, end}
-
-
-def _residual_operands(
-    left: fx.Node, right: fx.Node, is_tensor: Callable[[fx.Node], bool]
-) -> tuple[Optional[fx.Node], Optional[fx.Node]]:
-    """(skip, branch) when one operand's data feeds the other, else (None, None).
-
-    Only tensor data counts: a branch that merely reads the other's shape or device (position
-    ids from the batch's length) is not a residual.
-    """
-    if left in _ancestors(right, is_tensor):
-        return left, right
-    if right in _ancestors(left, is_tensor):
-        return right, left
-    return None, None
-
-
-def _learned_nodes(root: nn.Module, graph: fx.Graph) -> Set[fx.Node]:
-    """Nodes whose value depends on a parameter (through a layer or an attribute read)."""
-    learned: Set[fx.Node] = set()
-    for node in graph.nodes:
-        if node.op == "call_module":
-            module = root.get_submodule(str(node.target))
-            if next(module.parameters(), None) is not None:
-                learned.add(node)
-        elif node.op == "get_attr" and isinstance(_get_attr(root, str(node.target)), Tensor):
-            learned.add(node)
-        if any(n in learned for n in node.all_input_nodes):
-            learned.add(node)
-    return learned
-
-
-def _has_weights(root: nn.Module, node: fx.Node) -> bool:
-    """Does this node apply parameters of its own (a layer, or an attribute it reads)?"""
-    if node.op == "call_module":
-        return next(root.get_submodule(str(node.target)).parameters(), None) is not None
-    return any(
-        n.op == "get_attr" and isinstance(_get_attr(root, str(n.target)), Tensor)
-        for n in node.all_input_nodes
-    )
-
-
-def _is_attention(root: nn.Module, node: fx.Node) -> bool:
-    if node.op == "call_module":
-        module = root.get_submodule(str(node.target))
-        named_attention = "attention" in type(module).__name__.lower()
-        return isinstance(module, _ATTENTION_MODULES) or named_attention
-    return _hashable(node.target) and node.target in R.ATTENTION_TARGETS

@@ -1,0 +1,192 @@
+"""Graph helpers of `unit_scale`: what a node is, depends on and feeds."""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Set
+
+import torch.fx as fx
+from torch import Tensor, nn
+
+from .. import modules as uu
+from ..constraints import SharedInputGmean
+from . import export as E
+from . import replacements as R
+
+_ATTENTION_MODULES = (nn.MultiheadAttention, R.UnitMultiheadAttention, uu.MHSA, nn.Softmax)
+
+
+def _share_input_scales(root: nn.Module, graph: fx.Graph) -> None:
+    """Linears (unit-scaled, gmean) that read the same tensor: `SharedInputGmean` for each."""
+    calls: Dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[str(node.target)] = calls.get(str(node.target), 0) + 1
+    for node in graph.nodes:
+        readers: List[uu.Linear] = []
+        for user in node.users:
+            if user.op != "call_module" or calls[str(user.target)] != 1 or not user.args \
+                    or user.args[0] is not node:
+                continue
+            module = root.get_submodule(str(user.target))
+            if type(module) is uu.Linear and module.constraint == "gmean":
+                readers.append(module)
+        if len(readers) > 1:
+            shared = SharedInputGmean(sum(m.out_features for m in readers))
+            for module in readers:
+                module.constraint = shared
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:120]
+
+
+def _silu_input(root: nn.Module, node: fx.Node) -> Optional[fx.Node]:
+    """The input of a SiLU node (function, method or module call), else None."""
+    if node.op == "call_module":
+        is_silu = R.is_silu_module(root.get_submodule(str(node.target)))
+    else:
+        is_silu = node.op in ("call_function", "call_method") and _hashable(node.target) and (
+            node.target in R.SILU_TARGETS or node.target in E.ATEN_SILU
+        )
+    if not is_silu:
+        return None
+    source = node.args[0] if node.args else node.kwargs.get("input")
+    return source if isinstance(source, fx.Node) else None
+
+
+def _gradient_nodes(
+    root: nn.Module, graph: fx.Graph, is_tensor: Callable[[fx.Node], bool]
+) -> Set[fx.Node]:
+    """Float tensors that depend, through float tensors, on a parameter or a float input.
+
+    Everything else (positions, masks, rotary tables from a buffer) carries no gradient and so
+    no scale that unit scaling would have to keep.
+    """
+    found: Set[fx.Node] = set()
+    for node in graph.nodes:
+        if not is_tensor(node):
+            continue
+        if node.op == "placeholder":
+            found.add(node)
+        elif node.op == "get_attr":
+            if isinstance(_get_attr(root, str(node.target)), nn.Parameter):
+                found.add(node)
+        elif node.op == "call_module" and next(
+                root.get_submodule(str(node.target)).parameters(), None) is not None:
+            found.add(node)
+        elif any(n in found for n in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
+def _hashable(target: Any) -> bool:
+    try:
+        hash(target)
+    except TypeError:
+        return False
+    return True
+
+
+def _target_name(target: Any) -> str:
+    return target if isinstance(target, str) else getattr(target, "__name__", repr(target))
+
+
+def _has_tensor_input(node: fx.Node, is_tensor: Callable[[fx.Node], bool]) -> bool:
+    return any(is_tensor(n) for n in node.all_input_nodes)
+
+
+def _get_attr(root: nn.Module, target: str) -> Any:
+    value: Any = root
+    for atom in target.split("."):
+        value = getattr(value, atom)
+    return value
+
+
+def _set_submodule(root: nn.Module, target: str, module: nn.Module) -> None:
+    parent_name, _, child = target.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, child, module)
+
+
+def _position(graph: fx.Graph) -> Callable[[fx.Node], int]:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return lambda n: order[n]
+
+
+def _ancestors(
+    node: fx.Node, follow: Optional[Callable[[fx.Node], bool]] = None
+) -> Set[fx.Node]:
+    """Nodes `node` depends on; with `follow`, only through nodes it accepts (tensor data)."""
+    seen: Set[fx.Node] = set()
+    stack = list(node.all_input_nodes)
+    while stack:
+        current = stack.pop()
+        if current not in seen and (follow is None or follow(current)):
+            seen.add(current)
+            stack.extend(current.all_input_nodes)
+    return seen
+
+
+def _descendants(node: fx.Node) -> Set[fx.Node]:
+    seen: Set[fx.Node] = set()
+    stack = list(node.users)
+    while stack:
+        current = stack.pop()
+        if current not in seen:
+            seen.add(current)
+            stack.extend(current.users)
+    return seen
+
+
+def _between(start: fx.Node, end: fx.Node) -> Set[fx.Node]:
+    """Nodes on some path from `start` to `end`, both excluded."""
+    return (_descendants(start) & _ancestors(end)) - {start, end}
+
+
+def _residual_operands(
+    left: fx.Node, right: fx.Node, is_tensor: Callable[[fx.Node], bool]
+) -> tuple[Optional[fx.Node], Optional[fx.Node]]:
+    """(skip, branch) when one operand's data feeds the other, else (None, None).
+
+    Only tensor data counts: a branch that merely reads the other's shape or device (position
+    ids from the batch's length) is not a residual.
+    """
+    if left in _ancestors(right, is_tensor):
+        return left, right
+    if right in _ancestors(left, is_tensor):
+        return right, left
+    return None, None
+
+
+def _learned_nodes(root: nn.Module, graph: fx.Graph) -> Set[fx.Node]:
+    """Nodes whose value depends on a parameter (through a layer or an attribute read)."""
+    learned: Set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "call_module":
+            module = root.get_submodule(str(node.target))
+            if next(module.parameters(), None) is not None:
+                learned.add(node)
+        elif node.op == "get_attr" and isinstance(_get_attr(root, str(node.target)), Tensor):
+            learned.add(node)
+        if any(n in learned for n in node.all_input_nodes):
+            learned.add(node)
+    return learned
+
+
+def _has_weights(root: nn.Module, node: fx.Node) -> bool:
+    """Does this node apply parameters of its own (a layer, or an attribute it reads)?"""
+    if node.op == "call_module":
+        return next(root.get_submodule(str(node.target)).parameters(), None) is not None
+    return any(
+        n.op == "get_attr" and isinstance(_get_attr(root, str(n.target)), Tensor)
+        for n in node.all_input_nodes
+    )
+
+
+def _is_attention(root: nn.Module, node: fx.Node) -> bool:
+    if node.op == "call_module":
+        module = root.get_submodule(str(node.target))
+        named_attention = "attention" in type(module).__name__.lower()
+        return isinstance(module, _ATTENTION_MODULES) or named_attention
+    return _hashable(node.target) and (
+        node.target in R.ATTENTION_TARGETS or node.target in E.ATEN_ATTENTION
+    )

@@ -1,0 +1,169 @@
+"""The BERT-style encoder and its masked-LM training: masking, padding, unit scales, the
+PopTorch form, and the comparison behind `compare --model bert`."""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+import torch
+
+import ipu_unit_scaling as uu
+from ipu_unit_scaling.encoder import BertStyleEncoder
+from ipu_unit_scaling.ipu import trace_like_poptorch
+from ipu_unit_scaling.mlm import (
+    MLMBatches,
+    MLMConfig,
+    build_encoder,
+    mask_tokens,
+    run_mlm_compare,
+    train_mlm,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+TINY = MLMConfig(hidden_size=32, depth=1, heads=2, seq_len=24, min_len=8, batch_size=8,
+                 steps=30, warmup_steps=5, eval_interval=10, eval_batches=2)
+
+
+def test_masking_follows_bert():
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 50, (4000, 32), generator=gen)
+    real = torch.arange(32)[None, :] < torch.randint(1, 33, (4000, 1), generator=gen)
+    inputs, labels = mask_tokens(ids, real, mask_id=51, vocab=50, mask_prob=0.15, generator=gen)
+    targets = labels != -100
+    assert not (targets & ~real).any()  # padding is never a target
+    assert targets.any(dim=1).all()  # every sequence has one
+    assert torch.equal(labels[targets], ids[targets])
+    # 15% of each row's L real tokens, plus the forced one where none was drawn (0.85**L).
+    lengths = real.sum(dim=1).double()
+    expected = (0.15 * lengths + 0.85**lengths).sum().item()
+    assert targets.sum().item() == pytest.approx(expected, rel=0.02)
+    masked = (inputs == 51) & targets
+    kept = (inputs == ids) & targets
+    assert abs(masked.sum().item() / targets.sum().item() - 0.8) < 0.02
+    # 10% kept, plus the random replacements that drew the same token (1 in 50 of 10%).
+    assert abs(kept.sum().item() / targets.sum().item() - 0.102) < 0.015
+    assert torch.equal(inputs[~targets], ids[~targets])
+
+
+def test_batches_are_padded_to_random_lengths_and_reproducible():
+    tokens = torch.arange(1000) % 40
+    first = MLMBatches(tokens, 40, TINY, seed=3)
+    second = MLMBatches(tokens, 40, TINY, seed=3)
+    for _ in range(3):
+        a, b = first.next(), second.next()
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    inputs, labels = a
+    pads = inputs == first.pad_id
+    lengths = (~pads).sum(dim=1)
+    assert ((lengths >= TINY.min_len) & (lengths <= TINY.seq_len)).all()
+    assert (labels[pads] == -100).all()
+    # Padding is a suffix.
+    assert torch.equal(pads, torch.arange(TINY.seq_len)[None, :] >= lengths[:, None])
+
+
+def _encoder(ops=uu.UNIT_OPS, seed: int = 0) -> BertStyleEncoder:
+    torch.manual_seed(seed)
+    return BertStyleEncoder(60, 64, 2, 4, 32, pad_id=58, ops=ops)
+
+
+def _random_batch(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 58, (16, 32), generator=gen)
+    real = torch.arange(32)[None, :] < torch.randint(16, 33, (16, 1), generator=gen)
+    ids = torch.where(real, ids, torch.full_like(ids, 58))
+    return mask_tokens(ids, real, 59, 58, 0.15, gen)
+
+
+def test_unit_scaled_encoder_gradients_are_unit_plain_ones_tiny():
+    inputs, labels = _random_batch()
+    stds = {}
+    for name, ops in (("unit", uu.UNIT_OPS), ("plain", uu.TORCH_OPS)):
+        model = _encoder(ops)
+        model(inputs, labels).backward()
+        stds[name] = [p.grad.std().item() for p in model.parameters()]
+    assert all(0.5 <= s <= 2 for s in stds["unit"]), stds["unit"]
+    assert statistics.median(stds["plain"]) < 1e-2
+
+
+def test_padding_is_invisible_to_real_tokens():
+    model = _encoder().eval()
+    inputs, _ = _random_batch()
+    row = inputs[:1, :20].clone()
+    row[row == 58] = 7  # twenty real tokens
+    padded = torch.cat([row, torch.full((1, 12), 58)], dim=1)
+    torch.testing.assert_close(model(padded)[:, :20], model(row), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("unit_scaled", [True, False], ids=["unit", "plain"])
+def test_encoder_traced_like_poptorch_has_eager_loss_and_gradients(unit_scaled):
+    model = _encoder(uu.UNIT_OPS if unit_scaled else uu.TORCH_OPS)
+    inputs, labels = _random_batch(1)
+    eager = model(inputs, labels)
+    eager_grads = torch.autograd.grad(eager, list(model.parameters()))
+    trace = trace_like_poptorch(model, inputs, labels)
+    assert trace.report.ok, str(trace.report)
+    traced = trace(inputs, labels)
+    traced_grads = torch.autograd.grad(traced, list(model.parameters()))
+    torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-6)
+    for e, t in zip(eager_grads, traced_grads):
+        torch.testing.assert_close(t, e, rtol=1e-4, atol=1e-6)
+
+
+def test_regimes_build_the_right_model_and_precision():
+    from ipu_unit_scaling.train import FP16Linear
+
+    unit_fp8 = build_encoder(TINY, 40, "unit-fp8")
+    assert any(type(m).__name__ == "FP8UnitScaledLinear" for m in unit_fp8.modules())
+    plain_fp16 = build_encoder(TINY, 40, "fp16")
+    assert any(isinstance(m, FP16Linear) for m in plain_fp16.modules())
+    assert not any(isinstance(m, uu.Linear) for m in plain_fp16.modules())
+
+
+def test_train_mlm_learns_and_writes_its_run(tmp_path):
+    summary = train_mlm(TINY, "unit-fp32", 0, tmp_path / "run")
+    assert summary["status"] == "completed" and summary["steps"] == 30
+    curve = summary["val_curve"]
+    assert [step for step, _, _ in curve] == [10, 20, 30]
+    # Below uniform guessing over the characters, and improving.
+    assert curve[-1][1] < math.log(summary["vocab"]) and curve[-1][1] < curve[0][1]
+    assert 0 < curve[-1][2] < 1
+    rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
+    assert rows[0] == "step,lr,train_loss,val_loss,val_accuracy" and len(rows) == 31
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert saved["final_val_loss"] == curve[-1][1]
+
+
+def test_compare_runs_every_regime_and_seed_and_reuses_finished_runs(tmp_path, capsys):
+    rows = run_mlm_compare(TINY, ["fp32", "unit-fp8"], [0, 1], tmp_path)
+    assert [r["regime"] for r in rows] == ["fp32", "unit-fp8"]
+    assert rows[0]["gap_to_fp32_percent"] == 0 and rows[0]["completed"] == 2
+    assert rows[1]["val_loss"] is not None and rows[1]["gap_std"] is not None
+    table = (tmp_path / "compare.md").read_text()
+    assert "| unit-fp8 | unit-scaled | fp8 static |" in table and "seeds 0, 1" in table
+    data = json.loads((tmp_path / "compare.json").read_text())
+    assert data["seeds"] == [0, 1] and len(data["regimes"]) == 2
+    capsys.readouterr()
+    again = run_mlm_compare(TINY, ["fp32", "unit-fp8"], [0, 1], tmp_path)
+    assert capsys.readouterr().out.count("reusing the finished run") == 4
+    assert again == rows
+
+
+def test_overrides_apply_and_bad_ones_are_named():
+    config = MLMConfig().with_overrides(["mlm.steps=50", "hidden_size=64",
+                                         "mlm.learning_rates.unit-fp8=0.05"])
+    assert config.steps == 50 and config.hidden_size == 64
+    assert config.learning_rates["unit-fp8"] == 0.05
+    with pytest.raises(ValueError, match="not an mlm setting"):
+        MLMConfig().with_overrides(["mlm.stepz=3"])
+    with pytest.raises(ValueError, match="heads"):
+        MLMConfig().with_overrides(["mlm.heads=3"])
