@@ -56,7 +56,8 @@ setup(
     # matplotlib draws the loss curves every run writes: the main job needs it.
     install_requires=["torch>=2.0", "numpy", "pyyaml", "tqdm", "matplotlib"],
     extras_require={
-        "test": ["pytest", "hypothesis", "ml_dtypes", "gfloat", "ruff", "mypy", "types-PyYAML", "transformers"],
+        "test": ["pytest", "hypothesis", "ml_dtypes", "gfloat", "ruff", "mypy", "types-PyYAML",
+                 "transformers"],
         "analysis": [],  # kept so that install lines naming it still work
         "bench": ["unit-scaling"],
     },
