@@ -511,9 +511,9 @@ def attention_value_bias_grad_scale(
     n = max(1, int(key_len))
     if not is_causal:
         return (_expected_softmax_square_sum(float(n), logit_std) / keep) ** 0.5
-    visible = np.arange(1, n + 1, dtype=np.float64)
-    mean_square = keep * float(np.mean(1.0 / _expected_softmax_square_sum(visible, logit_std)))
-    return mean_square**-0.5
+    inverse_sum = sum(1.0 / _expected_softmax_square_sum(float(m), logit_std)
+                      for m in range(1, n + 1))
+    return (keep * inverse_sum / n) ** -0.5
 
 
 # ---------------------------------------------------------------- losses

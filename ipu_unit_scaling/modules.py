@@ -91,7 +91,7 @@ class Linear(nn.Linear):
             nn.init.zeros_(self.bias)
 
     def forward(self, input: Tensor) -> Tensor:
-        bias = self.bias
+        bias: Optional[Tensor] = self.bias
         rule = getattr(self, "attention_value", None)  # absent from instances pickled before it
         if rule is not None and bias is not None and input.dim() >= 2:
             bias = scale_bwd(bias, rule.bias_grad_scale(input.shape[-2]))

@@ -43,12 +43,12 @@ def _attention_call(root: nn.Module, node: fx.Node) -> Optional[Tuple[Dict[str, 
         module = root.get_submodule(str(node.target))
         if not isinstance(module, R.UnitAttention):
             return None
-        arguments = dict(zip(names[:3], node.args))
-        arguments.update(node.kwargs)
-        return arguments, module.dropout_p
+        given: Dict[str, Any] = dict(zip(names[:3], node.args))
+        given.update(node.kwargs)
+        return given, module.dropout_p
     if node.op != "call_function" or node.target is not R.unit_scaled_dot_product_attention:
         return None
-    arguments = dict(zip(names, node.args))
+    arguments: Dict[str, Any] = dict(zip(names, node.args))
     arguments.update(node.kwargs)
     return arguments, arguments.get("dropout_p", 0.0)
 
