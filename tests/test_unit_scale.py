@@ -78,7 +78,7 @@ def test_gpt_conversion_swaps_layers_and_functions() -> None:
     kinds = {type(m) for m in converted.modules()}
     assert {uu.Linear, uu.LayerNorm, uu.Embedding} <= kinds
     assert nn.Linear not in kinds and nn.LayerNorm not in kinds
-    code = converted.code
+    code = converted.graph_module.code
     for name in ("unit_residual_branch", "unit_residual_add", "unit_gelu",
                  "unit_scaled_dot_product_attention", "unit_cross_entropy", "unit_add"):
         assert name in code
@@ -100,7 +100,7 @@ def test_residual_join_is_the_weighted_sum() -> None:
     x = torch.randn(32, 16)
     converted, report = unit_scale_with_report(Block(), (x,), mlp_tau=0.5)
     assert len(report.residuals) == 1
-    fc = converted.get_submodule("inner.fc")
+    fc = converted.graph_module.get_submodule("inner.fc")
     branch = U.linear(x, fc.weight, fc.bias)
     a, b = 0.5 / (1.25**0.5), 1 / (1.25**0.5)
     torch.testing.assert_close(converted(x), a * branch + b * x)
@@ -173,14 +173,14 @@ def test_tensor_factories_with_traced_arguments() -> None:
     converted, report = unit_scale_with_report(model, (ids,))
     assert (torch.arange, torch.full) == originals
     assert not report.untraceable and "add" in report.converted
-    code = converted.code
+    code = converted.graph_module.code
     assert "torch.arange(" in code and "torch.full(" in code
     # Positions follow the input length at run time: every position only sees its own token,
     # so a shorter sequence gives the longer one's prefix.
     shorter = converted(ids[:, :5])
     assert shorter.shape == (3, 5, 16)
     torch.testing.assert_close(shorter, converted(ids)[:, :5])
-    tokens = converted.get_submodule("inner.tokens")
+    tokens = converted.graph_module.get_submodule("inner.tokens")
     assert isinstance(tokens, uu.Embedding)
     with pytest.warns(UnitScaleWarning, match="not traced"):
         unit_scale(plain_gpt())  # without inputs its tracing fails part-way
@@ -214,7 +214,7 @@ def test_mlp_with_skip_connections() -> None:
     x, labels = torch.randn(256, 32), torch.randint(0, 10, (256,))
     converted, report = unit_scale_with_report(model, (x, labels))
     assert len(report.residuals) == 3 and not report.unconverted
-    assert "unit_cross_entropy" in converted.code
+    assert "unit_cross_entropy" in converted.graph_module.code
     assert fraction_unit(track_scales(converted, x, labels)) >= 0.9
     assert fraction_unit(track_scales(model, x, labels)) < 0.5
 
@@ -271,7 +271,7 @@ def test_unconvertible_ops_are_named_in_a_warning() -> None:
         converted = unit_scale(Odd(), (x,))
     message = str(caught[0].message)
     assert "tanh" in message and "conv (Conv1d)" in message
-    assert isinstance(converted.get_submodule("inner.conv"), nn.Conv1d)
+    assert isinstance(converted.graph_module.get_submodule("inner.conv"), nn.Conv1d)
     assert converted(x).shape == (4, 8)
 
 
