@@ -40,6 +40,7 @@ __all__ = [
     "residual_split",
     "residual_add",
     "scaled_dot_product_attention",
+    "attention_value_bias_grad_scale",
     "cross_entropy",
     "mse_loss",
     "rms_norm",
@@ -567,6 +568,35 @@ def _cached_row_scale(*key: Any) -> Union[float, Tensor]:
     return row_scale
 
 
+
+
+@lru_cache(maxsize=256)
+def attention_value_bias_grad_scale(
+    key_len: int, dropout_p: float = 0.0, is_causal: bool = False, logit_std: float = 1.0
+) -> float:
+    """Extra gradient scale for a bias added to the values of `scaled_dot_product_attention`.
+
+    Rule: each row of the attention matrix sums to 1, so a bias b added to every value comes
+    out of attention unchanged, `attention(q, k, v + 1 b^T) = attention(q, k, v) + 1 b^T`, and
+    then meets the row scale r_i = sqrt((1 - dropout_p) / S(m_i)) of query row i (see
+    `scaled_dot_product_attention`). The bias's gradient is therefore sum_i r_i g_i: the
+    gradient of a bias added after attention, sum_i g_i, with every row weighted by r_i (about
+    3.6 for 32 keys). For independent unit g_i its variance is the rows' mean of r_i**2 times
+    theirs, so dividing by that root mean square makes it the gradient the linear's own
+    `batch_size**-0.5` was chosen for. A bias's gradient scale is a cut edge: it changes only
+    that parameter's update, nothing upstream of it.
+
+    Returns `1 / sqrt(mean_i r_i**2)` for self-attention over `key_len` positions: every row
+    sees all keys (m_i = key_len; a padding mask is taken as such), or with `is_causal` row i
+    sees i keys. Dropout keeps a row's sum at 1 on average, so its (1 - p) stays in r_i.
+    """
+    keep = 1.0 - dropout_p
+    n = max(1, int(key_len))
+    if not is_causal:
+        return (_expected_softmax_square_sum(float(n), logit_std) / keep) ** 0.5
+    inverse_sum = sum(1.0 / _expected_softmax_square_sum(float(m), logit_std)
+                      for m in range(1, n + 1))
+    return (keep * inverse_sum / n) ** -0.5
 
 
 # ---------------------------------------------------------------- losses

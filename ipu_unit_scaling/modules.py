@@ -19,11 +19,12 @@ from torch import Tensor, nn
 from . import functional as U
 from . import fused, fused_blocks
 from .constraints import ConstraintArg, SharedInputGmean
-from .scale import scale_fwd
+from .scale import scale_bwd, scale_fwd
 from .tracing import is_ipu_tracing
 
 __all__ = [
     "Linear",
+    "AttentionValueBias",
     "LayerNorm",
     "Embedding",
     "GELU",
@@ -44,8 +45,32 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True)
+class AttentionValueBias:
+    """Marks a linear whose output is only the values of one unit-scaled attention call: its
+    bias's gradient is scaled by `U.attention_value_bias_grad_scale` (see there for the rule).
+
+    The attention's settings that set its row scale: dropout (as in training), causal or not,
+    and the logits' std (`scale * sqrt(head_dim)`, 1 for the default scale).
+    """
+
+    dropout_p: float = 0.0
+    is_causal: bool = False
+    logit_std: float = 1.0
+
+    def bias_grad_scale(self, key_len: int) -> float:
+        return U.attention_value_bias_grad_scale(
+            key_len, self.dropout_p, self.is_causal, self.logit_std
+        )
+
+
 class Linear(nn.Linear):
-    """Unit-scaled `nn.Linear`: weight ~ N(0, 1), zero bias, forward `U.linear`."""
+    """Unit-scaled `nn.Linear`: weight ~ N(0, 1), zero bias, forward `U.linear`.
+
+    `attention_value` (an `AttentionValueBias`, set by `unit_scale` on value projections with a
+    bias): the bias's gradient is also scaled by its `bias_grad_scale`, for a key length read
+    from the input's second-to-last dimension (the positions, as in (batch, keys, features)).
+    """
 
     def __init__(
         self,
@@ -55,8 +80,10 @@ class Linear(nn.Linear):
         device: Any = None,
         dtype: Optional[torch.dtype] = None,
         constraint: ConstraintArg = "gmean",
+        attention_value: Optional[AttentionValueBias] = None,
     ) -> None:
         self.constraint = constraint
+        self.attention_value = attention_value
         super().__init__(in_features, out_features, bias, device, dtype)
 
     def reset_parameters(self) -> None:
@@ -65,7 +92,11 @@ class Linear(nn.Linear):
             nn.init.zeros_(self.bias)
 
     def forward(self, input: Tensor) -> Tensor:
-        return U.linear(input, self.weight, self.bias, self.constraint)
+        bias: Optional[Tensor] = self.bias
+        rule = getattr(self, "attention_value", None)  # absent from instances pickled before it
+        if rule is not None and bias is not None and input.dim() >= 2:
+            bias = scale_bwd(bias, rule.bias_grad_scale(input.shape[-2]))
+        return U.linear(input, self.weight, bias, self.constraint)
 
 
 class LayerNorm(nn.LayerNorm):

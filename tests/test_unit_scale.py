@@ -369,3 +369,111 @@ def test_ops_right_after_a_residual_fork_are_still_checked():
     _, report = unit_scale_with_report(TanhBranch(), (x,))
     assert len(report.residuals) == 1
     assert [u for u in report.unconverted if "tanh" in u], report.unconverted
+
+
+# ---------------------------------------------------------------- value-projection biases
+
+
+class BiasedSelfAttention(nn.Module):
+    """Separate q, k, v projections with biases around the fused attention (as in BERT)."""
+
+    def __init__(self, width: int = 32, heads: int = 2, causal: bool = False) -> None:
+        super().__init__()
+        self.heads, self.causal = heads, causal
+        self.query, self.key, self.value = (nn.Linear(width, width) for _ in range(3))
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, length, width = x.shape
+
+        def split(t: Tensor) -> Tensor:
+            return t.view(batch, length, self.heads, -1).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(split(self.query(x)), split(self.key(x)),
+                                             split(self.value(x)), is_causal=self.causal)
+        return out.transpose(1, 2).reshape(batch, length, width)
+
+
+def _value_bias_gradient(converted: nn.Module, x: Tensor, grad: Tensor) -> Tensor:
+    converted.zero_grad(set_to_none=True)
+    converted(x).backward(grad)
+    return converted.value.bias.grad.clone()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_value_bias_gradient_is_divided_by_the_attention_row_scale(causal):
+    """Rows of the attention matrix sum to 1, so attention(q, k, v + 1 b^T) = attention(q, k, v)
+    + 1 b^T and the value bias's gradient is sum_i r_i g_i, r_i the row scale of query i. The
+    rule divides it by the rows' root-mean-square r. Checked in float64 against that identity,
+    written out: with the rule, without it (the rule off), and in the traced form."""
+    from ipu_unit_scaling.functional import _expected_softmax_square_sum
+    from ipu_unit_scaling.tracing import ipu_tracing
+
+    batch, length, width, heads = 3, 16, 32, 2
+    torch.manual_seed(0)
+    converted = unit_scale(BiasedSelfAttention(width, heads, causal)).double()
+    value = converted.value
+    assert value.attention_value == uu.AttentionValueBias(0.0, causal, 1.0)
+    assert converted.query.attention_value is None  # only the values' linear
+    assert converted.key.attention_value is None
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, length, width, generator=gen, dtype=torch.float64)
+    grad = torch.randn(batch, length, width, generator=gen, dtype=torch.float64)
+
+    # The identity: each query row's gradient times its row scale, summed over the rows the
+    # linear's own bias scale counts (batch * length).
+    visible = torch.arange(1, length + 1, dtype=torch.float64) if causal else \
+        torch.full((length,), float(length), dtype=torch.float64)
+    row_scale = _expected_softmax_square_sum(visible) ** -0.5  # (length,)
+    per_head = grad.view(batch, length, heads, -1)
+    through_rows = (per_head * row_scale[None, :, None, None]).sum(dim=(0, 1)).flatten()
+    unscaled = through_rows * (batch * length) ** -0.5
+    rms_row_scale = row_scale.pow(2).mean().sqrt()
+
+    with_rule = _value_bias_gradient(converted, x, grad)
+    torch.testing.assert_close(with_rule, unscaled / rms_row_scale)
+    if not causal:  # one row scale: the rule gives exactly the gradient of a bias after attention
+        after_attention = per_head.sum(dim=(0, 1)).flatten() * (batch * length) ** -0.5
+        torch.testing.assert_close(with_rule, after_attention)
+    with ipu_tracing():
+        torch.testing.assert_close(_value_bias_gradient(converted, x, grad), with_rule)
+    value.attention_value = None
+    torch.testing.assert_close(_value_bias_gradient(converted, x, grad), unscaled)
+
+
+def test_value_bias_rule_leaves_the_rest_of_the_gradients_alone():
+    """The rule is a cut edge: only the value bias's own gradient changes."""
+    torch.manual_seed(0)
+    converted = unit_scale(BiasedSelfAttention())
+    x = torch.randn(4, 16, 32, requires_grad=True)
+    grads = []
+    for rule in (converted.value.attention_value, None):
+        converted.value.attention_value = rule
+        converted.zero_grad(set_to_none=True)
+        x.grad = None
+        out = converted(x)
+        out.backward(torch.ones_like(out))
+        grads.append({"x": x.grad.clone(), **{n: p.grad.clone()
+                                              for n, p in converted.named_parameters()}})
+    with_rule, without = grads
+    for name in with_rule:
+        if name.endswith("value.bias"):
+            assert not torch.allclose(with_rule[name], without[name])
+        else:
+            torch.testing.assert_close(with_rule[name], without[name], rtol=0, atol=0)
+
+
+def test_value_bias_rule_needs_a_value_only_linear():
+    """A linear whose output also goes elsewhere (here: fused into q, k and v by slicing) is
+    not marked: its bias gradient is not the values' alone."""
+
+    class Fused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(32, 96)
+
+        def forward(self, x: Tensor) -> Tensor:
+            qkv = self.qkv(x).view(4, 16, 3, 2, 16).transpose(1, 3)  # (4, 2, 3, 16, 16)
+            return F.scaled_dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
+
+    converted = unit_scale(Fused())
+    assert converted.qkv.attention_value is None

@@ -263,29 +263,53 @@ def test_bert_is_traced_with_torch_export_and_converts_fully(bert_pair):
 
 
 def test_bert_gradients_after_conversion(bert_pair):
-    """Most gradients reach [0.5, 2], from a plain median near 2^-8. Bidirectional attention
-    keeps the rest out, for reasons that are the model's, not the conversion's: a key bias
-    shifts every logit of a row alike, which softmax ignores (its gradient is exactly 0); a
-    value bias, and a component of the values shared by all positions, pass through
-    attention's average unshrunk and meet the row scale sqrt(1 / S(m)) (about 3.6 for 32
-    keys) that is right for independent values: 2 to 7 times unit for the value projections
-    and the attention output."""
+    """On this draw of the data, at least 90% of the weight gradients and 85% of all parameter
+    gradients reach [0.5, 2] (20 of 22 weights and 37 of 42 parameters, with each of three
+    dropout draws), from a plain median near 2^-8. This is not a margin that holds on every
+    draw: over 8 draws of the data times 3 of dropout, 18 to 22 of the 22 weights (median 20)
+    and 35 to 40 of the 42 parameters. Each parameter outside the band is one of:
+
+    - a key bias: it shifts every logit of a row alike, which softmax ignores, so its
+      gradient is exactly zero (nothing can scale it);
+    - query and key weights or a query bias (0.35 to 0.5, mostly the last layer's): the
+      gradients reaching the query and key projections' outputs come through softmax's
+      Jacobian at 0.42 to 0.63 in both layers (the unit-scaled attention sets the scale of its
+      output and values, not this); layer 0's weight gradients are lifted to 0.5-0.75 because
+      its rows add up coherently (the segment and position embeddings are shared by many
+      rows: ||sum_r x_r g_r^T|| is 1.0-1.4 times the independent-row value), layer 1's are not
+      (0.9-1.1). That is a property of the data and the model at initialisation, with no rule
+      to scale it by;
+    - in some draws, a value projection's weight (2.0 to 2.7): at initialisation each query
+      spreads its gradient almost evenly over the keys, so the rows of the value gradient are
+      alike and sum coherently with the inputs' shared component (1.6-2.1 times).
+
+    Value biases are in the band: `unit_scale` divides their gradient by attention's row scale
+    (`U.attention_value_bias_grad_scale`); without that they were 3.3 to 4.3.
+    """
     model, converted, _, call = bert_pair
+    torch.manual_seed(0)  # attention and hidden dropout are on: the same masks in any test order
     before = gradient_stds(model, **call)
+    torch.manual_seed(0)
     after = gradient_stds(converted, **call)
+    assert len(after) == len(before) == 42
     assert statistics.median(before.values()) < 1e-2
     assert 0.5 <= statistics.median(after.values()) <= 2
-    assert fraction_in_unit_band(after) >= 0.7, after
-    outside = {name for name, std in after.items() if not 0.5 <= std <= 2}
-    for name in outside:
-        std = after[name]
+    weights = {name: std for name, std in after.items() if name.endswith(".weight")}
+    assert len(weights) == 22
+    assert fraction_in_unit_band(weights) >= 0.9, weights
+    assert fraction_in_unit_band(after) >= 0.85, after
+    value_biases = {name: std for name, std in after.items() if name.endswith("value.bias")}
+    assert len(value_biases) == 2 and all(0.5 <= s <= 2 for s in value_biases.values()), after
+    for name, std in after.items():
         if name.endswith("key.bias"):
             assert std < 1e-4, (name, std)
-        else:
-            assert 0.25 < std < 8, (name, std)
-            assert any(part in name for part in (
-                "value", "attention.output", "LayerNorm", "self.query", "self.key",
-                "transform")), name
+        elif not 0.5 <= std <= 2:
+            if name.endswith("value.weight"):
+                assert 2 < std < 3, (name, std)
+            else:
+                assert name.endswith(("self.query.weight", "self.query.bias",
+                                      "self.key.weight")), (name, std)
+                assert 0.3 < std < 0.5, (name, std)
 
 
 def test_bert_original_untouched_deterministic_and_arguments_guarded(bert_pair):

@@ -1,7 +1,7 @@
 """simulate_fp8: swap a model's linear layers (and optionally attention) for FP8 versions."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -26,12 +26,15 @@ class FP8UnitScaledLinear(FP8Linear):
     """
 
     constraint: Optional[str]
+    # The `uu.Linear`'s `AttentionValueBias`, if unit_scale marked it a value projection.
+    attention_value: Any = None
 
     @classmethod
     def from_unit_scaled(cls, linear: nn.Linear, config: Optional[FP8Config] = None,
                          site: str = "linear") -> FP8UnitScaledLinear:
         new = cls.from_linear(linear, config, site)
         new.constraint = linear.constraint  # type: ignore[assignment]
+        new.attention_value = getattr(linear, "attention_value", None)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,7 +55,10 @@ class FP8UnitScaledLinear(FP8Linear):
         y = scale_fwd(y, output_scale)
         if self.bias is not None:
             # Its gradient is a sum over the batch: unit variance after 1/sqrt(batch).
-            y = y + scale_bwd(self.bias, batch_size ** -0.5)
+            bias_scale = batch_size ** -0.5
+            if self.attention_value is not None and x.dim() >= 2:
+                bias_scale *= self.attention_value.bias_grad_scale(x.shape[-2])
+            y = y + scale_bwd(self.bias, bias_scale)
         return y
 
 

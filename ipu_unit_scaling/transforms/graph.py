@@ -1,7 +1,8 @@
 """Graph helpers of `unit_scale`: what a node is, depends on and feeds."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Set
+import math
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch.fx as fx
 from torch import Tensor, nn
@@ -33,6 +34,69 @@ def _share_input_scales(root: nn.Module, graph: fx.Graph) -> None:
             shared = SharedInputGmean(sum(m.out_features for m in readers))
             for module in readers:
                 module.constraint = shared
+
+
+def _attention_call(root: nn.Module, node: fx.Node) -> Optional[Tuple[Dict[str, Any], float]]:
+    """A converted attention call's arguments by name, and its dropout; None for another node."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale")
+    if node.op == "call_module":
+        module = root.get_submodule(str(node.target))
+        if not isinstance(module, R.UnitAttention):
+            return None
+        given: Dict[str, Any] = dict(zip(names[:3], node.args))
+        given.update(node.kwargs)
+        return given, module.dropout_p
+    if node.op != "call_function" or node.target is not R.unit_scaled_dot_product_attention:
+        return None
+    arguments: Dict[str, Any] = dict(zip(names, node.args))
+    arguments.update(node.kwargs)
+    return arguments, arguments.get("dropout_p", 0.0)
+
+
+def _mark_attention_values(root: nn.Module, graph: fx.Graph) -> None:
+    """Value projections with a bias: `AttentionValueBias`, the rule that divides their bias
+    gradient by attention's row scale (see `U.attention_value_bias_grad_scale`).
+
+    A `uu.Linear` called once, whose output reaches the `value` of one unit-scaled attention
+    call through shape ops only (view, transpose, ...) and nowhere else. The attention must
+    have a known logit scale (the default, or `scale` with the head size known from the traced
+    shapes) and a dropout, causal flag and scale that are constants of the graph.
+    """
+    calls: Dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[str(node.target)] = calls.get(str(node.target), 0) + 1
+    for node in graph.nodes:
+        found = _attention_call(root, node)
+        if found is None:
+            continue
+        arguments, dropout_p = found
+        is_causal, scale = arguments.get("is_causal", False), arguments.get("scale")
+        if any(isinstance(a, fx.Node) for a in (dropout_p, is_causal, scale)):
+            continue
+        logit_std = 1.0
+        if scale is not None:
+            value = getattr(arguments.get("query"), "meta", {}).get("val")
+            head_dim = value.shape[-1] if isinstance(value, Tensor) else None
+            if not isinstance(head_dim, int):
+                continue
+            logit_std = float(scale) * math.sqrt(head_dim)
+        source = arguments.get("value")
+        while isinstance(source, fx.Node) and len(source.users) == 1 and source.args \
+                and isinstance(source.args[0], fx.Node) and _is_shape_op(source):
+            source = source.args[0]
+        if not isinstance(source, fx.Node) or source.op != "call_module" \
+                or len(source.users) != 1 or calls[str(source.target)] != 1:
+            continue
+        module = root.get_submodule(str(source.target))
+        if type(module) is uu.Linear and module.bias is not None:
+            module.attention_value = uu.AttentionValueBias(
+                float(dropout_p), bool(is_causal), logit_std)
+
+
+def _is_shape_op(node: fx.Node) -> bool:
+    return node.op in ("call_function", "call_method") and _hashable(node.target) and (
+        node.target in R.SHAPE_TARGETS or E.is_aten_shape_op(node.target))
 
 
 def _first_line(error: BaseException) -> str:
