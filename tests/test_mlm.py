@@ -115,8 +115,11 @@ def test_encoder_traced_like_poptorch_has_eager_loss_and_gradients(unit_scaled):
     traced = trace(inputs, labels)
     traced_grads = torch.autograd.grad(traced, list(model.parameters()))
     torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-6)
+    # Unit-scaled gradients are of order 1: an absolute 1e-5 is a relative 1e-5 at the tensor's
+    # scale. Eager folds scales into the GEMMs, the trace multiplies after them; elements near
+    # cancellation differ by float32 rounding (torch 2.0.1 shows one of 4096 at 1.6e-6).
     for e, t in zip(eager_grads, traced_grads):
-        torch.testing.assert_close(t, e, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(t, e, rtol=1e-4, atol=1e-5)
 
 
 def test_regimes_build_the_right_model_and_precision():

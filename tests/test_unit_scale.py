@@ -477,3 +477,27 @@ def test_value_bias_rule_needs_a_value_only_linear():
 
     converted = unit_scale(Fused())
     assert converted.qkv.attention_value is None
+
+
+@pytest.mark.parametrize("host_library", [True, False], ids=["values path", "codes path"])
+def test_value_bias_rule_survives_simulate_fp8(host_library, monkeypatch):
+    """The FP8 linear of a marked value projection scales its bias gradient by the same rule,
+    on the CPU's values path and on the codes path: the bias gradient is a sum of the
+    unquantised output gradient, so it equals the FP32 model's."""
+    import copy
+
+    from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
+    from ipu_unit_scaling.fp8 import simulate as fp8_simulate
+
+    if not host_library:  # the codes path: what runs off the CPU fast path
+        monkeypatch.setattr(fp8_simulate, "values_path_applies", lambda *args: False)
+    torch.manual_seed(0)
+    converted = unit_scale(BiasedSelfAttention())
+    fp8 = simulate_fp8(copy.deepcopy(converted), FP8Config(scaling="static"))
+    assert type(fp8.value).__name__ == "FP8UnitScaledLinear"
+    assert fp8.value.attention_value == converted.value.attention_value
+    x, grad = torch.randn(4, 16, 32), torch.randn(4, 16, 32)
+    expected = _value_bias_gradient(converted, x, grad)
+    torch.testing.assert_close(_value_bias_gradient(fp8, x, grad), expected)
+    converted.value.attention_value = None
+    assert not torch.allclose(_value_bias_gradient(converted, x, grad), expected)

@@ -45,19 +45,19 @@ class FP8UnitScaledLinear(FP8Linear):
         batch_size = max(1, x.numel() // x.shape[-1])
         output_scale, grad_input_scale, grad_weight_scale = U.linear_scales(
             self.in_features, self.out_features, batch_size, self.constraint)
+        # Its gradient is a sum over the batch: unit variance after 1/sqrt(batch).
+        bias_scale = batch_size ** -0.5
+        if self.attention_value is not None and x.dim() >= 2:
+            bias_scale *= self.attention_value.bias_grad_scale(x.shape[-2])
         if values_path_applies(x, self.weight, self.bias, self.use_scaled_mm):
             # One autograd node: the scales ride in the GEMMs around the FP8 values.
-            scales = (output_scale, grad_input_scale, grad_weight_scale, batch_size ** -0.5)
+            scales = (output_scale, grad_input_scale, grad_weight_scale, bias_scale)
             return fp8_linear_values(x, self.weight, self.bias, self.config, self.site, scales)
         x = scale_bwd(x, grad_input_scale)
         weight = scale_bwd(self.weight, grad_weight_scale)
         y = fp8_linear(x, weight, None, self.config, self.site, self.use_scaled_mm)
         y = scale_fwd(y, output_scale)
         if self.bias is not None:
-            # Its gradient is a sum over the batch: unit variance after 1/sqrt(batch).
-            bias_scale = batch_size ** -0.5
-            if self.attention_value is not None and x.dim() >= 2:
-                bias_scale *= self.attention_value.bias_grad_scale(x.shape[-2])
             y = y + scale_bwd(self.bias, bias_scale)
         return y
 
