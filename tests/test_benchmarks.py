@@ -107,6 +107,10 @@ def test_compiled_rows_say_why_where_torch_compile_cannot_run(monkeypatch):
         assert row.value is None and row.status == "skipped"
         assert row.note == f"torch.compile unavailable: {refusal}"
     assert results.row("step_eager_ours").value is not None
+    # The published simulate_fp8 goes through TorchDynamo too: skipped with the reason.
+    published_fp8 = results.row("fp8_static_published")
+    assert published_fp8.value is None and published_fp8.status == "skipped"
+    assert refusal in published_fp8.note or published_fp8.note == "unit-scaling not installed"
 
 
 def test_status_follows_the_target(tiny_run):
