@@ -1,7 +1,7 @@
 """The eager forms of the unit-scaled ops that sit on a training step's hot path.
 
 Each op is one autograd Function whose fixed scales ride along with work the op does anyway:
-a GEMM takes its scale as ``alpha`` (``addmm`` / ``baddbmm``), a fresh output is scaled in
+a GEMM takes its scale as ``alpha`` (``addmm``), a fresh output is scaled in
 place, a gradient is scaled where it is produced. Built from ``scale()`` instead, the same op
 costs a scaled copy of the weight, a node per scale and an elementwise pass per multiply.
 
@@ -94,12 +94,14 @@ def _zero(like: Tensor) -> Tensor:
 
 
 def scaled_mm(a: Tensor, b: Tensor, alpha: float) -> Tensor:
-    """``alpha * (a @ b)``: the scale goes into the GEMM where there is one (2-D, or 3-D with
-    equal batches), else into the fresh product in place."""
+    """``alpha * (a @ b)``: the scale goes into the GEMM where there is one (2-D), else into
+    the fresh product in place.
+
+    Not ``baddbmm(..., beta=0)`` for 3-D: torch 2.0's small-matrix CPU kernel multiplies its
+    uninitialised output by beta, so garbage NaNs leak into the result now and then.
+    """
     if a.dim() == 2 and b.dim() == 2:
         return torch.addmm(_zero(a), a, b, beta=0, alpha=alpha)
-    if a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0]:
-        return torch.baddbmm(_zero(a), a, b, beta=0, alpha=alpha)
     return torch.matmul(a, b).mul_(alpha)
 
 
