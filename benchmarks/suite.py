@@ -235,8 +235,6 @@ def _no_host_note() -> str:
 
 def _second_shape_rows(results: Results, settings: Settings) -> None:
     """Eager unit-scaling and FP8 overheads on a second, larger shape, in one group."""
-    from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
-
     shape = settings.second_shape
     where = "" if shape is None else f" ({_shape_words(shape)})"
     labels = [("step_eager_ours_second", f"Training step, eager: ours / torch{where}",
@@ -247,6 +245,18 @@ def _second_shape_rows(results: Results, settings: Settings) -> None:
         for key, label, target in labels:
             _skip(results, key, label, target, "no second shape in this run")
         return
+    timings = _torch_ours_static(shape, settings.rounds, settings, results, "second shape")
+    (key, label, target), (fp8_key, fp8_label, fp8_target) = labels
+    results.rows.append(_timed(key, label, timings, "ours", "torch", target))
+    results.rows.append(_timed(fp8_key, fp8_label, timings, "static", "ours", fp8_target))
+
+
+def _torch_ours_static(shape: Shape, rounds: int, settings: Settings, results: Results,
+                       step_prefix: str) -> Timings:
+    """Plain torch, ours and ours in static FP8 on `shape`, timed interleaved; their median
+    step times are recorded under `step_prefix`."""
+    from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
+
     batch = make_batch(shape)
     steps = {
         "torch": make_train_step(build_model(TORCH, shape), batch),
@@ -254,13 +264,10 @@ def _second_shape_rows(results: Results, settings: Settings) -> None:
         "static": make_train_step(
             simulate_fp8(build_model(OURS, shape), FP8Config(scaling="static")), batch),
     }
-    timings = time_interleaved(steps, settings.rounds, settings.min_run_time,
-                               clock=settings.clock)
+    timings = time_interleaved(steps, rounds, settings.min_run_time, clock=settings.clock)
     for name in steps:
-        results.step_ms[f"second shape {name}"] = timings.median_ms(name)
-    (key, label, target), (fp8_key, fp8_label, fp8_target) = labels
-    results.rows.append(_timed(key, label, timings, "ours", "torch", target))
-    results.rows.append(_timed(fp8_key, fp8_label, timings, "static", "ours", fp8_target))
+        results.step_ms[f"{step_prefix} {name}"] = timings.median_ms(name)
+    return timings
 
 
 def _shape_words(shape: Shape) -> str:
@@ -270,7 +277,6 @@ def _shape_words(shape: Shape) -> str:
 
 def _sweep_rows(results: Results, settings: Settings) -> None:
     """How the unit-scaling and FP8 overheads change with the width (information only)."""
-    from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
 
     base = settings.sweep_shape
     if base is None or not settings.sweep_widths:
@@ -278,17 +284,8 @@ def _sweep_rows(results: Results, settings: Settings) -> None:
     for width in settings.sweep_widths:
         shape = Shape(base.vocab_size, base.seq_len, base.depth, width, base.heads,
                       base.batch_size)
-        batch = make_batch(shape)
-        steps = {
-            "torch": make_train_step(build_model(TORCH, shape), batch),
-            "ours": make_train_step(build_model(OURS, shape), batch),
-            "static": make_train_step(
-                simulate_fp8(build_model(OURS, shape), FP8Config(scaling="static")), batch),
-        }
-        timings = time_interleaved(steps, settings.sweep_rounds, settings.min_run_time,
-                                   clock=settings.clock)
-        for name in steps:
-            results.step_ms[f"width {width} {name}"] = timings.median_ms(name)
+        timings = _torch_ours_static(shape, settings.sweep_rounds, settings, results,
+                                     f"width {width}")
         where = f"width {width} ({_shape_words(shape)})"
         results.rows.append(_timed(f"sweep_unit_{width}", f"Sweep, eager: ours / torch, {where}",
                                    timings, "ours", "torch"))
