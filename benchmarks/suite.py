@@ -277,7 +277,6 @@ def _shape_words(shape: Shape) -> str:
 
 def _sweep_rows(results: Results, settings: Settings) -> None:
     """How the unit-scaling and FP8 overheads change with the width (information only)."""
-
     base = settings.sweep_shape
     if base is None or not settings.sweep_widths:
         return
