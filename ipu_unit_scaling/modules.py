@@ -24,7 +24,7 @@ from .tracing import is_ipu_tracing
 
 __all__ = [
     "Linear",
-    "AttentionValueBias",
+    "AttentionProjection",
     "LayerNorm",
     "Embedding",
     "GELU",
@@ -46,30 +46,49 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class AttentionValueBias:
-    """Marks a linear whose output is only the values of one unit-scaled attention call: its
-    bias's gradient is scaled by `U.attention_value_bias_grad_scale` (see there for the rule).
+class AttentionProjection:
+    """Marks a linear whose output is only the queries, keys or values (`role`) of one
+    unit-scaled attention call, for the gradient rules that attention sets on that linear's
+    parameters (cut edges: nothing upstream changes):
 
-    The attention's settings that set its row scale: dropout (as in training), causal or not,
-    and the logits' std (`scale * sqrt(head_dim)`, 1 for the default scale).
+    - queries and keys: weight and bias gradients times `U.attention_query_key_grad_scale`
+      (the gradient through softmax's Jacobian falls short of unit, most for few keys);
+    - values: the bias gradient times `U.attention_value_bias_grad_scale` (a value bias meets
+      attention's row scale).
+
+    The attention's settings that set these: dropout (as in training), causal or not, and the
+    logits' std (`scale * sqrt(head_dim)`, 1 for the default scale).
     """
 
+    role: str
     dropout_p: float = 0.0
     is_causal: bool = False
     logit_std: float = 1.0
 
+    def __post_init__(self) -> None:
+        if self.role not in ("query", "key", "value"):
+            raise ValueError(f"role must be 'query', 'key' or 'value', got {self.role!r}")
+
+    def weight_grad_scale(self, key_len: int) -> float:
+        if self.role == "value":
+            return 1.0
+        return U.attention_query_key_grad_scale(key_len, self.is_causal, self.logit_std)
+
     def bias_grad_scale(self, key_len: int) -> float:
-        return U.attention_value_bias_grad_scale(
-            key_len, self.dropout_p, self.is_causal, self.logit_std
-        )
+        if self.role == "value":
+            return U.attention_value_bias_grad_scale(
+                key_len, self.dropout_p, self.is_causal, self.logit_std
+            )
+        return self.weight_grad_scale(key_len)
 
 
 class Linear(nn.Linear):
     """Unit-scaled `nn.Linear`: weight ~ N(0, 1), zero bias, forward `U.linear`.
 
-    `attention_value` (an `AttentionValueBias`, set by `unit_scale` on value projections with a
-    bias): the bias's gradient is also scaled by its `bias_grad_scale`, for a key length read
-    from the input's second-to-last dimension (the positions, as in (batch, keys, features)).
+    `attention_projection` (an `AttentionProjection`, set by `unit_scale` on a linear that only
+    feeds an attention call's queries, keys or values): its weight and bias gradients are also
+    scaled by the rule's `weight_grad_scale` and `bias_grad_scale`, for a key length read from
+    the input's second-to-last dimension (the positions, as in (batch, keys, features)).
     """
 
     def __init__(
@@ -80,10 +99,10 @@ class Linear(nn.Linear):
         device: Any = None,
         dtype: Optional[torch.dtype] = None,
         constraint: ConstraintArg = "gmean",
-        attention_value: Optional[AttentionValueBias] = None,
+        attention_projection: Optional[AttentionProjection] = None,
     ) -> None:
         self.constraint = constraint
-        self.attention_value = attention_value
+        self.attention_projection = attention_projection
         super().__init__(in_features, out_features, bias, device, dtype)
 
     def reset_parameters(self) -> None:
@@ -92,11 +111,18 @@ class Linear(nn.Linear):
             nn.init.zeros_(self.bias)
 
     def forward(self, input: Tensor) -> Tensor:
+        weight: Tensor = self.weight
         bias: Optional[Tensor] = self.bias
-        rule = getattr(self, "attention_value", None)  # absent from instances pickled before it
-        if rule is not None and bias is not None and input.dim() >= 2:
-            bias = scale_bwd(bias, rule.bias_grad_scale(input.shape[-2]))
-        return U.linear(input, self.weight, bias, self.constraint)
+        # Absent from instances pickled before it.
+        rule = getattr(self, "attention_projection", None)
+        if rule is not None and input.dim() >= 2:
+            key_len = input.shape[-2]
+            weight_scale = rule.weight_grad_scale(key_len)
+            if weight_scale != 1.0:
+                weight = scale_bwd(weight, weight_scale)
+            if bias is not None:
+                bias = scale_bwd(bias, rule.bias_grad_scale(key_len))
+        return U.linear(input, weight, bias, self.constraint)
 
 
 class LayerNorm(nn.LayerNorm):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Callable, List, Sequence, Tuple
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -225,6 +226,41 @@ def test_attention_with_boolean_mask_and_dropout_is_unit():
     )
     assert_unit(out_std, what="masked attention output")
     assert_unit(v, what="masked attention grad v")
+
+
+@pytest.mark.parametrize("logit_std", [0.5, 1.5, 2.0, 3.0])
+@pytest.mark.parametrize("masking", ["none", "causal", "mask"])
+def test_attention_is_unit_for_any_logit_std(logit_std, masking):
+    """With `scale` set, the logits' std is scale * sqrt(head_dim); the row scale follows it
+    (above std 1 from the quadrature: the closed form is off by x1.5 at 1.5 and x4 at 2)."""
+    seq, head_dim = 64, 32
+    mask = torch.rand(seq, seq, generator=torch.Generator().manual_seed(3)) < 0.5
+    mask |= torch.eye(seq, dtype=torch.bool)
+    arguments = {"none": {}, "causal": {"is_causal": True}, "mask": {"attn_mask": mask}}[masking]
+    scale = logit_std / head_dim**0.5
+    out_std, (_, _, v) = run_op(
+        lambda q, k, v: U.scaled_dot_product_attention(q, k, v, scale=scale, **arguments),
+        [(8, 4, seq, head_dim)] * 3,
+    )
+    assert_unit(out_std, what="attention output")
+    assert_unit(v, what="attention grad v")
+
+
+def test_softmax_square_sum_closed_form_is_within_5_percent_up_to_logit_std_1():
+    from ipu_unit_scaling._softmax_moments import softmax_moments
+    from ipu_unit_scaling.functional import _expected_softmax_square_sum
+
+    keys = np.arange(1, 2049, dtype=np.float64)
+    for logit_std in (0.25, 0.5, 0.75, 1.0):
+        exact = softmax_moments(2048, logit_std)[0]
+        ratio = _expected_softmax_square_sum(keys, logit_std) / exact
+        assert 0.95 <= ratio.min() and ratio.max() <= 1.05, logit_std
+    # Above 1 the function returns the quadrature's values, for numbers and tensors alike.
+    exact = softmax_moments(100, 2.0)[0]
+    assert _expected_softmax_square_sum(37.0, 2.0) == exact[36]
+    counts = torch.tensor([[1.0], [37.0], [100.0]])
+    np.testing.assert_allclose(_expected_softmax_square_sum(counts, 2.0, 100).flatten().numpy(),
+                               exact[[0, 36, 99]], rtol=1e-6)
 
 
 def test_attention_output_matches_torch_up_to_row_scale():

@@ -412,9 +412,9 @@ def test_value_bias_gradient_is_divided_by_the_attention_row_scale(causal):
     torch.manual_seed(0)
     converted = unit_scale(BiasedSelfAttention(width, heads, causal)).double()
     value = converted.value
-    assert value.attention_value == uu.AttentionValueBias(0.0, causal, 1.0)
-    assert converted.query.attention_value is None  # only the values' linear
-    assert converted.key.attention_value is None
+    assert value.attention_projection == uu.AttentionProjection("value", 0.0, causal, 1.0)
+    assert converted.query.attention_projection == uu.AttentionProjection("query", 0.0, causal)
+    assert converted.key.attention_projection == uu.AttentionProjection("key", 0.0, causal)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(batch, length, width, generator=gen, dtype=torch.float64)
     grad = torch.randn(batch, length, width, generator=gen, dtype=torch.float64)
@@ -436,7 +436,7 @@ def test_value_bias_gradient_is_divided_by_the_attention_row_scale(causal):
         torch.testing.assert_close(with_rule, after_attention)
     with ipu_tracing():
         torch.testing.assert_close(_value_bias_gradient(converted, x, grad), with_rule)
-    value.attention_value = None
+    value.attention_projection = None
     torch.testing.assert_close(_value_bias_gradient(converted, x, grad), unscaled)
 
 
@@ -446,8 +446,8 @@ def test_value_bias_rule_leaves_the_rest_of_the_gradients_alone():
     converted = unit_scale(BiasedSelfAttention())
     x = torch.randn(4, 16, 32, requires_grad=True)
     grads = []
-    for rule in (converted.value.attention_value, None):
-        converted.value.attention_value = rule
+    for rule in (converted.value.attention_projection, None):
+        converted.value.attention_projection = rule
         converted.zero_grad(set_to_none=True)
         x.grad = None
         out = converted(x)
@@ -476,7 +476,7 @@ def test_value_bias_rule_needs_a_value_only_linear():
             return F.scaled_dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])
 
     converted = unit_scale(Fused())
-    assert converted.qkv.attention_value is None
+    assert converted.qkv.attention_projection is None
 
 
 @pytest.mark.parametrize("host_library", [True, False], ids=["values path", "codes path"])
@@ -495,9 +495,156 @@ def test_value_bias_rule_survives_simulate_fp8(host_library, monkeypatch):
     converted = unit_scale(BiasedSelfAttention())
     fp8 = simulate_fp8(copy.deepcopy(converted), FP8Config(scaling="static"))
     assert type(fp8.value).__name__ == "FP8UnitScaledLinear"
-    assert fp8.value.attention_value == converted.value.attention_value
+    assert fp8.value.attention_projection == converted.value.attention_projection
     x, grad = torch.randn(4, 16, 32), torch.randn(4, 16, 32)
     expected = _value_bias_gradient(converted, x, grad)
     torch.testing.assert_close(_value_bias_gradient(fp8, x, grad), expected)
-    converted.value.attention_value = None
+    converted.value.attention_projection = None
     assert not torch.allclose(_value_bias_gradient(converted, x, grad), expected)
+
+
+# ---------------------------------------------------------------- query and key projections
+
+
+@pytest.mark.parametrize("logit_std", [0.5, 1.0, 2.0])
+def test_softmax_moments_by_quadrature_match_monte_carlo(logit_std):
+    """E[sum p**2], E[sum p**3] and E[(sum p**2)**2] for the softmax of m independent normal
+    logits, from the quadrature, against sampling in float64 (an independent estimate), and
+    exactly 1 for one key."""
+    from ipu_unit_scaling._softmax_moments import softmax_moments
+
+    moments = softmax_moments(200, logit_std)
+    for values in moments:
+        assert values[0] == pytest.approx(1.0, abs=1e-9)
+    gen = torch.Generator().manual_seed(0)
+    # The wider the logits, the heavier the tails of p**3 and p**4: more samples.
+    samples = 2**21 if logit_std <= 1 else 2**23
+    for keys in (2, 3, 8, 32, 200):
+        p = torch.softmax(logit_std * torch.randn(samples // keys, keys, generator=gen,
+                                                  dtype=torch.float64), dim=-1)
+        square_sum = p.pow(2).sum(-1)
+        sampled = (square_sum.mean(), p.pow(3).sum(-1).mean(), square_sum.pow(2).mean())
+        for computed, estimate in zip(moments, sampled):
+            assert computed[keys - 1] == pytest.approx(estimate.item(), rel=0.03), keys
+
+
+@pytest.mark.parametrize("keys,causal,logit_std", [(2, False, 1.0), (8, False, 1.0),
+                                                   (32, False, 1.0), (8, False, 2.0),
+                                                   (16, True, 1.0)])
+def test_query_key_grad_scale_is_the_inverse_gradient_std_of_unit_attention(keys, causal,
+                                                                           logit_std):
+    """The rule's derivation, checked on autograd: the query and key gradients of
+    `U.scaled_dot_product_attention` with independent unit q, k, v and output gradient (float64,
+    about 2**17 elements each) have std 1 / `attention_query_key_grad_scale`, within sampling
+    error and the 1/head_dim terms the rule leaves out."""
+    gen = torch.Generator().manual_seed(0)
+    head_dim = 64
+    shape = (2**17 // (keys * head_dim), 1, keys, head_dim)
+    q, k, v = (torch.randn(shape, generator=gen, dtype=torch.float64, requires_grad=True)
+               for _ in range(3))
+    scale = logit_std / head_dim**0.5
+    out = U.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    out.backward(torch.randn(out.shape, generator=gen, dtype=torch.float64))
+    expected = 1 / U.attention_query_key_grad_scale(keys, causal, logit_std)
+    assert q.grad.std().item() == pytest.approx(expected, rel=0.05)
+    assert k.grad.std().item() == pytest.approx(expected, rel=0.05)
+    # Far from 1 for few keys: the rule is doing something there.
+    if keys <= 8 and logit_std == 1.0:
+        assert expected < 0.8
+
+
+def test_query_key_grad_scale_edge_cases():
+    assert U.attention_query_key_grad_scale(1) == 1.0  # one key: the gradient is exactly 0
+    assert U.attention_query_key_grad_scale(1, is_causal=True) == 1.0
+    assert U.attention_query_key_grad_scale(4, logit_std=0.0) == 1.0
+    # Many keys: attention's Jacobian loses nothing to the centring.
+    assert U.attention_query_key_grad_scale(4096) == pytest.approx(1.0, abs=0.005)
+    # Causal rows see 1..n keys: the first rows' gradients are smaller, so the scale is larger.
+    assert U.attention_query_key_grad_scale(16, True) > U.attention_query_key_grad_scale(16)
+    with pytest.raises(ValueError, match="role"):
+        uu.AttentionProjection("output")
+
+
+def _projection_gradients(model: nn.Module, x: Tensor, grad: Tensor) -> dict:
+    model.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    model(x).backward(grad)
+    return {"x": x.grad, **{n: p.grad.clone() for n, p in model.named_parameters()}}
+
+
+class UnitProjectionAttention(nn.Module):
+    """Self-attention with unit-scaled projections that each keep unit outputs (constraint
+    None), marked as `unit_scale` marks them: the rule's own setting."""
+
+    def __init__(self, width: int, heads: int, causal: bool) -> None:
+        super().__init__()
+        self.heads, self.causal = heads, causal
+        self.query, self.key, self.value = (
+            uu.Linear(width, width, constraint=None,
+                      attention_projection=uu.AttentionProjection(role, is_causal=causal))
+            for role in ("query", "key", "value"))
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, length, width = x.shape
+
+        def split(t: Tensor) -> Tensor:
+            return t.view(batch, length, self.heads, -1).transpose(1, 2)
+
+        out = U.scaled_dot_product_attention(split(self.query(x)), split(self.key(x)),
+                                             split(self.value(x)), is_causal=self.causal)
+        return out.transpose(1, 2).reshape(batch, length, width)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_query_key_rule_makes_weight_gradients_unit_and_is_a_cut_edge(causal):
+    """With independent unit inputs and output gradient, the query and key projections' weight
+    gradients are unit with the rule and short of it without (8 keys: about 0.76 without).
+    Only those two projections' own gradients change, by exactly the rule's factor."""
+    torch.manual_seed(0)
+    model = UnitProjectionAttention(width=64, heads=4, causal=causal)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(512, 8, 64, generator=gen)
+    grad = torch.randn(512, 8, 64, generator=gen)
+    with_rule = _projection_gradients(model, x, grad)
+    for name in ("query", "key"):
+        getattr(model, name).attention_projection = None
+    without = _projection_gradients(model, x, grad)
+    factor = U.attention_query_key_grad_scale(8, causal)
+    assert factor > 1.25
+    for name in with_rule:
+        if name.startswith(("query.", "key.")):
+            torch.testing.assert_close(with_rule[name], without[name] * factor)
+        else:
+            torch.testing.assert_close(with_rule[name], without[name], rtol=0, atol=0)
+    for name in ("query.weight", "key.weight"):
+        assert with_rule[name].std().item() == pytest.approx(1.0, abs=0.08), name
+        assert without[name].std().item() < 0.85, name
+
+
+def test_query_key_rule_in_the_traced_form_and_through_simulate_fp8():
+    """The same gradients under `ipu_tracing()` (the PopTorch form), and the FP8 linear of a
+    marked projection applies the same factor (its gradient with the rule off, times it)."""
+    import copy
+
+    from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
+    from ipu_unit_scaling.tracing import ipu_tracing
+
+    torch.manual_seed(0)
+    converted = unit_scale(BiasedSelfAttention()).double()
+    x = torch.randn(4, 16, 32, dtype=torch.float64)
+    grad = torch.randn(4, 16, 32, dtype=torch.float64)
+    eager = _projection_gradients(converted, x, grad)
+    with ipu_tracing():
+        traced = _projection_gradients(converted, x, grad)
+    for name in eager:
+        torch.testing.assert_close(traced[name], eager[name])
+
+    converted = converted.float()
+    fp8 = simulate_fp8(copy.deepcopy(converted), FP8Config(scaling="static"))
+    assert fp8.query.attention_projection == converted.query.attention_projection
+    x, grad = x.float(), grad.float()
+    with_rule = _projection_gradients(fp8, x, grad)["query.weight"]
+    fp8.query.attention_projection = None
+    without = _projection_gradients(fp8, x, grad)["query.weight"]
+    factor = U.attention_query_key_grad_scale(16)
+    torch.testing.assert_close(with_rule, without * factor, rtol=1e-5, atol=1e-6)

@@ -26,15 +26,15 @@ class FP8UnitScaledLinear(FP8Linear):
     """
 
     constraint: Optional[str]
-    # The `uu.Linear`'s `AttentionValueBias`, if unit_scale marked it a value projection.
-    attention_value: Any = None
+    # The `uu.Linear`'s `AttentionProjection`, if unit_scale marked it an attention projection.
+    attention_projection: Any = None
 
     @classmethod
     def from_unit_scaled(cls, linear: nn.Linear, config: Optional[FP8Config] = None,
                          site: str = "linear") -> FP8UnitScaledLinear:
         new = cls.from_linear(linear, config, site)
         new.constraint = linear.constraint  # type: ignore[assignment]
-        new.attention_value = getattr(linear, "attention_value", None)
+        new.attention_projection = getattr(linear, "attention_projection", None)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -47,8 +47,10 @@ class FP8UnitScaledLinear(FP8Linear):
             self.in_features, self.out_features, batch_size, self.constraint)
         # Its gradient is a sum over the batch: unit variance after 1/sqrt(batch).
         bias_scale = batch_size ** -0.5
-        if self.attention_value is not None and x.dim() >= 2:
-            bias_scale *= self.attention_value.bias_grad_scale(x.shape[-2])
+        rule = self.attention_projection
+        if rule is not None and x.dim() >= 2:
+            grad_weight_scale *= rule.weight_grad_scale(x.shape[-2])
+            bias_scale *= rule.bias_grad_scale(x.shape[-2])
         if values_path_applies(x, self.weight, self.bias, self.use_scaled_mm):
             # One autograd node: the scales ride in the GEMMs around the FP8 values.
             scales = (output_scale, grad_input_scale, grad_weight_scale, bias_scale)

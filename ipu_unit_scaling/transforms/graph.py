@@ -53,14 +53,18 @@ def _attention_call(root: nn.Module, node: fx.Node) -> Optional[Tuple[Dict[str, 
     return arguments, arguments.get("dropout_p", 0.0)
 
 
-def _mark_attention_values(root: nn.Module, graph: fx.Graph) -> None:
-    """Value projections with a bias: `AttentionValueBias`, the rule that divides their bias
-    gradient by attention's row scale (see `U.attention_value_bias_grad_scale`).
+def _mark_attention_projections(root: nn.Module, graph: fx.Graph) -> None:
+    """Query, key and value projections: `uu.AttentionProjection`, the gradient rules that
+    attention sets on their parameters (see `U.attention_query_key_grad_scale` and
+    `U.attention_value_bias_grad_scale`).
 
-    A `uu.Linear` called once, whose output reaches the `value` of one unit-scaled attention
-    call through shape ops only (view, transpose, ...) and nowhere else. The attention must
-    have a known logit scale (the default, or `scale` with the head size known from the traced
-    shapes) and a dropout, causal flag and scale that are constants of the graph.
+    A `uu.Linear` called once, whose output reaches one argument (`query`, `key` or `value`) of
+    one unit-scaled attention call through shape ops only (view, transpose, ...) and nowhere
+    else; a value projection only with a bias (the values' rule is for the bias). The attention
+    must have a known logit scale (the default, or `scale` with the head size known from the
+    traced shapes) and a dropout, causal flag and scale that are constants of the graph. With
+    grouped-query attention a key or value head serves G query heads and its gradients stay
+    sqrt(G) above unit, as `U.scaled_dot_product_attention` keeps them.
     """
     calls: Dict[str, int] = {}
     for node in graph.nodes:
@@ -81,17 +85,26 @@ def _mark_attention_values(root: nn.Module, graph: fx.Graph) -> None:
             if not isinstance(head_dim, int):
                 continue
             logit_std = float(scale) * math.sqrt(head_dim)
-        source = arguments.get("value")
-        while isinstance(source, fx.Node) and len(source.users) == 1 and source.args \
-                and isinstance(source.args[0], fx.Node) and _is_shape_op(source):
-            source = source.args[0]
-        if not isinstance(source, fx.Node) or source.op != "call_module" \
-                or len(source.users) != 1 or calls[str(source.target)] != 1:
-            continue
-        module = root.get_submodule(str(source.target))
-        if type(module) is uu.Linear and module.bias is not None:
-            module.attention_value = uu.AttentionValueBias(
-                float(dropout_p), bool(is_causal), logit_std)
+        for role in ("query", "key", "value"):
+            module = _single_projection(root, arguments.get(role), calls)
+            if module is None or (role == "value" and module.bias is None):
+                continue
+            module.attention_projection = uu.AttentionProjection(
+                role, float(dropout_p), bool(is_causal), logit_std)
+
+
+def _single_projection(root: nn.Module, source: Any,
+                       calls: Dict[str, int]) -> Optional[uu.Linear]:
+    """The `uu.Linear` (called once) whose output is `source` after shape ops that nothing else
+    uses, else None."""
+    while isinstance(source, fx.Node) and len(source.users) == 1 and source.args \
+            and isinstance(source.args[0], fx.Node) and _is_shape_op(source):
+        source = source.args[0]
+    if not isinstance(source, fx.Node) or source.op != "call_module" \
+            or len(source.users) != 1 or calls[str(source.target)] != 1:
+        return None
+    module = root.get_submodule(str(source.target))
+    return module if isinstance(module, uu.Linear) and type(module) is uu.Linear else None
 
 
 def _is_shape_op(node: fx.Node) -> bool:

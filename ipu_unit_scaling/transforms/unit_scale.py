@@ -47,7 +47,7 @@ from .graph import (
     _hashable,
     _is_attention,
     _learned_nodes,
-    _mark_attention_values,
+    _mark_attention_projections,
     _position,
     _residual_operands,
     _set_submodule,
@@ -358,7 +358,7 @@ class _Converter:
                 self._rewrite_function_call(root, node, is_tensor, where)
         self._unit_initialise_direct_weights(root, graph)
         _share_input_scales(root, graph)
-        _mark_attention_values(root, graph)
+        _mark_attention_projections(root, graph)
         for node in reversed(list(graph.nodes)):  # else GraphModule would keep what they read
             if node.op == "get_attr" and not node.users:
                 graph.erase_node(node)
