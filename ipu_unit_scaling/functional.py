@@ -241,7 +241,9 @@ def _expected_softmax_square_sum(n: Union[float, Tensor], logit_std: float = 1.0
     the quadrature's values (`_softmax_moments`) are used, looked up by n; a tensor `n` then
     needs `max_keys`, its largest possible value.
     """
-    if logit_std > 1.0:
+    # The tolerance keeps `scale=1/sqrt(head_dim)` given explicitly (std 1 + 2e-16) on the
+    # closed form, as for the default scale.
+    if logit_std > 1.0 + 1e-6:
         if isinstance(n, Tensor):
             if max_keys is None:
                 raise ValueError("max_keys is needed for a tensor of key counts above logit std 1")

@@ -262,35 +262,7 @@ def test_bert_is_traced_with_torch_export_and_converts_fully(bert_pair):
     assert torch.isfinite(converted(**call).loss)
 
 
-def test_bert_gradients_after_conversion(bert_pair):
-    """On this draw of the data, at least 90% of the weight gradients and 85% of all parameter
-    gradients reach [0.5, 2] (20 of 22 weights and 37 of 42 parameters, with each of three
-    dropout draws), from a plain median near 2^-8. This is not a margin that holds on every
-    draw: over 8 draws of the data times 3 of dropout, 18 to 22 of the 22 weights (median 20)
-    and 35 to 40 of the 42 parameters. Each parameter outside the band is one of:
-
-    - a key bias: it shifts every logit of a row alike, which softmax ignores, so its
-      gradient is exactly zero (nothing can scale it);
-    - query and key weights or a query bias (0.35 to 0.5, mostly the last layer's): the
-      gradients reaching the query and key projections' outputs come through softmax's
-      Jacobian at 0.42 to 0.63 in both layers (the unit-scaled attention sets the scale of its
-      output and values, not this); layer 0's weight gradients are lifted to 0.5-0.75 because
-      its rows add up coherently (the segment and position embeddings are shared by many
-      rows: ||sum_r x_r g_r^T|| is 1.0-1.4 times the independent-row value), layer 1's are not
-      (0.9-1.1). That is a property of the data and the model at initialisation, with no rule
-      to scale it by;
-    - in some draws, a value projection's weight (2.0 to 2.7): at initialisation each query
-      spreads its gradient almost evenly over the keys, so the rows of the value gradient are
-      alike and sum coherently with the inputs' shared component (1.6-2.1 times).
-
-    Value biases are in the band: `unit_scale` divides their gradient by attention's row scale
-    (`U.attention_value_bias_grad_scale`); without that they were 3.3 to 4.3.
-    """
-    model, converted, _, call = bert_pair
-    torch.manual_seed(0)  # attention and hidden dropout are on: the same masks in any test order
-    before = gradient_stds(model, **call)
-    torch.manual_seed(0)
-    after = gradient_stds(converted, **call)
+def _check_bert_gradients(before: Dict[str, float], after: Dict[str, float]) -> None:
     assert len(after) == len(before) == 42
     assert statistics.median(before.values()) < 1e-2
     assert 0.5 <= statistics.median(after.values()) <= 2
@@ -309,7 +281,58 @@ def test_bert_gradients_after_conversion(bert_pair):
             else:
                 assert name.endswith(("self.query.weight", "self.query.bias",
                                       "self.key.weight")), (name, std)
-                assert 0.3 < std < 0.5, (name, std)
+                assert 0.35 < std < 0.5, (name, std)
+
+
+def test_bert_gradients_after_conversion(bert_pair):
+    """At least 90% of the weight gradients and 85% of all parameter gradients reach [0.5, 2],
+    from a plain median near 2^-8, on this draw of the data and on four more (the next test).
+    Over 8 draws of the data times 4 of dropout (3 in training mode, 1 in evaluation), 20 to
+    22 of the 22 weights and 37 to 40 of the 42 parameters. Each parameter outside the band
+    is one of:
+
+    - a key bias: it shifts every logit of a row alike, which softmax ignores, so its
+      gradient is exactly zero (nothing can scale it);
+    - a query bias, and rarely a query or key weight (0.39 to 0.5, mostly the last layer's).
+      `unit_scale` marks the query and key projections and scales their parameters' gradients
+      by `U.attention_query_key_grad_scale` (x1.11 for 32 keys), which makes them unit for
+      independent unit inputs. Here the three projections share their input, so their
+      `SharedInputGmean` constraint sets their outputs' std to (64 * 192)**-0.25 * sqrt(64),
+      about 0.76, and the logits' std below 1; without the rule they were 0.35 to 0.5, and
+      the 90% weight target failed on 3 of 8 draws;
+    - in some draws, a value projection's weight (2.0 to 3.0): at initialisation each query
+      spreads its gradient almost evenly over the keys, so the rows of the value gradient are
+      alike and sum coherently with the inputs' shared component (the segment and position
+      embeddings are shared by many rows).
+
+    Value biases are in the band: `unit_scale` divides their gradient by attention's row scale
+    (`U.attention_value_bias_grad_scale`); without that they were 3.3 to 4.3.
+    """
+    model, converted, _, call = bert_pair
+    torch.manual_seed(0)  # attention and hidden dropout are on: the same masks in any test order
+    before = gradient_stds(model, **call)
+    torch.manual_seed(0)
+    after = gradient_stds(converted, **call)
+    _check_bert_gradients(before, after)
+    roles = sorted(m.attention_projection.role for m in converted.modules()
+                   if getattr(m, "attention_projection", None) is not None)
+    assert roles == ["key", "key", "query", "query", "value", "value"]
+
+
+@pytest.mark.parametrize("draw", [1, 2, 3, 4])
+def test_bert_gradients_after_conversion_on_other_draws(draw):
+    """The same bands on other draws of the data and the masking: draws 1 to 3 were where the
+    query and key weights fell out before their rule, draw 4 where both value weights do."""
+    _transformers()
+    _needs_export()
+    model = bert()
+    call = bert_call(random_tokens(seed=5 + draw), seed=draw)
+    args = (call["input_ids"],)
+    converted, _ = _convert(model, args, {k: v for k, v in call.items() if k != "input_ids"})
+    torch.manual_seed(0)
+    before = gradient_stds(model, **call)
+    torch.manual_seed(0)
+    _check_bert_gradients(before, gradient_stds(converted, **call))
 
 
 def test_bert_original_untouched_deterministic_and_arguments_guarded(bert_pair):
