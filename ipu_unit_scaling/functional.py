@@ -237,9 +237,10 @@ def _expected_softmax_square_sum(n: Union[float, Tensor], logit_std: float = 1.0
     exp(s**2) / (n + c_inf), with c_inf = 2 (exp(2 s**2) - 1) - 3 (exp(s**2) - 1); for n = 1
     the sum is exactly 1, which fixes c_1 = exp(s**2) - 1; an empirical n**-0.2 blend between
     the two is within 5% of the exact value for every n, 2.5% in the row scale (the tests
-    check it against the quadrature). Above s = 1 the expansion fails (50% off at s = 1.5, a factor 4 at s = 2), and
-    the quadrature's values (`_softmax_moments`) are used, looked up by n; a tensor `n` then
-    needs `max_keys`, its largest possible value.
+    check it against the quadrature). Above s = 1 the expansion fails (the row scale came out
+    1.5 times too large at s = 1.5 and 4 times at s = 2), and the quadrature's values
+    (`_softmax_moments`) are used, looked up by n; a tensor `n` then needs `max_keys`, its
+    largest possible value.
     """
     # The tolerance keeps `scale=1/sqrt(head_dim)` given explicitly (std 1 + 2e-16) on the
     # closed form, as for the default scale.

@@ -134,6 +134,21 @@ def test_dropout_traced_draws_the_same_mask_for_the_same_seed():
     assert torch.equal(trace(), eager_out)
 
 
+@pytest.mark.parametrize("dropout", [
+    lambda x: F.dropout(x, 0.25), lambda x: U.dropout(x, 0.25), lambda x: F.dropout2d(x, 0.25),
+    lambda x: torch.ops.aten.dropout.default(x, 0.25, True),  # as a torch.export graph calls it
+], ids=["F.dropout", "U.dropout", "F.dropout2d", "aten.dropout"])
+def test_dropout_in_training_mode_is_one_op_as_poptorch_sees_it(dropout):
+    """PopTorch's dispatcher implements aten::dropout and aten::feature_dropout itself, so the
+    empty_like that PyTorch's decomposition would make never reaches it. Ops outside the
+    dropout are still checked."""
+    report = check_poptorch(Call(dropout, _randn(4, 3, 8, 8)))
+    assert report.ok
+    unsupported = check_poptorch(Call(lambda x: torch.special.i0(dropout(x)), _randn(4, 3, 8, 8)),
+                                 strict=False)
+    assert list(unsupported.unsupported) == ["aten::i0"]
+
+
 MODULES = {
     "Linear": lambda: (uu.Linear(8, 6), _randn(3, 8)),
     "LayerNorm": lambda: (uu.LayerNorm(8), _randn(3, 8)),

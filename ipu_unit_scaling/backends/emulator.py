@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 from torch.fx import GraphModule
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -76,6 +77,8 @@ class _PopTorchRules(TorchDispatchMode):
         super().__init__()
         self.scopes = scopes
         self.unsupported: Dict[str, List[str]] = collections.defaultdict(list)
+        # > 0 inside an op PopTorch's dispatcher takes whole (see `_DispatcherLevelOps`).
+        self.inside_dispatcher_op = 0
 
     def _where(self) -> str:
         return self.scopes[-1] if self.scopes else "<model>"
@@ -95,8 +98,9 @@ class _PopTorchRules(TorchDispatchMode):
                 f"carry FP8 as uint8 codes through the FP8 custom ops (ipu_unit_scaling.fp8.ops)")
         if func.namespace == "prim":  # metadata queries (prim::device), not graph ops
             return func(*args, **kwargs)
-        supported = (is_supported(name) if func.namespace == "aten"
-                     else func.namespace in CUSTOM_OP_NAMESPACES)
+        supported = self.inside_dispatcher_op > 0 or (
+            is_supported(name) if func.namespace == "aten"
+            else func.namespace in CUSTOM_OP_NAMESPACES)
         if not supported:
             self.unsupported[f"{func.namespace}::{name}"].append(self._where())
         out = func(*args, **kwargs)
@@ -104,6 +108,39 @@ class _PopTorchRules(TorchDispatchMode):
             raise PopTorchError(
                 f"{func} in {self._where()} makes a float8 tensor, which cannot cross PopTorch")
         return out
+
+
+_DISPATCHER_LEVEL_FUNCTIONS = frozenset((
+    torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
+    torch.nn.functional.dropout3d, torch.dropout, torch.feature_dropout,
+))
+_DISPATCHER_LEVEL_ATEN = frozenset(("dropout", "feature_dropout"))
+
+
+class _DispatcherLevelOps(TorchFunctionMode):
+    """Dropout as PopTorch sees it: its dispatcher implements `aten::dropout` and
+    `aten::feature_dropout` itself (`RegisterOptionalAtenOps.cpp.inc`), before PyTorch
+    decomposes them into `empty_like`, `bernoulli_` and `div_`, which a dispatch mode sees
+    instead. Ops inside those calls are not checked against the handler list."""
+
+    def __init__(self, rules: _PopTorchRules):
+        super().__init__()
+        self.rules = rules
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        packet = getattr(func, "overloadpacket", None)
+        whole = func in _DISPATCHER_LEVEL_FUNCTIONS or (
+            packet is not None and getattr(func, "namespace", "") == "aten"
+            and packet.__name__ in _DISPATCHER_LEVEL_ATEN)
+        if not whole:
+            return func(*args, **kwargs)
+        self.rules.inside_dispatcher_op += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self.rules.inside_dispatcher_op -= 1
 
 
 @contextlib.contextmanager
@@ -187,7 +224,7 @@ def trace_like_poptorch(module: nn.Module, *inputs: Any) -> PopTorchTrace:
     def forward(parameters: List[torch.Tensor], buffers: List[torch.Tensor], *args: Any) -> Any:
         state = dict(zip(parameter_names, parameters))
         state.update(zip(buffer_names, buffers))
-        with ipu_tracing(), _module_scopes(module, scopes), rules:
+        with ipu_tracing(), _module_scopes(module, scopes), rules, _DispatcherLevelOps(rules):
             return _functional_call(module, state, args)
 
     parameters = [p for _, p in module.named_parameters()]

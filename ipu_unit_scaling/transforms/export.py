@@ -98,9 +98,15 @@ def trace_with_export(
     graph = unlifted.graph
     attributes = {name: getattr(unlifted, name) for name in ("_in_spec", "_out_spec")
                   if hasattr(unlifted, name)}
+    assert_metadata = getattr(torch.ops.aten, "_assert_tensor_metadata", None)
     for node in list(graph.nodes):
         if node.op == "call_module":  # export's own input guards: the frame will run them
             frame.add_module(str(node.target), unlifted.get_submodule(str(node.target)))
+        elif node.op == "call_function" and not node.users and assert_metadata is not None \
+                and getattr(node.target, "overloadpacket", None) is assert_metadata:
+            # Export's checks that a `.to()` saw the dtype of the example: PopTorch has no
+            # handler for them, and the converted model runs on the example's dtypes.
+            graph.erase_node(node)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     fixed = [tuple(d if isinstance(d, int) else None for d in n.meta["val"].shape)
              for n in placeholders if isinstance(n.meta.get("val"), Tensor)]
