@@ -383,9 +383,9 @@ def add(
 def _residual_weights(tau: float) -> Tuple[float, float]:
     weights = _RESIDUAL_WEIGHTS.get(tau)
     if weights is None:
-        if not tau > 0:
-            raise ValueError(f"tau={tau!r} must be positive")
-        norm = math.sqrt(1 + tau**2)
+        if not 0 < tau < math.inf:
+            raise ValueError(f"tau={tau!r} must be positive and finite")
+        norm = math.hypot(1.0, tau)  # tau**2 would overflow above 1e154
         weights = tau / norm, 1 / norm
         if len(_RESIDUAL_WEIGHTS) < 1024:
             _RESIDUAL_WEIGHTS[tau] = weights

@@ -203,6 +203,15 @@ def test_residual_gradient_is_the_true_gradient_of_the_weighted_sum():
     torch.testing.assert_close(x.grad, x_ref.grad)
 
 
+@pytest.mark.parametrize("tau", [1e-200, 1e-8, 1.0, 1e8, 1e160, 1e300])
+def test_residual_weights_stay_finite_and_unit_for_extreme_tau(tau):
+    """The branch and skip weights are tau and 1 over sqrt(1 + tau**2), their squares summing
+    to 1, where tau**2 alone under- or overflows (float64 reference from the ratio form)."""
+    branch, skip = U._residual_weights(tau)
+    assert branch**2 + skip**2 == pytest.approx(1.0, rel=1e-12)
+    assert branch / skip == pytest.approx(tau, rel=1e-12)
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("seq", [64, 256, 1024])
 def test_attention_is_unit(is_causal, seq):
@@ -339,6 +348,7 @@ def test_scale_primitives_scale_one_direction_each():
         (lambda: U.dropout(torch.randn(3), p=1.0), "p="),
         (lambda: U.linear(torch.randn(2, 4), torch.randn(3, 4), constraint="median"), "constraint"),
         (lambda: U.residual_split(torch.randn(3), tau=0.0), "tau"),
+        (lambda: U.residual_split(torch.randn(3), tau=math.inf), "tau"),
         (lambda: U.add(torch.randn(3), torch.randn(3), alpha=0), "alpha"),
         (
             lambda: U.scaled_dot_product_attention(
