@@ -505,7 +505,9 @@ def scaled_dot_product_attention(
     row that sees m keys outputs a p-weighted mean of values with variance S(m) = E[sum p**2]
     (see `softmax`), times 1/(1-p) with dropout. Each row is multiplied by
     sqrt((1 - dropout_p) / S(m)) in both passes, which makes the output unit and, on average
-    over key positions, the value and key gradients unit too. m comes from `is_causal` or a
+    over key positions, the value gradient unit too. The query and key gradients come out at
+    std sqrt(C(m)), below 1 for few keys; `attention_query_key_grad_scale` says why and
+    scales their projections' parameters, a cut edge. m comes from `is_causal` or a
     boolean `attn_mask`. Under `ipu_tracing()` the attention is built from matmuls, a mask and
     a softmax, which PopTorch supports, instead of the fused op.
 
