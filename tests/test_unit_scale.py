@@ -648,3 +648,28 @@ def test_query_key_rule_in_the_traced_form_and_through_simulate_fp8():
     without = _projection_gradients(fp8, x, grad)["query.weight"]
     factor = U.attention_query_key_grad_scale(16)
     torch.testing.assert_close(with_rule, without * factor, rtol=1e-5, atol=1e-6)
+
+
+def test_query_rule_is_for_self_attention_only():
+    """The rule reads the key count from its linear's input length, which is the query
+    length for a query projection: right in self-attention only. In cross-attention (queries
+    from x, keys and values from a memory of another length) the query projection is left
+    unmarked; the key and value projections are marked."""
+
+    class CrossAttention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.query, self.key, self.value = (nn.Linear(32, 32) for _ in range(3))
+
+        def forward(self, x: Tensor, memory: Tensor) -> Tensor:
+            def split(t: Tensor, like: Tensor) -> Tensor:
+                return t.view(like.shape[0], like.shape[1], 2, 16).transpose(1, 2)
+
+            return F.scaled_dot_product_attention(split(self.query(x), x),
+                                                  split(self.key(memory), memory),
+                                                  split(self.value(memory), memory))
+
+    converted = unit_scale(CrossAttention())
+    assert converted.query.attention_projection is None
+    assert converted.key.attention_projection == uu.AttentionProjection("key")
+    assert converted.value.attention_projection == uu.AttentionProjection("value")

@@ -85,26 +85,35 @@ def _mark_attention_projections(root: nn.Module, graph: fx.Graph) -> None:
             if not isinstance(head_dim, int):
                 continue
             logit_std = float(scale) * math.sqrt(head_dim)
-        for role in ("query", "key", "value"):
-            module = _single_projection(root, arguments.get(role), calls)
+        found_projections = {role: _single_projection(root, arguments.get(role), calls)
+                             for role in ("query", "key", "value")}
+        for role, (module, projection_input) in found_projections.items():
             if module is None or (role == "value" and module.bias is None):
+                continue
+            if role == "query" and (projection_input is None
+                                    or projection_input is not found_projections["key"][1]):
+                # The rule reads the key count from the projection's input length: right for
+                # the keys and values, and for the queries only in self-attention.
                 continue
             module.attention_projection = uu.AttentionProjection(
                 role, float(dropout_p), bool(is_causal), logit_std)
 
 
-def _single_projection(root: nn.Module, source: Any,
-                       calls: Dict[str, int]) -> Optional[uu.Linear]:
+def _single_projection(root: nn.Module, source: Any, calls: Dict[str, int]
+                       ) -> Tuple[Optional[uu.Linear], Optional[fx.Node]]:
     """The `uu.Linear` (called once) whose output is `source` after shape ops that nothing else
-    uses, else None."""
+    uses, and the node it reads; (None, None) if there is none."""
     while isinstance(source, fx.Node) and len(source.users) == 1 and source.args \
             and isinstance(source.args[0], fx.Node) and _is_shape_op(source):
         source = source.args[0]
     if not isinstance(source, fx.Node) or source.op != "call_module" \
             or len(source.users) != 1 or calls[str(source.target)] != 1:
-        return None
+        return None, None
     module = root.get_submodule(str(source.target))
-    return module if isinstance(module, uu.Linear) and type(module) is uu.Linear else None
+    if not isinstance(module, uu.Linear) or type(module) is not uu.Linear or not source.args:
+        return None, None
+    projection_input = source.args[0]
+    return module, projection_input if isinstance(projection_input, fx.Node) else None
 
 
 def _is_shape_op(node: fx.Node) -> bool:
