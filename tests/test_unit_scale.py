@@ -662,12 +662,11 @@ def test_query_rule_is_for_self_attention_only():
             self.query, self.key, self.value = (nn.Linear(32, 32) for _ in range(3))
 
         def forward(self, x: Tensor, memory: Tensor) -> Tensor:
-            def split(t: Tensor, like: Tensor) -> Tensor:
-                return t.view(like.shape[0], like.shape[1], 2, 16).transpose(1, 2)
+            def split(t: Tensor) -> Tensor:  # reading t's shape does not make t shared
+                return t.view(t.shape[0], t.size(1), 2, 16).transpose(1, 2)
 
-            return F.scaled_dot_product_attention(split(self.query(x), x),
-                                                  split(self.key(memory), memory),
-                                                  split(self.value(memory), memory))
+            return F.scaled_dot_product_attention(split(self.query(x)), split(self.key(memory)),
+                                                  split(self.value(memory)))
 
     converted = unit_scale(CrossAttention())
     assert converted.query.attention_projection is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
+import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
@@ -103,17 +104,33 @@ def _single_projection(root: nn.Module, source: Any, calls: Dict[str, int]
                        ) -> Tuple[Optional[uu.Linear], Optional[fx.Node]]:
     """The `uu.Linear` (called once) whose output is `source` after shape ops that nothing else
     uses, and the node it reads; (None, None) if there is none."""
-    while isinstance(source, fx.Node) and len(source.users) == 1 and source.args \
+    while isinstance(source, fx.Node) and len(_value_users(source)) == 1 and source.args \
             and isinstance(source.args[0], fx.Node) and _is_shape_op(source):
         source = source.args[0]
     if not isinstance(source, fx.Node) or source.op != "call_module" \
-            or len(source.users) != 1 or calls[str(source.target)] != 1:
+            or len(_value_users(source)) != 1 or calls[str(source.target)] != 1:
         return None, None
     module = root.get_submodule(str(source.target))
     if not isinstance(module, uu.Linear) or type(module) is not uu.Linear or not source.args:
         return None, None
     projection_input = source.args[0]
     return module, projection_input if isinstance(projection_input, fx.Node) else None
+
+
+def _value_users(node: fx.Node) -> List[fx.Node]:
+    """The users of `node` that read its values, not only its shape (`x.shape`, `x.size()`,
+    `x.dim()`, export's `sym_size`)."""
+    sym_size = getattr(torch.ops.aten, "sym_size", None)
+
+    def reads_shape_only(user: fx.Node) -> bool:
+        if user.op == "call_function" and user.target is getattr:
+            return len(user.args) > 1 and user.args[1] in ("shape", "ndim", "dtype", "device")
+        if user.op == "call_method":
+            return user.target in ("size", "dim")
+        return user.op == "call_function" and sym_size is not None and \
+            getattr(user.target, "overloadpacket", None) is sym_size
+
+    return [user for user in node.users if not reads_shape_only(user)]
 
 
 def _is_shape_op(node: fx.Node) -> bool:
