@@ -377,6 +377,8 @@ def test_ops_right_after_a_residual_fork_are_still_checked():
 class BiasedSelfAttention(nn.Module):
     """Separate q, k, v projections with biases around the fused attention (as in BERT)."""
 
+    attention = staticmethod(F.scaled_dot_product_attention)
+
     def __init__(self, width: int = 32, heads: int = 2, causal: bool = False) -> None:
         super().__init__()
         self.heads, self.causal = heads, causal
@@ -388,8 +390,8 @@ class BiasedSelfAttention(nn.Module):
         def split(t: Tensor) -> Tensor:
             return t.view(batch, length, self.heads, -1).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(split(self.query(x)), split(self.key(x)),
-                                             split(self.value(x)), is_causal=self.causal)
+        out = self.attention(split(self.query(x)), split(self.key(x)), split(self.value(x)),
+                             is_causal=self.causal)
         return out.transpose(1, 2).reshape(batch, length, width)
 
 
@@ -572,27 +574,18 @@ def _projection_gradients(model: nn.Module, x: Tensor, grad: Tensor) -> dict:
     return {"x": x.grad, **{n: p.grad.clone() for n, p in model.named_parameters()}}
 
 
-class UnitProjectionAttention(nn.Module):
+class UnitProjectionAttention(BiasedSelfAttention):
     """Self-attention with unit-scaled projections that each keep unit outputs (constraint
     None), marked as `unit_scale` marks them: the rule's own setting."""
 
+    attention = staticmethod(U.scaled_dot_product_attention)
+
     def __init__(self, width: int, heads: int, causal: bool) -> None:
-        super().__init__()
-        self.heads, self.causal = heads, causal
+        super().__init__(width, heads, causal)
         self.query, self.key, self.value = (
             uu.Linear(width, width, constraint=None,
                       attention_projection=uu.AttentionProjection(role, is_causal=causal))
             for role in ("query", "key", "value"))
-
-    def forward(self, x: Tensor) -> Tensor:
-        batch, length, width = x.shape
-
-        def split(t: Tensor) -> Tensor:
-            return t.view(batch, length, self.heads, -1).transpose(1, 2)
-
-        out = U.scaled_dot_product_attention(split(self.query(x)), split(self.key(x)),
-                                             split(self.value(x)), is_causal=self.causal)
-        return out.transpose(1, 2).reshape(batch, length, width)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -111,7 +111,7 @@ def _single_projection(root: nn.Module, source: Any, calls: Dict[str, int]
             or len(_value_users(source)) != 1 or calls[str(source.target)] != 1:
         return None, None
     module = root.get_submodule(str(source.target))
-    if not isinstance(module, uu.Linear) or type(module) is not uu.Linear or not source.args:
+    if type(module) is not uu.Linear or not source.args:
         return None, None
     projection_input = source.args[0]
     return module, projection_input if isinstance(projection_input, fx.Node) else None
