@@ -57,7 +57,7 @@ def _dtype(regime: str) -> str:
 
 def _linear_gain(linear: nn.Linear) -> float:
     """How much `linear` scales `x @ W.T (+ b)`: 1 for a plain linear (up to its precision's
-    rounding), the output scale (below 1/sqrt(fan_in)**0.5 here) for a unit-scaled one."""
+    rounding), its output scale (well below 1 here) for a unit-scaled one."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(64, linear.in_features, generator=generator)
     with torch.no_grad():
