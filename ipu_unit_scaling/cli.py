@@ -510,7 +510,7 @@ def format_compare_table(rows: Sequence[Dict[str, Any]], baseline: Optional[floa
 
 
 def _cmd_compare_bert(args: argparse.Namespace) -> int:
-    from .mlm import MLM_REGIMES, MLMConfig, format_mlm_table, run_mlm_compare
+    from .mlm import MLM_REGIMES, MLMConfig, check_mlm_regimes, format_mlm_table, run_mlm_compare
 
     if args.config:
         raise UsageError("--model bert takes its settings from --set mlm.<key>=VALUE, not "
@@ -518,11 +518,12 @@ def _cmd_compare_bert(args: argparse.Namespace) -> int:
     overrides = _overrides(args)
     if args.data:
         overrides.append(f"mlm.data={json.dumps(str(args.data))}")
+    regimes = list(args.regimes or MLM_REGIMES)
     try:
         config = MLMConfig().with_overrides(overrides)
+        check_mlm_regimes(regimes)
     except ValueError as error:
         raise UsageError(str(error)) from error
-    regimes = list(args.regimes or MLM_REGIMES)
     seeds = list(range(args.seeds if args.seeds is not None else 3))
     if len(set(regimes)) != len(regimes):
         raise UsageError("--regimes lists each regime once")

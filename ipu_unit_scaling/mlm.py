@@ -32,22 +32,44 @@ from . import modules as uu
 from .data import load_corpus
 from .encoder import BertStyleEncoder
 from .fp8 import NonFiniteAmaxError
+from .precision import REGIME_SETTINGS
 
 __all__ = [
     "MLMConfig", "MLMBatches", "mask_tokens", "build_encoder", "train_mlm", "run_mlm_compare",
-    "format_mlm_table", "MLM_REGIMES",
+    "format_mlm_table", "check_mlm_regimes", "encoder_kind", "MLM_REGIMES",
+    "MLM_ALLOWED_REGIMES", "ENCODER_OPS",
 ]
 
+# The encoder's model kinds (precision.MODEL_KINDS less u-μP, which it has no form of).
+ENCODER_OPS = {"plain": uu.TORCH_OPS, "unit": uu.UNIT_OPS}
+ENCODER_NAMES = {"plain": "plain", "unit": "unit-scaled"}
+# Every regime of a kind the encoder has.
+MLM_ALLOWED_REGIMES = tuple(regime for regime, (kind, _, _) in REGIME_SETTINGS.items()
+                            if kind in ENCODER_OPS)
 # The comparison the paper's BERT experiment makes (more regimes may be asked for).
 MLM_REGIMES = ("fp32", "fp16", "fp8-naive", "unit-fp16", "unit-fp8")
+# Per model kind: the best of a sweep of its fp32 regime at the default shape, seed 0 (plain:
+# 1e-3, 2e-3, 4e-3; unit-scaled: 0.01, 0.02, 0.04, 0.08); see the README.
+KIND_LEARNING_RATES = {"plain": 2e-3, "unit": 0.04}
+
+
+def encoder_kind(regime: str) -> str:
+    """``plain`` or ``unit``: the encoder a regime trains; ValueError for others."""
+    check_mlm_regimes([regime])
+    return REGIME_SETTINGS[regime][0]
+
+
+def check_mlm_regimes(regimes: Sequence[str]) -> None:
+    """ValueError naming the regimes the encoder cannot run (unknown ones, u-μP)."""
+    refused = [regime for regime in regimes if regime not in MLM_ALLOWED_REGIMES]
+    if refused:
+        raise ValueError(f"--model bert cannot run {', '.join(refused)} (the BERT-style encoder "
+                         f"is plain or unit-scaled, not u-μP); its regimes: "
+                         f"{', '.join(MLM_ALLOWED_REGIMES)}")
 
 
 def _default_learning_rates() -> Dict[str, float]:
-    # The best of a sweep of the fp32 regimes (plain: 1e-3, 2e-3, 4e-3; unit-scaled: 0.01,
-    # 0.02, 0.04, 0.08) at the default shape, seed 0; see the README.
-    plain, unit = 2e-3, 0.04
-    return {"fp32": plain, "fp16": plain, "fp8-naive": plain, "fp8-amax": plain,
-            "unit-fp32": unit, "unit-fp16": unit, "unit-fp8": unit, "unit-fp8-amax": unit}
+    return {regime: KIND_LEARNING_RATES[encoder_kind(regime)] for regime in MLM_ALLOWED_REGIMES}
 
 
 @dataclass
@@ -101,7 +123,9 @@ class MLMConfig:
                 raise ValueError(f"{item!r}: not an mlm setting; known: {', '.join(sorted(known))}")
             value = yaml.safe_load(text)
             if key.startswith("learning_rates."):
-                result.learning_rates[key.split(".", 1)[1]] = float(value)
+                regime = key.split(".", 1)[1]
+                check_mlm_regimes([regime])
+                result.learning_rates[regime] = float(value)
             else:
                 current = getattr(result, key)
                 if current is not None and not isinstance(value, type(current)) and not (
@@ -158,13 +182,14 @@ class MLMBatches:
 
 def build_encoder(config: MLMConfig, vocab: int, regime: str) -> nn.Module:
     """The encoder for one regime: unit-scaled or plain, with its precision simulated."""
-    from .precision import REGIME_SETTINGS, simulate_fp16
+    from .precision import simulate_fp16
 
-    unit_scaled, dtype, scaling = REGIME_SETTINGS[regime]
+    kind = encoder_kind(regime)
+    _, dtype, scaling = REGIME_SETTINGS[regime]
     model: nn.Module = BertStyleEncoder(
         vocab + 2, config.hidden_size, config.depth, config.heads, config.seq_len, pad_id=vocab,
         mlp_expansion=config.mlp_expansion, attn_tau=config.attn_tau, mlp_tau=config.mlp_tau,
-        ops=uu.UNIT_OPS if unit_scaled else uu.TORCH_OPS,
+        ops=ENCODER_OPS[kind],
     )
     if dtype == "fp8":
         from .fp8 import FP8Config, simulate_fp8
@@ -247,7 +272,8 @@ def train_mlm(config: MLMConfig, regime: str, seed: int, run_dir: Path,
             writer.writerow(row)
     final = curve[-1] if curve and status == "completed" else None
     summary = {
-        "regime": regime, "seed": seed, "status": status, "message": message, "steps": step,
+        "regime": regime, "model": encoder_kind(regime), "seed": seed, "status": status,
+        "message": message, "steps": step,
         "final_val_loss": final[1] if final else None,
         "final_val_accuracy": final[2] if final else None,
         "elapsed_s": time.perf_counter() - started, "vocab": vocab,
@@ -272,6 +298,7 @@ def run_mlm_compare(config: MLMConfig, regimes: Sequence[str], seeds: Sequence[i
                     run_dir: Path, quiet: bool = False) -> List[Dict[str, Any]]:
     """Train every regime with every seed into `run_dir/<regime>-seed<k>`; one row per regime,
     over the seeds: mean (and std) final MLM loss and accuracy, and the gap to fp32."""
+    check_mlm_regimes(regimes)
     say = (lambda text: None) if quiet else print
     run_dir.mkdir(parents=True, exist_ok=True)
     runs: Dict[Tuple[str, int], Dict[str, Any]] = {}
@@ -279,7 +306,10 @@ def run_mlm_compare(config: MLMConfig, regimes: Sequence[str], seeds: Sequence[i
         for seed in seeds:
             directory = run_dir / f"{regime}-seed{seed}"
             previous = _read_json(directory / "summary.json")
+            # A summary without the model kind may come from a build that trained every regime
+            # unit-scaled: it is trained again.
             if previous and previous.get("config") == asdict(config) and \
+                    previous.get("model") == encoder_kind(regime) and \
                     previous.get("status") in ("completed", "diverged"):
                 say(f"{regime} seed {seed}: reusing the finished run in {directory}")
                 runs[regime, seed] = previous
@@ -300,7 +330,8 @@ def run_mlm_compare(config: MLMConfig, regimes: Sequence[str], seeds: Sequence[i
         accuracy_mean, accuracy_std = _mean_std(accuracy)
         gap_mean, gap_std = _mean_std(gaps)
         rows.append({
-            "regime": regime, "learning_rate": config.learning_rates[regime],
+            "regime": regime, "model": encoder_kind(regime),
+            "learning_rate": config.learning_rates[regime],
             "completed": len(losses), "runs": len(done),
             "val_loss": loss_mean, "val_loss_std": loss_std,
             "val_accuracy": accuracy_mean, "val_accuracy_std": accuracy_std,
@@ -342,18 +373,16 @@ def _pm(mean: Optional[float], std: Optional[float], fmt: str, suffix: str = "")
 
 def format_mlm_table(rows: Sequence[Dict[str, Any]], seeds: Sequence[int]) -> str:
     """Markdown: one row per regime, mean ± std over the seeds."""
-    from .precision import REGIME_SETTINGS
-
     lines = [
         "| regime | model | precision | learning rate | MLM loss | accuracy | gap to fp32 "
         "| completed | time per run |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
-        unit_scaled, dtype, scaling = REGIME_SETTINGS[row["regime"]]
+        _, dtype, scaling = REGIME_SETTINGS[row["regime"]]
         precision = dtype if dtype != "fp8" else f"fp8 {scaling}"
         lines.append(
-            f"| {row['regime']} | {'unit-scaled' if unit_scaled else 'plain'} | {precision} | "
+            f"| {row['regime']} | {ENCODER_NAMES[encoder_kind(row['regime'])]} | {precision} | "
             f"{row['learning_rate']:g} | {_pm(row['val_loss'], row['val_loss_std'], '.4f')} | "
             f"{_pm(row['val_accuracy'], row['val_accuracy_std'], '.3f')} | "
             f"{_pm(row['gap_to_fp32_percent'], row['gap_std'], '+.1f', '%')} | "

@@ -96,11 +96,13 @@ class FP16Linear(nn.Linear):
 
     Input, weight and output are rounded to float16 in the forward pass; the output gradient
     and the input and weight gradients in the backward pass: the casts of an FP16 matmul with
-    float32 accumulation, at the places FP8 casts go. A unit-scaled layer keeps its scales
+    float32 accumulation, at the places FP8 casts go. A unit-scaled layer (``unit_scaled``, any
+    ``uu.Linear`` whatever its constraint, u-μP's readout's ``None`` included) keeps its scales
     inside the rounding, as hardware that fuses them into the matmul would.
     """
 
     constraint: Optional[Any]
+    unit_scaled: bool = False
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> FP16Linear:
@@ -109,16 +111,18 @@ class FP16Linear(nn.Linear):
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight = linear.weight
         new.bias = linear.bias  # type: ignore[assignment]
+        # The test simulate_fp8 uses: a linear with a constraint attribute is unit-scaled.
+        new.unit_scaled = hasattr(linear, "constraint")
         new.constraint = getattr(linear, "constraint", None)
         return new
 
     def forward(self, input: Tensor) -> Tensor:
         weight = round_to_half(self.weight)
         bias = None if self.bias is None else round_to_half(self.bias)
-        if self.constraint is None:
-            output = F.linear(round_to_half(input), weight, bias)
-        else:
+        if self.unit_scaled:
             output = U.linear(round_to_half(input), weight, bias, self.constraint)
+        else:
+            output = F.linear(round_to_half(input), weight, bias)
         return round_to_half(output)
 
 

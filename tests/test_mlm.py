@@ -129,7 +129,12 @@ def test_regimes_build_the_right_model_and_precision():
     assert any(type(m).__name__ == "FP8UnitScaledLinear" for m in unit_fp8.modules())
     plain_fp16 = build_encoder(TINY, 40, "fp16")
     assert any(isinstance(m, FP16Linear) for m in plain_fp16.modules())
-    assert not any(isinstance(m, uu.Linear) for m in plain_fp16.modules())
+    # FP16Linear replaces uu.Linear too: the plain build shows in what the linears wrap, in
+    # the other modules and in the ops.
+    assert not any(m.unit_scaled for m in plain_fp16.modules() if isinstance(m, FP16Linear))
+    assert not any(isinstance(m, (uu.LayerNorm, uu.Embedding)) for m in plain_fp16.modules())
+    assert plain_fp16.ops is uu.TORCH_OPS
+    assert build_encoder(TINY, 40, "unit-fp16").ops is uu.UNIT_OPS
 
 
 def test_train_mlm_learns_and_writes_its_run(tmp_path):
