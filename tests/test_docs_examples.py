@@ -125,9 +125,9 @@ def _gpt_from(config_path: Optional[str], namespace: Namespace) -> None:
 
     config = load_config(config_path)
     model = build_model(config)
-    tokens = torch.randint(0, config.model.vocab_size,
-                           (config.samples_per_call, config.model.seq_len + 1))
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    shape = (config.samples_per_call, config.model.seq_len)
+    inputs = torch.randint(0, config.model.vocab_size, shape)
+    labels = torch.randint(0, config.model.vocab_size, shape)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     namespace.update(model=model, input_ids=inputs, ids=inputs, inputs=inputs, labels=labels,
                      _initial_parameters=initial)
@@ -156,12 +156,13 @@ SETUPS: Dict[str, Callable[[Namespace], None]] = {
 # ---------------------------------------------------------------------------- checks
 
 
-CHECKS: Dict[str, Callable[[Block, Namespace], None]] = {}
+Check = Callable[[Block, Namespace], None]
+CHECKS: Dict[str, Check] = {}
 
 
-def check(name: str) -> Callable[[Callable[[Block, Namespace], None]],
-                                 Callable[[Block, Namespace], None]]:
-    def register(function: Callable[[Block, Namespace], None]) -> Callable[[Block, Namespace], None]:
+def check(name: str) -> Callable[[Check], Check]:
+    """Register the decorated function as ``CHECKS[name]``."""
+    def register(function: Check) -> Check:
         CHECKS[name] = function
         return function
 
@@ -278,12 +279,13 @@ def _scale_records(block: Block, namespace: Namespace) -> None:
 
 @check("poptorch_report")
 def _poptorch_report(block: Block, namespace: Namespace) -> None:
-    stated = _comment_after(block.code, "print(report)")
-    assert stated.startswith("for the default GPT:")
-    expected = stated.partition(":")[2].strip().strip('"')
-    assert str(namespace["report"]) == expected  # the setup's model is the default GPT
-    model = namespace["model"]
-    assert all(p.grad is not None for p in model.parameters())
+    # The op count is left as N: it changes with torch's version (its decompositions) and
+    # with the inputs' memory layout.
+    stated = _comment_after(block.code, "print(report)").strip('"')
+    pattern = r" \d+ ".join(re.escape(part) for part in stated.split(" N "))
+    assert re.fullmatch(pattern, str(namespace["report"])), namespace["report"]
+    # "the gradients PopART's autodiff computes": the traced graph's backward reaches them all.
+    assert all(p.grad is not None for p in namespace["model"].parameters())
 
 
 @check("fp8_quantise")
@@ -319,6 +321,15 @@ def _emulator(block: Block, namespace: Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------- running
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The examples' tensors are small: one thread avoids oversubscribing shared CPUs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def run_block(block: Block, seed: int = 0) -> Namespace:
