@@ -8,7 +8,7 @@ before a block's fence (invisible when the Markdown is rendered) can say:
 - ``requires=NAME``: skip, naming what is missing, unless ``REQUIREMENTS[NAME]`` is met;
 - ``check=NAME``: after the block, ``CHECKS[NAME]`` asserts on what it computed.
 
-For example ``<!-- docs-test: setup=decoder check=fp8_stats -->``.
+For example ``<!-- docs-test: setup=gpt check=fp8_stats -->``.
 """
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def _gpt_from(config_path: Optional[str], namespace: Namespace) -> None:
     labels = torch.randint(0, config.model.vocab_size, shape)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
     namespace.update(model=model, input_ids=inputs, ids=inputs, inputs=inputs, labels=labels,
-                     _initial_parameters=initial)
+                     _setup_model=model, _initial_parameters=initial)
 
 
 def _gpt(namespace: Namespace) -> None:
@@ -183,12 +183,17 @@ MLP_SEEDS = (0, 1, 2)
 @check("unit_mlp")
 def _unit_mlp(block: Block, namespace: Namespace) -> None:
     """Each number in the comments of README's first MLP, over a few seeds."""
+    import ipu_unit_scaling.functional as U
+
+    code = " ".join(block.code.split())
+    for stated in ("weights ~ N(0, 1)", "# std 1, like x", "its gradient at y has std 1",
+                   "x.grad: std 1.1", "std 0.7 to 1.2", "(0.7 where they meet",
+                   "leave at about 0.7", "std 1.8 (up.weight)", "about 5 (down.bias)"):
+        assert stated in code, f"the check tests {stated!r}; update it with the comment"
     for seed in MLP_SEEDS:
         ns = namespace if seed == 0 else run_block(block, seed)
         model, x, y, target = ns["model"], ns["x"], ns["y"], ns["target"]
-        import ipu_unit_scaling.functional as U
-
-        for linear in (model.up, model.down):  # "weights ~ N(0, 1)"
+        for linear in (model.up, model.down):
             assert abs(linear.weight.mean().item()) < 0.02
             _between(_std(linear.weight), 0.97, 1.03, "initial weight")
         torch.testing.assert_close(ns["loss"], torch.nn.functional.mse_loss(y, target))
@@ -196,25 +201,64 @@ def _unit_mlp(block: Block, namespace: Namespace) -> None:
         torch.testing.assert_close(grad_y, (y - target).detach() / math.sqrt(2))
         _between(_std(y), 0.95, 1.05, "y")
         _between(_std(grad_y), 0.95, 1.05, "the loss's gradient at y")
-        _between(_std(x.grad), 1.05, 1.15, "x.grad")  # "std 1.1"
+        _between(_std(x.grad), 1.05, 1.15, "x.grad")
         grads = {name: _std(p.grad) for name, p in model.named_parameters()}
-        _between(grads["up.weight"], 1.7, 1.9, "up.weight's gradient")  # "1.8"
-        _between(grads["down.bias"], 4.0, 6.5, "down.bias's gradient")  # "about 5"
-        _between(min(grads.values()), 1.7, 1.9, "the smallest weight gradient")
-        _between(max(grads.values()), 4.0, 6.5, "the largest weight gradient")
+        _between(grads["up.weight"], 1.7, 1.9, "up.weight's gradient")
+        _between(grads["down.bias"], 4.0, 6.5, "down.bias's gradient")
+        _between(min(grads.values()), 1.7, 1.9, "the smallest parameter gradient")
+        _between(max(grads.values()), 4.0, 6.5, "the largest parameter gradient")
 
-        # "after y.backward(torch.randn_like(y)) instead ... 0.7 to 1.2"
-        model.zero_grad()
-        y = model(x)
-        y.backward(torch.randn_like(y))
+        # "after y.backward(torch.randn_like(y)) instead": 0.7 to 1.2, 0.7 at the hidden layer.
+        hidden = _hidden_layer_stds(model, x, lambda y: torch.randn_like(y))
+        for name, value in hidden.items():
+            _between(value, 0.65, 0.75, name)
         grads = {name: _std(p.grad) for name, p in model.named_parameters()}
         for name, value in grads.items():
             _between(value, 0.65, 1.25, f"{name}'s gradient for an independent output gradient")
-        # "0.7 where the gmean ties lean": the projections' weights, whose activation edges
-        # are tied across the 4x expansion; down's bias sees the output gradient directly.
-        _between(grads["up.weight"], 0.65, 0.75, "up.weight (independent output gradient)")
-        _between(grads["down.weight"], 0.65, 0.75, "down.weight (independent output gradient)")
-        _between(grads["down.bias"], 0.85, 1.25, "down.bias (independent output gradient)")
+        for name in ("up.weight", "up.bias", "down.weight"):  # they meet the hidden layer
+            _between(grads[name], 0.65, 0.85, f"{name}'s gradient (independent output gradient)")
+        _between(grads["down.bias"], 0.85, 1.25, "down.bias's gradient (independent output "
+                 "gradient)")
+
+    # "contains y ... add up instead of cancelling": the loss's gradient split in two, the
+    # target's part gives what the rules give an independent gradient of std 1/sqrt(2), and
+    # the part made of y gives the large gradients.
+    model, x, target = namespace["model"], namespace["x"], namespace["target"]
+    _hidden_layer_stds(model, x, lambda y: -target / math.sqrt(2))
+    for name, p in model.named_parameters():
+        _between(_std(p.grad), 0.45, 0.9, f"{name}'s gradient from the target's part")
+    _hidden_layer_stds(model, x, lambda y: y.detach() / math.sqrt(2))
+    for name, p in model.named_parameters():
+        _between(_std(p.grad), 1.5, 6.5, f"{name}'s gradient from y's part")
+
+
+def _hidden_layer_stds(model: torch.nn.Module, x: torch.Tensor,
+                       output_gradient: Callable[[torch.Tensor], torch.Tensor]) -> Dict[str, float]:
+    """Backward from ``output_gradient(y)`` into fresh gradients; the README MLP's hidden layer:
+    up's output and its gradient (std), GELU's output as down's weight gradient sees it (rms),
+    and the gradient there."""
+    seen: Dict[str, float] = {}
+    hooks = [
+        model.up.register_forward_hook(
+            lambda module, inputs, output: seen.update({"up's output": _std(output)})),
+        model.down.register_forward_hook(
+            lambda module, inputs, output: seen.update(
+                {"GELU's output (rms)": inputs[0].detach().pow(2).mean().sqrt().item()})),
+        model.up.register_full_backward_hook(
+            lambda module, grad_inputs, grad_outputs: seen.update(
+                {"up's output gradient": _std(grad_outputs[0])})),
+        model.down.register_full_backward_hook(
+            lambda module, grad_inputs, grad_outputs: seen.update(
+                {"GELU's output gradient": _std(grad_inputs[0])})),
+    ]
+    try:
+        model.zero_grad()
+        y = model(x)
+        y.backward(output_gradient(y))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
 
 
 def _comment_after(code: str, statement: str) -> str:
@@ -229,6 +273,7 @@ def _fp8_stats(block: Block, namespace: Namespace) -> None:
     from ipu_unit_scaling.fp8 import FP8Linear, FP8UnitScaledLinear
 
     model = namespace["model"]
+    assert model is namespace["_setup_model"], "simulate_fp8 works in place"
     linears = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, uu.Linear))]
     assert linears and all(isinstance(m, (FP8Linear, FP8UnitScaledLinear)) for m in linears), \
         "simulate_fp8 left a linear unconverted"
@@ -315,6 +360,12 @@ def _emulator(block: Block, namespace: Namespace) -> None:
     x, result = namespace["x"], namespace["result"]
     assert tuple(result.partials.shape) == (1472, 6)  # "[tiles, workers] amaxes"
     assert result.partials.max().item() == x.detach().abs().max().item()
+    # "the Fp8Quantise graph": the values of the fp8_quantise op.
+    from ipu_unit_scaling.fp8 import fp8_quantise
+
+    expected = fp8_quantise(x.detach(), "F143", margin=0, saturate=True, log2_scale=None)
+    assert torch.equal(namespace["values"], expected)
+    assert namespace["non_finite"] is False or int(namespace["non_finite"]) == 0
     split = namespace["emulator"].partition(x.numel(), 1472, 6)
     assert tuple(split.shape) == (1472, 6, 2)
     assert int((split[..., 1] - split[..., 0]).sum()) == x.numel()
@@ -433,3 +484,27 @@ def test_readme_mlp_gradients_are_those_the_paper_rules_give(monkeypatch: pytest
         torch.testing.assert_close(parameter.grad, expected[name], rtol=1e-9, atol=1e-9,
                                    msg=lambda m, name=name: f"{name}: {m}")
     torch.testing.assert_close(x.grad, x_leaf.grad * loss_grad_scale, rtol=1e-9, atol=1e-9)
+
+
+NUMBER_WORDS = {5: "five", 12: "twelve"}
+
+
+def _readme_comment(command: str) -> str:
+    """The comment of the shell example that is exactly ``command``."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    (comment,) = [line.partition("#")[2].strip() for line in lines
+                  if "#" in line and line.partition("#")[0].strip() == command]
+    return comment
+
+
+def test_readme_cli_comments_count_the_regimes_compare_runs():
+    """The shell examples' comments: `compare` runs the default config's regimes, and
+    `compare --model bert` the MLM regimes."""
+    from ipu_unit_scaling.config import load_config
+    from ipu_unit_scaling.mlm import MLM_REGIMES
+
+    gpt_regimes = len(load_config(None).compare.regimes)
+    assert _readme_comment("ipu-unit-scaling compare").startswith(
+        f"all {NUMBER_WORDS[gpt_regimes]} regimes")
+    assert _readme_comment("ipu-unit-scaling compare --model bert").startswith(
+        f"{len(MLM_REGIMES)} regimes")
