@@ -634,23 +634,43 @@ def _cmd_analyse(args: argparse.Namespace) -> int:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from .pretrained import evaluate_run, format_evaluation, open_run, write_evaluation
+    from .rundir import RunLock
 
     precisions = list(args.precision or PRECISIONS)
     if len(set(precisions)) != len(precisions):
         raise UsageError(f"--precision lists a precision twice: {' '.join(precisions)}")
-    run = open_run(args.run_dir, "evaluate")
-    bar = None
-    if not args.quiet and sys.stderr.isatty():
-        from tqdm import tqdm
+    if args.data is not None and not args.data.strip():
+        raise UsageError("--data needs a file name (leave it out for the run's validation data)")
+    # Shared with other readers; a run writing the directory refuses it, and is refused by it
+    # until the results are written, so they name the checkpoint that is there.
+    with RunLock(args.run_dir, shared=True, action="evaluate"):
+        return _evaluate_locked(args, precisions)
 
-        bar = tqdm(desc="evaluate", unit="batch", leave=False)
+
+def _evaluate_locked(args: argparse.Namespace, precisions: List[str]) -> int:
+    from .data import DataError, out_of_memory
+    from .pretrained import evaluate_run, format_evaluation, open_run, write_evaluation
+
+    run = open_run(args.run_dir, "evaluate")
+    progress = _Progress("evaluate", quiet=args.quiet)
+    if args.data is not None:
+        progress.say(f"reading {args.data}")
+
+    def start(description: str, total: int) -> None:
+        progress.say(f"checkpoint at step {run.step}; {description}; {total} batches over "
+                     f"{len(precisions)} precision(s)")
+        progress.start(total)
+
     try:
         evaluation = evaluate_run(run, precisions, args.data, scale_report=args.scale_report,
-                                  on_batch=bar.update if bar is not None else None)
+                                  on_start=start, on_batch=progress.update)
+    except (MemoryError, RuntimeError) as error:
+        if not out_of_memory(error):
+            raise
+        raise DataError("out of memory while evaluating; evaluate a smaller --data file, or "
+                        "free memory") from None
     finally:
-        if bar is not None:
-            bar.close()
+        progress.close()
     out = args.out or args.run_dir
     if args.out is not None:
         from .rundir import make_run_dir
@@ -663,21 +683,60 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Progress:
+    """Progress of long work on stderr: a bar on a terminal, else a line every
+    ``interval`` seconds (logs of batch jobs); nothing with ``quiet``."""
+
+    def __init__(self, desc: str, quiet: bool, interval: float = 30.0) -> None:
+        self.desc, self.quiet, self.interval = desc, quiet, interval
+        self.done, self.total = 0, 0
+        self.bar: Any = None
+        self.last = time.monotonic()
+
+    def say(self, text: str) -> None:
+        if not self.quiet:
+            print(f"{self.desc}: {text}", file=sys.stderr, flush=True)
+
+    def start(self, total: int) -> None:
+        self.done, self.total, self.last = 0, total, time.monotonic()
+        if not self.quiet and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(desc=self.desc, unit="batch", total=total, leave=False)
+
+    def update(self) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update()
+        elif time.monotonic() - self.last >= self.interval:
+            self.last = time.monotonic()
+            share = 100 * self.done / max(self.total, 1)
+            self.say(f"{self.done}/{self.total} batches ({share:.1f}%)")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
 def _cmd_sample(args: argparse.Namespace) -> int:
     from .pretrained import check_prompt, default_prompt, open_run, sample_run
+    from .rundir import RunLock
 
-    run = open_run(args.run_dir, "sample")
-    prompt = default_prompt(run.tokenizer) if args.prompt is None else args.prompt
-    check_prompt(run.tokenizer, prompt)  # before anything is printed: an error is one line
+    with RunLock(args.run_dir, shared=True, action="sample"):
+        run = open_run(args.run_dir, "sample")
+        prompt = default_prompt(run.tokenizer) if args.prompt is None else args.prompt
+        check_prompt(run.tokenizer, prompt)  # before anything is printed: an error is one line
 
-    def show(text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        def show(text: str) -> None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
 
-    show(prompt)
-    text = sample_run(run, prompt, args.tokens, temperature=args.temperature, top_k=args.top_k,
-                      seed=args.seed, precision=args.precision, on_text=show)
-    show("" if text.endswith("\n") else "\n")
+        show(prompt)
+        text = sample_run(run, prompt, args.tokens, temperature=args.temperature,
+                          top_k=args.top_k, seed=args.seed, precision=args.precision,
+                          on_text=show)
+        show("" if text.endswith("\n") else "\n")
     return 0
 
 

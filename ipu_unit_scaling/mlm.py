@@ -112,7 +112,7 @@ class MLMConfig:
 
     def with_overrides(self, overrides: Sequence[str]) -> MLMConfig:
         """A copy with ``mlm.<field>=<value>`` (or ``<field>=<value>``) overrides applied."""
-        import yaml
+        from .config import parse_override_value
 
         result = copy.deepcopy(self)
         known = {f.name for f in fields(self)}
@@ -121,7 +121,7 @@ class MLMConfig:
             key = key[len("mlm."):] if key.startswith("mlm.") else key
             if not sep or key.split(".")[0] not in known:
                 raise ValueError(f"{item!r}: not an mlm setting; known: {', '.join(sorted(known))}")
-            value = yaml.safe_load(text)
+            value = parse_override_value(item.partition("=")[0], text)
             if key.startswith("learning_rates."):
                 regime = key.split(".", 1)[1]
                 check_mlm_regimes([regime])

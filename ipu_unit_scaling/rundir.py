@@ -7,8 +7,12 @@ Guarantees, whatever moment a run is killed at:
   too). Temporary files a killed run leaves behind are removed by the next run;
 - ``checkpoint.pt`` starts with a header line holding the SHA-256 of the rest, checked on load;
 - one process at a time writes a run directory: an advisory lock (``flock``) on ``.lock`` is
-  held for the whole run, and a second writer is refused with the holder's process id. Where
-  ``fcntl`` is missing (Windows) there is no lock and concurrent runs are not detected;
+  held for the whole run, and a second writer is refused with the holder's process id. Readers
+  (``evaluate``, ``sample``) share the lock: they are refused while a run writes, and a writer
+  is refused while they read. Where ``fcntl`` is missing (Windows) there is no lock and
+  concurrent runs are not detected;
+- the checkpoint records the SHA-256 of the tokenizer it was trained with: an edited
+  ``tokenizer.json`` is refused by every reader of the run (:func:`check_tokenizer`);
 - a resume refuses, in one line naming the file, a missing, empty or damaged artefact.
 """
 from __future__ import annotations
@@ -181,13 +185,18 @@ def leftovers(run_dir: Path) -> List[Path]:
 
 
 class RunLock:
-    """An exclusive advisory lock on a run directory, held from the start to the end of a run.
+    """An advisory lock on a run directory: exclusive for a run that writes it (held from its
+    start to its end), shared with ``shared=True`` for commands that only read it.
 
-    The lock file records who holds it, so that a refused writer can say so.
+    A writer records who holds the lock in the lock file, so that whoever it refuses can say
+    so. Readers write nothing: they may read a directory they cannot write to (no lock file
+    there means no run is writing it).
     """
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, shared: bool = False, action: str = "read") -> None:
         self.run_dir = Path(run_dir)
+        self.shared = shared
+        self.action = action  # what a refused reader could not do ("evaluate", "sample")
         self._fd: Optional[int] = None
 
     def __enter__(self) -> RunLock:
@@ -198,41 +207,67 @@ class RunLock:
         self.release()
 
     def acquire(self) -> None:
-        path = self.run_dir / LOCK_FILE
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as error:
-            raise RunError(f"cannot write to run directory {self.run_dir}: "
-                           f"{_reason(error)}") from None
+        fd = self._open_reading() if self.shared else self._open_writing()
+        if fd is None:
+            return
         if fcntl is not None:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             except OSError as error:
                 holder = _read_holder(fd)
                 os.close(fd)
                 if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise RunError(
-                        f"run directory {self.run_dir} is in use by {holder}; wait for it to "
-                        "finish or choose another --run-dir"
-                    ) from None
+                    raise RunError(self._busy(holder)) from None
                 raise RunError(f"cannot lock run directory {self.run_dir}: "
                                f"{_reason(error)}") from None
+        if not self.shared:
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, _holder_text().encode("utf-8"), 0)
+            except OSError as error:
+                os.close(fd)
+                raise RunError(f"cannot write to run directory {self.run_dir}: "
+                               f"{_reason(error)}") from None
+        self._fd = fd
+
+    def _open_writing(self) -> int:
         try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, _holder_text().encode("utf-8"), 0)
+            return os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as error:
-            os.close(fd)
             raise RunError(f"cannot write to run directory {self.run_dir}: "
                            f"{_reason(error)}") from None
-        self._fd = fd
+
+    def _open_reading(self) -> Optional[int]:
+        path = self.run_dir / LOCK_FILE
+        for flags in (os.O_RDONLY, os.O_RDONLY | os.O_CREAT):
+            try:
+                return os.open(path, flags, 0o644)
+            except FileNotFoundError:
+                continue  # no run has locked it yet: create the file, so that one cannot start
+            except NotADirectoryError:
+                break
+            except OSError as error:
+                if flags & os.O_CREAT and error.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
+                    return None  # a directory nobody here can write: no writer to wait for
+                raise RunError(f"cannot {self.action} {self.run_dir}: cannot open its "
+                               f"{LOCK_FILE}: {_reason(error)}") from None
+        raise RunError(f"cannot {self.action} {self.run_dir}: no such directory")
+
+    def _busy(self, holder: str) -> str:
+        if self.shared:
+            return (f"cannot {self.action} {self.run_dir}: it is in use by {holder}, a run "
+                    "writing it; wait for it to finish")
+        return (f"run directory {self.run_dir} is in use by {holder}; wait for it to finish "
+                "or choose another --run-dir")
 
     def release(self) -> None:
         if self._fd is None:
             return
-        try:
-            os.ftruncate(self._fd, 0)
-        except OSError:
-            pass
+        if not self.shared:
+            try:
+                os.ftruncate(self._fd, 0)
+            except OSError:
+                pass
         os.close(self._fd)  # closing drops the flock
         self._fd = None
 
@@ -255,7 +290,7 @@ def _read_holder(fd: int) -> str:
         if text:
             return " ".join(text.split())
         time.sleep(0.01)
-    return "another process"
+    return "another process (one reading it, or a run starting)"
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -300,6 +335,53 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
     if not isinstance(state, dict) or "step" not in state or "model" not in state:
         raise RunError(f"{path} is not a checkpoint of this package")
     return state
+
+
+def checkpoint_sha256(path: Path) -> Optional[str]:
+    """The SHA-256 a checkpoint's header records for its contents (None if it has none): names
+    the exact checkpoint a result was computed from."""
+    try:
+        with open(path, "rb") as handle:
+            header = handle.readline(256)
+    except OSError:
+        return None
+    fields = header.split(b" ")
+    if not header.startswith(CHECKPOINT_MAGIC + b" ") or len(fields) != 5:
+        return None
+    digest = fields[3].partition(b"=")[2].decode("ascii", "replace")
+    return digest or None
+
+
+def tokenizer_sha256(chars: Sequence[str]) -> str:
+    """SHA-256 of a character vocabulary in id order: what a checkpoint records of its
+    tokenizer."""
+    return hashlib.sha256(json.dumps(list(chars), ensure_ascii=True).encode("ascii")).hexdigest()
+
+
+def check_tokenizer(run_dir: Path, chars: Sequence[str], checkpoint: Dict[str, Any],
+                    action: str) -> None:
+    """RunError ("cannot <action> ...") unless ``chars`` are the vocabulary ``checkpoint`` was
+    trained with: the SHA-256 it records, or, in checkpoints written before it recorded one,
+    the order every run's vocabulary has (the pretrained characters of a fine-tuning run, then
+    sorted characters)."""
+    refuse = (f"cannot {action} {run_dir}: {TOKENIZER_FILE} does not match its "
+              f"{CHECKPOINT_FILE}, which was trained with another tokenizer")
+    recorded = checkpoint.get("tokenizer_sha256")
+    if recorded is not None:
+        if recorded != tokenizer_sha256(chars):
+            raise RunError(f"{refuse} (the checksums differ: the file was edited, or one of "
+                           "them comes from another run)")
+        return
+    base = checkpoint.get("base_chars") or []
+    if not isinstance(base, list):
+        raise RunError(f"cannot {action} {run_dir}: its {CHECKPOINT_FILE} is damaged")
+    added = list(chars[len(base):])
+    if list(chars[:len(base)]) != base or added != sorted(added):
+        raise RunError(f"{refuse} (its characters are out of their order: the file was "
+                       "edited)")
+
+
+__all__ += ["checkpoint_sha256", "tokenizer_sha256", "check_tokenizer"]
 
 
 # ------------------------------------------------------------------------------ metrics

@@ -258,12 +258,12 @@ def _fine_tuning(config: Config, run_dir: Path, backend: str, init_from: Path) -
     if not (init_from / CHECKPOINT_FILE).is_file():
         raise RunError(f"cannot {action} {init_from}: it holds no {CHECKPOINT_FILE}")
     check_same_model(load_run_config(init_from, (), action), config, str(init_from))
-    base = read_tokenizer(init_from, action)
+    state = load_checkpoint(init_from / CHECKPOINT_FILE)
+    base = read_tokenizer(init_from, action, state)
     if base.vocab_size != config.model.vocab_size:
         raise RunError(f"cannot {action} {init_from}: its {TOKENIZER_FILE} does not fit its "
                        f"model ({base.vocab_size} characters, model.vocab_size "
                        f"{config.model.vocab_size})")
-    state = load_checkpoint(init_from / CHECKPOINT_FILE)
     text = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
     tokenizer, added = extend_tokenizer(base, text.tokenizer.chars)
     config = copy.deepcopy(config)
@@ -291,7 +291,7 @@ def _open_resumed(config: Config, run_dir: Path, backend: str) -> _Run:
                          "saved config")
         return run
     state = load_checkpoint(checkpoint_path)
-    saved_tokenizer = read_tokenizer(run_dir)
+    saved_tokenizer = read_tokenizer(run_dir, "resume", state)
     corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
     if state.get("data_sha256") != corpus.sha256:
         raise RunError(f"cannot resume {run_dir}: {corpus.source} is not the text it trained on")
@@ -326,15 +326,22 @@ def _open_resumed(config: Config, run_dir: Path, backend: str) -> _Run:
                 init_from=state.get("init_from"))
 
 
-def read_tokenizer(run_dir: Path, action: str = "resume") -> CharTokenizer:
-    """The run's saved tokenizer; RunError ("cannot <action> ...") if missing or damaged."""
+def read_tokenizer(run_dir: Path, action: str = "resume",
+                   checkpoint: Optional[Dict[str, Any]] = None) -> CharTokenizer:
+    """The run's saved tokenizer; RunError ("cannot <action> ...") if missing or damaged, or
+    if it is not the one ``checkpoint`` (the run's loaded checkpoint) was trained with."""
+    from .rundir import check_tokenizer
+
     path = Path(run_dir) / TOKENIZER_FILE
     if not path.is_file():
         raise RunError(f"cannot {action} {run_dir}: {TOKENIZER_FILE} is missing")
     try:
-        return CharTokenizer.load(path)
+        tokenizer = CharTokenizer.load(path)
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
         raise RunError(f"cannot {action} {run_dir}: {TOKENIZER_FILE} is damaged") from None
+    if checkpoint is not None:
+        check_tokenizer(run_dir, tokenizer.chars, checkpoint, action)
+    return tokenizer
 
 
 def _write_settings(run_dir: Path, config: Config, corpus: Corpus) -> None:
@@ -482,6 +489,8 @@ class _Session:
                 f"weights became non-finite at step {self.step}; last good checkpoint: "
                 f"{self.good_checkpoint()}", self.step, self.last_checkpoint,
             )
+        from .rundir import tokenizer_sha256
+
         self.metrics.sync()
         save_checkpoint(self.checkpoint_path, {
             "step": self.step,
@@ -496,6 +505,7 @@ class _Session:
             "trained_tokens": self.trained_tokens,
             "base_chars": self.run.base_chars,
             "init_from": self.run.init_from,
+            "tokenizer_sha256": tokenizer_sha256(self.run.corpus.tokenizer.chars),
         })
         self.last_checkpoint = self.checkpoint_path
         self.saved_step = self.step
