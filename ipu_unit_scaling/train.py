@@ -640,7 +640,7 @@ class _Session:
         evaluated = self.val_curve and self.val_curve[-1][0] == self.step
         val_loss = self.val_curve[-1][1] if evaluated else self._validation_loss()
         if self._diverged(val_loss):
-            raise self._divergence(f"validation loss of the weights after step {self.step}",
+            raise self._divergence("validation loss of the weights to checkpoint",
                                    val_loss, self.step)
         self.metrics.sync()
         save_checkpoint(self.checkpoint_path, {

@@ -311,13 +311,14 @@ def config_from_arguments(argv: Optional[Sequence[str]] = None) -> Config:
     is ``training.steps`` (so that the schedule follows the steps run)."""
     parser = argparse.ArgumentParser(description="Pipelined training under torchrun.")
     parser.add_argument("--config", default=None, help="YAML file or configs/ name")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="override a config key (repeatable)")
+    parser.add_argument("--set", dest="overrides", nargs="+", action="append", default=[],
+                        metavar="KEY=VALUE", help="override config keys, as the "
+                        "ipu-unit-scaling command's --set (may be repeated)")
     parser.add_argument("--steps", type=_positive_int, default=None,
                         help="steps to train, and the length of the learning-rate schedule "
                              "(sets training.steps; default: training.steps)")
     args = parser.parse_args(argv)
-    config = load_config(args.config, args.overrides)
+    config = load_config(args.config, [item for group in args.overrides for item in group])
     return config if args.steps is None else with_steps(config, args.steps)
 
 
