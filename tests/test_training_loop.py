@@ -322,3 +322,25 @@ def test_a_run_diverged_before_any_checkpoint_names_none(capsys, tmp_path, data)
                                              "training.checkpoint_interval=1"))
     assert status == 1 and err.rstrip().endswith("last good checkpoint: none"), err
     assert not (run_dir / "checkpoint.pt").exists()
+
+
+def test_sigterm_before_the_training_loop_stops_the_command_like_ctrl_c(capsys, tmp_path, data,
+                                                                        monkeypatch):
+    def terminated_while_loading(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return "memory checked"
+
+    monkeypatch.setattr(train_module, "check_memory", terminated_while_loading)
+    escaped: List[int] = []
+
+    def handler(signum, frame):
+        escaped.append(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        status, _, err = run(capsys, *train_args(tmp_path / "run", data, "training.steps=4"))
+        assert signal.getsignal(signal.SIGTERM) is handler  # the command put it back
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not escaped
+    assert status == 128 + signal.SIGTERM and err == "ipu-unit-scaling: SIGTERM\n", err
