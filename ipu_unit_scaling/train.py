@@ -120,7 +120,8 @@ __all__ = [
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss (or the weights) became non-finite; nothing was saved after that."""
+    """The loss or the weights became non-finite, or a loss passed :func:`divergence_bound`;
+    nothing was saved after the last step whose weights were good."""
 
     def __init__(self, message: str, step: int, checkpoint: Optional[Path]):
         super().__init__(message)
@@ -905,7 +906,8 @@ class _StopRequest:
 
     def __exit__(self, *exc: Any) -> None:
         for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
+            # (None: a handler Python did not install, which it cannot put back either)
+            signal.signal(signum, signal.SIG_DFL if previous is None else previous)
         self._previous = {}
 
 
