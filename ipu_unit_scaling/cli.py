@@ -1,8 +1,9 @@
 """The ``ipu-unit-scaling`` command: ``train``, ``compare``, ``sweep``, ``analyse``,
 ``evaluate`` and ``sample``.
 
-Exit status: 0 done, 1 diverged (a non-finite training loss or sampled logits), 2 bad arguments,
-config, data or run directory (one line on stderr, never a traceback), 130 Ctrl-C.
+Exit status: 0 done, 1 diverged (a non-finite or exploding training loss, or non-finite sampled
+logits), 2 bad arguments, config, data or run directory (one line on stderr, never a traceback),
+130 Ctrl-C (SIGINT), 143 SIGTERM.
 """
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import copy
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, NoReturn, Optional, Sequence
@@ -104,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "an embedded corpus, compare precisions as the papers do, inspect tensor "
                     "scales, fine-tune, evaluate and sample trained runs in FP32, FP16 and FP8. "
                     "Runs on IPUs through PopTorch when available, else on CPU.",
-        epilog="Exit status: 0 done, 1 diverged (a non-finite loss or sampled logits), 2 bad "
-               "arguments, config or data, 130 interrupted. IPU_UNIT_SCALING_BACKEND overrides "
+        epilog="Exit status: 0 done, 1 diverged (a non-finite or exploding loss, or non-finite "
+               "sampled logits), 2 bad arguments, config or data, 130 interrupted (143 by "
+               "SIGTERM). IPU_UNIT_SCALING_BACKEND overrides "
                "the backend.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -116,8 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the config's GPT. Writes config.yaml, tokenizer.json, metrics.csv, "
                     "summary.json, loss.png and checkpoint.pt into the run directory; prints "
                     "the final validation loss next to the corpus's unigram baseline. Ctrl-C "
-                    "saves a checkpoint and exits 130; a non-finite loss stops the run (exit 1) "
-                    "without touching the last good checkpoint.",
+                    "or SIGTERM saves a checkpoint and exits 130 or 143; a loss that is "
+                    "non-finite or more than 10 nats above the uniform baseline stops the run "
+                    "(exit 1) without touching the last good checkpoint.",
     )
     _add_config_arguments(train)
     train.add_argument(
@@ -763,8 +768,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .backends import BackendError
     from .data import DataError
     from .inference import SamplingError
-    from .train import RunError, TrainingDiverged, TrainingInterrupted
+    from .train import RunError, TrainingDiverged, TrainingInterrupted, raise_stop_signal
 
+    # SIGTERM stops a command as Ctrl-C does (a training loop: at a step boundary, saved).
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, raise_stop_signal) if on_main_thread else None
     try:
         return COMMANDS[args.command](args)
     except (ConfigError, DataError, RunError, BackendError, UsageError) as error:
@@ -775,7 +783,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (TrainingInterrupted, KeyboardInterrupt) as error:
         message = _one_line(error) or "interrupted"
         print(f"{PROG}: {message}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return 128 + getattr(error, "signum", EXIT_INTERRUPTED - 128)  # 130 SIGINT, 143 SIGTERM
     except OSError as error:  # a file system that refuses: full, read-only, gone
         where = f" ({error.filename})" if error.filename else ""
         return _fail(f"{error.strerror or _one_line(error)}{where}")
@@ -786,6 +794,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise
         return _fail(f"internal error ({type(error).__name__}): {_one_line(error)}; set "
                      f"{DEBUG_ENV}=1 for the traceback")
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _fail(message: str) -> int:

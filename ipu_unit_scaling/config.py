@@ -22,6 +22,7 @@ column of a YAML error.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -127,8 +128,10 @@ class TrainingConfig:
     eval_interval: int = 100
     eval_batches: int = 8
     checkpoint_dir: Optional[str] = None
-    # 0 writes a checkpoint only at the end (when checkpoint_dir is set).
-    checkpoint_interval: int = 0
+    # Steps between checkpoints, which bounds the work a kill (SIGKILL, a power cut) loses;
+    # the same as eval_interval, so that a checkpoint reuses the evaluation that proves it
+    # good. 0: only at the end (and on SIGINT or SIGTERM).
+    checkpoint_interval: int = 100
 
 
 @dataclass
@@ -771,6 +774,16 @@ def resolve_layers_per_ipu(layers_per_ipu: Sequence[int], depth: int, ipus: int)
     for rank, index in enumerate(flexible):
         counts[index] = share + (1 if rank >= len(flexible) - extra else 0)
     return counts
+
+
+def with_steps(config: Config, steps: int) -> Config:
+    """A copy of ``config`` that trains for ``steps`` steps, validated: the one place where a
+    step count given apart from ``training.steps`` (a ``--steps`` option, a function argument)
+    becomes the run's length, so that the learning-rate schedule follows it."""
+    changed = copy.deepcopy(config)
+    changed.training.steps = steps
+    validate(changed)
+    return changed
 
 
 def warmup_steps(training: TrainingConfig) -> int:
