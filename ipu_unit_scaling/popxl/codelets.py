@@ -135,9 +135,11 @@ def _stand_in(x: Tensor, fmt: FP8Format, margin: int, saturate: bool
     overflow = "saturate" if saturate else "nan"
 
     def run(values: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        partials = emulator.partial_amaxes(values, _STAND_IN_TILES)
-        scale, non_finite = emulator.scaling_bias(partials, fmt, margin)
-        cast = emulator.cast_to_fp8(values, fmt, scale, overflow=overflow, tiles=_STAND_IN_TILES)
+        layout = emulator.flat_mapping(values.numel(), _STAND_IN_TILES)
+        partials = emulator.partial_amaxes(values, mapping=layout)
+        reduction = emulator.reduce_amax(partials, emulator.leaf_tiles(layout), fmt, margin)
+        scale, non_finite = reduction.log2_scale, reduction.non_finite
+        cast = emulator.cast_to_fp8(values, fmt, scale, overflow=overflow, mapping=layout)
         return (cast.codes, torch.tensor(scale, dtype=torch.int32),
                 torch.tensor(int(non_finite), dtype=torch.int32))
 
