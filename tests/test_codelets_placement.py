@@ -6,6 +6,7 @@ tests check the plan against its stated rule, run the vertices over it, and coun
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import random
 import re
@@ -150,10 +151,10 @@ def test_regions_vertex_refuses_a_misaligned_output_region():
     x = torch.randn(64)
     codes = torch.zeros(80, dtype=torch.uint8)
     assert codes.data_ptr() % 8 == 0
-    inputs = (emulator.ctypes.c_void_p * 2)(x.data_ptr(), x.data_ptr() + 32 * 4)
-    lengths = (emulator.ctypes.c_int64 * 2)(32, 32)
+    inputs = (ctypes.c_void_p * 2)(x.data_ptr(), x.data_ptr() + 32 * 4)
+    lengths = (ctypes.c_int64 * 2)(32, 32)
     for offset, expected in ((32, 0), (33, _host.MISALIGNED)):
-        outputs = (emulator.ctypes.c_void_p * 2)(codes.data_ptr(), codes.data_ptr() + offset)
+        outputs = (ctypes.c_void_p * 2)(codes.data_ptr(), codes.data_ptr() + offset)
         assert cast(inputs, outputs, lengths, 2, 0, 4, 1, 6, 0) == expected
 
 
