@@ -34,6 +34,7 @@ host_library = Extension(
     sources=["codelets/host/fp8_host.cpp"],
     include_dirs=["codelets/host_shim"],
     depends=["codelets/fp8_codelets.cpp", "codelets/fp8_arith.hpp", "codelets/partition.hpp",
+             "codelets/placement.hpp",
              "codelets/host/fp8_fused.hpp", "codelets/host/fp8_fast.hpp",
              "codelets/host/fp8_simd.hpp",
              "codelets/host_shim/poplar/Vertex.hpp", "codelets/host_shim/poplar/HalfFloat.hpp"],
