@@ -36,7 +36,15 @@ from .inference import (
     validation_batches,
 )
 from .precision import build_model
-from .rundir import CHECKPOINT_FILE, EVALUATION_FILES, RunError, atomic_write, load_checkpoint
+from .rundir import (
+    CHECKPOINT_FILE,
+    EVALUATION_FILES,
+    RunError,
+    atomic_write,
+    load_checkpoint,
+    not_a_directory,
+    state_mismatch,
+)
 from .train import load_run_config, read_tokenizer
 
 __all__ = [
@@ -71,9 +79,8 @@ class TrainedRun:
         try:
             model.load_state_dict(self.checkpoint["model"])
         except (RuntimeError, KeyError) as error:
-            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise RunError(f"{self.run_dir / CHECKPOINT_FILE} does not fit its config.yaml: "
-                           f"{first_line}") from None
+                           f"{state_mismatch(error)}") from None
         model.eval()
         return model
 
@@ -92,8 +99,9 @@ def open_run(run_dir: Path, action: str = "evaluate") -> TrainedRun:
     """Read ``run_dir``'s config, tokenizer and checkpoint through the run directory's checked
     loaders; a RunError ("cannot <action> ...") if any is missing or damaged."""
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise RunError(f"cannot {action} {run_dir}: no such directory")
+    problem = not_a_directory(run_dir)
+    if problem:
+        raise RunError(f"cannot {action} {run_dir}: {problem}")
     if not (run_dir / CHECKPOINT_FILE).is_file():
         raise RunError(f"cannot {action} {run_dir}: it holds no {CHECKPOINT_FILE} (not a "
                        "trained run, or one stopped before its first checkpoint)")
