@@ -729,6 +729,7 @@ COMMANDS = {"train": _cmd_train, "compare": _cmd_compare, "sweep": _cmd_sweep,
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    _escape_what_the_terminal_cannot_show()
     if not argv:
         print(f"{PROG}: error: no command; use '{PROG} train' to train the default config, or "
               f"see '{PROG} --help' for train, compare, analyse, evaluate and sample",
@@ -768,6 +769,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise
         return _fail(f"internal error ({type(error).__name__}): {_one_line(error)}; set "
                      f"{DEBUG_ENV}=1 for the traceback")
+
+
+def _escape_what_the_terminal_cannot_show() -> None:
+    # Characters the output's encoding lacks (u-μP where it is ASCII, a path of undecodable
+    # bytes) come out as backslash escapes instead of stopping the command with a traceback.
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            try:
+                reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):  # a stream that cannot change now: leave it
+                pass
 
 
 def _fail(message: str) -> int:

@@ -40,7 +40,8 @@ except ImportError:  # not POSIX: runs go unlocked
 __all__ = [
     "RunError", "CONFIG_FILE", "TOKENIZER_FILE", "METRICS_FILE", "CHECKPOINT_FILE",
     "SUMMARY_FILE", "PLOT_FILE", "SCALE_REPORT_FILE", "LOCK_FILE", "ARTEFACTS", "COMPARE_FILES",
-    "EVALUATION_FILES", "METRIC_FIELDS", "leftovers", "not_a_directory", "state_mismatch",
+    "EVALUATION_FILES", "METRIC_FIELDS", "leftovers", "error_naming", "not_a_directory",
+    "state_mismatch",
     "atomic_write", "remove_temporaries", "RunLock", "make_run_dir", "make_unique_run_dir",
     "remove_refused_start", "save_checkpoint",
     "load_checkpoint", "MetricsLog", "read_metrics", "metrics_up_to", "keep_report_rows_up_to",
@@ -71,6 +72,13 @@ class RunError(ValueError):
 
 def _reason(error: OSError) -> str:
     return error.strerror or str(error)
+
+
+def error_naming(path: Path, error: OSError) -> OSError:
+    """``error`` naming ``path``: os.write's errors (a full disk, say) name no file."""
+    if error.filename is not None:
+        return error
+    return OSError(error.errno, _reason(error), str(path))
 
 
 def not_a_directory(path: Path) -> Optional[str]:
@@ -130,8 +138,8 @@ def atomic_write(path: Path, data: bytes) -> None:
             os.remove(temporary)
         except OSError:
             pass
-        if isinstance(error, OSError):  # a full disk, say: the message names the file
-            raise RunError(f"cannot write {path}: {_reason(error)}") from None
+        if isinstance(error, OSError):
+            raise error_naming(path, error) from None
         raise
     _fsync_directory(path.parent)
 
@@ -465,14 +473,14 @@ class MetricsLog:
         try:
             while view:
                 view = view[os.write(self._fd, view):]
-        except OSError as error:  # a full disk, say: the message names the file
-            raise RunError(f"cannot write {self.path}: {_reason(error)}") from None
+        except OSError as error:
+            raise error_naming(self.path, error) from None
 
     def sync(self) -> None:
         try:
             os.fsync(self._fd)
         except OSError as error:
-            raise RunError(f"cannot write {self.path}: {_reason(error)}") from None
+            raise error_naming(self.path, error) from None
 
     def close(self) -> None:
         if self._fd >= 0:

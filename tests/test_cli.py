@@ -358,3 +358,14 @@ def test_loss_figures_keep_their_labels_inside(tmp_path, monkeypatch, loss):
     assert len(saved) == 2
     for figure in saved:
         assert figure["inside"], figure["bounds"]
+
+
+@pytest.mark.parametrize("command", ["compare", "sweep"])
+def test_help_in_an_ascii_terminal_escapes_what_it_cannot_show(command):
+    result = subprocess.run(
+        [sys.executable, "-m", "ipu_unit_scaling.cli", command, "--help"], cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), PYTHONIOENCODING="ascii"),
+        capture_output=True, timeout=120,
+    )
+    assert result.returncode == 0 and b"Traceback" not in result.stderr, result.stderr
+    assert b"u-\\u03bcP" in result.stdout  # u-\u03bcP, escaped

@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
-from ..rundir import RunError
+from ..rundir import error_naming
 from .tracking import ScaleRecord, track_scales
 
 __all__ = ["ROLES", "role_summary", "worst_table", "ScaleReporter"]
@@ -114,4 +114,4 @@ class ScaleReporter:
                 for role, row in summary.items():
                     writer.writerow({"step": step, "role": role, **row})
         except OSError as error:  # a full disk, say: the message names the file
-            raise RunError(f"cannot write {self.path}: {error.strerror or error}") from None
+            raise error_naming(self.path, error) from None
