@@ -77,7 +77,7 @@ def read_text_file(path: Union[str, Path]) -> str:
     if not raw:
         raise DataError(f"data file {name} is empty")
     try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8")
     except MemoryError:
         raise _does_not_fit(name, f"{len(raw)} bytes") from None
     except UnicodeDecodeError as error:
@@ -85,6 +85,8 @@ def read_text_file(path: Union[str, Path]) -> str:
             f"data file {name} is not UTF-8 text (invalid byte 0x{raw[error.start]:02x} "
             f"at offset {error.start})"
         ) from None
+    # A leading byte-order mark says how the file is encoded; it is not a character of the text.
+    return text[1:] if text.startswith("\ufeff") else text
 
 
 # Host bytes per byte of text while it is decoded and encoded: the bytes, the string (up to 4

@@ -231,7 +231,10 @@ def next_token(logits: Tensor, temperature: float, top_k: Optional[int],
         raise SamplingError("the model's logits became non-finite")
     if temperature == 0:
         return int(logits.argmax())
-    logits = logits / temperature
+    # In float64 (a temperature such as 1e-300 is 0 in float32) and with the most likely token
+    # at 0: a tiny temperature then sends the others to -inf, not every logit to +-inf (which
+    # softmax would turn into nan).
+    logits = (logits.double() - logits.max()) / temperature
     if top_k is not None and top_k < logits.numel():
         threshold = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < threshold, -math.inf)

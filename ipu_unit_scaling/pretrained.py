@@ -50,6 +50,8 @@ from .rundir import (
     atomic_write,
     checkpoint_sha256,
     load_checkpoint,
+    not_a_directory,
+    state_mismatch,
 )
 from .train import load_run_config, read_tokenizer
 
@@ -86,9 +88,9 @@ class TrainedRun:
         try:
             model.load_state_dict(self.checkpoint["model"])
         except (RuntimeError, KeyError, TypeError, AttributeError) as error:
-            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
             raise RunError(f"{self.run_dir / CHECKPOINT_FILE} is not a checkpoint of this run: "
-                           f"its model does not fit {CONFIG_FILE} ({first_line})") from None
+                           f"its model does not fit {CONFIG_FILE} ({state_mismatch(error)})"
+                           ) from None
         model.eval()
         return model
 
@@ -114,8 +116,9 @@ def open_run(run_dir: Path, action: str = "evaluate") -> TrainedRun:
     run is writing the directory. Hold ``RunLock(run_dir, shared=True)`` around the whole use
     to keep a run from starting meanwhile."""
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise RunError(f"cannot {action} {run_dir}: no such directory")
+    problem = not_a_directory(run_dir)
+    if problem:
+        raise RunError(f"cannot {action} {run_dir}: {problem}")
     with RunLock(run_dir, shared=True, action=action):
         if not (run_dir / CHECKPOINT_FILE).is_file():
             raise RunError(f"cannot {action} {run_dir}: it holds no {CHECKPOINT_FILE} (not a "

@@ -22,14 +22,17 @@ import datetime
 import errno
 import hashlib
 import io
+import itertools
 import json
 import os
+import re
 import socket
+import stat
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -41,8 +44,10 @@ except ImportError:  # not POSIX: runs go unlocked
 __all__ = [
     "RunError", "CONFIG_FILE", "TOKENIZER_FILE", "METRICS_FILE", "CHECKPOINT_FILE",
     "SUMMARY_FILE", "PLOT_FILE", "SCALE_REPORT_FILE", "LOCK_FILE", "ARTEFACTS", "COMPARE_FILES",
-    "EVALUATION_FILES", "METRIC_FIELDS", "leftovers",
-    "atomic_write", "remove_temporaries", "RunLock", "make_run_dir", "save_checkpoint",
+    "EVALUATION_FILES", "METRIC_FIELDS", "leftovers", "error_naming", "not_a_directory",
+    "state_mismatch",
+    "atomic_write", "remove_temporaries", "RunLock", "make_run_dir", "make_unique_run_dir",
+    "remove_refused_start", "save_checkpoint",
     "load_checkpoint", "MetricsLog", "read_metrics", "metrics_up_to", "keep_report_rows_up_to",
     "read_json",
 ]
@@ -73,6 +78,43 @@ def _reason(error: OSError) -> str:
     return error.strerror or str(error)
 
 
+def error_naming(path: Path, error: OSError) -> OSError:
+    """``error`` naming ``path``: os.write's errors (a full disk, say) name no file."""
+    if error.filename is not None:
+        return error
+    return OSError(error.errno, _reason(error), str(path))
+
+
+def not_a_directory(path: Path) -> Optional[str]:
+    """None where ``path`` is a directory, else why not, in words to follow "cannot ...
+    PATH: " (so that a symbolic link loop does not read as a missing directory)."""
+    try:
+        if stat.S_ISDIR(os.stat(path).st_mode):
+            return None
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return "its path holds a symbolic link loop (too many levels of symbolic links)"
+        if error.errno == errno.ENOENT and os.path.islink(path):
+            return f"it is a broken symbolic link (to {os.readlink(path)})"
+        if error.errno in (errno.ENOENT, errno.ENOTDIR):
+            return "no such directory"
+        return _reason(error)
+    except ValueError as error:  # a NUL byte in the name
+        return f"not a usable path ({error})"
+    return "not a directory"
+
+
+def state_mismatch(error: BaseException) -> str:
+    """A ``load_state_dict`` error in one line: its first problem and how many more there are
+    (torch lists one per line, after a heading that says only which module)."""
+    lines = [" ".join(line.split()) for line in str(error).splitlines()]
+    problems = [line for line in lines[1:] if line] or [line for line in lines if line]
+    if not problems:
+        return type(error).__name__
+    first = re.sub(r"torch\.Size\((\[[^\]]*\])\)", r"\1", problems[0]).rstrip(".")
+    return first + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+
+
 # ------------------------------------------------------------------------------ atomic writes
 
 
@@ -95,11 +137,13 @@ def atomic_write(path: Path, data: bytes) -> None:
         finally:
             os.close(handle)
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
         try:
             os.remove(temporary)
         except OSError:
             pass
+        if isinstance(error, OSError):
+            raise error_naming(path, error) from None
         raise
     _fsync_directory(path.parent)
 
@@ -156,18 +200,122 @@ def _entries(run_dir: Path) -> List[Path]:
 # ------------------------------------------------------------------------------ the directory
 
 
-def make_run_dir(run_dir: Path) -> None:
-    """Create ``run_dir`` (and its parents) if needed; one-line errors for every failure."""
+def make_run_dir(run_dir: Path) -> List[Path]:
+    """Create ``run_dir`` (and its parents) if needed; returns the directories it created,
+    outermost first (for :func:`remove_refused_start`). One-line errors for every failure."""
+    run_dir = Path(run_dir)
+    _check_name(run_dir)
     try:
-        if run_dir.exists() and not run_dir.is_dir():
-            raise RunError(f"run directory {run_dir} exists and is not a directory")
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except ValueError as error:  # a NUL byte in the name
-        if isinstance(error, RunError):
-            raise
-        raise RunError(f"run directory {str(run_dir)!r} is not a usable path: {error}") from None
+        created = _make_directories(run_dir)
     except OSError as error:
         raise RunError(f"cannot create run directory {run_dir}: {_reason(error)}") from None
+    problem = not_a_directory(run_dir)
+    if problem == "not a directory":
+        raise RunError(f"run directory {run_dir} exists and is not a directory")
+    if problem:
+        raise RunError(f"cannot create run directory {run_dir}: {problem}")
+    return created
+
+
+def make_unique_run_dir(parent: Path, name: str) -> Tuple[Path, List[Path]]:
+    """A new directory ``parent/name``, or ``name-2``, ``name-3``, ... where that is taken (by
+    a run started in the same second, say); returns it and the directories created, outermost
+    first. Creating a directory is atomic, so runs started together never share one."""
+    parent = Path(parent)
+    _check_name(parent)
+    try:
+        created = _make_directories(parent)
+        problem = not_a_directory(parent)
+    except OSError as error:
+        problem = _reason(error)
+    if problem:
+        raise RunError(f"cannot create run directory {parent / name}: in {parent}: {problem}")
+    for number in itertools.count(1):
+        run_dir = Path(parent) / (name if number == 1 else f"{name}-{number}")
+        _check_name(run_dir)
+        try:
+            run_dir.mkdir()
+        except FileExistsError:
+            continue
+        except OSError as error:
+            raise RunError(f"cannot create run directory {run_dir}: {_reason(error)}") from None
+        return run_dir, created + [run_dir]
+    raise AssertionError("unreachable")  # itertools.count never ends
+
+
+def _check_name(run_dir: Path) -> None:
+    text = str(run_dir)
+    if "\0" in text:
+        raise RunError(f"run directory {text!r} is not a usable path: it holds a NUL byte")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # undecodable bytes: every message and summary would carry them
+        raw = os.fsencode(text)
+        raise RunError(f"run directory {raw!r} is not a usable path: its name is not UTF-8; "
+                       "choose a UTF-8 name") from None
+
+
+def _make_directories(run_dir: Path) -> List[Path]:
+    missing = []
+    path = run_dir
+    while not os.path.lexists(path) and path.parent != path:
+        missing.append(path)
+        path = path.parent
+    created = []
+    for path in reversed(missing):
+        try:
+            path.mkdir()
+        except FileExistsError:  # made meanwhile by another process: not ours to remove
+            continue
+        created.append(path)
+    return created
+
+
+# What a start writes into a run directory before its first step: nothing a later run can use.
+_START_FILES = (LOCK_FILE, CONFIG_FILE, TOKENIZER_FILE)
+
+
+def remove_refused_start(created: Sequence[Path]) -> None:
+    """After a command failed, remove the directories it created (``created``, from
+    :func:`make_run_dir`, outermost first) where they hold nothing but what a start writes
+    (the lock, config and tokenizer, temporary files, in subdirectories too). A directory in
+    use by another run, or holding anything else, stays as it is."""
+    if not created:
+        return
+    run_dir = Path(created[-1])
+    try:
+        with RunLock(run_dir):
+            if not _only_start_files(run_dir):
+                return
+            _remove_start_files(run_dir)
+    except (RunError, OSError):
+        return
+    for directory in reversed(created[:-1]):
+        try:
+            Path(directory).rmdir()
+        except OSError:  # not empty: something else was put there meanwhile
+            return
+
+
+def _only_start_files(directory: Path) -> bool:
+    for entry in directory.iterdir():
+        if entry.is_symlink():
+            return False
+        if entry.is_dir():
+            if not _only_start_files(entry):
+                return False
+        elif entry.name not in _START_FILES and not _is_temporary(entry.name):
+            return False
+    return True
+
+
+def _remove_start_files(directory: Path) -> None:
+    for entry in directory.iterdir():
+        if entry.is_dir():
+            _remove_start_files(entry)
+        else:
+            entry.unlink()
+    directory.rmdir()
 
 
 def leftovers(run_dir: Path) -> List[Path]:
@@ -274,6 +422,8 @@ class RunLock:
 
 def _holder_text() -> str:
     command = " ".join([Path(sys.argv[0]).name] + sys.argv[1:]) if sys.argv else "python"
+    # Arguments of undecodable bytes arrive as lone surrogates, which UTF-8 cannot encode.
+    command = command.encode("utf-8", "backslashreplace").decode("utf-8")
     if len(command) > 120:
         command = command[:117] + "..."
     since = datetime.datetime.now().isoformat(timespec="seconds")
@@ -402,11 +552,17 @@ class MetricsLog:
     def write(self, row: Dict[str, Any]) -> None:
         line = _csv_line([row.get(name, "") for name in METRIC_FIELDS])
         view = memoryview(line)
-        while view:
-            view = view[os.write(self._fd, view):]
+        try:
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError as error:
+            raise error_naming(self.path, error) from None
 
     def sync(self) -> None:
-        os.fsync(self._fd)
+        try:
+            os.fsync(self._fd)
+        except OSError as error:
+            raise error_naming(self.path, error) from None
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -84,10 +84,12 @@ from .rundir import (
     load_checkpoint,
     make_run_dir,
     metrics_up_to,
+    not_a_directory,
     read_json,
     read_metrics,
     remove_temporaries,
     save_checkpoint,
+    state_mismatch,
 )
 
 __all__ = [
@@ -522,7 +524,11 @@ class _Session:
         if run.state is not None:
             self._restore(run.state)
         elif run.weights is not None:
-            self.model.load_state_dict(run.weights)
+            try:
+                self.model.load_state_dict(run.weights)
+            except RuntimeError as error:
+                raise RunError(f"cannot fine-tune from {run.init_from}: its {CHECKPOINT_FILE} "
+                               f"does not fit its {CONFIG_FILE}: {state_mismatch(error)}") from None
         self.wrapper = build_training_model(self.model, self.optimizer, config, run.backend)
         # Until the first call, the host holds the only weights (PopTorch refuses to copy
         # from a model it has not compiled yet).
@@ -546,8 +552,8 @@ class _Session:
             # (a checkpoint of an earlier version: its training time, the best it knows)
             self.elapsed_before = float(state.get("elapsed_s", self.train_seconds))
         except (RuntimeError, ValueError, KeyError, TypeError) as error:
-            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            raise RunError(f"checkpoint does not fit this config: {first_line}") from None
+            raise RunError(f"checkpoint does not fit this config: {state_mismatch(error)}") \
+                from None
         self.last_checkpoint = self.checkpoint_path
         self.saved_step = self.step
 
@@ -743,8 +749,8 @@ def train(
         raise RunError("a resumed run keeps its own start; init_from is for new runs")
     if not resume:
         make_run_dir(run_dir)
-    elif not run_dir.is_dir():
-        raise RunError(f"cannot resume {run_dir}: no such directory")
+    elif not_a_directory(run_dir):
+        raise RunError(f"cannot resume {run_dir}: {not_a_directory(run_dir)}")
     with RunLock(run_dir):
         remove_temporaries(run_dir)
         if config is None:
