@@ -386,6 +386,9 @@ class RunLock:
                            f"{_reason(error)}") from None
 
     def _open_reading(self) -> Optional[int]:
+        problem = not_a_directory(self.run_dir)
+        if problem:
+            raise RunError(f"cannot {self.action} {self.run_dir}: {problem}")
         path = self.run_dir / LOCK_FILE
         for flags in (os.O_RDONLY, os.O_RDONLY | os.O_CREAT):
             try:

@@ -309,7 +309,7 @@ CASES = [
         with_wider_checkpoint(tmp)), "--run-dir", str(tmp / "tuned"), "--quiet"], 2,
         "its checkpoint.pt does not fit its config.yaml: size mismatch for embedding.weight"),
     Case("sample-wider-checkpoint", lambda tmp: ["sample", str(with_wider_checkpoint(tmp))], 2,
-         "does not fit its config.yaml: size mismatch for embedding.weight"),
+         "does not fit config.yaml (size mismatch for embedding.weight"),
     Case("resume-fewer-steps", resume_after(lambda d: None, "--set", "training.steps=1"), 2,
          "beyond training.steps"),
     Case("resume-summary-garbage", resume_after(
