@@ -397,11 +397,17 @@ def _open_resumed(config: Config, run_dir: Path, backend: str) -> _Run:
     schedule_note = _schedule_change(state, run_dir, config.training, step)
     if schedule_note:
         notes.append(schedule_note)
-    atomic_write(run_dir / METRICS_FILE, metrics_up_to(run_dir, step))
-    keep_report_rows_up_to(run_dir / SCALE_REPORT_FILE, step)
-    _write_settings(run_dir, config, corpus)
+    # The directory is rewritten (metrics cut back to the checkpoint, the settings of this
+    # resume) only once the checkpoint has loaded into this config's model: a refused resume
+    # changes nothing.
     return _Run(run_dir, config, corpus, backend, state, notes, base_chars=list(base_chars),
                 init_from=state.get("init_from"))
+
+
+def _rewrite_for_resume(run: _Run, step: int) -> None:
+    atomic_write(run.run_dir / METRICS_FILE, metrics_up_to(run.run_dir, step))
+    keep_report_rows_up_to(run.run_dir / SCALE_REPORT_FILE, step)
+    _write_settings(run.run_dir, run.config, run.corpus)
 
 
 # The settings the learning rate of a step is a function of (with the step).
@@ -523,6 +529,7 @@ class _Session:
         self.loss_bound = divergence_bound(vocab)
         if run.state is not None:
             self._restore(run.state)
+            _rewrite_for_resume(run, self.step)
         elif run.weights is not None:
             try:
                 self.model.load_state_dict(run.weights)

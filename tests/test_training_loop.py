@@ -344,3 +344,21 @@ def test_sigterm_before_the_training_loop_stops_the_command_like_ctrl_c(capsys, 
         signal.signal(signal.SIGTERM, previous)
     assert not escaped
     assert status == 128 + signal.SIGTERM and err == "ipu-unit-scaling: SIGTERM\n", err
+
+
+# ------------------------------------------------------------------------------ refused resumes
+
+
+def test_a_resume_refused_for_a_model_that_does_not_fit_changes_nothing(capsys, tmp_path, data):
+    run_dir = tmp_path / "run"
+    assert run(capsys, *train_args(run_dir, data, "training.steps=4",
+                                   "training.checkpoint_interval=2"))[0] == 0
+    before = contents(run_dir)
+    status, _, err = run(capsys, "train", "--resume", run_dir, "--set",
+                         "model.hidden_size=64", "training.steps=6")
+    assert status == 2 and one_line_error(err) and "does not fit" in err, err
+    assert contents(run_dir) == before
+    # and the run still goes on with its own settings
+    status, _, err = run(capsys, "train", "--resume", run_dir, "--set", "training.steps=6")
+    assert status == 0, err
+    assert len(column(run_dir, "train_loss")) == 6
