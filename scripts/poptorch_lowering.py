@@ -341,8 +341,9 @@ def ops_poptorch_sees(module: Any, *inputs: Any) -> Set[str]:
     return seen
 
 
-def project_models() -> Iterator[Tuple[str, Any, Tuple[Any, ...]]]:
-    """(name, module, inputs) for every model whose ops the table covers."""
+def project_models(hugging_face: bool = True) -> Iterator[Tuple[str, Any, Tuple[Any, ...]]]:
+    """(name, module, inputs) for every model whose ops the table covers; ``hugging_face``
+    False leaves out the Hugging Face models."""
     import torch
 
     from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
@@ -378,7 +379,8 @@ def project_models() -> Iterator[Tuple[str, Any, Tuple[Any, ...]]]:
         encoder = build_encoder(config, 40, regime)
         yield f"encoder {regime}", encoder.train(), (tokens, tokens)
         yield f"encoder {regime} eval", encoder.eval(), (tokens,)
-    yield from hugging_face_models()
+    if hugging_face:
+        yield from hugging_face_models()
 
 
 def hugging_face_models() -> Iterator[Tuple[str, Any, Tuple[Any, ...]]]:
