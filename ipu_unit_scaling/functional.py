@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import fused
+from . import fused, lowering
 from ._softmax_moments import query_key_gradient_variance, softmax_moments
 from .constraints import ConstraintArg, apply_constraint
 from .scale import scale, scale_bwd, scale_fwd
@@ -174,31 +174,47 @@ def _normal_rms(values: np.ndarray) -> float:
     return math.sqrt(float(np.dot(_HERMITE_WEIGHTS, values**2)))
 
 
-@lru_cache(maxsize=None)
-def _gelu_stds(approximate: str) -> Tuple[float, float]:
-    """(std of gelu(z), rms of gelu'(z)) for z ~ N(0, 1), computed in float64 by autograd."""
+def _gelu_moments(form: str, mult: float = 1.0) -> Tuple[float, float]:
+    """(std of gelu(mult z), rms of its gradient in z) for z ~ N(0, 1), in float64, for a GELU
+    form of `lowering.GELU_FORMS`: torch's "none" and "tanh", or "popart", what an IPU runs
+    (the tanh forward with popnn's gradient, which is not that forward's derivative)."""
     # Autograd must record even when the first call comes under no_grad or inference_mode.
     with torch.inference_mode(False), torch.enable_grad():
         z = torch.tensor(_HERMITE_POINTS, dtype=torch.float64, requires_grad=True)
-        out = F.gelu(z, approximate=approximate)
+        out = lowering.gelu(mult * z, form)
         (slope,) = torch.autograd.grad(out.sum(), z)
     return _normal_std(out.detach().numpy()), _normal_rms(slope.numpy())
 
 
+@lru_cache(maxsize=None)
+def _gelu_stds(form: str) -> Tuple[float, float]:
+    """(std of gelu(z), rms of its gradient) for z ~ N(0, 1): see `_gelu_moments`."""
+    return _gelu_moments(form)
+
+
 # Computed once at import: torch.compile traces through lru_cache, and tracing the autograd call
 # above would split the compiled graph at every GELU.
-_GELU_STDS = {approximate: _gelu_stds(approximate) for approximate in ("none", "tanh")}
+_GELU_STDS = {form: _gelu_stds(form) for form in lowering.GELU_FORMS}
+
+
+def _gelu_form(approximate: str) -> str:
+    """The GELU that runs for `F.gelu(x, approximate)`: under `ipu_tracing()` the one PopTorch
+    lowers it to (`lowering.gelu_on_ipu`), else torch's."""
+    if is_ipu_tracing() and lowering.follows_ipu_numerics():
+        return lowering.gelu_on_ipu(approximate)
+    return approximate
 
 # Closed forms for z ~ N(0, 1): relu(z) has variance 1/2 - 1/(2 pi); relu'(z) is 1 half the time.
 _RELU_STD = math.sqrt(0.5 - 0.5 / math.pi)
 _RELU_GRAD_RMS = math.sqrt(0.5)
 
 
-def _gelu_scales(approximate: str, constraint: ConstraintArg) -> Tuple[float, ...]:
-    if approximate in _GELU_STDS:
-        out_std, grad_rms = _GELU_STDS[approximate]
+def _gelu_scales(form: str, constraint: ConstraintArg) -> Tuple[float, ...]:
+    """Scales for a GELU form (an `approximate` of `F.gelu`, or "popart")."""
+    if form in _GELU_STDS:
+        out_std, grad_rms = _GELU_STDS[form]
     else:
-        out_std, grad_rms = _gelu_stds(approximate)
+        out_std, grad_rms = _gelu_stds(form)
     return apply_constraint(constraint, 1 / out_std, 1 / grad_rms)
 
 
@@ -206,13 +222,15 @@ def gelu(input: Tensor, approximate: str = "none", constraint: ConstraintArg = "
     """Unit-scaled `F.gelu`.
 
     Rule: output scale 1/std(gelu(z)), grad-input scale 1/rms(gelu'(z)) for z ~ N(0, 1),
-    computed by quadrature; tied by `constraint`.
+    computed by quadrature; tied by `constraint`. Under `ipu_tracing()` these are the moments
+    of the GELU an IPU runs: PopTorch lowers both `approximate` values to PopART's tanh
+    approximation, whose gradient is popnn's (see `ipu_unit_scaling.lowering`).
     """
     if fused.eager_forms():
         output_scale, grad_scale = fused.cached_scales(
             ("gelu", approximate, constraint), _gelu_scales, approximate, constraint)
         return fused.gelu(input, approximate, output_scale, grad_scale)
-    output_scale, grad_scale = _gelu_scales(approximate, constraint)
+    output_scale, grad_scale = _gelu_scales(_gelu_form(approximate), constraint)
     return _scaled_call(
         lambda x: F.gelu(x, approximate=approximate), (input,), output_scale, (grad_scale,),
         scale_in_place=True,

@@ -23,7 +23,17 @@ from ipu_unit_scaling.ipu import (
     is_ipu_tracing,
     trace_like_poptorch,
 )
+from ipu_unit_scaling.lowering import torch_numerics
 from ipu_unit_scaling.models import GPTConfig, build_gpt
+
+
+@pytest.fixture(autouse=True)
+def ops_as_torch_defines_them():
+    """These tests check the traced forms against eager torch, so traces compute every op as
+    torch defines it. What an IPU computes differently (GELU, stochastic rounding) is emulated
+    by default and tested in test_lowering.py."""
+    with torch_numerics():
+        yield
 
 
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -140,7 +140,7 @@ def build_training_model(
         if backend == "emulator":
             from .emulator import TracedTrainingModule
 
-            module = TracedTrainingModule(module)
+            module = TracedTrainingModule(module, config.ipu.stochastic_rounding)
         ipu = config.ipu
         return CPUTrainingModel(
             module,
@@ -180,7 +180,7 @@ def build_inference_model(model: nn.Module, config: Config,
     if backend == "emulator":
         from .emulator import TracedTrainingModule
 
-        return _EvalWrapper(TracedTrainingModule(model), model)
+        return _EvalWrapper(TracedTrainingModule(model, config.ipu.stochastic_rounding), model)
     if backend in ("cpu", "popxl"):
         return _EvalWrapper(model, model)
     raise BackendError(f"backend {backend!r} cannot build an inference model")

@@ -32,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..lowering import lower_graph
 from ..tracing import ipu_tracing
 from .poptorch_ops import CUSTOM_OP_NAMESPACES, HOST_READ_OPS, is_supported
 
@@ -209,12 +210,17 @@ def _functional_call(module: nn.Module, state: Dict[str, torch.Tensor],
     return functional_call(module, state, inputs)
 
 
-def trace_like_poptorch(module: nn.Module, *inputs: Any) -> PopTorchTrace:
+def trace_like_poptorch(module: nn.Module, *inputs: Any,
+                        stochastic_rounding: bool = False) -> PopTorchTrace:
     """Trace ``module(*inputs)`` the way PopTorch does (see the module docstring).
 
     Raises :class:`PopTorchError` for what PopTorch refuses while tracing (host reads of a
     tensor, float8 tensors), naming the op and the module; unsupported ops are collected in
     ``trace.report``. The module's train/eval mode is traced as it is.
+
+    The trace computes what an IPU computes where PopART departs from eager torch (GELU; with
+    ``stochastic_rounding``, as ``Precision.enableStochasticRounding``, the float-half casts):
+    see :mod:`ipu_unit_scaling.lowering`.
     """
     parameter_names = [name for name, _ in module.named_parameters()]
     buffer_names = [name for name, _ in module.named_buffers()]
@@ -245,6 +251,7 @@ def trace_like_poptorch(module: nn.Module, *inputs: Any) -> PopTorchTrace:
         if node.op == "call_function" and hasattr(node.target, "overloadpacket"):
             counts[f"{node.target.namespace}::{node.target.overloadpacket.__name__}"] += 1
     report = PopTorchReport(dict(counts), {k: list(v) for k, v in rules.unsupported.items()})
+    graph = lower_graph(graph, stochastic_rounding)
     return PopTorchTrace(module, graph, report, parameter_names, buffer_names)
 
 
@@ -263,11 +270,13 @@ def check_poptorch(model: nn.Module, *inputs: Any, strict: bool = True) -> PopTo
 
 class TracedTrainingModule(nn.Module):
     """Runs the wrapped module through :func:`trace_like_poptorch` (one trace per input
-    signature and train/eval mode), so its gradients are those PopART would compute."""
+    signature and train/eval mode), so its gradients are those PopART would compute;
+    ``stochastic_rounding`` as in :func:`trace_like_poptorch`."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, stochastic_rounding: bool = False):
         super().__init__()
         self.module = module
+        self.stochastic_rounding = stochastic_rounding
         self._traces: Dict[Tuple[Any, ...], PopTorchTrace] = {}
 
     def _signature(self, inputs: Sequence[Any]) -> Tuple[Any, ...]:
@@ -279,7 +288,8 @@ class TracedTrainingModule(nn.Module):
         key = self._signature(inputs)
         trace = self._traces.get(key)
         if trace is None:
-            trace = trace_like_poptorch(self.module, *inputs)
+            trace = trace_like_poptorch(self.module, *inputs,
+                                        stochastic_rounding=self.stochastic_rounding)
             if not trace.report.ok:
                 raise PopTorchError(str(trace.report))
             self._traces[key] = trace
