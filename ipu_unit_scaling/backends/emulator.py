@@ -33,16 +33,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..tracing import ipu_tracing
-from .poptorch_ops import CUSTOM_OP_NAMESPACES, HOST_READ_OPS, is_supported
+from .ipu.checks import PopTorchError
+from .ipu.rewrites import PopTorchRewrites
+from .poptorch_ops import (
+    ARGUMENT_RULES,
+    CUSTOM_OP_NAMESPACES,
+    HOST_READ_OPS,
+    base_name,
+    is_supported,
+)
 
 __all__ = [
     "PopTorchError", "PopTorchReport", "PopTorchTrace", "trace_like_poptorch", "check_poptorch",
     "TracedTrainingModule",
 ]
-
-
-class PopTorchError(RuntimeError):
-    """What PopTorch would refuse while tracing the model."""
 
 
 @dataclass
@@ -70,77 +74,196 @@ def _is_float8(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and str(value.dtype).startswith("torch.float8")
 
 
+def _tensors(value: Any) -> List[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _named_arguments(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The op's arguments by their schema names, defaults filled in."""
+    named: Dict[str, Any] = {}
+    for index, argument in enumerate(func._schema.arguments):
+        if index < len(args):
+            named[argument.name] = args[index]
+        elif argument.name in kwargs:
+            named[argument.name] = kwargs[argument.name]
+        elif argument.has_default_value():
+            named[argument.name] = argument.default_value
+    return named
+
+
 class _PopTorchRules(TorchDispatchMode):
-    """Checks each op as PopTorch's dispatcher would see it, naming the module it came from."""
+    """Checks each op as PopTorch's dispatcher would see it, naming the module it came from.
+
+    It also follows which tensors are compile-time constants: the trace's inputs, parameters
+    and buffers are not, nor is anything computed from them or drawn at random. An ATen op on
+    constants only is evaluated on the host by PopTorch before any handler runs, so it is
+    neither checked against the handler list nor against the handlers' argument rules.
+    """
 
     def __init__(self, scopes: List[str]):
         super().__init__()
         self.scopes = scopes
         self.unsupported: Dict[str, List[str]] = collections.defaultdict(list)
-        # > 0 inside an op PopTorch's dispatcher takes whole (see `_DispatcherLevelOps`).
+        # > 0 inside an op PopTorch's dispatcher takes whole (see `_PopTorchCalls`).
         self.inside_dispatcher_op = 0
+        # id -> tensor (kept alive so that ids stay unique) of the tensors that are not
+        # compile-time constants.
+        self._variable: Dict[int, torch.Tensor] = {}
 
-    def _where(self) -> str:
+    def where(self) -> str:
         return self.scopes[-1] if self.scopes else "<model>"
+
+    def refusal(self, op: str, reason: str) -> PopTorchError:
+        return PopTorchError(f"{op} in {self.where()}: {reason}")
+
+    def mark_variable(self, value: Any) -> None:
+        for tensor in _tensors(value):
+            self._variable[id(tensor)] = tensor
+
+    def is_constant(self, value: Any) -> bool:
+        return not any(id(t) in self._variable for t in _tensors(value))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         if func.namespace == "aten" and name in HOST_READ_OPS:
-            raise PopTorchError(
-                f"aten::{name} in {self._where()}: a tensor is read on the host (.item(), "
-                f".tolist(), int()/float()/bool() of a tensor, or control flow on a tensor's "
-                f"value). PopTorch refuses it while tracing; keep the value a tensor.")
+            raise self.refusal(
+                f"aten::{name}",
+                "a tensor is read on the host (.item(), .tolist(), int()/float()/bool() of a "
+                "tensor, or control flow on a tensor's value). PopTorch refuses it while "
+                "tracing; keep the value a tensor.")
         if any(_is_float8(a) for a in tree_flatten((args, kwargs))[0]):
-            raise PopTorchError(
-                f"{func} in {self._where()} takes a float8 tensor, which cannot cross PopTorch: "
-                f"carry FP8 as uint8 codes through the FP8 custom ops (ipu_unit_scaling.fp8.ops)")
+            raise self.refusal(
+                str(func), "takes a float8 tensor, which cannot cross PopTorch: carry FP8 as "
+                "uint8 codes through the FP8 custom ops (ipu_unit_scaling.fp8.ops)")
         if func.namespace == "prim":  # metadata queries (prim::device), not graph ops
             return func(*args, **kwargs)
-        supported = self.inside_dispatcher_op > 0 or (
-            is_supported(name) if func.namespace == "aten"
-            else func.namespace in CUSTOM_OP_NAMESPACES)
-        if not supported:
-            self.unsupported[f"{func.namespace}::{name}"].append(self._where())
+        variable = not self.is_constant((args, kwargs)) or (
+            torch.Tag.nondeterministic_seeded in func.tags)
+        if self.inside_dispatcher_op == 0:
+            if func.namespace != "aten":
+                if func.namespace not in CUSTOM_OP_NAMESPACES:
+                    self.unsupported[f"{func.namespace}::{name}"].append(self.where())
+            elif variable:
+                self._check_arguments(func, name, args, kwargs)
+                if not is_supported(name):
+                    self.unsupported[f"aten::{name}"].append(self.where())
         out = func(*args, **kwargs)
         if any(_is_float8(o) for o in tree_flatten(out)[0]):
-            raise PopTorchError(
-                f"{func} in {self._where()} makes a float8 tensor, which cannot cross PopTorch")
+            raise self.refusal(str(func), "makes a float8 tensor, which cannot cross PopTorch")
+        if variable:
+            self.mark_variable(out)
+            for value, argument in zip(args, func._schema.arguments):
+                if argument.alias_info is not None and argument.alias_info.is_write:
+                    self.mark_variable(value)  # written in place with a variable value
         return out
 
+    def _check_arguments(self, func: Any, name: str, args: Sequence[Any],
+                         kwargs: Dict[str, Any]) -> None:
+        rules = ARGUMENT_RULES.get(name) or ARGUMENT_RULES.get(base_name(name), ())
+        if not rules:
+            return
+        named = _named_arguments(func, args, kwargs)
+        for rule in rules:
+            if rule.refuses(named, self.is_constant):
+                raise self.refusal(f"aten::{name}", f"{rule.reason} "
+                                   f"(poptorch/source/popart_canonicalization/{rule.source})")
 
+
+# Functions PopTorch's dispatcher implements itself (`RegisterOptionalAtenOps.cpp.inc`), which
+# a dispatch mode would only see decomposed: dropout into `empty_like`, `bernoulli_` and
+# `div_`, one_hot and adaptive pooling into other ops. Ops inside them are not checked.
 _DISPATCHER_LEVEL_FUNCTIONS = frozenset((
     torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
     torch.nn.functional.dropout3d, torch.dropout, torch.feature_dropout,
+    torch.nn.functional.one_hot, torch.nn.functional.adaptive_avg_pool1d,
+    torch.nn.functional.adaptive_avg_pool2d, torch.nn.functional.adaptive_avg_pool3d,
 ))
 _DISPATCHER_LEVEL_ATEN = frozenset(("dropout", "feature_dropout"))
+_ADAPTIVE_POOLS = {torch.nn.functional.adaptive_avg_pool1d: 1,
+                   torch.nn.functional.adaptive_avg_pool2d: 2,
+                   torch.nn.functional.adaptive_avg_pool3d: 3}
+_HOST_READ_METHODS = {torch.Tensor.numpy: "Tensor.numpy", torch.Tensor.tolist: "Tensor.tolist"}
+_DEVICE_GETTER = torch.Tensor.device.__get__  # type: ignore[attr-defined]
 
 
-class _DispatcherLevelOps(TorchFunctionMode):
-    """Dropout as PopTorch sees it: its dispatcher implements `aten::dropout` and
-    `aten::feature_dropout` itself (`RegisterOptionalAtenOps.cpp.inc`), before PyTorch
-    decomposes them into `empty_like`, `bernoulli_` and `div_`, which a dispatch mode sees
-    instead. Ops inside those calls are not checked against the handler list."""
+class _PopTorchCalls(TorchFunctionMode):
+    """What PopTorch decides from the Python call rather than the ATen op.
+
+    - Dropout, one_hot and adaptive average pooling as PopTorch's dispatcher takes them: whole
+      (see `_DISPATCHER_LEVEL_FUNCTIONS`), with their handlers' argument checks.
+    - Moves to the CPU inside ``forward`` (``.cpu()``, ``.to("cpu")``): PopTorch traces on the
+      IPU device, and its ``copy_`` refuses an IPU to CPU copy except for the outputs
+      (``RegisterAtenOverloads.cpp``). ``.to(t.device)`` stays on the IPU there, so devices
+      read from tensors are remembered and let through.
+    - Reads of a tensor's data on the host (``.numpy()``, ``.tolist()``).
+    """
 
     def __init__(self, rules: _PopTorchRules):
         super().__init__()
         self.rules = rules
+        self._tensor_devices: Dict[int, Any] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
+        if func is _DEVICE_GETTER:
+            device = func(*args, **kwargs)
+            self._tensor_devices[id(device)] = device
+            return device
+        self._refuse_host_access(func, args, kwargs)
         packet = getattr(func, "overloadpacket", None)
         whole = func in _DISPATCHER_LEVEL_FUNCTIONS or (
             packet is not None and getattr(func, "namespace", "") == "aten"
             and packet.__name__ in _DISPATCHER_LEVEL_ATEN)
         if not whole:
             return func(*args, **kwargs)
+        if func is torch.nn.functional.one_hot:
+            classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+            if classes == -1 and not self.rules.is_constant(args[0]):
+                raise self.rules.refusal(
+                    "aten::one_hot", "num_classes must be given: the handler needs the class "
+                    "count at compile time (poptorch/source/popart_canonicalization/"
+                    "EmbeddingOps.cpp)")
         self.rules.inside_dispatcher_op += 1
         try:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
         finally:
             self.rules.inside_dispatcher_op -= 1
+        dims = _ADAPTIVE_POOLS.get(func)
+        if dims is not None and not self.rules.is_constant(args[0]):
+            sizes_in, sizes_out = args[0].shape[-dims:], out.shape[-dims:]
+            if any(o and i % o for i, o in zip(sizes_in, sizes_out)):
+                raise self.rules.refusal(
+                    f"aten::adaptive_avg_pool{dims}d",
+                    f"input sizes {tuple(sizes_in)} are not multiples of the output sizes "
+                    f"{tuple(sizes_out)}, which the handler refuses "
+                    "(poptorch/source/popart_canonicalization/PoolingOps.cpp)")
+        return out
+
+    def _refuse_host_access(self, func: Any, args: Sequence[Any],
+                            kwargs: Dict[str, Any]) -> None:
+        if func is torch.Tensor.cpu or (func is torch.Tensor.to and self._moves_to_cpu(
+                args[1:], kwargs)):
+            call = "Tensor.cpu" if func is torch.Tensor.cpu else "Tensor.to"
+            raise self.rules.refusal(
+                call, "a move to the CPU inside forward. PopTorch refuses it while tracing "
+                "(illegal move to CPU, RegisterAtenOverloads.cpp): return the tensor as an "
+                "output instead")
+        if func in _HOST_READ_METHODS:
+            raise self.rules.refusal(
+                _HOST_READ_METHODS[func], "a tensor is read on the host. PopTorch refuses it "
+                "while tracing; keep the value a tensor.")
+
+    def _moves_to_cpu(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
+        if any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values())):
+            return False  # .to(other): other's device, the IPU for any tensor in the trace
+        device = kwargs.get("device", args[0] if args else None)
+        if id(device) in self._tensor_devices:
+            return False  # a device read from a tensor of the trace: the IPU on an IPU
+        parsed = torch._C._nn._parse_to(*args, **kwargs)[0]
+        return parsed is not None and parsed.type == "cpu"
 
 
 @contextlib.contextmanager
@@ -224,7 +347,9 @@ def trace_like_poptorch(module: nn.Module, *inputs: Any) -> PopTorchTrace:
     def forward(parameters: List[torch.Tensor], buffers: List[torch.Tensor], *args: Any) -> Any:
         state = dict(zip(parameter_names, parameters))
         state.update(zip(buffer_names, buffers))
-        with ipu_tracing(), _module_scopes(module, scopes), rules, _DispatcherLevelOps(rules):
+        rules.mark_variable((parameters, buffers, args))  # graph inputs, never constants
+        with ipu_tracing(), _module_scopes(module, scopes), rules, _PopTorchCalls(rules), \
+                PopTorchRewrites():
             return _functional_call(module, state, args)
 
     parameters = [p for _, p in module.named_parameters()]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -17,6 +17,18 @@ from ..cpu import TrainingModule
 from ..stages import Stage, stages
 from .custom_op import PopTorchFP8CustomOps, load_custom_op_library
 from .options import build_options
+from .rewrites import PopTorchRewrites
+
+
+@contextlib.contextmanager
+def _poptorch_forms(fp8_ops: Optional[FP8CustomOps], tracing: bool) -> Iterator[None]:
+    """While PopTorch traces: every op in its PopTorch form, and the calls PopTorch would
+    refuse rewritten to exact equivalents (:mod:`.rewrites`)."""
+    if not tracing:
+        yield
+        return
+    with ipu_tracing(fp8_ops), PopTorchRewrites():
+        yield
 
 
 class IPUTrainingModule(TrainingModule):
@@ -34,9 +46,7 @@ class IPUTrainingModule(TrainingModule):
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         import poptorch
 
-        tracing = (ipu_tracing(self.fp8_ops) if poptorch.isRunningOnIpu()
-                   else contextlib.nullcontext())
-        with tracing:
+        with _poptorch_forms(self.fp8_ops, poptorch.isRunningOnIpu()):
             logits, loss = super().forward(inputs, labels)
         # The model's loss is already a mean; "none" tells PopTorch to take it as is.
         return logits, poptorch.identity_loss(loss, reduction="none")
@@ -126,9 +136,7 @@ class IPUInferenceModule(nn.Module):
     def forward(self, *inputs: torch.Tensor) -> Any:
         import poptorch
 
-        tracing = (ipu_tracing(self.fp8_ops) if poptorch.isRunningOnIpu()
-                   else contextlib.nullcontext())
-        with tracing:
+        with _poptorch_forms(self.fp8_ops, poptorch.isRunningOnIpu()):
             return self.model(*inputs)
 
 
