@@ -1,20 +1,25 @@
 """PopTorch's semantics without the Poplar SDK: trace forward, differentiate the traced graph.
 
-PopTorch compiles a training model in three steps that decide what it computes:
+PopTorch compiles a model in steps that decide what it computes:
 
-1. it runs the forward pass once, recording the ATen ops that reach its dispatcher (after
+1. it checks its options against the model's pipeline (:mod:`.ipu.checks`);
+2. it runs the forward pass once, recording the ATen ops that reach its dispatcher (after
    PyTorch's own decompositions); ``.item()`` and other reads of a tensor on the host are
-   refused, float8 tensors cannot cross, and an op without a PopART handler stops compilation;
-2. PopART differentiates that forward graph: a ``torch.autograd.Function``'s ``forward`` is
+   refused, so are moves to the CPU, and float8 tensors cannot cross;
+3. ops whose inputs are all compile-time constants are evaluated on the host; every other op
+   needs a handler, and some handlers refuse some arguments (:mod:`.poptorch_ops`);
+4. PopART differentiates that forward graph: a ``torch.autograd.Function``'s ``forward`` is
    recorded like any other code and its ``backward`` is never used;
-3. the optimizer runs on the device with ``trainingModel``'s batching semantics.
+5. the optimizer runs on the device with ``trainingModel``'s batching semantics.
 
 This module does the same on the host. :func:`trace_like_poptorch` traces a module with fake
-tensors under :func:`ipu_unit_scaling.ipu_tracing`, checks every op against PopTorch's
-rules (:mod:`.poptorch_ops`) and returns a :class:`PopTorchTrace`: the recorded graph, run with
-the module's live parameters, so autograd of the graph plays PopART's autodiff.
-:func:`check_poptorch` is the check to run before spending IPU time, and the ``emulator``
-backend trains through :class:`TracedTrainingModule` with the CPU backend's batching semantics.
+tensors under :func:`ipu_unit_scaling.ipu_tracing` and the IPU backend's rewrites
+(:mod:`.ipu.rewrites`), checks every op against PopTorch's rules and returns a
+:class:`PopTorchTrace`: the recorded graph, run with the module's live parameters, so autograd
+of the graph plays PopART's autodiff. :func:`check_poptorch` is the check to run before
+spending IPU time. The ``emulator`` backend trains through :func:`emulated_training_module`
+with the CPU backend's batching semantics, and evaluates and samples through
+:class:`EmulatedInferenceModel`; both refuse the options PopTorch would refuse.
 
 (:mod:`ipu_unit_scaling.emulator` is a different emulator: the FP8 codelets run tile by tile.)
 """
@@ -32,8 +37,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..config import Config
 from ..tracing import ipu_tracing
-from .ipu.checks import PopTorchError
+from .ipu.checks import PopTorchError, check_config_compiles, check_inputs
 from .ipu.rewrites import PopTorchRewrites
 from .poptorch_ops import (
     ARGUMENT_RULES,
@@ -42,10 +48,11 @@ from .poptorch_ops import (
     base_name,
     is_supported,
 )
+from .stages import Stage, stages
 
 __all__ = [
     "PopTorchError", "PopTorchReport", "PopTorchTrace", "trace_like_poptorch", "check_poptorch",
-    "TracedTrainingModule",
+    "TracedTrainingModule", "EmulatedInferenceModel", "emulated_training_module",
 ]
 
 
@@ -336,8 +343,9 @@ def trace_like_poptorch(module: nn.Module, *inputs: Any) -> PopTorchTrace:
     """Trace ``module(*inputs)`` the way PopTorch does (see the module docstring).
 
     Raises :class:`PopTorchError` for what PopTorch refuses while tracing (host reads of a
-    tensor, float8 tensors), naming the op and the module; unsupported ops are collected in
-    ``trace.report``. The module's train/eval mode is traced as it is.
+    tensor, moves to the CPU, float8 tensors, arguments a handler refuses), naming the op and
+    the module; unsupported ops are collected in ``trace.report``. The module's train/eval
+    mode is traced as it is.
     """
     parameter_names = [name for name, _ in module.named_parameters()]
     buffer_names = [name for name, _ in module.named_buffers()]
@@ -377,8 +385,8 @@ def check_poptorch(model: nn.Module, *inputs: Any, strict: bool = True) -> PopTo
     """Check that PopTorch can train ``model`` on ``inputs``, before spending IPU time.
 
     Traces like PopTorch (fake tensors: nothing is computed) and returns the report. Raises
-    :class:`PopTorchError` for host reads and float8 tensors, and with ``strict`` also for ops
-    PopTorch has no handler for, listing each with the modules it came from.
+    :class:`PopTorchError` for what :func:`trace_like_poptorch` refuses, and with ``strict``
+    also for ops PopTorch has no handler for, listing each with the modules it came from.
     """
     report = trace_like_poptorch(model, *inputs).report
     if strict and not report.ok:
@@ -409,3 +417,61 @@ class TracedTrainingModule(nn.Module):
                 raise PopTorchError(str(trace.report))
             self._traces[key] = trace
         return trace(*inputs)
+
+
+def _join_outputs(outputs: List[Any]) -> Any:
+    """One call's outputs as ``poptorch.OutputMode.All`` returns them: per micro-batch results
+    concatenated on dim 0, scalars stacked."""
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(outputs) if first.dim() == 0 else torch.cat(outputs)
+    if isinstance(first, (tuple, list)):
+        return type(first)(_join_outputs(list(parts)) for parts in zip(*outputs))
+    return first
+
+
+def _split_rows(value: Any, parts: int) -> List[Any]:
+    if isinstance(value, torch.Tensor) and value.dim():
+        return list(value.chunk(parts))
+    return [value] * parts
+
+
+class EmulatedInferenceModel:
+    """``poptorch.inferenceModel`` as the IPU backend builds it, on the host.
+
+    Built from the same options as :class:`~.ipu.training.IPUInferenceModel` and refused at
+    construction if PopTorch would refuse to compile them (:mod:`.ipu.checks`). A call takes a
+    multiple of ``rows_per_call`` rows, runs each micro-batch through the graph PopTorch would
+    trace (in eval mode, without gradients) and returns what ``OutputMode.All`` returns.
+    """
+
+    def __init__(self, model: nn.Module, config: Config):
+        split = stages(model, config) if config.ipu.ipus_per_replica > 1 else []
+        self.compile_options = check_config_compiles(config, split, training=False)
+        self.rows_per_call = self.compile_options.rows_per_call
+        self.stages = split
+        self.model = model
+        self.runner = TracedTrainingModule(model)
+
+    def __call__(self, *inputs: Any) -> Any:
+        check_inputs(self.compile_options, inputs)
+        self.model.eval()
+        parts = self.rows_per_call
+        with torch.no_grad():
+            if parts == 1:
+                return self.runner(*inputs)
+            micro_batches = zip(*(_split_rows(x, parts) for x in inputs))
+            return _join_outputs([self.runner(*micro) for micro in micro_batches])
+
+    def destroy(self) -> None:
+        """Nothing to release off the IPU."""
+
+
+def emulated_training_module(model: nn.Module, config: Config,
+                             split: Sequence[Stage]) -> TracedTrainingModule:
+    """The traced ``(output, loss)`` module the emulator backend trains, once the options the
+    IPU backend would build for ``config`` pass PopTorch's compile checks."""
+    from .cpu import TrainingModule
+
+    check_config_compiles(config, split, training=True)
+    return TracedTrainingModule(TrainingModule(model))
