@@ -127,6 +127,9 @@ class _PopTorchRules(TorchDispatchMode):
         for tensor in _tensors(value):
             self._variable[id(tensor)] = tensor
 
+    def variables(self) -> List[torch.Tensor]:
+        return list(self._variable.values())
+
     def is_constant(self, value: Any) -> bool:
         return not any(id(t) in self._variable for t in _tensors(value))
 
@@ -192,7 +195,18 @@ _ADAPTIVE_POOLS = {torch.nn.functional.adaptive_avg_pool1d: 1,
                    torch.nn.functional.adaptive_avg_pool2d: 2,
                    torch.nn.functional.adaptive_avg_pool3d: 3}
 _HOST_READ_METHODS = {torch.Tensor.numpy: "Tensor.numpy", torch.Tensor.tolist: "Tensor.tolist"}
-_DEVICE_GETTER = torch.Tensor.device.__get__  # type: ignore[attr-defined]
+_DEVICE_PROPERTY = torch.Tensor.device
+
+
+def _one_hot_without_checks(indices: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
+    classes = torch.arange(num_classes, dtype=indices.dtype, device=indices.device)
+    return (indices.unsqueeze(-1) == classes).to(torch.long)
+
+
+def _is_device_getter(func: Any) -> bool:
+    """``tensor.device`` (each access to the getter makes a new method-wrapper object)."""
+    return getattr(func, "__self__", None) is _DEVICE_PROPERTY and (
+        getattr(func, "__name__", "") == "__get__")
 
 
 class _PopTorchCalls(TorchFunctionMode):
@@ -215,7 +229,7 @@ class _PopTorchCalls(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
-        if func is _DEVICE_GETTER:
+        if _is_device_getter(func):
             device = func(*args, **kwargs)
             self._tensor_devices[id(device)] = device
             return device
@@ -233,6 +247,10 @@ class _PopTorchCalls(TorchFunctionMode):
                     "aten::one_hot", "num_classes must be given: the handler needs the class "
                     "count at compile time (poptorch/source/popart_canonicalization/"
                     "EmbeddingOps.cpp)")
+            if classes != -1:
+                # The same values without torch's range checks, which read the indices on
+                # the host; PopTorch takes one_hot whole.
+                func = _one_hot_without_checks
         self.rules.inside_dispatcher_op += 1
         try:
             out = func(*args, **kwargs)
@@ -252,7 +270,7 @@ class _PopTorchCalls(TorchFunctionMode):
     def _refuse_host_access(self, func: Any, args: Sequence[Any],
                             kwargs: Dict[str, Any]) -> None:
         if func is torch.Tensor.cpu or (func is torch.Tensor.to and self._moves_to_cpu(
-                args[1:], kwargs)):
+                args, kwargs)):
             call = "Tensor.cpu" if func is torch.Tensor.cpu else "Tensor.to"
             raise self.rules.refusal(
                 call, "a move to the CPU inside forward. PopTorch refuses it while tracing "
@@ -264,13 +282,20 @@ class _PopTorchCalls(TorchFunctionMode):
                 "while tracing; keep the value a tensor.")
 
     def _moves_to_cpu(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
-        if any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values())):
+        if any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())):
             return False  # .to(other): other's device, the IPU for any tensor in the trace
-        device = kwargs.get("device", args[0] if args else None)
-        if id(device) in self._tensor_devices:
+        device = kwargs.get("device", args[1] if len(args) > 1 else None)
+        if self._is_tensor_device(device, args[0]):
             return False  # a device read from a tensor of the trace: the IPU on an IPU
-        parsed = torch._C._nn._parse_to(*args, **kwargs)[0]
+        parsed = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
         return parsed is not None and parsed.type == "cpu"
+
+    def _is_tensor_device(self, device: Any, tensor: torch.Tensor) -> bool:
+        # Fake tensors keep one device object each; real tensors make one per access, which
+        # the getter above records.
+        if id(device) in self._tensor_devices or device is tensor.device:
+            return True
+        return any(device is t.device for t in self.rules.variables())
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ...config import Config
+from .. import BackendError
 from ..stages import Stage
 from .options import New, OptionCall, option_calls
 
@@ -39,7 +40,7 @@ __all__ = [
 MAX_IPUS = 64  # per process, without distributed execution
 
 
-class PopTorchError(RuntimeError):
+class PopTorchError(BackendError):
     """What PopTorch would refuse: a config at compile time, or an op while tracing."""
 
 
