@@ -116,6 +116,8 @@ class _PopTorchRules(TorchDispatchMode):
         # id -> tensor (kept alive so that ids stay unique) of the tensors that are not
         # compile-time constants.
         self._variable: Dict[int, torch.Tensor] = {}
+        # id -> device object of the tensors of the trace: on an IPU these are the IPU.
+        self.devices: Dict[int, Any] = {}
 
     def where(self) -> str:
         return self.scopes[-1] if self.scopes else "<model>"
@@ -126,9 +128,7 @@ class _PopTorchRules(TorchDispatchMode):
     def mark_variable(self, value: Any) -> None:
         for tensor in _tensors(value):
             self._variable[id(tensor)] = tensor
-
-    def variables(self) -> List[torch.Tensor]:
-        return list(self._variable.values())
+            self.devices[id(tensor.device)] = tensor.device
 
     def is_constant(self, value: Any) -> bool:
         return not any(id(t) in self._variable for t in _tensors(value))
@@ -162,6 +162,9 @@ class _PopTorchRules(TorchDispatchMode):
         out = func(*args, **kwargs)
         if any(_is_float8(o) for o in tree_flatten(out)[0]):
             raise self.refusal(str(func), "makes a float8 tensor, which cannot cross PopTorch")
+        for tensor in _tensors(out):
+            device = tensor.device  # one object per fake tensor: `.to(t.device)` is found
+            self.devices[id(device)] = device
         if variable:
             self.mark_variable(out)
             for value, argument in zip(args, func._schema.arguments):
@@ -291,11 +294,10 @@ class _PopTorchCalls(TorchFunctionMode):
         return parsed is not None and parsed.type == "cpu"
 
     def _is_tensor_device(self, device: Any, tensor: torch.Tensor) -> bool:
-        # Fake tensors keep one device object each; real tensors make one per access, which
-        # the getter above records.
-        if id(device) in self._tensor_devices or device is tensor.device:
-            return True
-        return any(device is t.device for t in self.rules.variables())
+        # Fake tensors keep one device object each, which the rules record; real tensors
+        # make one per access, which the getter above records.
+        return (id(device) in self._tensor_devices or id(device) in self.rules.devices
+                or device is tensor.device)
 
 
 @contextlib.contextmanager
