@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..config import Config
 from ..tracing import ipu_tracing
+from .cpu import TrainingModule
 from .ipu.checks import PopTorchError, check_config_compiles, check_inputs
 from .ipu.rewrites import PopTorchRewrites
 from .poptorch_ops import (
@@ -498,7 +499,5 @@ def emulated_training_module(model: nn.Module, config: Config,
                              split: Sequence[Stage]) -> TracedTrainingModule:
     """The traced ``(output, loss)`` module the emulator backend trains, once the options the
     IPU backend would build for ``config`` pass PopTorch's compile checks."""
-    from .cpu import TrainingModule
-
     check_config_compiles(config, split, training=True)
     return TracedTrainingModule(TrainingModule(model))
