@@ -60,8 +60,6 @@ __all__ = [
     "format_evaluation", "write_evaluation", "check_prompt", "sample_run", "default_prompt",
 ]
 
-IPU_BACKENDS = ("ipu", "ipu_model")
-
 
 @dataclass
 class TrainedRun:
@@ -146,6 +144,8 @@ def _destroy(runner: Any) -> None:
 def _inference_config(config: Config) -> Config:
     # One batch per call: a sampled window or an evaluation batch is one call's input, whatever
     # device_iterations training used (PopTorch splits a call's rows over device iterations).
+    # A pipelined split is then compiled as ShardedExecution (backends/ipu/options.py): under
+    # PipelinedExecution PopTorch needs device_iterations >= the number of pipeline stages.
     result = copy.deepcopy(config)
     result.ipu.device_iterations = 1
     return result
@@ -351,7 +351,7 @@ def sample_run(
     try:
         drawn = generate(
             runner, ids, tokens, config.model.seq_len, temperature=temperature, top_k=top_k,
-            seed=seed, rows=config.ipu.replication_factor if backend in IPU_BACKENDS else 1,
+            seed=seed, rows=runner.rows_per_call,
             on_token=emit,
         )
     finally:

@@ -22,6 +22,7 @@ from ipu_unit_scaling.popxl import (
     loss_and_gradients,
     popxl_available,
     reference,
+    reference_settings,
 )
 from ipu_unit_scaling.train import build_model
 
@@ -101,7 +102,7 @@ def test_fp8_with_unrounded_matmul_output_equals_simulate_fp8_on_the_reference(s
     gradients agree to float32 rounding: the two are the same computation."""
     model, config = tiny_decoder(), FP8Config(scaling=scaling)
     loss, grads, casts = simulated_fp8(model, config)
-    with reference.fp8_matmul_output(torch.float32):
+    with reference_settings.fp8_matmul_output(torch.float32):
         result = loss_and_gradients(model, *batch(), fp8=config, xl=reference,
                                     keep_values=True)
     values = result.session.values
