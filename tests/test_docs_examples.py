@@ -493,22 +493,26 @@ def test_readme_mlp_gradients_are_those_the_paper_rules_give(monkeypatch: pytest
 NUMBER_WORDS = {5: "five", 12: "twelve"}
 
 
-def _readme_comment(command: str) -> str:
-    """The comment of the shell example that is exactly ``command``."""
-    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
-    (comment,) = [line.partition("#")[2].strip() for line in lines
-                  if "#" in line and line.partition("#")[0].strip() == command]
-    return comment
+def _shell_comments(command: str) -> List[str]:
+    """The comments of every shell example, in README.md and docs/, that is exactly ``command``."""
+    comments = []
+    for document in DOCUMENTS:
+        for line in document.read_text(encoding="utf-8").splitlines():
+            code, sep, comment = line.partition("#")
+            if sep and code.strip() == command:
+                comments.append(comment.strip())
+    assert comments, f"no shell example is exactly {command!r}"
+    return comments
 
 
-def test_readme_cli_comments_count_the_regimes_compare_runs():
-    """The shell examples' comments: `compare` runs the default config's regimes, and
-    `compare --model bert` the MLM regimes."""
+def test_shell_comments_count_the_regimes_compare_runs():
+    """The shell examples' comments, in README and docs: `compare` runs the default config's
+    regimes, and `compare --model bert` the MLM regimes."""
     from ipu_unit_scaling.config import load_config
     from ipu_unit_scaling.mlm import MLM_REGIMES
 
     gpt_regimes = len(load_config(None).compare.regimes)
-    assert _readme_comment("ipu-unit-scaling compare").startswith(
-        f"all {NUMBER_WORDS[gpt_regimes]} regimes")
-    assert _readme_comment("ipu-unit-scaling compare --model bert").startswith(
-        f"{len(MLM_REGIMES)} regimes")
+    for comment in _shell_comments("ipu-unit-scaling compare"):
+        assert comment.startswith(f"all {NUMBER_WORDS[gpt_regimes]} regimes"), comment
+    for comment in _shell_comments("ipu-unit-scaling compare --model bert"):
+        assert comment.startswith(f"{len(MLM_REGIMES)} regimes"), comment
