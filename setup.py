@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import sys
 
 from setuptools import Extension, find_packages, setup
@@ -46,9 +47,18 @@ host_library = Extension(
     optional=True,
 )
 
+def package_version() -> str:
+    """``__version__`` of the package, read without importing it (that needs torch)."""
+    with open(os.path.join("ipu_unit_scaling", "__init__.py"), encoding="utf-8") as source:
+        match = re.search(r'^__version__ = "([^"]+)"$', source.read(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError("ipu_unit_scaling/__init__.py defines no __version__")
+    return match.group(1)
+
+
 setup(
     name="ipu-unit-scaling",
-    version="0.1.0",
+    version=package_version(),
     description="Unit scaling and FP8-AMAX for PyTorch, IPU-first, with a CPU fallback",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
@@ -61,6 +71,8 @@ setup(
                  "transformers"],
         "analysis": [],  # kept so that install lines naming it still work
         "bench": ["unit-scaling"],
+        # mkdocs.yml's site: the guide in docs/ and the API reference from the docstrings.
+        "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
     },
     entry_points={"console_scripts": ["ipu-unit-scaling=ipu_unit_scaling.cli:main"]},
     # Named configs for installs without a source checkout (see config.CONFIGS_DIR).

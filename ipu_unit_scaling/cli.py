@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, NoReturn, Optional, Sequence
 
+from . import __version__
 from .config import CONFIGS_DIR, MAX_SEED, REGIMES, Config, ConfigError, load_config
 
 MODEL_KINDS = ("plain", "unit", "u-mup")  # as ipu_unit_scaling.train.MODEL_KINDS
@@ -123,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                "SIGTERM). IPU_UNIT_SCALING_BACKEND overrides "
                "the backend.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
 
@@ -796,9 +798,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _escape_what_the_terminal_cannot_show()
     if not argv:
+        *others, last = COMMANDS
         print(f"{PROG}: error: no command; use '{PROG} train' to train the default config, or "
-              f"see '{PROG} --help' for train, compare, analyse, evaluate and sample",
-              file=sys.stderr)
+              f"see '{PROG} --help' for {', '.join(others)} and {last}", file=sys.stderr)
         return EXIT_USAGE
     try:
         args = build_parser().parse_args(argv)
