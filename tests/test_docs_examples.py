@@ -232,6 +232,47 @@ def _unit_mlp(block: Block, namespace: Namespace) -> None:
         _between(_std(p.grad), 1.5, 6.5, f"{name}'s gradient from y's part")
 
 
+@check("readme_unit")
+def _readme_unit(block: Block, namespace: Namespace) -> None:
+    """The README's short example: what its comments say, over a few seeds."""
+    code = " ".join(block.code.split())
+    for stated in ("weights ~ N(0, 1)", "# std 0.93", "have std 1.05 to 1.1"):
+        assert stated in code, f"the check tests {stated!r}; update it with the comment"
+    for seed in MLP_SEEDS:
+        ns = namespace if seed == 0 else run_block(block, seed)
+        layer, x, y = ns["layer"], ns["x"], ns["y"]
+        _between(_std(layer.weight), 0.97, 1.03, "initial weight")
+        assert abs(layer.weight.mean().item()) < 0.01
+        _between(_std(y), 0.92, 0.945, "y")
+        for name, tensor in (("x.grad", x.grad), ("layer.weight.grad", layer.weight.grad),
+                             ("layer.bias.grad", layer.bias.grad)):
+            _between(_std(tensor), 1.045, 1.105, name)
+
+
+@check("readme_fp8")
+def _readme_fp8(block: Block, namespace: Namespace) -> None:
+    """The README's FP8 example prints what its last comment says, over a few seeds: most of the
+    plain GPT's gradients flush to zero in static FP8, about 0.1% of the unit-scaled one's."""
+    import contextlib
+    import io
+
+    from ipu_unit_scaling.fp8 import FP8UnitScaledLinear
+
+    assert block.code.rstrip().endswith(
+        "# unit_scaled=False: about 59% flushed; unit_scaled=True: 0.1%"), \
+        "the check tests the last comment's numbers; update it with the comment"
+    assert any(isinstance(m, FP8UnitScaledLinear) for m in namespace["model"].modules())
+    for seed in MLP_SEEDS:
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            run_block(block, seed)
+        flushed = dict(re.findall(r"unit_scaled=(\w+): ([\d.]+)% of gradients flushed to zero",
+                                  printed.getvalue()))
+        assert set(flushed) == {"False", "True"}, printed.getvalue()
+        assert 55 <= float(flushed["False"]) <= 63, printed.getvalue()
+        assert float(flushed["True"]) == 0.1, printed.getvalue()
+
+
 def _hidden_layer_stds(model: torch.nn.Module, x: torch.Tensor,
                        output_gradient: Callable[[torch.Tensor], torch.Tensor]) -> Dict[str, float]:
     """Backward from ``output_gradient(y)`` into fresh gradients; the README MLP's hidden layer:
