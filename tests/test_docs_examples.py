@@ -252,14 +252,14 @@ def _readme_unit(block: Block, namespace: Namespace) -> None:
 @check("readme_fp8")
 def _readme_fp8(block: Block, namespace: Namespace) -> None:
     """The README's FP8 example prints what its last comment says, over a few seeds: most of the
-    plain GPT's gradients flush to zero in static FP8, about 0.1% of the unit-scaled one's."""
+    plain GPT's gradients flush to zero in static FP8, 0.1% or less of the unit-scaled one's."""
     import contextlib
     import io
 
     from ipu_unit_scaling.fp8 import FP8UnitScaledLinear
 
     assert block.code.rstrip().endswith(
-        "# unit_scaled=False: about 59% flushed; unit_scaled=True: 0.1%"), \
+        "# unit_scaled=False: about 59% flushed; unit_scaled=True: 0.1% or less"), \
         "the check tests the last comment's numbers; update it with the comment"
     assert any(isinstance(m, FP8UnitScaledLinear) for m in namespace["model"].modules())
     for seed in MLP_SEEDS:
@@ -270,7 +270,9 @@ def _readme_fp8(block: Block, namespace: Namespace) -> None:
                                   printed.getvalue()))
         assert set(flushed) == {"False", "True"}, printed.getvalue()
         assert 55 <= float(flushed["False"]) <= 63, printed.getvalue()
-        assert float(flushed["True"]) == 0.1, printed.getvalue()
+        # torch 2.13's attention leaves rounding residues where a gradient is exactly zero
+        # (the first query sees one key); F152 flushes them: 0.1% there, 0.0% on torch 2.0.1.
+        assert float(flushed["True"]) <= 0.1, printed.getvalue()
 
 
 def _hidden_layer_stds(model: torch.nn.Module, x: torch.Tensor,
