@@ -3,7 +3,6 @@ PopTorch form, and the comparison behind `compare --model bert`."""
 from __future__ import annotations
 
 import json
-import math
 import statistics
 
 import pytest
@@ -20,6 +19,8 @@ from ipu_unit_scaling.mlm import (
     run_mlm_compare,
     train_mlm,
 )
+from ipu_unit_scaling.rundir import METRIC_FIELDS
+from ipu_unit_scaling.train import load_checkpoint, read_metrics
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -137,18 +138,29 @@ def test_regimes_build_the_right_model_and_precision():
     assert build_encoder(TINY, 40, "unit-fp16").ops is uu.UNIT_OPS
 
 
-def test_train_mlm_learns_and_writes_its_run(tmp_path):
-    summary = train_mlm(TINY, "unit-fp32", 0, tmp_path / "run")
+def test_train_mlm_learns_and_writes_its_run_through_the_training_loop(tmp_path):
+    run_dir = tmp_path / "run"
+    summary = train_mlm(TINY, "unit-fp32", 0, run_dir)
     assert summary["status"] == "completed" and summary["steps"] == 30
+    assert summary["task"] == "masked-lm" and summary["model"] == "unit"
     curve = summary["val_curve"]
-    assert [step for step, _, _ in curve] == [10, 20, 30]
+    assert [step for step, _ in curve] == [10, 20, 30]
     # Below uniform guessing over the characters, and improving.
-    assert curve[-1][1] < math.log(summary["vocab"]) and curve[-1][1] < curve[0][1]
-    assert 0 < curve[-1][2] < 1
-    rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
-    assert rows[0] == "step,lr,train_loss,val_loss,val_accuracy" and len(rows) == 31
-    saved = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert saved["final_val_loss"] == curve[-1][1]
+    assert curve[-1][1] < summary["uniform_baseline"] and curve[-1][1] < curve[0][1]
+    assert 0 < summary["final_val_metrics"]["accuracy"] < 1
+    rows = read_metrics(run_dir)
+    assert list(rows[0]) == [*METRIC_FIELDS, "val_accuracy"] and len(rows) == 30
+    evaluated = [row for row in rows if row["val_loss"]]
+    assert [int(row["step"]) for row in evaluated] == [10, 20, 30]
+    assert all(row["val_accuracy"] for row in evaluated)
+    assert not any(row["val_accuracy"] for row in rows if not row["val_loss"])
+    assert float(evaluated[-1]["val_loss"]) == summary["final_val_loss"] == curve[-1][1]
+    assert float(evaluated[-1]["val_accuracy"]) == summary["final_val_metrics"]["accuracy"]
+    # The loop's run directory: the task recorded, a checkpoint at the end, the figure.
+    assert json.loads((run_dir / "task.json").read_text()) == {
+        "name": "masked-lm", "min_len": TINY.min_len, "mask_prob": TINY.mask_prob}
+    assert load_checkpoint(run_dir / "checkpoint.pt")["step"] == 30
+    assert (run_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_compare_runs_every_regime_and_seed_and_reuses_finished_runs(tmp_path, capsys):
