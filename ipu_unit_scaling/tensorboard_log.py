@@ -11,6 +11,7 @@ process logged after that step (the events' purge step), so each step shows once
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -35,9 +36,11 @@ class TensorBoardLog:
         except Exception as error:  # installed but broken (a protobuf it cannot use, ...)
             self.problem = f"{TENSORBOARD_DIR}/ not written: {' '.join(str(error).split())}"
             return
+        log_dir = Path(run_dir) / TENSORBOARD_DIR
+        if step:
+            _wait_for_a_later_name(log_dir)
         # A fresh run starts from an empty directory; a resumed one hides steps > ``step``.
-        self.writer = SummaryWriter(str(Path(run_dir) / TENSORBOARD_DIR),
-                                    purge_step=step + 1 if step else None)
+        self.writer = SummaryWriter(str(log_dir), purge_step=step + 1 if step else None)
 
     def log(self, step: int, scalars: Dict[str, Optional[float]]) -> None:
         """``scalars`` at ``step``; None values are left out."""
@@ -55,3 +58,19 @@ class TensorBoardLog:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+
+
+def _wait_for_a_later_name(log_dir: Path) -> None:
+    """Wait, if need be, until a new event file's name sorts after those in ``log_dir``.
+
+    TensorBoard reads a directory's event files in name order, and a name starts with the
+    second its writer was made in, then the host and process id: a resume within the second
+    the killed process started in could sort first, and its steps be hidden by the older ones.
+    """
+    seconds = [int(part[3]) for part in (path.name.split(".") for path in
+                                         log_dir.glob("events.out.tfevents.*"))
+               if len(part) > 3 and part[3].isdigit()]
+    if seconds:
+        delay = max(seconds) + 1 - time.time()
+        if delay > 0:
+            time.sleep(delay)
