@@ -78,11 +78,8 @@ class Task:
 
     @property
     def metric_columns(self) -> Tuple[str, ...]:
+        """The columns ``extra_metrics`` add to ``metrics.csv``."""
         return tuple(f"val_{metric}" for metric in self.extra_metrics)
-
-    def describe(self) -> str:
-        return ", ".join(f"{key} {value}" for key, value in self.settings().items()
-                         if key != "name") or self.name
 
 
 class CausalLM(Task):

@@ -394,8 +394,8 @@ def _open_resumed(config: Config, run_dir: Path, backend: str, task: Task) -> _R
     saved_tokenizer = read_tokenizer(run_dir, "resume", state)
     trained = state.get("task", {"name": CAUSAL_LM})  # (earlier versions trained only that)
     if trained != task.settings():
-        raise RunError(f"cannot resume {run_dir}: its {CHECKPOINT_FILE} trained {trained}, "
-                       f"not the {task.settings()} its {TASK_FILE} names")
+        raise RunError(f"cannot resume {run_dir}: its {CHECKPOINT_FILE} trained {trained}, its "
+                       f"{TASK_FILE} says {task.settings()} (no {TASK_FILE}: the causal LM)")
     corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
     if state.get("data_sha256") != corpus.sha256:
         raise RunError(f"cannot resume {run_dir}: {corpus.source} is not the text it trained on")

@@ -187,3 +187,31 @@ def test_overrides_apply_and_bad_ones_are_named():
         MLMConfig().with_overrides(["mlm.stepz=3"])
     with pytest.raises(ValueError, match="heads"):
         MLMConfig().with_overrides(["mlm.heads=3"])
+
+
+def test_a_run_of_the_earlier_host_loop_is_trained_again_through_the_loop(tmp_path, capsys):
+    """Earlier versions trained each run in a loop of their own, which left only metrics.csv
+    and a summary.json without checkpoint: nothing to resume, so the run is trained again."""
+    old = tmp_path / "fp32-seed0"
+    old.mkdir()
+    (old / "metrics.csv").write_text("step,lr,train_loss,val_loss,val_accuracy\n")
+    (old / "summary.json").write_text(json.dumps({
+        "regime": "fp32", "model": "plain", "seed": 0, "status": "completed", "steps": 30}))
+    rows = run_mlm_compare(TINY, ["fp32"], [0], tmp_path)
+    assert "holds a run of an earlier version" in capsys.readouterr().out
+    assert rows[0]["completed"] == 1
+    summary = json.loads((old / "summary.json").read_text())
+    assert summary["checkpoint_step"] == 30 and summary["task"] == "masked-lm"
+
+
+def test_a_diverging_regime_is_recorded_and_reused_and_the_others_still_run(tmp_path, capsys):
+    config = TINY.with_overrides(["mlm.steps=6", "mlm.warmup_steps=0",
+                                  "mlm.learning_rates.unit-fp8=1000"])
+    rows = run_mlm_compare(config, ["fp32", "unit-fp8"], [0], tmp_path)
+    assert "unit-fp8 seed 0: loss became" in capsys.readouterr().out
+    assert [(row["completed"], row["runs"]) for row in rows] == [(1, 1), (0, 1)]
+    assert rows[1]["val_loss"] is None and "divergence" in rows[1]["messages"][0]
+    summary = json.loads((tmp_path / "unit-fp8-seed0" / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["steps"] < 6
+    assert run_mlm_compare(config, ["fp32", "unit-fp8"], [0], tmp_path) == rows
+    assert capsys.readouterr().out.count("reusing the finished run") == 2

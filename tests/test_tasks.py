@@ -194,6 +194,14 @@ def test_a_masked_lm_run_resumes_with_train_and_readers_refuse_it(data, tmp_path
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"cannot {action} {run_dir}: it trained a masked-lm" \
             in err, err
+    # Its task.json is what tells a resume the task: damaged or gone, the resume is refused.
+    (run_dir / "task.json").write_text('{"name": "masked-lm", "min_len": ')
+    assert main(["train", "--resume", str(run_dir), "--quiet"]) == 2
+    assert "task.json is damaged" in capsys.readouterr().err
+    (run_dir / "task.json").unlink()
+    assert main(["train", "--resume", str(run_dir), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "its checkpoint.pt trained {'name': 'masked-lm'" in err
 
 
 def test_the_masked_lm_refuses_what_its_encoder_cannot_be(data):
