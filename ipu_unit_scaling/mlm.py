@@ -359,8 +359,9 @@ def run_mlm_compare(config: MLMConfig, regimes: Sequence[str], seeds: Sequence[i
 
 
 def _plan(wanted: Config, config: MLMConfig, directory: Path, data_sha256: str) -> str:
-    """Whether to ``start``, ``resume`` or ``reuse`` the run in ``directory``; RunError when it
-    was trained with other settings."""
+    """Whether to ``start``, ``resume`` or ``reuse`` the run in ``directory``, or ``replace``
+    the files an earlier version's loop left there; RunError when it was trained with other
+    settings."""
     from .precision import model_kind
     from .rundir import CHECKPOINT_FILE, CONFIG_FILE, SUMMARY_FILE, RunError, read_json
     from .tasks import read_task
