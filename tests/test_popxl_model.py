@@ -32,6 +32,9 @@ from ipu_unit_scaling.popxl import (
 )
 from ipu_unit_scaling.train import build_model
 
+# CI runs these a second time with torch's scalar CPU kernels (.ci/run).
+pytestmark = pytest.mark.numerics
+
 VOCAB, SEQ = 11, 8
 
 
