@@ -67,10 +67,13 @@ setup(
     # matplotlib draws the loss curves every run writes: the main job needs it.
     install_requires=["torch>=2.0", "numpy", "pyyaml", "tqdm", "matplotlib"],
     extras_require={
+        # tensorboard: the tests read back the event files training writes when it is there.
         "test": ["pytest", "hypothesis", "ml_dtypes", "gfloat", "ruff", "mypy", "types-PyYAML",
-                 "transformers"],
+                 "transformers", "tensorboard"],
         "analysis": [],  # kept so that install lines naming it still work
         "bench": ["unit-scaling"],
+        # Training also logs its scalars to <run_dir>/tensorboard/ where TensorBoard imports.
+        "tensorboard": ["tensorboard"],
         # mkdocs.yml's site: the guide in docs/ and the API reference from the docstrings.
         "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
     },

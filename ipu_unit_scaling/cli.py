@@ -174,9 +174,11 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument(
         "--model", choices=("gpt", "bert"), default="gpt",
         help="gpt (default): the config's character-level GPT; bert: a BERT-style encoder "
-             "trained with masked-LM on padded, masked sequences, scored by validation MLM loss "
+             "trained with masked-LM on padded, masked sequences by the same training loop "
+             "(each run with its checkpoint, resumed when rerun), scored by validation MLM loss "
              "and accuracy (default regimes fp32 fp16 fp8-naive unit-fp16 unit-fp8; settings "
-             "with --set mlm.<key>=VALUE, e.g. mlm.steps=100; no --config)",
+             "with --set mlm.<key>=VALUE, e.g. mlm.steps=100 or mlm.backend=emulator; no "
+             "--config)",
     )
     compare.add_argument(
         "--seeds", metavar="N", type=_positive_int, default=None,

@@ -42,8 +42,9 @@ except ImportError:  # not POSIX: runs go unlocked
     fcntl = None  # type: ignore[assignment]
 
 __all__ = [
-    "RunError", "CONFIG_FILE", "TOKENIZER_FILE", "METRICS_FILE", "CHECKPOINT_FILE",
-    "SUMMARY_FILE", "PLOT_FILE", "SCALE_REPORT_FILE", "LOCK_FILE", "ARTEFACTS", "COMPARE_FILES",
+    "RunError", "CONFIG_FILE", "TOKENIZER_FILE", "TASK_FILE", "METRICS_FILE", "CHECKPOINT_FILE",
+    "SUMMARY_FILE", "PLOT_FILE", "SCALE_REPORT_FILE", "TENSORBOARD_DIR", "LOCK_FILE",
+    "ARTEFACTS", "COMPARE_FILES",
     "EVALUATION_FILES", "METRIC_FIELDS", "leftovers", "error_naming", "not_a_directory",
     "state_mismatch",
     "atomic_write", "remove_temporaries", "RunLock", "make_run_dir", "make_unique_run_dir",
@@ -54,14 +55,16 @@ __all__ = [
 
 CONFIG_FILE = "config.yaml"
 TOKENIZER_FILE = "tokenizer.json"
+TASK_FILE = "task.json"  # what the run trains, for tasks other than the causal LM
 METRICS_FILE = "metrics.csv"
 CHECKPOINT_FILE = "checkpoint.pt"
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "loss.png"
 SCALE_REPORT_FILE = "scale_report.csv"
+TENSORBOARD_DIR = "tensorboard"  # the run's scalars as TensorBoard event files, a directory
 LOCK_FILE = ".lock"
-ARTEFACTS = (CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, CHECKPOINT_FILE, SUMMARY_FILE,
-             PLOT_FILE, SCALE_REPORT_FILE)
+ARTEFACTS = (CONFIG_FILE, TOKENIZER_FILE, TASK_FILE, METRICS_FILE, CHECKPOINT_FILE,
+             SUMMARY_FILE, PLOT_FILE, SCALE_REPORT_FILE)
 COMPARE_FILES = ("compare.md", "compare.json", "compare.png")
 EVALUATION_FILES = ("evaluate.md", "evaluate.json")  # what `evaluate` adds to a trained run
 METRIC_FIELDS = ("step", "lr", "train_loss", "val_loss", "tokens_per_s", "elapsed_s")
@@ -324,6 +327,9 @@ def leftovers(run_dir: Path) -> List[Path]:
     for entry in _entries(run_dir):
         if entry.name == LOCK_FILE or _is_temporary(entry.name):
             continue
+        if entry.name == TENSORBOARD_DIR and entry.is_dir():
+            found.append(entry)
+            continue
         if entry.name not in ARTEFACTS or not entry.is_file():
             raise RunError(
                 f"run directory {run_dir} is not empty ({entry.name}); choose another --run-dir"
@@ -541,19 +547,21 @@ __all__ += ["checkpoint_sha256", "tokenizer_sha256", "check_tokenizer"]
 
 
 class MetricsLog:
-    """``metrics.csv``, appended one whole row per write call; ``sync`` makes rows durable."""
+    """``metrics.csv``, appended one whole row per write call; ``sync`` makes rows durable.
+    ``fields`` are its columns: ``METRIC_FIELDS``, then any a task adds."""
 
-    def __init__(self, path: Path, fresh: bool) -> None:
+    def __init__(self, path: Path, fresh: bool, fields: Sequence[str] = METRIC_FIELDS) -> None:
         self.path = Path(path)
+        self.fields = tuple(fields)
         if fresh:
-            atomic_write(self.path, _csv_line(METRIC_FIELDS))
+            atomic_write(self.path, _csv_line(self.fields))
         try:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         except OSError as error:
             raise RunError(f"cannot write {self.path}: {_reason(error)}") from None
 
     def write(self, row: Dict[str, Any]) -> None:
-        line = _csv_line([row.get(name, "") for name in METRIC_FIELDS])
+        line = _csv_line([row.get(name, "") for name in self.fields])
         view = memoryview(line)
         try:
             while view:
@@ -585,8 +593,9 @@ def read_metrics(run_dir: Path) -> List[Dict[str, str]]:
         return list(csv.DictReader(handle))
 
 
-def metrics_up_to(run_dir: Path, step: int) -> bytes:
-    """metrics.csv holding exactly the rows of steps 1..``step``, from the file in ``run_dir``.
+def metrics_up_to(run_dir: Path, step: int, fields: Sequence[str] = METRIC_FIELDS) -> bytes:
+    """metrics.csv holding exactly the rows of steps 1..``step``, from the file in ``run_dir``
+    whose columns are ``fields``.
 
     Rows after ``step`` (written after the last checkpoint, the last maybe cut short by a kill)
     are dropped; a file without all of 1..``step`` is a RunError naming it.
@@ -606,13 +615,13 @@ def metrics_up_to(run_dir: Path, step: int) -> bytes:
         lines = data.decode("utf-8").split("\n")
     except UnicodeDecodeError:
         raise damaged from None
-    if lines[0] != ",".join(METRIC_FIELDS):
+    if lines[0] != ",".join(fields):
         raise damaged
     kept = [lines[0] + "\n"]
     for expected, line in enumerate(lines[1:step + 1], start=1):
         complete = expected < len(lines) - 1  # the last piece has no newline after it
         cells = next(csv.reader([line]), [])
-        if not complete or len(cells) != len(METRIC_FIELDS) or cells[0] != str(expected):
+        if not complete or len(cells) != len(fields) or cells[0] != str(expected):
             raise damaged
         try:
             [float(cell) for cell in cells[1:4] if cell]

@@ -1,14 +1,23 @@
-"""The training loop behind ``ipu-unit-scaling train`` and ``compare``.
+"""The training loop behind ``ipu-unit-scaling train``, ``compare`` and ``compare --model bert``.
 
-A run lives in one directory (see ``ipu_unit_scaling.rundir`` for how it is written)::
+One loop trains every task (:mod:`.tasks`: the causal-LM GPT, the masked-LM encoder) on every
+backend (:mod:`.backends`): a task brings its model, batches and loss, a backend its training
+model; the run directory, checkpoints, resume, locks, signals, evaluation, metrics and figures
+are the loop's. A run lives in one directory (see ``ipu_unit_scaling.rundir`` for how it is
+written)::
 
     config.yaml      the resolved config (the model's vocabulary is the corpus's)
     tokenizer.json   the character vocabulary
-    metrics.csv      one row per optimizer step; validation loss on evaluation steps
-    checkpoint.pt    model, optimizer, RNG states, step and progress, behind a checksum
+    task.json        the task and its settings, for tasks other than the causal LM
+    metrics.csv      one row per optimizer step; validation loss (and the task's other
+                     validation metrics) on evaluation steps
+    checkpoint.pt    model, optimizer, RNG states (the batch generator's is the data
+                     position), step and progress, behind a checksum
     summary.json     final losses, baselines, throughput and how the run ended (while it
                      runs: its progress at its last checkpoint)
     loss.png         training and validation loss against the unigram baseline
+    tensorboard/     the same scalars as TensorBoard event files, where TensorBoard is
+                     installed (see :mod:`.tensorboard_log`)
 
 Runs are deterministic on CPU for a given seed and thread count: a run resumed from a
 checkpoint produces bit for bit the losses of the uninterrupted run.
@@ -49,10 +58,9 @@ from .config import (
     validate,
     warmup_steps,
 )
-from .data import CharTokenizer, Corpus, DataError, get_batch, load_corpus, unigram_cross_entropy
+from .data import CharTokenizer, Corpus, DataError, load_corpus, unigram_cross_entropy
 from .finetune import check_same_model, encode_with, extend_model_state, extend_tokenizer
 from .fp8 import NonFiniteAmaxError
-from .inference import mean_loss, validation_batches
 from .memory import check_memory
 from .optim import set_learning_rate
 from .precision import (
@@ -74,6 +82,8 @@ from .rundir import (
     PLOT_FILE,
     SCALE_REPORT_FILE,
     SUMMARY_FILE,
+    TASK_FILE,
+    TENSORBOARD_DIR,
     TOKENIZER_FILE,
     MetricsLog,
     RunError,
@@ -91,6 +101,8 @@ from .rundir import (
     save_checkpoint,
     state_mismatch,
 )
+from .tasks import CAUSAL_LM, CausalLM, Task, read_task
+from .tensorboard_log import TensorBoardLog
 
 __all__ = [
     "RunError",
@@ -191,6 +203,11 @@ class RunSummary:
     # The step of the run's last checkpoint, None if it never saved one: what tells a run that
     # may start afresh from one whose checkpoint.pt went missing.
     checkpoint_step: Optional[int] = None
+    task: str = CAUSAL_LM
+    model: str = ""  # the model kind: plain, unit or u-mup
+    learning_rate: Optional[float] = None  # the schedule's peak
+    # The task's other validation metrics at the last evaluation, e.g. {"accuracy": 0.41}.
+    final_val_metrics: Dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -208,6 +225,7 @@ class _Run:
     weights: Optional[Dict[str, Any]] = None
     base_chars: List[str] = field(default_factory=list)
     init_from: Optional[str] = None
+    task: Task = field(default_factory=CausalLM)
 
 
 def load_run_config(
@@ -239,6 +257,11 @@ def load_run_config(
     except ConfigError as error:
         problems = "; ".join(f"{p}: {m}" if p else m for p, m in error.errors)
         raise RunError(f"{refuse} is damaged: {' '.join(problems.split())}") from None
+    if action != "resume":
+        task = read_task(run_dir, action)
+        if task.name != CAUSAL_LM:
+            raise RunError(f"cannot {action} {run_dir}: it trained a {task.name} "
+                           f"{task.model_name} ({TASK_FILE}); {action} takes causal-LM runs")
     for override in overrides:
         apply_override(raw, override)
     config = config_from_dict(raw)
@@ -270,10 +293,10 @@ def resolved_config(config: Config, corpus: Corpus) -> Config:
     return config
 
 
-def _open_new(config: Config, run_dir: Path, backend: str,
+def _open_new(config: Config, run_dir: Path, backend: str, task: Task,
               init_from: Optional[Path] = None) -> _Run:
-    """A fresh run in an empty directory, or in one left by a run that never saved a
-    checkpoint (which is started afresh: nothing of it could be continued); with
+    """A fresh run of ``task`` in an empty directory, or in one left by a run that never saved
+    a checkpoint (which is started afresh: nothing of it could be continued); with
     ``init_from``, a fine-tuning run starting from that run's checkpoint."""
     old = leftovers(run_dir)
     if any(path.name == CHECKPOINT_FILE for path in old):
@@ -287,14 +310,17 @@ def _open_new(config: Config, run_dir: Path, backend: str,
                        f"is missing ({saved}); nothing was changed: choose another --run-dir")
     if init_from is None:
         corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
-        run = _Run(run_dir, resolved_config(config, corpus), corpus, backend, None, [])
+        run = _Run(run_dir, resolved_config(config, corpus), corpus, backend, None, [],
+                   task=task)
     else:
+        if task.name != CAUSAL_LM:
+            raise RunError(f"fine-tuning trains the causal LM, not a {task.name}")
         run = _fine_tuning(config, run_dir, backend, Path(init_from))
     run.notes.insert(0, check_memory(run.config, host_activations=backend not in _ON_IPU))
     if old:
         run.notes.append(f"{run_dir} held a run that never saved a checkpoint; starting afresh")
     _remove(old)
-    _write_settings(run_dir, run.config, run.corpus)
+    _write_settings(run_dir, run.config, run.corpus, task)
     return run
 
 
@@ -351,8 +377,9 @@ def _checkpoint_evidence(run_dir: Path) -> str:
     return f"its {SUMMARY_FILE} records a {status} run of {steps} steps, {saved}"
 
 
-def _open_resumed(config: Config, run_dir: Path, backend: str) -> _Run:
-    """The run in ``run_dir`` at its checkpoint, every artefact checked before anything runs."""
+def _open_resumed(config: Config, run_dir: Path, backend: str, task: Task) -> _Run:
+    """The run of ``task`` in ``run_dir`` at its checkpoint, every artefact checked before
+    anything runs."""
     checkpoint_path = run_dir / CHECKPOINT_FILE
     if not checkpoint_path.exists():
         saved = _checkpoint_evidence(run_dir)
@@ -361,12 +388,16 @@ def _open_resumed(config: Config, run_dir: Path, backend: str) -> _Run:
                            f"{saved}; nothing was changed: restore the checkpoint, or train "
                            "again in another --run-dir")
         # Stopped before its first checkpoint: nothing to continue, so from step 0.
-        run = _open_new(config, run_dir, backend)
+        run = _open_new(config, run_dir, backend, task)
         run.notes[1:] = [f"{run_dir} has no checkpoint: the run never saved one; training "
                          "from step 0 with its saved config"]
         return run
     state = load_checkpoint(checkpoint_path)
     saved_tokenizer = read_tokenizer(run_dir, "resume", state)
+    trained = state.get("task", {"name": CAUSAL_LM})  # (earlier versions trained only that)
+    if trained != task.settings():
+        raise RunError(f"cannot resume {run_dir}: its {CHECKPOINT_FILE} trained {trained}, its "
+                       f"{TASK_FILE} says {task.settings()} (no {TASK_FILE}: the causal LM)")
     corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
     if state.get("data_sha256") != corpus.sha256:
         raise RunError(f"cannot resume {run_dir}: {corpus.source} is not the text it trained on")
@@ -401,13 +432,14 @@ def _open_resumed(config: Config, run_dir: Path, backend: str) -> _Run:
     # resume) only once the checkpoint has loaded into this config's model: a refused resume
     # changes nothing.
     return _Run(run_dir, config, corpus, backend, state, notes, base_chars=list(base_chars),
-                init_from=state.get("init_from"))
+                init_from=state.get("init_from"), task=task)
 
 
 def _rewrite_for_resume(run: _Run, step: int) -> None:
-    atomic_write(run.run_dir / METRICS_FILE, metrics_up_to(run.run_dir, step))
+    atomic_write(run.run_dir / METRICS_FILE,
+                 metrics_up_to(run.run_dir, step, METRIC_FIELDS + run.task.metric_columns))
     keep_report_rows_up_to(run.run_dir / SCALE_REPORT_FILE, step)
-    _write_settings(run.run_dir, run.config, run.corpus)
+    _write_settings(run.run_dir, run.config, run.corpus, run.task)
 
 
 # The settings the learning rate of a step is a function of (with the step).
@@ -476,13 +508,16 @@ def read_tokenizer(run_dir: Path, action: str = "resume",
     return tokenizer
 
 
-def _write_settings(run_dir: Path, config: Config, corpus: Corpus) -> None:
+def _write_settings(run_dir: Path, config: Config, corpus: Corpus, task: Task) -> None:
     import json
 
     import yaml
 
-    # The config first: a run killed before it can only start afresh, one killed after it
-    # can be resumed (from step 0 until a checkpoint exists; the vocabulary is the data's).
+    # The task (a causal LM's run has no task.json), then the config: a run killed before its
+    # config is in place can only start afresh, one killed after it can be resumed (from step
+    # 0 until a checkpoint exists; the vocabulary is the data's) and knows what it trains.
+    if task.name != CAUSAL_LM:
+        atomic_write(run_dir / TASK_FILE, json.dumps(task.settings()).encode())
     text = yaml.safe_dump(config.to_dict(), sort_keys=False, allow_unicode=True)
     atomic_write(run_dir / CONFIG_FILE, text.encode("utf-8"))
     tokenizer = {"kind": "char", "chars": corpus.tokenizer.chars}
@@ -490,9 +525,14 @@ def _write_settings(run_dir: Path, config: Config, corpus: Corpus) -> None:
 
 
 def _remove(paths: Sequence[Path]) -> None:
+    import shutil
+
     for path in paths:
         try:
-            path.unlink()
+            if path.name == TENSORBOARD_DIR and path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
         except FileNotFoundError:
             pass
         except OSError as error:
@@ -507,16 +547,19 @@ class _Session:
 
     def __init__(self, run: _Run) -> None:
         config, training = run.config, run.config.training
-        self.run, self.config, self.training = run, config, training
+        self.run, self.config, self.training, self.task = run, config, training, run.task
         self.checkpoint_path = run.run_dir / CHECKPOINT_FILE
         torch.manual_seed(training.seed)
-        self.model = build_model(config)
+        self.model = self.task.build_model(config)
         self.optimizer = make_optimizer(self.model, config, run.backend)
+        # The task draws the training batches from it: its state is the data position.
         self.batch_generator = torch.Generator().manual_seed(training.seed)
-        # The same validation windows at every evaluation (and in `evaluate`).
-        self.val_batches = validation_batches(run.corpus.val, config)
+        # The same validation batches at every evaluation (and in `evaluate`).
+        self.val_batches = self.task.validation_batches(run.corpus.val, config)
         self.step = 0
         self.val_curve: List[Tuple[int, float]] = []
+        # The task's other validation metrics at the last evaluation.
+        self.val_metrics: Dict[str, float] = {}
         self.last_train: Optional[float] = None
         self.train_seconds = 0.0
         self.trained_tokens = 0
@@ -540,7 +583,11 @@ class _Session:
         # Until the first call, the host holds the only weights (PopTorch refuses to copy
         # from a model it has not compiled yet).
         self.weights_on_device = False
-        self.metrics = MetricsLog(run.run_dir / METRICS_FILE, fresh=run.state is None)
+        self.metrics = MetricsLog(run.run_dir / METRICS_FILE, fresh=run.state is None,
+                                  fields=METRIC_FIELDS + self.task.metric_columns)
+        self.tensorboard = TensorBoardLog(run.run_dir, self.step)
+        if self.tensorboard.problem:
+            run.notes.append(self.tensorboard.problem)
         # Elapsed time counts on from the checkpoint's: a resumed run's figures are the run's.
         self.started = time.perf_counter() - self.elapsed_before
 
@@ -552,6 +599,7 @@ class _Session:
             self.batch_generator.set_state(state["batch_rng"])
             self.step = int(state["step"])
             self.val_curve = [(int(s), float(v)) for s, v in state.get("val_curve", [])]
+            self.val_metrics = {str(k): float(v) for k, v in state.get("val_metrics", {}).items()}
             last = state.get("last_train_loss")
             self.last_train = None if last is None else float(last)
             self.train_seconds = float(state.get("train_seconds", 0.0))
@@ -590,18 +638,24 @@ class _Session:
             self.wrapper.copy_weights_to_host()
 
     def evaluate(self) -> float:
-        """The validation loss at this step, recorded in the validation curve."""
-        loss = self._validation_loss()
+        """The validation loss at this step, recorded in the validation curve (the task's
+        other metrics in ``val_metrics``)."""
+        metrics = self._validation_metrics()
+        loss = metrics.pop("loss")
         self.val_curve.append((self.step, loss))
+        self.val_metrics = metrics
         return loss
 
     def _validation_loss(self) -> float:
+        return self._validation_metrics()["loss"]
+
+    def _validation_metrics(self) -> Dict[str, float]:
         self._weights_to_host()
         model = self.model
         model.eval()
         try:
             with torch.no_grad():
-                return mean_loss(model, self.val_batches)
+                return self.task.evaluate(model, self.val_batches)
         finally:
             model.train()
 
@@ -627,10 +681,19 @@ class _Session:
         return tokens / self.seconds if self.seconds else 0.0
 
     def log_step(self, lr: float, loss: float, val_loss: Optional[float]) -> None:
+        """The step's row of metrics.csv (and its scalars for TensorBoard), with the task's
+        other validation metrics on evaluation steps; raises TrainingDiverged past the
+        divergence bound."""
+        evaluated = self.val_metrics if val_loss is not None else {}
         self.metrics.write({
             "step": self.step, "lr": _exact(lr), "train_loss": _exact(loss),
             "val_loss": _exact(val_loss), "tokens_per_s": f"{self.tokens_per_s:.1f}",
             "elapsed_s": f"{self.elapsed:.3f}",
+            **{f"val_{name}": _exact(value) for name, value in evaluated.items()},
+        })
+        self.tensorboard.log(self.step, {
+            "train/loss": loss, "train/lr": lr, "train/tokens_per_s": self.tokens_per_s,
+            "val/loss": val_loss, **{f"val/{name}": value for name, value in evaluated.items()},
         })
         if self._diverged(loss):
             raise self._divergence("loss", loss, self.step)
@@ -666,6 +729,7 @@ class _Session:
         from .rundir import tokenizer_sha256
 
         self.metrics.sync()
+        self.tensorboard.flush()
         save_checkpoint(self.checkpoint_path, {
             "step": self.step,
             "model": self.model.state_dict(),
@@ -683,6 +747,8 @@ class _Session:
             "base_chars": self.run.base_chars,
             "init_from": self.run.init_from,
             "tokenizer_sha256": tokenizer_sha256(self.run.corpus.tokenizer.chars),
+            "task": self.task.settings(),
+            "val_metrics": self.val_metrics,
         })
         self.last_checkpoint = self.checkpoint_path
         self.saved_step = self.step
@@ -693,6 +759,7 @@ class _Session:
 
     def close(self) -> None:
         self.metrics.close()
+        self.tensorboard.close()
         self.wrapper.destroy()
 
     def summary(self, status: str, message: str) -> RunSummary:
@@ -709,7 +776,9 @@ class _Session:
             elapsed_s=self.elapsed, backend=run.backend,
             data=run.corpus.source, message=message, val_curve=self.val_curve,
             data_sha256=run.corpus.sha256, init_from=run.init_from,
-            checkpoint_step=self.saved_step,
+            checkpoint_step=self.saved_step, task=self.task.name,
+            model=model_kind(self.config), learning_rate=self.training.learning_rate,
+            final_val_metrics=dict(self.val_metrics),
         )
 
 
@@ -740,10 +809,13 @@ def train(
     desc: str = "train",
     log: Callable[[str], None] = print,
     init_from: Optional[Path] = None,
+    task: Optional[Task] = None,
 ) -> RunSummary:
     """Train ``config`` into ``run_dir``, or with ``resume`` continue the run there (with
     ``config``, or None for the run's saved config with ``overrides`` applied).
 
+    ``task`` is what to train (:mod:`.tasks`): the causal LM when None; a resumed run
+    continues the task it trained (a ``task`` given must be that one).
     ``init_from`` fine-tunes: the new run starts from the checkpoint of the run in that
     directory, whose model ``config`` must keep (see :mod:`.finetune`).
 
@@ -760,13 +832,22 @@ def train(
         raise RunError(f"cannot resume {run_dir}: {not_a_directory(run_dir)}")
     with RunLock(run_dir):
         remove_temporaries(run_dir)
+        if resume:
+            trained = read_task(run_dir)
+            if task is not None and task.settings() != trained.settings():
+                raise RunError(f"cannot resume {run_dir}: it trains {trained.settings()}, not "
+                               f"{task.settings()}")
+            task = trained
+        if task is None:
+            task = CausalLM()
         if config is None:
             config = load_run_config(run_dir, overrides)
         backend = select_backend(config.backend)
+        task.check(config, backend)
         if resume:
-            run = _open_resumed(config, run_dir, backend)
+            run = _open_resumed(config, run_dir, backend, task)
         else:
-            run = _open_new(config, run_dir, backend, init_from)
+            run = _open_new(config, run_dir, backend, task, init_from)
         return _train(run, quiet, progress, scale_report, desc, log)
 
 
@@ -812,8 +893,8 @@ def _train(
                 lr = scheduled_learning_rate(training, session.step)
                 set_learning_rate(session.optimizer, lr)
                 session.wrapper.update_optimizer()
-                inputs, labels = get_batch(corpus.train, config.samples_per_call,
-                                           config.model.seq_len, session.batch_generator)
+                inputs, labels = run.task.train_batch(corpus.train, config,
+                                                      session.batch_generator)
                 losses = session.train_call(inputs, labels)
 
                 first_step = session.step
@@ -826,8 +907,10 @@ def _train(
                         val_loss = session.evaluate()
                     session.log_step(lr, loss, val_loss)
                     if val_loss is not None:
-                        say(f"{desc}: step {session.step}: validation loss {val_loss:.4f} "
-                            f"(unigram baseline {unigram:.4f})")
+                        others = "".join(f", {name} {value:.4f}"
+                                         for name, value in session.val_metrics.items())
+                        say(f"{desc}: step {session.step}: validation loss {val_loss:.4f}"
+                            f"{others} (unigram baseline {unigram:.4f})")
 
                 if reporter is not None:
                     micro = config.micro_batch_size
@@ -888,7 +971,7 @@ def _finish(session: _Session, status: str, message: str, say: Callable[[str], N
     run_dir, config = session.run.run_dir, session.config
     write_summary(summary)
     model_name = {"unit": "unit-scaled", "u-mup": "u-μP"}.get(model_kind(config), "plain")
-    title = f"{model_name} GPT, {config.precision.dtype}"
+    title = f"{model_name} {session.task.model_name}, {config.precision.dtype}"
     try:
         plot_run(run_dir / METRICS_FILE, run_dir / PLOT_FILE, summary.unigram_baseline, title)
     except (ImportError, RuntimeError) as error:

@@ -20,6 +20,8 @@ import torch
 from ipu_unit_scaling import _host, emulator
 from ipu_unit_scaling.fp8 import F143, F152, NonFiniteAmaxError, cast_to_fp8_reference
 
+pytestmark = pytest.mark.numerics
+
 REPO = Path(__file__).resolve().parents[1]
 GRAIN = 8
 

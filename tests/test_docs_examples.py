@@ -22,6 +22,8 @@ from typing import Any, Callable, Dict, List, Optional
 import pytest
 import torch
 
+pytestmark = pytest.mark.numerics
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 

@@ -22,6 +22,8 @@ from ipu_unit_scaling.lowering import stochastic_round_to_half, torch_numerics
 from ipu_unit_scaling.poptorch_lowering import GELU_LOWERING, LOWERINGS, POPTORCH_COMMIT
 from ipu_unit_scaling.precision import round_to_half
 
+pytestmark = pytest.mark.numerics
+
 REPO = Path(__file__).resolve().parent.parent
 
 

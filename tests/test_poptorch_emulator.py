@@ -26,6 +26,9 @@ from ipu_unit_scaling.ipu import (
 from ipu_unit_scaling.lowering import torch_numerics
 from ipu_unit_scaling.models import GPTConfig, build_gpt
 
+# CI runs these a second time with torch's scalar CPU kernels (.ci/run).
+pytestmark = pytest.mark.numerics
+
 
 @pytest.fixture(autouse=True)
 def ops_as_torch_defines_them():

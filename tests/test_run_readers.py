@@ -90,7 +90,9 @@ def swap_in_tokenizer(run_dir: Path, first: str, second: str) -> None:
 
 
 def files(run_dir: Path) -> Dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(run_dir.iterdir()) if p.name != ".lock"}
+    # (the tensorboard/ directory included, where TensorBoard is installed)
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
 
 
 # ---------------------------------------------------------------- an edited tokenizer.json

@@ -51,7 +51,9 @@ def column(run_dir: Path, name: str) -> List[str]:
 
 
 def contents(run_dir: Path) -> dict:
-    return {p.name: p.read_bytes() for p in sorted(run_dir.iterdir()) if p.name != ".lock"}
+    # (the tensorboard/ directory included, where TensorBoard is installed)
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
 
 
 def one_line_error(err: str) -> bool:
