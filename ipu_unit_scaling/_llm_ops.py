@@ -98,7 +98,7 @@ def rms_norm(
     """Unit-scaled `F.rms_norm`: `x / sqrt(mean(x**2) + eps) * weight` over the last dims.
 
     Rule: the output has unit mean square by construction, and for unit input the input
-    gradient (g - y <y, g> / n) / rms(x) is unit too, so neither is scaled (as for
+    gradient `(g - y <y, g> / n) / rms(x)` is unit too, so neither is scaled (as for
     `layer_norm`); the weight gradient sums over the rows, so its grad scale is
     `batch_size**-0.5`. `eps=None` is torch's default, the input dtype's machine epsilon.
     Torch before 2.4 has no `F.rms_norm`, and PopTorch no handler for it: there, and under

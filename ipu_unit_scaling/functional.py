@@ -287,9 +287,10 @@ def softmax(
 ) -> Tensor:
     """Unit-scaled `F.softmax`.
 
-    Rule: for n = input.shape[dim] unit-normal logits, E[p**2] = S(n)/n where S(n) is the
-    expected sum of squared probabilities; output scale 1/sqrt(S(n)/n - 1/n**2) (the std of p),
-    grad-input scale 1/sqrt(S(n)/n) (the gradient is p * (g - <p, g>)); tied by `constraint`.
+    Rule: for n = input.shape[dim] unit-normal logits, `E[p**2] = S(n)/n` where S(n) is the
+    expected sum of squared probabilities; output scale `1/sqrt(S(n)/n - 1/n**2)` (the std of
+    p), grad-input scale `1/sqrt(S(n)/n)` (the gradient is `p * (g - <p, g>)`); tied by
+    `constraint`.
     """
     n = input.shape[dim]
     mean_square = _expected_softmax_square_sum(n) / n
@@ -379,10 +380,10 @@ def add(
 ) -> Tensor:
     """Unit-scaled `torch.add` (input + alpha * other).
 
-    Rule: output scale 1/sqrt(1 + alpha**2), grad scales 1 (input) and 1/|alpha| (other), tied by
+    Rule: output scale `1/sqrt(1 + alpha**2)`, grad scales 1 (input) and 1/|alpha| (other), tied by
     `constraint`, which by default keeps the output unit (sums usually feed a network's input).
     An input broadcast across the output has its gradient summed over the copies; that sum is
-    scaled by copies**-0.5 on its own, outside the constraint, as for a weight.
+    scaled by `copies**-0.5` on its own, outside the constraint, as for a weight.
     """
     if alpha == 0:
         raise ValueError("alpha=0 is not supported by the unit-scaled add: use the input itself")
@@ -416,7 +417,7 @@ _RESIDUAL_WEIGHTS: Dict[float, Tuple[float, float]] = {}
 def residual_split(input: Tensor, tau: float = 1.0) -> Tuple[Tensor, Tensor]:
     """Split a residual stream into (residual-branch input, skip), for `residual_add`.
 
-    With a = tau / sqrt(1 + tau**2), b = 1 / sqrt(1 + tau**2): the identity forward; in the
+    With `a = tau / sqrt(1 + tau**2)`, `b = 1 / sqrt(1 + tau**2)`: the identity forward; in the
     backward the branch gradient is multiplied by a, so the stream receives a * g_branch + b * g
     (b is applied by `residual_add`), the true gradient of `a * f(x) + b * x`.
     """
@@ -520,7 +521,7 @@ def scaled_dot_product_attention(
     """Unit-scaled `F.scaled_dot_product_attention`.
 
     Rule: with unit q, k, v, the logits have std s = scale * sqrt(d) (1 by default) and a query
-    row that sees m keys outputs a p-weighted mean of values with variance S(m) = E[sum p**2]
+    row that sees m keys outputs a p-weighted mean of values with variance `S(m) = E[sum p**2]`
     (see `softmax`), times 1/(1-p) with dropout. Each row is multiplied by
     sqrt((1 - dropout_p) / S(m)) in both passes, which makes the output unit and, on average
     over key positions, the value gradient unit too. The query and key gradients come out at
@@ -533,7 +534,7 @@ def scaled_dot_product_attention(
     shared by G = Hq / Hkv query heads (query head h uses key/value head h // G, as in torch);
     they are repeated with expand and reshape, ops PopTorch has. The output and the query
     gradient stay unit. A key or value head's gradient sums over its G query heads: std
-    sqrt(G). That is the true gradient and is kept: a backward-only G**-0.5 would weigh the key
+    sqrt(G). That is the true gradient and is kept: a backward-only `G**-0.5` would weigh the key
     and value paths against the query path in every gradient upstream of the projections
     (activations, not cut edges), and sqrt(G) (1.4 to 2.8 for G = 2 to 8) is far inside the
     gradient format's range.
@@ -620,7 +621,7 @@ def attention_value_bias_grad_scale(
     then meets the row scale r_i = sqrt((1 - dropout_p) / S(m_i)) of query row i (see
     `scaled_dot_product_attention`). The bias's gradient is therefore sum_i r_i g_i: the
     gradient of a bias added after attention, sum_i g_i, with every row weighted by r_i (about
-    3.6 for 32 keys). For independent unit g_i its variance is the rows' mean of r_i**2 times
+    3.6 for 32 keys). For independent unit g_i its variance is the rows' mean of `r_i**2` times
     theirs, so dividing by that root mean square makes it the gradient the linear's own
     `batch_size**-0.5` was chosen for. A bias's gradient scale is a cut edge: it changes only
     that parameter's update, nothing upstream of it.
@@ -646,18 +647,18 @@ def attention_query_key_grad_scale(
     queries, or only the keys, of `scaled_dot_product_attention`.
 
     Rule: for a query row that sees m keys, with independent unit q, k, v and output gradient,
-    the query gradient's variance per element is s**2 C(m), s the logits' std, with
-    C(m) = 1 - (2 E[sum p**3] - E[(sum p**2)**2]) / E[sum p**2]. It comes from
-    dq = s / sqrt(d) sum_j p_j (a_j - sum_l p_l a_l) k_j, a_j the output gradient's product
+    the query gradient's variance per element is `s**2 C(m)`, s the logits' std, with
+    `C(m) = 1 - (2 E[sum p**3] - E[(sum p**2)**2]) / E[sum p**2]`. It comes from
+    `dq = s / sqrt(d) sum_j p_j (a_j - sum_l p_l a_l) k_j`, a_j the output gradient's product
     with value j times the row scale: the gradient reaching the logits is centred under p and
-    so sees k_j - sum_l p_l k_l, and the row scale 1 / sqrt(E[sum p**2]) cancels
-    E[sum p**2] except for the centring. The key gradient is the same, summed over the rows
+    so sees `k_j - sum_l p_l k_l`, and the row scale `1 / sqrt(E[sum p**2])` cancels
+    `E[sum p**2]` except for the centring. The key gradient is the same, summed over the rows
     that see it. C is 0.23 for 2 keys, 0.58 for 8, 0.81 for 32 and 0.93 for 128; dropout
     leaves it unchanged (its 1 / (1 - p) meets the row scale's 1 - p), and terms of order
     1 / head_dim are left out. `_softmax_moments` computes the moments by quadrature.
 
     A projection's weight gradient sums its rows' gradients, so its variance is the rows'
-    mean of s**2 C(m_i); this returns `1 / (s * sqrt(mean_i C(m_i)))`, rows seeing all
+    mean of `s**2 C(m_i)`; this returns `1 / (s * sqrt(mean_i C(m_i)))`, rows seeing all
     `key_len` keys or, with `is_causal`, row i the first i. Scaling a parameter's gradient
     is a cut edge: the gradients of the activations, and every other parameter, are unchanged.
     Where no row sees two keys the gradient is exactly zero, and the scale is 1.

@@ -110,7 +110,7 @@ class TrainedRun:
 def open_run(run_dir: Path, action: str = "evaluate") -> TrainedRun:
     """Read ``run_dir``'s config, tokenizer and checkpoint through the run directory's checked
     loaders, under a shared lock (so all three come from the same moment of the run); a
-    RunError ("cannot <action> ...") if any is missing, damaged or not of the same run, or if a
+    RunError (`"cannot <action> ..."`) if any is missing, damaged or not of the same run, or if a
     run is writing the directory. Hold ``RunLock(run_dir, shared=True)`` around the whole use
     to keep a run from starting meanwhile."""
     run_dir = Path(run_dir)

@@ -519,7 +519,7 @@ def tokenizer_sha256(chars: Sequence[str]) -> str:
 
 def check_tokenizer(run_dir: Path, chars: Sequence[str], checkpoint: Dict[str, Any],
                     action: str) -> None:
-    """RunError ("cannot <action> ...") unless ``chars`` are the vocabulary ``checkpoint`` was
+    """RunError (`"cannot <action> ..."`) unless ``chars`` are the vocabulary ``checkpoint`` was
     trained with: the SHA-256 it records, or, in checkpoints written before it recorded one,
     the order every run's vocabulary has (the pretrained characters of a fine-tuning run, then
     sorted characters)."""

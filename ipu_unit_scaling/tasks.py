@@ -200,7 +200,7 @@ def task_from_settings(settings: Any) -> Task:
 
 def read_task(run_dir: Path, action: str = "resume") -> Task:
     """The task the run in ``run_dir`` trains: its ``task.json``, or the causal LM where there
-    is none; RunError ("cannot <action> ...") if the file cannot be read or names no task."""
+    is none; RunError (`"cannot <action> ..."`) if the file cannot be read or names no task."""
     path = Path(run_dir) / TASK_FILE
     try:
         text = path.read_text(encoding="utf-8")

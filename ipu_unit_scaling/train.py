@@ -492,7 +492,7 @@ def _schedule_change(state: Dict[str, Any], run_dir: Path, training: TrainingCon
 
 def read_tokenizer(run_dir: Path, action: str = "resume",
                    checkpoint: Optional[Dict[str, Any]] = None) -> CharTokenizer:
-    """The run's saved tokenizer; RunError ("cannot <action> ...") if missing or damaged, or
+    """The run's saved tokenizer; RunError (`"cannot <action> ..."`) if missing or damaged, or
     if it is not the one ``checkpoint`` (the run's loaded checkpoint) was trained with."""
     from .rundir import check_tokenizer
 
