@@ -142,7 +142,7 @@ class DataConfig:
 
 def _default_learning_rates() -> Dict[str, float]:
     # Unit-scaled models keep unit-scale weights, so Adam wants larger steps on them. Values
-    # from a short sweep on the default run (see the README's compare section).
+    # from a short sweep on the default run (see docs/guide/compare.md).
     return {
         "fp32": 0.006,
         "fp16": 0.006,

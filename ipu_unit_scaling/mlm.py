@@ -51,7 +51,7 @@ MLM_ALLOWED_REGIMES = tuple(regime for regime, (kind, _, _) in REGIME_SETTINGS.i
 # The comparison the paper's BERT experiment makes (more regimes may be asked for).
 MLM_REGIMES = ("fp32", "fp16", "fp8-naive", "unit-fp16", "unit-fp8")
 # Per model kind: the best of a sweep of its fp32 regime at the default shape, seed 0 (plain:
-# 1e-3, 2e-3, 4e-3; unit-scaled: 0.01, 0.02, 0.04, 0.08); see the README.
+# 1e-3, 2e-3, 4e-3; unit-scaled: 0.01, 0.02, 0.04, 0.08); see docs/guide/compare.md.
 KIND_LEARNING_RATES = {"plain": 2e-3, "unit": 0.04}
 
 
