@@ -43,8 +43,8 @@ __all__ = [
     "SUMMARY_FILE", "PLOT_FILE", "SCALE_REPORT_FILE", "LOCK_FILE", "ARTEFACTS", "COMPARE_FILES",
     "EVALUATION_FILES", "METRIC_FIELDS", "leftovers",
     "atomic_write", "remove_temporaries", "RunLock", "make_run_dir", "save_checkpoint",
-    "load_checkpoint", "MetricsLog", "read_metrics", "metrics_up_to", "keep_report_rows_up_to",
-    "read_json",
+    "load_checkpoint", "MetricsLog", "UnwrittenMetricsLog", "read_metrics", "metrics_up_to",
+    "keep_report_rows_up_to", "read_json",
 ]
 
 CONFIG_FILE = "config.yaml"
@@ -412,6 +412,20 @@ class MetricsLog:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+class UnwrittenMetricsLog(MetricsLog):
+    """The metrics log of a process that writes no run files (a distributed run's ranks
+    other than 0, whose rows rank 0 writes)."""
+
+    def __init__(self) -> None:  # (no file)
+        self._fd = -1
+
+    def write(self, row: Dict[str, Any]) -> None:
+        pass
+
+    def sync(self) -> None:
+        pass
 
 
 def _csv_line(values: Sequence[Any]) -> bytes:

@@ -31,14 +31,22 @@ import math
 import signal
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from .backends import build_training_model, make_optimizer, select_backend
+from .backends.distributed import (
+    agreed_stop,
+    join_launched_world,
+    launched_world_size,
+    opened_by_rank_zero,
+    writes_run_files,
+)
 from .config import (
     Config,
     ConfigError,
@@ -78,6 +86,7 @@ from .rundir import (
     MetricsLog,
     RunError,
     RunLock,
+    UnwrittenMetricsLog,
     atomic_write,
     keep_report_rows_up_to,
     leftovers,
@@ -527,7 +536,10 @@ class _Session:
         # Until the first call, the host holds the only weights (PopTorch refuses to copy
         # from a model it has not compiled yet).
         self.weights_on_device = False
-        self.metrics = MetricsLog(run.run_dir / METRICS_FILE, fresh=run.state is None)
+        # Of a distributed run, rank 0 alone writes the run's files.
+        self.writes = writes_run_files()
+        self.metrics = MetricsLog(run.run_dir / METRICS_FILE, fresh=run.state is None) \
+            if self.writes else UnwrittenMetricsLog()
         # Elapsed time counts on from the checkpoint's: a resumed run's figures are the run's.
         self.started = time.perf_counter() - self.elapsed_before
 
@@ -650,10 +662,20 @@ class _Session:
         if self._diverged(val_loss):
             raise self._divergence("validation loss of the weights to checkpoint",
                                    val_loss, self.step)
+        self.metrics.sync()
+        if self.writes:
+            save_checkpoint(self.checkpoint_path, self._checkpoint(val_loss))
+        self.last_checkpoint = self.checkpoint_path
+        self.saved_step = self.step
+        if not final and self.writes:
+            write_summary(self.summary(
+                "unfinished", f"checkpoint at step {self.step}; if its process is gone, "
+                f"continue with: ipu-unit-scaling train --resume {self.run.run_dir}"))
+
+    def _checkpoint(self, val_loss: float) -> Dict[str, Any]:
         from .rundir import tokenizer_sha256
 
-        self.metrics.sync()
-        save_checkpoint(self.checkpoint_path, {
+        return {
             "step": self.step,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -670,13 +692,7 @@ class _Session:
             "base_chars": self.run.base_chars,
             "init_from": self.run.init_from,
             "tokenizer_sha256": tokenizer_sha256(self.run.corpus.tokenizer.chars),
-        })
-        self.last_checkpoint = self.checkpoint_path
-        self.saved_step = self.step
-        if not final:
-            write_summary(self.summary(
-                "unfinished", f"checkpoint at step {self.step}; if its process is gone, "
-                f"continue with: ipu-unit-scaling train --resume {self.run.run_dir}"))
+        }
 
     def close(self) -> None:
         self.metrics.close()
@@ -741,6 +757,19 @@ def train(
     run_dir = Path(run_dir)
     if resume and init_from is not None:
         raise RunError("a resumed run keeps its own start; init_from is for new runs")
+    if scale_report and launched_world_size() > 1:
+        raise RunError("a scale report is recorded by one process; train without torchrun")
+    # Under torchrun, rank 0 opens the run and hands it to the others (backends.distributed).
+    join_launched_world()
+    with opened_by_rank_zero(lambda: _opened(config, run_dir, resume, overrides, init_from)
+                             ) as run:
+        return _train(run, quiet or not writes_run_files(), progress, scale_report, desc, log)
+
+
+@contextmanager
+def _opened(config: Optional[Config], run_dir: Path, resume: bool, overrides: Sequence[str],
+            init_from: Optional[Path]) -> Iterator[_Run]:
+    """The run in ``run_dir``, new or resumed, under its lock until the context ends."""
     if not resume:
         make_run_dir(run_dir)
     elif not run_dir.is_dir():
@@ -749,12 +778,11 @@ def train(
         remove_temporaries(run_dir)
         if config is None:
             config = load_run_config(run_dir, overrides)
-        backend = select_backend(config.backend)
+        backend = select_backend(config.backend, config)
         if resume:
-            run = _open_resumed(config, run_dir, backend)
+            yield _open_resumed(config, run_dir, backend)
         else:
-            run = _open_new(config, run_dir, backend, init_from)
-        return _train(run, quiet, progress, scale_report, desc, log)
+            yield _open_new(config, run_dir, backend, init_from)
 
 
 def _train(
@@ -830,6 +858,8 @@ def _train(
                 if session.step < training.steps and _crossed(
                         first_step, session.step, training.checkpoint_interval):
                     session.save()
+                # Every rank stops at the step any of them was asked to stop at.
+                stop.signum = agreed_stop(stop.signum)
                 if stop.signum is not None:
                     if session.saved_step != session.step:
                         session.save(final=True)
@@ -873,6 +903,8 @@ def _finish(session: _Session, status: str, message: str, say: Callable[[str], N
 
     summary = session.summary(status, message)
     run_dir, config = session.run.run_dir, session.config
+    if not session.writes:
+        return summary
     write_summary(summary)
     model_name = {"unit": "unit-scaled", "u-mup": "u-μP"}.get(model_kind(config), "plain")
     title = f"{model_name} GPT, {config.precision.dtype}"
