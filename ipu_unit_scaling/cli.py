@@ -345,14 +345,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     else:
         config = _load(args)
         run_dir = args.run_dir or _default_run_dir(config, "train")
-    from .backends.distributed import leave_world, writes_run_files
+    from .backends.distributed import writes_run_files
 
-    try:
-        summary = train(config, run_dir, resume=args.resume is not None,
-                        overrides=_overrides(args), quiet=args.quiet,
-                        scale_report=args.scale_report, log=print, init_from=args.init_from)
-    finally:
-        leave_world()
+    summary = train(config, run_dir, resume=args.resume is not None, overrides=_overrides(args),
+                    quiet=args.quiet, scale_report=args.scale_report, log=print,
+                    init_from=args.init_from)
     if not writes_run_files():
         return 0  # rank 0 of the torchrun world reports
     print(f"final validation loss {_fmt(summary.final_val_loss)} nats per character "

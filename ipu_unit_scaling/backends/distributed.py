@@ -28,6 +28,7 @@ Processes talk over gloo, on the CPU.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 from typing import Any, Callable, ContextManager, Iterator, List, Optional, Tuple, TypeVar
 
@@ -38,7 +39,7 @@ from torch import nn
 from ..config import Config
 
 __all__ = [
-    "launched_world_size", "join_launched_world", "leave_world", "writes_run_files",
+    "launched_world_size", "join_launched_world", "writes_run_files",
     "opened_by_rank_zero", "agreed_stop", "check_launch", "DistributedTrainingModel",
 ]
 
@@ -89,16 +90,10 @@ def join_launched_world() -> None:
         raise BackendError(f"cannot join the processes torchrun started: {first}") from None
 
 
-def leave_world() -> None:
-    """Leave the process group, if this process is in one."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def _pipelining_missing() -> str:
     """Why torch.distributed.pipelining cannot be used here; "" when it can."""
     try:
-        import torch.distributed.pipelining  # noqa: F401
+        importlib.import_module("torch.distributed.pipelining")
     except ImportError:
         return f"torch {torch.__version__} has no torch.distributed.pipelining"
     return ""
