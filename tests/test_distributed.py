@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -208,6 +209,16 @@ def test_evaluate_and_sample_read_a_distributed_run(data_parallel_run, tmp_path,
     assert main(["sample", str(data_parallel_run), "--tokens", "40", "--prompt", "the "]) == 0
     written = capsys.readouterr().out
     assert written.startswith("the ") and len(written.rstrip("\n")) >= 40
+
+    # A run that named the backend reads alike: evaluation and sampling take one process.
+    named = tmp_path / "named"
+    shutil.copytree(data_parallel_run, named)
+    config = (named / "config.yaml").read_text()
+    assert "\nbackend: auto\n" in config
+    (named / "config.yaml").write_text(config.replace("\nbackend: auto\n",
+                                                      "\nbackend: distributed\n"))
+    assert main(["sample", str(named), "--tokens", "40", "--prompt", "the "]) == 0
+    assert capsys.readouterr().out == written
 
 
 def _children(pid: int) -> List[int]:
