@@ -360,7 +360,8 @@ def test_pipelined_config_without_pipelining_is_refused_in_one_line(monkeypatch)
         check_launch(load_config("tiny"))  # two stages
     message = str(refused.value)
     assert "\n" not in message and "needs torch.distributed.pipelining" in message
-    assert "set ipu.ipus_per_replica=1" in message
+    assert f"missing from torch {torch.__version__}" in message
+    assert "(ipu.ipus_per_replica=1 ipu.layers_per_ipu=[-1])" in message
 
 
 def test_only_train_runs_under_torchrun(monkeypatch, capsys, tmp_path):

@@ -90,13 +90,12 @@ def join_launched_world() -> None:
         raise BackendError(f"cannot join the processes torchrun started: {first}") from None
 
 
-def _pipelining_missing() -> str:
-    """Why torch.distributed.pipelining cannot be used here; "" when it can."""
+def _has_pipelining() -> bool:
     try:
         importlib.import_module("torch.distributed.pipelining")
     except ImportError:
-        return f"torch {torch.__version__} has no torch.distributed.pipelining"
-    return ""
+        return False
+    return True
 
 
 def check_launch(config: Optional[Config] = None) -> None:
@@ -121,12 +120,13 @@ def check_launch(config: Optional[Config] = None) -> None:
             f"torchrun started {world} processes, but the config lays the model out on "
             f"ipu.ipus_per_replica x ipu.replication_factor = {ipu.ipus_per_replica} x "
             f"{ipu.replication_factor} = {layout}: launch --nproc-per-node {layout}{hint}")
-    missing = _pipelining_missing() if ipu.ipus_per_replica > 1 else ""
-    if missing:
+    if ipu.ipus_per_replica > 1 and not _has_pipelining():
         raise BackendError(
             f"ipu.ipus_per_replica = {ipu.ipus_per_replica} pipelines the model over "
-            f"{ipu.ipus_per_replica} processes, which needs torch.distributed.pipelining; "
-            f"{missing}: set ipu.ipus_per_replica=1 to train data-parallel only")
+            f"{ipu.ipus_per_replica} processes, which needs torch.distributed.pipelining, "
+            f"missing from torch {torch.__version__}: train the stages on one process "
+            "(without torchrun), or data-parallel only (ipu.ipus_per_replica=1 "
+            "ipu.layers_per_ipu=[-1])")
 
 
 # ------------------------------------------------------------------ one opening for all ranks
