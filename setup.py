@@ -65,7 +65,7 @@ setup(
         # Training also logs its scalars to <run_dir>/tensorboard/ where TensorBoard imports.
         "tensorboard": ["tensorboard"],
     },
-    entry_points={"console_scripts": ["ipu-unit-scaling=ipu_unit_scaling.cli:main"]},
+    entry_points={"console_scripts": ["ipu-unit-scaling=ipu_unit_scaling.cli:command"]},
     # Named configs for installs without a source checkout (see config.CONFIGS_DIR).
     data_files=[("share/ipu-unit-scaling/configs", sorted(glob.glob("configs/*.yaml")))],
     ext_modules=[host_library],

@@ -1,7 +1,5 @@
 """``python -m ipu_unit_scaling`` is the ``ipu-unit-scaling`` command (and what torchrun runs:
 ``torchrun --nproc-per-node N -m ipu_unit_scaling train ...``)."""
-import sys
+from .cli import command
 
-from .cli import main
-
-sys.exit(main())
+command()

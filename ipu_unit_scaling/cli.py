@@ -863,6 +863,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
+def command() -> NoReturn:
+    """The ``ipu-unit-scaling`` console script and ``python -m ipu_unit_scaling``."""
+    status = main()
+    from .backends.distributed import leave_launched_world
+
+    leave_launched_world(status)
+    sys.exit(status)
+
+
 def _escape_what_the_terminal_cannot_show() -> None:
     # Characters the output's encoding lacks (u-μP where it is ASCII, a path of undecodable
     # bytes) come out as backslash escapes instead of stopping the command with a traceback.

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import sys
 from typing import Any, Callable, ContextManager, Iterator, List, Optional, Tuple, TypeVar
 
 import torch
@@ -88,6 +89,21 @@ def join_launched_world() -> None:
     except (ValueError, RuntimeError) as error:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise BackendError(f"cannot join the processes torchrun started: {first}") from None
+
+
+def leave_launched_world(status: int) -> None:
+    """End a process that joined torchrun's world at once, with ``status``, its output flushed.
+
+    The gloo process group keeps threads that abort the process ("terminate called without an
+    active exception", SIGABRT) when the interpreter's teardown destroys them first, now and
+    then; and ``destroy_process_group`` can hang on torch 2.0.1. The command's work, its files
+    and its output are complete by now, so nothing of use is skipped.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _has_pipelining() -> bool:
