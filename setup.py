@@ -77,7 +77,7 @@ setup(
         # mkdocs.yml's site: the guide in docs/ and the API reference from the docstrings.
         "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
     },
-    entry_points={"console_scripts": ["ipu-unit-scaling=ipu_unit_scaling.cli:main"]},
+    entry_points={"console_scripts": ["ipu-unit-scaling=ipu_unit_scaling.cli:command"]},
     # Named configs for installs without a source checkout (see config.CONFIGS_DIR).
     data_files=[("share/ipu-unit-scaling/configs", sorted(glob.glob("configs/*.yaml")))],
     ext_modules=[host_library],

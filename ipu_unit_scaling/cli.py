@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, NoReturn, Optional, Sequence
+from typing import Any, Dict, Iterator, List, NoReturn, Optional, Sequence, Tuple
 
 from . import __version__
 from .config import CONFIGS_DIR, MAX_SEED, REGIMES, Config, ConfigError, load_config
@@ -327,8 +327,14 @@ def _run_directory(chosen: Optional[Path], root: str, command: str) -> Iterator[
     """The run directory, created now: ``chosen``, else a new ``root/<command>-<date>-<time>``
     (``-2``, ``-3``, ... after it when runs start in the same second). If the command fails
     before its run wrote anything of use, what it created is removed again."""
+    from .backends.distributed import writes_run_files
     from .rundir import make_run_dir, make_unique_run_dir, remove_refused_start
 
+    if not writes_run_files():
+        # Under torchrun, rank 0 names, creates and opens the run; the other ranks never
+        # touch a directory of their own.
+        yield chosen if chosen is not None else Path(root)
+        return
     if chosen is not None:
         run_dir, created = chosen, make_run_dir(chosen)
     else:
@@ -387,10 +393,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     else:
         config = _load(args)
         directory = _run_directory(args.run_dir, _runs_root(config), "train")
+    from .backends.distributed import writes_run_files
+
     with directory as run_dir:
         summary = train(config, run_dir, resume=args.resume is not None,
                         overrides=_overrides(args), quiet=args.quiet,
                         scale_report=args.scale_report, log=print, init_from=args.init_from)
+    if not writes_run_files():
+        return 0  # rank 0 of the torchrun world reports
     print(f"final validation loss {_fmt(summary.final_val_loss)} nats per character "
           f"(best {_fmt(summary.best_val_loss)}); unigram baseline "
           f"{_fmt(summary.unigram_baseline)}, uniform {_fmt(summary.uniform_baseline)}")
@@ -817,19 +827,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .inference import SamplingError
     from .train import RunError, TrainingDiverged, TrainingInterrupted, raise_stop_signal
 
+    rank, world = _torchrun_rank_and_size()
+    if world > 1 and args.command != "train":
+        return _fail(f"{args.command} runs in one process; of the commands only train runs "
+                     "under torchrun", speaks=rank == 0)
     # SIGTERM stops a command as Ctrl-C does (a training loop: at a step boundary, saved).
     on_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, raise_stop_signal) if on_main_thread else None
+    # Under torchrun every rank meets these errors alike (rank 0 hands the others its own):
+    # rank 0 says them.
+    speaks = rank == 0
     try:
         return COMMANDS[args.command](args)
     except (ConfigError, DataError, RunError, BackendError, UsageError) as error:
-        return _fail(_one_line(error))
+        return _fail(_one_line(error), speaks)
     except (TrainingDiverged, SamplingError) as error:
-        print(f"{PROG}: {_one_line(error)}", file=sys.stderr)
+        if speaks:
+            print(f"{PROG}: {_one_line(error)}", file=sys.stderr)
         return EXIT_DIVERGED
     except (TrainingInterrupted, KeyboardInterrupt) as error:
         message = _one_line(error) or "interrupted"
-        print(f"{PROG}: {message}", file=sys.stderr)
+        if speaks:
+            print(f"{PROG}: {message}", file=sys.stderr)
         return 128 + getattr(error, "signum", EXIT_INTERRUPTED - 128)  # 130 SIGINT, 143 SIGTERM
     except OSError as error:  # a file system that refuses: full, read-only, gone
         where = f" ({error.filename})" if error.filename else ""
@@ -846,6 +865,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
+def command() -> NoReturn:
+    """The ``ipu-unit-scaling`` console script and ``python -m ipu_unit_scaling``."""
+    status = main()
+    from .backends.distributed import leave_launched_world
+
+    leave_launched_world(status)
+    sys.exit(status)
+
+
 def _escape_what_the_terminal_cannot_show() -> None:
     # Characters the output's encoding lacks (u-μP where it is ASCII, a path of undecodable
     # bytes) come out as backslash escapes instead of stopping the command with a traceback.
@@ -858,9 +886,19 @@ def _escape_what_the_terminal_cannot_show() -> None:
                 pass
 
 
-def _fail(message: str) -> int:
-    print(f"{PROG}: error: {message}", file=sys.stderr)
+def _fail(message: str, speaks: bool = True) -> int:
+    if speaks:
+        print(f"{PROG}: error: {message}", file=sys.stderr)
     return EXIT_USAGE
+
+
+def _torchrun_rank_and_size() -> Tuple[int, int]:
+    """This process's rank and the number of processes, as torchrun set them; (0, 1) when it
+    did not start this one."""
+    try:
+        return int(os.environ.get("RANK") or 0), int(os.environ.get("WORLD_SIZE") or 1)
+    except ValueError:
+        return 0, 1
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import yaml
 from .fp8.config import FP8Config, FP8ConfigError
 from .models import GPTConfig
 
-BACKEND_NAMES = ("auto", "ipu", "ipu_model", "emulator", "cpu", "popxl")
+BACKEND_NAMES = ("auto", "ipu", "ipu_model", "emulator", "cpu", "popxl", "distributed")
 DTYPES = ("fp32", "fp16", "fp8")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine")

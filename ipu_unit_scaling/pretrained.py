@@ -194,7 +194,7 @@ def evaluate_run(
     description and the number of ``on_batch`` calls to come, once the data is ready.
     """
     config = run.config
-    backend = backend or select_backend(config.backend)
+    backend = backend or select_backend(config.backend, training=False)
     batches: Sequence[Batch]
     if data is None:
         batches = run.validation_batches()
@@ -344,7 +344,7 @@ def sample_run(
     ids = check_prompt(run.tokenizer, default_prompt(run.tokenizer) if prompt is None else prompt)
     precision = precision or run.precision
     config = _inference_config(precision_config(run.config, precision))
-    backend = backend or select_backend(config.backend)
+    backend = backend or select_backend(config.backend, training=False)
     runner = build_inference_model(run.model(precision), config, backend)
     chars = run.tokenizer.chars
     emit = (lambda token: on_text(chars[token])) if on_text is not None else None

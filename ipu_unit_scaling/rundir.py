@@ -49,8 +49,8 @@ __all__ = [
     "state_mismatch",
     "atomic_write", "remove_temporaries", "RunLock", "make_run_dir", "make_unique_run_dir",
     "remove_refused_start", "save_checkpoint",
-    "load_checkpoint", "MetricsLog", "read_metrics", "metrics_up_to", "keep_report_rows_up_to",
-    "read_json",
+    "load_checkpoint", "MetricsLog", "UnwrittenMetricsLog", "read_metrics", "metrics_up_to",
+    "keep_report_rows_up_to", "read_json",
 ]
 
 CONFIG_FILE = "config.yaml"
@@ -579,6 +579,20 @@ class MetricsLog:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+class UnwrittenMetricsLog(MetricsLog):
+    """The metrics log of a process that writes no run files (a distributed run's ranks
+    other than 0, whose rows rank 0 writes)."""
+
+    def __init__(self) -> None:  # (no file)
+        self._fd = -1
+
+    def write(self, row: Dict[str, Any]) -> None:
+        pass
+
+    def sync(self) -> None:
+        pass
 
 
 def _csv_line(values: Sequence[Any]) -> bytes:

@@ -23,12 +23,15 @@ __all__ = ["TensorBoardLog"]
 class TensorBoardLog:
     """Scalars of one run for TensorBoard, or nothing when TensorBoard does not import.
 
-    ``problem`` says why an installed TensorBoard could not be used ("" otherwise).
+    ``problem`` says why an installed TensorBoard could not be used ("" otherwise). A
+    ``run_dir`` of None (a distributed run's ranks other than 0) writes nothing.
     """
 
-    def __init__(self, run_dir: Path, step: int) -> None:
+    def __init__(self, run_dir: Optional[Path], step: int) -> None:
         self.writer: Optional[Any] = None
         self.problem = ""
+        if run_dir is None:
+            return
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:  # not installed: metrics.csv is the record

@@ -40,14 +40,22 @@ import math
 import signal
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from .backends import build_training_model, make_optimizer, select_backend
+from .backends.distributed import (
+    agreed_stop,
+    join_launched_world,
+    launched_world_size,
+    opened_by_rank_zero,
+    writes_run_files,
+)
 from .config import (
     Config,
     ConfigError,
@@ -88,6 +96,7 @@ from .rundir import (
     MetricsLog,
     RunError,
     RunLock,
+    UnwrittenMetricsLog,
     atomic_write,
     keep_report_rows_up_to,
     leftovers,
@@ -583,9 +592,12 @@ class _Session:
         # Until the first call, the host holds the only weights (PopTorch refuses to copy
         # from a model it has not compiled yet).
         self.weights_on_device = False
+        # Of a distributed run, rank 0 alone writes the run's files.
+        self.writes = writes_run_files()
         self.metrics = MetricsLog(run.run_dir / METRICS_FILE, fresh=run.state is None,
-                                  fields=METRIC_FIELDS + self.task.metric_columns)
-        self.tensorboard = TensorBoardLog(run.run_dir, self.step)
+                                  fields=METRIC_FIELDS + self.task.metric_columns) \
+            if self.writes else UnwrittenMetricsLog()
+        self.tensorboard = TensorBoardLog(run.run_dir if self.writes else None, self.step)
         if self.tensorboard.problem:
             run.notes.append(self.tensorboard.problem)
         # Elapsed time counts on from the checkpoint's: a resumed run's figures are the run's.
@@ -726,11 +738,20 @@ class _Session:
         if self._diverged(val_loss):
             raise self._divergence("validation loss of the weights to checkpoint",
                                    val_loss, self.step)
+        self.metrics.sync()
+        if self.writes:
+            save_checkpoint(self.checkpoint_path, self._checkpoint(val_loss))
+        self.last_checkpoint = self.checkpoint_path
+        self.saved_step = self.step
+        if not final and self.writes:
+            write_summary(self.summary(
+                "unfinished", f"checkpoint at step {self.step}; if its process is gone, "
+                f"continue with: ipu-unit-scaling train --resume {self.run.run_dir}"))
+
+    def _checkpoint(self, val_loss: float) -> Dict[str, Any]:
         from .rundir import tokenizer_sha256
 
-        self.metrics.sync()
-        self.tensorboard.flush()
-        save_checkpoint(self.checkpoint_path, {
+        return {
             "step": self.step,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -749,13 +770,7 @@ class _Session:
             "tokenizer_sha256": tokenizer_sha256(self.run.corpus.tokenizer.chars),
             "task": self.task.settings(),
             "val_metrics": self.val_metrics,
-        })
-        self.last_checkpoint = self.checkpoint_path
-        self.saved_step = self.step
-        if not final:
-            write_summary(self.summary(
-                "unfinished", f"checkpoint at step {self.step}; if its process is gone, "
-                f"continue with: ipu-unit-scaling train --resume {self.run.run_dir}"))
+        }
 
     def close(self) -> None:
         self.metrics.close()
@@ -826,6 +841,19 @@ def train(
     run_dir = Path(run_dir)
     if resume and init_from is not None:
         raise RunError("a resumed run keeps its own start; init_from is for new runs")
+    if scale_report and launched_world_size() > 1:
+        raise RunError("a scale report is recorded by one process; train without torchrun")
+    # Under torchrun, rank 0 opens the run and hands it to the others (backends.distributed).
+    join_launched_world()
+    with opened_by_rank_zero(
+            lambda: _opened(config, run_dir, resume, overrides, init_from, task)) as run:
+        return _train(run, quiet or not writes_run_files(), progress, scale_report, desc, log)
+
+
+@contextmanager
+def _opened(config: Optional[Config], run_dir: Path, resume: bool, overrides: Sequence[str],
+            init_from: Optional[Path], task: Optional[Task]) -> Iterator[_Run]:
+    """The run in ``run_dir``, new or resumed, under its lock until the context ends."""
     if not resume:
         make_run_dir(run_dir)
     elif not_a_directory(run_dir):
@@ -842,13 +870,12 @@ def train(
             task = CausalLM()
         if config is None:
             config = load_run_config(run_dir, overrides)
-        backend = select_backend(config.backend)
+        backend = select_backend(config.backend, config)
         task.check(config, backend)
         if resume:
-            run = _open_resumed(config, run_dir, backend, task)
+            yield _open_resumed(config, run_dir, backend, task)
         else:
-            run = _open_new(config, run_dir, backend, task, init_from)
-        return _train(run, quiet, progress, scale_report, desc, log)
+            yield _open_new(config, run_dir, backend, task, init_from)
 
 
 def _train(
@@ -926,6 +953,8 @@ def _train(
                 if session.step < training.steps and _crossed(
                         first_step, session.step, training.checkpoint_interval):
                     session.save()
+                # Every rank stops at the step any of them was asked to stop at.
+                stop.signum = agreed_stop(stop.signum)
                 if stop.signum is not None:
                     if session.saved_step != session.step:
                         session.save(final=True)
@@ -969,6 +998,8 @@ def _finish(session: _Session, status: str, message: str, say: Callable[[str], N
 
     summary = session.summary(status, message)
     run_dir, config = session.run.run_dir, session.config
+    if not session.writes:
+        return summary
     write_summary(summary)
     model_name = {"unit": "unit-scaled", "u-mup": "u-μP"}.get(model_kind(config), "plain")
     title = f"{model_name} {session.task.model_name}, {config.precision.dtype}"

@@ -1,101 +1,112 @@
-"""Two processes running a two-stage torch.distributed.pipelining split (gloo, CPU) follow the
-single-process fallback's loss trajectory."""
+"""``ipu-unit-scaling train`` under torchrun: the distributed backend, 2 processes on gloo (CPU).
+
+Runs go through ``python -m torch.distributed.run ... -m ipu_unit_scaling train``, or, where a
+test must reach one rank (a signal, another argument), through processes started with the
+environment torchrun gives its workers.
+"""
 from __future__ import annotations
 
-import importlib.util
 import json
+import math
 import os
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
 
 import pytest
 import torch
 
-from ipu_unit_scaling.config import (
-    Config,
-    ConfigError,
-    config_from_dict,
-    load_config,
-    scheduled_learning_rate,
-    validate,
-)
+from ipu_unit_scaling.backends import BACKEND_ENV, BackendError, select_backend
+from ipu_unit_scaling.backends.distributed import check_launch
+from ipu_unit_scaling.config import load_config, scheduled_learning_rate
+from ipu_unit_scaling.rundir import RunLock, load_checkpoint, read_metrics
 
-HERE = Path(__file__).resolve().parent
-STEPS = 5
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 12
+# In FP32: a distributed run sums gradients in another order than one process, and FP8 casts
+# would round a last-bit difference to a different FP8 value, which then grows step by step.
+FP32 = "precision.dtype=fp32"
+# A data-parallel run: two replicas of one stage, two micro-batches each per step.
+DATA_PARALLEL = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.replication_factor=2",
+                 "ipu.gradient_accumulation=2", f"training.steps={STEPS}",
+                 "training.eval_interval=4", "training.checkpoint_interval=4",
+                 "training.grad_clip=0.5", FP32]
 
-
-def _standin_module():
-    spec = importlib.util.spec_from_file_location("_standin", HERE / "test_training_model.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _config(*overrides: str) -> Config:
-    common = ["model.depth=4", "training.learning_rate=3e-2", "training.warmup_steps=2",
-              "training.grad_clip=0.5"]
-    return load_config("tiny", common + list(overrides))
+pytestmark = pytest.mark.skipif(not (torch.distributed.is_available()
+                                     and torch.distributed.is_gloo_available()),
+                                reason="no torch.distributed with gloo")
 
 
-def _batches(config: Config):
-    # One batch over and over, so the loss must fall if the steps are right.
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 17, (config.training.batch_size, 9), generator=generator)
-    for _ in range(STEPS):
-        yield ids[:, :-1], ids[:, 1:]
-
-
-def _model(kind: str):
-    torch.manual_seed(0)
-    if kind == "standin":
-        return _standin_module().StandInGPT(depth=4)
-    from dataclasses import asdict
-
-    from ipu_unit_scaling.models import GPTConfig, build_gpt
-
-    config = _config("ipu.layers_per_ipu=[2, 2]")
-    fields = asdict(config.model)
-    fields.update(vocab_size=17, seq_len=8)
-    return build_gpt(GPTConfig(**fields))
-
-
-def _single_process_losses(config: Config, kind: str):
-    from ipu_unit_scaling.backends import build_training_model, make_optimizer
-    from ipu_unit_scaling.config import scheduled_learning_rate
-
-    model = _model(kind)
-    optimizer = make_optimizer(model.parameters(), config, backend="cpu")
-    wrapper = build_training_model(model, optimizer, config, backend="cpu")
-    losses = []
-    for step, (inputs, labels) in enumerate(_batches(config)):
-        for group in optimizer.param_groups:
-            group["lr"] = scheduled_learning_rate(config.training, step)
-        _, loss = wrapper(inputs, labels)
-        losses.append(float(loss.mean()))
-    return losses
-
-
-def _worker() -> None:
-    """One rank; run as a script by the test with RANK/WORLD_SIZE/MASTER_* in the environment."""
-    import torch.distributed as dist
-
-    from ipu_unit_scaling.backends.distributed import train_pipeline
-
-    kind, raw, out = sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
-    config = config_from_dict(raw)
-    validate(config)
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+def _has_pipelining() -> bool:
     try:
-        losses = train_pipeline(_model(kind), config, _batches(config), STEPS)
+        import torch.distributed.pipelining  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_pipelining = pytest.mark.skipif(
+    not _has_pipelining(), reason=f"torch {torch.__version__} has no torch.distributed.pipelining")
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory) -> Path:
+    words = "the quick brown fox jumps over the lazy dog and runs far from home".split()
+    generator = torch.Generator().manual_seed(0)
+    picks = torch.randint(0, len(words), (3000,), generator=generator).tolist()
+    path = tmp_path_factory.mktemp("text") / "text.txt"
+    path.write_text(" ".join(words[i] for i in picks))
+    return path
+
+
+def _environment(**extra: str) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in (BACKEND_ENV, "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(ROOT), os.environ.get("PYTHONPATH", "")]), **extra)
+    return env
+
+
+def _train_arguments(text: Path, run_dir: Path, settings: Sequence[str]) -> List[str]:
+    return ["train", "--config", "tiny", "--data", str(text), "--run-dir", str(run_dir),
+            "--quiet", "--set", *settings]
+
+
+def _torchrun(arguments: Sequence[str], processes: int = 2) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(processes), "-m", "ipu_unit_scaling", *arguments]
+    # (a session of its own: its workers go with it if the test must kill it)
+    return subprocess.Popen(command, cwd=ROOT, env=_environment(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _kill(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def _finish(process: subprocess.Popen, timeout: float = 300) -> str:
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill(process)
+        output, _ = process.communicate()
+        pytest.fail(f"timed out:\n{output[-3000:]}")
     finally:
-        dist.destroy_process_group()
-    with open(f"{out}.{dist.get_rank() if dist.is_initialized() else os.environ['RANK']}",
-              "w") as handle:
-        json.dump(losses, handle)
+        _kill(process)  # workers left behind
+    return output
+
+
+def _torchrun_ok(arguments: Sequence[str], processes: int = 2) -> str:
+    process = _torchrun(arguments, processes)
+    output = _finish(process)
+    assert process.returncode == 0, output[-4000:]
+    return output
 
 
 def _free_port() -> int:
@@ -104,124 +115,266 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _run_ranks(config: Config, kind: str, tmp_path: Path):
-    world = config.ipu.ipus_per_replica * config.ipu.replication_factor
-    port = _free_port()
-    out = tmp_path / "losses"
-    root = str(HERE.parent)
-    processes = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-        command = [sys.executable, str(HERE / "test_distributed.py"), "--worker", kind,
-                   json.dumps(config.to_dict()), str(out)]
-        processes.append(subprocess.Popen(command, env=env, cwd=root,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    logs = [p.communicate(timeout=120)[0].decode() for p in processes]
-    failed = [log for process, log in zip(processes, logs) if process.returncode != 0]
-    assert not failed, "\n".join(log[-3000:] for log in failed)
-    return [json.loads((tmp_path / f"losses.{rank}").read_text()) for rank in range(world)]
+def _ranks(arguments: Sequence[Sequence[str]]) -> List[subprocess.Popen]:
+    """One process per rank, each with its own arguments, in torchrun's worker environment."""
+    port, world = str(_free_port()), str(len(arguments))
+    return [subprocess.Popen(
+        [sys.executable, "-m", "ipu_unit_scaling", *argv], cwd=ROOT,
+        env=_environment(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world,
+                         LOCAL_WORLD_SIZE=world, MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        for rank, argv in enumerate(arguments)]
 
 
-pytest.importorskip("torch.distributed.pipelining")
-needs_gloo = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
-
-
-@needs_gloo
-def test_replicas_average_gradients_like_the_fallback(tmp_path):
-    config = _config("ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[4]",
-                     "ipu.replication_factor=2", "ipu.gradient_accumulation=2")
-    expected = _single_process_losses(config, "standin")
-    assert _run_ranks(config, "standin", tmp_path)[0] == pytest.approx(expected, abs=1e-5, rel=0)
-
-
-@needs_gloo
-def test_two_stage_pipeline_matches_single_process(tmp_path):
-    pytest.importorskip("ipu_unit_scaling.models")
-    config = _config("ipu.layers_per_ipu=[1, 3]")  # uneven: the boundary is off-centre
-    expected = _single_process_losses(config, "gpt")
-    per_rank = _run_ranks(config, "gpt", tmp_path)
-    assert len(per_rank) == 2 and per_rank[0] == per_rank[1]
-    assert len(per_rank[0]) == STEPS
-    assert per_rank[0][-1] < per_rank[0][0]
-    assert per_rank[0] == pytest.approx(expected, abs=1e-5, rel=0)
-
-
-def test_steps_option_is_the_run_length_the_schedule_follows():
-    from ipu_unit_scaling.backends.distributed import config_from_arguments
-
-    config = config_from_arguments(["--config", "tiny", "--steps", "50"])
-    assert config.training.steps == 50 and load_config("tiny").training.steps == 5
-    rates = [scheduled_learning_rate(config.training, step) for step in range(50)]
-    assert all(rate > 0 for rate in rates)  # still learning at the last step
-    assert rates == sorted(rates, reverse=True) and rates[0] == config.training.learning_rate
-    # Without --steps, training.steps (as set by --set too) is the length.
-    assert config_from_arguments(["--config", "tiny", "--set", "training.steps=7"]
-                                 ).training.steps == 7
-    with pytest.raises(SystemExit):
-        config_from_arguments(["--config", "tiny", "--steps", "0"])
-    with pytest.raises(ConfigError, match="training.steps"):
-        config_from_arguments(["--config", "tiny", "--steps", "5", "--set",
-                               "ipu.device_iterations=2"])
-
-
-@needs_gloo
-def test_train_pipeline_schedules_the_steps_it_runs(tmp_path):
-    """``steps`` given apart from training.steps sets the schedule's length; a trainer asked
-    for a step past training.steps refuses instead of training at a zero learning rate."""
-    import torch.distributed as dist
-
-    from ipu_unit_scaling.backends.distributed import PipelineTrainer, train_pipeline
-
-    single = _config("ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[4]")
-    short = _config("ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[4]", "training.steps=2")
-    expected = _single_process_losses(single, "standin")  # a 5-step schedule
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                            world_size=1)
+def _finish_ranks(ranks: Sequence[subprocess.Popen]) -> List[Tuple[str, str]]:
     try:
-        losses = train_pipeline(_model("standin"), short, _batches(short), STEPS)
-        assert losses == pytest.approx(expected, abs=1e-5, rel=0)
-        trainer = PipelineTrainer(_model("standin"), short)
-        batches = _batches(short)
-        for _ in range(2):
-            trainer.step(*next(batches))
-        with pytest.raises(ValueError, match="past training.steps = 2"):
-            trainer.step(*next(batches))
+        return [p.communicate(timeout=240) for p in ranks]
     finally:
-        dist.destroy_process_group()
+        for process in ranks:
+            _kill(process)
 
 
-@needs_gloo
-def test_torchrun_steps_option_trains_with_a_schedule_of_that_length(tmp_path):
-    data = tmp_path / "text.txt"
-    data.write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    steps = 8  # configs/tiny.yaml's schedule is 5 steps long
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", "-m", "ipu_unit_scaling.backends.distributed",
-               "--config", "tiny", "--steps", str(steps), "--set", "training.log_interval=1",
-               f"data.path={data}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run(command, cwd=HERE.parent, env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    logged = [line.split() for line in result.stdout.splitlines() if line.startswith("step ")]
-    assert [words[1] for words in logged] == [f"{s}/{steps}" for s in range(1, steps + 1)]
-    training = load_config("tiny", [f"training.steps={steps}"]).training
-    assert [words[5] for words in logged] == \
-        [f"{scheduled_learning_rate(training, s):.6g}" for s in range(steps)]
-    assert all(float(words[5]) > 0 for words in logged)
+def _rows(run_dir: Path) -> List[Dict[str, str]]:
+    return [{key: row[key] for key in ("step", "lr", "train_loss", "val_loss")}
+            for row in read_metrics(run_dir)]
 
 
-def test_stage_bounds():
-    pytest.importorskip("torch.distributed.pipelining")
-    from ipu_unit_scaling.backends.distributed import stage_bounds
-
-    assert stage_bounds([1, 3], 0) == (0, 1)
-    assert stage_bounds([1, 3], 1) == (1, 4)
-    assert stage_bounds([0, 2, 2], 1) == (0, 2)
+def _metric_rows(run_dir: Path) -> int:
+    try:
+        return len((run_dir / "metrics.csv").read_text().splitlines()) - 1
+    except FileNotFoundError:
+        return 0
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    _worker()
+def _wait_for_rows(run_dir: Path, rows: int, processes: Sequence[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + 240
+    while _metric_rows(run_dir) < rows:
+        if any(p.poll() is not None for p in processes) or time.monotonic() > deadline:
+            pytest.fail(f"the run ended or stalled before step {rows}")
+        time.sleep(0.01)
+
+
+def _assert_close_rows(got: List[Dict[str, str]], expected: List[Dict[str, str]]) -> None:
+    assert [r["step"] for r in got] == [r["step"] for r in expected]
+    assert [r["lr"] for r in got] == [r["lr"] for r in expected]
+    for key in ("train_loss", "val_loss"):
+        assert [r[key] == "" for r in got] == [r[key] == "" for r in expected]
+        assert [float(r[key]) for r in got if r[key]] == pytest.approx(
+            [float(r[key]) for r in expected if r[key]], abs=1e-5, rel=0)
+
+
+def _single_process(text: Path, run_dir: Path, settings: Sequence[str]) -> Path:
+    from ipu_unit_scaling.train import train
+
+    config = load_config("tiny", list(settings))
+    config.data.path = str(text)
+    train(config, run_dir, quiet=True)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def data_parallel_run(text, tmp_path_factory) -> Path:
+    """A 2-process data-parallel run, uninterrupted, launched with torchrun."""
+    run_dir = tmp_path_factory.mktemp("ddp") / "run"
+    _torchrun_ok(_train_arguments(text, run_dir, DATA_PARALLEL))
+    return run_dir
+
+
+def test_data_parallel_run_has_the_losses_of_one_process(data_parallel_run, text, tmp_path):
+    single = _single_process(text, tmp_path / "single", DATA_PARALLEL)
+    _assert_close_rows(_rows(data_parallel_run), _rows(single))
+    # The schedule is that of training.steps.
+    training = load_config("tiny", DATA_PARALLEL).training
+    assert [float(r["lr"]) for r in _rows(data_parallel_run)] == \
+        [scheduled_learning_rate(training, step) for step in range(STEPS)]
+    summary = json.loads((data_parallel_run / "summary.json").read_text())
+    assert summary["backend"] == "distributed" and summary["status"] == "completed"
+    assert summary["steps"] == STEPS and summary["checkpoint_step"] == STEPS
+    assert sorted(p.name for p in data_parallel_run.iterdir()) == sorted(
+        p.name for p in single.iterdir())
+
+
+def test_evaluate_and_sample_read_a_distributed_run(data_parallel_run, tmp_path, capsys):
+    from ipu_unit_scaling.cli import main
+
+    summary = json.loads((data_parallel_run / "summary.json").read_text())
+    assert main(["evaluate", str(data_parallel_run), "--precision", "fp32", "fp8-amax",
+                 "--out", str(tmp_path), "--quiet"]) == 0
+    rows = json.loads((tmp_path / "evaluate.json").read_text())["rows"]
+    losses = {row["precision"]: row["loss"] for row in rows}
+    # Its own precision gives the run's final validation loss.
+    assert losses["fp32"] == pytest.approx(summary["final_val_loss"], abs=1e-6)
+    assert math.isfinite(losses["fp8-amax"])
+    capsys.readouterr()
+    assert main(["sample", str(data_parallel_run), "--tokens", "40", "--prompt", "the "]) == 0
+    written = capsys.readouterr().out
+    assert written.startswith("the ") and len(written.rstrip("\n")) >= 40
+
+    # A run that named the backend reads alike: evaluation and sampling take one process.
+    named = tmp_path / "named"
+    shutil.copytree(data_parallel_run, named)
+    config = (named / "config.yaml").read_text()
+    assert "\nbackend: auto\n" in config
+    (named / "config.yaml").write_text(config.replace("\nbackend: auto\n",
+                                                      "\nbackend: distributed\n"))
+    assert main(["sample", str(named), "--tokens", "40", "--prompt", "the "]) == 0
+    assert capsys.readouterr().out == written
+
+
+def _children(pid: int) -> List[int]:
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(entry.name))
+    return children
+
+
+def _worker_of_rank(launcher: subprocess.Popen, rank: int) -> int:
+    for pid in _children(launcher.pid):
+        try:
+            environ = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} under torchrun")
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
+def test_sigkill_of_one_rank_then_resume_continues_bit_for_bit(data_parallel_run, text,
+                                                               tmp_path):
+    run_dir = tmp_path / "killed"
+    launcher = _torchrun(_train_arguments(text, run_dir, DATA_PARALLEL))
+    try:
+        _wait_for_rows(run_dir, 6, [launcher])  # past the checkpoint of step 4
+        rank0, rank1 = _worker_of_rank(launcher, 0), _worker_of_rank(launcher, 1)
+        os.kill(rank0, signal.SIGSTOP)  # (holds the run where it is)
+        assert _metric_rows(run_dir) < STEPS
+        os.kill(rank1, signal.SIGKILL)
+        os.kill(rank0, signal.SIGCONT)
+    finally:
+        _finish(launcher)
+    assert launcher.returncode != 0
+    saved = load_checkpoint(run_dir / "checkpoint.pt")["step"]
+    assert 4 <= saved < STEPS
+
+    _torchrun_ok(["train", "--resume", str(run_dir), "--quiet"])
+    assert _rows(run_dir) == _rows(data_parallel_run)
+    resumed = load_checkpoint(run_dir / "checkpoint.pt")["model"]
+    uninterrupted = load_checkpoint(data_parallel_run / "checkpoint.pt")["model"]
+    assert all(torch.equal(resumed[name], uninterrupted[name]) for name in uninterrupted)
+
+
+def test_sigterm_on_one_rank_stops_every_rank_at_one_step_with_a_checkpoint(
+        data_parallel_run, text, tmp_path):
+    """Rank 1, given its own --run-dir, never touches it: rank 0 alone writes the run."""
+    run_dir, elsewhere = tmp_path / "run", tmp_path / "rank1-dir"
+    ranks = _ranks([_train_arguments(text, run_dir, DATA_PARALLEL),
+                    _train_arguments(text, elsewhere, DATA_PARALLEL)])
+    try:
+        _wait_for_rows(run_dir, 2, ranks)
+        ranks[0].send_signal(signal.SIGSTOP)  # (holds the run where it is)
+        assert _metric_rows(run_dir) < STEPS - 1
+        ranks[1].send_signal(signal.SIGTERM)
+        ranks[0].send_signal(signal.SIGCONT)
+    finally:
+        outputs = _finish_ranks(ranks)
+    assert [p.returncode for p in ranks] == [143, 143], outputs
+    summary = json.loads((run_dir / "summary.json").read_text())
+    step = summary["steps"]
+    assert summary["status"] == "interrupted" and summary["checkpoint_step"] == step < STEPS
+    assert load_checkpoint(run_dir / "checkpoint.pt")["step"] == step
+    assert _metric_rows(run_dir) == step
+    assert f"SIGTERM: interrupted at step {step}; checkpoint:" in outputs[0][1]
+    assert outputs[1][0] == "" and outputs[1][1] == ""  # rank 0 speaks for the run
+    assert not elsewhere.exists()
+
+    # It resumes on one process, with the losses of the uninterrupted run.
+    from ipu_unit_scaling.train import train
+
+    train(None, run_dir, resume=True, quiet=True)
+    _assert_close_rows(_rows(run_dir), _rows(data_parallel_run))
+
+
+def test_a_run_in_use_is_refused_on_every_rank(data_parallel_run):
+    checkpoint = (data_parallel_run / "checkpoint.pt").read_bytes()
+    arguments = ["train", "--resume", str(data_parallel_run), "--set", "training.steps=16"]
+    with RunLock(data_parallel_run, shared=True):  # as evaluate holds it
+        ranks = _ranks([arguments, arguments])
+        outputs = _finish_ranks(ranks)
+    assert [p.returncode for p in ranks] == [2, 2], outputs
+    errors = outputs[0][1].strip().splitlines()
+    assert len(errors) == 1 and "is in use by" in errors[0], outputs[0]
+    assert outputs[1][1] == ""
+    assert (data_parallel_run / "checkpoint.pt").read_bytes() == checkpoint
+
+
+PIPELINED = ["training.schedule=constant", "training.warmup_steps=0", "training.grad_clip=0.5",
+             "training.eval_interval=2", "training.checkpoint_interval=2", FP32]
+
+
+@needs_pipelining
+def test_pipelined_run_has_the_losses_of_one_process_and_resumes_without_torchrun(
+        text, tmp_path):
+    """configs/tiny.yaml's two stages on two processes; its checkpoint (weights and Adam state
+    gathered from both stages) continues on one process as if it had never been split."""
+    from ipu_unit_scaling.train import train
+
+    run_dir = tmp_path / "pipelined"
+    _torchrun_ok(_train_arguments(text, run_dir, PIPELINED + ["training.steps=4"]))
+    assert json.loads((run_dir / "summary.json").read_text())["backend"] == "distributed"
+    train(None, run_dir, resume=True, overrides=["training.steps=8"], quiet=True)
+    single = _single_process(text, tmp_path / "single", PIPELINED + ["training.steps=8"])
+    _assert_close_rows(_rows(run_dir), _rows(single))
+
+
+def test_backend_under_torchrun(monkeypatch):
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    replicated = load_config("tiny", DATA_PARALLEL)
+    with pytest.raises(BackendError, match="runs under torchrun"):
+        select_backend("distributed", replicated)
+    assert select_backend("distributed", training=False) == "cpu"  # evaluate, sample
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert select_backend("auto", replicated) == "distributed"
+    assert select_backend("distributed", replicated) == "distributed"
+    assert select_backend("auto", training=False) == "cpu"
+    with pytest.raises(BackendError, match="torchrun started 2 processes, but backend 'cpu'"):
+        select_backend("cpu", replicated)
+    with pytest.raises(BackendError, match=r"= 1 x 1 = 1: launch --nproc-per-node 1 or set "
+                                           r"ipu.replication_factor=2$"):
+        select_backend("auto", load_config("tiny", ["ipu.ipus_per_replica=1",
+                                                    "ipu.layers_per_ipu=[-1]"]))
+
+
+def test_pipelined_config_without_pipelining_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setitem(sys.modules, "torch.distributed.pipelining", None)  # as torch 2.0.1
+    with pytest.raises(BackendError) as refused:
+        check_launch(load_config("tiny"))  # two stages
+    message = str(refused.value)
+    assert "\n" not in message and "needs torch.distributed.pipelining" in message
+    assert f"missing from torch {torch.__version__}" in message
+    assert "(ipu.ipus_per_replica=1 ipu.layers_per_ipu=[-1])" in message
+
+
+def test_only_train_runs_under_torchrun(monkeypatch, capsys, tmp_path):
+    from ipu_unit_scaling.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert main(["evaluate", str(tmp_path)]) == 2
+    assert "evaluate runs in one process" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "1")
+    assert main(["evaluate", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == ""  # rank 0 says it
+    monkeypatch.setenv("RANK", "0")
+    assert main(["train", "--scale-report", "--run-dir", str(tmp_path / "r")]) == 2
+    assert "scale report is recorded by one process" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()

@@ -10,12 +10,13 @@ reduction, one loss per micro-batch). The backends:
   ``ipu_tracing()`` and its gradients come from the traced graph, as PopART's autodiff takes them;
 - ``cpu``: eager PyTorch;
 - ``popxl``: the unit-scaled GPT written in PopXL, with real FP8 matmuls (:mod:`..popxl`);
-- ``distributed`` (a module, launched with torchrun): the same stage split on
-  ``torch.distributed.pipelining``.
+- ``distributed``: processes started by torchrun, one per stage and replica of the config's
+  IPU layout, on ``torch.distributed`` (:mod:`.distributed`).
 
-``auto`` picks ``ipu`` when PopTorch imports and IPU hardware is present, else ``ipu_model``
-when PopTorch imports, else ``cpu``. ``IPU_UNIT_SCALING_BACKEND`` overrides the configured
-name. Only ``backends.ipu`` ever imports poptorch, and only on demand.
+``auto`` picks ``distributed`` under torchrun with more than one process, else ``ipu`` when
+PopTorch imports and IPU hardware is present, else ``ipu_model`` when PopTorch imports, else
+``cpu``. ``IPU_UNIT_SCALING_BACKEND`` overrides the configured name. Only ``backends.ipu``
+ever imports poptorch, and only on demand.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from torch import nn
 
 from ..config import BACKEND_NAMES, Config
 from .cpu import CPUTrainingModel, TrainingModule
+from .distributed import check_launch, launched_world_size
 from .stages import Stage, stages
 
 __all__ = [
@@ -53,11 +55,27 @@ def poptorch_available() -> bool:
     return _import_poptorch() is not None
 
 
-def select_backend(name: str = "auto") -> str:
-    """Resolve a backend name (or ``auto``) to ``ipu``, ``ipu_model``, ``emulator`` or ``cpu``."""
+def select_backend(name: str = "auto", config: Optional[Config] = None,
+                   training: bool = True) -> str:
+    """Resolve a backend name (or ``auto``) to the backend that runs here.
+
+    Under torchrun with several processes that is ``distributed``, checked against
+    ``config``'s layout when given. Not ``training`` (evaluation, sampling: one process),
+    ``distributed`` is ``cpu``.
+    """
     name = os.environ.get(BACKEND_ENV) or name
     if name not in BACKEND_NAMES:
         raise BackendError(f"backend {name!r} unknown; allowed: {', '.join(BACKEND_NAMES)}")
+    world = launched_world_size()
+    if not training:
+        if name == "distributed" or (name == "auto" and world > 1):
+            return "cpu"
+    elif name == "distributed" or (name == "auto" and world > 1):
+        check_launch(config)
+        return "distributed"
+    elif world > 1:
+        raise BackendError(f"torchrun started {world} processes, but backend {name!r} trains "
+                           "on one; use 'auto' or 'distributed', or launch without torchrun")
     if name in ("cpu", "emulator"):
         return name
     if name == "popxl":
@@ -160,6 +178,10 @@ def build_training_model(
         from ..popxl import PopXLTrainingModel
 
         return PopXLTrainingModel(model, optimizer, config)
+    if backend == "distributed":
+        from .distributed import DistributedTrainingModel
+
+        return DistributedTrainingModel(model, optimizer, config)
     raise BackendError(f"backend {backend!r} cannot build a training model")
 
 
@@ -183,7 +205,8 @@ def build_inference_model(model: nn.Module, config: Config,
     ``ipu``/``ipu_model`` build a ``poptorch.inferenceModel`` traced under ``ipu_tracing()``
     (the same rules as training); ``emulator`` runs the graph PopTorch would trace (one trace per
     input signature) under the same options and compile checks; ``cpu`` (and ``popxl``, whose
-    programs are for training) run eager PyTorch, the code path of training's evaluation.
+    programs are for training, and ``distributed``, whose ranks evaluate alike) run eager
+    PyTorch, the code path of training's evaluation.
     """
     backend = backend or select_backend(config.backend)
     if backend in ("ipu", "ipu_model"):
@@ -194,7 +217,7 @@ def build_inference_model(model: nn.Module, config: Config,
         from .emulator import EmulatedInferenceModel
 
         return EmulatedInferenceModel(model, config)
-    if backend in ("cpu", "popxl"):
+    if backend in ("cpu", "popxl", "distributed"):
         return _EvalWrapper(model, model)
     raise BackendError(f"backend {backend!r} cannot build an inference model")
 

@@ -1,353 +1,347 @@
-"""Scale-out without IPUs: a config's IPU layout run with ``torch.distributed``.
+"""The ``distributed`` backend: ``ipu-unit-scaling train`` on ``torch.distributed``.
 
-The ``ipu.layers_per_ipu`` split becomes ``torch.distributed.pipelining`` stages, one process per
-stage, with ``ipu.gradient_accumulation`` micro-batches per step (GPipe schedule) and
-``ipu.replication_factor`` pipelines side by side as data parallelism (gradients averaged over
-replicas). One optimizer step per batch of ``training.batch_size`` samples, the same numbers as
-the single-process fallback. Launch one process per stage and replica::
+Launched under torchrun, the training loop is the one of every backend, and the config's IPU
+layout says how the processes share the work::
 
-    torchrun --nproc-per-node 2 -m ipu_unit_scaling.backends.distributed --config configs/tiny.yaml
+    torchrun --nproc-per-node 2 -m ipu_unit_scaling train --config tiny
 
-Stages reuse the model's own ``forward``: every process builds the whole model from the same
-seed, replaces the layers it does not own by ``nn.Identity`` and, with forward pre-hooks, feeds
-the activations it receives into its first layer and stops at the input of the next stage's
-first layer. The last stage computes the model's own loss; labels reach it as the schedule's target.
+The world must hold ``ipu.ipus_per_replica x ipu.replication_factor`` processes: rank r runs
+stage ``r % ipus_per_replica`` of replica ``r // ipus_per_replica``. Replicas are
+``DistributedDataParallel``; the stages of ``ipu.layers_per_ipu`` are
+``torch.distributed.pipelining`` stages (:mod:`.pipeline`). Each optimizer step takes the
+``gradient_accumulation x replication_factor`` micro-batches of the global batch of
+``training.batch_size`` samples, replica r the r-th ``gradient_accumulation`` of them, and
+averages the gradients over all of them: the numbers of a single-process run of the same config.
+
+The run directory belongs to rank 0. It alone creates, locks (exclusively, as any run that
+writes), reads and writes it, and hands every other rank what it opened (config, text,
+checkpoint) or the error that stopped it, with one broadcast: the other ranks never touch the
+directory, so they need neither a shared file system nor a lock of their own, and a run that
+rank 0 is refused (a directory in use, a damaged checkpoint) is refused on every rank alike.
+Weights and optimizer state of a pipelined run are gathered on every rank before it is
+evaluated or saved, so its checkpoint is that of a single-process run: it resumes with or without
+torchrun, and ``evaluate`` and ``sample`` read it. A stop request (SIGINT, SIGTERM) on any rank
+stops every rank at the same step boundary: the ranks agree on it with an all-reduce.
+
+Processes talk over gloo, on the CPU.
 """
 from __future__ import annotations
 
-import argparse
+import contextlib
+import importlib
 import os
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
+import sys
+from typing import Any, Callable, ContextManager, Iterator, List, Optional, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import (
-    Config,
-    load_config,
-    resolve_layers_per_ipu,
-    scheduled_learning_rate,
-    with_steps,
-)
-from ..optim import set_learning_rate
-from .stages import Stage, check_no_shared_parameters, split_stages, stage_parameters
+from ..config import Config
 
-Batch = Tuple[torch.Tensor, torch.Tensor]
+__all__ = [
+    "launched_world_size", "join_launched_world", "writes_run_files",
+    "opened_by_rank_zero", "agreed_stop", "check_launch", "DistributedTrainingModel",
+]
+
+T = TypeVar("T")
+
+# What torchrun sets for every process it starts.
+WORLD_SIZE_ENV = "WORLD_SIZE"
+RANK_ENV = "RANK"
 
 
-def _pipelining() -> Any:
+def launched_world_size() -> int:
+    """The number of processes torchrun started this one among; 0 when not under torchrun."""
+    text = os.environ.get(WORLD_SIZE_ENV, "")
     try:
-        import torch.distributed.pipelining as pipelining
-    except ImportError as error:  # added in torch 2.4
-        raise RuntimeError(
-            f"pipeline scale-out needs torch.distributed.pipelining (torch >= 2.4); this is "
-            f"torch {torch.__version__}. Use the CPU fallback or an IPU backend instead."
-        ) from error
-    return pipelining
-
-
-class _StageBoundary(Exception):
-    """Raised inside the model's forward to stop it at the end of this stage."""
-
-    def __init__(self, hidden: torch.Tensor):
-        super().__init__("stage boundary")
-        self.hidden = hidden
-
-
-def _layers(model: nn.Module) -> nn.ModuleList:
-    layers = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleList):
-        raise TypeError(f"{type(model).__name__} has no nn.ModuleList 'layers' to split")
-    return layers
-
-
-def _boundary_module(model: nn.Module, boundary: int) -> nn.Module:
-    """The module whose input is the activation after ``boundary`` layers."""
-    layers = _layers(model)
-    if boundary < len(layers):
-        return layers[boundary]
-    names = [name for name, _ in model.named_children()]
-    after = names[names.index("layers") + 1 :]
-    tail = "final_norm" if "final_norm" in after else (after[0] if after else None)
-    if tail is None:
-        raise ValueError("a stage boundary after the last layer needs a module after 'layers'")
-    return model.get_submodule(tail)
-
-
-class PipelineStageModule(nn.Module):
-    """The part of ``model.forward`` between layer ``start`` and layer ``end``.
-
-    ``forward(x)`` takes token ids on the first stage and the hidden state on later ones, and
-    returns the hidden state at the stage's end. The last stage returns its input unchanged
-    and does its work in ``loss(hidden, labels)``, the pipeline's loss function, because only
-    there are the labels at hand; that runs its layers, the head and the model's own loss.
-    """
-
-    def __init__(self, model: nn.Module, start: int, end: int):
-        super().__init__()
-        layers = _layers(model)
-        depth = len(layers)
-        for index in range(depth):
-            if not start <= index < end:
-                layers[index] = nn.Identity()  # not ours: pass through, hold no weights
-        self.model = model
-        self.is_first = start == 0
-        self.is_last = end == depth
-        self._incoming: Optional[torch.Tensor] = None
-        inject = None if self.is_first else _boundary_module(model, start)
-        capture = None if self.is_last else _boundary_module(model, end)
-
-        def pre_hook(module: nn.Module, args: Tuple[Any, ...]) -> Tuple[Any, ...]:
-            if module is inject and self._incoming is not None:
-                args = (self._incoming,) + tuple(args[1:])
-            if module is capture:
-                raise _StageBoundary(args[0])
-            return args
-
-        for point in {id(m): m for m in (inject, capture) if m is not None}.values():
-            point.register_forward_pre_hook(pre_hook)
-
-    def _run(self, x: torch.Tensor, labels: Optional[torch.Tensor]) -> Any:
-        if self.is_first:
-            ids = x
-        else:
-            # Later stages still call the whole forward; the ids only feed embeddings whose
-            # output the injected hidden state replaces, so any ids of the right shape do.
-            ids = torch.zeros(x.shape[:2], dtype=torch.long, device=x.device)
-            self._incoming = x
-        try:
-            return self.model(ids) if labels is None else self.model(ids, labels)
-        except _StageBoundary as boundary:
-            return boundary.hidden
-        finally:
-            self._incoming = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_last:
-            return x.view_as(x)
-        return self._run(x, None)
-
-    def loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self._run(output, labels)
-
-
-def stage_bounds(counts: Sequence[int], stage: int) -> Tuple[int, int]:
-    start = sum(counts[:stage])
-    return start, start + counts[stage]
-
-
-class PipelineTrainer:
-    """One process's share of a pipelined, replicated training run.
-
-    Needs an initialised default process group of ``ipus_per_replica x replication_factor``
-    ranks; rank r runs stage ``r % ipus_per_replica`` of replica ``r // ipus_per_replica``.
-    """
-
-    def __init__(self, model: nn.Module, config: Config, device: Optional[torch.device] = None):
-        from . import make_optimizer
-
-        pipelining = _pipelining()
-        ipu = config.ipu
-        self.config = config
-        self.num_stages = ipu.ipus_per_replica
-        self.replicas = ipu.replication_factor
-        world, rank = dist.get_world_size(), dist.get_rank()
-        if world != self.num_stages * self.replicas:
-            raise ValueError(
-                f"world size {world} must equal ipu.ipus_per_replica x ipu.replication_factor "
-                f"= {self.num_stages} x {self.replicas}"
-            )
-        self.stage_index = rank % self.num_stages
-        self.replica = rank // self.num_stages
-        self.device = device or torch.device("cpu")
-
-        counts = resolve_layers_per_ipu(ipu.layers_per_ipu, len(_layers(model)), self.num_stages)
-        split: List[Stage] = split_stages(model, counts)
-        check_no_shared_parameters(model, split)
-        owned = list(stage_parameters(model, split[self.stage_index]))
-        start, end = stage_bounds(counts, self.stage_index)
-        self.module = PipelineStageModule(model, start, end).to(self.device)
-
-        # Every rank creates every group, in the same order, as new_group requires.
-        self.pipeline_group = self.data_parallel_group = None
-        for replica in range(self.replicas):
-            ranks = [replica * self.num_stages + s for s in range(self.num_stages)]
-            group = dist.new_group(ranks)
-            if replica == self.replica:
-                self.pipeline_group = group
-        for stage in range(self.num_stages):
-            ranks = [r * self.num_stages + stage for r in range(self.replicas)]
-            group = dist.new_group(ranks)
-            if stage == self.stage_index:
-                self.data_parallel_group = group
-
-        self.parameters = owned
-        self.optimizer = make_optimizer(owned, config, backend="cpu", model=model)
-        stage = pipelining.PipelineStage(
-            self.module,
-            self.stage_index,
-            self.num_stages,
-            self.device,
-            group=self.pipeline_group,
-        )
-        self.schedule = pipelining.ScheduleGPipe(
-            stage, n_microbatches=ipu.gradient_accumulation, loss_fn=self.module.loss
-        )
-        self.step_count = 0
-        self.learning_rate = 0.0  # of the last step
-
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> float:
-        """One optimizer step on a global batch (same on every rank); returns its mean loss."""
-        training = self.config.training
-        if self.step_count >= training.steps:
-            # The schedule has reached zero there: a step would change nothing, silently.
-            raise ValueError(f"step {self.step_count + 1} is past training.steps = "
-                             f"{training.steps}, where the learning-rate schedule ends; "
-                             "set training.steps to the number of steps to run")
-        self.learning_rate = scheduled_learning_rate(training, self.step_count)
-        set_learning_rate(self.optimizer, self.learning_rate)
-        inputs, labels = self._replica_slice(inputs), self._replica_slice(labels)
-        self.optimizer.zero_grad(set_to_none=True)
-        losses: List[torch.Tensor] = []
-        args = (inputs.to(self.device),) if self.stage_index == 0 else ()
-        if self.stage_index == self.num_stages - 1:
-            self.schedule.step(*args, target=labels.to(self.device), losses=losses)
-        else:
-            self.schedule.step(*args)
-        self._average_gradients_over_replicas()
-        if training.grad_clip is not None:
-            self._clip_gradients(training.grad_clip)
-        self.optimizer.step()
-        self.step_count += 1
-
-        # Mean over micro-batches (the schedule already averaged the gradients likewise) and
-        # replicas; only last stages hold a loss, so the sum over all ranks is that mean.
-        local = torch.stack([x.detach().float().reshape(()) for x in losses]).mean() if losses \
-            else torch.zeros(())
-        total = (local / self.replicas).to(self.device)
-        dist.all_reduce(total)
-        return float(total)
-
-    def _replica_slice(self, batch: torch.Tensor) -> torch.Tensor:
-        share = batch.shape[0] // self.replicas
-        return batch[self.replica * share : (self.replica + 1) * share]
-
-    def _average_gradients_over_replicas(self) -> None:
-        if self.replicas == 1:
-            return
-        for param in self.parameters:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, group=self.data_parallel_group)
-            param.grad /= self.replicas
-
-    def _clip_gradients(self, max_norm: float) -> None:
-        grads = [p.grad for p in self.parameters if p.grad is not None]
-        squares = sum((g.float() ** 2).sum() for g in grads) if grads else torch.zeros(())
-        squares = torch.as_tensor(squares, device=self.device)
-        dist.all_reduce(squares, group=self.pipeline_group)  # the whole model's norm
-        scale = max_norm / (float(squares.sqrt()) + 1e-6)
-        if scale < 1.0:
-            for grad in grads:
-                grad.mul_(scale)
-
-
-def train_pipeline(
-    model: nn.Module, config: Config, batches: Iterable[Batch], steps: Optional[int] = None
-) -> List[float]:
-    """Run ``steps`` pipelined steps (default ``training.steps``), with the learning-rate
-    schedule of a run of that length; every rank returns the same per-step losses."""
-    if steps is not None and steps != config.training.steps:
-        config = with_steps(config, steps)
-    steps = config.training.steps
-    trainer = PipelineTrainer(model, config)
-    losses = []
-    for _, (inputs, labels) in zip(range(steps), batches):
-        losses.append(trainer.step(inputs, labels))
-    return losses
-
-
-def _default_model(config: Config) -> nn.Module:
-    from dataclasses import asdict
-
-    from ..models import GPTConfig, build_gpt  # type: ignore[attr-defined]
-
-    return build_gpt(GPTConfig(**asdict(config.model)))
-
-
-def _text_batches(config: Config, seed: int) -> Iterable[Batch]:
-    """Random windows of a byte-level corpus: ``data.path`` or the embedded default."""
-    if config.data.path is not None:
-        with open(config.data.path, "rb") as handle:
-            tokens = torch.tensor(list(handle.read()), dtype=torch.long)
-    else:
-        try:
-            from ..data import load_tokens  # type: ignore[attr-defined]
-        except ImportError as error:
-            raise RuntimeError("no embedded corpus here; set data.path to a text file") from error
-        tokens = torch.as_tensor(load_tokens(config), dtype=torch.long)
-    generator = torch.Generator().manual_seed(seed)
-    length = config.model.seq_len
-    while True:
-        starts = torch.randint(0, tokens.numel() - length - 1, (config.training.batch_size,),
-                               generator=generator)
-        window = torch.stack([tokens[s : s + length + 1] for s in starts.tolist()])
-        yield window[:, :-1], window[:, 1:]
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
+        return max(0, int(text))
     except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+        return 0
 
 
-def config_from_arguments(argv: Optional[Sequence[str]] = None) -> Config:
-    """The run's config from the command line: ``--config``, ``--set``, and ``--steps``, which
-    is ``training.steps`` (so that the schedule follows the steps run)."""
-    parser = argparse.ArgumentParser(description="Pipelined training under torchrun.")
-    parser.add_argument("--config", default=None, help="YAML file or configs/ name")
-    parser.add_argument("--set", dest="overrides", nargs="+", action="append", default=[],
-                        metavar="KEY=VALUE", help="override config keys, as the "
-                        "ipu-unit-scaling command's --set (may be repeated)")
-    parser.add_argument("--steps", type=_positive_int, default=None,
-                        help="steps to train, and the length of the learning-rate schedule "
-                             "(sets training.steps; default: training.steps)")
-    args = parser.parse_args(argv)
-    config = load_config(args.config, [item for group in args.overrides for item in group])
-    return config if args.steps is None else with_steps(config, args.steps)
+def _world() -> Tuple[int, int]:
+    """(rank, size) of the process group, (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
-def main(
-    argv: Optional[Sequence[str]] = None,
-    model_factory: Optional[Callable[[Config], nn.Module]] = None,
-) -> List[float]:
-    config = config_from_arguments(argv)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
+def writes_run_files() -> bool:
+    """Whether this process writes the run directory and speaks: rank 0, or a lone process."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return os.environ.get(RANK_ENV, "0") in ("", "0")
+
+
+def join_launched_world() -> None:
+    """Join the process group torchrun launched this process into (gloo, from its environment
+    variables); nothing when not under torchrun or already joined."""
+    from . import BackendError
+
+    if not launched_world_size() or (dist.is_available() and dist.is_initialized()):
+        return
+    if not dist.is_available() or not dist.is_gloo_available():
+        raise BackendError("torchrun started this process, but this torch has no "
+                           "torch.distributed with gloo to join the others with")
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        torch.manual_seed(config.training.seed)  # identical weights on every rank
-        model = (model_factory or _default_model)(config)
-        steps = config.training.steps
-        device = torch.device("cuda") if backend == "nccl" else None
-        trainer = PipelineTrainer(model, config, device)
-        losses = []
-        batches = _text_batches(config, config.training.seed)
-        for step, (inputs, labels) in zip(range(steps), batches):
-            losses.append(trainer.step(inputs, labels))
-            if dist.get_rank() == 0 and (step + 1) % config.training.log_interval == 0:
-                print(f"step {step + 1}/{steps} loss {losses[-1]:.4f} "
-                      f"lr {trainer.learning_rate:.6g}", flush=True)
-        return losses
-    finally:
-        dist.destroy_process_group()
+        dist.init_process_group("gloo")
+    except (ValueError, RuntimeError) as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise BackendError(f"cannot join the processes torchrun started: {first}") from None
 
 
-if __name__ == "__main__":
-    main()
+def leave_launched_world(status: int) -> None:
+    """End a process that joined torchrun's world at once, with ``status``, its output flushed.
+
+    The gloo process group keeps threads that abort the process ("terminate called without an
+    active exception", SIGABRT) when the interpreter's teardown destroys them first, now and
+    then; and ``destroy_process_group`` can hang on torch 2.0.1. The command's work, its files
+    and its output are complete by now, so nothing of use is skipped.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _has_pipelining() -> bool:
+    try:
+        importlib.import_module("torch.distributed.pipelining")
+    except ImportError:
+        return False
+    return True
+
+
+def check_launch(config: Optional[Config] = None) -> None:
+    """Refuse, in one line, a ``distributed`` run that cannot work: not under torchrun, a world
+    that is not the config's layout, or stages without torch.distributed.pipelining."""
+    from . import BackendError
+
+    world = launched_world_size()
+    if not world:
+        raise BackendError(
+            "backend 'distributed' runs under torchrun, which sets WORLD_SIZE: e.g. torchrun "
+            "--nproc-per-node 2 -m ipu_unit_scaling train ...; without it use 'auto' or 'cpu'")
+    if config is None:
+        return
+    ipu = config.ipu
+    layout = ipu.ipus_per_replica * ipu.replication_factor
+    if world != layout:
+        hint = ""
+        if world % ipu.ipus_per_replica == 0:
+            hint = f" or set ipu.replication_factor={world // ipu.ipus_per_replica}"
+        raise BackendError(
+            f"torchrun started {world} processes, but the config lays the model out on "
+            f"ipu.ipus_per_replica x ipu.replication_factor = {ipu.ipus_per_replica} x "
+            f"{ipu.replication_factor} = {layout}: launch --nproc-per-node {layout}{hint}")
+    if ipu.ipus_per_replica > 1 and not _has_pipelining():
+        raise BackendError(
+            f"ipu.ipus_per_replica = {ipu.ipus_per_replica} pipelines the model over "
+            f"{ipu.ipus_per_replica} processes, which needs torch.distributed.pipelining, "
+            f"missing from torch {torch.__version__}: train the stages on one process "
+            "(without torchrun), or data-parallel only (ipu.ipus_per_replica=1 "
+            "ipu.layers_per_ipu=[-1])")
+
+
+# ------------------------------------------------------------------ one opening for all ranks
+
+
+class _Failure:
+    """An exception as it crosses to other processes: class, arguments and attributes (a
+    class whose ``__init__`` takes other arguments than ``args`` pickles badly)."""
+
+    def __init__(self, error: BaseException):
+        self.kind = type(error)
+        self.args = error.args
+        self.attributes = dict(vars(error))
+
+    def error(self) -> BaseException:
+        error = self.kind.__new__(self.kind)
+        error.args = self.args
+        vars(error).update(self.attributes)
+        return error
+
+
+def _broadcast_from_rank_zero(value: Any) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@contextlib.contextmanager
+def opened_by_rank_zero(open_run: Callable[[], ContextManager[T]]) -> Iterator[T]:
+    """What ``open_run()`` opens, for every rank: rank 0 enters it (it takes the run's lock and
+    reads and writes the run directory) and broadcasts the result, or the exception that stopped
+    it, which the other ranks raise in turn. Without a world of several processes, just
+    ``open_run()``."""
+    rank, size = _world()
+    if size == 1:
+        with open_run() as opened:
+            yield opened
+        return
+    if rank != 0:
+        received = _broadcast_from_rank_zero(None)
+        if isinstance(received, _Failure):
+            raise received.error()
+        yield received
+        return
+    with contextlib.ExitStack() as stack:
+        try:
+            opened = stack.enter_context(open_run())
+        except BaseException as error:
+            _broadcast_from_rank_zero(_Failure(error))
+            raise
+        _broadcast_from_rank_zero(opened)
+        yield opened
+
+
+def agreed_stop(signum: Optional[int]) -> Optional[int]:
+    """The stop request of the whole world: a signal any rank received (the largest number if
+    several), on every rank, so that all stop at the same step; ``signum`` itself alone."""
+    if _world()[1] == 1:
+        return signum
+    flag = torch.tensor([signum or 0], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item()) or None
+
+
+# ------------------------------------------------------------------------- the training model
+
+
+class DistributedTrainingModel:
+    """``poptorch.trainingModel``'s call, ``wrapper(inputs, labels) -> (output, loss)``, with
+    this rank's share of the work (see the module docstring).
+
+    ``inputs`` and ``labels`` are the whole call's samples, the same on every rank, as the CPU
+    backend takes them. ``loss`` holds every micro-batch's loss, of every replica, in input
+    order (gathered from the last stages), so ``loss.view(device_iterations, -1).mean(1)`` is
+    each step's loss on every rank. ``output`` holds this rank's outputs only: the logits of
+    its micro-batches with one stage, nothing (an empty tensor) on pipeline stages.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config):
+        from .stages import stages
+
+        check_launch(config)
+        ipu = config.ipu
+        self.model = model
+        self.optimizer = optimizer
+        self.config = config
+        self.device_iterations = ipu.device_iterations
+        self.gradient_accumulation = ipu.gradient_accumulation
+        self.replicas = ipu.replication_factor
+        self.num_stages = ipu.ipus_per_replica
+        self.max_grad_norm = config.training.grad_clip
+        self.rank, self.world_size = _world()
+        self.replica, self.stage_index = divmod(self.rank, self.num_stages)
+        self.stages = stages(model, config)
+        self.fresh_dropout = config.model.dropout > 0
+        self._runner: Any
+        if self.num_stages == 1:
+            self._runner = _DataParallel(model, self.gradient_accumulation)
+        else:
+            from .pipeline import PipelineReplica
+
+            self._runner = PipelineReplica(model, self.stages, config, self.replica,
+                                           self.stage_index)
+
+    def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        accumulation, replicas = self.gradient_accumulation, self.replicas
+        per_step = accumulation * replicas
+        per_call = self.device_iterations * per_step
+        if inputs.shape[0] % per_call or labels.shape[0] != inputs.shape[0]:
+            raise ValueError(
+                f"leading dimension {inputs.shape[0]} (labels {labels.shape[0]}) must be equal "
+                f"and a multiple of device_iterations x gradient_accumulation x "
+                f"replication_factor = {self.device_iterations} x {accumulation} x {replicas} "
+                f"= {per_call}")
+        micro = inputs.shape[0] // per_call
+        share = accumulation * micro  # this replica's samples of one step
+        outputs: List[torch.Tensor] = []
+        local_losses = torch.zeros(self.device_iterations, accumulation)
+        parameters = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for step in range(self.device_iterations):
+            start = (step * per_step + self.replica * accumulation) * micro
+            mine = slice(start, start + share)
+            self.optimizer.zero_grad(set_to_none=True)
+            with self._replica_randomness():
+                losses, output = self._runner.forward_backward(inputs[mine], labels[mine])
+            if losses is not None:
+                local_losses[step] = torch.stack([x.detach().float().reshape(()) for x in losses])
+            if output is not None:
+                outputs.append(output)
+            if self.max_grad_norm is not None:
+                self._runner.clip_gradients(parameters, self.max_grad_norm)
+            self.optimizer.step()
+        output = torch.cat(outputs) if outputs else torch.empty(0)
+        return output, self._all_losses(local_losses)
+
+    @contextlib.contextmanager
+    def _replica_randomness(self) -> Iterator[None]:
+        """Dropout that differs between replicas, from the random stream every rank shares (and
+        the checkpoint saves): a seed drawn from it, offset by the replica."""
+        if not self.fresh_dropout:
+            yield
+            return
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + self.replica)
+            yield
+
+    def _all_losses(self, local: torch.Tensor) -> torch.Tensor:
+        """Every replica's micro-batch losses, in input order, from the ranks that hold them."""
+        gathered = [torch.zeros_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local)
+        last = self.num_stages - 1
+        per_replica = [gathered[replica * self.num_stages + last]
+                       for replica in range(self.replicas)]
+        return torch.stack(per_replica, 1).reshape(-1)
+
+    def update_optimizer(self) -> None:
+        """Call after changing learning rates; the optimizer here is the live one."""
+
+    def copy_weights_to_host(self) -> None:
+        """Give every rank the whole model and optimizer state (a pipeline's stages train
+        apart), as a single-process run holds them: for evaluation and checkpoints."""
+        self._runner.gather_weights(self.optimizer)
+
+    def destroy(self) -> None:
+        """The process group outlives the model: the command leaves it when it ends."""
+
+
+class _DataParallel:
+    """One replica of a model on one process: ``DistributedDataParallel`` averages the
+    gradients of the replicas, once per step, after the last micro-batch."""
+
+    def __init__(self, model: nn.Module, accumulation: int):
+        from torch.nn.parallel import DistributedDataParallel
+
+        from .cpu import TrainingModule
+
+        self.accumulation = accumulation
+        self.module = DistributedDataParallel(TrainingModule(model))
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor
+                         ) -> Tuple[List[torch.Tensor], torch.Tensor]:
+        self.module.train()
+        losses, outputs = [], []
+        micro_inputs = inputs.chunk(self.accumulation)
+        micro_labels = labels.chunk(self.accumulation)
+        for index, (micro, micro_label) in enumerate(zip(micro_inputs, micro_labels)):
+            last = index == self.accumulation - 1
+            with contextlib.nullcontext() if last else self.module.no_sync():
+                output, loss = self.module(micro, micro_label)
+                (loss / self.accumulation).backward()  # the mean over micro-batches
+            losses.append(loss.detach())
+            outputs.append(output.detach())
+        return losses, torch.cat(outputs)
+
+    def clip_gradients(self, parameters: List[nn.Parameter], max_norm: float) -> None:
+        # Every replica holds the averaged gradients: the norm of the whole model.
+        torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+
+    def gather_weights(self, optimizer: torch.optim.Optimizer) -> None:
+        """Replicas hold the same weights and optimizer state after every step."""
+

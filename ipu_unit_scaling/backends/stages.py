@@ -1,4 +1,4 @@
-"""The pipeline stage split, shared by every backend: PopTorch blocks, torch pipeline ranks.
+"""The pipeline stage split, shared by every backend: PopTorch blocks, torch pipeline stages.
 
 The model follows the contract of ``ipu_unit_scaling.models``: its transformer blocks are in an
 ``nn.ModuleList`` called ``layers``.
@@ -70,11 +70,23 @@ def split_stages(model: nn.Module, layers_per_stage: Sequence[int]) -> List[Stag
 
 
 def stages(model: nn.Module, config: Config) -> List[Stage]:
-    """The stage split ``config.ipu.layers_per_ipu`` gives ``model`` (for inspection)."""
+    """The stage split ``config.ipu.layers_per_ipu`` gives ``model``: the stages every backend
+    shows, and those the ``distributed`` backend trains on separate processes."""
     counts = resolve_layers_per_ipu(
         config.ipu.layers_per_ipu, len(getattr(model, "layers", ())), config.ipu.ipus_per_replica
     )
     return split_stages(model, counts)
+
+
+def layer_bounds(split: Sequence[Stage]) -> List[Tuple[int, int]]:
+    """Each stage's layers as ``(start, end)`` indices into ``model.layers`` (a stage without
+    layers: ``start == end``, where the previous one ends)."""
+    bounds = []
+    start = 0
+    for stage in split:
+        bounds.append((start, start + len(stage.layers)))
+        start += len(stage.layers)
+    return bounds
 
 
 def stage_parameters(model: nn.Module, stage: Stage) -> Iterator[nn.Parameter]:
