@@ -110,9 +110,9 @@ def _gpt_steps(depth: int, width: int, seq_len: int,
     return {"GPT step, eager": eager, "GPT step, traced graph": traced}
 
 
-def _graph_sizes(depth: int, width: int, seq_len: int) -> List[str]:
+def _graph_sizes(depth: int, width: int, seq_len: int, batch: int) -> List[str]:
     counts = traced_op_counts(Shape(depth=depth, hidden_size=width, seq_len=seq_len,
-                                    batch_size=2))
+                                    batch_size=batch))
     where = f"GPT depth {depth} width {width} graph"
     return [
         f"{where}, scales as ScaledIdentity ops: {counts.ours} ops "
@@ -135,7 +135,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     depth, width, seq_len, batch = (1, 16, 8, 2) if args.quick else (4, 128, 64, 8)
     numel = 1 << 10 if args.quick else 1 << 20
     rounds = 1 if args.quick else args.rounds
-    for line in _graph_sizes(depth, width, seq_len):
+    for line in _graph_sizes(depth, width, seq_len, batch):
         print(line)
     for steps in (_scale_steps(numel), _gpt_steps(depth, width, seq_len, batch)):
         timings = time_interleaved(steps, rounds=rounds, min_run_time=0.05 if args.quick else 0.3,
