@@ -220,6 +220,17 @@ def markdown(results: Results, settings: Settings, command: str) -> str:
         "Bytes held by tensors allocated during one step (after a warm-up step), counted from",
         "the allocation and free events of `torch.profiler` with `profile_memory=True`.",
     ]
+    if results.op_counts:
+        lines += ["", "## Ops in the traced GPT", ""]
+        lines += [
+            "The graph PopTorch gets for the model (`trace_like_poptorch(...).ops()`, fake "
+            "tensors): each unit-scaling scale one `ScaledIdentity` custom op, or in the "
+            "composite form `x.detach() * f + (x - x.detach()) * b` (an IPU without the "
+            "custom-op library), or dropped to a plain multiply (what PopTorch made of the "
+            "eager form, with wrong gradients); and the plain torch GPT.",
+            "",
+        ]
+        lines += _markdown_table(("build", "ops"), list(results.op_counts.items()))
     if results.roofline_rows:
         from .roofline import HEADER
 

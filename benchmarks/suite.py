@@ -35,6 +35,8 @@ MEMORY_TARGET = 1.05
 CAST_SPEEDUP_TARGET = 8.0  # fused host amax + cast vs torch eager, at least
 CAST_MELEM_TARGET = 2000.0  # Melem/s, at least, with all cores
 CAST_FRACTION_TARGET = 0.70  # of the copy bound measured in the same run, at least
+# Ops of the traced unit-scaled GPT against the same GPT with its scales as plain multiplies.
+TRACED_OPS_TARGET = 1.1
 
 
 @dataclass
@@ -81,6 +83,7 @@ class Results:
     rows: List[Row] = field(default_factory=list)
     step_ms: Dict[str, float] = field(default_factory=dict)
     peak_bytes: Dict[str, int] = field(default_factory=dict)
+    op_counts: Dict[str, int] = field(default_factory=dict)  # ops of the traced GPT, by build
     cast_rows: List[Dict[str, object]] = field(default_factory=list)
     roofline_rows: List[Any] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
@@ -389,6 +392,31 @@ def _roofline_rows(results: Results, settings: Settings, threads: int) -> None:
         spread=fused.spread, higher_is_better=True))
 
 
+def _traced_op_rows(results: Results, settings: Settings) -> None:
+    """Op counts of the graph PopTorch gets: a count, not a timing, so one trace each."""
+    from .traced_forms import traced_op_counts
+
+    counts = traced_op_counts(settings.shape)
+    results.op_counts = {
+        "ours (ScaledIdentity)": counts.ours,
+        "ours, composite scales": counts.composite,
+        "ours, scales dropped": counts.scales_dropped,
+        "plain torch": counts.plain,
+    }
+    results.rows.append(Row(
+        "traced_ops_ours", "Ops in the traced GPT PopTorch gets: ours / scales as plain "
+        "multiplies", counts.ratio, TRACED_OPS_TARGET,
+        f"{counts.ours} ops ({counts.scaled_identities} ScaledIdentity) against "
+        f"{counts.scales_dropped}; the composite form: {counts.composite}",
+    ))
+    results.rows.append(Row(
+        "traced_ops_vs_torch", "Ops in the traced GPT PopTorch gets: ours / plain torch GPT",
+        counts.ours / counts.plain, None,
+        f"{counts.ours} ops against {counts.plain}: the unit-scaling multiplies and the "
+        "attention row scale",
+    ))
+
+
 def run_suite(settings: Settings, log: Callable[[str], None] = print) -> Results:
     """Run every benchmark with `settings` and return the rows."""
     start = time.perf_counter()
@@ -418,6 +446,8 @@ def run_suite(settings: Settings, log: Callable[[str], None] = print) -> Results
     _cast_rows(results, settings)
     log("peak memory ...")
     _memory_rows(results, settings, names)
+    log("traced op counts ...")
+    _traced_op_rows(results, settings)
     results.seconds = time.perf_counter() - start
     for row in results.rows:
         if row.value is not None and not (math.isfinite(row.value) and row.value > 0):

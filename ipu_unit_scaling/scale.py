@@ -6,11 +6,10 @@ Unit scaling gives an op different scales in its forward and backward passes. Ev
 Two forms, chosen by :func:`ipu_unit_scaling.tracing.is_ipu_tracing`:
 
 - eager: a custom autograd Function, one multiply each way;
-- traced (PopTorch): ``x.detach() * f + (x - x.detach()) * b``. Its value is exactly ``x * f``
-  (``x - x.detach()`` is exactly zero for finite x) and its gradient is ``b``, both derived from
-  the forward graph alone, so PopART's autodiff reproduces the backward scale. The backward
-  multiplier never touches the forward values, so a large ``b`` (a loss's grad scale) cannot
-  overflow them. It costs three elementwise ops more than a multiply and needs no custom op.
+- traced (PopTorch): one ``ScaledIdentity`` op (:mod:`ipu_unit_scaling.scaled_identity`), whose
+  value is ``x * f`` and whose gradient op multiplies by ``b``, so PopART's autodiff reproduces
+  the backward scale. The backward multiplier never touches the forward values, so a large
+  ``b`` (a loss's grad scale) cannot overflow them.
 """
 from __future__ import annotations
 
@@ -19,6 +18,7 @@ from typing import Any, Tuple
 import torch
 from torch import Tensor
 
+from .scaled_identity import traced_scale
 from .tracing import is_ipu_tracing
 
 
@@ -34,15 +34,6 @@ class _Scale(torch.autograd.Function):
         return (grad * bwd_scale if bwd_scale != 1.0 else grad), None, None
 
 
-def _traced_scale(x: Tensor, fwd_scale: float, bwd_scale: float) -> Tensor:
-    detached = x.detach()
-    value = detached * fwd_scale if fwd_scale != 1.0 else detached
-    gradient_path = x - detached
-    if bwd_scale != 1.0:
-        gradient_path = gradient_path * bwd_scale
-    return value + gradient_path
-
-
 def scale(x: Tensor, fwd_scale: float, bwd_scale: float) -> Tensor:
     """Multiply `x` by `fwd_scale` in the forward pass and its gradient by `bwd_scale`."""
     fwd_scale, bwd_scale = float(fwd_scale), float(bwd_scale)
@@ -50,7 +41,7 @@ def scale(x: Tensor, fwd_scale: float, bwd_scale: float) -> Tensor:
         # A plain multiply has the same semantics and lets autograd and torch.compile fuse it.
         return x * fwd_scale if fwd_scale != 1.0 else x
     if is_ipu_tracing():
-        return _traced_scale(x, fwd_scale, bwd_scale)
+        return traced_scale(x, fwd_scale, bwd_scale)
     return _Scale.apply(x, fwd_scale, bwd_scale)
 
 

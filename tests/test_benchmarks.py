@@ -38,6 +38,8 @@ ROW_KEYS = {
     "cast_fraction",
     "gpu_scaled_mm",
     "gpu_fp8_static_vs_amax",
+    "traced_ops_ours",
+    "traced_ops_vs_torch",
 }
 SWEEP_WIDTHS = (8, 16)
 
@@ -134,6 +136,20 @@ def test_reports_name_every_row_and_the_command(tiny_run):
         assert row.label in report
     assert "python -m benchmarks --quick" in report
     assert "torch " + torch.__version__ in report
+
+
+def test_traced_op_rows_are_the_counts_of_the_traced_graphs(tiny_run):
+    settings, results = tiny_run
+    counts = results.op_counts
+    ours, dropped = counts["ours (ScaledIdentity)"], counts["ours, scales dropped"]
+    row = results.row("traced_ops_ours")
+    assert row.value == ours / dropped and row.target == 1.1
+    assert f"{ours} ops" in row.note and f"against {dropped}" in row.note
+    assert results.row("traced_ops_vs_torch").value == ours / counts["plain torch"]
+    # The one-op scales remove the composite form's extra ops; the plain GPT has no scales.
+    assert counts["ours, composite scales"] > ours > counts["plain torch"]
+    report = markdown(results, settings, "python -m benchmarks --quick")
+    assert f"| ours (ScaledIdentity) | {ours} |" in report
 
 
 def test_the_three_builds_have_the_same_parameters():

@@ -39,12 +39,15 @@ def build_codelets(tmp_path: Path, *options: str) -> list:
     popc = sdk / "bin" / "popc"
     popc.write_text(FAKE_POPC)
     popc.chmod(0o755)
-    for library in ("popart", "poplar", "poputil"):
+    for library in ("popart", "poplar", "poputil", "popops"):
         (sdk / "lib" / f"lib{library}.so").touch()
     build = tmp_path / "build"
     subprocess.run([cmake, "-S", str(REPO / "custom_ops"), "-B", str(build),
                     f"-DCMAKE_PROGRAM_PATH={sdk / 'bin'}", f"-DCMAKE_LIBRARY_PATH={sdk / 'lib'}",
                     *options], check=True, capture_output=True)
+    (tmp_path / "build_rules.txt").write_text("\n".join(
+        path.read_text(errors="replace") for path in build.rglob("*")
+        if path.is_file() and path.name in ("build.make", "build.ninja", "link.txt")))
     subprocess.run([cmake, "--build", str(build), "--target", "fp8_codelets"], check=True,
                    capture_output=True)
     return (build / "fp8_codelets.gp").read_text().split("\n")
@@ -59,6 +62,18 @@ def test_popc_is_given_every_target_it_lists(tmp_path):
 def test_the_codelet_targets_can_be_named(tmp_path):
     args = build_codelets(tmp_path, "-DIUS_CODELET_TARGETS=ipu21")
     assert args[args.index("--target") + 1] == "ipu21"
+
+
+def test_the_custom_op_library_compiles_every_popart_op_and_links_popops(tmp_path):
+    build_codelets(tmp_path)
+    rules = (tmp_path / "build_rules.txt").read_text()
+    sources = sorted(path.name for path in (REPO / "custom_ops").glob("*.cpp")
+                     if not path.name.startswith("popxl_"))  # built by cppimport instead
+    assert "scaled_identity.cpp" in sources
+    for source in sources:
+        assert f"{source}.o" in rules, source
+    # ScaledIdentity's multiply is a popops map.
+    assert re.search(r"libpopops\.so|-lpopops\b", rules)
 
 
 def test_the_popxl_binding_is_a_cppimport_module():

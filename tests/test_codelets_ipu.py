@@ -23,6 +23,7 @@ from ipu_unit_scaling.fp8 import (  # noqa: E402
     fp8_quantise,
     fp8_quantise_gradient,
 )
+from ipu_unit_scaling.scale import scale  # noqa: E402
 from ipu_unit_scaling.tracing import ipu_tracing  # noqa: E402
 
 pytestmark = pytest.mark.ipu
@@ -170,3 +171,72 @@ def test_grad_ops_give_the_defined_gradients(custom_op_library, gradient_op):
     expected = (torch.ops.ipu_unit_scaling.fp8_quantise(dy, "F152", 3, True, None)
                 if gradient_op else dy)
     assert torch.equal(-model.w.detach(), expected)
+
+
+def normal_range_input(size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Magnitudes in [2**-9, 2**9]: times the scales below, normal numbers in float16 too."""
+    generator = torch.Generator().manual_seed(size)
+    exponents = torch.rand(size, generator=generator) * 18.0 - 9.0
+    signs = torch.randint(0, 2, (size,), generator=generator) * 2 - 1
+    return (signs * torch.exp2(exponents)).to(dtype)
+
+
+class ScaledIdentity(torch.nn.Module):
+    def __init__(self, library: Path, fwd_scale: float, bwd_scale: float, keep_input: bool):
+        super().__init__()
+        self.ops = PopTorchFP8CustomOps(library)
+        self.scales = (fwd_scale, bwd_scale)
+        self.keep_input = keep_input
+
+    def forward(self, x):
+        with ipu_tracing(custom_ops=self.ops):
+            y = scale(x, *self.scales)
+        # Reading x after the op keeps PopART from running it in place.
+        return (y, x * 2.0) if self.keep_input else y
+
+
+@pytest.mark.parametrize("keep_input", [False, True], ids=["inplace", "outplace"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("fwd_scale", [0.0625, 1 / 3**0.5])
+def test_scaled_identity_matches_the_torch_library_op(custom_op_library, keep_input, dtype,
+                                                      fwd_scale):
+    x = normal_range_input(1472 * 6 + 5, dtype)
+    out = run_on_ipu_model(ScaledIdentity(custom_op_library, fwd_scale, 4.0, keep_input), x)
+    y = out[0] if keep_input else out
+    assert y.dtype == dtype
+    assert torch.equal(y, torch.ops.ipu_unit_scaling.scaled_identity(x, fwd_scale, 4.0))
+    if keep_input:
+        assert torch.equal(out[1], x * 2.0)
+
+
+class ScaleGradientProbe(torch.nn.Module):
+    """As GradientProbe: ``-dloss/dx`` is left in ``w`` by one SGD step with lr 1."""
+
+    def __init__(self, library: Path, size: int, fwd_scale: float, bwd_scale: float):
+        super().__init__()
+        self.ops = PopTorchFP8CustomOps(library)
+        self.w = torch.nn.Parameter(torch.zeros(size))
+        self.scales = (fwd_scale, bwd_scale)
+
+    def forward(self, x, dy):
+        with ipu_tracing(custom_ops=self.ops):
+            y = scale(x + self.w, *self.scales)
+        return poptorch.identity_loss((y * dy).sum(), reduction="sum")
+
+
+# A forward scale of 1 must not let PopART replace the op by the identity: the gradient is
+# still scaled.
+@pytest.mark.parametrize("fwd_scale", [1.0, 0.5])
+def test_scaled_identity_grad_op_scales_the_gradient(custom_op_library, fwd_scale):
+    size = 4096
+    x = normal_range_input(size, torch.float32)
+    dy = normal_range_input(size + 1, torch.float32)[:size]
+    bwd_scale = 1 / 7**0.5
+    model = ScaleGradientProbe(custom_op_library, size, fwd_scale, bwd_scale)
+    options = poptorch.Options()
+    options.useIpuModel(True)
+    optimizer = poptorch.optim.SGD(model.parameters(), lr=1.0)
+    training = poptorch.trainingModel(model, options, optimizer=optimizer)
+    training(x, dy)
+    training.copyWeightsToHost()
+    assert torch.equal(-model.w.detach(), dy * bwd_scale)

@@ -447,8 +447,11 @@ def test_gpt_in_every_precision_traces_with_supported_ops_only(precision, unit_s
     ids = torch.randint(0, 32, (2, 8))
     report = check_poptorch(model, ids, ids)
     assert report.ok
-    fp8_ops = sum(n for op, n in report.op_counts.items() if op.startswith("ipu_unit_scaling::"))
+    fp8_ops = sum(n for op, n in report.op_counts.items()
+                  if op.startswith("ipu_unit_scaling::fp8_"))
     assert (fp8_ops > 0) == precision.startswith("fp8")
+    scales = report.op_counts.get("ipu_unit_scaling::scaled_identity", 0)
+    assert (scales > 0) == unit_scaled
 
 
 @pytest.mark.parametrize("precision", sorted(PRECISIONS))

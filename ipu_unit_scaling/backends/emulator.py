@@ -9,7 +9,8 @@ PopTorch compiles a model in steps that decide what it computes:
 3. ops whose inputs are all compile-time constants are evaluated on the host; every other op
    needs a handler, and some handlers refuse some arguments (:mod:`.poptorch_ops`);
 4. PopART differentiates that forward graph: a ``torch.autograd.Function``'s ``forward`` is
-   recorded like any other code and its ``backward`` is never used;
+   recorded like any other code and its ``backward`` is never used; a PopART custom op
+   (``poptorch.custom_op``) is one op, differentiated by its grad op;
 5. the optimizer runs on the device with ``trainingModel``'s batching semantics.
 
 This module does the same on the host. :func:`trace_like_poptorch` traces a module with fake
@@ -40,16 +41,11 @@ from torch.utils._pytree import tree_flatten
 from ..config import Config
 from ..lowering import lower_graph
 from ..tracing import ipu_tracing
+from . import poptorch_ops
 from .cpu import TrainingModule
 from .ipu.checks import PopTorchError, check_config_compiles, check_inputs
 from .ipu.rewrites import PopTorchRewrites
-from .poptorch_ops import (
-    ARGUMENT_RULES,
-    CUSTOM_OP_NAMESPACES,
-    HOST_READ_OPS,
-    base_name,
-    is_supported,
-)
+from .poptorch_ops import ARGUMENT_RULES, HOST_READ_OPS, base_name, is_supported
 from .stages import Stage, stages
 
 __all__ = [
@@ -155,7 +151,7 @@ class _PopTorchRules(TorchDispatchMode):
             torch.Tag.nondeterministic_seeded in func.tags)
         if self.inside_dispatcher_op == 0:
             if func.namespace != "aten":
-                if func.namespace not in CUSTOM_OP_NAMESPACES:
+                if not poptorch_ops.is_custom_op(func.namespace, name):
                     self.unsupported[f"{func.namespace}::{name}"].append(self.where())
             elif variable:
                 self._check_arguments(func, name, args, kwargs)
@@ -327,9 +323,10 @@ def _module_scopes(module: nn.Module, scopes: List[str]) -> Iterator[None]:
 class PopTorchTrace:
     """A module's forward as PopTorch records it, callable with the module's live parameters.
 
-    Calling it runs the recorded ATen graph (and FP8 custom ops) on real tensors; autograd of
-    that graph is what PopART's autodiff computes. It is valid for inputs of the traced shapes
-    and dtypes and the traced train/eval mode.
+    Calling it runs the recorded ATen graph (and the package's custom ops, each one node whose
+    gradient comes from the op's Autograd kernel, as PopART's comes from the grad op) on real
+    tensors; autograd of that graph is what PopART's autodiff computes. It is valid for inputs
+    of the traced shapes and dtypes and the traced train/eval mode.
     """
 
     def __init__(self, module: nn.Module, graph: GraphModule, report: PopTorchReport,

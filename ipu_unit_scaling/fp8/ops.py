@@ -27,13 +27,14 @@ reference.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Iterator, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from .. import tracing
+from .._op_library import LIBRARY, NAMESPACE
+from .._op_library import below_autograd as _below_autograd
 from .codec import FormatLike, decode, encode
 from .formats import get_format
 from .scaling import check_log2_scale, check_margin, log2_scale
@@ -43,22 +44,10 @@ __all__ = [
     "fp8_quantise_reference", "codelet_format",
 ]
 
-NAMESPACE = "ipu_unit_scaling"
 CODELET_FORMATS = ("F143", "F152")
 _DTYPES = (torch.float32, torch.float16)
 
-
-
-def _new_library() -> torch.library.Library:
-    # FRAGMENT lets other modules add ops to the namespace too; torch 2.0 knows only DEF,
-    # which claims the namespace for this library alone.
-    try:
-        return torch.library.Library(NAMESPACE, "FRAGMENT")
-    except ValueError:
-        return torch.library.Library(NAMESPACE, "DEF")
-
-
-_library = _new_library()
+_library = LIBRARY
 _library.define(
     "fp8_quantise(Tensor x, str format, int margin, bool saturate, int? log2_scale) -> Tensor")
 _library.define("fp8_quantise_gradient(Tensor x, str format, int margin, bool saturate, "
@@ -149,21 +138,6 @@ def _identity_meta(x: torch.Tensor, format: str, margin: int, saturate: bool,
                    log2_scale: Optional[int] = None) -> torch.Tensor:
     _check_args(x, format, margin, saturate, log2_scale)
     return torch.empty_like(x)
-
-
-@contextlib.contextmanager
-def _below_autograd() -> Iterator[None]:
-    """Dispatch below the Autograd key, so the op's own kernels run (and tracers record the op)
-    instead of this module's Autograd kernel again."""
-    guard = torch._C._AutoDispatchBelowAutograd()
-    if hasattr(guard, "__enter__"):  # a context manager from torch 2.1 on
-        with guard:
-            yield
-    else:  # torch 2.0: a guard that is active while the object lives
-        try:
-            yield
-        finally:
-            del guard
 
 
 class _Quantise(torch.autograd.Function):

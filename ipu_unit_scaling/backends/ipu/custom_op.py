@@ -4,11 +4,13 @@
   it calls ``Fp8AmaxCast``, built from ``custom_ops/``: tile-local amax, scaling bias and cast
   in the Poplar codelets. Everywhere else it runs the host path with the same numerics
   (:func:`ipu_unit_scaling.fp8.cast_to_fp8`: the compiled host cast when built, else torch).
-* :class:`PopTorchFP8CustomOps`: the ``Fp8Quantise`` and ``Fp8GradientQuantise`` ops, with
-  their PopART grad ops, through ``poptorch.custom_op``. It implements
-  :class:`ipu_unit_scaling.tracing.FP8CustomOps`; the IPU backend passes it to
-  ``ipu_tracing(custom_ops=...)`` so that :func:`ipu_unit_scaling.fp8.fp8_quantise` and
-  :func:`~ipu_unit_scaling.fp8.fp8_quantise_gradient` become these ops in the traced graph.
+* :class:`PopTorchFP8CustomOps`: the ``Fp8Quantise``, ``Fp8GradientQuantise`` and
+  ``ScaledIdentity`` ops, with their PopART grad ops, through ``poptorch.custom_op``. It
+  implements :class:`ipu_unit_scaling.tracing.FP8CustomOps` and
+  :class:`ipu_unit_scaling.scaled_identity.ScaledIdentityOp`; the IPU backend passes it to
+  ``ipu_tracing(custom_ops=...)`` so that :func:`ipu_unit_scaling.fp8.fp8_quantise`,
+  :func:`~ipu_unit_scaling.fp8.fp8_quantise_gradient` and every unit-scaling scale become these
+  ops in the traced graph.
 
 PopTorch is imported lazily; importing this module never needs it.
 """
@@ -16,21 +18,24 @@ from __future__ import annotations
 
 import ctypes
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Dict, NamedTuple, Optional
 
 import torch
 
 __all__ = [
-    "DOMAIN", "OP_NAME", "QUANTISE_OP", "GRADIENT_QUANTISE_OP", "DOMAIN_VERSION", "LIBRARY_ENV",
-    "Fp8CastOutputs", "custom_op_library_path", "load_custom_op_library", "running_on_ipu",
-    "fp8_amax_cast", "quantise_attributes", "PopTorchFP8CustomOps",
+    "DOMAIN", "OP_NAME", "QUANTISE_OP", "GRADIENT_QUANTISE_OP", "SCALED_IDENTITY_OP",
+    "DOMAIN_VERSION", "LIBRARY_ENV", "Fp8CastOutputs", "custom_op_library_path",
+    "load_custom_op_library", "running_on_ipu", "fp8_amax_cast", "quantise_attributes",
+    "scaled_identity_attributes", "PopTorchFP8CustomOps",
 ]
 
 DOMAIN = "ai.graphcore.unit_scaling"
 OP_NAME = "Fp8AmaxCast"
 QUANTISE_OP = "Fp8Quantise"
 GRADIENT_QUANTISE_OP = "Fp8GradientQuantise"
+SCALED_IDENTITY_OP = "ScaledIdentity"
 DOMAIN_VERSION = 1
 LIBRARY_ENV = "IPU_UNIT_SCALING_CUSTOM_OPS"
 _REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -143,18 +148,31 @@ def quantise_attributes(fmt_name: str, margin: int, saturate: bool,
     }
 
 
+def scaled_identity_attributes(fwd_scale: float, bwd_scale: float) -> Dict[str, Any]:
+    """The PopART attributes of ``ScaledIdentity``: Python floats, which PopTorch passes as
+    float attributes (an int would reach PopART as an int attribute)."""
+    return {"fwd_scale": float(fwd_scale), "bwd_scale": float(bwd_scale)}
+
+
 class PopTorchFP8CustomOps:
-    """:class:`ipu_unit_scaling.tracing.FP8CustomOps` through ``poptorch.custom_op``.
+    """:class:`ipu_unit_scaling.tracing.FP8CustomOps` and ScaledIdentity through
+    ``poptorch.custom_op``.
 
     Each call adds one PopART op to the traced graph; PopART differentiates it with the op's
     grad op (straight through for ``Fp8Quantise``, the AMAX quantise of the gradient for
-    ``Fp8GradientQuantise``). The library is loaded on first use, from ``library_path`` or
-    :func:`custom_op_library_path`. The arguments are checked by the callers
-    (:func:`ipu_unit_scaling.fp8.fp8_quantise`), as for the ``torch.library`` ops.
+    ``Fp8GradientQuantise``, ``bwd_scale * dy`` for ``ScaledIdentity``). The library is loaded
+    on first use, from ``library_path`` or :func:`custom_op_library_path`. The arguments are
+    checked by the callers (:func:`ipu_unit_scaling.fp8.fp8_quantise`), as for the
+    ``torch.library`` ops.
+
+    Unit scaling needs no FP8, so a model may train on an IPU without the library built: then
+    :meth:`scaled_identity` gives the composite form (six graph ops instead of one; the same
+    gradients, and the same values for finite inputs) and warns once.
     """
 
     def __init__(self, library_path: Optional[Path] = None):
         self.library_path = library_path
+        self._warned_composite = False
 
     def _custom_op(self, x: torch.Tensor, name: str, attributes: Dict[str, Any]) -> torch.Tensor:
         import poptorch
@@ -174,3 +192,20 @@ class PopTorchFP8CustomOps:
                           log2_scale: Optional[int] = None) -> torch.Tensor:
         return self._custom_op(x, GRADIENT_QUANTISE_OP,
                                quantise_attributes(fmt_name, margin, saturate, log2_scale))
+
+    def scaled_identity(self, x: torch.Tensor, fwd_scale: float, bwd_scale: float
+                        ) -> torch.Tensor:
+        """``ScaledIdentity``: ``fwd_scale * x``, whose grad op gives ``bwd_scale * dy``."""
+        library = Path(self.library_path) if self.library_path else custom_op_library_path()
+        if not library.exists():
+            from ...scaled_identity import composite_scale
+
+            if not self._warned_composite:
+                self._warned_composite = True
+                warnings.warn(
+                    f"{library} does not exist, so unit scaling's scales are traced as six "
+                    "ops each instead of one ScaledIdentity op (the same gradients); "
+                    "build custom_ops/ to get the one-op form", stacklevel=2)
+            return composite_scale(x, fwd_scale, bwd_scale)
+        return self._custom_op(x, SCALED_IDENTITY_OP,
+                               scaled_identity_attributes(fwd_scale, bwd_scale))
