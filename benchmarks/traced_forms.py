@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from ipu_unit_scaling import TransformerDecoder
+from ipu_unit_scaling import GPT
 from ipu_unit_scaling.ipu import ipu_tracing, trace_like_poptorch
 from ipu_unit_scaling.scale import scale
 
@@ -43,7 +43,7 @@ def _scale_steps(numel: int) -> Dict[str, Callable[[], object]]:
 def _gpt_steps(depth: int, width: int, seq_len: int,
                batch: int) -> Dict[str, Callable[[], object]]:
     torch.manual_seed(0)
-    model = TransformerDecoder(vocab_size=256, hidden_size=width, depth=depth, heads=4,
+    model = GPT(vocab_size=256, hidden_size=width, depth=depth, heads=4,
                                seq_len=seq_len)
     ids = torch.randint(0, 256, (batch, seq_len))
     trace = trace_like_poptorch(model, ids, ids)
@@ -61,7 +61,7 @@ def _gpt_steps(depth: int, width: int, seq_len: int,
 def _graph_sizes(depth: int, width: int, seq_len: int) -> List[str]:
     # The package exports the function `scale`, which hides the module of the same name.
     scale_module = sys.modules["ipu_unit_scaling.scale"]
-    model = TransformerDecoder(vocab_size=256, hidden_size=width, depth=depth, heads=4,
+    model = GPT(vocab_size=256, hidden_size=width, depth=depth, heads=4,
                                seq_len=seq_len)
     ids = torch.randint(0, 256, (2, seq_len))
     traced_ops = trace_like_poptorch(model, ids, ids).ops()

@@ -474,8 +474,8 @@ def _broadcast_count(x: Tensor, out_numel: int) -> int:
 def add(
     input: Union[Tensor, float],
     other: Union[Tensor, float],
-    constraint: ConstraintArg = "to_output_scale",
-    alpha: float = 1.0,
+    constraint: Union[ConstraintArg, float] = "to_output_scale",
+    alpha: Union[float, ConstraintArg] = 1.0,
     out: Optional[Tensor] = None,
 ) -> Tensor:
     """Unit-scaled `torch.add` (input + alpha * other).
@@ -486,7 +486,14 @@ def add(
     element) is a constant, not a unit-variance tensor: it leaves the output's scale alone.
     An input broadcast across the output has its gradient summed over the copies; that sum is
     scaled by copies**-0.5 on its own, outside the constraint, as for a weight.
+    `add(input, other, alpha, constraint)` (alpha third, as earlier versions took it) is still
+    understood.
     """
+    if isinstance(constraint, (int, float)) and not isinstance(constraint, bool):
+        # add(input, other, alpha[, constraint]), as earlier versions took it.
+        constraint, alpha = (alpha if not isinstance(alpha, (int, float)) else
+                             "to_output_scale"), float(constraint)
+    alpha = float(alpha)  # type: ignore[arg-type]
     _reject("out", out, None, "the scaled sum is a new tensor")
     if alpha == 0:
         raise ValueError("alpha=0 is not supported by the unit-scaled add: use the input itself")

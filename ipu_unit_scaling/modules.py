@@ -54,6 +54,7 @@ __all__ = [
     "TORCH_OPS",
     "gmean_gelu",
     "gmean_silu_glu",
+    "unit_attention",
 ]
 
 
@@ -487,6 +488,16 @@ def gmean_gelu(input: Tensor) -> Tensor:
     return U.gelu(input, constraint="gmean")
 
 
+def unit_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+                   dropout_p: float = 0.0, is_causal: bool = False,
+                   scale: Optional[float] = None, enable_gqa: bool = False) -> Tensor:
+    """`U.scaled_dot_product_attention` with torch's signature and default logit scale,
+    1/sqrt(head_dim) (the op's own default is u-μP's 1/head_dim)."""
+    return U.scaled_dot_product_attention(
+        query, key, value, attn_mask, dropout_p, is_causal,
+        scale=query.shape[-1] ** -0.5 if scale is None else scale, enable_gqa=enable_gqa)
+
+
 def gmean_silu_glu(input: Tensor, gate: Tensor) -> Tensor:
     """`U.silu_glu` with the geometric-mean constraint, as `GatedMLP` uses it."""
     return U.silu_glu(input, gate, constraint="gmean")
@@ -503,7 +514,7 @@ UNIT_OPS = Ops(
     add=U.add,
     residual_split=U.residual_split,
     residual_add=U.residual_add,
-    scaled_dot_product_attention=U.scaled_dot_product_attention,
+    scaled_dot_product_attention=unit_attention,
     cross_entropy=U.cross_entropy,
     silu_glu=gmean_silu_glu,
 )
@@ -567,7 +578,7 @@ class SelfAttention(nn.Module):
         qkv = self.qkv(input).view(batch, seq, 3, self.heads, hidden // self.heads)
         query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         dropout_p = self.dropout_p if self.training else 0.0
-        if (attn_mask is None and self.attention is U.scaled_dot_product_attention
+        if (attn_mask is None and self.attention is unit_attention
                 and type(self.proj) is Linear and self.proj.bias is None
                 and not _observed(self.proj) and not is_ipu_tracing()):
             # Unit scaling's row scale depends on the query position only, so it commutes with
@@ -579,11 +590,9 @@ class SelfAttention(nn.Module):
                 query, key, value, dropout_p=dropout_p, is_causal=self.is_causal,
                 scale=self.attention_scale)
             return self.proj(out.transpose(1, 2).reshape(batch, seq, hidden)) * row_scale
-        scale = self.attention_scale
-        if scale is None:
-            scale = (hidden // self.heads) ** -0.5
+        scale = {} if self.attention_scale is None else {"scale": self.attention_scale}
         out = self.attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                             is_causal=self.is_causal, scale=scale)
+                             is_causal=self.is_causal, **scale)
         return self.proj(out.transpose(1, 2).reshape(batch, seq, hidden))
 
 

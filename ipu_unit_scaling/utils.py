@@ -70,6 +70,29 @@ class _DeepTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return not self.recurse_modules
 
+    def create_node(self, kind: str, target: Any, args: Any, kwargs: Any,
+                    name: Optional[str] = None, type_expr: Optional[Any] = None) -> fx.Node:
+        if isinstance(type_expr, str):  # a postponed annotation: shown as written
+            type_expr = _Annotation.of(type_expr)
+        return super().create_node(kind, target, args, kwargs, name, type_expr)
+
+
+class _Annotation:
+    """An annotation kept as its source text (fx would otherwise quote and mangle it)."""
+
+    _known: Dict[str, _Annotation] = {}
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    @classmethod
+    def of(cls, text: str) -> _Annotation:
+        """One object per text: fx names each distinct object once in the generated code."""
+        return cls._known.setdefault(text, cls(text))
+
+    def __repr__(self) -> str:
+        return self.text
+
 
 def _short_names(code: str) -> str:
     """fx's global names of the unit-scaled ops (`ipu_unit_scaling_functional_linear`) as
@@ -84,7 +107,7 @@ def _short_names(code: str) -> str:
 def _annotate(code: str, scales: Dict[str, ScalePair]) -> str:
     lines = []
     for line in code.splitlines():
-        if not line.strip():
+        if not line.strip() or line.startswith("torch.fx._symbolic_trace.wrap"):
             continue
         statement = line.split(";")[0]
         words = statement.split()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import ipu_unit_scaling.functional as U
-from ipu_unit_scaling import TransformerDecoder
+from ipu_unit_scaling import GPT
 
 
 def test_gelu_constants_do_not_depend_on_the_grad_mode():
@@ -27,7 +27,7 @@ def test_gpt_training_forward_compiles_to_one_graph():
         pytest.skip("needs torch._dynamo.explain(model)(*args) (torch >= 2.1)")
     explain = dynamo.explain
     torch.manual_seed(0)
-    model = TransformerDecoder(vocab_size=16, hidden_size=8, depth=1, heads=2, seq_len=4)
+    model = GPT(vocab_size=16, hidden_size=8, depth=1, heads=2, seq_len=4)
     ids = torch.randint(16, (2, 4))
     result = explain(model)(ids, ids)
     assert result.graph_break_count == 0, [str(r.reason)[:200] for r in result.break_reasons]

@@ -109,7 +109,7 @@ def assert_umup(model: nn.Module, kind: str) -> None:
     umup = kind == "u-mup"
     gelus = [table.gelu for table in _ops_tables(model)]
     assert all(isinstance(g, umup_rules.ScaledGELU) == umup for g in gelus)
-    attention_scales = {m.attention_scale for m in model.modules() if isinstance(m, uu.MHSA)}
+    attention_scales = {m.attention_scale for m in model.modules() if isinstance(m, uu.SelfAttention)}
     logit_scale = getattr(model, "logit_scale", 1.0)
     if not umup:
         assert attention_scales == {None} and logit_scale == 1.0
