@@ -40,6 +40,7 @@ from .modules import (
     SiLU,
     Softmax,
     TransformerBlock,
+    unit_attention,
 )
 from .parameter import MupType, Parameter
 from .scale import scale, scale_bwd, scale_fwd
@@ -92,4 +93,5 @@ __all__ = [
     "Ops",
     "UNIT_OPS",
     "TORCH_OPS",
+    "unit_attention",
 ]

@@ -53,9 +53,7 @@ def test_residual_add_broadcasts_and_promotes_like_a_sum(residual_shape, skip_sh
     assert out.dtype == torch.promote_types(torch.float32, skip_dtype)
     assert torch.allclose(out.double(), expected, rtol=1e-3, atol=1e-3)
     out.backward(torch.ones_like(out))
-    # Backwards, the branch passes the gradient through unscaled; the skip scales it.
+    # Backwards, both pass the gradient through unscaled (residual_split scales it).
     uses = torch.ones(out.shape, dtype=torch.float64)
     assert torch.allclose(residual.grad.double(), uses.sum_to_size(residual_shape))
-    assert torch.allclose(
-        skip.grad.double(), skip_weight * uses.sum_to_size(skip_shape), rtol=1e-3
-    )
+    assert torch.allclose(skip.grad.double(), uses.sum_to_size(skip_shape), rtol=1e-3)
