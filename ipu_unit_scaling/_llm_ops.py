@@ -68,13 +68,14 @@ def silu(input: Tensor, mult: Union[float, bool] = 1.0,
     still understood, and refused as any in-place request is.
     """
     if isinstance(mult, bool):
-        mult, inplace = 1.0, mult
+        inplace = mult
     if inplace:
         raise ValueError("inplace=True is not supported by the unit-scaled op: the scaled "
                          "output is a new tensor")
-    out_std, _, slope_rms = _moments(mult)
+    multiplier = 1.0 if isinstance(mult, bool) else float(mult)
+    out_std, _, slope_rms = _moments(multiplier)
     output_scale, grad_scale = apply_constraint(constraint, 1 / out_std, 1 / slope_rms)
-    return _scaled_call(lambda x: _silu(x, mult), (input,), output_scale, (grad_scale,),
+    return _scaled_call(lambda x: _silu(x, multiplier), (input,), output_scale, (grad_scale,),
                         scale_in_place=True)
 
 
@@ -90,15 +91,16 @@ def silu_glu(input: Tensor, gate: Tensor, mult: Union[float, ConstraintArg] = 1.
     three tied by `constraint`: both inputs are activations (the up and gate projections).
     A constraint given third (as earlier versions took it) is still understood.
     """
-    if mult is None or isinstance(mult, str) or callable(mult):
-        mult, constraint = 1.0, mult
-    _, out_rms, slope_rms = _moments(float(mult))  # type: ignore[arg-type]
+    if isinstance(mult, (int, float)):
+        gate_mult = float(mult)
+    else:
+        gate_mult, constraint = 1.0, mult
+    _, out_rms, slope_rms = _moments(gate_mult)
     output_scale, input_scale, gate_scale = apply_constraint(
         constraint, 1 / out_rms, 1 / out_rms, 1 / slope_rms
     )
     if input.shape != gate.shape:
         raise ValueError(f"input shape {tuple(input.shape)} != gate shape {tuple(gate.shape)}")
-    gate_mult = float(mult)  # type: ignore[arg-type]
     return _scaled_call(lambda u, g: u * _silu(g, gate_mult), (input, gate), output_scale,
                         (input_scale, gate_scale), scale_in_place=True)
 

@@ -135,12 +135,15 @@ class DepthSequential(nn.Sequential):
         _set_depth(self, len(self))
 
 
+_DEFAULT_RESIDUAL_SCALING = transformer_residual_scaling_rule()
+
+
 class TransformerStack(DepthSequential):
     """`layers` `TransformerLayer`s whose taus come from `residual_scaling(index, 2 * layers)`
     (attention branches at even indices); other arguments as `TransformerLayer`'s."""
 
     def __init__(self, layers: int,
-                 residual_scaling: ResidualScalingFn = transformer_residual_scaling_rule(),
+                 residual_scaling: ResidualScalingFn = _DEFAULT_RESIDUAL_SCALING,
                  **kwargs: Any) -> None:
         super().__init__(*(
             TransformerLayer(**kwargs, mhsa_tau=residual_scaling(2 * i, 2 * layers),
@@ -157,8 +160,7 @@ class TransformerDecoder(nn.Sequential):
 
     def __init__(self, hidden_size: int, vocab_size: int, layers: int, heads: int,
                  dropout_p: float = 0.0,
-                 residual_scaling: ResidualScalingFn = transformer_residual_scaling_rule()
-                 ) -> None:
+                 residual_scaling: ResidualScalingFn = _DEFAULT_RESIDUAL_SCALING) -> None:
         super().__init__()
         self.embedding = Embedding(vocab_size, hidden_size)
         self.layers = TransformerStack(layers=layers, hidden_size=hidden_size, heads=heads,

@@ -10,7 +10,8 @@ the value below, drawn from ``srbits`` random bits; 0 means all the bits a float
 below the format's). The result is returned in the input's dtype, computed in float32 or wider.
 
 For FP8 with per-tensor scaling (FP8-AMAX) see :mod:`ipu_unit_scaling.fp8`; this module is the
-plain cast that unit scaling makes possible, used by :func:`ipu_unit_scaling.transforms.simulate_fp8`.
+plain cast that unit scaling makes possible, as
+:func:`ipu_unit_scaling.transforms.simulate_fp8` applies it.
 """
 from __future__ import annotations
 

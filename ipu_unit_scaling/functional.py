@@ -306,22 +306,24 @@ def gelu(
     earlier versions took it) is still understood.
     """
     if isinstance(mult, str):
-        mult, approximate = 1.0, mult
-    mult = _positive_mult(mult)
+        approximate = mult
+    multiplier = _positive_mult(1.0 if isinstance(mult, str) else mult)
     if fused.eager_forms():
         output_scale, grad_scale = fused.cached_scales(
-            ("gelu", approximate, mult, constraint), _gelu_scales, approximate, constraint, mult)
-        return fused.gelu(input if mult == 1.0 else input * mult, approximate, output_scale,
-                          grad_scale)
-    output_scale, grad_scale = _gelu_scales(approximate, constraint, mult)
+            ("gelu", approximate, multiplier, constraint), _gelu_scales, approximate,
+            constraint, multiplier)
+        return fused.gelu(input if multiplier == 1.0 else input * multiplier, approximate,
+                          output_scale, grad_scale)
+    output_scale, grad_scale = _gelu_scales(approximate, constraint, multiplier)
     # The derivative of gelu(mult x) carries mult: the scaled call sees gelu at mult x.
     return _scaled_call(
-        lambda x: F.gelu(x if mult == 1.0 else x * mult, approximate=approximate), (input,),
-        output_scale, (grad_scale,), scale_in_place=True,
+        lambda x: F.gelu(x if multiplier == 1.0 else x * multiplier, approximate=approximate),
+        (input,), output_scale, (grad_scale,), scale_in_place=True,
     )
 
 
-def relu(input: Tensor, inplace: bool = False, constraint: ConstraintArg = "to_output_scale") -> Tensor:
+def relu(input: Tensor, inplace: bool = False,
+         constraint: ConstraintArg = "to_output_scale") -> Tensor:
     """Unit-scaled `F.relu`.
 
     Rule: output scale 1/sqrt(1/2 - 1/(2 pi)), grad-input scale sqrt(2); tied by `constraint`.
@@ -489,11 +491,16 @@ def add(
     `add(input, other, alpha, constraint)` (alpha third, as earlier versions took it) is still
     understood.
     """
+    rule: ConstraintArg
     if isinstance(constraint, (int, float)) and not isinstance(constraint, bool):
         # add(input, other, alpha[, constraint]), as earlier versions took it.
-        constraint, alpha = (alpha if not isinstance(alpha, (int, float)) else
-                             "to_output_scale"), float(constraint)
-    alpha = float(alpha)  # type: ignore[arg-type]
+        rule = "to_output_scale" if isinstance(alpha, (int, float)) else alpha
+        alpha = float(constraint)
+    else:
+        rule = constraint  # type: ignore[assignment]
+    if not isinstance(alpha, (int, float)):
+        raise ValueError(f"alpha={alpha!r} must be a number")
+    alpha = float(alpha)
     _reject("out", out, None, "the scaled sum is a new tensor")
     if alpha == 0:
         raise ValueError("alpha=0 is not supported by the unit-scaled add: use the input itself")
@@ -506,7 +513,7 @@ def add(
     else:
         output_scale = (1 + alpha**2) ** -0.5
     output_scale, input_scale, other_scale = apply_constraint(
-        constraint, output_scale, 1.0, 1 / abs(alpha)
+        rule, output_scale, 1.0, 1 / abs(alpha)
     )
     out_numel = math.prod(torch.broadcast_shapes(input.shape, other.shape))
     input_scale *= _broadcast_count(input, out_numel) ** -0.5
@@ -660,12 +667,12 @@ def scaled_dot_product_attention(
     in unit_scaling; `scale` (torch's argument) replaces that factor, and `scale=head_dim**-0.5`
     gives torch's default. Give one of `mult` and `scale`.
 
-    Rule: with unit q, k, v, the logits have std s = scale * sqrt(d) (1/sqrt(d) by default) and a query
-    row that sees m keys outputs a p-weighted mean of values with variance S(m) = E[sum p**2]
-    (see `softmax`), times 1/(1-p) with dropout. Each row is multiplied by
-    sqrt((1 - dropout_p) / S(m)) in both passes, which makes the output unit and, on average
+    Rule: with unit q, k, v, the logits have std s = scale * sqrt(d) (mult / sqrt(d) by
+    default, 1 at torch's scale) and a query row that sees m keys outputs a p-weighted mean of
+    values with variance S(m) = E[sum p**2], times 1/(1-p) with dropout. Each row is multiplied
+    by sqrt((1 - dropout_p) / S(m)) in both passes, which makes the output unit and, on average
     over key positions, the value gradient unit too. The query and key gradients come out at
-    std sqrt(C(m)), below 1 for few keys; `attention_query_key_grad_scale` says why and
+    std s sqrt(C(m)), below s for few keys; `attention_query_key_grad_scale` says why and
     scales their projections' parameters, a cut edge. m comes from `is_causal` or a
     boolean `attn_mask`. Under `ipu_tracing()` the attention is built from matmuls, a mask and
     a softmax, which PopTorch supports, instead of the fused op.

@@ -195,7 +195,7 @@ class Conv1d(nn.Conv1d):
             if not isinstance(value, int):
                 raise ValueError(f"{name}={value!r}: the unit-scaled Conv1d takes integers")
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation,
-                         groups, bias, padding_mode, device, dtype)
+                         groups, bias, padding_mode, device, dtype)  # type: ignore[arg-type]
         self.constraint = constraint
         self.weight = Parameter(self.weight.data, weight_mup_type)
         if self.bias is not None:
@@ -298,9 +298,9 @@ class GELU(nn.GELU):
     def __init__(self, mult: Union[float, str] = 1.0,
                  constraint: ConstraintArg = "to_output_scale", approximate: str = "none") -> None:
         if isinstance(mult, str):
-            mult, approximate = 1.0, mult
+            approximate = mult
         super().__init__(approximate)
-        self.mult = float(mult)
+        self.mult = 1.0 if isinstance(mult, str) else float(mult)
         self.constraint = constraint
 
     def forward(self, input: Tensor) -> Tensor:
@@ -375,11 +375,11 @@ class SiLU(nn.SiLU):
     def __init__(self, mult: Union[float, bool] = 1.0,
                  constraint: ConstraintArg = "to_output_scale", inplace: bool = False) -> None:
         if isinstance(mult, bool):  # SiLU(inplace) as earlier versions took it
-            mult, inplace = 1.0, mult
+            inplace = mult
         if inplace:
             raise ValueError("SiLU: inplace=True is not supported by the unit-scaled version")
         super().__init__(inplace)
-        self.mult = float(mult)
+        self.mult = 1.0 if isinstance(mult, bool) else float(mult)
         self.constraint = constraint
 
     def forward(self, input: Tensor) -> Tensor:
@@ -421,8 +421,9 @@ class RMSNorm(_RMSNormBase):  # type: ignore[misc]  # nn.RMSNorm where torch has
         shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(
             normalized_shape)
         super().__init__(shape, eps, elementwise_affine, device=device, dtype=dtype)
-        if self.weight is not None:
-            self.weight = Parameter(self.weight.data, "norm")
+        gain: Optional[Tensor] = self.__dict__["_parameters"].get("weight")
+        if gain is not None:
+            self.weight = Parameter(gain.data, "norm")
 
     def forward(self, input: Tensor) -> Tensor:
         return U.rms_norm(input, self.normalized_shape, self.weight, self.eps)

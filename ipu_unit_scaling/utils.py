@@ -63,7 +63,7 @@ class _Recorder(fx.Interpreter):
 class _DeepTracer(fx.Tracer):
     def __init__(self, recurse_modules: bool, autowrap_modules: Tuple[ModuleType, ...],
                  autowrap_functions: Tuple[Callable[..., Any], ...]) -> None:
-        super().__init__(autowrap_modules=autowrap_modules,
+        super().__init__(autowrap_modules=autowrap_modules,  # type: ignore[arg-type]
                          autowrap_functions=autowrap_functions)
         self.recurse_modules = recurse_modules
 

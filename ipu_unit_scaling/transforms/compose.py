@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
-import torch
 from torch import Tensor, fx, nn
 
 __all__ = ["Backend", "apply_transform", "transforms_of", "without_transforms", "compile"]

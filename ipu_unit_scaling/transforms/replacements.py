@@ -201,11 +201,12 @@ def _rms_norm(m: nn.Module) -> Optional[nn.Module]:
     """`nn.RMSNorm`, or a model's own RMSNorm class (Llama's and its kin's): a 1-D `weight`
     and an epsilon named `eps` or `variance_epsilon`. None (not converted) for another shape."""
     weight = getattr(m, "weight", None)
-    eps = getattr(m, "eps", getattr(m, "variance_epsilon", None))
+    eps: Optional[float] = getattr(m, "eps", getattr(m, "variance_epsilon", None))
     if isinstance(weight, Tensor) and weight.dim() == 1:
         return uu.RMSNorm(weight.shape[0], eps=eps, elementwise_affine=True)
     if isinstance(m, getattr(nn, "RMSNorm", ())) and weight is None:
-        return uu.RMSNorm(m.normalized_shape, eps=m.eps, elementwise_affine=False)
+        shape: Tuple[int, ...] = tuple(m.normalized_shape)  # type: ignore[arg-type]
+        return uu.RMSNorm(shape, eps=eps, elementwise_affine=False)
     return None
 
 

@@ -27,11 +27,22 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import warnings
 from dataclasses import dataclass, field
 from typing import (
-    Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Set, TypeVar,
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Set,
+    TypeVar,
     Union,
 )
 
@@ -42,6 +53,7 @@ from torch import nn
 from .. import modules as uu
 from . import export as E
 from . import replacements as R
+from .compose import apply_transform, transforms_of, without_transforms
 from .graph import (
     _between,
     _first_line,
@@ -60,7 +72,6 @@ from .graph import (
     _silu_input,
     _target_name,
 )
-from .compose import apply_transform, transforms_of, without_transforms
 from .tracing import ArgumentFrame, Inputs, SpecialisedCall, capture_inputs, trace_module
 
 __all__ = ["unit_scale", "unit_scale_with_report", "UnitScaleReport", "UnitScaleWarning"]
@@ -175,7 +186,7 @@ def unit_scale(
             "unit_scale left some ops unscaled; they run as in the original model:\n"
             + report.summary(), UnitScaleWarning, stacklevel=2,
         )
-    return converted
+    return converted  # type: ignore[return-value]  # a module in place of the model
 
 
 def unit_scale_with_report(
@@ -269,7 +280,7 @@ def _calls_replaced(model: nn.Module, replace: Dict[Callable[..., Any], Callable
                     if _replaced(value, replace):
                         namespace = forward.__globals__
                         namespace[name] = _traced_as_call(replace[value])
-                        restore.append(lambda ns=namespace, n=name, v=value: ns.__setitem__(n, v))
+                        restore.append(functools.partial(namespace.__setitem__, name, value))
                 for cell in getattr(forward, "__closure__", None) or ():
                     try:
                         value = cell.cell_contents
@@ -277,7 +288,7 @@ def _calls_replaced(model: nn.Module, replace: Dict[Callable[..., Any], Callable
                         continue
                     if _replaced(value, replace):
                         cell.cell_contents = _traced_as_call(replace[value])
-                        restore.append(lambda c=cell, v=value: setattr(c, "cell_contents", v))
+                        restore.append(functools.partial(setattr, cell, "cell_contents", value))
         yield
     finally:
         for undo in reversed(restore):
