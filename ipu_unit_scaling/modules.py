@@ -14,7 +14,6 @@ is what unit scaling is compared against. unit_scaling's own u-μP blocks (`MHSA
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Tuple, Union, cast
 
@@ -52,6 +51,8 @@ __all__ = [
     "Ops",
     "UNIT_OPS",
     "TORCH_OPS",
+    "gmean_linear",
+    "affine_layer_norm",
     "gmean_gelu",
     "gmean_silu_glu",
     "unit_attention",
@@ -484,6 +485,18 @@ class Ops:
     silu_glu: Callable[..., Tensor] = U.silu_glu
 
 
+def gmean_linear(in_features: int, out_features: int, bias: bool = True, device: Any = None,
+                 dtype: Optional[torch.dtype] = None) -> Linear:
+    """`Linear` with the paper's geometric-mean constraint, as the blocks below use it."""
+    return Linear(in_features, out_features, bias, device, dtype, constraint="gmean")
+
+
+def affine_layer_norm(normalized_shape: Union[int, Sequence[int]], eps: float = 1e-5,
+                      device: Any = None, dtype: Optional[torch.dtype] = None) -> LayerNorm:
+    """`LayerNorm` with a gain and bias, as the blocks below use it."""
+    return LayerNorm(normalized_shape, eps, elementwise_affine=True, device=device, dtype=dtype)
+
+
 def gmean_gelu(input: Tensor) -> Tensor:
     """`U.gelu` with the paper's geometric-mean constraint, as the blocks below use it."""
     return U.gelu(input, constraint="gmean")
@@ -507,8 +520,8 @@ def gmean_silu_glu(input: Tensor, gate: Tensor) -> Tensor:
 # The blocks below were measured and recorded with the paper's geometric-mean constraint on
 # their linears and activations; the ops' own default is unit_scaling's "to_output_scale".
 UNIT_OPS = Ops(
-    Linear=functools.partial(Linear, constraint="gmean"),
-    LayerNorm=functools.partial(LayerNorm, elementwise_affine=True),
+    Linear=gmean_linear,
+    LayerNorm=affine_layer_norm,
     Embedding=Embedding,
     gelu=gmean_gelu,
     dropout=U.dropout,
