@@ -561,3 +561,15 @@ def test_unit_scale_comes_before_graph_transforms_applied_earlier():
     cast, exact = fp8_then_unit(x), unit(x)
     relative = ((cast - exact).norm() / exact.norm()).item()
     assert 1e-3 < relative < 0.15
+
+
+def test_label_smoothing_is_refused_by_the_op_and_kept_by_unit_scale():
+    logits, target = torch.randn(64, 10), torch.randint(0, 10, (64,))
+    with pytest.raises(ValueError, match="label_smoothing"):
+        U.cross_entropy(logits, target, label_smoothing=0.1)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        uu.CrossEntropyLoss(label_smoothing=0.1)
+    converted = transforms.unit_scale(nn.CrossEntropyLoss(label_smoothing=0.1))
+    assert isinstance(converted, uu.CrossEntropyLoss)
+    torch.testing.assert_close(converted(logits, target),
+                               F.cross_entropy(logits, target, label_smoothing=0.1))
