@@ -131,14 +131,20 @@ def linear(
     output_scale, grad_input_scale, grad_weight_scale = linear_scales(
         fan_in, fan_out, batch_size, constraint, scale_power
     )
-    # The PopTorch form. The output scale is folded into the weight: a multiply on the (small)
-    # weight instead of the (large) activation, and the backward multiply then reaches the
-    # input gradient for free.
-    weight = scale(weight, output_scale, grad_weight_scale)
-    input = scale_bwd(input, grad_input_scale / output_scale)
-    if bias is not None:
-        bias = scale_bwd(bias, grad_weight_scale)
-    return F.linear(input, weight, bias)
+    if is_ipu_tracing():
+        # The PopTorch form. The output scale is folded into the weight: a multiply on the
+        # (small) weight instead of the (large) activation, and the backward multiply then
+        # reaches the input gradient for free.
+        weight = scale(weight, output_scale, grad_weight_scale)
+        input = scale_bwd(input, grad_input_scale / output_scale)
+        if bias is not None:
+            bias = scale_bwd(bias, grad_weight_scale)
+        return F.linear(input, weight, bias)
+    # Under torch.compile and graph transforms: the matmul sees the unscaled input and weight
+    # (what `transforms.simulate_fp8` casts); the compiler fuses the output's multiply.
+    out = scale_fwd(F.linear(scale_bwd(input, grad_input_scale),
+                             scale_bwd(weight, grad_weight_scale)), output_scale)
+    return out if bias is None else out + scale_bwd(bias, grad_weight_scale)
 
 
 def linear_readout(

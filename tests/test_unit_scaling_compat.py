@@ -573,3 +573,16 @@ def test_label_smoothing_is_refused_by_the_op_and_kept_by_unit_scale():
     assert isinstance(converted, uu.CrossEntropyLoss)
     torch.testing.assert_close(converted(logits, target),
                                F.cross_entropy(logits, target, label_smoothing=0.1))
+
+
+@needs_dynamo
+def test_simulate_format_casts_the_unscaled_inputs_of_a_unit_scaled_linear():
+    """As unit-scaling casts them: the weight and input, not the weight times its scale."""
+    torch.manual_seed(0)
+    layer = uu.Linear(256, 64, constraint=None)
+    nearest_e4m3 = uu.formats.FPFormat(4, 3, rounding="nearest")
+    cast = transforms.simulate_format(layer, nearest_e4m3, uu.formats.FPFormat(5, 2))
+    x = torch.randn(32, 256)
+    expected = U.linear(nearest_e4m3.quantise(x), nearest_e4m3.quantise(layer.weight.detach()),
+                        constraint=None)
+    torch.testing.assert_close(cast(x), expected, rtol=1e-6, atol=1e-6)
