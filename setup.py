@@ -34,6 +34,7 @@ host_library = Extension(
     sources=["codelets/host/fp8_host.cpp"],
     include_dirs=["codelets/host_shim"],
     depends=["codelets/fp8_codelets.cpp", "codelets/fp8_arith.hpp", "codelets/partition.hpp",
+             "codelets/placement.hpp",
              "codelets/host/fp8_fused.hpp", "codelets/host/fp8_fast.hpp",
              "codelets/host/fp8_simd.hpp",
              "codelets/host_shim/poplar/Vertex.hpp", "codelets/host_shim/poplar/HalfFloat.hpp"],
@@ -56,10 +57,13 @@ setup(
     # matplotlib draws the loss curves every run writes: the main job needs it.
     install_requires=["torch>=2.0", "numpy", "pyyaml", "tqdm", "matplotlib"],
     extras_require={
+        # tensorboard: the tests read back the event files training writes when it is there.
         "test": ["pytest", "hypothesis", "ml_dtypes", "gfloat", "ruff", "mypy", "types-PyYAML",
-                 "transformers"],
+                 "transformers", "tensorboard"],
         "analysis": [],  # kept so that install lines naming it still work
         "bench": ["unit-scaling"],
+        # Training also logs its scalars to <run_dir>/tensorboard/ where TensorBoard imports.
+        "tensorboard": ["tensorboard"],
     },
     entry_points={"console_scripts": ["ipu-unit-scaling=ipu_unit_scaling.cli:main"]},
     # Named configs for installs without a source checkout (see config.CONFIGS_DIR).

@@ -1,13 +1,18 @@
 // Poplar vertices for tile-local FP8 amax, scaling bias and casts.
 //
-// Compiled by popc for the IPU (graph.addCodelets or `popc -O3`), and by g++
-// against host_shim/ for the host library; the source is the same and the
-// arithmetic lives in fp8_arith.hpp. Graph layout (see custom_ops/):
+// Compiled by popc for the IPU (graph.addCodelets or popc), and by g++ against
+// host_shim/ for the host library; the source is the same and the arithmetic
+// lives in fp8_arith.hpp. Graph layout (see custom_ops/fp8_graph.cpp), every
+// vertex on the tile where its data already is:
 //   every tile holding input:  PartialAmax<T>        -> one partial per worker
-//   one tile:                  ScalingBias<E>        -> log2 scale, non-finite flag
+//   a tree over those tiles:   MaxPartials           -> the amax of a group's partials
+//   its root:                  ScalingBias<E>        -> log2 scale, non-finite flag
 //   every tile holding input:  CastToFp8<T, E, Sat>  -> uint8 codes
 // and CastFromFp8<T, E> for the way back. E is the number of exponent bits:
-// 4 for F143, 5 for F152.
+// 4 for F143, 5 for F152. A tile whose data lies in one contiguous region runs
+// the vertex above; a tile holding several regions runs its ...Regions variant,
+// which takes the list of regions (as poplibs' 2D element-wise vertices do)
+// instead of having them copied together first.
 #include <poplar/HalfFloat.hpp>
 #include <poplar/Vertex.hpp>
 
@@ -44,8 +49,46 @@ class PartialAmax : public MultiVertex {
 template class PartialAmax<float>;
 template class PartialAmax<half>;
 
-// Reduces every tile's partials to the amax and turns it into the log2
-// scaling bias. A vertex cannot raise, so a non-finite amax writes scale 0
+template <typename T>
+class PartialAmaxRegions : public MultiVertex {
+ public:
+  Vector<Input<Vector<T>>> in;
+  Output<Vector<float>> partials;  // numWorkers() entries, one per worker
+
+  bool compute(unsigned workerId) {
+    unsigned key = 0;
+    ius::forEachPiece<unsigned>(
+        unsigned(in.size()), [&](unsigned r) { return unsigned(in[r].size()); }, numWorkers(),
+        workerId,
+        [&](unsigned r, unsigned begin, unsigned end) {
+          key = ius::maxKey(key, ius::amaxKeyOfSpan(&in[r][begin], end - begin));
+        });
+    partials[workerId] = ius::floatFromKey(key);
+    return true;
+  }
+};
+
+template class PartialAmaxRegions<float>;
+template class PartialAmaxRegions<half>;
+
+// One inner node of the amax tree: the NaN-aware amax of its group's partials.
+class MaxPartials : public Vertex {
+ public:
+  Input<Vector<float>> partials;
+  Output<float> amax;
+
+  bool compute() {
+    unsigned key = 0;
+    for (unsigned i = 0; i < partials.size(); ++i) {
+      key = ius::maxKey(key, ius::magnitudeKey(partials[i]));
+    }
+    *amax = ius::floatFromKey(key);
+    return true;
+  }
+};
+
+// The root of the amax tree: reduces its partials to the amax and turns it
+// into the log2 scaling bias. A vertex cannot raise, so a non-finite amax writes scale 0
 // and sets nonFinite; the host side turns that into an error.
 template <unsigned ExponentBits>
 class ScalingBias : public Vertex {
@@ -100,6 +143,35 @@ template class CastToFp8<half, 4, false>;
 template class CastToFp8<half, 5, true>;
 template class CastToFp8<half, 5, false>;
 
+template <typename T, unsigned ExponentBits, bool Saturate>
+class CastToFp8Regions : public MultiVertex {
+ public:
+  Vector<Input<Vector<T>>> in;
+  Input<int> log2Scale;
+  Vector<Output<Vector<unsigned char, VectorLayout::SPAN, kSubWordAlignment>>> out;
+
+  bool compute(unsigned workerId) {
+    const float scale = ius::powerOfTwo(*log2Scale);
+    ius::forEachPiece<unsigned>(
+        unsigned(in.size()), [&](unsigned r) { return unsigned(in[r].size()); }, numWorkers(),
+        workerId,
+        [&](unsigned r, unsigned begin, unsigned end) {
+          ius::castToFp8Span<ExponentBits, Saturate>(&in[r][begin], end - begin, scale,
+                                                     &out[r][begin]);
+        });
+    return true;
+  }
+};
+
+template class CastToFp8Regions<float, 4, true>;
+template class CastToFp8Regions<float, 4, false>;
+template class CastToFp8Regions<float, 5, true>;
+template class CastToFp8Regions<float, 5, false>;
+template class CastToFp8Regions<half, 4, true>;
+template class CastToFp8Regions<half, 4, false>;
+template class CastToFp8Regions<half, 5, true>;
+template class CastToFp8Regions<half, 5, false>;
+
 // out = decode(codes) * 2^-log2Scale.
 template <typename T, unsigned ExponentBits>
 class CastFromFp8 : public MultiVertex {
@@ -122,3 +194,27 @@ template class CastFromFp8<float, 4>;
 template class CastFromFp8<float, 5>;
 template class CastFromFp8<half, 4>;
 template class CastFromFp8<half, 5>;
+
+template <typename T, unsigned ExponentBits>
+class CastFromFp8Regions : public MultiVertex {
+ public:
+  Vector<Input<Vector<unsigned char>>> in;
+  Input<int> log2Scale;
+  Vector<Output<Vector<T, VectorLayout::SPAN, kSubWordAlignment>>> out;
+
+  bool compute(unsigned workerId) {
+    const float scale = ius::powerOfTwo(-*log2Scale);
+    ius::forEachPiece<unsigned>(
+        unsigned(in.size()), [&](unsigned r) { return unsigned(in[r].size()); }, numWorkers(),
+        workerId,
+        [&](unsigned r, unsigned begin, unsigned end) {
+          ius::castFromFp8Span<ExponentBits>(&in[r][begin], end - begin, scale, &out[r][begin]);
+        });
+    return true;
+  }
+};
+
+template class CastFromFp8Regions<float, 4>;
+template class CastFromFp8Regions<float, 5>;
+template class CastFromFp8Regions<half, 4>;
+template class CastFromFp8Regions<half, 5>;

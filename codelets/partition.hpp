@@ -1,9 +1,9 @@
-// How a flat tensor is split across tiles, and a tile's slice across workers.
+// How a flat tensor is split across tiles, and a tile's data across workers.
 //
-// One function, used at both levels: by the PopART custom op to map the input
-// and the vertices to tiles, by the MultiVertex codelets to pick each worker's
-// slice, and (through the host library) by the Python emulator. Keeping it in
-// one header is what makes the emulator's split provably the graph's split.
+// Used at both levels: by the PopART custom op's graph construction, by the
+// MultiVertex codelets to pick each worker's share, and (through the host
+// library) by the Python emulator and graph model. Keeping it in one header is
+// what makes the emulator's split provably the graph's split.
 #pragma once
 
 namespace ius {
@@ -24,8 +24,8 @@ struct Range {
 // differ by at most one grain, the last non-empty part may end mid-grain, and
 // parts beyond the number of grains are empty.
 template <typename Index>
-inline Range<Index> splitRange(Index length, unsigned parts, unsigned part) {
-  const Index grain = kPartitionGrain;
+inline Range<Index> splitRange(Index length, unsigned parts, unsigned part,
+                               Index grain = kPartitionGrain) {
   const Index grains = (length + grain - 1) / grain;
   const Index base = grains / parts;
   const Index extra = grains % parts;
@@ -35,6 +35,40 @@ inline Range<Index> splitRange(Index length, unsigned parts, unsigned part) {
   const Index begin = firstGrain * grain;
   const Index end = lastGrain * grain;
   return Range<Index>{begin < length ? begin : length, end < length ? end : length};
+}
+
+template <typename Index>
+inline Index grainsOf(Index length) {
+  return (length + kPartitionGrain - 1) / kPartitionGrain;
+}
+
+// A tile's share for worker `part` of `parts` when the tile holds `regions`
+// separate regions of sizeOf(r) elements (a tensor laid out by another op can
+// leave several on a tile). Each region is cut into grains from its own start,
+// and the tile's grains, region after region, are dealt out as splitRange deals
+// elements: workers differ by at most one grain and every piece starts on a
+// grain boundary of its region, so no two workers share a word of an aligned
+// region. Calls visit(r, begin, end) for each piece, in region order. With one
+// region this is splitRange(size, parts, part).
+template <typename Index, typename SizeOf, typename Visit>
+inline void forEachPiece(unsigned regions, SizeOf sizeOf, unsigned parts, unsigned part,
+                         Visit visit) {
+  Index total = 0;
+  for (unsigned r = 0; r < regions; ++r) total += grainsOf<Index>(sizeOf(r));
+  const Range<Index> mine = splitRange<Index>(total, parts, part, 1);
+  Index first = 0;  // the tile-wide index of region r's first grain
+  for (unsigned r = 0; r < regions && first < mine.end; ++r) {
+    const Index length = sizeOf(r);
+    const Index grains = grainsOf<Index>(length);
+    const Index from = mine.begin > first ? mine.begin : first;
+    const Index to = mine.end < first + grains ? mine.end : first + grains;
+    if (to > from) {
+      const Index begin = (from - first) * kPartitionGrain;
+      const Index end = (to - first) * kPartitionGrain;
+      visit(r, begin, end < length ? end : length);
+    }
+    first += grains;
+  }
 }
 
 }  // namespace ius

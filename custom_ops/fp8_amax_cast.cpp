@@ -92,7 +92,7 @@ class Fp8AmaxCastOpx : public CodeletOpx {
   void grow(poplar::program::Sequence& prog) const final {
     const Fp8Attributes& attributes = getOp<Fp8AmaxCastOp>().attributes();
     const poplar::Tensor input = getInTensor(0);
-    const poplar::Tensor flat = laidOutFlat(prog, input);
+    const poplar::Tensor flat = input.flatten();
     const Scale scale = growScale(prog, flat, attributes);
     const poplar::Tensor codes = growCastToFp8(prog, flat, scale.log2Scale, attributes);
     setOutTensor(0, codes.reshape(input.shape()));

@@ -1,14 +1,25 @@
 // The Poplar graph around the FP8 codelets, shared by every FP8 custom op.
 //
-//   every tile holding input:  PartialAmax<T>        x slice  -> one partial per worker
-//   tile 0:                    ScalingBias<E>        partials -> log2 scale, non-finite flag
-//   every tile holding input:  CastToFp8<T, E, Sat>  x slice  -> uint8 codes
+// Every vertex runs where its data already is, as poplibs' element-wise ops
+// place theirs: the input is not moved to be measured or cast, and the outputs
+// are laid out like the input (graph.clone), so the op that consumes them (a
+// matmul, say) finds them where it laid its operand out.
+//
+//   every tile holding input:  PartialAmax<T>        its data -> one partial per worker
+//   a tree over those tiles:   MaxPartials           a group's partials -> their amax
+//   the tree's root:           ScalingBias<E>        <= F partials -> log2 scale, non-finite flag
+//   every tile holding input:  CastToFp8<T, E, Sat>  its data -> uint8 codes
 //   every tile holding codes:  CastFromFp8<T, E>     codes    -> decode(codes) * 2^-s
 //
-// Each tile's slice is ius::splitRange(n, tiles, tile); each MultiVertex splits
-// its slice over the tile's workers with the same function.
+// The tree is ius::planAmaxTree (codelets/placement.hpp): no vertex reads more
+// than F = ceil(sqrt(tiles holding input)) partials, instead of one vertex on
+// tile 0 reading every tile's. A tile whose data is in several regions of its
+// memory runs the ...Regions variant of a vertex. The host model of this graph
+// (ipu_unit_scaling/emulator.py) uses the same plan through the host library.
+#include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <poplar/Graph.hpp>
@@ -16,10 +27,11 @@
 #include <poplar/Program.hpp>
 #include <poputil/VertexTemplates.hpp>
 #include <popart/error.hpp>
+#include <popart/region.hpp>
 #include <popart/tensorinfo.hpp>
 
 #include "fp8_ops.hpp"
-#include "partition.hpp"
+#include "placement.hpp"
 
 #ifndef IUS_CODELETS_GP
 #define IUS_CODELETS_GP ""
@@ -35,34 +47,41 @@ namespace {
 constexpr int64_t kMaxLog2Scale = 31;
 constexpr int64_t kMaxMargin = 31;
 
-// Maps a flat tensor so tile t holds ius::splitRange(n, tiles, t).
-void mapByPartition(poplar::Graph& graph, const poplar::Tensor& flat) {
-  const unsigned tiles = graph.getTarget().getNumTiles();
-  const std::size_t n = flat.numElements();
-  for (unsigned t = 0; t < tiles; ++t) {
-    const auto range = ius::splitRange<std::size_t>(n, tiles, t);
-    if (range.end > range.begin) {
-      graph.setTileMapping(flat.slice(range.begin, range.end), t);
+// A tile's part of `t` as regions contiguous in the tile's memory, each a
+// list of intervals of t (what getSortedContiguousRegions returns); empty for
+// tiles holding none of t.
+using TileRegions = std::vector<std::vector<poplar::Interval>>;
+
+std::vector<TileRegions> regionsByTile(poplar::Graph& graph, const poplar::Tensor& t) {
+  const auto mapping = graph.getTileMapping(t);
+  std::vector<TileRegions> regions(mapping.size());
+  for (std::size_t tile = 0; tile < mapping.size(); ++tile) {
+    if (!mapping[tile].empty()) {
+      regions[tile] = graph.getSortedContiguousRegions(t, mapping[tile]);
     }
   }
+  return regions;
 }
 
-bool laidOutByPartition(poplar::Graph& graph, const poplar::Tensor& flat) {
-  const unsigned tiles = graph.getTarget().getNumTiles();
-  const std::size_t n = flat.numElements();
-  const auto mapping = graph.getTileMapping(flat, false);
-  const std::vector<poplar::Interval> none;
-  for (unsigned t = 0; t < tiles; ++t) {
-    const auto range = ius::splitRange<std::size_t>(n, tiles, t);
-    const bool empty = range.end == range.begin;
-    const auto& intervals = t < mapping.size() ? mapping[t] : none;
-    if (empty != intervals.empty()) return false;
-    if (!empty && (intervals.size() != 1 || intervals[0].begin() != range.begin ||
-                   intervals[0].end() != range.end)) {
-      return false;
+// An element-wise vertex on `tile`, each of `fields` connected to its tensor's
+// part on that tile: `codelet` when the part is one region, else
+// `regionsCodelet`, whose fields take the list of regions.
+poplar::VertexRef addTileVertex(poplar::Graph& graph, poplar::ComputeSet& computeSet,
+                                const std::string& codelet, const std::string& regionsCodelet,
+                                unsigned tile, const TileRegions& regions,
+                                const std::vector<std::pair<std::string, poplar::Tensor>>& fields) {
+  const bool oneRegion = regions.size() == 1;
+  poplar::VertexRef vertex = graph.addVertex(computeSet, oneRegion ? codelet : regionsCodelet);
+  for (const auto& field : fields) {
+    const std::vector<poplar::Tensor> parts = field.second.slices(regions);
+    if (oneRegion) {
+      graph.connect(vertex[field.first], parts.front());
+    } else {
+      graph.connect(vertex[field.first], parts);
     }
   }
-  return true;
+  graph.setTileMapping(vertex, tile);
+  return vertex;
 }
 
 // The popc-compiled codelets when the build made them, else the C++ source,
@@ -121,37 +140,27 @@ void Fp8Attributes::appendTo(popart::OpSerialiserBase& os) const {
   os.appendAttribute("log2_scale", log2Scale);
 }
 
+// Input 0 takes its layout from whatever consumes output 0, as for
+// poplibs' element-wise ops: a matmul reading the codes or the quantised
+// values lays them out, and that layout reaches x without a copy.
 popart::popx::InputCreatorType CodeletOpx::getInputCreatorType(popart::InIndex index) const {
-  return index == 0 ? popart::popx::InputCreatorType::CanCreate
+  return index == 0 ? popart::popx::InputCreatorType::CanUnwind
                     : popart::popx::Opx::getInputCreatorType(index);
 }
 
-poplar::Tensor CodeletOpx::createInput(popart::InIndex index,
-                                       const poplar::DebugNameAndId& dnai) const {
-  if (index != 0) {
-    throw popart::error("{} creates only its input 0, not {}", op_p->str(), index);
-  }
-  const popart::TensorInfo& info = inInfo(index);
-  const std::vector<std::size_t> shape(info.shape().begin(), info.shape().end());
-  poplar::Tensor input = graph().addVariable(poplarType(info), shape, dnai);
-  mapByPartition(graph(), input.flatten());
-  return input;
+bool CodeletOpx::canUnwind(popart::InIndex in, popart::OutIndex out) const {
+  return in == 0 && out == 0;
 }
 
-std::set<popart::TensorId> CodeletOpx::mustExistBeforeCreate(popart::InIndex) const {
-  return {};
+poplar::Tensor CodeletOpx::unwindTensorLayout(poplar::Tensor tensor, popart::InIndex in,
+                                              popart::OutIndex) const {
+  const poplar::Type type = poplarType(inInfo(in));
+  return tensor.elementType() == type ? tensor
+                                      : graph().clone(type, tensor, debugContext("unwound"));
 }
 
-poplar::Tensor CodeletOpx::laidOutFlat(poplar::program::Sequence& prog,
-                                       const poplar::Tensor& x) const {
-  poplar::Graph& g = graph();
-  const poplar::Tensor flat = x.flatten();
-  if (laidOutByPartition(g, flat)) return flat;
-  poplar::Tensor laidOut =
-      g.addVariable(flat.elementType(), {flat.numElements()}, debugContext("input"));
-  mapByPartition(g, laidOut);
-  prog.add(poplar::program::Copy(flat, laidOut, false, debugContext("layout")));
-  return laidOut;
+popart::view::RegMap CodeletOpx::unwindRegion(popart::InIndex, popart::OutIndex) const {
+  return [](const popart::view::Region& region) { return popart::view::Regions(1, region); };
 }
 
 CodeletOpx::Scale CodeletOpx::growScale(poplar::program::Sequence& prog,
@@ -170,41 +179,67 @@ CodeletOpx::Scale CodeletOpx::growScale(poplar::program::Sequence& prog,
   }
   scale.log2Scale = g.addVariable(poplar::INT, {}, debugContext("log2Scale"));
   scale.nonFinite = g.addVariable(poplar::INT, {}, debugContext("nonFinite"));
-  g.setTileMapping(scale.log2Scale, 0);
-  g.setTileMapping(scale.nonFinite, 0);
 
-  const unsigned tiles = g.getTarget().getNumTiles();
   const unsigned workers = g.getTarget().getNumWorkerContexts();
-  const std::size_t n = flat.numElements();
+  const std::vector<TileRegions> regions = regionsByTile(g, flat);
   poplar::ComputeSet amax = g.addComputeSet(debugContext("PartialAmax"));
-  const std::string amaxVertex = poputil::templateVertex("PartialAmax", flat.elementType());
-  std::vector<poplar::Tensor> usedPartials;
-  for (unsigned t = 0; t < tiles; ++t) {
-    const auto range = ius::splitRange<std::size_t>(n, tiles, t);
-    if (range.end == range.begin) continue;  // empty tiles hold no vertex, no partials
+  const poplar::Type elementType = flat.elementType();
+  std::vector<unsigned> leafTiles;
+  std::vector<poplar::Tensor> leafPartials;
+  for (unsigned t = 0; t < regions.size(); ++t) {
+    if (regions[t].empty()) continue;
     poplar::Tensor partials = g.addVariable(poplar::FLOAT, {workers}, debugContext("partials"));
     g.setTileMapping(partials, t);
-    auto vertex = g.addVertex(amax, amaxVertex,
-                              {{"in", flat.slice(range.begin, range.end)},
-                               {"partials", partials}});
-    g.setTileMapping(vertex, t);
-    usedPartials.push_back(partials);
+    auto vertex = addTileVertex(g, amax, poputil::templateVertex("PartialAmax", elementType),
+                                poputil::templateVertex("PartialAmaxRegions", elementType), t,
+                                regions[t], {{"in", flat}});
+    g.connect(vertex["partials"], partials);
+    leafTiles.push_back(t);
+    leafPartials.push_back(partials);
   }
   prog.add(poplar::program::Execute(amax, debugContext("amax")));
 
-  poplar::ComputeSet reduce = g.addComputeSet(debugContext("ScalingBias"));
-  poplar::Tensor allPartials =
-      usedPartials.empty() ? g.addConstant(poplar::FLOAT, {1}, 0.0f, debugContext("zero"))
-                           : poplar::concat(usedPartials);
-  if (usedPartials.empty()) g.setTileMapping(allPartials, 0);
-  auto vertex = g.addVertex(reduce,
+  const ius::AmaxTree tree = ius::planAmaxTree(leafTiles, static_cast<std::uint64_t>(op_p->id));
+  // Per node, the partials of its children, added as each child is built.
+  std::vector<std::vector<poplar::Tensor>> children(tree.tiles.size());
+  for (std::size_t leaf = 0; leaf < tree.leaves; ++leaf) {
+    children[static_cast<std::size_t>(tree.parents[leaf])].push_back(leafPartials[leaf]);
+  }
+  const std::size_t root = tree.root();
+  for (unsigned level = 1; level < tree.levels[root]; ++level) {
+    poplar::ComputeSet reduce = g.addComputeSet(debugContext("MaxPartials"));
+    for (std::size_t node = tree.leaves; node < root; ++node) {
+      if (tree.levels[node] != level) continue;
+      poplar::Tensor groupAmax = g.addVariable(poplar::FLOAT, {1}, debugContext("groupAmax"));
+      g.setTileMapping(groupAmax, tree.tiles[node]);
+      auto vertex = g.addVertex(reduce, "MaxPartials",
+                                {{"partials", poplar::concat(children[node])},
+                                 {"amax", groupAmax[0]}});
+      g.setTileMapping(vertex, tree.tiles[node]);
+      children[static_cast<std::size_t>(tree.parents[node])].push_back(groupAmax);
+    }
+    prog.add(poplar::program::Execute(reduce, debugContext("amaxTree")));
+  }
+
+  const unsigned rootTile = tree.tiles[root];
+  g.setTileMapping(scale.log2Scale, rootTile);
+  g.setTileMapping(scale.nonFinite, rootTile);
+  poplar::Tensor rootPartials;
+  if (children[root].empty()) {  // no input: the amax is 0
+    rootPartials = g.addConstant(poplar::FLOAT, {1}, 0.0f, debugContext("zero"));
+    g.setTileMapping(rootPartials, rootTile);
+  } else {
+    rootPartials = poplar::concat(children[root]);
+  }
+  poplar::ComputeSet bias = g.addComputeSet(debugContext("ScalingBias"));
+  auto vertex = g.addVertex(bias,
                             poputil::templateVertex("ScalingBias", attributes.exponentBits()),
-                            {{"partials", allPartials},
+                            {{"partials", rootPartials},
                              {"log2Scale", scale.log2Scale},
                              {"nonFinite", scale.nonFinite}});
   g.setInitialValue(vertex["margin"], static_cast<int>(attributes.margin));
-  g.setTileMapping(vertex, 0);
-  prog.add(poplar::program::Execute(reduce, debugContext("scalingBias")));
+  g.setTileMapping(vertex, rootTile);
+  prog.add(poplar::program::Execute(bias, debugContext("scalingBias")));
   return scale;
 }
 
@@ -214,21 +249,19 @@ poplar::Tensor CodeletOpx::growCastToFp8(poplar::program::Sequence& prog,
                                          const Fp8Attributes& attributes) const {
   poplar::Graph& g = graph();
   addCodeletsOnce(g);
-  const unsigned tiles = g.getTarget().getNumTiles();
-  const std::size_t n = flat.numElements();
-  poplar::Tensor codes = g.addVariable(poplar::UNSIGNED_CHAR, {n}, debugContext("codes"));
-  mapByPartition(g, codes);
+  const poplar::Tensor codes = g.clone(poplar::UNSIGNED_CHAR, flat, debugContext("codes"));
+  const std::vector<TileRegions> regions = regionsByTile(g, codes);
   poplar::ComputeSet cast = g.addComputeSet(debugContext("CastToFp8"));
-  const std::string vertexName = poputil::templateVertex(
-      "CastToFp8", flat.elementType(), attributes.exponentBits(), attributes.saturate);
-  for (unsigned t = 0; t < tiles; ++t) {
-    const auto range = ius::splitRange<std::size_t>(n, tiles, t);
-    if (range.end == range.begin) continue;
-    auto vertex = g.addVertex(cast, vertexName,
-                              {{"in", flat.slice(range.begin, range.end)},
-                               {"log2Scale", log2Scale},
-                               {"out", codes.slice(range.begin, range.end)}});
-    g.setTileMapping(vertex, t);
+  const poplar::Type type = flat.elementType();
+  const unsigned e = attributes.exponentBits();
+  const std::string codelet = poputil::templateVertex("CastToFp8", type, e, attributes.saturate);
+  const std::string regionsCodelet =
+      poputil::templateVertex("CastToFp8Regions", type, e, attributes.saturate);
+  for (unsigned t = 0; t < regions.size(); ++t) {
+    if (regions[t].empty()) continue;
+    auto vertex = addTileVertex(g, cast, codelet, regionsCodelet, t, regions[t],
+                                {{"in", flat}, {"out", codes}});
+    g.connect(vertex["log2Scale"], log2Scale);
   }
   prog.add(poplar::program::Execute(cast, debugContext("castToFp8")));
   return codes;
@@ -241,21 +274,17 @@ poplar::Tensor CodeletOpx::growCastFromFp8(poplar::program::Sequence& prog,
                                            const Fp8Attributes& attributes) const {
   poplar::Graph& g = graph();
   addCodeletsOnce(g);
-  const unsigned tiles = g.getTarget().getNumTiles();
-  const std::size_t n = codes.numElements();
-  poplar::Tensor values = g.addVariable(type, {n}, debugContext("values"));
-  mapByPartition(g, values);
+  const poplar::Tensor values = g.clone(type, codes, debugContext("values"));
+  const std::vector<TileRegions> regions = regionsByTile(g, values);
   poplar::ComputeSet decode = g.addComputeSet(debugContext("CastFromFp8"));
-  const std::string vertexName =
-      poputil::templateVertex("CastFromFp8", type, attributes.exponentBits());
-  for (unsigned t = 0; t < tiles; ++t) {
-    const auto range = ius::splitRange<std::size_t>(n, tiles, t);
-    if (range.end == range.begin) continue;
-    auto vertex = g.addVertex(decode, vertexName,
-                              {{"in", codes.slice(range.begin, range.end)},
-                               {"log2Scale", log2Scale},
-                               {"out", values.slice(range.begin, range.end)}});
-    g.setTileMapping(vertex, t);
+  const unsigned e = attributes.exponentBits();
+  const std::string codelet = poputil::templateVertex("CastFromFp8", type, e);
+  const std::string regionsCodelet = poputil::templateVertex("CastFromFp8Regions", type, e);
+  for (unsigned t = 0; t < regions.size(); ++t) {
+    if (regions[t].empty()) continue;
+    auto vertex = addTileVertex(g, decode, codelet, regionsCodelet, t, regions[t],
+                                {{"in", codes}, {"out", values}});
+    g.connect(vertex["log2Scale"], log2Scale);
   }
   prog.add(poplar::program::Execute(decode, debugContext("castFromFp8")));
   return values;
@@ -264,7 +293,7 @@ poplar::Tensor CodeletOpx::growCastFromFp8(poplar::program::Sequence& prog,
 poplar::Tensor CodeletOpx::growQuantise(poplar::program::Sequence& prog,
                                         const poplar::Tensor& x,
                                         const Fp8Attributes& attributes) const {
-  const poplar::Tensor flat = laidOutFlat(prog, x);
+  const poplar::Tensor flat = x.flatten();
   // The non-finite flag is not an output here: s = 0 then, and the NaN or inf
   // carries on to the loss, where the training loop's NaN check reports it.
   const Scale scale = growScale(prog, flat, attributes);

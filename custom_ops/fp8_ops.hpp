@@ -15,7 +15,6 @@
 #pragma once
 
 #include <cstdint>
-#include <set>
 #include <string>
 
 #include <poplar/Graph.hpp>
@@ -26,6 +25,7 @@
 #include <popart/opserialiser.hpp>
 #include <popart/popx/inputcreatortype.hpp>
 #include <popart/popx/opx.hpp>
+#include <popart/region.hpp>
 
 namespace ius_custom_ops {
 
@@ -66,41 +66,42 @@ struct Fp8Attributes {
   unsigned exponentBits() const { return format == "F152" ? 5u : 4u; }
 };
 
-// An Opx that builds its program from the FP8 codelets. The flat tensor is
-// split over tiles with ius::splitRange (codelets/partition.hpp), the same
-// function the MultiVertices use for their workers and the host emulator uses
-// for both, so the emulator's split is the graph's split.
+// An Opx that builds its program from the FP8 codelets (fp8_graph.cpp). Its
+// vertices follow the input's tile mapping, and its outputs take the input's
+// layout, so nothing is exchanged but the amax partials (in a tree,
+// ius::planAmaxTree of codelets/placement.hpp) and the scale. The emulator and
+// the graph model in ipu_unit_scaling/emulator.py use the same plan.
 class CodeletOpx : public popart::popx::Opx {
  public:
   CodeletOpx(popart::Op* op, popart::popx::Devicex* devicex) : popart::popx::Opx(op, devicex) {}
 
-  // Creating input 0 in the partition's layout spares grow() a rearranging copy.
+  // Input 0 is laid out by the op that consumes output 0 (a matmul, say),
+  // unwound through this op: CanUnwind, as poplibs-backed element-wise Opxs do.
   popart::popx::InputCreatorType getInputCreatorType(popart::InIndex index) const override;
-  poplar::Tensor createInput(popart::InIndex index,
-                             const poplar::DebugNameAndId& dnai) const override;
-  std::set<popart::TensorId> mustExistBeforeCreate(popart::InIndex index) const override;
+  bool canUnwind(popart::InIndex in, popart::OutIndex out) const override;
+  poplar::Tensor unwindTensorLayout(poplar::Tensor tensor, popart::InIndex in,
+                                    popart::OutIndex out) const override;
+  popart::view::RegMap unwindRegion(popart::InIndex in, popart::OutIndex out) const override;
 
  protected:
   struct Scale {
-    poplar::Tensor log2Scale;  // int32 scalar on tile 0
-    poplar::Tensor nonFinite;  // int32 scalar on tile 0: 1 when the amax was inf/NaN
+    poplar::Tensor log2Scale;  // int32 scalar on the amax tree's root tile
+    poplar::Tensor nonFinite;  // int32 scalar there: 1 when the amax was inf/NaN
   };
 
-  // x flattened and laid out by the partition (copied there if it is not).
-  poplar::Tensor laidOutFlat(poplar::program::Sequence& prog, const poplar::Tensor& x) const;
-
-  // The given scale as a constant, or PartialAmax on every tile holding input
-  // and ScalingBias on tile 0. A non-finite amax gives s = 0 and nonFinite = 1:
-  // a vertex cannot raise.
+  // The given scale as a constant, or PartialAmax on every tile holding input,
+  // MaxPartials up the tree and ScalingBias at its root. A non-finite amax
+  // gives s = 0 and nonFinite = 1: a vertex cannot raise.
   Scale growScale(poplar::program::Sequence& prog, const poplar::Tensor& flat,
                   const Fp8Attributes& attributes) const;
 
-  // CastToFp8 on every tile: uint8 codes laid out like flat.
+  // CastToFp8 on every tile holding input: uint8 codes laid out like flat.
   poplar::Tensor growCastToFp8(poplar::program::Sequence& prog, const poplar::Tensor& flat,
                                const poplar::Tensor& log2Scale,
                                const Fp8Attributes& attributes) const;
 
-  // CastFromFp8 on every tile: decode(codes) * 2^-s as `type`.
+  // CastFromFp8 on every tile holding codes: decode(codes) * 2^-s as `type`,
+  // laid out like the codes.
   poplar::Tensor growCastFromFp8(poplar::program::Sequence& prog, const poplar::Tensor& codes,
                                  const poplar::Tensor& log2Scale, const poplar::Type& type,
                                  const Fp8Attributes& attributes) const;

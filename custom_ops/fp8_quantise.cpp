@@ -25,6 +25,7 @@
 #include <popart/op.hpp>
 #include <popart/opmanager.hpp>
 #include <popart/popx/opxmanager.hpp>
+#include <popart/region.hpp>
 #include <popart/shapeinference.hpp>
 
 #include "fp8_ops.hpp"
@@ -190,12 +191,24 @@ class QuantiseOpx : public CodeletOpx {
 };
 
 // Fp8QuantiseGrad and Fp8GradientQuantise: the identity, as a copy so the
-// output never aliases the input.
+// output never aliases the input. The copy keeps the layout, so the input may
+// take the layout of whatever consumes the output.
 class IdentityCopyOpx : public popart::popx::Opx {
  public:
   IdentityCopyOpx(popart::Op* op, popart::popx::Devicex* devicex)
       : popart::popx::Opx(op, devicex) {
     verifyOp<Fp8UnaryOp>(op, {kFp8QuantiseGrad, kFp8GradientQuantise});
+  }
+
+  popart::popx::InputCreatorType getInputCreatorType(popart::InIndex) const final {
+    return popart::popx::InputCreatorType::CanUnwind;
+  }
+  poplar::Tensor unwindTensorLayout(poplar::Tensor tensor, popart::InIndex,
+                                    popart::OutIndex) const final {
+    return tensor;
+  }
+  popart::view::RegMap unwindRegion(popart::InIndex, popart::OutIndex) const final {
+    return [](const popart::view::Region& region) { return popart::view::Regions(1, region); };
   }
 
   void grow(poplar::program::Sequence& prog) const final {

@@ -1,22 +1,26 @@
 """The ``ipu-unit-scaling`` command: ``train``, ``compare``, ``sweep``, ``analyse``,
 ``evaluate`` and ``sample``.
 
-Exit status: 0 done, 1 diverged (a non-finite training loss or sampled logits), 2 bad arguments,
-config, data or run directory (one line on stderr, never a traceback), 130 Ctrl-C.
+Exit status: 0 done, 1 diverged (a non-finite or exploding training loss, or non-finite sampled
+logits), 2 bad arguments, config, data or run directory (one line on stderr, never a traceback),
+130 Ctrl-C (SIGINT), 143 SIGTERM.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List, NoReturn, Optional, Sequence
+from typing import Any, Dict, Iterator, List, NoReturn, Optional, Sequence
 
-from .config import CONFIGS_DIR, REGIMES, Config, ConfigError, load_config
+from .config import CONFIGS_DIR, MAX_SEED, REGIMES, Config, ConfigError, load_config
 
 MODEL_KINDS = ("plain", "unit", "u-mup")  # as ipu_unit_scaling.train.MODEL_KINDS
 
@@ -32,6 +36,16 @@ __all__ = ["main", "build_parser", "run_compare", "run_compare_seeds", "format_c
 
 # How tables name the three model kinds of ipu_unit_scaling.train.MODEL_KINDS.
 MODEL_NAMES = {"plain": "plain", "unit": "unit-scaled", "u-mup": "u-μP"}
+
+# What each regime of `compare` trains (as precision.REGIME_SETTINGS, kept in step by a test).
+REGIME_HELP = {
+    "fp32": "plain model", "fp16": "plain, float16 matmuls, no loss scaling",
+    "fp8-naive": "plain, FP8 casts without scaling", "fp8-amax": "plain, AMAX scaling",
+    "unit-fp32": "unit-scaled", "unit-fp16": "unit-scaled, float16",
+    "unit-fp8": "unit-scaled, FP8 casts without scaling", "unit-fp8-amax": "unit-scaled, AMAX",
+    "umup-fp32": "u-μP", "umup-fp16": "u-μP, float16", "umup-fp8": "u-μP, FP8 casts without "
+    "scaling", "umup-fp8-amax": "u-μP, AMAX",
+}
 
 # Post-training precisions of `evaluate` and `sample` (inference.PRECISIONS, kept in step by a
 # test: importing it here would load torch before --help).
@@ -104,8 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "an embedded corpus, compare precisions as the papers do, inspect tensor "
                     "scales, fine-tune, evaluate and sample trained runs in FP32, FP16 and FP8. "
                     "Runs on IPUs through PopTorch when available, else on CPU.",
-        epilog="Exit status: 0 done, 1 diverged (a non-finite loss or sampled logits), 2 bad "
-               "arguments, config or data, 130 interrupted. IPU_UNIT_SCALING_BACKEND overrides "
+        epilog="Exit status: 0 done, 1 diverged (a non-finite or exploding loss, or non-finite "
+               "sampled logits), 2 bad arguments, config or data, 130 interrupted (143 by "
+               "SIGTERM). IPU_UNIT_SCALING_BACKEND overrides "
                "the backend.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -116,8 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the config's GPT. Writes config.yaml, tokenizer.json, metrics.csv, "
                     "summary.json, loss.png and checkpoint.pt into the run directory; prints "
                     "the final validation loss next to the corpus's unigram baseline. Ctrl-C "
-                    "saves a checkpoint and exits 130; a non-finite loss stops the run (exit 1) "
-                    "without touching the last good checkpoint.",
+                    "or SIGTERM saves a checkpoint and exits 130 or 143; a loss that is "
+                    "non-finite or more than 10 nats above the uniform baseline stops the run "
+                    "(exit 1) without touching the last good checkpoint.",
     )
     _add_config_arguments(train)
     train.add_argument(
@@ -141,10 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
         "compare", help="train one model per precision regime and compare validation losses",
         description="Train the same data, steps and seed under each regime, then print a table "
                     "of final validation losses with each regime's gap to fp32, and write "
-                    "compare.md, compare.json and compare.png. Regimes: fp32 (plain model), "
-                    "fp16 (plain, float16 matmuls, no loss scaling), fp8-naive (plain, FP8 "
-                    "casts without scaling), fp8-amax (plain, AMAX scaling), and their "
-                    "unit-scaled twins unit-fp32, unit-fp16, unit-fp8, unit-fp8-amax. Each "
+                    "compare.md, compare.json and compare.png. Regimes: "
+                    + ", ".join(f"{name} ({REGIME_HELP[name]})" for name in REGIMES) + ". Each "
                     "regime's learning rate is compare.learning_rates.<regime>, and each is "
                     "evaluated at least ten times. Rerunning with the same --run-dir reuses "
                     "finished regimes and resumes unfinished ones when their settings are the "
@@ -158,9 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument(
         "--model", choices=("gpt", "bert"), default="gpt",
         help="gpt (default): the config's character-level GPT; bert: a BERT-style encoder "
-             "trained with masked-LM on padded, masked sequences, scored by validation MLM loss "
+             "trained with masked-LM on padded, masked sequences by the same training loop "
+             "(each run with its checkpoint, resumed when rerun), scored by validation MLM loss "
              "and accuracy (default regimes fp32 fp16 fp8-naive unit-fp16 unit-fp8; settings "
-             "with --set mlm.<key>=VALUE, e.g. mlm.steps=100; no --config)",
+             "with --set mlm.<key>=VALUE, e.g. mlm.steps=100 or mlm.backend=emulator; no "
+             "--config)",
     )
     compare.add_argument(
         "--seeds", metavar="N", type=_positive_int, default=None,
@@ -250,14 +266,24 @@ def _add_inference_commands(commands: Any) -> None:
                              "the most likely character")
     sample.add_argument("--top-k", metavar="K", type=_positive_int,
                         help="draw only among the K most likely characters (default: all)")
-    sample.add_argument("--seed", metavar="S", type=int, default=0,
-                        help="seed of the draws (default 0)")
+    sample.add_argument("--seed", metavar="S", type=_seed, default=0,
+                        help="seed of the draws, 0 to 2**63 - 1 as training.seed (default 0)")
     sample.add_argument("--precision", choices=PRECISIONS, metavar="PRECISION",
                         help=f"one of {', '.join(PRECISIONS)} (default: the precision the run "
                              "trained in)")
     for parser in (evaluate, sample):
         parser.add_argument("--threads", metavar="N", type=_thread_count, default=1,
                             help="CPU threads for torch (default 1)")
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected an integer from 0 to 2**63 - 1, got {text!r}")
+    return value
 
 
 def _temperature(text: str) -> float:
@@ -294,9 +320,27 @@ def _load(args: argparse.Namespace) -> Config:
     return config
 
 
-def _default_run_dir(config: Config, command: str) -> Path:
-    root = Path(config.training.checkpoint_dir or "runs")
-    return root / f"{command}-{time.strftime('%Y%m%d-%H%M%S')}"
+@contextlib.contextmanager
+def _run_directory(chosen: Optional[Path], root: str, command: str) -> Iterator[Path]:
+    """The run directory, created now: ``chosen``, else a new ``root/<command>-<date>-<time>``
+    (``-2``, ``-3``, ... after it when runs start in the same second). If the command fails
+    before its run wrote anything of use, what it created is removed again."""
+    from .rundir import make_run_dir, make_unique_run_dir, remove_refused_start
+
+    if chosen is not None:
+        run_dir, created = chosen, make_run_dir(chosen)
+    else:
+        run_dir, created = make_unique_run_dir(Path(root),
+                                               f"{command}-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        yield run_dir
+    except BaseException:
+        remove_refused_start(created)
+        raise
+
+
+def _runs_root(config: Config) -> str:
+    return config.training.checkpoint_dir or "runs"
 
 
 def _one_line(error: BaseException, most: int = 5) -> str:
@@ -327,22 +371,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
             raise UsageError(
                 "--scale-report needs ipu_unit_scaling.analysis, which this installation lacks"
             ) from error
+    directory: Any
     if args.resume is not None:
         if args.config is not None or args.data is not None or args.run_dir is not None \
                 or args.init_from is not None:
             raise UsageError("--resume continues a run with its own config, data, directory "
                              "and start; change settings with --set")
         config = None  # the run's own, read under its lock
-        run_dir = args.resume
+        directory = contextlib.nullcontext(args.resume)
     elif args.init_from is not None:
         config = _fine_tuning_config(args)
-        run_dir = args.run_dir or _default_run_dir(config, "finetune")
+        directory = _run_directory(args.run_dir, _runs_root(config), "finetune")
     else:
         config = _load(args)
-        run_dir = args.run_dir or _default_run_dir(config, "train")
-    summary = train(config, run_dir, resume=args.resume is not None, overrides=_overrides(args),
-                    quiet=args.quiet, scale_report=args.scale_report, log=print,
-                    init_from=args.init_from)
+        directory = _run_directory(args.run_dir, _runs_root(config), "train")
+    with directory as run_dir:
+        summary = train(config, run_dir, resume=args.resume is not None,
+                        overrides=_overrides(args), quiet=args.quiet,
+                        scale_report=args.scale_report, log=print, init_from=args.init_from)
     print(f"final validation loss {_fmt(summary.final_val_loss)} nats per character "
           f"(best {_fmt(summary.best_val_loss)}); unigram baseline "
           f"{_fmt(summary.unigram_baseline)}, uniform {_fmt(summary.uniform_baseline)}")
@@ -353,11 +399,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _fine_tuning_config(args: argparse.Namespace) -> Config:
     """The pretrained run's config with --set and --data: the config of ``--init-from``."""
+    from .rundir import RunError, not_a_directory
     from .train import load_run_config
 
     if args.config is not None:
         raise UsageError("--init-from fine-tunes with the pretrained run's config, whose model "
                          "it keeps; change other settings with --set")
+    problem = not_a_directory(args.init_from)
+    if problem:
+        raise RunError(f"cannot fine-tune from {args.init_from}: {problem}")
     config = load_run_config(args.init_from, _overrides(args), "fine-tune from")
     if args.data is not None:
         if not args.data.strip():
@@ -527,8 +577,8 @@ def _cmd_compare_bert(args: argparse.Namespace) -> int:
     seeds = list(range(args.seeds if args.seeds is not None else 3))
     if len(set(regimes)) != len(regimes):
         raise UsageError("--regimes lists each regime once")
-    run_dir = args.run_dir or Path("runs") / f"compare-bert-{time.strftime('%Y%m%d-%H%M%S')}"
-    rows = run_mlm_compare(config, regimes, seeds, run_dir, quiet=args.quiet)
+    with _run_directory(args.run_dir, "runs", "compare-bert") as run_dir:
+        rows = run_mlm_compare(config, regimes, seeds, run_dir, quiet=args.quiet)
     print(format_mlm_table(rows, seeds))
     print(f"curves: {run_dir / 'compare.png'}; table: {run_dir / 'compare.md'}")
     return 0
@@ -542,12 +592,13 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     regimes = list(args.regimes or config.compare.regimes)
     if len(set(regimes)) != len(regimes):
         raise UsageError(f"--regimes lists a regime twice: {' '.join(regimes)}")
-    run_dir = args.run_dir or _default_run_dir(config, "compare")
-    if seeds == 1:
-        rows = run_compare(config, regimes, run_dir, quiet=args.quiet)
-        print(format_compare_table(rows, _read_baseline(run_dir)))
-    else:
-        print(run_compare_seeds(config, regimes, run_dir, seeds, quiet=args.quiet))
+    with _run_directory(args.run_dir, _runs_root(config), "compare") as run_dir:
+        if seeds == 1:
+            rows = run_compare(config, regimes, run_dir, quiet=args.quiet)
+            table = format_compare_table(rows, _read_baseline(run_dir))
+        else:
+            table = run_compare_seeds(config, regimes, run_dir, seeds, quiet=args.quiet)
+    print(table)
     print(f"curves: {run_dir / 'compare.png'}; table: {run_dir / 'compare.md'}")
     return 0
 
@@ -595,9 +646,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         if width % config.model.heads:
             raise UsageError(f"--widths {width}: model.heads ({config.model.heads}) must "
                              "divide every width")
-    run_dir = args.run_dir or _default_run_dir(config, "sweep")
-    points = run_sweep(config, args.models, args.widths, depths, exponents, run_dir,
-                       quiet=args.quiet)
+    with _run_directory(args.run_dir, _runs_root(config), "sweep") as run_dir:
+        points = run_sweep(config, args.models, args.widths, depths, exponents, run_dir,
+                           quiet=args.quiet)
     defaults = {kind: config.compare.learning_rates[DEFAULT_REGIME[kind]]
                 for kind in args.models}
     print(format_sweep_tables(points, defaults))
@@ -615,7 +666,6 @@ def _read_baseline(run_dir: Path) -> Optional[float]:
 
 def _cmd_analyse(args: argparse.Namespace) -> int:
     from .memory import check_memory
-    from .rundir import make_run_dir
 
     config = load_config(_config_path(args), _overrides(args))
     try:
@@ -625,32 +675,51 @@ def _cmd_analyse(args: argparse.Namespace) -> int:
             "'analyse' needs ipu_unit_scaling.analysis, which this installation lacks"
         ) from error
     check_memory(config)
-    run_dir = args.run_dir or _default_run_dir(config, "analyse")
-    make_run_dir(run_dir)
-    table, figure = analyse(config, run_dir)
+    with _run_directory(args.run_dir, _runs_root(config), "analyse") as run_dir:
+        table, figure = analyse(config, run_dir)
     print(table)
     print(f"figure: {figure}")
     return 0
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from .pretrained import evaluate_run, format_evaluation, open_run, write_evaluation
+    from .rundir import RunLock
 
     precisions = list(args.precision or PRECISIONS)
     if len(set(precisions)) != len(precisions):
         raise UsageError(f"--precision lists a precision twice: {' '.join(precisions)}")
-    run = open_run(args.run_dir, "evaluate")
-    bar = None
-    if not args.quiet and sys.stderr.isatty():
-        from tqdm import tqdm
+    if args.data is not None and not args.data.strip():
+        raise UsageError("--data needs a file name (leave it out for the run's validation data)")
+    # Shared with other readers; a run writing the directory refuses it, and is refused by it
+    # until the results are written, so they name the checkpoint that is there.
+    with RunLock(args.run_dir, shared=True, action="evaluate"):
+        return _evaluate_locked(args, precisions)
 
-        bar = tqdm(desc="evaluate", unit="batch", leave=False)
+
+def _evaluate_locked(args: argparse.Namespace, precisions: List[str]) -> int:
+    from .data import DataError, out_of_memory
+    from .pretrained import evaluate_run, format_evaluation, open_run, write_evaluation
+
+    run = open_run(args.run_dir, "evaluate")
+    progress = _Progress("evaluate", quiet=args.quiet)
+    if args.data is not None:
+        progress.say(f"reading {args.data}")
+
+    def start(description: str, total: int) -> None:
+        progress.say(f"checkpoint at step {run.step}; {description}; {total} batches over "
+                     f"{len(precisions)} precision(s)")
+        progress.start(total)
+
     try:
         evaluation = evaluate_run(run, precisions, args.data, scale_report=args.scale_report,
-                                  on_batch=bar.update if bar is not None else None)
+                                  on_start=start, on_batch=progress.update)
+    except (MemoryError, RuntimeError) as error:
+        if not out_of_memory(error):
+            raise
+        raise DataError("out of memory while evaluating; evaluate a smaller --data file, or "
+                        "free memory") from None
     finally:
-        if bar is not None:
-            bar.close()
+        progress.close()
     out = args.out or args.run_dir
     if args.out is not None:
         from .rundir import make_run_dir
@@ -663,21 +732,60 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Progress:
+    """Progress of long work on stderr: a bar on a terminal, else a line every
+    ``interval`` seconds (logs of batch jobs); nothing with ``quiet``."""
+
+    def __init__(self, desc: str, quiet: bool, interval: float = 30.0) -> None:
+        self.desc, self.quiet, self.interval = desc, quiet, interval
+        self.done, self.total = 0, 0
+        self.bar: Any = None
+        self.last = time.monotonic()
+
+    def say(self, text: str) -> None:
+        if not self.quiet:
+            print(f"{self.desc}: {text}", file=sys.stderr, flush=True)
+
+    def start(self, total: int) -> None:
+        self.done, self.total, self.last = 0, total, time.monotonic()
+        if not self.quiet and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(desc=self.desc, unit="batch", total=total, leave=False)
+
+    def update(self) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.update()
+        elif time.monotonic() - self.last >= self.interval:
+            self.last = time.monotonic()
+            share = 100 * self.done / max(self.total, 1)
+            self.say(f"{self.done}/{self.total} batches ({share:.1f}%)")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
 def _cmd_sample(args: argparse.Namespace) -> int:
     from .pretrained import check_prompt, default_prompt, open_run, sample_run
+    from .rundir import RunLock
 
-    run = open_run(args.run_dir, "sample")
-    prompt = default_prompt(run.tokenizer) if args.prompt is None else args.prompt
-    check_prompt(run.tokenizer, prompt)  # before anything is printed: an error is one line
+    with RunLock(args.run_dir, shared=True, action="sample"):
+        run = open_run(args.run_dir, "sample")
+        prompt = default_prompt(run.tokenizer) if args.prompt is None else args.prompt
+        check_prompt(run.tokenizer, prompt)  # before anything is printed: an error is one line
 
-    def show(text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        def show(text: str) -> None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
 
-    show(prompt)
-    text = sample_run(run, prompt, args.tokens, temperature=args.temperature, top_k=args.top_k,
-                      seed=args.seed, precision=args.precision, on_text=show)
-    show("" if text.endswith("\n") else "\n")
+        show(prompt)
+        text = sample_run(run, prompt, args.tokens, temperature=args.temperature,
+                          top_k=args.top_k, seed=args.seed, precision=args.precision,
+                          on_text=show)
+        show("" if text.endswith("\n") else "\n")
     return 0
 
 
@@ -688,6 +796,7 @@ COMMANDS = {"train": _cmd_train, "compare": _cmd_compare, "sweep": _cmd_sweep,
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    _escape_what_the_terminal_cannot_show()
     if not argv:
         print(f"{PROG}: error: no command; use '{PROG} train' to train the default config, or "
               f"see '{PROG} --help' for train, compare, analyse, evaluate and sample",
@@ -704,8 +813,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .backends import BackendError
     from .data import DataError
     from .inference import SamplingError
-    from .train import RunError, TrainingDiverged, TrainingInterrupted
+    from .train import RunError, TrainingDiverged, TrainingInterrupted, raise_stop_signal
 
+    # SIGTERM stops a command as Ctrl-C does (a training loop: at a step boundary, saved).
+    on_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, raise_stop_signal) if on_main_thread else None
     try:
         return COMMANDS[args.command](args)
     except (ConfigError, DataError, RunError, BackendError, UsageError) as error:
@@ -716,7 +828,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (TrainingInterrupted, KeyboardInterrupt) as error:
         message = _one_line(error) or "interrupted"
         print(f"{PROG}: {message}", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return 128 + getattr(error, "signum", EXIT_INTERRUPTED - 128)  # 130 SIGINT, 143 SIGTERM
     except OSError as error:  # a file system that refuses: full, read-only, gone
         where = f" ({error.filename})" if error.filename else ""
         return _fail(f"{error.strerror or _one_line(error)}{where}")
@@ -727,6 +839,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise
         return _fail(f"internal error ({type(error).__name__}): {_one_line(error)}; set "
                      f"{DEBUG_ENV}=1 for the traceback")
+    finally:
+        if on_main_thread:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def _escape_what_the_terminal_cannot_show() -> None:
+    # Characters the output's encoding lacks (u-μP where it is ASCII, a path of undecodable
+    # bytes) come out as backslash escapes instead of stopping the command with a traceback.
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            try:
+                reconfigure(errors="backslashreplace")
+            except (ValueError, OSError):  # a stream that cannot change now: leave it
+                pass
 
 
 def _fail(message: str) -> int:

@@ -9,6 +9,12 @@ A file may start from another one with ``extends: other.yaml`` (a path relative
 to the file; mappings merge key by key, everything else is replaced). YAML anchors and merge keys
 (``<<: *base``) work inside one file as usual.
 
+Numbers mean what they say in decimal. YAML 1.1, which PyYAML follows, reads ``010`` as octal 8,
+``1:00`` as base 60 and ``yes``/``no``/``on``/``off`` as booleans, where YAML 1.2 and a person
+read ten, a time and words: such values are refused, in config files and in overrides alike,
+with the spelling that says either meaning (``10``, ``'010'``, ``true``). Everything else is
+read as YAML 1.1 reads it (``0x10`` is 16, ``1_000`` is 1000, ``1e-3`` a float).
+
 Errors name the key path, the bad value and what is allowed, e.g.
 ``ipu.layers_per_ipu: [2, 2] places 4 layers but model.depth is 6; ...``; a file that cannot be
 read (missing, not UTF-8, not YAML, nested too deeply) is a ConfigError too, with the line and
@@ -16,6 +22,7 @@ column of a YAML error.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
@@ -121,8 +128,10 @@ class TrainingConfig:
     eval_interval: int = 100
     eval_batches: int = 8
     checkpoint_dir: Optional[str] = None
-    # 0 writes a checkpoint only at the end (when checkpoint_dir is set).
-    checkpoint_interval: int = 0
+    # Steps between checkpoints, which bounds the work a kill (SIGKILL, a power cut) loses;
+    # the same as eval_interval, so that a checkpoint reuses the evaluation that proves it
+    # good. 0: only at the end (and on SIGINT or SIGTERM).
+    checkpoint_interval: int = 100
 
 
 @dataclass
@@ -237,9 +246,13 @@ def read_yaml_file(path: Path, what: str = "config file") -> Any:
 
 
 def parse_yaml(text: str, where: str) -> Any:
-    """``yaml.safe_load`` whose failures are ConfigErrors naming the line and column."""
+    """``yaml.safe_load`` whose failures are ConfigErrors naming the line and column; values
+    YAML 1.1 reads differently from YAML 1.2 (``010``, ``1:00``, ``yes``) are refused."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_DecimalLoader)
+    except AmbiguousValue as error:
+        raise ConfigError([("", f"{where}, line {error.line}, column {error.column}: "
+                                f"{error.reason}")]) from None
     except yaml.YAMLError as error:
         raise ConfigError([("", f"{where} is not valid YAML: {_yaml_problem(error)}")]) from None
     except RecursionError:
@@ -319,13 +332,86 @@ def _deep_merge(base: Dict[str, Any], update: Dict[str, Any]) -> Dict[str, Any]:
     return merged
 
 
+class AmbiguousValue(yaml.YAMLError):
+    """A scalar YAML 1.1 reads otherwise than YAML 1.2 and a person do (see the module notes)."""
+
+    def __init__(self, reason: str, mark: Any) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.line = mark.line + 1 if mark is not None else 1
+        self.column = mark.column + 1 if mark is not None else 1
+
+
+_BOOLEAN_WORDS = {"yes": "true", "on": "true", "no": "false", "off": "false"}
+
+
+class _DecimalLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses octal-looking, base-60 and yes/no/on/off scalars,
+    tagged implicitly or explicitly (``!!int 010``); quoted, they are strings as usual."""
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> Any:  # type: ignore[override]
+        text = str(node.value)
+        digits = text.lstrip("+-").replace("_", "")
+        if ":" in digits:
+            raise _base_60(text, node)
+        if len(digits) > 1 and digits[0] == "0" and digits[1] not in "xXbB":
+            decimal = str(int(digits))
+            raise AmbiguousValue(
+                f"{text} is ambiguous: YAML 1.1 reads a leading 0 as octal, YAML 1.2 as "
+                f"decimal; write {text[0] if text[0] in '+-' else ''}{decimal} for the number, "
+                f"or quote it ('{text}') for text", node.start_mark)
+        return super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node: yaml.ScalarNode) -> Any:  # type: ignore[override]
+        if ":" in str(node.value):
+            raise _base_60(str(node.value), node)
+        return super().construct_yaml_float(node)
+
+    def construct_yaml_bool(self, node: yaml.ScalarNode) -> Any:  # type: ignore[override]
+        text = str(node.value)
+        meaning = _BOOLEAN_WORDS.get(text.lower())
+        if meaning is not None:
+            raise AmbiguousValue(
+                f"{text} is ambiguous: YAML 1.1 reads it as {meaning}, YAML 1.2 as text; "
+                f"write {meaning}, or quote it ('{text}') for text", node.start_mark)
+        return super().construct_yaml_bool(node)
+
+
+def _base_60(text: str, node: yaml.ScalarNode) -> AmbiguousValue:
+    return AmbiguousValue(
+        f"{text} is ambiguous: YAML 1.1 reads it as a base-60 number, YAML 1.2 as text; write "
+        f"the number in decimal, or quote it ('{text}') for text", node.start_mark)
+
+
+_DecimalLoader.add_constructor("tag:yaml.org,2002:int", _DecimalLoader.construct_yaml_int)
+_DecimalLoader.add_constructor("tag:yaml.org,2002:float", _DecimalLoader.construct_yaml_float)
+_DecimalLoader.add_constructor("tag:yaml.org,2002:bool", _DecimalLoader.construct_yaml_bool)
+
+
+def parse_override_value(key: str, text: str) -> Any:
+    """The value of a ``key=text`` override, read as YAML by :func:`parse_yaml`'s rules; an
+    empty text is refused (an unset shell variable should not silently mean null)."""
+    if not text.strip():
+        raise ConfigError([(key, "the value is empty; write null to unset it, or '' for an "
+                                 "empty string")])
+    try:
+        return yaml.load(text, Loader=_DecimalLoader)
+    except AmbiguousValue as error:
+        raise ConfigError([(key, error.reason)]) from None
+    except yaml.YAMLError:
+        return parse_yaml(text, f"the value of {key}")  # to word the error as for files
+    except RecursionError:
+        raise ConfigError([(key, "the value is nested too deeply to read")]) from None
+
+
 def apply_override(raw: Dict[str, Any], override: str) -> None:
-    """Apply one ``section.key=value`` override (the value parsed as YAML) to a raw mapping."""
+    """Apply one ``section.key=value`` override to a raw mapping; the value is YAML, read by
+    :func:`parse_override_value` (numbers in decimal, ambiguous spellings refused)."""
     key, sep, text = override.partition("=")
     key = key.strip()
     if not sep or not key:
         raise ConfigError([("", f"override {_short(override)} must look like section.key=value")])
-    value = parse_yaml(text, f"the value of {key}")
+    value = parse_override_value(key, text)
     parts = key.split(".")
     node = raw
     for depth, part in enumerate(parts[:-1]):
@@ -688,6 +774,16 @@ def resolve_layers_per_ipu(layers_per_ipu: Sequence[int], depth: int, ipus: int)
     for rank, index in enumerate(flexible):
         counts[index] = share + (1 if rank >= len(flexible) - extra else 0)
     return counts
+
+
+def with_steps(config: Config, steps: int) -> Config:
+    """A copy of ``config`` that trains for ``steps`` steps, validated: the one place where a
+    step count given apart from ``training.steps`` (a ``--steps`` option, a function argument)
+    becomes the run's length, so that the learning-rate schedule follows it."""
+    changed = copy.deepcopy(config)
+    changed.training.steps = steps
+    validate(changed)
+    return changed
 
 
 def warmup_steps(training: TrainingConfig) -> int:

@@ -32,6 +32,7 @@ __all__ = [
     "get_batch",
     "unigram_cross_entropy",
     "load_tokens",
+    "out_of_memory",
 ]
 
 EMBEDDED_NAME = "pydoc_data.topics (Python standard library help text)"
@@ -62,8 +63,11 @@ def read_text_file(path: Union[str, Path]) -> str:
             raise DataError(f"data file {name} does not exist")
         if not path.is_file():
             raise DataError(f"data file {name} is not a regular file")
-        _check_fits(name, path.stat().st_size)
+        size = path.stat().st_size
+        _check_fits(name, size)
         raw = path.read_bytes()
+    except MemoryError:
+        raise _does_not_fit(name, f"{size} bytes") from None
     except OSError as error:
         raise DataError(f"cannot read data file {name}: {error.strerror or error}") from None
     except ValueError as error:  # a NUL byte in the name
@@ -73,12 +77,16 @@ def read_text_file(path: Union[str, Path]) -> str:
     if not raw:
         raise DataError(f"data file {name} is empty")
     try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8")
+    except MemoryError:
+        raise _does_not_fit(name, f"{len(raw)} bytes") from None
     except UnicodeDecodeError as error:
         raise DataError(
             f"data file {name} is not UTF-8 text (invalid byte 0x{raw[error.start]:02x} "
             f"at offset {error.start})"
         ) from None
+    # A leading byte-order mark says how the file is encoded; it is not a character of the text.
+    return text[1:] if text.startswith("\ufeff") else text
 
 
 # Host bytes per byte of text while it is decoded and encoded: the bytes, the string (up to 4
@@ -96,6 +104,19 @@ def _check_fits(name: str, size: int) -> None:
             f"{format_bytes(size * BYTES_PER_TEXT_BYTE)}, more than the "
             f"{format_bytes(available)} of this machine"
         )
+
+
+def out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an allocation that failed: Python's MemoryError, or torch's CPU
+    allocator refusing (a RuntimeError)."""
+    return isinstance(error, MemoryError) or (
+        isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
+
+
+def _does_not_fit(name: str, size: str) -> DataError:
+    # The estimate fitted the machine (_check_fits) but its free memory ran out.
+    return DataError(f"data {name} ({size}) does not fit in the free memory of this machine; "
+                     "free memory or use a smaller file")
 
 
 class CharTokenizer:
@@ -178,9 +199,14 @@ def load_corpus(
             f"{seq_len} + 1 in both splits (val_fraction {val_fraction}); "
             f"it needs about {minimum} or more"
         )
-    tokenizer = tokenizer or CharTokenizer.from_text(text)
-    ids = tokenizer.encode(text)
-    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    try:
+        tokenizer = tokenizer or CharTokenizer.from_text(text)
+        ids = tokenizer.encode(text)
+        digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    except (MemoryError, RuntimeError) as error:
+        if not out_of_memory(error):
+            raise
+        raise _does_not_fit(repr(source), f"{len(text)} characters") from None
     return Corpus(tokenizer, ids[:train_size], ids[train_size:], source, digest)
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import fused
+from . import fused, lowering
 from ._softmax_moments import query_key_gradient_variance, softmax_moments
 from .constraints import ConstraintArg, apply_constraint
 from .scale import scale, scale_bwd, scale_fwd
@@ -250,20 +250,35 @@ def _normal_rms(values: np.ndarray) -> float:
     return math.sqrt(float(np.dot(_HERMITE_WEIGHTS, values**2)))
 
 
-@lru_cache(maxsize=None)
-def _gelu_stds(approximate: str) -> Tuple[float, float]:
-    """(std of gelu(z), rms of gelu'(z)) for z ~ N(0, 1), computed in float64 by autograd."""
+def _gelu_moments(form: str, mult: float = 1.0) -> Tuple[float, float]:
+    """(std of gelu(mult z), rms of its gradient in z) for z ~ N(0, 1), in float64, for a GELU
+    form of `lowering.GELU_FORMS`: torch's "none" and "tanh", or "popart", what an IPU runs
+    (the tanh forward with popnn's gradient, which is not that forward's derivative)."""
     # Autograd must record even when the first call comes under no_grad or inference_mode.
     with torch.inference_mode(False), torch.enable_grad():
         z = torch.tensor(_HERMITE_POINTS, dtype=torch.float64, requires_grad=True)
-        out = F.gelu(z, approximate=approximate)
+        out = lowering.gelu(mult * z, form)
         (slope,) = torch.autograd.grad(out.sum(), z)
     return _normal_std(out.detach().numpy()), _normal_rms(slope.numpy())
 
 
+@lru_cache(maxsize=None)
+def _gelu_stds(form: str) -> Tuple[float, float]:
+    """(std of gelu(z), rms of its gradient) for z ~ N(0, 1): see `_gelu_moments`."""
+    return _gelu_moments(form)
+
+
 # Computed once at import: torch.compile traces through lru_cache, and tracing the autograd call
 # above would split the compiled graph at every GELU.
-_GELU_STDS = {approximate: _gelu_stds(approximate) for approximate in ("none", "tanh")}
+_GELU_STDS = {form: _gelu_stds(form) for form in lowering.GELU_FORMS}
+
+
+def _gelu_form(approximate: str) -> str:
+    """The GELU that runs for `F.gelu(x, approximate)`: under `ipu_tracing()` the one PopTorch
+    lowers it to (`lowering.gelu_on_ipu`), else torch's."""
+    if is_ipu_tracing() and lowering.follows_ipu_numerics():
+        return lowering.gelu_on_ipu(approximate)
+    return approximate
 
 # Closed forms for z ~ N(0, 1): relu(z) has variance 1/2 - 1/(2 pi); relu'(z) is 1 half the time.
 _RELU_STD = math.sqrt(0.5 - 0.5 / math.pi)
@@ -271,23 +286,19 @@ _RELU_GRAD_RMS = math.sqrt(0.5)
 
 
 @lru_cache(maxsize=256)
-def _gelu_mult_moments(approximate: str, mult: float) -> Tuple[float, float]:
-    """(std of gelu(mult z), rms of its derivative in z) for z ~ N(0, 1), as `_gelu_stds`."""
-    with torch.inference_mode(False), torch.enable_grad():
-        z = torch.tensor(_HERMITE_POINTS, dtype=torch.float64, requires_grad=True)
-        out = F.gelu(mult * z, approximate=approximate)
-        (slope,) = torch.autograd.grad(out.sum(), z)
-    return _normal_std(out.detach().numpy()), _normal_rms(slope.numpy())
+def _gelu_mult_moments(form: str, mult: float) -> Tuple[float, float]:
+    """`_gelu_moments(form, mult)`, remembered: u-μP's `mult` is fixed per model."""
+    return _gelu_moments(form, mult)
 
 
-def _gelu_scales(approximate: str, constraint: ConstraintArg,
-                 mult: float = 1.0) -> Tuple[float, ...]:
+def _gelu_scales(form: str, constraint: ConstraintArg, mult: float = 1.0) -> Tuple[float, ...]:
+    """Scales for a GELU form (an `approximate` of `F.gelu`, or "popart") of `mult * x`."""
     if mult != 1.0:
-        out_std, grad_rms = _gelu_mult_moments(approximate, float(mult))
-    elif approximate in _GELU_STDS:
-        out_std, grad_rms = _GELU_STDS[approximate]
+        out_std, grad_rms = _gelu_mult_moments(form, float(mult))
+    elif form in _GELU_STDS:
+        out_std, grad_rms = _GELU_STDS[form]
     else:
-        out_std, grad_rms = _gelu_stds(approximate)
+        out_std, grad_rms = _gelu_stds(form)
     return apply_constraint(constraint, 1 / out_std, 1 / grad_rms)
 
 
@@ -308,8 +319,10 @@ def gelu(
     Rule: output scale 1/std(h(z)), grad-input scale 1/rms(h'(z)) for h(z) = gelu(mult z) and
     z ~ N(0, 1), computed by quadrature in float64; tied by `constraint`. The result is that of
     unit_scaling's `gelu(input, mult)` (`gelu(mult x) / mult`, unit-scaled), whose division by
-    mult the output scale absorbs. `gelu(input, "tanh")` (the approximation given second, as
-    earlier versions took it) is still understood.
+    mult the output scale absorbs. Under `ipu_tracing()` these are the moments of the GELU an
+    IPU runs: PopTorch lowers both `approximate` values to PopART's tanh approximation, whose
+    gradient is popnn's (see `ipu_unit_scaling.lowering`). `gelu(input, "tanh")` (the
+    approximation given second, as earlier versions took it) is still understood.
     """
     if isinstance(mult, str):
         approximate = mult
@@ -320,7 +333,7 @@ def gelu(
             constraint, multiplier)
         return fused.gelu(input if multiplier == 1.0 else input * multiplier, approximate,
                           output_scale, grad_scale)
-    output_scale, grad_scale = _gelu_scales(approximate, constraint, multiplier)
+    output_scale, grad_scale = _gelu_scales(_gelu_form(approximate), constraint, multiplier)
     # The derivative of gelu(mult x) carries mult: the scaled call sees gelu at mult x.
     return _scaled_call(
         lambda x: F.gelu(x if multiplier == 1.0 else x * multiplier, approximate=approximate),

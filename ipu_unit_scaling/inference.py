@@ -16,9 +16,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import sys
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, overload
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ from .fp8.stats import CastRecord
 
 __all__ = [
     "PRECISIONS", "SamplingError", "precision_of", "precision_config", "validation_batches",
-    "text_batches", "mean_loss", "LanguageModelLoss", "encode_known", "generate",
+    "text_batches", "TextBatches", "mean_loss", "LanguageModelLoss", "encode_known", "generate",
     "next_token", "RoleScaleStats", "scale_stats_by_role",
 ]
 
@@ -80,21 +81,57 @@ def validation_batches(val: Tensor, config: Config) -> List[Batch]:
             for _ in range(training.eval_batches)]
 
 
-def text_batches(ids: Tensor, seq_len: int, batch_size: int) -> List[Batch]:
+def text_batches(ids: Tensor, seq_len: int, batch_size: int) -> TextBatches:
     """Every character of ``ids`` after the first predicted once: consecutive windows of
     ``seq_len`` inputs (the last may be shorter), ``batch_size`` windows to a batch."""
-    if len(ids) < 2:
-        raise DataError("the text needs at least two characters to predict one")
-    starts = list(range(0, len(ids) - 1, seq_len))
-    full = [s for s in starts if s + seq_len + 1 <= len(ids)]
-    batches = []
-    for first in range(0, len(full), batch_size):
-        windows = torch.stack([ids[s:s + seq_len + 1] for s in full[first:first + batch_size]])
-        batches.append((windows[:, :-1], windows[:, 1:]))
-    if len(full) < len(starts):  # a shorter tail window, alone in its batch
-        tail = ids[starts[-1]:][None]
-        batches.append((tail[:, :-1], tail[:, 1:]))
-    return batches
+    return TextBatches(ids, seq_len, batch_size)
+
+
+class TextBatches(Sequence[Batch]):
+    """The batches of :func:`text_batches`, each built when it is read: a long text is held
+    once, as its ids (of any integer dtype; batches are int64), never as a copy in windows."""
+
+    def __init__(self, ids: Tensor, seq_len: int, batch_size: int) -> None:
+        if len(ids) < 2:
+            raise DataError("the text needs at least two characters to predict one")
+        self.ids, self.seq_len, self.batch_size = ids, seq_len, batch_size
+        self.windows = (len(ids) - 1) // seq_len  # full windows: seq_len inputs + 1 label
+        self.full_batches = -(-self.windows // batch_size)
+        self.has_tail = (len(ids) - 1) % seq_len != 0  # a shorter last window, alone
+
+    @property
+    def tokens(self) -> int:
+        """Characters predicted: all but the first."""
+        return len(self.ids) - 1
+
+    def __len__(self) -> int:
+        return self.full_batches + int(self.has_tail)
+
+    @overload
+    def __getitem__(self, index: int) -> Batch: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> List[Batch]: ...
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"batch {index} of {len(self)}")
+        step = self.seq_len
+        if index < self.full_batches:
+            first = index * self.batch_size
+            last = min(first + self.batch_size, self.windows)
+            span = self.ids[first * step:last * step + 1]
+            windows = span.unfold(0, step + 1, step).to(torch.long, copy=True)
+        else:
+            windows = self.ids[self.windows * step:][None].to(torch.long, copy=True)
+        return windows[:, :-1], windows[:, 1:]
+
+    def __iter__(self) -> Iterator[Batch]:
+        return (self[i] for i in range(len(self)))
 
 
 # ------------------------------------------------------------------------------ evaluation
@@ -145,10 +182,31 @@ class LanguageModelLoss(nn.Module):
 # ---------------------------------------------------------------------------------- text in
 
 
-def encode_known(tokenizer: CharTokenizer, text: str, what: str) -> Tensor:
-    """``text`` as ids, or one DataError naming every character the tokenizer lacks."""
-    known = set(tokenizer.chars)
-    unknown = Counter(c for c in text if c not in known)
+# Characters encoded at a time by encode_known: bounds its temporaries (about 20 bytes each).
+ENCODE_CHUNK = 1 << 20
+
+
+def encode_known(tokenizer: CharTokenizer, text: str, what: str,
+                 dtype: torch.dtype = torch.long) -> Tensor:
+    """``text`` as ids of ``dtype``, or one DataError naming every character the tokenizer
+    lacks. Vectorised, a chunk at a time: a long text costs its ids and little more."""
+    table = torch.full((sys.maxunicode + 1,), -1, dtype=torch.int32)
+    table[torch.tensor([ord(c) for c in tokenizer.chars], dtype=torch.long)] = torch.arange(
+        tokenizer.vocab_size, dtype=torch.int32)
+    ids = torch.empty(len(text), dtype=dtype)
+    unknown: Counter = Counter()
+    for start in range(0, len(text), ENCODE_CHUNK):
+        piece = text[start:start + ENCODE_CHUNK]
+        # "surrogatepass": a prompt from the command line may hold escaped undecodable bytes.
+        codes = torch.frombuffer(bytearray(piece.encode("utf-32-le", "surrogatepass")),
+                                 dtype=torch.int32)
+        piece_ids = table[codes.long()]
+        missing = piece_ids < 0
+        if bool(missing.any()):
+            values, counts = torch.unique(codes[missing], return_counts=True)
+            unknown.update(dict(zip(map(chr, values.tolist()), counts.tolist())))
+        elif not unknown:
+            ids[start:start + len(piece)] = piece_ids
     if unknown:
         listed = ", ".join(f"{c!r} ({n}x)" for c, n in unknown.most_common(8))
         more = f" and {len(unknown) - 8} more" if len(unknown) > 8 else ""
@@ -156,7 +214,7 @@ def encode_known(tokenizer: CharTokenizer, text: str, what: str) -> Tensor:
             f"{what} has {len(unknown)} character(s) the run's tokenizer does not know: "
             f"{listed}{more}; it knows the {tokenizer.vocab_size} characters of its training text"
         )
-    return tokenizer.encode(text)
+    return ids
 
 
 # ---------------------------------------------------------------------------------- sampling
@@ -173,7 +231,10 @@ def next_token(logits: Tensor, temperature: float, top_k: Optional[int],
         raise SamplingError("the model's logits became non-finite")
     if temperature == 0:
         return int(logits.argmax())
-    logits = logits / temperature
+    # In float64 (a temperature such as 1e-300 is 0 in float32) and with the most likely token
+    # at 0: a tiny temperature then sends the others to -inf, not every logit to +-inf (which
+    # softmax would turn into nan).
+    logits = (logits.double() - logits.max()) / temperature
     if top_k is not None and top_k < logits.numel():
         threshold = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < threshold, -math.inf)

@@ -4,7 +4,8 @@
   :mod:`ipu_unit_scaling.tracing`). The IPU backends enter it around PopTorch's trace, and
   the emulator does the same.
 - :func:`check_poptorch`: traces a model the way PopTorch does, with no SDK, and reports
-  what PopTorch would refuse (host reads, float8 tensors) and the ops it has no handler for.
+  what PopTorch would refuse (host reads, moves to the CPU, float8 tensors, arguments its
+  handlers refuse) and the ops it has no handler for, each with the op and the module.
 - :func:`trace_like_poptorch`: the same trace, callable: its gradients are those PopART's
   autodiff would compute.
 """

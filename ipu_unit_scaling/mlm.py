@@ -9,35 +9,37 @@ token, 10% by a random character and 10% kept. The loss and the metrics count th
 only: validation MLM loss (mean cross-entropy per target) and accuracy (targets predicted
 exactly), on fixed validation batches.
 
-Every regime trains the same batches from the same seed; a run is one regime and one seed, in
-its own directory (`metrics.csv`, `summary.json`); finished runs are reused when the
-comparison is run again into the same directory.
+Every run trains through the training loop of :mod:`.train` as the task
+:class:`~.tasks.MaskedLM`: a run is one regime and one seed, in its own directory with the
+loop's files (config, checkpoint, metrics, summary, figure), checkpoints, SIGINT/SIGTERM
+handling and resume. Every regime trains the same batches from the same seed. Running the
+comparison again into the same directory reuses finished runs and resumes unfinished ones when
+their settings are the same, and refuses, naming the settings, when they are not.
 """
 from __future__ import annotations
 
 import copy
-import csv
+import dataclasses
 import json
 import math
 import statistics
-import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from . import modules as uu
-from .data import load_corpus
+from .config import BACKEND_NAMES, Config
 from .encoder import BertStyleEncoder
 from .fp8 import NonFiniteAmaxError
 from .precision import REGIME_SETTINGS
 
 __all__ = [
-    "MLMConfig", "MLMBatches", "mask_tokens", "build_encoder", "train_mlm", "run_mlm_compare",
-    "format_mlm_table", "check_mlm_regimes", "encoder_kind", "MLM_REGIMES",
-    "MLM_ALLOWED_REGIMES", "ENCODER_OPS",
+    "MLMConfig", "MLMBatches", "mask_tokens", "masked_batch", "build_encoder",
+    "encoder_from_config", "run_config", "train_mlm", "run_mlm_compare", "format_mlm_table",
+    "check_mlm_regimes", "encoder_kind", "MLM_REGIMES", "MLM_ALLOWED_REGIMES", "ENCODER_OPS",
 ]
 
 # The encoder's model kinds (precision.MODEL_KINDS less u-μP, which it has no form of).
@@ -74,7 +76,11 @@ def _default_learning_rates() -> Dict[str, float]:
 
 @dataclass
 class MLMConfig:
-    """Shape, data and training of the masked-LM comparison (``--set mlm.<field>=value``)."""
+    """Shape, data and training of the masked-LM comparison (``--set mlm.<field>=value``).
+
+    Each run trains with Adam on a cosine schedule after a linear warmup, and checkpoints at
+    every evaluation (``eval_interval``) and at its end.
+    """
 
     hidden_size: int = 128
     depth: int = 2
@@ -92,6 +98,7 @@ class MLMConfig:
     eval_batches: int = 8
     val_fraction: float = 0.1
     data: Optional[str] = None
+    backend: str = "auto"
     learning_rates: Dict[str, float] = field(default_factory=_default_learning_rates)
 
     def validate(self) -> None:
@@ -107,12 +114,15 @@ class MLMConfig:
         for name in ("depth", "heads", "batch_size", "steps", "eval_batches", "hidden_size"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.backend not in BACKEND_NAMES:
+            problems.append(f"backend must be one of {', '.join(BACKEND_NAMES)}, got "
+                            f"{self.backend!r}")
         if problems:
             raise ValueError("invalid mlm config: " + "; ".join(problems))
 
     def with_overrides(self, overrides: Sequence[str]) -> MLMConfig:
         """A copy with ``mlm.<field>=<value>`` (or ``<field>=<value>``) overrides applied."""
-        import yaml
+        from .config import parse_override_value
 
         result = copy.deepcopy(self)
         known = {f.name for f in fields(self)}
@@ -121,7 +131,7 @@ class MLMConfig:
             key = key[len("mlm."):] if key.startswith("mlm.") else key
             if not sep or key.split(".")[0] not in known:
                 raise ValueError(f"{item!r}: not an mlm setting; known: {', '.join(sorted(known))}")
-            value = yaml.safe_load(text)
+            value = parse_override_value(item.partition("=")[0], text)
             if key.startswith("learning_rates."):
                 regime = key.split(".", 1)[1]
                 check_mlm_regimes([regime])
@@ -159,6 +169,19 @@ def mask_tokens(ids: Tensor, real: Tensor, mask_id: int, vocab: int, mask_prob: 
     return inputs, labels
 
 
+def masked_batch(tokens: Tensor, vocab: int, rows: int, seq_len: int, min_len: int,
+                 mask_prob: float, generator: torch.Generator) -> Tuple[Tensor, Tensor]:
+    """``rows`` padded, masked sequences of ``tokens`` (ids below ``vocab``): windows at random
+    starts cut to a random length in [``min_len``, ``seq_len``], padded with ``vocab``, masked
+    by :func:`mask_tokens` with mask token ``vocab + 1``."""
+    starts = torch.randint(0, len(tokens) - seq_len, (rows,), generator=generator)
+    ids = tokens[starts[:, None] + torch.arange(seq_len)]
+    lengths = torch.randint(min_len, seq_len + 1, (rows,), generator=generator)
+    real = torch.arange(seq_len)[None, :] < lengths[:, None]
+    ids = torch.where(real, ids, torch.full_like(ids, vocab))
+    return mask_tokens(ids, real, vocab + 1, vocab, mask_prob, generator)
+
+
 class MLMBatches:
     """Padded, masked batches of one text split, from a seeded generator."""
 
@@ -168,43 +191,75 @@ class MLMBatches:
         self.generator = torch.Generator().manual_seed(seed)
 
     def next(self) -> Tuple[Tensor, Tensor]:
-        c, g = self.config, self.generator
-        starts = torch.randint(0, len(self.tokens) - c.seq_len, (c.batch_size,), generator=g)
-        ids = self.tokens[starts[:, None] + torch.arange(c.seq_len)]
-        lengths = torch.randint(c.min_len, c.seq_len + 1, (c.batch_size,), generator=g)
-        real = torch.arange(c.seq_len)[None, :] < lengths[:, None]
-        ids = torch.where(real, ids, torch.full_like(ids, self.pad_id))
-        return mask_tokens(ids, real, self.mask_id, self.vocab, c.mask_prob, g)
+        c = self.config
+        return masked_batch(self.tokens, self.vocab, c.batch_size, c.seq_len, c.min_len,
+                            c.mask_prob, self.generator)
 
 
 # ---------------------------------------------------------------- models and regimes
 
 
-def build_encoder(config: MLMConfig, vocab: int, regime: str) -> nn.Module:
-    """The encoder for one regime: unit-scaled or plain, with its precision simulated."""
-    from .precision import simulate_fp16
+def encoder_from_config(config: Config) -> nn.Module:
+    """The encoder ``config.model`` describes (plain or unit-scaled by ``model.unit_scaled``;
+    the vocabulary ``model.vocab_size`` characters plus padding and mask), in
+    ``config.precision``."""
+    from .precision import model_kind, simulate_fp16
 
-    kind = encoder_kind(regime)
-    _, dtype, scaling = REGIME_SETTINGS[regime]
+    shape = config.model
     model: nn.Module = BertStyleEncoder(
-        vocab + 2, config.hidden_size, config.depth, config.heads, config.seq_len, pad_id=vocab,
-        mlp_expansion=config.mlp_expansion, attn_tau=config.attn_tau, mlp_tau=config.mlp_tau,
-        ops=ENCODER_OPS[kind],
+        shape.vocab_size + 2, shape.hidden_size, shape.depth, shape.heads, shape.seq_len,
+        pad_id=shape.vocab_size, mlp_expansion=shape.mlp_expansion, dropout_p=shape.dropout,
+        attn_tau=shape.attn_tau, mlp_tau=shape.mlp_tau, ops=ENCODER_OPS[model_kind(config)],
     )
-    if dtype == "fp8":
-        from .fp8 import FP8Config, simulate_fp8
+    if config.precision.dtype == "fp8":
+        from .fp8 import simulate_fp8
 
-        model = simulate_fp8(model, FP8Config(scaling=scaling))
-    elif dtype == "fp16":
+        model = simulate_fp8(model, config.precision.fp8)
+    elif config.precision.dtype == "fp16":
         model = simulate_fp16(model)
     return model
 
 
-def _learning_rate(config: MLMConfig, peak: float, step: int) -> float:
-    if step < config.warmup_steps:
-        return peak * (step + 1) / config.warmup_steps
-    progress = min(1.0, (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps))
-    return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
+def build_encoder(config: MLMConfig, vocab: int, regime: str) -> nn.Module:
+    """The encoder for one regime: unit-scaled or plain, with its precision simulated."""
+    return encoder_from_config(run_config(config, regime, 0, vocab))
+
+
+def run_config(config: MLMConfig, regime: str, seed: int, vocab: int) -> Config:
+    """The training loop's config of one run of the comparison: the encoder's shape, the
+    regime's model kind, precision and learning rate, the seed, and ``vocab`` characters."""
+    from .config import validate
+    from .precision import set_model_kind
+
+    kind, dtype, scaling = REGIME_SETTINGS[regime]
+    check_mlm_regimes([regime])
+    result = Config()
+    set_model_kind(result, kind)
+    model = result.model
+    model.vocab_size, model.seq_len, model.depth = vocab, config.seq_len, config.depth
+    model.hidden_size, model.heads = config.hidden_size, config.heads
+    model.mlp_expansion, model.attn_tau, model.mlp_tau = (
+        config.mlp_expansion, config.attn_tau, config.mlp_tau)
+    result.precision.dtype = dtype
+    result.precision.fp8 = dataclasses.replace(result.precision.fp8, scaling=scaling)
+    training = result.training
+    training.batch_size, training.steps, training.seed = config.batch_size, config.steps, seed
+    training.optimizer, training.schedule = "adam", "cosine"
+    training.learning_rate = config.learning_rates[regime]
+    training.warmup_steps = config.warmup_steps
+    training.eval_interval, training.eval_batches = config.eval_interval, config.eval_batches
+    # Checkpoints reuse the evaluation that proves their weights good.
+    training.checkpoint_interval = config.eval_interval
+    result.data.path, result.data.val_fraction = config.data, config.val_fraction
+    result.backend = config.backend
+    validate(result)
+    return result
+
+
+def _task(config: MLMConfig) -> Any:
+    from .tasks import MaskedLM
+
+    return MaskedLM(min_len=config.min_len, mask_prob=config.mask_prob)
 
 
 def evaluate(model: nn.Module, batches: Sequence[Tuple[Tensor, Tensor]]) -> Tuple[float, float]:
@@ -227,62 +282,26 @@ def evaluate(model: nn.Module, batches: Sequence[Tuple[Tensor, Tensor]]) -> Tupl
     return total_loss / targets, correct / targets
 
 
-def train_mlm(config: MLMConfig, regime: str, seed: int, run_dir: Path,
-              log: Callable[[str], None] = lambda text: None) -> Dict[str, Any]:
-    """Train one regime with one seed into `run_dir`; returns (and writes) its summary."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+def train_mlm(config: MLMConfig, regime: str, seed: int, run_dir: Path, *,
+              resume: bool = False, quiet: bool = True, desc: Optional[str] = None
+              ) -> Dict[str, Any]:
+    """Train one regime with one seed into `run_dir` through the training loop (or with
+    `resume` continue the run there); returns its summary. A run that diverges returns its
+    summary too (status ``diverged``); SIGINT and SIGTERM raise TrainingInterrupted after a
+    checkpoint, as they do for every run."""
+    from .data import load_corpus
+    from .rundir import SUMMARY_FILE, read_json
+    from .train import TrainingDiverged, train
+
     corpus = load_corpus(config.data, config.val_fraction, config.seq_len)
-    vocab = corpus.tokenizer.vocab_size
-    torch.manual_seed(seed)
-    model = build_encoder(config, vocab, regime)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.learning_rates[regime])
-    train_batches = MLMBatches(corpus.train, vocab, config, seed)
-    val_source = MLMBatches(corpus.val, vocab, config, 10_000 + seed)
-    val_batches = [val_source.next() for _ in range(config.eval_batches)]
-    curve: List[Tuple[int, float, float]] = []
-    status, message, step, started = "completed", "", 0, time.perf_counter()
-    with open(run_dir / "metrics.csv", "w", newline="", encoding="utf-8") as handle:
-        writer = csv.writer(handle)
-        writer.writerow(["step", "lr", "train_loss", "val_loss", "val_accuracy"])
-        while step < config.steps:
-            lr = _learning_rate(config, config.learning_rates[regime], step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            inputs, labels = train_batches.next()
-            try:
-                loss = model(inputs, labels)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                value = loss.item()
-            except NonFiniteAmaxError:
-                value = math.nan
-            step += 1
-            row: List[Any] = [step, repr(lr), repr(value), "", ""]
-            if not math.isfinite(value):
-                status, message = "diverged", f"loss became {value} at step {step}"
-                writer.writerow(row)
-                break
-            if step == config.steps or (config.eval_interval and step % config.eval_interval == 0):
-                val_loss, accuracy = evaluate(model, val_batches)
-                curve.append((step, val_loss, accuracy))
-                row[3:] = [repr(val_loss), repr(accuracy)]
-                log(f"{regime} seed {seed}: step {step}: MLM loss {val_loss:.4f}, "
-                    f"accuracy {accuracy:.3f}")
-            writer.writerow(row)
-    final = curve[-1] if curve and status == "completed" else None
-    summary = {
-        "regime": regime, "model": encoder_kind(regime), "seed": seed, "status": status,
-        "message": message, "steps": step,
-        "final_val_loss": final[1] if final else None,
-        "final_val_accuracy": final[2] if final else None,
-        "elapsed_s": time.perf_counter() - started, "vocab": vocab,
-        "learning_rate": config.learning_rates[regime], "val_curve": curve,
-        "config": asdict(config),
-    }
-    with open(run_dir / "summary.json", "w", encoding="utf-8") as handle:
-        json.dump(summary, handle, indent=2)
-    return summary
+    cfg = run_config(config, regime, seed, corpus.tokenizer.vocab_size)
+    label = desc or f"{regime} seed {seed}"
+    try:
+        train(cfg, run_dir, resume=resume, quiet=quiet, desc=label, task=_task(config))
+    except TrainingDiverged as error:
+        if not quiet:
+            print(f"{label}: {error}")
+    return read_json(Path(run_dir) / SUMMARY_FILE) or {}
 
 
 # ---------------------------------------------------------------- the comparison
@@ -297,33 +316,121 @@ def _mean_std(values: Sequence[float]) -> Tuple[Optional[float], Optional[float]
 def run_mlm_compare(config: MLMConfig, regimes: Sequence[str], seeds: Sequence[int],
                     run_dir: Path, quiet: bool = False) -> List[Dict[str, Any]]:
     """Train every regime with every seed into `run_dir/<regime>-seed<k>`; one row per regime,
-    over the seeds: mean (and std) final MLM loss and accuracy, and the gap to fp32."""
+    over the seeds: mean (and std) final MLM loss and accuracy, and the gap to fp32.
+
+    A run already in `run_dir` is reused (finished) or resumed (unfinished) when its saved
+    settings are those it would run with now; otherwise nothing trains and a RunError names
+    the settings that differ.
+    """
+    from .data import load_corpus
+    from .rundir import (
+        METRICS_FILE,
+        SUMMARY_FILE,
+        RunLock,
+        make_run_dir,
+        read_json,
+        remove_temporaries,
+    )
+
     check_mlm_regimes(regimes)
     say = (lambda text: None) if quiet else print
-    run_dir.mkdir(parents=True, exist_ok=True)
-    runs: Dict[Tuple[str, int], Dict[str, Any]] = {}
-    for regime in regimes:
-        for seed in seeds:
+    make_run_dir(run_dir)
+    with RunLock(run_dir):
+        remove_temporaries(run_dir)
+        corpus = load_corpus(config.data, config.val_fraction, config.seq_len)
+        vocab = corpus.tokenizer.vocab_size
+        plans = [(regime, seed, _plan(run_config(config, regime, seed, vocab),
+                                      config, run_dir / f"{regime}-seed{seed}", corpus.sha256))
+                 for regime in regimes for seed in seeds]
+        runs: Dict[Tuple[str, int], Dict[str, Any]] = {}
+        for regime, seed, action in plans:
             directory = run_dir / f"{regime}-seed{seed}"
-            previous = _read_json(directory / "summary.json")
-            # A summary without the model kind may come from a build that trained every regime
-            # unit-scaled: it is trained again.
-            if previous and previous.get("config") == asdict(config) and \
-                    previous.get("model") == encoder_kind(regime) and \
-                    previous.get("status") in ("completed", "diverged"):
+            if action == "reuse":
                 say(f"{regime} seed {seed}: reusing the finished run in {directory}")
-                runs[regime, seed] = previous
+                runs[regime, seed] = read_json(directory / SUMMARY_FILE) or {}
                 continue
-            runs[regime, seed] = train_mlm(config, regime, seed, directory, log=say)
+            if action == "replace":
+                say(f"{regime} seed {seed}: {directory} holds a run of an earlier version, "
+                    "without a checkpoint; training it again")
+                _remove_files(directory, (SUMMARY_FILE, METRICS_FILE))
+            runs[regime, seed] = train_mlm(config, regime, seed, directory,
+                                           resume=action == "resume", quiet=quiet)
+        return _write_comparison(config, regimes, seeds, run_dir, runs)
+
+
+def _plan(wanted: Config, config: MLMConfig, directory: Path, data_sha256: str) -> str:
+    """Whether to ``start``, ``resume`` or ``reuse`` the run in ``directory``, or ``replace``
+    the files an earlier version's loop left there; RunError when it was trained with other
+    settings."""
+    from .precision import model_kind
+    from .rundir import CHECKPOINT_FILE, CONFIG_FILE, SUMMARY_FILE, RunError, read_json
+    from .tasks import read_task
+    from .train import load_run_config
+
+    has_checkpoint = (directory / CHECKPOINT_FILE).exists()
+    summary = read_json(directory / SUMMARY_FILE)
+    if summary is not None and not has_checkpoint and "regime" in summary and \
+            "checkpoint_step" not in summary and not (directory / CONFIG_FILE).exists():
+        # Written by the masked-LM loop of earlier versions, which kept no checkpoint: nothing
+        # to continue, so it is trained again.
+        return "replace"
+    if not has_checkpoint and summary is None:
+        return "start"  # new, or killed before anything worth keeping
+    differences = _differences(load_run_config(directory).to_dict(), wanted.to_dict())
+    task, saved_task = _task(config), read_task(directory)
+    if saved_task.settings() != task.settings():
+        differences.append(f"task: {saved_task.settings()} -> {task.settings()}")
+    if summary is not None and summary.get("data_sha256") != data_sha256:
+        differences.append("data: not the text it trained on")
+    if differences:
+        shown = ", ".join(differences[:4]) + (", ..." if len(differences) > 4 else "")
+        raise RunError(f"{directory} was trained with other settings ({shown}); rerun with the "
+                       "same settings or choose another --run-dir")
+    summary = summary or {}
+    status = summary.get("status")
+    # A summary that does not say which model it trained is not trusted to be this regime's:
+    # the run is resumed, which rewrites it.
+    if summary.get("model") == model_kind(wanted) and (status == "diverged" or (
+            status == "completed" and summary.get("steps") == wanted.training.steps)):
+        return "reuse"
+    return "resume" if has_checkpoint else "start"
+
+
+def _differences(saved: Dict[str, Any], wanted: Dict[str, Any], prefix: str = "") -> List[str]:
+    """``key: saved -> wanted`` for each setting that differs (the compare section aside: it
+    holds no setting of one run)."""
+    found = []
+    for key in sorted(set(saved) | set(wanted)):
+        if not prefix and key == "compare":
+            continue
+        old, new = saved.get(key), wanted.get(key)
+        if isinstance(old, dict) and isinstance(new, dict) and not prefix:
+            found += _differences(old, new, key + ".")
+        elif old != new:
+            found.append(f"{prefix}{key}: {old!r} -> {new!r}")
+    return found
+
+
+def _write_comparison(config: MLMConfig, regimes: Sequence[str], seeds: Sequence[int],
+                      run_dir: Path, runs: Dict[Tuple[str, int], Dict[str, Any]]
+                      ) -> List[Dict[str, Any]]:
+    """The rows of the table, from the runs' summaries; writes compare.md, .json and .png."""
+    from .rundir import atomic_write
+
+    def completed(run: Dict[str, Any]) -> bool:
+        return run.get("status") == "completed" and run.get("final_val_loss") is not None
+
     rows = []
     for regime in regimes:
         done = [runs[regime, s] for s in seeds]
-        losses = [r["final_val_loss"] for r in done if r["status"] == "completed"]
-        accuracy = [r["final_val_accuracy"] for r in done if r["status"] == "completed"]
+        finished = [run for run in done if completed(run)]
+        losses = [run["final_val_loss"] for run in finished]
+        accuracy = [run.get("final_val_metrics", {}).get("accuracy", math.nan)
+                    for run in finished]
         gaps = []
-        for run in done:
-            reference = runs.get(("fp32", run["seed"]))
-            if run["status"] == "completed" and reference and reference["status"] == "completed":
+        for seed, run in zip(seeds, done):
+            reference = runs.get(("fp32", seed))
+            if completed(run) and reference and completed(reference):
                 gaps.append(100 * (run["final_val_loss"] - reference["final_val_loss"])
                             / reference["final_val_loss"])
         loss_mean, loss_std = _mean_std(losses)
@@ -336,19 +443,20 @@ def run_mlm_compare(config: MLMConfig, regimes: Sequence[str], seeds: Sequence[i
             "val_loss": loss_mean, "val_loss_std": loss_std,
             "val_accuracy": accuracy_mean, "val_accuracy_std": accuracy_std,
             "gap_to_fp32_percent": gap_mean, "gap_std": gap_std,
-            "seconds": statistics.fmean(r["elapsed_s"] for r in done),
-            "messages": [r["message"] for r in done if r["message"]],
+            "seconds": statistics.fmean(run.get("elapsed_s") or 0.0 for run in done),
+            "messages": [run["message"] for run in done if run.get("message")],
         })
     table = format_mlm_table(rows, seeds)
-    (run_dir / "compare.md").write_text(table + "\n", encoding="utf-8")
-    with open(run_dir / "compare.json", "w", encoding="utf-8") as handle:
-        json.dump({"config": asdict(config), "seeds": list(seeds), "regimes": rows}, handle,
-                  indent=2)
+    atomic_write(run_dir / "compare.md", (table + "\n").encode("utf-8"))
+    atomic_write(run_dir / "compare.json", json.dumps(
+        {"config": asdict(config), "seeds": list(seeds), "regimes": rows},
+        indent=2).encode("utf-8"))
     try:
         from .plots import plot_compare
 
         curves = {f"{r}-seed{s}" if len(seeds) > 1 else r:
-                  [(p[0], p[1]) for p in runs[r, s]["val_curve"]] for r in regimes for s in seeds}
+                  [(p[0], p[1]) for p in runs[r, s].get("val_curve", [])]
+                  for r in regimes for s in seeds}
         plot_compare(curves, run_dir / "compare.png", None,
                      title="Validation masked-LM loss by regime and seed")
     except RuntimeError:  # matplotlib missing: the table is the result
@@ -356,13 +464,12 @@ def run_mlm_compare(config: MLMConfig, regimes: Sequence[str], seeds: Sequence[i
     return rows
 
 
-def _read_json(path: Path) -> Optional[Dict[str, Any]]:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+def _remove_files(directory: Path, names: Sequence[str]) -> None:
+    for name in names:
+        try:
+            (directory / name).unlink()
+        except FileNotFoundError:
+            pass
 
 
 def _pm(mean: Optional[float], std: Optional[float], fmt: str, suffix: str = "") -> str:

@@ -49,6 +49,7 @@ def plot_run(metrics_csv: Path, out: Path, baseline: Optional[float], title: str
         axes.axhline(baseline, color="gray", linestyle="--", label=f"unigram {baseline:.3f}")
     axes.set_xlabel("step")
     axes.set_ylabel("cross-entropy (nats per character)")
+    _short_tick_labels(axes)
     axes.set_title(title)
     axes.legend()
     axes.grid(alpha=0.3)
@@ -77,6 +78,7 @@ def plot_compare(
         axes.axhline(baseline, color="gray", linestyle=":", label=f"unigram {baseline:.3f}")
     axes.set_xlabel("step")
     axes.set_ylabel("validation cross-entropy (nats per character)")
+    _short_tick_labels(axes)
     axes.set_title(title)
     axes.legend(fontsize=8)
     axes.grid(alpha=0.3)
@@ -84,6 +86,12 @@ def plot_compare(
     figure.subplots_adjust(left=0.11, right=0.97, bottom=0.12, top=0.92)
     _save(plt, figure, Path(out))
     return Path(out)
+
+
+def _short_tick_labels(axes: Any) -> None:
+    # The fixed left margin holds tick labels of four digits; larger losses (a run diverging)
+    # get a power-of-ten offset instead of labels that would push the axis label off the figure.
+    axes.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
 
 
 def _save(plt: Any, figure: Any, out: Path) -> None:

@@ -86,7 +86,10 @@ def round_to_half(x: Tensor) -> Tensor:
     """``x`` as float16 would hold it (overflow to inf, underflow to zero), gradient likewise.
 
     A round trip through float16: autograd of the two casts rounds the gradient the same way,
-    so eager PyTorch and PopTorch's traced graph compute the same thing.
+    so eager PyTorch and PopTorch's traced graph compute the same thing while casts round to
+    nearest. With ``ipu.stochastic_rounding`` an IPU rounds both casts (the value's and the
+    gradient's) stochastically; the emulator backend does too (:mod:`.lowering`), the CPU
+    backend rounds to nearest.
     """
     return x.to(torch.float16).to(x.dtype)
 

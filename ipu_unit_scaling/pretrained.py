@@ -1,6 +1,9 @@
 """A trained run as a model: its checkpoint in any precision, evaluated or sampled.
 
-Behind ``ipu-unit-scaling evaluate`` and ``sample``. The run directory is only read. Models
+Behind ``ipu-unit-scaling evaluate`` and ``sample``. The run directory is only read, under
+a shared lock (a run writing it refuses them, and they refuse a run), and everything read is
+checked to belong together: the tokenizer against the SHA-256 its checkpoint records, the
+checkpoint's model against the config. Models
 run through :func:`ipu_unit_scaling.backends.build_inference_model`: a
 ``poptorch.inferenceModel`` on IPUs, the traced graph on the emulator, the eager model on the
 CPU, where evaluation is exactly the training loop's validation (the same windows, the same
@@ -16,16 +19,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import torch
 from torch import nn
 
 from .backends import build_inference_model, select_backend
 from .config import Config
-from .data import CharTokenizer, DataError, load_corpus, read_text_file
+from .data import CharTokenizer, DataError, load_corpus, out_of_memory, read_text_file
 from .fp8.stats import fp8_stats
 from .inference import (
     PRECISIONS,
     Batch,
     RoleScaleStats,
+    TextBatches,
     encode_known,
     generate,
     mean_loss,
@@ -36,15 +41,24 @@ from .inference import (
     validation_batches,
 )
 from .precision import build_model
-from .rundir import CHECKPOINT_FILE, EVALUATION_FILES, RunError, atomic_write, load_checkpoint
+from .rundir import (
+    CHECKPOINT_FILE,
+    CONFIG_FILE,
+    EVALUATION_FILES,
+    RunError,
+    RunLock,
+    atomic_write,
+    checkpoint_sha256,
+    load_checkpoint,
+    not_a_directory,
+    state_mismatch,
+)
 from .train import load_run_config, read_tokenizer
 
 __all__ = [
     "TrainedRun", "open_run", "EvaluationRow", "Evaluation", "evaluate_run",
     "format_evaluation", "write_evaluation", "check_prompt", "sample_run", "default_prompt",
 ]
-
-IPU_BACKENDS = ("ipu", "ipu_model")
 
 
 @dataclass
@@ -55,6 +69,7 @@ class TrainedRun:
     config: Config
     tokenizer: CharTokenizer
     checkpoint: Dict[str, Any]
+    checkpoint_sha256: Optional[str] = None  # names the exact checkpoint results came from
 
     @property
     def step(self) -> int:
@@ -70,10 +85,10 @@ class TrainedRun:
         model = build_model(precision_config(self.config, precision))
         try:
             model.load_state_dict(self.checkpoint["model"])
-        except (RuntimeError, KeyError) as error:
-            first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-            raise RunError(f"{self.run_dir / CHECKPOINT_FILE} does not fit its config.yaml: "
-                           f"{first_line}") from None
+        except (RuntimeError, KeyError, TypeError, AttributeError) as error:
+            raise RunError(f"{self.run_dir / CHECKPOINT_FILE} is not a checkpoint of this run: "
+                           f"its model does not fit {CONFIG_FILE} ({state_mismatch(error)})"
+                           ) from None
         model.eval()
         return model
 
@@ -83,27 +98,43 @@ class TrainedRun:
         corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len,
                              self.tokenizer)
         if self.checkpoint.get("data_sha256") not in (None, corpus.sha256):
-            raise RunError(f"{corpus.source} has changed since {self.run_dir} trained on it; "
-                           "evaluate another text with --data FILE")
+            # The model and tokenizer fit (open_run checked): the text changed, or the
+            # checkpoint was trained elsewhere on other text with the same characters.
+            raise RunError(
+                f"{self.run_dir / CHECKPOINT_FILE} was not trained on {corpus.source}, the data "
+                f"its {CONFIG_FILE} names: it is not a checkpoint of this run, or that text "
+                "has changed since; evaluate another text with --data FILE")
         return validation_batches(corpus.val, config)
 
 
 def open_run(run_dir: Path, action: str = "evaluate") -> TrainedRun:
     """Read ``run_dir``'s config, tokenizer and checkpoint through the run directory's checked
-    loaders; a RunError ("cannot <action> ...") if any is missing or damaged."""
+    loaders, under a shared lock (so all three come from the same moment of the run); a
+    RunError ("cannot <action> ...") if any is missing, damaged or not of the same run, or if a
+    run is writing the directory. Hold ``RunLock(run_dir, shared=True)`` around the whole use
+    to keep a run from starting meanwhile."""
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise RunError(f"cannot {action} {run_dir}: no such directory")
-    if not (run_dir / CHECKPOINT_FILE).is_file():
-        raise RunError(f"cannot {action} {run_dir}: it holds no {CHECKPOINT_FILE} (not a "
-                       "trained run, or one stopped before its first checkpoint)")
-    config = load_run_config(run_dir, (), action)
-    tokenizer = read_tokenizer(run_dir, action)
-    checkpoint = load_checkpoint(run_dir / CHECKPOINT_FILE)
+    problem = not_a_directory(run_dir)
+    if problem:
+        raise RunError(f"cannot {action} {run_dir}: {problem}")
+    with RunLock(run_dir, shared=True, action=action):
+        if not (run_dir / CHECKPOINT_FILE).is_file():
+            raise RunError(f"cannot {action} {run_dir}: it holds no {CHECKPOINT_FILE} (not a "
+                           "trained run, or one stopped before its first checkpoint)")
+        config = load_run_config(run_dir, (), action)
+        checkpoint = load_checkpoint(run_dir / CHECKPOINT_FILE)
+        digest = checkpoint_sha256(run_dir / CHECKPOINT_FILE)
+        tokenizer = read_tokenizer(run_dir, action, checkpoint)
+    step = checkpoint["step"]
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise RunError(f"cannot {action} {run_dir}: its {CHECKPOINT_FILE} is damaged (step "
+                       f"{step!r})")
     if tokenizer.vocab_size != config.model.vocab_size:
         raise RunError(f"cannot {action} {run_dir}: its tokenizer has {tokenizer.vocab_size} "
                        f"characters but its model {config.model.vocab_size}")
-    return TrainedRun(run_dir, config, tokenizer, checkpoint)
+    run = TrainedRun(run_dir, config, tokenizer, checkpoint, digest)
+    run.model(run.precision)  # a checkpoint of another model is refused now, not mid-way
+    return run
 
 
 def _destroy(runner: Any) -> None:
@@ -113,6 +144,8 @@ def _destroy(runner: Any) -> None:
 def _inference_config(config: Config) -> Config:
     # One batch per call: a sampled window or an evaluation batch is one call's input, whatever
     # device_iterations training used (PopTorch splits a call's rows over device iterations).
+    # A pipelined split is then compiled as ShardedExecution (backends/ipu/options.py): under
+    # PipelinedExecution PopTorch needs device_iterations >= the number of pipeline stages.
     result = copy.deepcopy(config)
     result.ipu.device_iterations = 1
     return result
@@ -140,6 +173,7 @@ class Evaluation:
     tokens: int
     backend: str
     rows: List[EvaluationRow]
+    checkpoint_sha256: Optional[str] = None  # of the checkpoint.pt at ``step`` it evaluated
 
 
 def evaluate_run(
@@ -150,24 +184,30 @@ def evaluate_run(
     backend: Optional[str] = None,
     scale_report: bool = False,
     on_batch: Optional[Callable[[], None]] = None,
+    on_start: Optional[Callable[[str, int], None]] = None,
 ) -> Evaluation:
     """The checkpoint's loss under each of ``precisions``, on the run's validation windows or
     on the text file ``data`` (encoded with the run's tokenizer, every character predicted).
 
     With ``scale_report``, FP8 precisions also report their casts' under- and overflow by role
-    (counted on the host, where casts can be inspected).
+    (counted on the host, where casts can be inspected). ``on_start`` receives the data's
+    description and the number of ``on_batch`` calls to come, once the data is ready.
     """
     config = run.config
     backend = backend or select_backend(config.backend)
+    batches: Sequence[Batch]
     if data is None:
         batches = run.validation_batches()
+        tokens = sum(labels.numel() for _, labels in batches)
         description = (f"validation split: the {len(batches)} batches of "
                        f"{config.training.batch_size} x {config.model.seq_len} characters "
                        "the training run validated on")
     else:
-        ids = encode_known(run.tokenizer, read_text_file(data), f"data file {data!r}")
-        batches = text_batches(ids, config.model.seq_len, config.training.batch_size)
-        description = f"{data}: {len(ids)} characters"
+        batches = _text_file_batches(run, data)
+        tokens = batches.tokens
+        description = f"{data}: {len(batches.ids)} characters"
+    if on_start is not None:
+        on_start(description, len(batches) * len(precisions))
     rows: List[EvaluationRow] = []
     for precision in precisions:
         model = run.model(precision)
@@ -195,9 +235,25 @@ def evaluate_run(
     return Evaluation(
         run_dir=str(run.run_dir), step=run.step,
         model="unit-scaled" if config.model.unit_scaled else "plain",
-        trained_precision=run.precision, data=description,
-        tokens=sum(labels.numel() for _, labels in batches), backend=backend, rows=rows,
+        trained_precision=run.precision, data=description, tokens=tokens, backend=backend,
+        rows=rows, checkpoint_sha256=run.checkpoint_sha256,
     )
+
+
+def _text_file_batches(run: TrainedRun, data: str) -> TextBatches:
+    """The text file ``data`` in windows, held once as 32-bit ids; reading it is refused
+    beforehand when it cannot fit in memory (as ``train`` refuses it)."""
+    text = read_text_file(data)
+    try:
+        ids = encode_known(run.tokenizer, text, f"data file {data!r}", dtype=torch.int32)
+    except (MemoryError, RuntimeError) as error:
+        if not out_of_memory(error):
+            raise
+        raise DataError(f"data file {data!r} ({len(text)} characters) does not fit in the "
+                        "free memory of this machine once encoded; free memory or use a "
+                        "smaller file") from None
+    del text
+    return text_batches(ids, run.config.model.seq_len, run.config.training.batch_size)
 
 
 def _loss_text(value: float) -> str:
@@ -206,9 +262,11 @@ def _loss_text(value: float) -> str:
 
 def format_evaluation(evaluation: Evaluation) -> str:
     """Markdown: one row per precision (loss, gap to fp32), then the scale report if any."""
+    digest = (f", sha256 {evaluation.checkpoint_sha256[:12]}"
+              if evaluation.checkpoint_sha256 else "")
     lines = [
-        f"Checkpoint {evaluation.run_dir} (step {evaluation.step}, {evaluation.model} GPT "
-        f"trained in {evaluation.trained_precision}); {evaluation.data}; "
+        f"Checkpoint {evaluation.run_dir} (step {evaluation.step}{digest}, {evaluation.model} "
+        f"GPT trained in {evaluation.trained_precision}); {evaluation.data}; "
         f"{evaluation.tokens} predicted characters; backend {evaluation.backend}.",
         "",
         "| precision | loss (nats/char) | gap to fp32 |",
@@ -293,7 +351,7 @@ def sample_run(
     try:
         drawn = generate(
             runner, ids, tokens, config.model.seq_len, temperature=temperature, top_k=top_k,
-            seed=seed, rows=config.ipu.replication_factor if backend in IPU_BACKENDS else 1,
+            seed=seed, rows=runner.rows_per_call,
             on_token=emit,
         )
     finally:

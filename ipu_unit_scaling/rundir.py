@@ -7,8 +7,12 @@ Guarantees, whatever moment a run is killed at:
   too). Temporary files a killed run leaves behind are removed by the next run;
 - ``checkpoint.pt`` starts with a header line holding the SHA-256 of the rest, checked on load;
 - one process at a time writes a run directory: an advisory lock (``flock``) on ``.lock`` is
-  held for the whole run, and a second writer is refused with the holder's process id. Where
-  ``fcntl`` is missing (Windows) there is no lock and concurrent runs are not detected;
+  held for the whole run, and a second writer is refused with the holder's process id. Readers
+  (``evaluate``, ``sample``) share the lock: they are refused while a run writes, and a writer
+  is refused while they read. Where ``fcntl`` is missing (Windows) there is no lock and
+  concurrent runs are not detected;
+- the checkpoint records the SHA-256 of the tokenizer it was trained with: an edited
+  ``tokenizer.json`` is refused by every reader of the run (:func:`check_tokenizer`);
 - a resume refuses, in one line naming the file, a missing, empty or damaged artefact.
 """
 from __future__ import annotations
@@ -18,14 +22,17 @@ import datetime
 import errno
 import hashlib
 import io
+import itertools
 import json
 import os
+import re
 import socket
+import stat
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -35,24 +42,29 @@ except ImportError:  # not POSIX: runs go unlocked
     fcntl = None  # type: ignore[assignment]
 
 __all__ = [
-    "RunError", "CONFIG_FILE", "TOKENIZER_FILE", "METRICS_FILE", "CHECKPOINT_FILE",
-    "SUMMARY_FILE", "PLOT_FILE", "SCALE_REPORT_FILE", "LOCK_FILE", "ARTEFACTS", "COMPARE_FILES",
-    "EVALUATION_FILES", "METRIC_FIELDS", "leftovers",
-    "atomic_write", "remove_temporaries", "RunLock", "make_run_dir", "save_checkpoint",
+    "RunError", "CONFIG_FILE", "TOKENIZER_FILE", "TASK_FILE", "METRICS_FILE", "CHECKPOINT_FILE",
+    "SUMMARY_FILE", "PLOT_FILE", "SCALE_REPORT_FILE", "TENSORBOARD_DIR", "LOCK_FILE",
+    "ARTEFACTS", "COMPARE_FILES",
+    "EVALUATION_FILES", "METRIC_FIELDS", "leftovers", "error_naming", "not_a_directory",
+    "state_mismatch",
+    "atomic_write", "remove_temporaries", "RunLock", "make_run_dir", "make_unique_run_dir",
+    "remove_refused_start", "save_checkpoint",
     "load_checkpoint", "MetricsLog", "read_metrics", "metrics_up_to", "keep_report_rows_up_to",
     "read_json",
 ]
 
 CONFIG_FILE = "config.yaml"
 TOKENIZER_FILE = "tokenizer.json"
+TASK_FILE = "task.json"  # what the run trains, for tasks other than the causal LM
 METRICS_FILE = "metrics.csv"
 CHECKPOINT_FILE = "checkpoint.pt"
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "loss.png"
 SCALE_REPORT_FILE = "scale_report.csv"
+TENSORBOARD_DIR = "tensorboard"  # the run's scalars as TensorBoard event files, a directory
 LOCK_FILE = ".lock"
-ARTEFACTS = (CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE, CHECKPOINT_FILE, SUMMARY_FILE,
-             PLOT_FILE, SCALE_REPORT_FILE)
+ARTEFACTS = (CONFIG_FILE, TOKENIZER_FILE, TASK_FILE, METRICS_FILE, CHECKPOINT_FILE,
+             SUMMARY_FILE, PLOT_FILE, SCALE_REPORT_FILE)
 COMPARE_FILES = ("compare.md", "compare.json", "compare.png")
 EVALUATION_FILES = ("evaluate.md", "evaluate.json")  # what `evaluate` adds to a trained run
 METRIC_FIELDS = ("step", "lr", "train_loss", "val_loss", "tokens_per_s", "elapsed_s")
@@ -67,6 +79,43 @@ class RunError(ValueError):
 
 def _reason(error: OSError) -> str:
     return error.strerror or str(error)
+
+
+def error_naming(path: Path, error: OSError) -> OSError:
+    """``error`` naming ``path``: os.write's errors (a full disk, say) name no file."""
+    if error.filename is not None:
+        return error
+    return OSError(error.errno, _reason(error), str(path))
+
+
+def not_a_directory(path: Path) -> Optional[str]:
+    """None where ``path`` is a directory, else why not, in words to follow "cannot ...
+    PATH: " (so that a symbolic link loop does not read as a missing directory)."""
+    try:
+        if stat.S_ISDIR(os.stat(path).st_mode):
+            return None
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            return "its path holds a symbolic link loop (too many levels of symbolic links)"
+        if error.errno == errno.ENOENT and os.path.islink(path):
+            return f"it is a broken symbolic link (to {os.readlink(path)})"
+        if error.errno in (errno.ENOENT, errno.ENOTDIR):
+            return "no such directory"
+        return _reason(error)
+    except ValueError as error:  # a NUL byte in the name
+        return f"not a usable path ({error})"
+    return "not a directory"
+
+
+def state_mismatch(error: BaseException) -> str:
+    """A ``load_state_dict`` error in one line: its first problem and how many more there are
+    (torch lists one per line, after a heading that says only which module)."""
+    lines = [" ".join(line.split()) for line in str(error).splitlines()]
+    problems = [line for line in lines[1:] if line] or [line for line in lines if line]
+    if not problems:
+        return type(error).__name__
+    first = re.sub(r"torch\.Size\((\[[^\]]*\])\)", r"\1", problems[0]).rstrip(".")
+    return first + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
 
 
 # ------------------------------------------------------------------------------ atomic writes
@@ -91,11 +140,13 @@ def atomic_write(path: Path, data: bytes) -> None:
         finally:
             os.close(handle)
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as error:
         try:
             os.remove(temporary)
         except OSError:
             pass
+        if isinstance(error, OSError):
+            raise error_naming(path, error) from None
         raise
     _fsync_directory(path.parent)
 
@@ -152,18 +203,122 @@ def _entries(run_dir: Path) -> List[Path]:
 # ------------------------------------------------------------------------------ the directory
 
 
-def make_run_dir(run_dir: Path) -> None:
-    """Create ``run_dir`` (and its parents) if needed; one-line errors for every failure."""
+def make_run_dir(run_dir: Path) -> List[Path]:
+    """Create ``run_dir`` (and its parents) if needed; returns the directories it created,
+    outermost first (for :func:`remove_refused_start`). One-line errors for every failure."""
+    run_dir = Path(run_dir)
+    _check_name(run_dir)
     try:
-        if run_dir.exists() and not run_dir.is_dir():
-            raise RunError(f"run directory {run_dir} exists and is not a directory")
-        run_dir.mkdir(parents=True, exist_ok=True)
-    except ValueError as error:  # a NUL byte in the name
-        if isinstance(error, RunError):
-            raise
-        raise RunError(f"run directory {str(run_dir)!r} is not a usable path: {error}") from None
+        created = _make_directories(run_dir)
     except OSError as error:
         raise RunError(f"cannot create run directory {run_dir}: {_reason(error)}") from None
+    problem = not_a_directory(run_dir)
+    if problem == "not a directory":
+        raise RunError(f"run directory {run_dir} exists and is not a directory")
+    if problem:
+        raise RunError(f"cannot create run directory {run_dir}: {problem}")
+    return created
+
+
+def make_unique_run_dir(parent: Path, name: str) -> Tuple[Path, List[Path]]:
+    """A new directory ``parent/name``, or ``name-2``, ``name-3``, ... where that is taken (by
+    a run started in the same second, say); returns it and the directories created, outermost
+    first. Creating a directory is atomic, so runs started together never share one."""
+    parent = Path(parent)
+    _check_name(parent)
+    try:
+        created = _make_directories(parent)
+        problem = not_a_directory(parent)
+    except OSError as error:
+        problem = _reason(error)
+    if problem:
+        raise RunError(f"cannot create run directory {parent / name}: in {parent}: {problem}")
+    for number in itertools.count(1):
+        run_dir = Path(parent) / (name if number == 1 else f"{name}-{number}")
+        _check_name(run_dir)
+        try:
+            run_dir.mkdir()
+        except FileExistsError:
+            continue
+        except OSError as error:
+            raise RunError(f"cannot create run directory {run_dir}: {_reason(error)}") from None
+        return run_dir, created + [run_dir]
+    raise AssertionError("unreachable")  # itertools.count never ends
+
+
+def _check_name(run_dir: Path) -> None:
+    text = str(run_dir)
+    if "\0" in text:
+        raise RunError(f"run directory {text!r} is not a usable path: it holds a NUL byte")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # undecodable bytes: every message and summary would carry them
+        raw = os.fsencode(text)
+        raise RunError(f"run directory {raw!r} is not a usable path: its name is not UTF-8; "
+                       "choose a UTF-8 name") from None
+
+
+def _make_directories(run_dir: Path) -> List[Path]:
+    missing = []
+    path = run_dir
+    while not os.path.lexists(path) and path.parent != path:
+        missing.append(path)
+        path = path.parent
+    created = []
+    for path in reversed(missing):
+        try:
+            path.mkdir()
+        except FileExistsError:  # made meanwhile by another process: not ours to remove
+            continue
+        created.append(path)
+    return created
+
+
+# What a start writes into a run directory before its first step: nothing a later run can use.
+_START_FILES = (LOCK_FILE, CONFIG_FILE, TOKENIZER_FILE)
+
+
+def remove_refused_start(created: Sequence[Path]) -> None:
+    """After a command failed, remove the directories it created (``created``, from
+    :func:`make_run_dir`, outermost first) where they hold nothing but what a start writes
+    (the lock, config and tokenizer, temporary files, in subdirectories too). A directory in
+    use by another run, or holding anything else, stays as it is."""
+    if not created:
+        return
+    run_dir = Path(created[-1])
+    try:
+        with RunLock(run_dir):
+            if not _only_start_files(run_dir):
+                return
+            _remove_start_files(run_dir)
+    except (RunError, OSError):
+        return
+    for directory in reversed(created[:-1]):
+        try:
+            Path(directory).rmdir()
+        except OSError:  # not empty: something else was put there meanwhile
+            return
+
+
+def _only_start_files(directory: Path) -> bool:
+    for entry in directory.iterdir():
+        if entry.is_symlink():
+            return False
+        if entry.is_dir():
+            if not _only_start_files(entry):
+                return False
+        elif entry.name not in _START_FILES and not _is_temporary(entry.name):
+            return False
+    return True
+
+
+def _remove_start_files(directory: Path) -> None:
+    for entry in directory.iterdir():
+        if entry.is_dir():
+            _remove_start_files(entry)
+        else:
+            entry.unlink()
+    directory.rmdir()
 
 
 def leftovers(run_dir: Path) -> List[Path]:
@@ -171,6 +326,9 @@ def leftovers(run_dir: Path) -> List[Path]:
     found = []
     for entry in _entries(run_dir):
         if entry.name == LOCK_FILE or _is_temporary(entry.name):
+            continue
+        if entry.name == TENSORBOARD_DIR and entry.is_dir():
+            found.append(entry)
             continue
         if entry.name not in ARTEFACTS or not entry.is_file():
             raise RunError(
@@ -181,13 +339,18 @@ def leftovers(run_dir: Path) -> List[Path]:
 
 
 class RunLock:
-    """An exclusive advisory lock on a run directory, held from the start to the end of a run.
+    """An advisory lock on a run directory: exclusive for a run that writes it (held from its
+    start to its end), shared with ``shared=True`` for commands that only read it.
 
-    The lock file records who holds it, so that a refused writer can say so.
+    A writer records who holds the lock in the lock file, so that whoever it refuses can say
+    so. Readers write nothing: they may read a directory they cannot write to (no lock file
+    there means no run is writing it).
     """
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, shared: bool = False, action: str = "read") -> None:
         self.run_dir = Path(run_dir)
+        self.shared = shared
+        self.action = action  # what a refused reader could not do ("evaluate", "sample")
         self._fd: Optional[int] = None
 
     def __enter__(self) -> RunLock:
@@ -198,47 +361,78 @@ class RunLock:
         self.release()
 
     def acquire(self) -> None:
-        path = self.run_dir / LOCK_FILE
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as error:
-            raise RunError(f"cannot write to run directory {self.run_dir}: "
-                           f"{_reason(error)}") from None
+        fd = self._open_reading() if self.shared else self._open_writing()
+        if fd is None:
+            return
         if fcntl is not None:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             except OSError as error:
                 holder = _read_holder(fd)
                 os.close(fd)
                 if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise RunError(
-                        f"run directory {self.run_dir} is in use by {holder}; wait for it to "
-                        "finish or choose another --run-dir"
-                    ) from None
+                    raise RunError(self._busy(holder)) from None
                 raise RunError(f"cannot lock run directory {self.run_dir}: "
                                f"{_reason(error)}") from None
+        if not self.shared:
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, _holder_text().encode("utf-8"), 0)
+            except OSError as error:
+                os.close(fd)
+                raise RunError(f"cannot write to run directory {self.run_dir}: "
+                               f"{_reason(error)}") from None
+        self._fd = fd
+
+    def _open_writing(self) -> int:
         try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, _holder_text().encode("utf-8"), 0)
+            return os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as error:
-            os.close(fd)
             raise RunError(f"cannot write to run directory {self.run_dir}: "
                            f"{_reason(error)}") from None
-        self._fd = fd
+
+    def _open_reading(self) -> Optional[int]:
+        problem = not_a_directory(self.run_dir)
+        if problem:
+            raise RunError(f"cannot {self.action} {self.run_dir}: {problem}")
+        path = self.run_dir / LOCK_FILE
+        for flags in (os.O_RDONLY, os.O_RDONLY | os.O_CREAT):
+            try:
+                return os.open(path, flags, 0o644)
+            except FileNotFoundError:
+                continue  # no run has locked it yet: create the file, so that one cannot start
+            except NotADirectoryError:
+                break
+            except OSError as error:
+                if flags & os.O_CREAT and error.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
+                    return None  # a directory nobody here can write: no writer to wait for
+                raise RunError(f"cannot {self.action} {self.run_dir}: cannot open its "
+                               f"{LOCK_FILE}: {_reason(error)}") from None
+        raise RunError(f"cannot {self.action} {self.run_dir}: no such directory")
+
+    def _busy(self, holder: str) -> str:
+        if self.shared:
+            return (f"cannot {self.action} {self.run_dir}: it is in use by {holder}, a run "
+                    "writing it; wait for it to finish")
+        return (f"run directory {self.run_dir} is in use by {holder}; wait for it to finish "
+                "or choose another --run-dir")
 
     def release(self) -> None:
         if self._fd is None:
             return
-        try:
-            os.ftruncate(self._fd, 0)
-        except OSError:
-            pass
+        if not self.shared:
+            try:
+                os.ftruncate(self._fd, 0)
+            except OSError:
+                pass
         os.close(self._fd)  # closing drops the flock
         self._fd = None
 
 
 def _holder_text() -> str:
     command = " ".join([Path(sys.argv[0]).name] + sys.argv[1:]) if sys.argv else "python"
+    # Arguments of undecodable bytes arrive as lone surrogates, which UTF-8 cannot encode.
+    command = command.encode("utf-8", "backslashreplace").decode("utf-8")
     if len(command) > 120:
         command = command[:117] + "..."
     since = datetime.datetime.now().isoformat(timespec="seconds")
@@ -255,7 +449,7 @@ def _read_holder(fd: int) -> str:
         if text:
             return " ".join(text.split())
         time.sleep(0.01)
-    return "another process"
+    return "another process (one reading it, or a run starting)"
 
 
 # ------------------------------------------------------------------------------ checkpoints
@@ -302,29 +496,84 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
     return state
 
 
+def checkpoint_sha256(path: Path) -> Optional[str]:
+    """The SHA-256 a checkpoint's header records for its contents (None if it has none): names
+    the exact checkpoint a result was computed from."""
+    try:
+        with open(path, "rb") as handle:
+            header = handle.readline(256)
+    except OSError:
+        return None
+    fields = header.split(b" ")
+    if not header.startswith(CHECKPOINT_MAGIC + b" ") or len(fields) != 5:
+        return None
+    digest = fields[3].partition(b"=")[2].decode("ascii", "replace")
+    return digest or None
+
+
+def tokenizer_sha256(chars: Sequence[str]) -> str:
+    """SHA-256 of a character vocabulary in id order: what a checkpoint records of its
+    tokenizer."""
+    return hashlib.sha256(json.dumps(list(chars), ensure_ascii=True).encode("ascii")).hexdigest()
+
+
+def check_tokenizer(run_dir: Path, chars: Sequence[str], checkpoint: Dict[str, Any],
+                    action: str) -> None:
+    """RunError ("cannot <action> ...") unless ``chars`` are the vocabulary ``checkpoint`` was
+    trained with: the SHA-256 it records, or, in checkpoints written before it recorded one,
+    the order every run's vocabulary has (the pretrained characters of a fine-tuning run, then
+    sorted characters)."""
+    refuse = (f"cannot {action} {run_dir}: {TOKENIZER_FILE} does not match its "
+              f"{CHECKPOINT_FILE}, which was trained with another tokenizer")
+    recorded = checkpoint.get("tokenizer_sha256")
+    if recorded is not None:
+        if recorded != tokenizer_sha256(chars):
+            raise RunError(f"{refuse} (the checksums differ: the file was edited, or one of "
+                           "them comes from another run)")
+        return
+    base = checkpoint.get("base_chars") or []
+    if not isinstance(base, list):
+        raise RunError(f"cannot {action} {run_dir}: its {CHECKPOINT_FILE} is damaged")
+    added = list(chars[len(base):])
+    if list(chars[:len(base)]) != base or added != sorted(added):
+        raise RunError(f"{refuse} (its characters are out of their order: the file was "
+                       "edited)")
+
+
+__all__ += ["checkpoint_sha256", "tokenizer_sha256", "check_tokenizer"]
+
+
 # ------------------------------------------------------------------------------ metrics
 
 
 class MetricsLog:
-    """``metrics.csv``, appended one whole row per write call; ``sync`` makes rows durable."""
+    """``metrics.csv``, appended one whole row per write call; ``sync`` makes rows durable.
+    ``fields`` are its columns: ``METRIC_FIELDS``, then any a task adds."""
 
-    def __init__(self, path: Path, fresh: bool) -> None:
+    def __init__(self, path: Path, fresh: bool, fields: Sequence[str] = METRIC_FIELDS) -> None:
         self.path = Path(path)
+        self.fields = tuple(fields)
         if fresh:
-            atomic_write(self.path, _csv_line(METRIC_FIELDS))
+            atomic_write(self.path, _csv_line(self.fields))
         try:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         except OSError as error:
             raise RunError(f"cannot write {self.path}: {_reason(error)}") from None
 
     def write(self, row: Dict[str, Any]) -> None:
-        line = _csv_line([row.get(name, "") for name in METRIC_FIELDS])
+        line = _csv_line([row.get(name, "") for name in self.fields])
         view = memoryview(line)
-        while view:
-            view = view[os.write(self._fd, view):]
+        try:
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError as error:
+            raise error_naming(self.path, error) from None
 
     def sync(self) -> None:
-        os.fsync(self._fd)
+        try:
+            os.fsync(self._fd)
+        except OSError as error:
+            raise error_naming(self.path, error) from None
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -344,8 +593,9 @@ def read_metrics(run_dir: Path) -> List[Dict[str, str]]:
         return list(csv.DictReader(handle))
 
 
-def metrics_up_to(run_dir: Path, step: int) -> bytes:
-    """metrics.csv holding exactly the rows of steps 1..``step``, from the file in ``run_dir``.
+def metrics_up_to(run_dir: Path, step: int, fields: Sequence[str] = METRIC_FIELDS) -> bytes:
+    """metrics.csv holding exactly the rows of steps 1..``step``, from the file in ``run_dir``
+    whose columns are ``fields``.
 
     Rows after ``step`` (written after the last checkpoint, the last maybe cut short by a kill)
     are dropped; a file without all of 1..``step`` is a RunError naming it.
@@ -365,13 +615,13 @@ def metrics_up_to(run_dir: Path, step: int) -> bytes:
         lines = data.decode("utf-8").split("\n")
     except UnicodeDecodeError:
         raise damaged from None
-    if lines[0] != ",".join(METRIC_FIELDS):
+    if lines[0] != ",".join(fields):
         raise damaged
     kept = [lines[0] + "\n"]
     for expected, line in enumerate(lines[1:step + 1], start=1):
         complete = expected < len(lines) - 1  # the last piece has no newline after it
         cells = next(csv.reader([line]), [])
-        if not complete or len(cells) != len(METRIC_FIELDS) or cells[0] != str(expected):
+        if not complete or len(cells) != len(fields) or cells[0] != str(expected):
             raise damaged
         try:
             [float(cell) for cell in cells[1:4] if cell]

@@ -50,11 +50,11 @@ import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import functional as U
+from . import lowering
 from .constraints import ConstraintArg, apply_constraint
 from .modules import GPT, UNIT_OPS, Linear
 
@@ -136,16 +136,6 @@ def logit_scale(fan_in: int, loss_softmax_mult: float = 1.0) -> float:
     return loss_softmax_mult / math.sqrt(fan_in)
 
 
-def _gelu_moments(mult: float, approximate: str) -> Tuple[float, float]:
-    """(std of gelu(mult z), rms of its derivative in z) for z ~ N(0, 1), by the quadrature
-    ``U.gelu`` uses, in float64."""
-    with torch.inference_mode(False), torch.enable_grad():
-        z = torch.tensor(U._HERMITE_POINTS, dtype=torch.float64, requires_grad=True)
-        out = F.gelu(mult * z, approximate=approximate)
-        (slope,) = torch.autograd.grad(out.sum(), z)
-    return U._normal_std(out.detach().numpy()), U._normal_rms(slope.numpy())
-
-
 class ScaledGELU:
     """Unit-scaled ``gelu(mult * x)``: u-μP's ``ffn_act_mult`` shapes the nonlinearity.
 
@@ -162,12 +152,16 @@ class ScaledGELU:
             raise ValueError(f"mult={mult!r} must be positive")
         self.mult = mult
         self.approximate = approximate
-        out_std, grad_rms = _gelu_moments(mult, approximate)
-        self.output_scale, self.grad_scale = apply_constraint(
-            constraint, 1 / out_std, 1 / grad_rms)
+        # Scales of torch's GELU and of the one an IPU runs (see U.gelu), by U.gelu's
+        # quadrature.
+        self.scales = {
+            form: apply_constraint(constraint, *(1 / m for m in U._gelu_moments(form, mult)))
+            for form in {approximate, lowering.gelu_on_ipu(approximate)}}
+        self.output_scale, self.grad_scale = self.scales[approximate]
 
     def __call__(self, input: Tensor) -> Tensor:
-        return U._scaled_call(self._gelu, (input,), self.output_scale, (self.grad_scale,),
+        output_scale, grad_scale = self.scales[U._gelu_form(self.approximate)]
+        return U._scaled_call(self._gelu, (input,), output_scale, (grad_scale,),
                               scale_in_place=True)
 
     def _gelu(self, x: Tensor) -> Tensor:

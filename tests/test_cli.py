@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import List
+from typing import Any, Dict, List
 
 import pytest
 import torch
@@ -277,3 +277,95 @@ def test_compare_bert_arguments_are_checked(arguments, message, capsys):
 
     assert main(["compare", *arguments]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_compare_help_describes_every_regime_it_accepts(capsys):
+    assert main(["compare", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    described = text.split("Regimes: ", 1)[1].split(". Each regime's", 1)[0]
+    for regime in REGIMES:
+        assert f"{regime} (" in described, regime
+
+    from ipu_unit_scaling.cli import REGIME_HELP
+    from ipu_unit_scaling.precision import REGIME_SETTINGS
+
+    assert set(REGIME_HELP) == set(REGIME_SETTINGS) == set(REGIMES)
+
+
+def _saved_figures(monkeypatch) -> List[Dict[str, Any]]:
+    """What each figure saved holds: its tick labels, and whether the tight bounding box of
+    everything drawn (matplotlib's, in inches) lies within the figure."""
+    from matplotlib.figure import Figure
+
+    saved: List[Dict[str, Any]] = []
+    save = Figure.savefig
+
+    def record(self, *args, **kwargs):
+        self.canvas.draw()
+        tight = self.get_tightbbox(self.canvas.get_renderer())
+        inside = self.bbox_inches.padded(0.01)
+        saved.append({
+            "yticklabels": [[t.get_text() for t in axes.get_yticklabels()] for axes in self.axes],
+            "inside": inside.contains(tight.x0, tight.y0) and inside.contains(tight.x1, tight.y1),
+            "bounds": (tight.bounds, self.bbox_inches.bounds),
+        })
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    return saved
+
+
+def test_scales_png_shows_whole_op_names_inside_the_figure(tmp_path, monkeypatch):
+    from ipu_unit_scaling.analysis import plot_scales
+    from ipu_unit_scaling.analysis.tracking import ScaleRecord
+
+    ops = ["embedding", "layers.0.attn.scaled_dot_product_attention",
+           "layers.11.attn.scaled_dot_product_attention", "layers.11.mlp.down", "head"]
+    records = {model: [ScaleRecord(index, op, "activation", 2.0 ** -index, 1.0, 4)
+                       for index, op in enumerate(ops)] for model in ("plain", "unit-scaled")}
+    saved = _saved_figures(monkeypatch)
+    plot_scales(records, tmp_path / "scales.png")
+    assert (tmp_path / "scales.png").read_bytes()[:4] == b"\x89PNG"
+    (figure,) = saved
+    assert figure["yticklabels"][:2] == [ops, ops]
+    assert figure["inside"], figure["bounds"]
+
+
+def test_analyse_table_keeps_the_layer_of_every_op():
+    from ipu_unit_scaling.analysis import worst_table
+    from ipu_unit_scaling.analysis.tracking import ScaleRecord
+
+    ops = ["layers.0.attn.scaled_dot_product_attention",
+           "layers.11.attn.scaled_dot_product_attention"]
+    records = {"unit-scaled": [ScaleRecord(i, op, "activation", 0.5, 1.0, 4, {"F143": 0.0})
+                               for i, op in enumerate(ops)]}
+    rows = worst_table(records, formats=("F143",)).splitlines()[2:]
+    assert [row.split()[1] for row in rows] == ops
+
+
+@pytest.mark.parametrize("loss", [0.002, 3.0, 1234.0, 123456.0, 1e30])
+def test_loss_figures_keep_their_labels_inside(tmp_path, monkeypatch, loss):
+    from ipu_unit_scaling.plots import plot_compare, plot_run
+
+    metrics = tmp_path / "metrics.csv"
+    metrics.write_text("step,lr,train_loss,val_loss,tokens_per_s,elapsed_s\n" + "".join(
+        f"{step},0.1,{loss * 3 / step},{loss * 2 / step if step % 10 == 0 else ''},1,1\n"
+        for step in range(1, 50)))
+    saved = _saved_figures(monkeypatch)
+    plot_run(metrics, tmp_path / "loss.png", 3.2, "title")
+    plot_compare({"fp32": [(1, loss * 12), (2, loss)], "umup-fp8-amax": [(1, 3.0)]},
+                 tmp_path / "compare.png", 3.0)
+    assert len(saved) == 2
+    for figure in saved:
+        assert figure["inside"], figure["bounds"]
+
+
+@pytest.mark.parametrize("command", ["compare", "sweep"])
+def test_help_in_an_ascii_terminal_escapes_what_it_cannot_show(command):
+    result = subprocess.run(
+        [sys.executable, "-m", "ipu_unit_scaling.cli", command, "--help"], cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=str(ROOT), PYTHONIOENCODING="ascii"),
+        capture_output=True, timeout=120,
+    )
+    assert result.returncode == 0 and b"Traceback" not in result.stderr, result.stderr
+    assert b"u-\\u03bcP" in result.stdout  # u-\u03bcP, escaped

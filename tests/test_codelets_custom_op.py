@@ -7,6 +7,9 @@ import torch
 from ipu_unit_scaling.backends.ipu import custom_op
 from ipu_unit_scaling.fp8 import F143, F152, NonFiniteAmaxError, cast_to_fp8_reference
 
+# CI runs these a second time with torch's scalar CPU kernels (.ci/run).
+pytestmark = pytest.mark.numerics
+
 
 def test_off_ipu_it_runs_the_host_path():
     if custom_op.running_on_ipu():

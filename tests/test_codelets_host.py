@@ -24,6 +24,9 @@ from ipu_unit_scaling.fp8 import (
     log2_scale,
 )
 
+# CI runs these a second time with torch's scalar CPU kernels (.ci/run).
+pytestmark = pytest.mark.numerics
+
 ML_DTYPES = {"F143": ml_dtypes.float8_e4m3fnuz, "F152": ml_dtypes.float8_e5m2fnuz}
 FORMATS = [F143, F152]
 POLICIES = ["saturate", "nan"]

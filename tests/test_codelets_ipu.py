@@ -36,8 +36,11 @@ def codelets_gp(tmp_path_factory) -> Path:
     if popc is None:
         pytest.skip("popc is not on PATH (enable the Poplar SDK)")
     out = tmp_path_factory.mktemp("codelets") / "fp8_codelets.gp"
-    subprocess.run([popc, "-O3", "-I", str(CODELETS), str(CODELETS / "fp8_codelets.cpp"),
-                    "-o", str(out)], check=True)
+    # Every target this popc knows, as custom_ops/CMakeLists.txt names them.
+    targets = subprocess.run([popc, "--list-targets"], check=True, capture_output=True,
+                             text=True).stdout.strip()
+    subprocess.run([popc, "-O3", "--target", targets, "-I", str(CODELETS),
+                    str(CODELETS / "fp8_codelets.cpp"), "-o", str(out)], check=True)
     return out
 
 

@@ -252,3 +252,124 @@ def test_exponent_notation_is_a_float_in_mappings_too():
     config = load_config(None, ["compare.learning_rates.fp32=1e-3", "training.learning_rate=2e-3"])
     assert config.compare.learning_rates["fp32"] == 1e-3
     assert config.training.learning_rate == 2e-3
+
+
+# ------------------------------------------------------------------ what a --set value means
+
+REFUSED = object()
+
+# (override, key path, value it sets) or (override, key path, REFUSED, words of the refusal).
+SET_TABLE = [
+    ("training.steps=10", "training.steps", 10),
+    ("training.steps=010", "training.steps", REFUSED, "010 is ambiguous"),
+    ("training.steps=-010", "training.steps", REFUSED, "write -10"),
+    ("training.steps=0_10", "training.steps", REFUSED, "leading 0 as octal"),
+    ("training.steps=00", "training.steps", REFUSED, "write 0 for the number"),
+    ("training.steps=!!int 010", "training.steps", REFUSED, "010 is ambiguous"),
+    ("training.steps=0o10", "training.steps", REFUSED, "expected an int"),
+    ("training.steps=09", "training.steps", REFUSED, "expected an int"),  # text in YAML 1.1
+    ("training.steps=0x10", "training.steps", 16),
+    ("training.steps=0b10", "training.steps", 2),
+    ("training.steps=1:00", "training.steps", REFUSED, "base-60"),
+    ("training.steps=1:00:00", "training.steps", REFUSED, "1:00:00 is ambiguous"),
+    ("training.learning_rate=1:30.5", "training.learning_rate", REFUSED, "base-60"),
+    ("training.steps=1_000", "training.steps", 1000),
+    ("training.steps=1e3", "training.steps", REFUSED, "expected an int"),
+    ("training.steps='10'", "training.steps", REFUSED, "expected an int"),
+    ("training.steps=10.0", "training.steps", REFUSED, "expected an int"),
+    ("training.learning_rate=1e3", "training.learning_rate", 1000.0),
+    ("training.learning_rate=1e-3", "training.learning_rate", 0.001),
+    ("training.learning_rate=010.5", "training.learning_rate", 10.5),  # decimal in any YAML
+    ("training.learning_rate=.5", "training.learning_rate", 0.5),
+    ("training.learning_rate=inf", "training.learning_rate", REFUSED, "finite float"),
+    ("training.learning_rate=.inf", "training.learning_rate", REFUSED, "finite float"),
+    ("training.learning_rate=nan", "training.learning_rate", REFUSED, "finite float"),
+    ("training.learning_rate=.nan", "training.learning_rate", REFUSED, "finite float"),
+    ("training.seed=-0", "training.seed", 0),
+    ("training.weight_decay=-0", "training.weight_decay", 0.0),
+    ("training.seed=+7", "training.seed", 7),
+    ("ipu.stochastic_rounding=true", "ipu.stochastic_rounding", True),
+    ("ipu.stochastic_rounding=False", "ipu.stochastic_rounding", False),
+    ("ipu.stochastic_rounding=yes", "ipu.stochastic_rounding", REFUSED, "write true"),
+    ("ipu.stochastic_rounding=Yes", "ipu.stochastic_rounding", REFUSED, "write true"),
+    ("ipu.stochastic_rounding=no", "ipu.stochastic_rounding", REFUSED, "write false"),
+    ("ipu.stochastic_rounding=on", "ipu.stochastic_rounding", REFUSED, "write true"),
+    ("ipu.stochastic_rounding=OFF", "ipu.stochastic_rounding", REFUSED, "write false"),
+    ("ipu.stochastic_rounding=y", "ipu.stochastic_rounding", REFUSED, "expected a bool"),
+    ("ipu.stochastic_rounding=1", "ipu.stochastic_rounding", REFUSED, "expected a bool"),
+    ("training.grad_clip=null", "training.grad_clip", None),
+    ("training.grad_clip=~", "training.grad_clip", None),
+    ("training.grad_clip=", "training.grad_clip", REFUSED, "the value is empty"),
+    ("training.grad_clip=  ", "training.grad_clip", REFUSED, "the value is empty"),
+    ("data.path=corpus.txt", "data.path", "corpus.txt"),
+    ("data.path='010'", "data.path", "010"),
+    ('data.path="1:00"', "data.path", "1:00"),
+    ("data.path='yes'", "data.path", "yes"),
+    ("data.path=''", "data.path", REFUSED, "expected a file path"),
+    ("data.path=0o10", "data.path", "0o10"),
+    ("data.path=yes", "data.path", REFUSED, "yes is ambiguous"),
+    ("data.path=010", "data.path", REFUSED, "quote it ('010')"),
+    ("ipu.layers_per_ipu=[2, 0]", "ipu.layers_per_ipu", [2, 0]),
+    ("ipu.layers_per_ipu=[01, 1]", "ipu.layers_per_ipu", REFUSED, "01 is ambiguous"),
+    ("ipu.layers_per_ipu=[1, 1", "ipu.layers_per_ipu", REFUSED, "not valid YAML"),
+    ("compare.learning_rates={fp32: 1e-2}", "compare.learning_rates.fp32", 0.01),
+    ("compare.learning_rates={fp32: 1:00}", "compare.learning_rates", REFUSED, "base-60"),
+    ("compare.regimes=[fp32, on]", "compare.regimes", REFUSED, "on is ambiguous"),
+]
+
+
+def _at(config: Config, path: str):
+    node = config.to_dict()
+    for part in path.split("."):
+        node = node[part]
+    return node
+
+
+@pytest.mark.parametrize("row", SET_TABLE, ids=[row[0] for row in SET_TABLE])
+def test_a_set_value_means_what_was_typed_or_is_refused_in_one_line(row):
+    override, key, expected = row[:3]
+    if expected is not REFUSED:
+        value = _at(load_config("tiny", [override]), key)
+        assert value == expected and type(value) is type(expected), (override, value)
+        return
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny", [override])
+    ((path, message),) = info.value.errors
+    assert key.startswith(path) or path == key, (path, message)
+    assert row[3] in message and "\n" not in message, message
+
+
+def test_the_set_table_reaches_the_command_line_and_bert_settings(tmp_path, capsys):
+    from ipu_unit_scaling.cli import main
+    from ipu_unit_scaling.mlm import MLMConfig
+
+    assert main(["train", "--config", "tiny", "--set", "training.steps=010",
+                 "--run-dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "training.steps: 010 is ambiguous" in err
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
+    with pytest.raises(ConfigError, match="1:00 is ambiguous"):
+        MLMConfig().with_overrides(["mlm.steps=1:00"])
+    assert MLMConfig().with_overrides(["mlm.steps=0x10"]).steps == 16
+
+
+@pytest.mark.parametrize("text, words", [
+    ("training: {steps: 010}", "line 2, column 19: 010 is ambiguous"),
+    ("training:\n  steps: 1:00", "line 3, column 10: 1:00 is ambiguous"),
+    ("ipu: {stochastic_rounding: on}", "line 2, column 28: on is ambiguous: YAML 1.1 reads it as "
+                                       "true"),
+])
+def test_config_files_refuse_the_same_spellings_with_their_line(tmp_path, text, words):
+    path = tmp_path / "c.yaml"
+    path.write_text(f"extends: {CONFIGS_DIR / 'tiny.yaml'}\n{text}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert f"config file {str(path)!r}, {words}" in str(info.value)
+
+
+def test_a_saved_config_with_text_that_looks_like_numbers_reads_back(tmp_path):
+    config = load_config("tiny", ["data.path='010'", "training.checkpoint_dir='yes'"])
+    path = tmp_path / "saved.yaml"
+    path.write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))
+    again = load_config(path)
+    assert again.data.path == "010" and again.training.checkpoint_dir == "yes"

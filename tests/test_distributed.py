@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ipu_unit_scaling.config import Config, config_from_dict, load_config, validate
+from ipu_unit_scaling.config import (
+    Config,
+    ConfigError,
+    config_from_dict,
+    load_config,
+    scheduled_learning_rate,
+    validate,
+)
 
 HERE = Path(__file__).resolve().parent
 STEPS = 5
@@ -139,6 +146,72 @@ def test_two_stage_pipeline_matches_single_process(tmp_path):
     assert len(per_rank[0]) == STEPS
     assert per_rank[0][-1] < per_rank[0][0]
     assert per_rank[0] == pytest.approx(expected, abs=1e-5, rel=0)
+
+
+def test_steps_option_is_the_run_length_the_schedule_follows():
+    from ipu_unit_scaling.backends.distributed import config_from_arguments
+
+    config = config_from_arguments(["--config", "tiny", "--steps", "50"])
+    assert config.training.steps == 50 and load_config("tiny").training.steps == 5
+    rates = [scheduled_learning_rate(config.training, step) for step in range(50)]
+    assert all(rate > 0 for rate in rates)  # still learning at the last step
+    assert rates == sorted(rates, reverse=True) and rates[0] == config.training.learning_rate
+    # Without --steps, training.steps (as set by --set too) is the length.
+    assert config_from_arguments(["--config", "tiny", "--set", "training.steps=7"]
+                                 ).training.steps == 7
+    with pytest.raises(SystemExit):
+        config_from_arguments(["--config", "tiny", "--steps", "0"])
+    with pytest.raises(ConfigError, match="training.steps"):
+        config_from_arguments(["--config", "tiny", "--steps", "5", "--set",
+                               "ipu.device_iterations=2"])
+
+
+@needs_gloo
+def test_train_pipeline_schedules_the_steps_it_runs(tmp_path):
+    """``steps`` given apart from training.steps sets the schedule's length; a trainer asked
+    for a step past training.steps refuses instead of training at a zero learning rate."""
+    import torch.distributed as dist
+
+    from ipu_unit_scaling.backends.distributed import PipelineTrainer, train_pipeline
+
+    single = _config("ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[4]")
+    short = _config("ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[4]", "training.steps=2")
+    expected = _single_process_losses(single, "standin")  # a 5-step schedule
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
+    try:
+        losses = train_pipeline(_model("standin"), short, _batches(short), STEPS)
+        assert losses == pytest.approx(expected, abs=1e-5, rel=0)
+        trainer = PipelineTrainer(_model("standin"), short)
+        batches = _batches(short)
+        for _ in range(2):
+            trainer.step(*next(batches))
+        with pytest.raises(ValueError, match="past training.steps = 2"):
+            trainer.step(*next(batches))
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_gloo
+def test_torchrun_steps_option_trains_with_a_schedule_of_that_length(tmp_path):
+    data = tmp_path / "text.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    steps = 8  # configs/tiny.yaml's schedule is 5 steps long
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", "-m", "ipu_unit_scaling.backends.distributed",
+               "--config", "tiny", "--steps", str(steps), "--set", "training.log_interval=1",
+               f"data.path={data}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run(command, cwd=HERE.parent, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    logged = [line.split() for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert [words[1] for words in logged] == [f"{s}/{steps}" for s in range(1, steps + 1)]
+    training = load_config("tiny", [f"training.steps={steps}"]).training
+    assert [words[5] for words in logged] == \
+        [f"{scheduled_learning_rate(training, s):.6g}" for s in range(steps)]
+    assert all(float(words[5]) > 0 for words in logged)
 
 
 def test_stage_bounds():

@@ -369,6 +369,10 @@ def _emulator(block: Block, namespace: Namespace) -> None:
     split = namespace["emulator"].partition(x.numel(), 1472, 6)
     assert tuple(split.shape) == (1472, 6, 2)
     assert int((split[..., 1] - split[..., 0]).sum()) == x.numel()
+    # "same codes": the cast laid out as a matmul would equals the flat one.
+    flat = namespace["emulator"].cast_to_fp8(namespace["activations"], "F143")
+    assert torch.equal(namespace["mapped"].codes, flat.codes)
+    assert namespace["mapped"].log2_scale == flat.log2_scale
 
 
 # ---------------------------------------------------------------------------- running

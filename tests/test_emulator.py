@@ -19,6 +19,9 @@ from ipu_unit_scaling.fp8 import (
     cast_to_fp8_reference,
 )
 
+# CI runs these a second time with torch's scalar CPU kernels (.ci/run).
+pytestmark = pytest.mark.numerics
+
 FORMATS = [F143, F152]
 POLICIES = ["saturate", "nan"]
 SIZES = [1, 7, 1471, 1472 * 6 + 5, 1 << 20]

@@ -26,6 +26,9 @@ from ipu_unit_scaling.fp8 import F143, F152, fp8_quantise, fp8_quantise_gradient
 from ipu_unit_scaling.popxl import codelets as popxl_codelets
 from ipu_unit_scaling.tracing import ipu_tracing
 
+# CI runs these a second time with torch's scalar CPU kernels (.ci/run).
+pytestmark = pytest.mark.numerics
+
 ml_dtypes = pytest.importorskip("ml_dtypes")
 if not all(hasattr(ml_dtypes, name) for name in ("float8_e4m3fnuz", "float8_e5m2fnuz")):
     pytest.skip("this ml_dtypes has no fnuz float8 dtypes", allow_module_level=True)

@@ -27,6 +27,9 @@ from ipu_unit_scaling.fp8 import (
     log2_scale,
 )
 
+# CI runs these a second time with torch's scalar CPU kernels (.ci/run).
+pytestmark = pytest.mark.numerics
+
 FORMATS = [F143, F152, E4M3FN, E5M2]
 ML_DTYPES = {"F143": ml_dtypes.float8_e4m3fnuz, "F152": ml_dtypes.float8_e5m2fnuz,
              "E4M3FN": ml_dtypes.float8_e4m3fn, "E5M2": ml_dtypes.float8_e5m2}

@@ -27,6 +27,9 @@ from ipu_unit_scaling.fp8 import (
 )
 from ipu_unit_scaling.fp8.linear import fp8_linear
 
+# CI runs these a second time with torch's scalar CPU kernels (.ci/run).
+pytestmark = pytest.mark.numerics
+
 FORMATS = ["F143", "F152", "E4M3FN", "E5M2"]
 
 

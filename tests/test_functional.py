@@ -13,6 +13,9 @@ import torch.nn.functional as F
 import ipu_unit_scaling.functional as U
 from ipu_unit_scaling.scale import scale, scale_bwd, scale_fwd
 
+# CI runs these a second time with torch's scalar CPU kernels (.ci/run).
+pytestmark = pytest.mark.numerics
+
 UNIT_TOL = 0.2
 PRODUCT_TOL = 0.15
 

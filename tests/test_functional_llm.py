@@ -16,6 +16,9 @@ import ipu_unit_scaling.functional as U
 from ipu_unit_scaling._llm_ops import SILU_MOMENTS
 from ipu_unit_scaling.ipu import ipu_tracing
 
+# CI runs these a second time with torch's scalar CPU kernels (.ci/run).
+pytestmark = pytest.mark.numerics
+
 
 def run_op(fn: Callable, shapes: Sequence[Tuple[int, ...]], seed: int = 0):
     """Std of the output and of each input's gradient for unit-normal inputs and output grad."""

@@ -17,6 +17,9 @@ import ipu_unit_scaling.functional as U
 from ipu_unit_scaling import fused
 from ipu_unit_scaling.scale import scale, scale_bwd, scale_fwd
 
+# CI runs these a second time with torch's scalar CPU kernels (.ci/run).
+pytestmark = pytest.mark.numerics
+
 
 def run(fn: Callable, inputs: Sequence[torch.Tensor], seed: int = 0):
     leaves = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]

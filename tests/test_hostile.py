@@ -6,18 +6,24 @@ few words the message must hold, so that a row cannot pass by failing in some ot
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Callable, List, NamedTuple, Optional
 
 import pytest
 
 import ipu_unit_scaling.plots
+from ipu_unit_scaling import cli
 from ipu_unit_scaling.cli import main
+from ipu_unit_scaling.data import load_corpus, read_text_file
+from ipu_unit_scaling.rundir import MetricsLog, make_unique_run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(60))
@@ -75,6 +81,32 @@ def resume_after(spoil: Callable[[Path], object], *extra: str) -> Callable[[Path
         spoil(run_dir)
         return ["train", "--resume", str(run_dir), "--quiet", *extra]
     return argv
+
+
+def with_wider_checkpoint(tmp: Path) -> Path:
+    """A finished run whose checkpoint.pt is that of a wider model than its config.yaml's."""
+    run_dir = finished_run(tmp)
+    assert main(train(tmp, "model.hidden_size=64", run_dir=str(tmp / "wide"))) == 0
+    shutil.copyfile(tmp / "wide" / "checkpoint.pt", run_dir / "checkpoint.pt")
+    return run_dir
+
+
+def sample(*extra: str) -> Callable[[Path], List[str]]:
+    return lambda tmp: ["sample", str(finished_run(tmp)), "--tokens", "5", *extra]
+
+
+def symlink_loop(tmp: Path) -> str:
+    (tmp / "loop").symlink_to("loop")
+    return str(tmp / "loop")
+
+
+def broken_symlink(tmp: Path) -> str:
+    (tmp / "dangling").symlink_to("nowhere")
+    return str(tmp / "dangling")
+
+
+def undecodable(tmp: Path, name: bytes) -> str:
+    return str(tmp / os.fsdecode(name))  # as Python gives such a command-line argument
 
 
 def nested_yaml(levels: int) -> str:
@@ -232,7 +264,29 @@ CASES = [
          "one training step needs"),
     Case("resume-missing-dir", lambda tmp: ["train", "--resume", str(tmp / "none")], 2,
          "no such directory"),
-    Case("resume-a-file", lambda tmp: ["train", "--resume", data(tmp)], 2, "no such directory"),
+    Case("resume-a-file", lambda tmp: ["train", "--resume", data(tmp)], 2, "not a directory"),
+    Case("resume-symlink-loop", lambda tmp: ["train", "--resume", symlink_loop(tmp)], 2,
+         "symbolic link loop"),
+    Case("resume-broken-symlink", lambda tmp: ["train", "--resume", broken_symlink(tmp)], 2,
+         "broken symbolic link (to nowhere)"),
+    Case("init-from-symlink-loop", lambda tmp: ["train", "--init-from", symlink_loop(tmp)], 2,
+         "symbolic link loop"),
+    Case("evaluate-symlink-loop", lambda tmp: ["evaluate", symlink_loop(tmp)], 2,
+         "symbolic link loop"),
+    Case("sample-symlink-loop", lambda tmp: ["sample", symlink_loop(tmp)], 2,
+         "symbolic link loop"),
+    Case("run-dir-symlink-loop", lambda tmp: train(tmp, run_dir=symlink_loop(tmp)), 2,
+         "symbolic link loop"),
+    Case("run-dir-broken-symlink", lambda tmp: train(tmp, run_dir=broken_symlink(tmp)), 2,
+         "broken symbolic link"),
+    Case("run-dir-undecodable", lambda tmp: train(tmp, run_dir=undecodable(tmp, b"r\xff")), 2,
+         "not UTF-8"),
+    Case("checkpoint-dir-undecodable", lambda tmp: ["train", "--data", data(tmp), "--set",
+                                                    *SMALL, "training.checkpoint_dir="
+                                                    + undecodable(tmp, b"c\xff")], 2,
+         "training.checkpoint_dir"),
+    Case("data-name-undecodable", lambda tmp: ["train", "--data", undecodable(tmp, b"d\xff"),
+                                               "--run-dir", str(tmp / "r")], 2, "does not exist"),
     Case("resume-empty-dir", lambda tmp: ["train", "--resume", str(tmp)], 2,
          "config.yaml is missing"),
     Case("resume-metrics-missing", resume_after(lambda d: (d / "metrics.csv").unlink(),
@@ -247,6 +301,15 @@ CASES = [
         lambda d: (d / "tokenizer.json").write_bytes(b"\x00" * 10)), 2, "tokenizer.json"),
     Case("resume-other-shape", resume_after(lambda d: None, "--set", "model.depth=3",
                                             "training.steps=4"), 2, "does not fit"),
+    Case("resume-wider-checkpoint", lambda tmp: ["train", "--resume", str(
+        with_wider_checkpoint(tmp)), "--quiet", "--set", "training.steps=4"], 2,
+        "checkpoint does not fit this config: size mismatch for embedding.weight: copying a "
+        "param with shape [40, 64] from checkpoint, the shape in current model is [40, 32]"),
+    Case("init-from-wider-checkpoint", lambda tmp: ["train", "--init-from", str(
+        with_wider_checkpoint(tmp)), "--run-dir", str(tmp / "tuned"), "--quiet"], 2,
+        "its checkpoint.pt does not fit its config.yaml: size mismatch for embedding.weight"),
+    Case("sample-wider-checkpoint", lambda tmp: ["sample", str(with_wider_checkpoint(tmp))], 2,
+         "does not fit config.yaml (size mismatch for embedding.weight"),
     Case("resume-fewer-steps", resume_after(lambda d: None, "--set", "training.steps=1"), 2,
          "beyond training.steps"),
     Case("resume-summary-garbage", resume_after(
@@ -254,6 +317,12 @@ CASES = [
         "training.steps=3"), 0),
     Case("compare-damaged-regime", lambda tmp: _damaged_regime(tmp), 2,
          "config.yaml is incomplete"),
+    # --- sampling arguments
+    Case("sample-seed-huge", sample("--seed", "9" * 23), 2, "--seed: expected an integer"),
+    Case("sample-seed-negative", sample("--seed", "-1"), 2, "--seed: expected an integer"),
+    Case("sample-seed-word", sample("--seed", "x"), 2, "--seed: expected an integer"),
+    Case("sample-temperature-tiny", sample("--temperature", "1e-300"), 0),
+    Case("sample-temperature-subnormal", sample("--temperature", "5e-324", "--top-k", "3"), 0),
     # --- inputs that train, or diverge
     Case("warmup-longer-than-run", setting("training.warmup_steps=50"), 0),
     Case("seq-len-one", setting("model.seq_len=1"), 0),
@@ -297,6 +366,7 @@ def test_hostile_input_exits_cleanly(case, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # default run directories land here
     monkeypatch.setattr(ipu_unit_scaling.plots, "plot_run", lambda *args, **kwargs: None)
     argv = case.argv(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["ipu-unit-scaling", *argv])  # as the lock records it
     capsys.readouterr()
     status = main(argv)
     out, err = capsys.readouterr()
@@ -323,3 +393,136 @@ def test_the_real_command_line_prints_one_line(tmp_path):
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.count("\n") == 1, result.stderr
     assert "nested too deeply" in result.stderr
+
+
+def _everything_under(folder: Path) -> List[str]:
+    return sorted(str(path.relative_to(folder)) for path in folder.rglob("*"))
+
+
+def _refused_fine_tune(tmp: Path) -> List[str]:
+    return ["train", "--init-from", str(finished_run(tmp)), "--quiet", "--set",
+            "model.depth=3"]
+
+
+REFUSED_STARTS = {
+    "data-missing": lambda tmp: ["train", "--data", str(tmp / "none.txt")],
+    "data-not-utf8": lambda tmp: ["train", "--data", write(tmp, "b.bin", b"\x80" * 800)],
+    "out-of-memory": lambda tmp: ["train", "--config", "tiny", "--data", data(tmp), "--set",
+                                  "model.hidden_size=1000000000", "model.heads=1"],
+    "fine-tune-other-model": _refused_fine_tune,
+    "fine-tune-wider-checkpoint": lambda tmp: ["train", "--init-from", str(
+        with_wider_checkpoint(tmp)), "--quiet"],
+    "compare-data-missing": lambda tmp: ["compare", "--data", str(tmp / "none.txt")],
+}
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["default-dir", "run-dir"])
+@pytest.mark.parametrize("name", sorted(REFUSED_STARTS))
+def test_a_refused_start_leaves_nothing_behind(name, explicit, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(ipu_unit_scaling.plots, "plot_run", lambda *args, **kwargs: None)
+    argv = REFUSED_STARTS[name](tmp_path)
+    if explicit:
+        argv += ["--run-dir", str(tmp_path / "new" / "run")]
+    before = _everything_under(tmp_path)
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "internal error" not in err, err
+    assert _everything_under(tmp_path) == before
+
+
+def test_a_failure_after_training_started_keeps_the_run(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(ipu_unit_scaling.plots, "plot_run", lambda *args, **kwargs: None)
+    argv = train(tmp_path, "training.learning_rate=1e30", "training.steps=6",
+                 "training.optimizer=sgd", run_dir=str(tmp_path / "new" / "run"))
+    assert main(argv) == 1  # diverged: its metrics and summary say how
+    assert (tmp_path / "new" / "run" / "summary.json").is_file()
+
+
+def test_a_refused_start_keeps_a_directory_it_did_not_create(tmp_path, capsys):
+    (tmp_path / "mine").mkdir()
+    assert main(["train", "--data", str(tmp_path / "none.txt"), "--run-dir",
+                 str(tmp_path / "mine")]) == 2
+    assert (tmp_path / "mine").is_dir()
+
+
+def test_default_run_directories_of_the_same_second_differ(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(ipu_unit_scaling.plots, "plot_run", lambda *args, **kwargs: None)
+    monkeypatch.setattr(cli.time, "strftime", lambda *args: "20250101-000000")
+    argv = ["train", "--config", "tiny", "--data", data(tmp_path), "--quiet", "--set", *SMALL]
+    assert main(argv) == 0
+    assert main(argv) == 0, capsys.readouterr().err
+    runs = sorted(path.name for path in (tmp_path / "runs").iterdir())
+    assert runs == ["train-20250101-000000", "train-20250101-000000-2"]
+    assert all((tmp_path / "runs" / run / "checkpoint.pt").is_file() for run in runs)
+
+
+def test_run_directories_made_at_once_are_all_different(tmp_path):
+    barrier = threading.Barrier(8)
+    made: List[Path] = []
+
+    def make() -> None:
+        barrier.wait()
+        made.append(make_unique_run_dir(tmp_path / "runs", "train-20250101-000000")[0])
+
+    threads = [threading.Thread(target=make) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(set(made)) == 8 and all(path.is_dir() for path in made)
+
+
+def _full_disk(monkeypatch) -> None:
+    """Every write to a file fails as on a full disk (the terminal's descriptors still work)."""
+    real_write = os.write
+
+    def write(fd: int, data: bytes) -> int:
+        if fd > 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+
+
+def test_a_full_disk_names_the_file(tmp_path, capsys, monkeypatch):
+    _full_disk(monkeypatch)
+    assert main(train(tmp_path)) == 2
+    err = capsys.readouterr().err
+    match = re.fullmatch(r"ipu-unit-scaling: error: No space left on device \((\S+)\)\n", err)
+    assert match and Path(match.group(1)).parent == tmp_path / "run", err
+
+
+def test_a_full_disk_during_training_names_the_file(tmp_path, monkeypatch):
+    log = MetricsLog(tmp_path / "metrics.csv", fresh=True)
+    _full_disk(monkeypatch)
+    with pytest.raises(OSError, match="No space left on device") as raised:
+        log.write({"step": 1})
+    log.close()
+    assert raised.value.filename == str(tmp_path / "metrics.csv")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_disk_under_the_scale_report_names_the_file(tmp_path):
+    import torch
+
+    from ipu_unit_scaling.analysis import ScaleReporter
+    from ipu_unit_scaling.models import GPTConfig, build_gpt
+
+    reporter = ScaleReporter(tmp_path, 1)
+    reporter.path = Path("/dev/full")  # every write: ENOSPC
+    gpt = GPTConfig(vocab_size=8, seq_len=4, hidden_size=8, heads=2, depth=1)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(OSError, match="No space left on device") as raised:
+        reporter.maybe_record(1, build_gpt(gpt), ids, ids)
+    assert raised.value.filename == "/dev/full"
+
+
+def test_a_byte_order_mark_is_not_a_character(tmp_path):
+    path = write(tmp_path, "bom.txt", "\ufeff" + TEXT)
+    assert read_text_file(path) == TEXT
+    corpus = load_corpus(path, 0.1, 16)
+    assert "\ufeff" not in corpus.tokenizer.chars
+    assert corpus.tokenizer.chars == sorted(set(TEXT))

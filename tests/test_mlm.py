@@ -3,7 +3,6 @@ PopTorch form, and the comparison behind `compare --model bert`."""
 from __future__ import annotations
 
 import json
-import math
 import statistics
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 import ipu_unit_scaling as uu
 from ipu_unit_scaling.encoder import BertStyleEncoder
 from ipu_unit_scaling.ipu import trace_like_poptorch
+from ipu_unit_scaling.lowering import torch_numerics
 from ipu_unit_scaling.mlm import (
     MLMBatches,
     MLMConfig,
@@ -20,6 +20,8 @@ from ipu_unit_scaling.mlm import (
     run_mlm_compare,
     train_mlm,
 )
+from ipu_unit_scaling.rundir import METRIC_FIELDS
+from ipu_unit_scaling.train import load_checkpoint, read_metrics
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -110,7 +112,8 @@ def test_encoder_traced_like_poptorch_has_eager_loss_and_gradients(unit_scaled):
     inputs, labels = _random_batch(1)
     eager = model(inputs, labels)
     eager_grads = torch.autograd.grad(eager, list(model.parameters()))
-    trace = trace_like_poptorch(model, inputs, labels)
+    with torch_numerics():  # GELU as torch defines it (an IPU runs PopART's; test_lowering.py)
+        trace = trace_like_poptorch(model, inputs, labels)
     assert trace.report.ok, str(trace.report)
     traced = trace(inputs, labels)
     traced_grads = torch.autograd.grad(traced, list(model.parameters()))
@@ -137,18 +140,29 @@ def test_regimes_build_the_right_model_and_precision():
     assert build_encoder(TINY, 40, "unit-fp16").ops is uu.UNIT_OPS
 
 
-def test_train_mlm_learns_and_writes_its_run(tmp_path):
-    summary = train_mlm(TINY, "unit-fp32", 0, tmp_path / "run")
+def test_train_mlm_learns_and_writes_its_run_through_the_training_loop(tmp_path):
+    run_dir = tmp_path / "run"
+    summary = train_mlm(TINY, "unit-fp32", 0, run_dir)
     assert summary["status"] == "completed" and summary["steps"] == 30
+    assert summary["task"] == "masked-lm" and summary["model"] == "unit"
     curve = summary["val_curve"]
-    assert [step for step, _, _ in curve] == [10, 20, 30]
+    assert [step for step, _ in curve] == [10, 20, 30]
     # Below uniform guessing over the characters, and improving.
-    assert curve[-1][1] < math.log(summary["vocab"]) and curve[-1][1] < curve[0][1]
-    assert 0 < curve[-1][2] < 1
-    rows = (tmp_path / "run" / "metrics.csv").read_text().splitlines()
-    assert rows[0] == "step,lr,train_loss,val_loss,val_accuracy" and len(rows) == 31
-    saved = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert saved["final_val_loss"] == curve[-1][1]
+    assert curve[-1][1] < summary["uniform_baseline"] and curve[-1][1] < curve[0][1]
+    assert 0 < summary["final_val_metrics"]["accuracy"] < 1
+    rows = read_metrics(run_dir)
+    assert list(rows[0]) == [*METRIC_FIELDS, "val_accuracy"] and len(rows) == 30
+    evaluated = [row for row in rows if row["val_loss"]]
+    assert [int(row["step"]) for row in evaluated] == [10, 20, 30]
+    assert all(row["val_accuracy"] for row in evaluated)
+    assert not any(row["val_accuracy"] for row in rows if not row["val_loss"])
+    assert float(evaluated[-1]["val_loss"]) == summary["final_val_loss"] == curve[-1][1]
+    assert float(evaluated[-1]["val_accuracy"]) == summary["final_val_metrics"]["accuracy"]
+    # The loop's run directory: the task recorded, a checkpoint at the end, the figure.
+    assert json.loads((run_dir / "task.json").read_text()) == {
+        "name": "masked-lm", "min_len": TINY.min_len, "mask_prob": TINY.mask_prob}
+    assert load_checkpoint(run_dir / "checkpoint.pt")["step"] == 30
+    assert (run_dir / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_compare_runs_every_regime_and_seed_and_reuses_finished_runs(tmp_path, capsys):
@@ -175,3 +189,31 @@ def test_overrides_apply_and_bad_ones_are_named():
         MLMConfig().with_overrides(["mlm.stepz=3"])
     with pytest.raises(ValueError, match="heads"):
         MLMConfig().with_overrides(["mlm.heads=3"])
+
+
+def test_a_run_of_the_earlier_host_loop_is_trained_again_through_the_loop(tmp_path, capsys):
+    """Earlier versions trained each run in a loop of their own, which left only metrics.csv
+    and a summary.json without checkpoint: nothing to resume, so the run is trained again."""
+    old = tmp_path / "fp32-seed0"
+    old.mkdir()
+    (old / "metrics.csv").write_text("step,lr,train_loss,val_loss,val_accuracy\n")
+    (old / "summary.json").write_text(json.dumps({
+        "regime": "fp32", "model": "plain", "seed": 0, "status": "completed", "steps": 30}))
+    rows = run_mlm_compare(TINY, ["fp32"], [0], tmp_path)
+    assert "holds a run of an earlier version" in capsys.readouterr().out
+    assert rows[0]["completed"] == 1
+    summary = json.loads((old / "summary.json").read_text())
+    assert summary["checkpoint_step"] == 30 and summary["task"] == "masked-lm"
+
+
+def test_a_diverging_regime_is_recorded_and_reused_and_the_others_still_run(tmp_path, capsys):
+    config = TINY.with_overrides(["mlm.steps=6", "mlm.warmup_steps=0",
+                                  "mlm.learning_rates.unit-fp8=1000"])
+    rows = run_mlm_compare(config, ["fp32", "unit-fp8"], [0], tmp_path)
+    assert "unit-fp8 seed 0: loss became" in capsys.readouterr().out
+    assert [(row["completed"], row["runs"]) for row in rows] == [(1, 1), (0, 1)]
+    assert rows[1]["val_loss"] is None and "divergence" in rows[1]["messages"][0]
+    summary = json.loads((tmp_path / "unit-fp8-seed0" / "summary.json").read_text())
+    assert summary["status"] == "diverged" and summary["steps"] < 6
+    assert run_mlm_compare(config, ["fp32", "unit-fp8"], [0], tmp_path) == rows
+    assert capsys.readouterr().out.count("reusing the finished run") == 2

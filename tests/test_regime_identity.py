@@ -33,6 +33,7 @@ from ipu_unit_scaling.cli import main
 from ipu_unit_scaling.config import REGIMES
 from ipu_unit_scaling.fp8 import FP8Linear, FP8UnitScaledLinear
 from ipu_unit_scaling.precision import REGIME_SETTINGS, FP16Linear
+from ipu_unit_scaling.tasks import CausalLM, MaskedLM
 
 # The tiny config on one stage, one step, no evaluation between: the fastest run that builds
 # its model as a real run does.
@@ -158,8 +159,8 @@ def gpt_builds(monkeypatch) -> List[Dict[str, Any]]:
     """The model and optimizer of every GPT run, in order."""
     built: List[Dict[str, Any]] = []
 
-    def build_model(config):
-        model = real_build_model(config)
+    def build_model(self, config):
+        model = real_build_model(self, config)
         built.append({"model": model})
         return model
 
@@ -170,8 +171,8 @@ def gpt_builds(monkeypatch) -> List[Dict[str, Any]]:
                          learning_rate=config.training.learning_rate)
         return optimizer
 
-    real_build_model, real_make_optimizer = train.build_model, train.make_optimizer
-    monkeypatch.setattr(train, "build_model", build_model)
+    real_build_model, real_make_optimizer = CausalLM.build_model, train.make_optimizer
+    monkeypatch.setattr(CausalLM, "build_model", build_model)
     monkeypatch.setattr(train, "make_optimizer", make_optimizer)
     return built
 
@@ -221,19 +222,20 @@ def test_train_with_a_regime_settings_builds_that_regime(regime, gpt_builds, tmp
 
 
 def test_compare_bert_builds_each_regime_as_named(monkeypatch, tmp_path, capsys):
-    built: Dict[str, nn.Module] = {}
+    models: List[nn.Module] = []
 
-    def build_encoder(config, vocab, regime):
-        built[regime] = real_build_encoder(config, vocab, regime)
-        return built[regime]
+    def build_model(self, config):
+        models.append(real_build_model(self, config))
+        return models[-1]
 
-    real_build_encoder = mlm.build_encoder
-    monkeypatch.setattr(mlm, "build_encoder", build_encoder)
+    real_build_model = MaskedLM.build_model
+    monkeypatch.setattr(MaskedLM, "build_model", build_model)
     status = main(["compare", "--model", "bert", "--regimes", *BERT_REGIMES, "--seeds", "1",
                    "--set", *BERT_FAST, "--run-dir", str(tmp_path), "--quiet"])
     out = capsys.readouterr().out
     assert status == 0
-    assert list(built) == BERT_REGIMES
+    assert len(models) == len(BERT_REGIMES)  # one run each, in the order asked
+    built = dict(zip(BERT_REGIMES, models))
     defaults = mlm.MLMConfig().learning_rates
     plain_rate, unit_rate = defaults["fp32"], defaults["unit-fp32"]
     assert plain_rate != unit_rate

@@ -5,7 +5,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import List
+from typing import Dict, List
 
 import pytest
 import torch
@@ -51,6 +51,13 @@ def one_line_error(err: str) -> bool:
 def train_args(run_dir: Path, data: Path, *settings: str) -> List[str]:
     return ["train", "--config", "tiny", "--data", str(data), "--run-dir", str(run_dir),
             "--quiet", "--set", *FAST, *settings]
+
+
+def files_in(run_dir: Path) -> Dict[str, bytes]:
+    """Every file of the run, the tensorboard/ directory's included (where TensorBoard is
+    installed)."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
+            if p.is_file()}
 
 
 def losses(run_dir: Path) -> List[tuple]:
@@ -135,11 +142,11 @@ def test_a_resume_from_a_flipped_checkpoint_refuses_in_one_line(capsys, tmp_path
     damaged = bytearray(checkpoint.read_bytes())
     damaged[len(damaged) // 2] ^= 0x40
     checkpoint.write_bytes(bytes(damaged))
-    before = {p.name: p.read_bytes() for p in run_dir.iterdir()}
+    before = files_in(run_dir)
     status, _, err = run(capsys, "train", "--resume", run_dir, "--quiet", "--set",
                          "training.steps=4")
     assert status == 2 and one_line_error(err) and "checkpoint.pt is damaged" in err
-    assert {p.name: p.read_bytes() for p in run_dir.iterdir()} == before  # nothing trained
+    assert files_in(run_dir) == before  # nothing trained
 
 
 # ------------------------------------------------------------------------ the lock
@@ -282,12 +289,12 @@ DAMAGE = {
 def test_a_resume_refuses_a_damaged_artefact_in_one_line_naming_it(capsys, finished, damage):
     spoil, words = DAMAGE[damage]
     spoil(finished)
-    before = {p.name: p.read_bytes() for p in finished.iterdir()}
+    before = files_in(finished)
     status, _, err = run(capsys, "train", "--resume", finished, "--quiet", "--set",
                          "training.steps=6")
     assert status == 2 and one_line_error(err), err
     assert words in err
-    assert {p.name: p.read_bytes() for p in finished.iterdir()} == before
+    assert files_in(finished) == before
 
 
 def test_resuming_with_fewer_steps_than_the_checkpoint_refuses(capsys, finished):

@@ -13,6 +13,9 @@ from ipu_unit_scaling.backends.cpu import CPUTrainingModel, TrainingModule
 from ipu_unit_scaling.backends.stages import check_no_shared_parameters, split_stages, stages
 from ipu_unit_scaling.config import load_config
 
+# CI runs these a second time with torch's scalar CPU kernels (.ci/run).
+pytestmark = pytest.mark.numerics
+
 
 class StandInBlock(nn.Module):
     def __init__(self, width: int):

@@ -31,6 +31,9 @@ from ipu_unit_scaling.umup import (
     weight_rules,
 )
 
+# CI runs these a second time with torch's scalar CPU kernels (.ci/run).
+pytestmark = pytest.mark.numerics
+
 VOCAB, SEQ = 65, 32
 
 

@@ -20,6 +20,9 @@ from ipu_unit_scaling.transforms import (
     unit_scale_with_report,
 )
 
+# CI runs these a second time with torch's scalar CPU kernels (.ci/run).
+pytestmark = pytest.mark.numerics
+
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():

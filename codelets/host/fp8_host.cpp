@@ -1,9 +1,12 @@
 // Host build of the FP8 codelets, exposed through a C ABI for ctypes.
 //
-// Two kinds of entry point:
+// Three kinds of entry point:
 //  * ius_vertex_*: construct one vertex exactly as the Poplar graph would on
-//    one tile (fields connected to that tile's slice), then run compute() for
-//    every worker. The Python emulator calls them tile by tile.
+//    one tile (fields connected to that tile's slice, or to its list of
+//    regions for the ...Regions vertices), then run compute() for every
+//    worker. The Python emulator calls them tile by tile.
+//  * ius_amax_tree and ius_region_pieces: the placement rules of the graph
+//    (placement.hpp, partition.hpp), for the emulator and the graph model.
 //  * ius_fused_cast_to_fp8 and ius_fused_quantise: the CPU fast path
 //    (fp8_fused.hpp): amax, scale and round in one streaming pass over threads,
 //    to codes or straight to the rounded float32 values; bit for bit the
@@ -13,8 +16,10 @@
 // Status codes: 0 done, -1 bad arguments, -2 a vertex field connected to
 // memory that breaks its declared alignment (Poplar would refuse the graph).
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
+#include "../placement.hpp"
 #include "fp8_fused.hpp"
 
 #define IUS_EXPORT extern "C" __attribute__((visibility("default")))
@@ -73,6 +78,63 @@ int runCastFromFp8(const std::uint8_t* in, Index count, unsigned workers, const 
   vertex.in.connect(in, static_cast<std::size_t>(count));
   vertex.log2Scale.connect(log2Scale);
   vertex.out.connect(static_cast<T*>(out), static_cast<std::size_t>(count));
+  return runWorkers(vertex, workers);
+}
+
+// A list-of-regions field: one inner vector per region, each connected (and
+// its alignment checked) as the graph connects one region.
+template <typename Inner, typename Pointer>
+std::vector<Inner> connectRegions(const Pointer* regions, const Index* lengths, Index count) {
+  std::vector<Inner> fields(static_cast<std::size_t>(count));
+  for (Index r = 0; r < count; ++r) {
+    fields[r].connect(regions[r], static_cast<std::size_t>(lengths[r]));
+  }
+  return fields;
+}
+
+template <typename T>
+int runPartialAmaxRegions(const void* const* regions, const Index* lengths, Index count,
+                          unsigned workers, float* partials) {
+  PartialAmaxRegions<T> vertex;
+  poplar::host_shim::misaligned() = false;
+  auto in = connectRegions<poplar::Input<poplar::Vector<T>>>(
+      reinterpret_cast<const T* const*>(regions), lengths, count);
+  vertex.in.connect(in.data(), in.size());
+  vertex.partials.connect(partials, workers);
+  return runWorkers(vertex, workers);
+}
+
+template <typename T, unsigned E, bool Saturate>
+int runCastToFp8Regions(const void* const* inRegions, std::uint8_t* const* outRegions,
+                        const Index* lengths, Index count, unsigned workers,
+                        const int* log2Scale) {
+  using Vertex = CastToFp8Regions<T, E, Saturate>;
+  Vertex vertex;
+  poplar::host_shim::misaligned() = false;
+  auto in = connectRegions<poplar::Input<poplar::Vector<T>>>(
+      reinterpret_cast<const T* const*>(inRegions), lengths, count);
+  auto out = connectRegions<typename std::remove_reference<decltype(vertex.out[0])>::type>(
+      outRegions, lengths, count);
+  vertex.in.connect(in.data(), in.size());
+  vertex.log2Scale.connect(log2Scale);
+  vertex.out.connect(out.data(), out.size());
+  return runWorkers(vertex, workers);
+}
+
+template <typename T, unsigned E>
+int runCastFromFp8Regions(const std::uint8_t* const* inRegions, void* const* outRegions,
+                          const Index* lengths, Index count, unsigned workers,
+                          const int* log2Scale) {
+  using Vertex = CastFromFp8Regions<T, E>;
+  Vertex vertex;
+  poplar::host_shim::misaligned() = false;
+  auto in = connectRegions<poplar::Input<poplar::Vector<unsigned char>>>(inRegions, lengths,
+                                                                         count);
+  auto out = connectRegions<typename std::remove_reference<decltype(vertex.out[0])>::type>(
+      reinterpret_cast<T* const*>(outRegions), lengths, count);
+  vertex.in.connect(in.data(), in.size());
+  vertex.log2Scale.connect(log2Scale);
+  vertex.out.connect(out.data(), out.size());
   return runWorkers(vertex, workers);
 }
 
@@ -167,6 +229,100 @@ IUS_EXPORT int ius_vertex_cast_from_fp8(const std::uint8_t* in, Index count, int
                 : runCastFromFp8<half, 5>(in, count, workers, &log2Scale, out);
   }
   return kBadArguments;
+}
+
+IUS_EXPORT int ius_vertex_max_partials(const float* partials, Index count, float* amax) {
+  if (count < 0) return kBadArguments;
+  MaxPartials vertex;
+  vertex.partials.connect(partials, static_cast<std::size_t>(count));
+  vertex.amax.connect(amax);
+  vertex.compute();
+  return 0;
+}
+
+IUS_EXPORT int ius_vertex_partial_amax_regions(const void* const* regions, const Index* lengths,
+                                               Index count, int dtype, unsigned workers,
+                                               float* partials) {
+  if (workers == 0 || count < 0) return kBadArguments;
+  if (dtype == kFloat32) {
+    return runPartialAmaxRegions<float>(regions, lengths, count, workers, partials);
+  }
+  if (dtype == kFloat16) {
+    return runPartialAmaxRegions<half>(regions, lengths, count, workers, partials);
+  }
+  return kBadArguments;
+}
+
+IUS_EXPORT int ius_vertex_cast_to_fp8_regions(const void* const* in, std::uint8_t* const* out,
+                                              const Index* lengths, Index count, int dtype,
+                                              int exponentBits, int saturate, unsigned workers,
+                                              int log2Scale) {
+  if (workers == 0 || count < 0 || (dtype != kFloat32 && dtype != kFloat16) ||
+      (exponentBits != 4 && exponentBits != 5)) {
+    return kBadArguments;
+  }
+  return ius::fused::withFormat(exponentBits, saturate != 0, [&](auto e, auto sat) {
+    constexpr unsigned E = decltype(e)::value;
+    constexpr bool S = decltype(sat)::value;
+    return dtype == kFloat32
+        ? runCastToFp8Regions<float, E, S>(in, out, lengths, count, workers, &log2Scale)
+        : runCastToFp8Regions<half, E, S>(in, out, lengths, count, workers, &log2Scale);
+  });
+}
+
+IUS_EXPORT int ius_vertex_cast_from_fp8_regions(const std::uint8_t* const* in, void* const* out,
+                                                const Index* lengths, Index count, int dtype,
+                                                int exponentBits, unsigned workers,
+                                                int log2Scale) {
+  if (workers == 0 || count < 0 || (dtype != kFloat32 && dtype != kFloat16) ||
+      (exponentBits != 4 && exponentBits != 5)) {
+    return kBadArguments;
+  }
+  const bool f143 = exponentBits == 4;
+  if (dtype == kFloat32) {
+    return f143 ? runCastFromFp8Regions<float, 4>(in, out, lengths, count, workers, &log2Scale)
+                : runCastFromFp8Regions<float, 5>(in, out, lengths, count, workers, &log2Scale);
+  }
+  return f143 ? runCastFromFp8Regions<half, 4>(in, out, lengths, count, workers, &log2Scale)
+              : runCastFromFp8Regions<half, 5>(in, out, lengths, count, workers, &log2Scale);
+}
+
+// The amax tree of placement.hpp over `leaves` tiles: writes each node's tile,
+// parent (-1 for the root) and level, and returns the number of nodes, or -1
+// when `capacity` (2 * leaves + 1 always suffices) is too small.
+IUS_EXPORT Index ius_amax_tree(const std::uint32_t* leafTiles, Index leaves,
+                               std::uint64_t rotation, Index capacity, Index* tiles,
+                               Index* parents, Index* levels) {
+  if (leaves < 0) return kBadArguments;
+  const std::vector<unsigned> leafVector(leafTiles, leafTiles + leaves);
+  const ius::AmaxTree tree = ius::planAmaxTree(leafVector, rotation);
+  const auto nodes = static_cast<Index>(tree.tiles.size());
+  if (nodes > capacity) return kBadArguments;
+  for (Index i = 0; i < nodes; ++i) {
+    tiles[i] = tree.tiles[i];
+    parents[i] = tree.parents[i];
+    levels[i] = tree.levels[i];
+  }
+  return nodes;
+}
+
+// Each worker's pieces of a tile holding `count` regions of the given lengths,
+// as the ...Regions vertices split them: pieces[(worker * count + r) * 2 + {0, 1}]
+// is the [begin, end) of region r worker `worker` gets (empty when equal).
+IUS_EXPORT int ius_region_pieces(const Index* lengths, Index count, unsigned workers,
+                                 Index* pieces) {
+  if (workers == 0 || count < 0) return kBadArguments;
+  for (Index i = 0; i < static_cast<Index>(workers) * count * 2; ++i) pieces[i] = 0;
+  for (unsigned w = 0; w < workers; ++w) {
+    ius::forEachPiece<Index>(
+        static_cast<unsigned>(count), [&](unsigned r) { return lengths[r]; }, workers, w,
+        [&](unsigned r, Index begin, Index end) {
+          Index* out = pieces + (static_cast<Index>(w) * count + r) * 2;
+          out[0] = begin;
+          out[1] = end;
+        });
+  }
+  return 0;
 }
 
 // The fast path. With hasScale == 0 the scale comes from the amax (written to

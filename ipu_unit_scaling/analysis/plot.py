@@ -12,7 +12,7 @@ from ..models import GPTConfig, build_gpt
 from .report import worst_table
 from .tracking import ScaleRecord, range_format, track_scales
 
-__all__ = ["plot_scales", "analyse", "gpt_config_of"]
+__all__ = ["plot_scales", "scales_figure", "analyse", "gpt_config_of"]
 
 # Shading of the representable ranges, widest first so the narrower ones stay visible.
 _BANDS = (("FP16", "#d9d9d9"), ("F152", "#a6cee3"), ("F143", "#fdbf6f"))
@@ -32,15 +32,35 @@ def plot_scales(
     One panel per model; the ranges a static cast to FP16, FP8 E5 (F152) and FP8 E4 (F143) can
     represent (smallest subnormal to max) are shaded.
     """
-    import matplotlib
+    import io
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..plots import _pyplot
+    from ..rundir import atomic_write
 
+    plt = _pyplot()
+    figure = scales_figure(plt, records_by_model, title)
+    buffer = io.BytesIO()
+    try:
+        figure.savefig(buffer, dpi=120, format="png")
+    finally:
+        plt.close(figure)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, buffer.getvalue())  # whole or not at all; a full disk names the file
+    return path
+
+
+def scales_figure(
+    plt: Any, records_by_model: Dict[str, Sequence[ScaleRecord]], title: str,
+) -> Any:
+    """The figure of :func:`plot_scales`, laid out so that every label lies inside it."""
     panels = len(records_by_model)
     rows = max((1 + max((r.index for r in recs), default=0)) for recs in records_by_model.values())
+    longest = max((len(r.op) for recs in records_by_model.values() for r in recs), default=0)
+    # Room for the op names (about 0.055 inch a character at 6 points) beside each panel.
     figure, axes = plt.subplots(
-        1, panels, figsize=(6 * panels, max(4.0, 0.14 * rows + 1.5)), sharex=True, squeeze=False
+        1, panels, figsize=(panels * (3.8 + 0.055 * longest), max(4.0, 0.14 * rows + 1.5)),
+        sharex=True, squeeze=False,
     )
     for axis, (model_name, records) in zip(axes[0], records_by_model.items()):
         for fmt_name, colour in _BANDS:
@@ -58,18 +78,14 @@ def plot_scales(
                 labels.setdefault(record.index, record.op)
         ticks = sorted(labels)
         axis.set_yticks(ticks)
-        axis.set_yticklabels([labels[i][-36:] for i in ticks], fontsize=6)
+        axis.set_yticklabels([labels[i] for i in ticks], fontsize=6)  # whole: the layer too
         axis.set_ylim(rows, -1)
         axis.set_xlabel("log2(std)")
         axis.set_title(model_name)
     axes[0][-1].legend(loc="lower left", fontsize=7)
     figure.suptitle(title)
     figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return figure
 
 
 def gpt_config_of(config: Any) -> GPTConfig:

@@ -8,6 +8,7 @@ from typing import Dict, List, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
+from ..rundir import error_naming
 from .tracking import ScaleRecord, track_scales
 
 __all__ = ["ROLES", "role_summary", "worst_table", "ScaleReporter"]
@@ -51,14 +52,20 @@ def worst_table(
     Constant tensors (std 0, such as a LayerNorm's initial weight) are left out: their scale is
     set by their value, not their spread.
     """
-    header = f"{'model':<12} {'op':<34} {'role':<10} {'log2 std':>8} {'absmax':>9}"
+    worst = {
+        model_name: sorted((r for r in records if r.std > 0), key=_distance_from_unit,
+                           reverse=True)[:count]
+        for model_name, records in records_by_model.items()
+    }
+    # As wide as the longest op name: a name cut short could lose which layer it is.
+    width = max([34] + [len(r.op) for shown in worst.values() for r in shown])
+    header = f"{'model':<12} {'op':<{width}} {'role':<10} {'log2 std':>8} {'absmax':>9}"
     header += "".join(f" {'under ' + f:>11}" for f in formats)
     lines = [header, "-" * len(header)]
-    for model_name, records in records_by_model.items():
-        spread = [r for r in records if r.std > 0]
-        for record in sorted(spread, key=_distance_from_unit, reverse=True)[:count]:
+    for model_name, shown in worst.items():
+        for record in shown:
             line = (
-                f"{model_name:<12} {record.op[-34:]:<34} {record.role:<10} "
+                f"{model_name:<12} {record.op:<{width}} {record.role:<10} "
                 f"{record.log2_std:>8.2f} {record.absmax:>9.3g}"
             )
             line += "".join(f" {record.underflow[f]:>11.1%}" for f in formats)
@@ -97,11 +104,14 @@ class ScaleReporter:
             return
         records = track_scales(model, input_ids, labels, formats=self.formats)
         summary = role_summary(records, self.formats)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        new_file = not self.path.exists()
-        with self.path.open("a", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=self.columns)
-            if new_file:
-                writer.writeheader()
-            for role, row in summary.items():
-                writer.writerow({"step": step, "role": role, **row})
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            new_file = not self.path.exists()
+            with self.path.open("a", newline="") as handle:
+                writer = csv.DictWriter(handle, fieldnames=self.columns)
+                if new_file:
+                    writer.writeheader()
+                for role, row in summary.items():
+                    writer.writerow({"step": step, "role": role, **row})
+        except OSError as error:  # a full disk, say: the message names the file
+            raise error_naming(self.path, error) from None

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Callable, Dict, Iterable, List, Optional, Union
+from typing import Any, Dict, Iterable, List, Optional, Protocol, Union
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ from .stages import Stage, stages
 
 __all__ = [
     "BACKEND_ENV", "BackendError", "Stage", "stages", "poptorch_available", "select_backend",
-    "make_optimizer", "build_training_model", "build_inference_model",
+    "make_optimizer", "build_training_model", "build_inference_model", "InferenceModel",
 ]
 
 BACKEND_ENV = "IPU_UNIT_SCALING_BACKEND"
@@ -136,11 +136,12 @@ def build_training_model(
     """
     backend = backend or select_backend(config.backend)
     if backend in ("cpu", "emulator"):
+        split = stages(model, config)
         module: nn.Module = TrainingModule(model)
         if backend == "emulator":
-            from .emulator import TracedTrainingModule
+            from .emulator import emulated_training_module
 
-            module = TracedTrainingModule(module)
+            module = emulated_training_module(model, config, split)
         ipu = config.ipu
         return CPUTrainingModel(
             module,
@@ -149,7 +150,7 @@ def build_training_model(
             gradient_accumulation=ipu.gradient_accumulation,
             replication_factor=ipu.replication_factor,
             max_grad_norm=config.training.grad_clip,
-            split=stages(model, config),
+            split=split,
         )
     if backend in ("ipu", "ipu_model"):
         from .ipu.training import IPUTrainingModel
@@ -162,15 +163,27 @@ def build_training_model(
     raise BackendError(f"backend {backend!r} cannot build a training model")
 
 
+class InferenceModel(Protocol):
+    """What :func:`build_inference_model` returns."""
+
+    rows_per_call: int  # a call's rows must be a multiple of it
+
+    def __call__(self, *inputs: Any) -> Any:
+        ...
+
+    def destroy(self) -> None:
+        ...
+
+
 def build_inference_model(model: nn.Module, config: Config,
-                          backend: Optional[str] = None) -> Callable[..., Any]:
+                          backend: Optional[str] = None) -> InferenceModel:
     """Wrap ``model`` for evaluation and sampling: ``wrapper(*inputs)`` is ``model(*inputs)``
     in eval mode without gradients, on the backend.
 
     ``ipu``/``ipu_model`` build a ``poptorch.inferenceModel`` traced under ``ipu_tracing()``
     (the same rules as training); ``emulator`` runs the graph PopTorch would trace (one trace per
-    input signature); ``cpu`` (and ``popxl``, whose programs are for training) run eager
-    PyTorch, the code path of training's evaluation.
+    input signature) under the same options and compile checks; ``cpu`` (and ``popxl``, whose
+    programs are for training) run eager PyTorch, the code path of training's evaluation.
     """
     backend = backend or select_backend(config.backend)
     if backend in ("ipu", "ipu_model"):
@@ -178,15 +191,17 @@ def build_inference_model(model: nn.Module, config: Config,
 
         return IPUInferenceModel(model, config, use_ipu_model=backend == "ipu_model")
     if backend == "emulator":
-        from .emulator import TracedTrainingModule
+        from .emulator import EmulatedInferenceModel
 
-        return _EvalWrapper(TracedTrainingModule(model), model)
+        return EmulatedInferenceModel(model, config)
     if backend in ("cpu", "popxl"):
         return _EvalWrapper(model, model)
     raise BackendError(f"backend {backend!r} cannot build an inference model")
 
 
 class _EvalWrapper:
+    rows_per_call = 1
+
     def __init__(self, runner: nn.Module, model: nn.Module):
         self.runner = runner
         self.model = model

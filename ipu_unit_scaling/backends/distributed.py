@@ -23,7 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import Config, load_config, resolve_layers_per_ipu, scheduled_learning_rate
+from ..config import (
+    Config,
+    load_config,
+    resolve_layers_per_ipu,
+    scheduled_learning_rate,
+    with_steps,
+)
 from ..optim import set_learning_rate
 from .stages import Stage, check_no_shared_parameters, split_stages, stage_parameters
 
@@ -189,11 +195,18 @@ class PipelineTrainer:
             stage, n_microbatches=ipu.gradient_accumulation, loss_fn=self.module.loss
         )
         self.step_count = 0
+        self.learning_rate = 0.0  # of the last step
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> float:
         """One optimizer step on a global batch (same on every rank); returns its mean loss."""
         training = self.config.training
-        set_learning_rate(self.optimizer, scheduled_learning_rate(training, self.step_count))
+        if self.step_count >= training.steps:
+            # The schedule has reached zero there: a step would change nothing, silently.
+            raise ValueError(f"step {self.step_count + 1} is past training.steps = "
+                             f"{training.steps}, where the learning-rate schedule ends; "
+                             "set training.steps to the number of steps to run")
+        self.learning_rate = scheduled_learning_rate(training, self.step_count)
+        set_learning_rate(self.optimizer, self.learning_rate)
         inputs, labels = self._replica_slice(inputs), self._replica_slice(labels)
         self.optimizer.zero_grad(set_to_none=True)
         losses: List[torch.Tensor] = []
@@ -241,9 +254,13 @@ class PipelineTrainer:
 
 
 def train_pipeline(
-    model: nn.Module, config: Config, batches: Iterable[Batch], steps: int
+    model: nn.Module, config: Config, batches: Iterable[Batch], steps: Optional[int] = None
 ) -> List[float]:
-    """Run ``steps`` pipelined steps; every rank returns the same per-step losses."""
+    """Run ``steps`` pipelined steps (default ``training.steps``), with the learning-rate
+    schedule of a run of that length; every rank returns the same per-step losses."""
+    if steps is not None and steps != config.training.steps:
+        config = with_steps(config, steps)
+    steps = config.training.steps
     trainer = PipelineTrainer(model, config)
     losses = []
     for _, (inputs, labels) in zip(range(steps), batches):
@@ -279,17 +296,37 @@ def _text_batches(config: Config, seed: int) -> Iterable[Batch]:
         yield window[:, :-1], window[:, 1:]
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def config_from_arguments(argv: Optional[Sequence[str]] = None) -> Config:
+    """The run's config from the command line: ``--config``, ``--set``, and ``--steps``, which
+    is ``training.steps`` (so that the schedule follows the steps run)."""
+    parser = argparse.ArgumentParser(description="Pipelined training under torchrun.")
+    parser.add_argument("--config", default=None, help="YAML file or configs/ name")
+    parser.add_argument("--set", dest="overrides", nargs="+", action="append", default=[],
+                        metavar="KEY=VALUE", help="override config keys, as the "
+                        "ipu-unit-scaling command's --set (may be repeated)")
+    parser.add_argument("--steps", type=_positive_int, default=None,
+                        help="steps to train, and the length of the learning-rate schedule "
+                             "(sets training.steps; default: training.steps)")
+    args = parser.parse_args(argv)
+    config = load_config(args.config, [item for group in args.overrides for item in group])
+    return config if args.steps is None else with_steps(config, args.steps)
+
+
 def main(
     argv: Optional[Sequence[str]] = None,
     model_factory: Optional[Callable[[Config], nn.Module]] = None,
 ) -> List[float]:
-    parser = argparse.ArgumentParser(description="Pipelined training under torchrun.")
-    parser.add_argument("--config", default=None, help="YAML file or configs/ name")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="override a config key (repeatable)")
-    parser.add_argument("--steps", type=int, default=None, help="default: training.steps")
-    args = parser.parse_args(argv)
-    config = load_config(args.config, args.overrides)
+    config = config_from_arguments(argv)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
     try:
@@ -297,7 +334,7 @@ def main(
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         torch.manual_seed(config.training.seed)  # identical weights on every rank
         model = (model_factory or _default_model)(config)
-        steps = args.steps or config.training.steps
+        steps = config.training.steps
         device = torch.device("cuda") if backend == "nccl" else None
         trainer = PipelineTrainer(model, config, device)
         losses = []
@@ -305,7 +342,8 @@ def main(
         for step, (inputs, labels) in zip(range(steps), batches):
             losses.append(trainer.step(inputs, labels))
             if dist.get_rank() == 0 and (step + 1) % config.training.log_interval == 0:
-                print(f"step {step + 1}/{steps} loss {losses[-1]:.4f}", flush=True)
+                print(f"step {step + 1}/{steps} loss {losses[-1]:.4f} "
+                      f"lr {trainer.learning_rate:.6g}", flush=True)
         return losses
     finally:
         dist.destroy_process_group()

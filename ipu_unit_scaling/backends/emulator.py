@@ -1,20 +1,25 @@
 """PopTorch's semantics without the Poplar SDK: trace forward, differentiate the traced graph.
 
-PopTorch compiles a training model in three steps that decide what it computes:
+PopTorch compiles a model in steps that decide what it computes:
 
-1. it runs the forward pass once, recording the ATen ops that reach its dispatcher (after
+1. it checks its options against the model's pipeline (:mod:`.ipu.checks`);
+2. it runs the forward pass once, recording the ATen ops that reach its dispatcher (after
    PyTorch's own decompositions); ``.item()`` and other reads of a tensor on the host are
-   refused, float8 tensors cannot cross, and an op without a PopART handler stops compilation;
-2. PopART differentiates that forward graph: a ``torch.autograd.Function``'s ``forward`` is
+   refused, so are moves to the CPU, and float8 tensors cannot cross;
+3. ops whose inputs are all compile-time constants are evaluated on the host; every other op
+   needs a handler, and some handlers refuse some arguments (:mod:`.poptorch_ops`);
+4. PopART differentiates that forward graph: a ``torch.autograd.Function``'s ``forward`` is
    recorded like any other code and its ``backward`` is never used;
-3. the optimizer runs on the device with ``trainingModel``'s batching semantics.
+5. the optimizer runs on the device with ``trainingModel``'s batching semantics.
 
 This module does the same on the host. :func:`trace_like_poptorch` traces a module with fake
-tensors under :func:`ipu_unit_scaling.ipu_tracing`, checks every op against PopTorch's
-rules (:mod:`.poptorch_ops`) and returns a :class:`PopTorchTrace`: the recorded graph, run with
-the module's live parameters, so autograd of the graph plays PopART's autodiff.
-:func:`check_poptorch` is the check to run before spending IPU time, and the ``emulator``
-backend trains through :class:`TracedTrainingModule` with the CPU backend's batching semantics.
+tensors under :func:`ipu_unit_scaling.ipu_tracing` and the IPU backend's rewrites
+(:mod:`.ipu.rewrites`), checks every op against PopTorch's rules and returns a
+:class:`PopTorchTrace`: the recorded graph, run with the module's live parameters, so autograd
+of the graph plays PopART's autodiff. :func:`check_poptorch` is the check to run before
+spending IPU time. The ``emulator`` backend trains through :func:`emulated_training_module`
+with the CPU backend's batching semantics, and evaluates and samples through
+:class:`EmulatedInferenceModel`; both refuse the options PopTorch would refuse.
 
 (:mod:`ipu_unit_scaling.emulator` is a different emulator: the FP8 codelets run tile by tile.)
 """
@@ -32,17 +37,25 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..config import Config
+from ..lowering import lower_graph
 from ..tracing import ipu_tracing
-from .poptorch_ops import CUSTOM_OP_NAMESPACES, HOST_READ_OPS, is_supported
+from .cpu import TrainingModule
+from .ipu.checks import PopTorchError, check_config_compiles, check_inputs
+from .ipu.rewrites import PopTorchRewrites
+from .poptorch_ops import (
+    ARGUMENT_RULES,
+    CUSTOM_OP_NAMESPACES,
+    HOST_READ_OPS,
+    base_name,
+    is_supported,
+)
+from .stages import Stage, stages
 
 __all__ = [
     "PopTorchError", "PopTorchReport", "PopTorchTrace", "trace_like_poptorch", "check_poptorch",
-    "TracedTrainingModule",
+    "TracedTrainingModule", "EmulatedInferenceModel", "emulated_training_module",
 ]
-
-
-class PopTorchError(RuntimeError):
-    """What PopTorch would refuse while tracing the model."""
 
 
 @dataclass
@@ -70,77 +83,223 @@ def _is_float8(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and str(value.dtype).startswith("torch.float8")
 
 
+def _tensors(value: Any) -> List[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _named_arguments(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The op's arguments by their schema names, defaults filled in."""
+    named: Dict[str, Any] = {}
+    for index, argument in enumerate(func._schema.arguments):
+        if index < len(args):
+            named[argument.name] = args[index]
+        elif argument.name in kwargs:
+            named[argument.name] = kwargs[argument.name]
+        elif argument.has_default_value():
+            named[argument.name] = argument.default_value
+    return named
+
+
 class _PopTorchRules(TorchDispatchMode):
-    """Checks each op as PopTorch's dispatcher would see it, naming the module it came from."""
+    """Checks each op as PopTorch's dispatcher would see it, naming the module it came from.
+
+    It also follows which tensors are compile-time constants: the trace's inputs, parameters
+    and buffers are not, nor is anything computed from them or drawn at random. An ATen op on
+    constants only is evaluated on the host by PopTorch before any handler runs, so it is
+    neither checked against the handler list nor against the handlers' argument rules.
+    """
 
     def __init__(self, scopes: List[str]):
         super().__init__()
         self.scopes = scopes
         self.unsupported: Dict[str, List[str]] = collections.defaultdict(list)
-        # > 0 inside an op PopTorch's dispatcher takes whole (see `_DispatcherLevelOps`).
+        # > 0 inside an op PopTorch's dispatcher takes whole (see `_PopTorchCalls`).
         self.inside_dispatcher_op = 0
+        # id -> tensor (kept alive so that ids stay unique) of the tensors that are not
+        # compile-time constants.
+        self._variable: Dict[int, torch.Tensor] = {}
+        # id -> device object of the tensors of the trace: on an IPU these are the IPU.
+        self.devices: Dict[int, Any] = {}
 
-    def _where(self) -> str:
+    def where(self) -> str:
         return self.scopes[-1] if self.scopes else "<model>"
+
+    def refusal(self, op: str, reason: str) -> PopTorchError:
+        return PopTorchError(f"{op} in {self.where()}: {reason}")
+
+    def mark_variable(self, value: Any) -> None:
+        for tensor in _tensors(value):
+            self._variable[id(tensor)] = tensor
+            self.devices[id(tensor.device)] = tensor.device
+
+    def is_constant(self, value: Any) -> bool:
+        return not any(id(t) in self._variable for t in _tensors(value))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         if func.namespace == "aten" and name in HOST_READ_OPS:
-            raise PopTorchError(
-                f"aten::{name} in {self._where()}: a tensor is read on the host (.item(), "
-                f".tolist(), int()/float()/bool() of a tensor, or control flow on a tensor's "
-                f"value). PopTorch refuses it while tracing; keep the value a tensor.")
+            raise self.refusal(
+                f"aten::{name}",
+                "a tensor is read on the host (.item(), .tolist(), int()/float()/bool() of a "
+                "tensor, or control flow on a tensor's value). PopTorch refuses it while "
+                "tracing; keep the value a tensor.")
         if any(_is_float8(a) for a in tree_flatten((args, kwargs))[0]):
-            raise PopTorchError(
-                f"{func} in {self._where()} takes a float8 tensor, which cannot cross PopTorch: "
-                f"carry FP8 as uint8 codes through the FP8 custom ops (ipu_unit_scaling.fp8.ops)")
+            raise self.refusal(
+                str(func), "takes a float8 tensor, which cannot cross PopTorch: carry FP8 as "
+                "uint8 codes through the FP8 custom ops (ipu_unit_scaling.fp8.ops)")
         if func.namespace == "prim":  # metadata queries (prim::device), not graph ops
             return func(*args, **kwargs)
-        supported = self.inside_dispatcher_op > 0 or (
-            is_supported(name) if func.namespace == "aten"
-            else func.namespace in CUSTOM_OP_NAMESPACES)
-        if not supported:
-            self.unsupported[f"{func.namespace}::{name}"].append(self._where())
+        variable = not self.is_constant((args, kwargs)) or (
+            torch.Tag.nondeterministic_seeded in func.tags)
+        if self.inside_dispatcher_op == 0:
+            if func.namespace != "aten":
+                if func.namespace not in CUSTOM_OP_NAMESPACES:
+                    self.unsupported[f"{func.namespace}::{name}"].append(self.where())
+            elif variable:
+                self._check_arguments(func, name, args, kwargs)
+                if not is_supported(name):
+                    self.unsupported[f"aten::{name}"].append(self.where())
         out = func(*args, **kwargs)
         if any(_is_float8(o) for o in tree_flatten(out)[0]):
-            raise PopTorchError(
-                f"{func} in {self._where()} makes a float8 tensor, which cannot cross PopTorch")
+            raise self.refusal(str(func), "makes a float8 tensor, which cannot cross PopTorch")
+        for tensor in _tensors(out):
+            device = tensor.device  # one object per fake tensor: `.to(t.device)` is found
+            self.devices[id(device)] = device
+        if variable:
+            self.mark_variable(out)
+            for value, argument in zip(args, func._schema.arguments):
+                if argument.alias_info is not None and argument.alias_info.is_write:
+                    self.mark_variable(value)  # written in place with a variable value
         return out
 
+    def _check_arguments(self, func: Any, name: str, args: Sequence[Any],
+                         kwargs: Dict[str, Any]) -> None:
+        rules = ARGUMENT_RULES.get(name) or ARGUMENT_RULES.get(base_name(name), ())
+        if not rules:
+            return
+        named = _named_arguments(func, args, kwargs)
+        for rule in rules:
+            if rule.refuses(named, self.is_constant):
+                raise self.refusal(f"aten::{name}", f"{rule.reason} "
+                                   f"(poptorch/source/popart_canonicalization/{rule.source})")
 
+
+# Functions PopTorch's dispatcher implements itself (`RegisterOptionalAtenOps.cpp.inc`), which
+# a dispatch mode would only see decomposed: dropout into `empty_like`, `bernoulli_` and
+# `div_`, one_hot and adaptive pooling into other ops. Ops inside them are not checked.
 _DISPATCHER_LEVEL_FUNCTIONS = frozenset((
     torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
     torch.nn.functional.dropout3d, torch.dropout, torch.feature_dropout,
+    torch.nn.functional.one_hot, torch.nn.functional.adaptive_avg_pool1d,
+    torch.nn.functional.adaptive_avg_pool2d, torch.nn.functional.adaptive_avg_pool3d,
 ))
 _DISPATCHER_LEVEL_ATEN = frozenset(("dropout", "feature_dropout"))
+_ADAPTIVE_POOLS = {torch.nn.functional.adaptive_avg_pool1d: 1,
+                   torch.nn.functional.adaptive_avg_pool2d: 2,
+                   torch.nn.functional.adaptive_avg_pool3d: 3}
+_HOST_READ_METHODS = {torch.Tensor.numpy: "Tensor.numpy", torch.Tensor.tolist: "Tensor.tolist"}
+_DEVICE_PROPERTY = torch.Tensor.device
 
 
-class _DispatcherLevelOps(TorchFunctionMode):
-    """Dropout as PopTorch sees it: its dispatcher implements `aten::dropout` and
-    `aten::feature_dropout` itself (`RegisterOptionalAtenOps.cpp.inc`), before PyTorch
-    decomposes them into `empty_like`, `bernoulli_` and `div_`, which a dispatch mode sees
-    instead. Ops inside those calls are not checked against the handler list."""
+def _one_hot_without_checks(indices: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
+    classes = torch.arange(num_classes, dtype=indices.dtype, device=indices.device)
+    return (indices.unsqueeze(-1) == classes).to(torch.long)
+
+
+def _is_device_getter(func: Any) -> bool:
+    """``tensor.device`` (each access to the getter makes a new method-wrapper object)."""
+    return getattr(func, "__self__", None) is _DEVICE_PROPERTY and (
+        getattr(func, "__name__", "") == "__get__")
+
+
+class _PopTorchCalls(TorchFunctionMode):
+    """What PopTorch decides from the Python call rather than the ATen op.
+
+    - Dropout, one_hot and adaptive average pooling as PopTorch's dispatcher takes them: whole
+      (see `_DISPATCHER_LEVEL_FUNCTIONS`), with their handlers' argument checks.
+    - Moves to the CPU inside ``forward`` (``.cpu()``, ``.to("cpu")``): PopTorch traces on the
+      IPU device, and its ``copy_`` refuses an IPU to CPU copy except for the outputs
+      (``RegisterAtenOverloads.cpp``). ``.to(t.device)`` stays on the IPU there, so devices
+      read from tensors are remembered and let through.
+    - Reads of a tensor's data on the host (``.numpy()``, ``.tolist()``).
+    """
 
     def __init__(self, rules: _PopTorchRules):
         super().__init__()
         self.rules = rules
+        self._tensor_devices: Dict[int, Any] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
+        if _is_device_getter(func):
+            device = func(*args, **kwargs)
+            self._tensor_devices[id(device)] = device
+            return device
+        self._refuse_host_access(func, args, kwargs)
         packet = getattr(func, "overloadpacket", None)
         whole = func in _DISPATCHER_LEVEL_FUNCTIONS or (
             packet is not None and getattr(func, "namespace", "") == "aten"
             and packet.__name__ in _DISPATCHER_LEVEL_ATEN)
         if not whole:
             return func(*args, **kwargs)
+        if func is torch.nn.functional.one_hot:
+            classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+            if classes == -1 and not self.rules.is_constant(args[0]):
+                raise self.rules.refusal(
+                    "aten::one_hot", "num_classes must be given: the handler needs the class "
+                    "count at compile time (poptorch/source/popart_canonicalization/"
+                    "EmbeddingOps.cpp)")
+            if classes != -1:
+                # The same values without torch's range checks, which read the indices on
+                # the host; PopTorch takes one_hot whole.
+                func = _one_hot_without_checks
         self.rules.inside_dispatcher_op += 1
         try:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
         finally:
             self.rules.inside_dispatcher_op -= 1
+        dims = _ADAPTIVE_POOLS.get(func)
+        if dims is not None and not self.rules.is_constant(args[0]):
+            sizes_in, sizes_out = args[0].shape[-dims:], out.shape[-dims:]
+            if any(o and i % o for i, o in zip(sizes_in, sizes_out)):
+                raise self.rules.refusal(
+                    f"aten::adaptive_avg_pool{dims}d",
+                    f"input sizes {tuple(sizes_in)} are not multiples of the output sizes "
+                    f"{tuple(sizes_out)}, which the handler refuses "
+                    "(poptorch/source/popart_canonicalization/PoolingOps.cpp)")
+        return out
+
+    def _refuse_host_access(self, func: Any, args: Sequence[Any],
+                            kwargs: Dict[str, Any]) -> None:
+        if func is torch.Tensor.cpu or (func is torch.Tensor.to and self._moves_to_cpu(
+                args, kwargs)):
+            call = "Tensor.cpu" if func is torch.Tensor.cpu else "Tensor.to"
+            raise self.rules.refusal(
+                call, "a move to the CPU inside forward. PopTorch refuses it while tracing "
+                "(illegal move to CPU, RegisterAtenOverloads.cpp): return the tensor as an "
+                "output instead")
+        if func in _HOST_READ_METHODS:
+            raise self.rules.refusal(
+                _HOST_READ_METHODS[func], "a tensor is read on the host. PopTorch refuses it "
+                "while tracing; keep the value a tensor.")
+
+    def _moves_to_cpu(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
+        if any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())):
+            return False  # .to(other): other's device, the IPU for any tensor in the trace
+        device = kwargs.get("device", args[1] if len(args) > 1 else None)
+        if self._is_tensor_device(device, args[0]):
+            return False  # a device read from a tensor of the trace: the IPU on an IPU
+        parsed = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
+        return parsed is not None and parsed.type == "cpu"
+
+    def _is_tensor_device(self, device: Any, tensor: torch.Tensor) -> bool:
+        # Fake tensors keep one device object each, which the rules record; real tensors
+        # make one per access, which the getter above records.
+        return (id(device) in self._tensor_devices or id(device) in self.rules.devices
+                or device is tensor.device)
 
 
 @contextlib.contextmanager
@@ -209,12 +368,18 @@ def _functional_call(module: nn.Module, state: Dict[str, torch.Tensor],
     return functional_call(module, state, inputs)
 
 
-def trace_like_poptorch(module: nn.Module, *inputs: Any) -> PopTorchTrace:
+def trace_like_poptorch(module: nn.Module, *inputs: Any,
+                        stochastic_rounding: bool = False) -> PopTorchTrace:
     """Trace ``module(*inputs)`` the way PopTorch does (see the module docstring).
 
     Raises :class:`PopTorchError` for what PopTorch refuses while tracing (host reads of a
-    tensor, float8 tensors), naming the op and the module; unsupported ops are collected in
-    ``trace.report``. The module's train/eval mode is traced as it is.
+    tensor, moves to the CPU, float8 tensors, arguments a handler refuses), naming the op and
+    the module; unsupported ops are collected in ``trace.report``. The module's train/eval
+    mode is traced as it is.
+
+    The trace computes what an IPU computes where PopART departs from eager torch (GELU; with
+    ``stochastic_rounding``, as ``Precision.enableStochasticRounding``, the float-half casts):
+    see :mod:`ipu_unit_scaling.lowering`.
     """
     parameter_names = [name for name, _ in module.named_parameters()]
     buffer_names = [name for name, _ in module.named_buffers()]
@@ -224,7 +389,9 @@ def trace_like_poptorch(module: nn.Module, *inputs: Any) -> PopTorchTrace:
     def forward(parameters: List[torch.Tensor], buffers: List[torch.Tensor], *args: Any) -> Any:
         state = dict(zip(parameter_names, parameters))
         state.update(zip(buffer_names, buffers))
-        with ipu_tracing(), _module_scopes(module, scopes), rules, _DispatcherLevelOps(rules):
+        rules.mark_variable((parameters, buffers, args))  # graph inputs, never constants
+        with ipu_tracing(), _module_scopes(module, scopes), rules, _PopTorchCalls(rules), \
+                PopTorchRewrites():
             return _functional_call(module, state, args)
 
     parameters = [p for _, p in module.named_parameters()]
@@ -245,6 +412,7 @@ def trace_like_poptorch(module: nn.Module, *inputs: Any) -> PopTorchTrace:
         if node.op == "call_function" and hasattr(node.target, "overloadpacket"):
             counts[f"{node.target.namespace}::{node.target.overloadpacket.__name__}"] += 1
     report = PopTorchReport(dict(counts), {k: list(v) for k, v in rules.unsupported.items()})
+    graph = lower_graph(graph, stochastic_rounding)
     return PopTorchTrace(module, graph, report, parameter_names, buffer_names)
 
 
@@ -252,8 +420,8 @@ def check_poptorch(model: nn.Module, *inputs: Any, strict: bool = True) -> PopTo
     """Check that PopTorch can train ``model`` on ``inputs``, before spending IPU time.
 
     Traces like PopTorch (fake tensors: nothing is computed) and returns the report. Raises
-    :class:`PopTorchError` for host reads and float8 tensors, and with ``strict`` also for ops
-    PopTorch has no handler for, listing each with the modules it came from.
+    :class:`PopTorchError` for what :func:`trace_like_poptorch` refuses, and with ``strict``
+    also for ops PopTorch has no handler for, listing each with the modules it came from.
     """
     report = trace_like_poptorch(model, *inputs).report
     if strict and not report.ok:
@@ -263,11 +431,13 @@ def check_poptorch(model: nn.Module, *inputs: Any, strict: bool = True) -> PopTo
 
 class TracedTrainingModule(nn.Module):
     """Runs the wrapped module through :func:`trace_like_poptorch` (one trace per input
-    signature and train/eval mode), so its gradients are those PopART would compute."""
+    signature and train/eval mode), so its gradients are those PopART would compute;
+    ``stochastic_rounding`` as in :func:`trace_like_poptorch`."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, stochastic_rounding: bool = False):
         super().__init__()
         self.module = module
+        self.stochastic_rounding = stochastic_rounding
         self._traces: Dict[Tuple[Any, ...], PopTorchTrace] = {}
 
     def _signature(self, inputs: Sequence[Any]) -> Tuple[Any, ...]:
@@ -279,8 +449,65 @@ class TracedTrainingModule(nn.Module):
         key = self._signature(inputs)
         trace = self._traces.get(key)
         if trace is None:
-            trace = trace_like_poptorch(self.module, *inputs)
+            trace = trace_like_poptorch(self.module, *inputs,
+                                        stochastic_rounding=self.stochastic_rounding)
             if not trace.report.ok:
                 raise PopTorchError(str(trace.report))
             self._traces[key] = trace
         return trace(*inputs)
+
+
+def _join_outputs(outputs: List[Any]) -> Any:
+    """One call's outputs as ``poptorch.OutputMode.All`` returns them: per micro-batch results
+    concatenated on dim 0, scalars stacked."""
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(outputs) if first.dim() == 0 else torch.cat(outputs)
+    if isinstance(first, (tuple, list)):
+        return type(first)(_join_outputs(list(parts)) for parts in zip(*outputs))
+    return first
+
+
+def _split_rows(value: Any, parts: int) -> List[Any]:
+    if isinstance(value, torch.Tensor) and value.dim():
+        return list(value.chunk(parts))
+    return [value] * parts
+
+
+class EmulatedInferenceModel:
+    """``poptorch.inferenceModel`` as the IPU backend builds it, on the host.
+
+    Built from the same options as :class:`~.ipu.training.IPUInferenceModel` and refused at
+    construction if PopTorch would refuse to compile them (:mod:`.ipu.checks`). A call takes a
+    multiple of ``rows_per_call`` rows, runs each micro-batch through the graph PopTorch would
+    trace (in eval mode, without gradients) and returns what ``OutputMode.All`` returns.
+    """
+
+    def __init__(self, model: nn.Module, config: Config):
+        split = stages(model, config) if config.ipu.ipus_per_replica > 1 else []
+        self.compile_options = check_config_compiles(config, split, training=False)
+        self.rows_per_call = self.compile_options.rows_per_call
+        self.stages = split
+        self.model = model
+        self.runner = TracedTrainingModule(model, config.ipu.stochastic_rounding)
+
+    def __call__(self, *inputs: Any) -> Any:
+        check_inputs(self.compile_options, inputs)
+        self.model.eval()
+        parts = self.rows_per_call
+        with torch.no_grad():
+            if parts == 1:
+                return self.runner(*inputs)
+            micro_batches = zip(*(_split_rows(x, parts) for x in inputs))
+            return _join_outputs([self.runner(*micro) for micro in micro_batches])
+
+    def destroy(self) -> None:
+        """Nothing to release off the IPU."""
+
+
+def emulated_training_module(model: nn.Module, config: Config,
+                             split: Sequence[Stage]) -> TracedTrainingModule:
+    """The traced ``(output, loss)`` module the emulator backend trains, once the options the
+    IPU backend would build for ``config`` pass PopTorch's compile checks."""
+    check_config_compiles(config, split, training=True)
+    return TracedTrainingModule(TrainingModule(model), config.ipu.stochastic_rounding)

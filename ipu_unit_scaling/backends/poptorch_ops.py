@@ -13,17 +13,28 @@ c2a8b17762f1 (September 2023), the newest public source:
   tensors are cast freely) and ``lift_fresh_copy`` (a constant tensor in the model code);
 - ``HOST_READ_OPS``: refused while tracing (``RegisterAtenOverloads.cpp``: "aten::item is only
   supported in eager mode").
+- ``ARGUMENT_RULES``: handlers that exist but refuse some arguments, written by hand from the
+  handlers' checks (``scripts/poptorch_ops.py --refusals`` lists every check to compare with).
 
 ``scripts/poptorch_ops.py`` regenerates the first two from a poptorch checkout. In-place
 variants (``mul_``) are checked as their out-of-place op: PopTorch's in-place pass
 (``poptorch/source/InplaceOps.cpp``) rewrites them that way.
+
+None of these apply to an op whose inputs are all compile-time constants (built inside the
+forward from Python values, not from inputs, parameters or buffers, and not random):
+PopTorch evaluates those on the host before any handler runs
+(``type_and_constant_canonicalization/EvaluateConstexprs.cpp``, called before
+``canonicalize`` and ``errorOnUnsupportedAten`` in ``LowerToPopartFactories.cpp``).
 """
 from __future__ import annotations
 
-from typing import FrozenSet
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, FrozenSet, Mapping, Tuple
+
+import torch
 
 __all__ = ["HANDLED_OPS", "DISPATCHER_OPS", "HOST_READ_OPS", "CUSTOM_OP_NAMESPACES",
-           "is_supported"]
+           "ArgumentRule", "ARGUMENT_RULES", "is_supported", "base_name"]
 
 HANDLED_OPS: FrozenSet[str] = frozenset((
     "Int", "__and__", "__or__", "__xor__", "_cdist_forward", "_convolution",
@@ -100,10 +111,96 @@ HOST_READ_OPS: FrozenSet[str] = frozenset(("_local_scalar_dense", "item", "is_no
 CUSTOM_OP_NAMESPACES: FrozenSet[str] = frozenset(("ipu_unit_scaling",))
 
 
+def base_name(aten_name: str) -> str:
+    """The out-of-place name of an in-place op (``mul_`` -> ``mul``)."""
+    if aten_name.endswith("_") and not aten_name.endswith("__"):
+        return aten_name[:-1]
+    return aten_name
+
+
 def is_supported(aten_name: str) -> bool:
     """Whether PopTorch lowers the ATen op ``aten_name`` (an overload packet name, e.g. "mm")."""
     if aten_name in HANDLED_OPS or aten_name in DISPATCHER_OPS:
         return True
-    if aten_name.endswith("_") and not aten_name.endswith("__"):
-        return aten_name[:-1] in HANDLED_OPS or aten_name[:-1] in DISPATCHER_OPS
-    return False
+    base = base_name(aten_name)
+    return base != aten_name and (base in HANDLED_OPS or base in DISPATCHER_OPS)
+
+
+# ------------------------------------------------------------ handlers that refuse arguments
+
+IsConstant = Callable[[Any], bool]
+
+
+@dataclass(frozen=True)
+class ArgumentRule:
+    """A handler's refusal: ``refuses(arguments, is_constant)`` is true for the arguments (by
+    their ATen schema names) that the handler stops compilation for."""
+
+    refuses: Callable[[Mapping[str, Any], IsConstant], bool]
+    reason: str
+    source: str  # the handler's file in poptorch/source/popart_canonicalization/
+
+
+def _all_tensors_of(arguments: Mapping[str, Any], dtype: torch.dtype) -> bool:
+    tensors = [v for v in arguments.values() if isinstance(v, torch.Tensor)]
+    return bool(tensors) and all(t.dtype == dtype for t in tensors)
+
+
+def _one_of_two_given(first: str, second: str) -> Callable[[Mapping[str, Any], IsConstant], bool]:
+    return lambda a, _: (a.get(first) is None) != (a.get(second) is None)
+
+
+_EIGHT_BIT = ArgumentRule(
+    lambda a, _: _all_tensors_of(a, torch.uint8) or _all_tensors_of(a, torch.int8),
+    "Poplar has no bitwise ops on 8-bit integers; cast to int32 first", "BitwiseOps.cpp")
+_AFFINE = ArgumentRule(
+    _one_of_two_given("weight", "bias"),
+    "the normalisation takes both weight and bias, or neither", "NormalizationOps.cpp")
+_LOSS_WEIGHT = ArgumentRule(
+    lambda a, _: a.get("weight") is not None,
+    "a class weight is not supported by the NLL / cross-entropy handler", "LossOps.cpp")
+_EMBEDDING = ArgumentRule(
+    lambda a, _: bool(a.get("scale_grad_by_freq")) or bool(a.get("sparse")),
+    "scale_grad_by_freq and sparse gradients are not supported", "EmbeddingOps.cpp")
+
+ARGUMENT_RULES: Dict[str, Tuple[ArgumentRule, ...]] = {
+    "triu": (ArgumentRule(
+        lambda a, _: True,
+        "torch.triu compiles only when constant-folded: build its input inside forward from "
+        "Python values (torch.ones(...).triu()), not from inputs, parameters or buffers",
+        "TensorOps.cpp"),),
+    "tril": (ArgumentRule(
+        lambda a, _: True,
+        "PopTorch has no handler for tril, so it compiles only when constant-folded: build its "
+        "input inside forward from Python values, not from inputs, parameters or buffers",
+        "TensorOps.cpp (no tril handler)"),),
+    "as_strided": (ArgumentRule(
+        lambda a, _: True, "the as_strided handler refuses every call", "ReshapeOps.cpp"),),
+    "embedding": (_EMBEDDING,),
+    "_embedding_bag": (
+        _EMBEDDING,
+        ArgumentRule(lambda a, _: (a.get("padding_idx") is not None
+                                   and int(a["padding_idx"]) >= 0),
+                     "padding_idx is not supported", "EmbeddingOps.cpp"),
+        ArgumentRule(lambda a, is_constant: not is_constant(a.get("offsets")),
+                     "the offsets must be a compile-time constant", "EmbeddingOps.cpp"),
+    ),
+    "nll_loss_forward": (_LOSS_WEIGHT,),
+    "nll_loss2d_forward": (_LOSS_WEIGHT,),
+    "nll_loss_nd": (_LOSS_WEIGHT,),
+    "native_layer_norm": (_AFFINE,),
+    "native_group_norm": (_AFFINE,),
+    "native_batch_norm": (
+        _AFFINE,
+        ArgumentRule(_one_of_two_given("running_mean", "running_var"),
+                     "batch norm takes both running statistics, or neither",
+                     "NormalizationOps.cpp"),
+    ),
+    "bitwise_and": (_EIGHT_BIT,),
+    "bitwise_or": (_EIGHT_BIT,),
+    "bitwise_xor": (_EIGHT_BIT,),
+    "bitwise_not": (_EIGHT_BIT,),
+    "__and__": (_EIGHT_BIT,),
+    "__or__": (_EIGHT_BIT,),
+    "__xor__": (_EIGHT_BIT,),
+}

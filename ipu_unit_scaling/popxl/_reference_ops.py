@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from ..fp8.codec import decode, encode
 from . import reference as _r
 from .reference import Tensor, _add_op, _add_stateful_op, _Run, _same_dtype
+from .reference_settings import fp8_matmul_output_dtype
 
 __all__ = [
     "CallSiteInfo", "call", "call_with_info", "add", "sub", "mul", "div", "negate", "abs",
@@ -23,6 +24,10 @@ __all__ = [
     "layer_norm", "softmax", "geluerf", "nll_loss", "matmul", "matmul_pow2scaled",
     "pow2scale_cast_to_fp8", "host_load", "host_store", "var_updates",
 ]
+
+
+def __dir__() -> List[str]:  # only what PopXL has here
+    return sorted(__all__)
 
 def _axes(t: Tensor, axis: Union[None, int, Sequence[int]]) -> List[int]:
     if axis is None:
@@ -357,8 +362,8 @@ def matmul_pow2scaled(lhs: Tensor, rhs: Tensor, log2_scale: Tensor) -> Tensor:
 
     def fn(a: torch.Tensor, b: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         product = torch.matmul(decode(a, lhs_fmt), decode(b, rhs_fmt))
-        # float16, unless a test asked for the unrounded sum (reference.fp8_matmul_output)
-        return (product * _pow2(s)).to(_r._fp8_matmul_output[-1])
+        # float16, unless a test asked for the unrounded sum (reference_settings)
+        return (product * _pow2(s)).to(fp8_matmul_output_dtype())
     return _add_op("matmul_pow2scaled", fn, [lhs, rhs, log2_scale], [_r.float16])[0]
 
 
@@ -395,7 +400,7 @@ class _VarUpdates:
 
     @staticmethod
     def _update(name: str, t: Tensor, inputs: List[Tensor], compute: Any) -> Tensor:
-        if not isinstance(t, _r.Variable):
+        if not isinstance(t, _r._Variable):
             raise TypeError(f"{name}: the reference only updates variables, got {t}")
 
         def fn(state: _Run, *values: torch.Tensor) -> Tuple[torch.Tensor]:

@@ -20,6 +20,10 @@ from .reference import Tensor, _add_stateful_op, _graph_input, _Run
 
 __all__ = ["autodiff", "GradGraphInfo", "ExpectedConnection", "ExpectedConnectionType"]
 
+
+def __dir__() -> List[str]:  # only what PopXL has here
+    return sorted(__all__)
+
 # PopART has no gradient for these: Pow2ScaleThenCastOp::getGradOps and a pow2-scaled
 # MatMulOp::getGradOps throw (willow/src/op/pow2scalethencast.cpp, willow/src/op/matmul.cpp);
 # the package's own FP8 custom op (popxl/codelets.py) has no grad op either.

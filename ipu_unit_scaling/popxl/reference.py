@@ -22,10 +22,13 @@ is at least as strict as ``popxl.in_sequence(True)``. Differences that matter fo
 - An FP8 device cast that overflows gives NaN (what ``host_pow2scale_cast_to_fp8`` does by
   default, ``nan_on_overflow=True``, and what the IPU does with NaN-on-overflow set).
 
+The module exposes only names real PopXL exposes in the same place: its top level,
+``tensor`` (``Variable`` and ``Constant`` are there only), ``ops`` and ``transforms``.
 Stand-in only, for tests, with no PopXL counterpart: ``Session.keep_values = True`` makes
 ``Session.values`` hold every tensor value the last run computed (tests read intermediate FP8
-codes from it), and ``with fp8_matmul_output(torch.float32):`` makes ``matmul_pow2scaled``
-return its float32 sum unrounded, which is what ``fp8.simulate_fp8`` computes.
+codes from it), and ``with reference_settings.fp8_matmul_output(torch.float32):`` (a module
+of its own, outside the PopXL namespace) makes ``matmul_pow2scaled`` return its float32 sum
+unrounded, which is what ``fp8.simulate_fp8`` computes.
 """
 from __future__ import annotations
 
@@ -39,29 +42,18 @@ import torch
 
 from ..fp8.formats import F143, F152, FP8Format
 
+# Only names real PopXL has at its top level (popart: python/popxl/__init__.py.in), plus its
+# submodules ops, transforms and tensor; Variable and Constant live in `tensor`, as there.
 __all__ = [
-    "fp8_matmul_output", "dtype", "float16", "float32", "int32", "float8_143", "float8_152",
-    "Tensor", "Variable", "Constant", "TensorSpec", "Graph", "Ir", "Session",
+    "dtype", "float16", "float32", "int32", "float8_143", "float8_152",
+    "Tensor", "TensorSpec", "Graph", "Ir", "Session",
     "HostToDeviceStream", "DeviceToHostStream", "h2d_stream", "d2h_stream",
     "variable", "constant", "in_sequence", "ops", "transforms",
 ]
 
 
-# ------------------------------------------------------------------------- stand-in settings
-
-_fp8_matmul_output: List[torch.dtype] = [torch.float16]
-
-
-@contextlib.contextmanager
-def fp8_matmul_output(dtype_: torch.dtype) -> Iterator[None]:
-    """Inside, ``matmul_pow2scaled`` rounds its result to ``dtype_`` instead of float16 (see
-    the module docstring). Not a PopXL feature: it separates PopXL's float16 matmul output
-    from everything else when comparing with ``simulate_fp8``."""
-    _fp8_matmul_output.append(dtype_)
-    try:
-        yield
-    finally:
-        _fp8_matmul_output.pop()
+def __dir__() -> List[str]:
+    return sorted(__all__ + ["tensor"])
 
 
 # ----------------------------------------------------------------------------------- dtypes
@@ -100,7 +92,7 @@ def _from_torch(value: torch.Tensor) -> dtype:
 
 # ----------------------------------------------------------------------------------- tensors
 
-TensorLike = Union["Tensor", float, int, np.ndarray]
+_TensorLike = Union["Tensor", float, int, np.ndarray]
 
 
 class Tensor:
@@ -115,7 +107,8 @@ class Tensor:
         self.name = name
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}[{self.name} {self.dtype} {self.shape}]"
+        kind = type(self).__name__.lstrip("_")  # Variable and Constant are private here
+        return f"{kind}[{self.name} {self.dtype} {self.shape}]"
 
     # Identity, not elementwise comparison: tensors are dict keys (tensor.py __eq__/__hash__).
     __hash__ = object.__hash__
@@ -141,49 +134,51 @@ class Tensor:
     def detach(self) -> Tensor:
         return ops.detach(self)
 
-    def _ensure_tensor(self, value: TensorLike) -> Tensor:
+    def _ensure_tensor(self, value: _TensorLike) -> Tensor:
         return value if isinstance(value, Tensor) else constant(value, self.dtype)
 
-    def __add__(self, other: TensorLike) -> Tensor:
+    def __add__(self, other: _TensorLike) -> Tensor:
         return ops.add(self, self._ensure_tensor(other))
 
-    def __radd__(self, other: TensorLike) -> Tensor:
+    def __radd__(self, other: _TensorLike) -> Tensor:
         return ops.add(self._ensure_tensor(other), self)
 
-    def __sub__(self, other: TensorLike) -> Tensor:
+    def __sub__(self, other: _TensorLike) -> Tensor:
         return ops.sub(self, self._ensure_tensor(other))
 
-    def __rsub__(self, other: TensorLike) -> Tensor:
+    def __rsub__(self, other: _TensorLike) -> Tensor:
         return ops.sub(self._ensure_tensor(other), self)
 
-    def __mul__(self, other: TensorLike) -> Tensor:
+    def __mul__(self, other: _TensorLike) -> Tensor:
         return ops.mul(self, self._ensure_tensor(other))
 
-    def __rmul__(self, other: TensorLike) -> Tensor:
+    def __rmul__(self, other: _TensorLike) -> Tensor:
         return ops.mul(self._ensure_tensor(other), self)
 
-    def __truediv__(self, other: TensorLike) -> Tensor:
+    def __truediv__(self, other: _TensorLike) -> Tensor:
         return ops.div(self, self._ensure_tensor(other))
 
-    def __rtruediv__(self, other: TensorLike) -> Tensor:
+    def __rtruediv__(self, other: _TensorLike) -> Tensor:
         return ops.div(self._ensure_tensor(other), self)
 
     def __neg__(self) -> Tensor:
         return ops.negate(self)
 
-    def __matmul__(self, other: TensorLike) -> Tensor:
+    def __matmul__(self, other: _TensorLike) -> Tensor:
         return ops.matmul(self, self._ensure_tensor(other))
 
 
-class Variable(Tensor):
-    """``popxl.variable``: main-graph state a session holds and ops may update in place."""
+class _Variable(Tensor):
+    """``popxl.tensor.Variable``: main-graph state a session holds and ops may update in place."""
 
     def __init__(self, graph: Graph, data: torch.Tensor, dtype_: dtype, name: str):
         super().__init__(graph, tuple(data.shape), dtype_, name)
         self.data = data
 
 
-class Constant(Tensor):
+class _Constant(Tensor):
+    """``popxl.tensor.Constant``: a value fixed when the graph is built."""
+
     def __init__(self, graph: Graph, data: torch.Tensor, dtype_: dtype, name: str):
         super().__init__(graph, tuple(data.shape), dtype_, name)
         self.data = data
@@ -215,23 +210,23 @@ def _as_torch(data: Any, dtype_: Optional[dtype]) -> Tuple[torch.Tensor, dtype]:
     return torch.from_numpy(np.array(array)).to(dtype_.torch_dtype), dtype_
 
 
-def constant(data: Any, dtype: Optional[dtype] = None, name: Optional[str] = None) -> Constant:
+def constant(data: Any, dtype: Optional[dtype] = None, name: Optional[str] = None) -> _Constant:
     """``popxl.constant`` (tensor.py): a tensor fixed at graph construction, in the current
     graph."""
     graph = _current_graph()
     value, dtype_ = _as_torch(data, dtype)
-    return Constant(graph, value, dtype_, graph._name(name or "constant"))
+    return _Constant(graph, value, dtype_, graph._name(name or "constant"))
 
 
-def variable(data: Any, dtype: Optional[dtype] = None, name: Optional[str] = None) -> Variable:
+def variable(data: Any, dtype: Optional[dtype] = None, name: Optional[str] = None) -> _Variable:
     """``popxl.variable`` (tensor.py): "Must be created in the main graph scope"."""
     graph = _current_graph()
     if graph is not graph.ir.main_graph:
         raise ValueError("variables must be created in the main graph")
     value, dtype_ = _as_torch(data, dtype)
-    tensor = Variable(graph, value, dtype_, graph._name(name or "variable"))
-    graph.ir._variables.append(tensor)
-    return tensor
+    new = _Variable(graph, value, dtype_, graph._name(name or "variable"))
+    graph.ir._variables.append(new)
+    return new
 
 
 # ------------------------------------------------------------------------------------ graphs
@@ -240,7 +235,7 @@ def variable(data: Any, dtype: Optional[dtype] = None, name: Optional[str] = Non
 class _Run:
     """Everything one ``Session.run`` reads and writes: variables, streams, kept values."""
 
-    def __init__(self, variables: Dict[Variable, torch.Tensor],
+    def __init__(self, variables: Dict[_Variable, torch.Tensor],
                  inputs: Dict[HostToDeviceStream, List[torch.Tensor]],
                  keep: Optional[Dict[Tensor, torch.Tensor]]):
         self.variables = variables
@@ -250,13 +245,13 @@ class _Run:
         self.keep = keep
 
 
-OpFn = Callable[..., Tuple[torch.Tensor, ...]]
+_OpFn = Callable[..., Tuple[torch.Tensor, ...]]
 
 
 @dataclass
 class _Op:
     name: str
-    fn: OpFn  # fn(run, *input_values) -> output values
+    fn: _OpFn  # fn(run, *input_values) -> output values
     inputs: Tuple[Tensor, ...]
     outputs: Tuple[Tensor, ...]
     stream: Optional[HostToDeviceStream] = None  # what a host_load reads
@@ -311,18 +306,18 @@ class Graph:
         env: Dict[Tensor, torch.Tensor] = dict(zip(self._inputs, values))
 
         def value(t: Tensor) -> torch.Tensor:
-            if isinstance(t, Variable):
+            if isinstance(t, _Variable):
                 return run.variables[t]  # read when the op runs: in-place updates are seen
-            if isinstance(t, Constant):
+            if isinstance(t, _Constant):
                 return t.data
             return env[t]
 
         for op in self._ops:
             results = op.fn(run, *[value(t) for t in op.inputs])
-            for tensor, result in zip(op.outputs, results):
-                env[tensor] = result
+            for output, result in zip(op.outputs, results):
+                env[output] = result
                 if run.keep is not None:
-                    run.keep[tensor] = result
+                    run.keep[output] = result
         return [value(t) for t in self._outputs]
 
 
@@ -353,7 +348,7 @@ def _add_op(name: str, fn: Callable[..., Any], inputs: Sequence[Tensor],
                                                    for e, d in zip(example, dtypes)])
 
 
-def _add_stateful_op(name: str, fn: OpFn, inputs: Sequence[Tensor],
+def _add_stateful_op(name: str, fn: _OpFn, inputs: Sequence[Tensor],
                      outputs: Sequence[Tuple[Tuple[int, ...], dtype]],
                      stream: Optional[HostToDeviceStream] = None) -> List[Tensor]:
     """Add an op ``fn(run, *input_values) -> values`` that may read or write the run's state."""
@@ -377,7 +372,7 @@ class Ir:
     """``popxl.Ir`` (popart: python/popxl/python_files/ir.py)."""
 
     def __init__(self) -> None:
-        self._variables: List[Variable] = []
+        self._variables: List[_Variable] = []
         self._graphs = 0
         self.main_graph = Graph(self, "main")
         # ir.py: "the number of iterations required for each session.run call": each
@@ -417,9 +412,9 @@ class Ir:
 
 
 def _graph_input(graph: Graph, spec: Union[Tensor, TensorSpec], name: str) -> Tensor:
-    tensor = Tensor(graph, spec.shape, spec.dtype, graph._name(name))
-    graph._inputs.append(tensor)
-    return tensor
+    new = Tensor(graph, spec.shape, spec.dtype, graph._name(name))
+    graph._inputs.append(new)
+    return new
 
 
 @contextlib.contextmanager
@@ -515,18 +510,18 @@ class Session:
     def get_tensors_data(self, tensors: Sequence[Tensor]) -> Dict[Tensor, np.ndarray]:
         result: Dict[Tensor, np.ndarray] = {}
         for t in tensors:
-            if isinstance(t, Variable):
+            if isinstance(t, _Variable):
                 result[t] = self._variables[t].numpy().copy()
-            elif isinstance(t, Constant):
+            elif isinstance(t, _Constant):
                 result[t] = t.data.numpy().copy()
             else:
                 raise TypeError(f"{t} is neither a Variable nor a Constant")
         return result
 
-    def get_tensor_data(self, tensor: Tensor) -> np.ndarray:
+    def get_tensor_data(self, tensor: Tensor) -> np.ndarray:  # noqa: F811 (PopXL's name)
         return self.get_tensors_data([tensor])[tensor]
 
-    def write_variables_data(self, tensors: Dict[Variable, np.ndarray]) -> None:
+    def write_variables_data(self, tensors: Dict[_Variable, np.ndarray]) -> None:
         for t, data in tensors.items():
             value = torch.from_numpy(np.array(data))
             if tuple(value.shape) != t.shape or value.dtype != t.dtype.torch_dtype:
@@ -534,7 +529,8 @@ class Session:
                                  f"{value.dtype} {tuple(value.shape)}")
             self._variables[t] = value
 
-    def write_variable_data(self, tensor: Variable, data: np.ndarray) -> None:
+    def write_variable_data(self, tensor: _Variable,  # noqa: F811 (PopXL's name)
+                            data: np.ndarray) -> None:
         self.write_variables_data({tensor: data})
 
 
@@ -542,4 +538,5 @@ class Session:
 # The ops live in their own module so that `reference.ops.max` does not shadow builtins here.
 
 from . import _reference_ops as ops  # noqa: E402
+from . import _reference_tensor as tensor  # noqa: E402, F401  (popxl.tensor)
 from . import _reference_transforms as transforms  # noqa: E402

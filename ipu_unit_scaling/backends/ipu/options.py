@@ -38,20 +38,31 @@ class OptionCall:
     args: Tuple[Any, ...] = ()
 
 
-def option_calls(config: Config, use_ipu_model: bool = False) -> List[OptionCall]:
-    """The ``poptorch.Options`` calls that realise ``config`` (training)."""
+def option_calls(config: Config, use_ipu_model: bool = False,
+                 inference: bool = False) -> List[OptionCall]:
+    """The ``poptorch.Options`` calls that realise ``config`` for training, or with
+    ``inference`` for a ``poptorch.inferenceModel``.
+
+    Inference sets no ``Training`` options (PopTorch takes gradient accumulation 1 only) and
+    runs a multi-IPU split as ``ShardedExecution``: one micro-batch passes the IPUs in turn.
+    ``PipelinedExecution`` would need at least as many device iterations as IPUs, that is as
+    many windows per call, while sampling draws one token at a time from one window.
+    """
     ipu = config.ipu
     calls = [
         OptionCall("deviceIterations", (ipu.device_iterations,)),
         OptionCall("replicationFactor", (ipu.replication_factor,)),
-        OptionCall("Training.gradientAccumulation", (ipu.gradient_accumulation,)),
-        # Mean over micro-batches and replicas keeps the learning rate independent of both.
-        OptionCall(
-            "Training.accumulationAndReplicationReductionType", (Ref("ReductionType.Mean"),)
-        ),
-        # One loss per micro-batch comes back, like the CPU fallback returns.
-        OptionCall("outputMode", (Ref("OutputMode.All"),)),
     ]
+    if not inference:
+        calls += [
+            OptionCall("Training.gradientAccumulation", (ipu.gradient_accumulation,)),
+            # Mean over micro-batches and replicas keeps the learning rate independent of both.
+            OptionCall(
+                "Training.accumulationAndReplicationReductionType", (Ref("ReductionType.Mean"),)
+            ),
+        ]
+    # One result per micro-batch comes back, like the CPU fallback returns.
+    calls.append(OptionCall("outputMode", (Ref("OutputMode.All"),)))
     memory = _memory_proportions(config)
     if memory is not None:
         calls.append(OptionCall("setAvailableMemoryProportion", (memory,)))
@@ -61,7 +72,8 @@ def option_calls(config: Config, use_ipu_model: bool = False) -> List[OptionCall
     if ipu.executable_cache_dir:
         calls.append(OptionCall("enableExecutableCaching", (ipu.executable_cache_dir,)))
     if ipu.ipus_per_replica > 1:
-        strategy = New("PipelinedExecution", (Ref("AutoStage.AutoIncrement"),))
+        execution = "ShardedExecution" if inference else "PipelinedExecution"
+        strategy = New(execution, (Ref("AutoStage.AutoIncrement"),))
         calls.append(OptionCall("setExecutionStrategy", (strategy,)))
     if ipu.auto_round_num_ipus:
         calls.append(OptionCall("autoRoundNumIPUs", (True,)))
@@ -102,8 +114,9 @@ def apply_option_calls(options: Any, calls: List[OptionCall], poptorch: Any) -> 
     return options
 
 
-def build_options(config: Config, use_ipu_model: bool = False) -> Any:
+def build_options(config: Config, use_ipu_model: bool = False, inference: bool = False) -> Any:
     """A real ``poptorch.Options`` for ``config``; needs PopTorch."""
     import poptorch
 
-    return apply_option_calls(poptorch.Options(), option_calls(config, use_ipu_model), poptorch)
+    calls = option_calls(config, use_ipu_model, inference)
+    return apply_option_calls(poptorch.Options(), calls, poptorch)

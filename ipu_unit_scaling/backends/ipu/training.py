@@ -5,8 +5,7 @@ PopTorch is imported inside the functions only, so this module imports anywhere.
 from __future__ import annotations
 
 import contextlib
-import copy
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -15,8 +14,21 @@ from ...config import Config
 from ...tracing import FP8CustomOps, ipu_tracing
 from ..cpu import TrainingModule
 from ..stages import Stage, stages
+from .checks import check_config_compiles, check_inputs
 from .custom_op import PopTorchFP8CustomOps, load_custom_op_library
 from .options import build_options
+from .rewrites import PopTorchRewrites
+
+
+@contextlib.contextmanager
+def _poptorch_forms(fp8_ops: Optional[FP8CustomOps], tracing: bool) -> Iterator[None]:
+    """While PopTorch traces: every op in its PopTorch form, and the calls PopTorch would
+    refuse rewritten to exact equivalents (:mod:`.rewrites`)."""
+    if not tracing:
+        yield
+        return
+    with ipu_tracing(fp8_ops), PopTorchRewrites():
+        yield
 
 
 class IPUTrainingModule(TrainingModule):
@@ -34,9 +46,7 @@ class IPUTrainingModule(TrainingModule):
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         import poptorch
 
-        tracing = (ipu_tracing(self.fp8_ops) if poptorch.isRunningOnIpu()
-                   else contextlib.nullcontext())
-        with tracing:
+        with _poptorch_forms(self.fp8_ops, poptorch.isRunningOnIpu()):
             logits, loss = super().forward(inputs, labels)
         # The model's loss is already a mean; "none" tells PopTorch to take it as is.
         return logits, poptorch.identity_loss(loss, reduction="none")
@@ -86,6 +96,8 @@ class IPUTrainingModel:
 
         self.model = model
         self.stages = stages(model, config)
+        # PopTorch's own compile checks, before an IPU is asked for.
+        check_config_compiles(config, self.stages, training=True, use_ipu_model=use_ipu_model)
         if config.ipu.ipus_per_replica > 1:
             annotate_pipeline(model, self.stages, poptorch)
         self.options = build_options(config, use_ipu_model)
@@ -126,40 +138,53 @@ class IPUInferenceModule(nn.Module):
     def forward(self, *inputs: torch.Tensor) -> Any:
         import poptorch
 
-        tracing = (ipu_tracing(self.fp8_ops) if poptorch.isRunningOnIpu()
-                   else contextlib.nullcontext())
-        with tracing:
+        with _poptorch_forms(self.fp8_ops, poptorch.isRunningOnIpu()):
             return self.model(*inputs)
 
 
 class IPUInferenceModel:
-    """A compiled-on-first-call ``poptorch.inferenceModel`` for evaluation and sampling.
+    """A ``poptorch.inferenceModel`` for evaluation and sampling.
 
-    Inference takes one micro-batch per device iteration: PopTorch refuses gradient
-    accumulation there, and the pipeline is filled by device iterations instead.
+    A multi-IPU split runs as ``ShardedExecution`` (see :func:`.options.option_calls`), so a
+    call takes ``rows_per_call`` rows: one micro-batch per replica and device iteration, and no
+    gradient accumulation, which PopTorch refuses for inference. PopTorch compiles for the
+    input shapes of the first call and refuses others; a call with new shapes compiles again.
     """
 
     def __init__(self, model: nn.Module, config: Config, use_ipu_model: bool):
         import poptorch
 
         self.model = model
-        inference = copy.deepcopy(config)
-        inference.ipu.gradient_accumulation = 1
-        self.stages = stages(model, inference)
-        if inference.ipu.ipus_per_replica > 1:
+        self.stages = stages(model, config)
+        self.compile_options = check_config_compiles(config, self.stages, training=False,
+                                                     use_ipu_model=use_ipu_model)
+        self.rows_per_call = self.compile_options.rows_per_call
+        if config.ipu.ipus_per_replica > 1:
             annotate_pipeline(model, self.stages, poptorch)
         if config.precision.dtype == "fp8":
             load_custom_op_library()
         model.eval()
-        self.executor = poptorch.inferenceModel(
-            IPUInferenceModule(model, PopTorchFP8CustomOps()),
-            options=build_options(inference, use_ipu_model))
+        self.options = build_options(config, use_ipu_model, inference=True)
+        self.executor: Any = None
+        self._signature: Optional[Tuple[Any, ...]] = None
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
+        import poptorch
+
+        check_inputs(self.compile_options, inputs)
+        signature = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
+                          for x in inputs)
+        if self.executor is None or signature != self._signature:
+            if self.executor is not None:
+                self.executor.destroy()
+            self.executor = poptorch.inferenceModel(
+                IPUInferenceModule(self.model, PopTorchFP8CustomOps()), options=self.options)
+            self._signature = signature
         return self.executor(*inputs)
 
     def destroy(self) -> None:
         import poptorch
 
-        self.executor.destroy()
+        if self.executor is not None:
+            self.executor.destroy()
         poptorch.removeBlocks(self.model)
