@@ -63,7 +63,7 @@ CLOCK_WORDS = {
 }
 
 COMPARISON_NOTES = [
-    "One `TransformerDecoder` class (pre-norm, causal, bias-free, GELU MLP) built from three "
+    "One `GPT` class (pre-norm, causal, bias-free, GELU MLP) built from three "
     "`Ops` tables: `TORCH_OPS`, `UNIT_OPS`, and one from `unit_scaling` (`benchmarks/"
     "variants.py`). `unit_scaling.LayerNorm` is asked for its affine parameters so that all "
     "three have the same parameters; everything else uses each library's defaults.",
@@ -84,10 +84,10 @@ COMPARISON_NOTES = [
     "Peak memory is counted by the profiler, not the process RSS: the running sum of the "
     "allocator's allocation and free events during one step, after a warm-up step.",
     "Unit-scaled ops run as one autograd Function each in eager mode (scales inside the GEMMs, "
-    "no scaled weight copies), and `uu.TransformerLayer` / `uu.MLP` / the decoder's embedding "
-    "run their residual join + split + norm, their MLP and their lookups as one Function each "
-    "where nothing observes their parts; under `torch.compile` the ops are composed from "
-    "`scale()` as before.",
+    "no scaled weight copies), and `uu.TransformerBlock` / `uu.FeedForward` / the decoder's "
+    "embedding run their residual join + split + norm, their MLP and their lookups as one "
+    "Function each where nothing observes their parts; under `torch.compile` the ops are "
+    "composed from `scale()` as before.",
     "GPU rows run only where a CUDA device exists; otherwise they are skipped with the reason.",
 ]
 

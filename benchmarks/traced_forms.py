@@ -22,7 +22,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
-from ipu_unit_scaling import TransformerDecoder
+from ipu_unit_scaling import GPT
 from ipu_unit_scaling.ipu import ipu_tracing, trace_like_poptorch
 from ipu_unit_scaling.scale import scale
 from ipu_unit_scaling.scaled_identity import composite_scales
@@ -95,7 +95,7 @@ def _scale_steps(numel: int) -> Dict[str, Callable[[], object]]:
 def _gpt_steps(depth: int, width: int, seq_len: int,
                batch: int) -> Dict[str, Callable[[], object]]:
     torch.manual_seed(0)
-    model = TransformerDecoder(vocab_size=256, hidden_size=width, depth=depth, heads=4,
+    model = GPT(vocab_size=256, hidden_size=width, depth=depth, heads=4,
                                seq_len=seq_len)
     ids = torch.randint(0, 256, (batch, seq_len))
     trace = trace_like_poptorch(model, ids, ids)

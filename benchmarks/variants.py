@@ -1,6 +1,6 @@
 """The benchmarked GPT, built three ways: plain torch, our `U`, the published `unit_scaling`.
 
-All three are the same `TransformerDecoder` class with the same shape; only its `Ops` table
+All three are the same `GPT` class with the same shape; only its `Ops` table
 differs, so any difference in cost comes from the ops themselves.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Callable, Dict, Optional
 import torch
 from torch import Tensor, nn
 
-from ipu_unit_scaling import TORCH_OPS, UNIT_OPS, Ops, TransformerDecoder
+from ipu_unit_scaling import GPT, TORCH_OPS, UNIT_OPS, Ops
 
 TORCH = "torch"
 OURS = "ours"
@@ -89,9 +89,9 @@ def ops_for(name: str) -> Ops:
     raise ValueError(f"unknown variant {name!r}")
 
 
-def build_model(name: str, shape: Shape, seed: int = 0) -> TransformerDecoder:
+def build_model(name: str, shape: Shape, seed: int = 0) -> GPT:
     torch.manual_seed(seed)
-    return TransformerDecoder(
+    return GPT(
         vocab_size=shape.vocab_size,
         hidden_size=shape.hidden_size,
         depth=shape.depth,

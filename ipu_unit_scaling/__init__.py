@@ -2,43 +2,70 @@
 
 `import ipu_unit_scaling as uu` gives the unit-scaled modules (mirroring `torch.nn`);
 `import ipu_unit_scaling.functional as U` gives the unit-scaled ops (mirroring
-`torch.nn.functional`).
+`torch.nn.functional`). The public API of Graphcore Research's unit-scaling library (0.3.5) is a
+subset of this one: code written for it runs with only its import changed.
 """
 from __future__ import annotations
 
-from . import constraints, functional
-from .modules import (
-    GELU,
+from . import constraints, core, formats, functional, optim, parameter
+from .blocks import (
     MHSA,
     MLP,
+    DepthModuleList,
+    DepthSequential,
+    TransformerDecoder,
+    TransformerLayer,
+    TransformerStack,
+)
+from .core.functional import transformer_residual_scaling_rule
+from .modules import (
+    GELU,
+    GPT,
     TORCH_OPS,
     UNIT_OPS,
     AttentionProjection,
+    Conv1d,
     CrossEntropyLoss,
     Dropout,
     Embedding,
+    FeedForward,
     GatedMLP,
     LayerNorm,
     Linear,
+    LinearReadout,
     Ops,
     ReLU,
     RMSNorm,
+    SelfAttention,
     SiLU,
     Softmax,
-    TransformerDecoder,
-    TransformerLayer,
+    TransformerBlock,
+    unit_attention,
 )
+from .parameter import MupType, Parameter
 from .scale import scale, scale_bwd, scale_fwd
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # submodules
     "functional",
     "constraints",
+    "core",
+    "formats",
+    "optim",
+    "parameter",
+    # scaling primitives and u-μP parameters
     "scale",
     "scale_fwd",
     "scale_bwd",
+    "Parameter",
+    "MupType",
+    "transformer_residual_scaling_rule",
+    # leaf modules
     "Linear",
+    "LinearReadout",
+    "Conv1d",
     "AttentionProjection",
     "LayerNorm",
     "Embedding",
@@ -49,12 +76,22 @@ __all__ = [
     "CrossEntropyLoss",
     "RMSNorm",
     "SiLU",
-    "GatedMLP",
+    # unit_scaling's u-μP blocks
     "MHSA",
     "MLP",
     "TransformerLayer",
+    "TransformerStack",
     "TransformerDecoder",
+    "DepthModuleList",
+    "DepthSequential",
+    # this package's GPT blocks, built from an Ops table
+    "SelfAttention",
+    "FeedForward",
+    "GatedMLP",
+    "TransformerBlock",
+    "GPT",
     "Ops",
     "UNIT_OPS",
     "TORCH_OPS",
+    "unit_attention",
 ]

@@ -8,6 +8,7 @@ built from `scale` / `scale_bwd` and ordinary ops, so their PopTorch form (under
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -23,17 +24,18 @@ from .tracing import is_ipu_tracing
 __all__ = ["rms_norm", "silu", "silu_glu", "SILU_MOMENTS"]
 
 
-def _silu_moments() -> Tuple[float, float, float]:
-    """(std of silu(z), rms of silu(z), rms of silu'(z)) for z ~ N(0, 1), by quadrature.
+def _silu_moments(mult: float = 1.0) -> Tuple[float, float, float]:
+    """(std of f(z), rms of f(z), rms of f'(z)) for f(z) = z sigmoid(mult z), z ~ N(0, 1), by
+    quadrature (f is silu(mult z) / mult; at mult 1, silu itself).
 
-    silu(z) = z sigmoid(z) and silu'(z) = sigmoid(z) (1 + z (1 - sigmoid(z))) are smooth, so
-    160-point Gauss-Hermite quadrature in float64 is exact to far below float32 precision.
+    f and f'(z) = s (1 + mult z (1 - s)), s = sigmoid(mult z), are smooth, so 160-point
+    Gauss-Hermite quadrature in float64 is exact to far below float32 precision.
     """
     points, weights = np.polynomial.hermite_e.hermegauss(160)
     weights = weights / weights.sum()
-    sigmoid = 1.0 / (1.0 + np.exp(-points))
+    sigmoid = 1.0 / (1.0 + np.exp(-mult * points))
     value = points * sigmoid
-    slope = sigmoid * (1.0 + points * (1.0 - sigmoid))
+    slope = sigmoid * (1.0 + mult * points * (1.0 - sigmoid))
     mean = float(np.dot(weights, value))
     mean_square = float(np.dot(weights, value**2))
     return (math.sqrt(mean_square - mean**2), math.sqrt(mean_square),
@@ -42,44 +44,65 @@ def _silu_moments() -> Tuple[float, float, float]:
 
 # Computed once at import (torch.compile would otherwise trace the numpy call).
 SILU_MOMENTS = _silu_moments()
+_silu_mult_moments = lru_cache(maxsize=256)(_silu_moments)
 
 
-def silu(input: Tensor, inplace: bool = False, constraint: ConstraintArg = "gmean") -> Tensor:
-    """Unit-scaled `F.silu` (x * sigmoid(x), also called swish).
+def _moments(mult: float) -> Tuple[float, float, float]:
+    if not mult > 0 or math.isinf(mult):
+        raise ValueError(f"mult={mult!r} must be positive and finite")
+    return SILU_MOMENTS if mult == 1.0 else _silu_mult_moments(float(mult))
 
-    Rule: output scale 1/std(silu(z)) (about 1/0.560), grad-input scale 1/rms(silu'(z)) (about
-    1/0.616) for z ~ N(0, 1), by quadrature; tied by `constraint`. As with GELU, the output keeps
-    the activation's nonzero mean (about 0.21 before scaling): the std, not the rms, is unit.
+
+def _silu(x: Tensor, mult: float) -> Tensor:
+    return F.silu(x) if mult == 1.0 else x * torch.sigmoid(x * mult)
+
+
+def silu(input: Tensor, mult: Union[float, bool] = 1.0,
+         constraint: ConstraintArg = "to_output_scale", inplace: bool = False) -> Tensor:
+    """Unit-scaled SiLU (swish) `x * sigmoid(mult * x)` (`F.silu` at mult 1).
+
+    Rule: output scale 1/std(f(z)) (about 1/0.560 at mult 1), grad-input scale 1/rms(f'(z))
+    (about 1/0.616) for z ~ N(0, 1), by quadrature; tied by `constraint`. As with GELU, the
+    output keeps the activation's nonzero mean (about 0.21 before scaling): the std, not the
+    rms, is unit. `silu(input, True)` (inplace given second, as earlier versions took it) is
+    still understood, and refused as any in-place request is.
     """
+    if isinstance(mult, bool):
+        inplace = mult
     if inplace:
         raise ValueError("inplace=True is not supported by the unit-scaled op: the scaled "
                          "output is a new tensor")
-    out_std, _, slope_rms = SILU_MOMENTS
+    multiplier = 1.0 if isinstance(mult, bool) else float(mult)
+    out_std, _, slope_rms = _moments(multiplier)
     output_scale, grad_scale = apply_constraint(constraint, 1 / out_std, 1 / slope_rms)
-    return _scaled_call(F.silu, (input,), output_scale, (grad_scale,), scale_in_place=True)
+    return _scaled_call(lambda x: _silu(x, multiplier), (input,), output_scale, (grad_scale,),
+                        scale_in_place=True)
 
 
-def _gated(input: Tensor, gate: Tensor) -> Tensor:
-    return input * F.silu(gate)
+def silu_glu(input: Tensor, gate: Tensor, mult: Union[float, ConstraintArg] = 1.0,
+             constraint: ConstraintArg = "to_output_scale") -> Tensor:
+    """Unit-scaled SwiGLU product `input * gate * sigmoid(mult * gate)` (`input * silu(gate)` at
+    mult 1), the heart of Llama's gated MLP.
 
-
-def silu_glu(input: Tensor, gate: Tensor, constraint: ConstraintArg = "gmean") -> Tensor:
-    """Unit-scaled SwiGLU product `input * silu(gate)`, the heart of Llama's gated MLP.
-
-    Rule: for independent unit-normal `input` u and `gate` g, the product u silu(g) has zero
-    mean and rms(silu(z)) (about 0.596); the gradient of u is grad * silu(g), again of rms
-    rms(silu(z)); the gradient of g is grad * u * silu'(g), of rms rms(silu'(z)) (about 0.616).
-    Output scale 1/rms(silu), grad scales 1/rms(silu) (input) and 1/rms(silu') (gate), all three
-    tied by `constraint`: both inputs are activations (the up and gate projections).
+    Rule: for independent unit-normal `input` u and `gate` g, and f(z) = z sigmoid(mult z), the
+    product u f(g) has zero mean and rms(f) (about 0.596 at mult 1); the gradient of u is
+    grad * f(g), again of rms rms(f); the gradient of g is grad * u * f'(g), of rms rms(f')
+    (about 0.616). Output scale 1/rms(f), grad scales 1/rms(f) (input) and 1/rms(f') (gate), all
+    three tied by `constraint`: both inputs are activations (the up and gate projections).
+    A constraint given third (as earlier versions took it) is still understood.
     """
-    _, out_rms, slope_rms = SILU_MOMENTS
+    if isinstance(mult, (int, float)):
+        gate_mult = float(mult)
+    else:
+        gate_mult, constraint = 1.0, mult
+    _, out_rms, slope_rms = _moments(gate_mult)
     output_scale, input_scale, gate_scale = apply_constraint(
         constraint, 1 / out_rms, 1 / out_rms, 1 / slope_rms
     )
     if input.shape != gate.shape:
         raise ValueError(f"input shape {tuple(input.shape)} != gate shape {tuple(gate.shape)}")
-    return _scaled_call(_gated, (input, gate), output_scale, (input_scale, gate_scale),
-                        scale_in_place=True)
+    return _scaled_call(lambda u, g: u * _silu(g, gate_mult), (input, gate), output_scale,
+                        (input_scale, gate_scale), scale_in_place=True)
 
 
 def _rms_normalise(input: Tensor, dims: Tuple[int, ...], eps: float) -> Tensor:
@@ -93,7 +116,7 @@ def rms_norm(
     input: Tensor,
     normalized_shape: Union[int, Sequence[int]],
     weight: Optional[Tensor] = None,
-    eps: Optional[float] = None,
+    eps: Optional[float] = 1e-5,
 ) -> Tensor:
     """Unit-scaled `F.rms_norm`: `x / sqrt(mean(x**2) + eps) * weight` over the last dims.
 

@@ -5,47 +5,65 @@ Where the input-to-output edge is not "cut" (the input is an activation, not a w
 forward and backward scales must be equal or the gradient would no longer be the gradient of the
 forward function up to a global factor. A constraint chooses the shared value.
 
-Every constraint takes `(output_scale, *grad_input_scales)` and returns the scales to use, in the
-same order. `None` keeps them separate: each tensor is exactly unit, at the cost of a gradient
-that is scaled differently from the forward pass (fine at a cut edge, or in a single-op test).
+Every constraint takes `(output_scale, *grad_input_scales)` and returns the one shared scale
+(a float). `apply_constraint` gives it back once per scale, in the same order. `None` keeps
+them separate: each tensor is exactly unit, at the cost of a gradient that is scaled
+differently from the forward pass (fine at a cut edge, or in a single-op test).
+
+Ops name their constraint by string (`"gmean"`, `"to_output_scale"`, ...) or pass a callable
+of the same form; a callable may also return one scale per input scale (a tuple).
 """
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Tuple, Union
+from typing import Callable, Dict, Sequence, Tuple, Union
 
 Scales = Tuple[float, ...]
-Constraint = Callable[..., Scales]
+Constraint = Callable[..., Union[float, Sequence[float]]]
+
+__all__ = [
+    "gmean", "hmean", "amean", "to_output_scale", "to_grad_input_scale", "to_left_grad_scale",
+    "to_right_grad_scale", "SharedInputGmean", "CONSTRAINTS", "get_constraint",
+    "apply_constraint",
+]
 
 
-def gmean(*scales: float) -> Scales:
+def gmean(*scales: float) -> float:
     """Geometric mean: errs equally on both sides in log space (the paper's default)."""
-    shared = math.exp(sum(math.log(s) for s in scales) / len(scales))
-    return (shared,) * len(scales)
+    return math.exp(sum(math.log(s) for s in scales) / len(scales))
 
 
-def hmean(*scales: float) -> Scales:
-    """Harmonic mean: leans towards the smaller scale."""
-    shared = len(scales) / sum(1.0 / s for s in scales)
-    return (shared,) * len(scales)
+def hmean(*scales: float) -> float:
+    """Harmonic mean: leans towards the smaller scale (Xavier/Glorot's choice)."""
+    return len(scales) / sum(1.0 / s for s in scales)
 
 
-def amean(*scales: float) -> Scales:
+def amean(*scales: float) -> float:
     """Arithmetic mean: leans towards the larger scale."""
-    shared = sum(scales) / len(scales)
-    return (shared,) * len(scales)
+    return sum(scales) / len(scales)
 
 
-def to_output_scale(output_scale: float, *grad_input_scales: float) -> Scales:
+def to_output_scale(output_scale: float, *grad_input_scales: float) -> float:
     """Keep the output unit; gradients take the output's scale."""
-    return (output_scale,) * (1 + len(grad_input_scales))
+    return output_scale
 
 
-def to_grad_input_scale(output_scale: float, *grad_input_scales: float) -> Scales:
-    """Keep the gradient of the first (left) input unit; the output and others take its scale."""
-    if not grad_input_scales:
-        raise ValueError("to_grad_input_scale needs at least one grad-input scale")
-    return (grad_input_scales[0],) * (1 + len(grad_input_scales))
+def to_grad_input_scale(output_scale: float, grad_input_scale: float,
+                        *other_grad_input_scales: float) -> float:
+    """Keep the gradient of the (first) input unit; the output takes its scale."""
+    return grad_input_scale
+
+
+def to_left_grad_scale(output_scale: float, left_grad_scale: float,
+                       right_grad_scale: float) -> float:
+    """For a product of two inputs: keep the left input's gradient unit."""
+    return left_grad_scale
+
+
+def to_right_grad_scale(output_scale: float, left_grad_scale: float,
+                        right_grad_scale: float) -> float:
+    """For a product of two inputs: keep the right input's gradient unit."""
+    return right_grad_scale
 
 
 class SharedInputGmean:
@@ -65,7 +83,7 @@ class SharedInputGmean:
             raise ValueError(f"total_fan_out={total_fan_out!r} must be positive")
         self.total_fan_out = total_fan_out
 
-    def __call__(self, output_scale: float, grad_input_scale: float) -> Scales:
+    def __call__(self, output_scale: float, grad_input_scale: float) -> float:
         return gmean(output_scale, self.total_fan_out**-0.5)
 
     def __repr__(self) -> str:
@@ -78,25 +96,26 @@ class SharedInputGmean:
         return hash(("SharedInputGmean", self.total_fan_out))
 
 
-def unconstrained(*scales: float) -> Scales:
-    return tuple(scales)
-
-
 CONSTRAINTS: Dict[str, Constraint] = {
     "gmean": gmean,
     "hmean": hmean,
     "amean": amean,
     "to_output_scale": to_output_scale,
     "to_grad_input_scale": to_grad_input_scale,
+    "to_left_grad_scale": to_left_grad_scale,
+    "to_right_grad_scale": to_right_grad_scale,
 }
 
 ConstraintArg = Union[str, Constraint, None]
 
 
 def get_constraint(constraint: ConstraintArg) -> Constraint:
-    """Resolve a constraint given by name, as a callable, or `None` (separate scales)."""
-    if constraint is None:
-        return unconstrained
+    """Resolve a constraint given by name or as a callable; ValueError for an unknown name.
+
+    `None` (or `""`) means no constraint: every scale is kept as it is.
+    """
+    if constraint is None or constraint == "":
+        return _unconstrained
     if callable(constraint):
         return constraint
     if constraint in CONSTRAINTS:
@@ -106,9 +125,16 @@ def get_constraint(constraint: ConstraintArg) -> Constraint:
     )
 
 
-def apply_constraint(constraint: ConstraintArg, output_scale: float, *grad_scales: float) -> Scales:
-    scales = get_constraint(constraint)(output_scale, *grad_scales)
-    if len(scales) != 1 + len(grad_scales):
-        raise ValueError("a constraint must return one scale per input scale")
-    return tuple(float(s) for s in scales)
+def _unconstrained(*scales: float) -> Scales:
+    return tuple(scales)
 
+
+def apply_constraint(constraint: ConstraintArg, *scales: float) -> Scales:
+    """The scales `(output_scale, *grad_input_scales)` after `constraint`, one per scale."""
+    shared = get_constraint(constraint)(*scales)
+    if isinstance(shared, (int, float)):
+        return (float(shared),) * len(scales)
+    shared = tuple(float(s) for s in shared)
+    if len(shared) != len(scales):
+        raise ValueError("a constraint must return one scale, or one per input scale")
+    return shared

@@ -3,7 +3,7 @@
 The shape of BERT (Devlin et al., 2019) at a size a CPU trains in a minute: token and position
 embeddings with a LayerNorm, post-norm transformer layers with bidirectional attention over the
 real (unpadded) tokens, and BERT's prediction head (dense, GELU, LayerNorm, decoder). Like
-`uu.TransformerDecoder` it is written once against an `Ops` table: `UNIT_OPS` (the default) or
+`uu.GPT` it is written once against an `Ops` table: `UNIT_OPS` (the default) or
 `TORCH_OPS` for the plain twin at torch's default initialisation. Bias-free, as the project's
 decoder: a bias on attention values is multiplied by attention's row scale (see
 `U.scaled_dot_product_attention`), which puts its gradient several times above unit.
@@ -15,7 +15,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from .modules import MHSA, MLP, UNIT_OPS, Ops, layer_norm_module
+from .modules import UNIT_OPS, FeedForward, Ops, SelfAttention, layer_norm_module
 
 __all__ = ["EncoderLayer", "BertStyleEncoder"]
 
@@ -31,9 +31,10 @@ class EncoderLayer(nn.Module):
                  dropout_p: float = 0.0, attn_tau: float = 0.2, mlp_tau: float = 0.5,
                  ops: Ops = UNIT_OPS) -> None:
         super().__init__()
-        self.attn = MHSA(hidden_size, heads, is_causal=False, dropout_p=dropout_p, ops=ops)
+        self.attn = SelfAttention(hidden_size, heads, is_causal=False, dropout_p=dropout_p,
+                                  ops=ops)
         self.attn_norm = layer_norm_module(ops, hidden_size, bias=False)
-        self.mlp = MLP(hidden_size, mlp_expansion, ops=ops)
+        self.mlp = FeedForward(hidden_size, mlp_expansion, ops=ops)
         self.mlp_norm = layer_norm_module(ops, hidden_size, bias=False)
         self.attn_tau, self.mlp_tau, self.dropout_p = attn_tau, mlp_tau, dropout_p
         self.ops = ops

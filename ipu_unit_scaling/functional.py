@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -30,6 +30,8 @@ from .tracing import is_ipu_tracing
 __all__ = [
     "linear",
     "linear_scales",
+    "linear_readout",
+    "conv1d",
     "matmul",
     "gelu",
     "relu",
@@ -40,6 +42,7 @@ __all__ = [
     "add",
     "residual_split",
     "residual_add",
+    "residual_apply",
     "scaled_dot_product_attention",
     "attention_value_bias_grad_scale",
     "attention_query_key_grad_scale",
@@ -75,55 +78,128 @@ def _scaled_call(
 
 
 def _reject(name: str, value: object, default: object, why: str) -> None:
-    if value is not default and value != default:
-        raise ValueError(f"{name}={value!r} is not supported by the unit-scaled op: {why}")
+    if value is not default and (isinstance(value, Tensor) or value != default):
+        shown = f"<tensor {tuple(value.shape)}>" if isinstance(value, Tensor) else repr(value)
+        raise ValueError(f"{name}={shown} is not supported by the unit-scaled op: {why}")
 
 
 # ---------------------------------------------------------------- matmuls
 
 
+ScalePower = Tuple[float, float, float]
+_UNIT_POWER: ScalePower = (0.5, 0.5, 0.5)
+
+
 def linear_scales(
-    fan_in: int, fan_out: int, batch_size: int, constraint: ConstraintArg = "gmean"
+    fan_in: int, fan_out: int, batch_size: int, constraint: ConstraintArg = "to_output_scale",
+    scale_power: ScalePower = _UNIT_POWER,
 ) -> Tuple[float, float, float]:
-    """(output, grad-input, grad-weight) scales of a unit-scaled linear, after `constraint`.
+    """(output, grad-input, grad-weight) scales of a unit-scaled linear, after `constraint`:
+    `fan_in**-p0`, `fan_out**-p1` and `batch_size**-p2` for `scale_power` (p0, p1, p2).
 
     A zero size sums nothing; it counts as 1, so empty tensors pass through like torch's.
     """
     fan_in, fan_out, batch_size = max(1, fan_in), max(1, fan_out), max(1, batch_size)
-    output_scale, grad_input_scale = apply_constraint(constraint, fan_in**-0.5, fan_out**-0.5)
-    return output_scale, grad_input_scale, batch_size**-0.5
+    output_power, input_power, weight_power = scale_power
+    output_scale, grad_input_scale = apply_constraint(
+        constraint, fan_in**-output_power, fan_out**-input_power)
+    return output_scale, grad_input_scale, batch_size**-weight_power
 
 
 def linear(
     input: Tensor,
     weight: Tensor,
     bias: Optional[Tensor] = None,
-    constraint: ConstraintArg = "gmean",
+    constraint: ConstraintArg = "to_output_scale",
+    scale_power: ScalePower = _UNIT_POWER,
 ) -> Tensor:
     """Unit-scaled `F.linear`.
 
     Rule: output scale `fan_in**-0.5` (sum over inputs), grad-input scale `fan_out**-0.5` (sum over
     outputs), tied by `constraint`; weight and bias grad scale `batch_size**-0.5`, where
-    batch_size is the number of rows the weight gradient sums over.
+    batch_size is the number of rows the weight gradient sums over. `scale_power` replaces the
+    three exponents 0.5 (`linear_readout` uses 1 for the output).
     """
     fan_out, fan_in = weight.shape
     batch_size = max(1, input.numel() // max(1, fan_in))
     if fused.eager_forms():
         # Every scale goes into a GEMM's alpha: no scaled weight copy, one autograd node.
-        scales = fused.cached_scales(("linear", fan_in, fan_out, batch_size, constraint),
-                                     linear_scales, fan_in, fan_out, batch_size, constraint)
+        scales = fused.cached_scales(
+            ("linear", fan_in, fan_out, batch_size, tuple(scale_power), constraint),
+            linear_scales, fan_in, fan_out, batch_size, constraint, scale_power)
         return fused.linear(input, weight, bias, *scales)
     output_scale, grad_input_scale, grad_weight_scale = linear_scales(
-        fan_in, fan_out, batch_size, constraint
+        fan_in, fan_out, batch_size, constraint, scale_power
     )
-    # The PopTorch form. The output scale is folded into the weight: a multiply on the (small)
-    # weight instead of the (large) activation, and the backward multiply then reaches the
-    # input gradient for free.
+    if is_ipu_tracing():
+        # The PopTorch form. The output scale is folded into the weight: a multiply on the
+        # (small) weight instead of the (large) activation, and the backward multiply then
+        # reaches the input gradient for free.
+        weight = scale(weight, output_scale, grad_weight_scale)
+        input = scale_bwd(input, grad_input_scale / output_scale)
+        if bias is not None:
+            bias = scale_bwd(bias, grad_weight_scale)
+        return F.linear(input, weight, bias)
+    # Under torch.compile and graph transforms: the matmul sees the unscaled input and weight
+    # (what `transforms.simulate_fp8` casts); the compiler fuses the output's multiply.
+    out = scale_fwd(F.linear(scale_bwd(input, grad_input_scale),
+                             scale_bwd(weight, grad_weight_scale)), output_scale)
+    return out if bias is None else out + scale_bwd(bias, grad_weight_scale)
+
+
+def linear_readout(
+    input: Tensor, weight: Tensor, bias: Optional[Tensor] = None, constraint: ConstraintArg = None
+) -> Tensor:
+    """Unit-scaled linear for a network's output (u-μP's readout).
+
+    Rule: as `linear`, but the output scale is `1 / fan_in` (μP's readout), not
+    `fan_in**-0.5`: for unit input and weight the output has std `fan_in**-0.5`. The default
+    leaves the scales unconstrained: the readout's input gradient keeps its own unit scale
+    `fan_out**-0.5` (a cut edge: nothing after the readout but the loss).
+    """
+    return linear(input, weight, bias, constraint, scale_power=(1.0, 0.5, 0.5))
+
+
+def conv1d(
+    input: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    stride: int = 1,
+    padding: int = 0,
+    dilation: int = 1,
+    groups: int = 1,
+    constraint: ConstraintArg = "to_output_scale",
+    scale_power: ScalePower = _UNIT_POWER,
+) -> Tensor:
+    """Unit-scaled `F.conv1d` (integer `padding` only).
+
+    Rule: an output sums `(in_channels / groups) * kernel_size` products: output scale that
+    count to the power -0.5; an input element reaches `(out_channels / groups) * kernel_size /
+    stride` outputs on average: grad-input scale that count to the power -0.5; tied by
+    `constraint`. The weight and bias gradients sum over every output position of every batch
+    item: grad scale that count to the power -0.5. Zero padding is not counted (positions near
+    the ends sum fewer products). `scale_power` replaces the three exponents 0.5.
+    """
+    if not isinstance(padding, int):
+        raise ValueError(f"padding={padding!r}: the unit-scaled conv1d takes an integer padding")
+    out_channels, group_in_channels, kernel_size = weight.shape
+    length = input.shape[-1]
+    out_length = (length + 2 * padding - dilation * (kernel_size - 1) - 1) // stride + 1
+    positions = max(1, out_length * (input.shape[:-2].numel() if input.dim() > 2 else 1))
+    output_power, input_power, weight_power = scale_power
+    output_scale, grad_input_scale = apply_constraint(
+        constraint,
+        max(1, group_in_channels * kernel_size) ** -output_power,
+        (stride * groups / max(1, out_channels * kernel_size)) ** input_power,
+    )
+    grad_weight_scale = positions**-weight_power
+    # As in `linear`'s PopTorch form: the output scale folded into the weight.
     weight = scale(weight, output_scale, grad_weight_scale)
     input = scale_bwd(input, grad_input_scale / output_scale)
-    if bias is not None:
-        bias = scale_bwd(bias, grad_weight_scale)
-    return F.linear(input, weight, bias)
+    out = F.conv1d(input, weight, None, stride, padding, dilation, groups)
+    if bias is None:
+        return out
+    return out + scale_bwd(bias, grad_weight_scale).unsqueeze(-1)
 
 
 def _matmul_output_numel(left: Sequence[int], right: Sequence[int]) -> int:
@@ -136,7 +212,7 @@ def _matmul_output_numel(left: Sequence[int], right: Sequence[int]) -> int:
     return math.prod([*batch, *rows, *columns])
 
 
-def matmul(left: Tensor, right: Tensor, constraint: ConstraintArg = "gmean") -> Tensor:
+def matmul(left: Tensor, right: Tensor, constraint: ConstraintArg = "to_output_scale") -> Tensor:
     """Unit-scaled `torch.matmul`.
 
     Rule: output scale `k**-0.5` for inner size k; each input's grad scale is
@@ -209,35 +285,64 @@ _RELU_STD = math.sqrt(0.5 - 0.5 / math.pi)
 _RELU_GRAD_RMS = math.sqrt(0.5)
 
 
-def _gelu_scales(form: str, constraint: ConstraintArg) -> Tuple[float, ...]:
-    """Scales for a GELU form (an `approximate` of `F.gelu`, or "popart")."""
-    if form in _GELU_STDS:
+@lru_cache(maxsize=256)
+def _gelu_mult_moments(form: str, mult: float) -> Tuple[float, float]:
+    """`_gelu_moments(form, mult)`, remembered: u-μP's `mult` is fixed per model."""
+    return _gelu_moments(form, mult)
+
+
+def _gelu_scales(form: str, constraint: ConstraintArg, mult: float = 1.0) -> Tuple[float, ...]:
+    """Scales for a GELU form (an `approximate` of `F.gelu`, or "popart") of `mult * x`."""
+    if mult != 1.0:
+        out_std, grad_rms = _gelu_mult_moments(form, float(mult))
+    elif form in _GELU_STDS:
         out_std, grad_rms = _GELU_STDS[form]
     else:
         out_std, grad_rms = _gelu_stds(form)
     return apply_constraint(constraint, 1 / out_std, 1 / grad_rms)
 
 
-def gelu(input: Tensor, approximate: str = "none", constraint: ConstraintArg = "gmean") -> Tensor:
-    """Unit-scaled `F.gelu`.
+def _positive_mult(mult: float) -> float:
+    if not mult > 0 or math.isinf(mult):
+        raise ValueError(f"mult={mult!r} must be positive and finite")
+    return float(mult)
 
-    Rule: output scale 1/std(gelu(z)), grad-input scale 1/rms(gelu'(z)) for z ~ N(0, 1),
-    computed by quadrature; tied by `constraint`. Under `ipu_tracing()` these are the moments
-    of the GELU an IPU runs: PopTorch lowers both `approximate` values to PopART's tanh
-    approximation, whose gradient is popnn's (see `ipu_unit_scaling.lowering`).
+
+def gelu(
+    input: Tensor,
+    mult: Union[float, str] = 1.0,
+    constraint: ConstraintArg = "to_output_scale",
+    approximate: str = "none",
+) -> Tensor:
+    """Unit-scaled `F.gelu` of `mult * input` (u-μP's `ffn_act_mult`).
+
+    Rule: output scale 1/std(h(z)), grad-input scale 1/rms(h'(z)) for h(z) = gelu(mult z) and
+    z ~ N(0, 1), computed by quadrature in float64; tied by `constraint`. The result is that of
+    unit_scaling's `gelu(input, mult)` (`gelu(mult x) / mult`, unit-scaled), whose division by
+    mult the output scale absorbs. Under `ipu_tracing()` these are the moments of the GELU an
+    IPU runs: PopTorch lowers both `approximate` values to PopART's tanh approximation, whose
+    gradient is popnn's (see `ipu_unit_scaling.lowering`). `gelu(input, "tanh")` (the
+    approximation given second, as earlier versions took it) is still understood.
     """
+    if isinstance(mult, str):
+        approximate = mult
+    multiplier = _positive_mult(1.0 if isinstance(mult, str) else mult)
     if fused.eager_forms():
         output_scale, grad_scale = fused.cached_scales(
-            ("gelu", approximate, constraint), _gelu_scales, approximate, constraint)
-        return fused.gelu(input, approximate, output_scale, grad_scale)
-    output_scale, grad_scale = _gelu_scales(_gelu_form(approximate), constraint)
+            ("gelu", approximate, multiplier, constraint), _gelu_scales, approximate,
+            constraint, multiplier)
+        return fused.gelu(input if multiplier == 1.0 else input * multiplier, approximate,
+                          output_scale, grad_scale)
+    output_scale, grad_scale = _gelu_scales(_gelu_form(approximate), constraint, multiplier)
+    # The derivative of gelu(mult x) carries mult: the scaled call sees gelu at mult x.
     return _scaled_call(
-        lambda x: F.gelu(x, approximate=approximate), (input,), output_scale, (grad_scale,),
-        scale_in_place=True,
+        lambda x: F.gelu(x if multiplier == 1.0 else x * multiplier, approximate=approximate),
+        (input,), output_scale, (grad_scale,), scale_in_place=True,
     )
 
 
-def relu(input: Tensor, inplace: bool = False, constraint: ConstraintArg = "gmean") -> Tensor:
+def relu(input: Tensor, inplace: bool = False,
+         constraint: ConstraintArg = "to_output_scale") -> Tensor:
     """Unit-scaled `F.relu`.
 
     Rule: output scale 1/sqrt(1/2 - 1/(2 pi)), grad-input scale sqrt(2); tied by `constraint`.
@@ -283,21 +388,30 @@ def softmax(
     input: Tensor,
     dim: int,
     dtype: Optional[torch.dtype] = None,
-    constraint: ConstraintArg = "gmean",
+    constraint: ConstraintArg = "to_output_scale",
+    mult: float = 1.0,
 ) -> Tensor:
-    """Unit-scaled `F.softmax`.
+    """Unit-scaled `F.softmax` of `mult * input` (u-μP's softmax multiplier).
 
-    Rule: for n = input.shape[dim] unit-normal logits, `E[p**2] = S(n)/n` where S(n) is the
-    expected sum of squared probabilities; output scale `1/sqrt(S(n)/n - 1/n**2)` (the std of
-    p), grad-input scale `1/sqrt(S(n)/n)` (the gradient is `p * (g - <p, g>)`); tied by
+    Rule: for n = input.shape[dim] unit-normal inputs, the logits have std s = mult and
+    `E[p**2] = S(n, s)/n`, where S is the expected sum of squared probabilities (see
+    `scaled_dot_product_attention`); output scale `1/sqrt(S/n - 1/n**2)` (the std of p),
+    grad-input scale `1/(mult sqrt(S/n))` (the gradient is `mult p * (g - <p, g>)`); tied by
     `constraint`.
+
+    The output's std is made unit, not its root mean square: p's mean 1/n is kept (scaled, it
+    is `1/(n std(p))`, 0.76 for n = 4096 at mult 1 and near 4 at mult 1/4, where the
+    probabilities are nearly flat).
     """
+    mult = _positive_mult(mult)
     n = input.shape[dim]
-    mean_square = _expected_softmax_square_sum(n) / n
+    mean_square = _expected_softmax_square_sum(n, mult) / n
     out_std = math.sqrt(max(mean_square - 1.0 / n**2, 1e-12))
-    output_scale, grad_scale = apply_constraint(constraint, 1 / out_std, mean_square**-0.5)
+    output_scale, grad_scale = apply_constraint(
+        constraint, 1 / out_std, 1 / (mult * mean_square**0.5))
     return _scaled_call(
-        lambda x: F.softmax(x, dim=dim, dtype=dtype), (input,), output_scale, (grad_scale,)
+        lambda x: F.softmax(x if mult == 1.0 else x * mult, dim=dim, dtype=dtype), (input,),
+        output_scale, (grad_scale,),
     )
 
 
@@ -356,15 +470,19 @@ def embedding(
 
     Rule: the lookup of unit weights is unit; each weight row's gradient sums over the
     positions that look it up, on average lookups/num_embeddings of them, so the weight grad
-    scale is sqrt(num_embeddings / lookups).
+    scale is sqrt(num_embeddings / lookups). `max_norm` renormalises the looked-up rows in
+    place, as torch does (their scale is then the caller's choice).
     """
-    _reject("max_norm", max_norm, None, "renormalising rows changes their scale")
     _reject("scale_grad_by_freq", scale_grad_by_freq, False, "it replaces the unit grad scale")
     _reject("sparse", sparse, False, "sparse gradients are not scaled")
     lookups = max(1, input.numel())
     grad_scale = math.sqrt(weight.shape[0] / lookups)
-    if fused.eager_forms():
+    if max_norm is None and fused.eager_forms():
         return fused.embedding(input, weight, padding_idx, grad_scale)
+    if max_norm is not None:
+        # torch renormalises the weight in place, before the lookup records it.
+        with torch.no_grad():
+            torch.embedding_renorm_(weight, input, max_norm, norm_type)
     return F.embedding(input, scale_bwd(weight, grad_scale), padding_idx)
 
 
@@ -376,19 +494,46 @@ def _broadcast_count(x: Tensor, out_numel: int) -> int:
 
 
 def add(
-    input: Tensor, other: Tensor, alpha: float = 1.0, constraint: ConstraintArg = "to_output_scale"
+    input: Union[Tensor, float],
+    other: Union[Tensor, float],
+    constraint: Union[ConstraintArg, float] = "to_output_scale",
+    alpha: Union[float, ConstraintArg] = 1.0,
+    out: Optional[Tensor] = None,
 ) -> Tensor:
     """Unit-scaled `torch.add` (input + alpha * other).
 
-    Rule: output scale `1/sqrt(1 + alpha**2)`, grad scales 1 (input) and 1/|alpha| (other), tied by
-    `constraint`, which by default keeps the output unit (sums usually feed a network's input).
+    Rule: for independent unit inputs, output scale `1/sqrt(1 + alpha**2)`, grad scales 1
+    (input) and 1/|alpha| (other), tied by `constraint`, which by default keeps the output unit
+    (sums usually feed a network's input). A single value (a Python number, or a tensor of one
+    element) is a constant, not a unit-variance tensor: it leaves the output's scale alone.
     An input broadcast across the output has its gradient summed over the copies; that sum is
     scaled by `copies**-0.5` on its own, outside the constraint, as for a weight.
+    `add(input, other, alpha, constraint)` (alpha third, as earlier versions took it) is still
+    understood.
     """
+    rule: ConstraintArg
+    if isinstance(constraint, (int, float)) and not isinstance(constraint, bool):
+        # add(input, other, alpha[, constraint]), as earlier versions took it.
+        rule = "to_output_scale" if isinstance(alpha, (int, float)) else alpha
+        alpha = float(constraint)
+    else:
+        rule = constraint  # type: ignore[assignment]
+    if not isinstance(alpha, (int, float)):
+        raise ValueError(f"alpha={alpha!r} must be a number")
+    alpha = float(alpha)
+    _reject("out", out, None, "the scaled sum is a new tensor")
     if alpha == 0:
         raise ValueError("alpha=0 is not supported by the unit-scaled add: use the input itself")
+    if not isinstance(input, Tensor) or not isinstance(other, Tensor):
+        return torch.add(input, other, alpha=alpha)  # type: ignore[arg-type]
+    if input.numel() == 1 and other.numel() != 1:
+        output_scale = 1 / abs(alpha)
+    elif other.numel() == 1 and input.numel() != 1:
+        output_scale = 1.0
+    else:
+        output_scale = (1 + alpha**2) ** -0.5
     output_scale, input_scale, other_scale = apply_constraint(
-        constraint, (1 + alpha**2) ** -0.5, 1.0, 1 / abs(alpha)
+        rule, output_scale, 1.0, 1 / abs(alpha)
     )
     out_numel = math.prod(torch.broadcast_shapes(input.shape, other.shape))
     input_scale *= _broadcast_count(input, out_numel) ** -0.5
@@ -418,31 +563,48 @@ def residual_split(input: Tensor, tau: float = 1.0) -> Tuple[Tensor, Tensor]:
     """Split a residual stream into (residual-branch input, skip), for `residual_add`.
 
     With `a = tau / sqrt(1 + tau**2)`, `b = 1 / sqrt(1 + tau**2)`: the identity forward; in the
-    backward the branch gradient is multiplied by a, so the stream receives a * g_branch + b * g
-    (b is applied by `residual_add`), the true gradient of `a * f(x) + b * x`.
+    backward the branch gradient is multiplied by a and the skip gradient by b, so the stream
+    receives `a * g_branch + b * g_skip`, the true gradient of `a * f(x) + b * x`
+    (`residual_add` applies a and b in the forward pass only). Both outputs' gradients stay unit.
     """
-    branch_weight, _ = _residual_weights(tau)
+    branch_weight, skip_weight = _residual_weights(tau)
     if fused.eager_forms():
-        return fused.residual_split(input, branch_weight)
-    return scale_bwd(input, branch_weight), input
+        return fused.residual_split(input, branch_weight, skip_weight)
+    return scale_bwd(input, branch_weight), scale_bwd(input, skip_weight)
 
 
 def residual_add(residual: Tensor, skip: Tensor, tau: float = 1.0) -> Tensor:
     """Join a residual branch back: `a * residual + b * skip`, unit variance for unit inputs.
 
-    tau is the ratio of branch to skip weight. The branch sees its forward weight a only in the
-    forward pass, so its own weights and activations receive unit gradients; `residual_split`
-    applies a in the backward pass instead, where the branch gradient joins the stream.
+    tau is the ratio of branch to skip weight. Both weights apply in the forward pass only, so
+    the branch's own weights and activations, and the skip, receive unit gradients;
+    `residual_split` applies them in the backward pass instead, where the gradients join the
+    stream.
     """
     branch_weight, skip_weight = _residual_weights(tau)
     if residual.shape == skip.shape and residual.dtype == skip.dtype and fused.eager_forms():
-        return fused.residual_add(residual, skip, branch_weight, skip_weight)
+        return fused.residual_add(residual, skip, branch_weight, skip_weight, 1.0)
+    return scale_fwd(residual, branch_weight) + scale_fwd(skip, skip_weight)
+
+
+def _residual_join(residual: Tensor, skip: Tensor, tau: float) -> Tensor:
+    """`residual_add` whose skip weight applies in both passes: the join for a skip that is
+    the stream itself, not `residual_split`'s skip output (as `unit_scale` builds residuals)."""
+    branch_weight, skip_weight = _residual_weights(tau)
+    if residual.shape == skip.shape and residual.dtype == skip.dtype and fused.eager_forms():
+        return fused.residual_add(residual, skip, branch_weight, skip_weight, skip_weight)
     scaled_skip = skip * skip_weight
     scaled_residual = scale_fwd(residual, branch_weight)
     if scaled_skip.shape == scaled_residual.shape and scaled_skip.dtype == scaled_residual.dtype:
         # Accumulating into the fresh skip product saves an allocation; the sum is the same.
         return scaled_skip.add_(scaled_residual)
     return scaled_residual + scaled_skip  # broadcasting or type promotion: a new tensor
+
+
+def residual_apply(fn: Callable[[Tensor], Tensor], input: Tensor, tau: float = 1.0) -> Tensor:
+    """`residual_add(fn(branch), skip, tau)` for `(branch, skip) = residual_split(input, tau)`."""
+    branch, skip = residual_split(input, tau)
+    return residual_add(fn(branch), skip, tau)
 
 
 # ---------------------------------------------------------------- attention
@@ -515,17 +677,22 @@ def scaled_dot_product_attention(
     attn_mask: Optional[Tensor] = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
+    mult: float = 1.0,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
 ) -> Tensor:
-    """Unit-scaled `F.scaled_dot_product_attention`.
+    """Unit-scaled `F.scaled_dot_product_attention` with u-μP's logits `mult * q.k / d`.
 
-    Rule: with unit q, k, v, the logits have std s = scale * sqrt(d) (1 by default) and a query
-    row that sees m keys outputs a p-weighted mean of values with variance `S(m) = E[sum p**2]`
-    (see `softmax`), times 1/(1-p) with dropout. Each row is multiplied by
-    sqrt((1 - dropout_p) / S(m)) in both passes, which makes the output unit and, on average
+    The logits are scaled by `mult / head_dim` (μP's 1/d, with u-μP's `attn_softmax_mult`), as
+    in unit_scaling; `scale` (torch's argument) replaces that factor, and `scale=head_dim**-0.5`
+    gives torch's default. Give one of `mult` and `scale`.
+
+    Rule: with unit q, k, v, the logits have std s = scale * sqrt(d) (mult / sqrt(d) by
+    default, 1 at torch's scale) and a query row that sees m keys outputs a p-weighted mean of
+    values with variance `S(m) = E[sum p**2]`, times 1/(1-p) with dropout. Each row is multiplied
+    by `sqrt((1 - dropout_p) / S(m))` in both passes, which makes the output unit and, on average
     over key positions, the value gradient unit too. The query and key gradients come out at
-    std sqrt(C(m)), below 1 for few keys; `attention_query_key_grad_scale` says why and
+    std s sqrt(C(m)), below s for few keys; `attention_query_key_grad_scale` says why and
     scales their projections' parameters, a cut edge. m comes from `is_causal` or a
     boolean `attn_mask`. Under `ipu_tracing()` the attention is built from matmuls, a mask and
     a softmax, which PopTorch supports, instead of the fused op.
@@ -539,6 +706,10 @@ def scaled_dot_product_attention(
     (activations, not cut edges), and sqrt(G) (1.4 to 2.8 for G = 2 to 8) is far inside the
     gradient format's range.
     """
+    if scale is None:
+        scale = _positive_mult(mult) / max(1, query.shape[-1])
+    elif mult != 1.0:
+        raise ValueError(f"mult={mult!r} and scale={scale!r}: give one of them, not both")
     if enable_gqa:
         key, value = _repeat_kv_heads(query, key), _repeat_kv_heads(query, value)
     out, row_scale = attention_before_row_scale(query, key, value, attn_mask, dropout_p,
@@ -559,13 +730,15 @@ def attention_before_row_scale(
     output, the row scale that makes it unit): a float, or a tensor broadcasting over the
     output's (..., rows, 1).
 
-    For callers that can apply the row scale later, where it costs less (see `uu.MHSA`).
+    For callers that can apply the row scale later, where it costs less (see `uu.SelfAttention`).
     """
     if attn_mask is not None and is_causal:
         raise ValueError("attn_mask and is_causal=True cannot both be given")
     head_dim = query.shape[-1]
     logit_std = 1.0 if scale is None else scale * math.sqrt(head_dim)
-    if scale is not None:
+    if abs(logit_std - 1.0) < 1e-12:
+        logit_std = 1.0  # torch's default scale, given or not: the same kernel call
+    else:
         # torch 2.0 has no `scale` argument: fold it into the query instead.
         query = query * logit_std
     if is_ipu_tracing():
@@ -678,9 +851,12 @@ def cross_entropy(
     input: Tensor,
     target: Tensor,
     weight: Optional[Tensor] = None,
+    size_average: Optional[bool] = None,
     ignore_index: int = -100,
+    reduce: Optional[bool] = None,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
+    mult: float = 1.0,
 ) -> Tensor:
     """Unit-scaled `F.cross_entropy`: the same loss value, a unit-scaled input gradient.
 
@@ -694,17 +870,30 @@ def cross_entropy(
     of the tokens, varying batch to batch); it is counted from `target` in the graph, a tensor
     that never leaves the device, so each batch gets its exact scale with no host read and no
     assumed masking rate. Without ignored targets C = N and the scale is N, as before.
+
+    `mult` (u-μP's `loss_softmax_mult`) multiplies the logits in the forward pass only. Class
+    `weight`s, `label_smoothing` and torch's deprecated `size_average` / `reduce` are refused.
     """
+    _reject("size_average", size_average, None, "use reduction")
+    _reject("reduce", reduce, None, "use reduction")
+    _reject("label_smoothing", label_smoothing, 0.0, "the gradient scale assumes one-hot targets")
+    return _cross_entropy(input, target, weight, ignore_index, reduction, 0.0, mult)
+
+
+def _cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int,
+                   reduction: str, label_smoothing: float, mult: float = 1.0) -> Tensor:
+    """`cross_entropy`, with a label smoothing if given (the one-hot rule's gradient scale,
+    for `unit_scale`'s conversions of models that smooth their labels)."""
     _reject("weight", weight, None, "class weights change the gradient's scale per row")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction={reduction!r} must be one of 'mean', 'sum', 'none'")
     classes = input.shape[1] if input.dim() > 1 else input.shape[0]
     per_element_var = (1 - 2 / classes + _expected_softmax_square_sum(classes)) / classes
     input = scale_bwd(input, per_element_var**-0.5)
-    loss = F.cross_entropy(
-        input, target, ignore_index=ignore_index, reduction=reduction,
-        label_smoothing=label_smoothing,
-    )
+    if mult != 1.0:
+        input = scale_fwd(input, mult)
+    loss = F.cross_entropy(input, target, ignore_index=ignore_index, reduction=reduction,
+                           label_smoothing=label_smoothing)
     if reduction != "mean":
         return loss
     if target.is_floating_point():  # class probabilities: every row counts
@@ -726,12 +915,15 @@ def _scale_bwd_by_tensor(x: Tensor, grad_scale: Tensor) -> Tensor:
     return detached + (x - detached) * grad_scale.detach()
 
 
-def mse_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
+def mse_loss(input: Tensor, target: Tensor, size_average: Optional[bool] = None,
+             reduce: Optional[bool] = None, reduction: str = "mean") -> Tensor:
     """Unit-scaled `F.mse_loss`: the same loss value, unit-scaled gradients.
 
     Rule: the gradient is 2 (x - t) / N; for independent unit x and t, x - t has std sqrt(2), so
     both grad scales are N / (2 sqrt(2)) (without N for reduction="sum"/"none").
     """
+    _reject("size_average", size_average, None, "use reduction")
+    _reject("reduce", reduce, None, "use reduction")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction={reduction!r} must be one of 'mean', 'sum', 'none'")
     if input.shape != target.shape:

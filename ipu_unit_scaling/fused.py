@@ -295,51 +295,54 @@ def embedding(indices: Tensor, weight: Tensor, padding_idx: Optional[int],
 
 
 class _ResidualSplit(torch.autograd.Function):
-    """(branch, skip), both ``x``; the gradient ``g_skip + branch_weight * g_branch`` in one
-    pass, the sum autograd would otherwise form after scaling the branch gradient apart."""
+    """(branch, skip), both ``x``; the gradient ``skip_weight * g_skip + branch_weight *
+    g_branch`` in one pass, the sum autograd would otherwise form after scaling each apart."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, branch_weight: float) -> Tuple[Tensor, Tensor]:
+    def forward(ctx: Any, x: Tensor, branch_weight: float,
+                skip_weight: float) -> Tuple[Tensor, Tensor]:
         ctx.set_materialize_grads(False)
-        ctx.branch_weight = branch_weight
+        ctx.weights = (branch_weight, skip_weight)
         return x.view_as(x), x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad_branch: Optional[Tensor],
-                 grad_skip: Optional[Tensor]) -> Tuple[Optional[Tensor], None]:
+                 grad_skip: Optional[Tensor]) -> Tuple[Optional[Tensor], None, None]:
+        branch_weight, skip_weight = ctx.weights
         if grad_branch is None:
-            return grad_skip, None
+            return (None if grad_skip is None else grad_skip * skip_weight), None, None
         if grad_skip is None:
-            return grad_branch * ctx.branch_weight, None
-        return torch.add(grad_skip, grad_branch, alpha=ctx.branch_weight), None
+            return grad_branch * branch_weight, None, None
+        return torch.mul(grad_skip, skip_weight).add_(grad_branch, alpha=branch_weight), None, None
 
 
 _residualsplit_apply = applier(_ResidualSplit)
 
-def residual_split(x: Tensor, branch_weight: float) -> Tuple[Tensor, Tensor]:
-    return _residualsplit_apply(x, branch_weight)
+def residual_split(x: Tensor, branch_weight: float, skip_weight: float) -> Tuple[Tensor, Tensor]:
+    return _residualsplit_apply(x, branch_weight, skip_weight)
 
 
 class _ResidualAdd(torch.autograd.Function):
     """``branch_weight * residual + skip_weight * skip`` (same shapes and dtypes); the gradient
-    reaches the residual unscaled and the skip multiplied by ``skip_weight``."""
+    reaches the residual unscaled and the skip multiplied by ``skip_grad_weight``."""
 
     @staticmethod
     def forward(ctx: Any, residual: Tensor, skip: Tensor, branch_weight: float,
-                skip_weight: float) -> Tensor:
-        ctx.skip_weight = skip_weight
+                skip_weight: float, skip_grad_weight: float) -> Tensor:
+        ctx.skip_grad_weight = skip_grad_weight
         return torch.mul(skip, skip_weight).add_(residual, alpha=branch_weight)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
-        return grad, grad * ctx.skip_weight, None, None
+        skip_grad = grad if ctx.skip_grad_weight == 1.0 else grad * ctx.skip_grad_weight
+        return grad, skip_grad, None, None, None
 
 
 _residualadd_apply = applier(_ResidualAdd)
 
-def residual_add(residual: Tensor, skip: Tensor, branch_weight: float,
-                 skip_weight: float) -> Tensor:
-    return _residualadd_apply(residual, skip, branch_weight, skip_weight)
+def residual_add(residual: Tensor, skip: Tensor, branch_weight: float, skip_weight: float,
+                 skip_grad_weight: float) -> Tensor:
+    return _residualadd_apply(residual, skip, branch_weight, skip_weight, skip_grad_weight)
 
 
 class _ScaleGradByCount(torch.autograd.Function):

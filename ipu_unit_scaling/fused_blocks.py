@@ -2,7 +2,7 @@
 
 At small widths a training step on a CPU is dominated by per-op overhead, and a unit-scaled op
 built as a Python autograd Function costs more of it than torch's own C++ nodes. So that unit
-scaling costs no more than the plain model, `uu.TransformerLayer` and `uu.MLP` compute these
+scaling costs no more than the plain model, `uu.TransformerBlock` and `uu.FeedForward` compute these
 pieces in one Function each, with every fixed scale folded into a GEMM or into a pass the plain
 model makes anyway:
 
@@ -35,15 +35,17 @@ _gelu_backward = torch.ops.aten.gelu_backward
 class _ResidualNorm(torch.autograd.Function):
     """(layer_norm(h), h) with h = ``x`` or ``skip_weight * x + branch_weight * f``.
 
-    h is the stream: the next skip. The norm's input is the next branch, whose gradient joins
-    the stream multiplied by ``next_branch_weight`` (unit scaling's residual split); ``f``
-    receives the stream's gradient unscaled and ``x`` times ``skip_weight`` (its join).
+    h is the stream: the next skip. The norm's input is the next branch; their gradients join
+    the stream multiplied by ``next_branch_weight`` and ``next_skip_weight`` (unit scaling's
+    residual split); ``f`` and ``x`` receive the stream's gradient unscaled (the join weighs
+    them in the forward pass only).
     """
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, f: Optional[Tensor], branch_weight: float,
-                skip_weight: float, next_branch_weight: float, weight: Optional[Tensor],
-                bias: Optional[Tensor], eps: float, param_grad_scale: float) -> Tuple[Tensor, ...]:
+                skip_weight: float, next_branch_weight: float, next_skip_weight: float,
+                weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+                param_grad_scale: float) -> Tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)
         if f is None:
             stream = x.view_as(x)
@@ -52,18 +54,20 @@ class _ResidualNorm(torch.autograd.Function):
         shape = (x.shape[-1],)
         normed, mean, rstd = torch.native_layer_norm(stream, shape, weight, bias, eps)
         ctx.save_for_backward(stream, mean, rstd, weight, bias)
-        ctx.scales = (f is not None, skip_weight, next_branch_weight, param_grad_scale)
+        ctx.scales = (f is not None, next_branch_weight, next_skip_weight, param_grad_scale)
         return normed, stream
 
     @staticmethod
     def backward(ctx: Any, grad_normed: Optional[Tensor],
                  grad_stream: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         stream, mean, rstd, weight, bias = ctx.saved_tensors
-        joined, skip_weight, next_branch_weight, param_grad_scale = ctx.scales
+        joined, next_branch_weight, next_skip_weight, param_grad_scale = ctx.scales
         needs = ctx.needs_input_grad
         grad_w = grad_b = None
+        if grad_stream is not None and next_skip_weight != 1.0:
+            grad_stream = grad_stream * next_skip_weight
         if grad_normed is not None:
-            mask = [True, weight is not None and needs[5], bias is not None and needs[6]]
+            mask = [True, weight is not None and needs[6], bias is not None and needs[7]]
             grad_branch, grad_w, grad_b = _layer_norm_backward(
                 grad_normed.contiguous(), stream, (stream.shape[-1],), mean, rstd, weight, bias,
                 mask)
@@ -79,22 +83,20 @@ class _ResidualNorm(torch.autograd.Function):
             # gradient once used. Let go of it here, or the step's peak memory grows.
             del grad_branch
         if not joined:
-            return grad_stream, None, None, None, None, grad_w, grad_b, None, None
-        grad_x = None
-        if grad_stream is not None and needs[0]:
-            grad_x = grad_stream * skip_weight
-        return grad_x, grad_stream, None, None, None, grad_w, grad_b, None, None
+            return grad_stream, None, None, None, None, None, grad_w, grad_b, None, None
+        return grad_stream, grad_stream, None, None, None, None, grad_w, grad_b, None, None
 
 
 _residualnorm_apply = applier(_ResidualNorm)
 
 def residual_norm(x: Tensor, f: Optional[Tensor], branch_weight: float, skip_weight: float,
-                  next_branch_weight: float, weight: Optional[Tensor], bias: Optional[Tensor],
-                  eps: float, param_grad_scale: float) -> Tuple[Tensor, Tensor]:
+                  next_branch_weight: float, next_skip_weight: float, weight: Optional[Tensor],
+                  bias: Optional[Tensor], eps: float,
+                  param_grad_scale: float) -> Tuple[Tensor, Tensor]:
     """(the next branch's normalised input, the stream) after joining ``f`` into ``x`` (if
     given); see :class:`_ResidualNorm`."""
-    return _residualnorm_apply(x, f, branch_weight, skip_weight, next_branch_weight, weight,
-                               bias, eps, param_grad_scale)
+    return _residualnorm_apply(x, f, branch_weight, skip_weight, next_branch_weight,
+                               next_skip_weight, weight, bias, eps, param_grad_scale)
 
 
 class _MLP(torch.autograd.Function):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .modules import TORCH_OPS, UNIT_OPS, TransformerDecoder
+from .modules import GPT, TORCH_OPS, UNIT_OPS
 from .umup import UmupHyperparameters, umup_decoder
 
 PARAMETRIZATIONS = ("unit", "u-mup")
@@ -45,7 +45,7 @@ class GPTConfig:
         )
 
 
-def build_gpt(config: GPTConfig) -> TransformerDecoder:
+def build_gpt(config: GPTConfig) -> GPT:
     """Build the GPT: unit-scaled parts (unit scaling or u-μP), or plain torch parts at torch's
     default init."""
     if config.parametrization not in PARAMETRIZATIONS:
@@ -60,7 +60,7 @@ def build_gpt(config: GPTConfig) -> TransformerDecoder:
             dropout_p=config.dropout, bias=config.bias,
             hyperparameters=config.umup_hyperparameters(),
         )
-    return TransformerDecoder(
+    return GPT(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
         depth=config.depth,

@@ -1,11 +1,16 @@
 """Unit-scaled modules, a drop-in for `torch.nn`: `import ipu_unit_scaling as uu`.
 
 Leaf modules subclass their torch counterparts (so `isinstance(m, nn.Linear)` still holds and
-state dicts are interchangeable), unit-initialise their weights, and call `U` in `forward`.
+state dicts are interchangeable), unit-initialise their weights, and call `U` in `forward`. Their
+signatures and defaults are those of the unit-scaling library (0.3.5), whose models run on them
+unchanged: `mult` for u-μP's multipliers, parameters tagged with their u-μP type, biases and
+norm gains off by default.
 
-The transformer blocks are written once against an `Ops` table. `UNIT_OPS` (the default) builds
-them from unit-scaled parts; `TORCH_OPS` builds the same architecture from plain torch modules at
-their default initialisation, which is what unit scaling is compared against.
+The GPT blocks here (`SelfAttention`, `FeedForward`, `TransformerBlock`, `GPT`) are written once
+against an `Ops` table. `UNIT_OPS` (the default) builds them from unit-scaled parts; `TORCH_OPS`
+builds the same architecture from plain torch modules at their default initialisation, which
+is what unit scaling is compared against. unit_scaling's own u-μP blocks (`MHSA`, `MLP`,
+`TransformerLayer`, `TransformerDecoder`) are in `ipu_unit_scaling.blocks`.
 """
 from __future__ import annotations
 
@@ -19,11 +24,15 @@ from torch import Tensor, nn
 from . import functional as U
 from . import fused, fused_blocks
 from .constraints import ConstraintArg, SharedInputGmean
+from .docs import unsupported
+from .parameter import MupType, Parameter
 from .scale import scale_bwd, scale_fwd
 from .tracing import is_ipu_tracing
 
 __all__ = [
     "Linear",
+    "LinearReadout",
+    "Conv1d",
     "AttentionProjection",
     "LayerNorm",
     "Embedding",
@@ -35,13 +44,18 @@ __all__ = [
     "RMSNorm",
     "SiLU",
     "GatedMLP",
-    "MHSA",
-    "MLP",
-    "TransformerLayer",
-    "TransformerDecoder",
+    "SelfAttention",
+    "FeedForward",
+    "TransformerBlock",
+    "GPT",
     "Ops",
     "UNIT_OPS",
     "TORCH_OPS",
+    "gmean_linear",
+    "affine_layer_norm",
+    "gmean_gelu",
+    "gmean_silu_glu",
+    "unit_attention",
 ]
 
 
@@ -85,6 +99,9 @@ class AttentionProjection:
 class Linear(nn.Linear):
     """Unit-scaled `nn.Linear`: weight ~ N(0, 1), zero bias, forward `U.linear`.
 
+    As in unit_scaling, the bias is off by default and the weight and bias are u-μP parameters
+    (`ipu_unit_scaling.parameter.Parameter`, of type `weight_mup_type` and "bias").
+
     `attention_projection` (an `AttentionProjection`, set by `unit_scale` on a linear that only
     feeds an attention call's queries, keys or values): its weight and bias gradients are also
     scaled by the rule's `weight_grad_scale` and `bias_grad_scale`, for a key length read from
@@ -95,15 +112,21 @@ class Linear(nn.Linear):
         self,
         in_features: int,
         out_features: int,
-        bias: bool = True,
+        bias: bool = False,
         device: Any = None,
         dtype: Optional[torch.dtype] = None,
-        constraint: ConstraintArg = "gmean",
+        constraint: ConstraintArg = "to_output_scale",
+        weight_mup_type: MupType = "weight",
         attention_projection: Optional[AttentionProjection] = None,
     ) -> None:
         self.constraint = constraint
         self.attention_projection = attention_projection
         super().__init__(in_features, out_features, bias, device, dtype)
+        self.weight = Parameter(self.weight.data, weight_mup_type)
+        if self.bias is not None:
+            self.bias = Parameter(self.bias.data, "bias")
+
+    scale_power = (0.5, 0.5, 0.5)  # `U.linear`'s exponents, for other forms of this layer
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight)
@@ -125,15 +148,134 @@ class Linear(nn.Linear):
         return U.linear(input, weight, bias, self.constraint)
 
 
+class LinearReadout(Linear):
+    """Unit-scaled linear for a network's output: forward `U.linear_readout` (output scale
+    `1 / fan_in`, u-μP's readout), weight of u-μP type "output", unconstrained by default."""
+
+    scale_power = (1.0, 0.5, 0.5)  # `U.linear`'s exponents, for other forms of this layer
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+        constraint: ConstraintArg = None,
+        weight_mup_type: MupType = "output",
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device, dtype, constraint,
+                         weight_mup_type)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return U.linear_readout(input, self.weight, self.bias, self.constraint)
+
+
+class Conv1d(nn.Conv1d):
+    """Unit-scaled `nn.Conv1d` (integer padding): weight ~ N(0, 1), zero bias (off by
+    default), forward `U.conv1d`; the weight and bias are u-μP parameters."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int,
+        stride: int = 1,
+        padding: int = 0,
+        dilation: int = 1,
+        groups: int = 1,
+        bias: bool = False,
+        padding_mode: str = "zeros",
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+        constraint: ConstraintArg = "to_output_scale",
+        weight_mup_type: MupType = "weight",
+    ) -> None:
+        for name, value in (("kernel_size", kernel_size), ("stride", stride),
+                            ("padding", padding), ("dilation", dilation)):
+            if not isinstance(value, int):
+                raise ValueError(f"{name}={value!r}: the unit-scaled Conv1d takes integers")
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation,
+                         groups, bias, padding_mode, device, dtype)  # type: ignore[arg-type]
+        self.constraint = constraint
+        self.weight = Parameter(self.weight.data, weight_mup_type)
+        if self.bias is not None:
+            self.bias = Parameter(self.bias.data, "bias")
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, input: Tensor) -> Tensor:
+        padding = self.padding[0] if isinstance(self.padding, tuple) else self.padding
+        if self.padding_mode != "zeros":
+            input = F.pad(input, self._reversed_padding_repeated_twice, mode=self.padding_mode)
+            padding = 0
+        return U.conv1d(input, self.weight, self.bias, self.stride[0], int(padding),
+                        self.dilation[0], self.groups, self.constraint)
+
+
 class LayerNorm(nn.LayerNorm):
-    """Unit-scaled `nn.LayerNorm`: forward `U.layer_norm` (unit weight, zero bias)."""
+    """Unit-scaled `nn.LayerNorm`: forward `U.layer_norm`.
+
+    As in unit_scaling, without a gain and bias by default (`elementwise_affine=False`); with
+    them, they are u-μP parameters of type "norm" and "bias".
+    """
+
+    def __init__(
+        self,
+        normalized_shape: Union[int, Sequence[int]],
+        eps: float = 1e-5,
+        elementwise_affine: bool = False,
+        bias: bool = True,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        # torch 2.0's LayerNorm has no `bias` argument: drop the parameter after.
+        super().__init__(normalized_shape, eps, elementwise_affine,  # type: ignore[arg-type]
+                         device=device, dtype=dtype)
+        if elementwise_affine:
+            self.weight = Parameter(self.weight.data, "norm")
+            if bias:
+                self.bias = Parameter(self.bias.data, "bias")
+            else:
+                self.register_parameter("bias", None)
 
     def forward(self, input: Tensor) -> Tensor:
         return U.layer_norm(input, self.normalized_shape, self.weight, self.bias, self.eps)
 
 
+@unsupported("scale_grad_by_freq", "sparse")
+def _checked_embedding_arguments(scale_grad_by_freq: bool = False, sparse: bool = False) -> None:
+    pass
+
+
 class Embedding(nn.Embedding):
-    """Unit-scaled `nn.Embedding`: weight ~ N(0, 1) (torch's default), forward `U.embedding`."""
+    """Unit-scaled `nn.Embedding`: weight ~ N(0, 1) (torch's default) of u-μP type "weight",
+    forward `U.embedding`. `scale_grad_by_freq` and `sparse` are refused."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: Optional[int] = None,
+        max_norm: Optional[float] = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        _weight: Optional[Tensor] = None,
+        _freeze: bool = False,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        _checked_embedding_arguments(scale_grad_by_freq=scale_grad_by_freq, sparse=sparse)
+        # torch 2.0's Embedding has no `_freeze`: it only turns off the weight's gradient.
+        super().__init__(num_embeddings, embedding_dim, padding_idx, max_norm, norm_type,
+                         scale_grad_by_freq, sparse, _weight, device=device, dtype=dtype)
+        self.weight = Parameter(self.weight.data, "weight")
+        if _freeze:
+            self.weight.requires_grad_(False)
 
     def forward(self, input: Tensor) -> Tensor:
         return U.embedding(
@@ -142,21 +284,35 @@ class Embedding(nn.Embedding):
         )
 
 
-class GELU(nn.GELU):
-    """Unit-scaled `nn.GELU`."""
+def _split_mult(mult: Any, constraint: ConstraintArg) -> Tuple[float, ConstraintArg]:
+    """(mult, constraint) from a second argument that may be a constraint, as some modules'
+    second argument was before they took u-μP's `mult`."""
+    if mult is None or isinstance(mult, str) or callable(mult):
+        return 1.0, mult
+    return float(mult), constraint
 
-    def __init__(self, approximate: str = "none", constraint: ConstraintArg = "gmean") -> None:
+
+class GELU(nn.GELU):
+    """Unit-scaled `nn.GELU` of `mult * input` (see `U.gelu`). `GELU("tanh")` (the
+    approximation given first, as earlier versions took it) is still understood."""
+
+    def __init__(self, mult: Union[float, str] = 1.0,
+                 constraint: ConstraintArg = "to_output_scale", approximate: str = "none") -> None:
+        if isinstance(mult, str):
+            approximate = mult
         super().__init__(approximate)
+        self.mult = 1.0 if isinstance(mult, str) else float(mult)
         self.constraint = constraint
 
     def forward(self, input: Tensor) -> Tensor:
-        return U.gelu(input, self.approximate, self.constraint)
+        return U.gelu(input, self.mult, self.constraint, self.approximate)
 
 
 class ReLU(nn.ReLU):
     """Unit-scaled `nn.ReLU`."""
 
-    def __init__(self, inplace: bool = False, constraint: ConstraintArg = "gmean") -> None:
+    def __init__(self, inplace: bool = False,
+                 constraint: ConstraintArg = "to_output_scale") -> None:
         super().__init__(inplace)
         self.constraint = constraint
 
@@ -165,41 +321,70 @@ class ReLU(nn.ReLU):
 
 
 class Softmax(nn.Softmax):
-    """Unit-scaled `nn.Softmax`."""
+    """Unit-scaled `nn.Softmax` of `mult * input` (see `U.softmax`). A constraint given
+    second (as earlier versions took it) is still understood."""
 
-    def __init__(self, dim: int = -1, constraint: ConstraintArg = "gmean") -> None:
+    def __init__(self, dim: int = -1, mult: Union[float, ConstraintArg] = 1.0,
+                 constraint: ConstraintArg = "to_output_scale") -> None:
         super().__init__(dim)
-        self.constraint = constraint
+        self.mult, self.constraint = _split_mult(mult, constraint)
 
     def forward(self, input: Tensor) -> Tensor:
-        return U.softmax(input, self.dim if self.dim is not None else -1, None, self.constraint)
+        dim = self.dim if self.dim is not None else -1
+        return U.softmax(input, dim, None, self.constraint, getattr(self, "mult", 1.0))
 
 
 class Dropout(nn.Dropout):
-    """Unit-scaled `nn.Dropout`."""
+    """Unit-scaled `nn.Dropout` (not in place)."""
+
+    @unsupported("inplace")
+    def __init__(self, p: float = 0.5, inplace: bool = False) -> None:
+        super().__init__(p, inplace)
 
     def forward(self, input: Tensor) -> Tensor:
         return U.dropout(input, self.p, self.training, self.inplace)
 
 
 class CrossEntropyLoss(nn.CrossEntropyLoss):
-    """Unit-scaled `nn.CrossEntropyLoss`: the same loss value, unit-scaled input gradient."""
+    """Unit-scaled `nn.CrossEntropyLoss`: the same loss value, unit-scaled input gradient;
+    `mult` multiplies the logits in the forward pass (see `U.cross_entropy`). Class weights and
+    label smoothing are refused."""
+
+    @unsupported("weight", "label_smoothing")
+    def __init__(
+        self,
+        mult: float = 1.0,
+        weight: Optional[Tensor] = None,
+        size_average: Optional[bool] = None,
+        ignore_index: int = -100,
+        reduce: Optional[bool] = None,
+        reduction: str = "mean",
+        label_smoothing: float = 0.0,
+    ) -> None:
+        super().__init__(weight, size_average, ignore_index, reduce, reduction, label_smoothing)
+        self.mult = mult
 
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
-        return U.cross_entropy(
-            input, target, self.weight, self.ignore_index, self.reduction, self.label_smoothing
-        )
+        # A label smoothing is only set by `unit_scale` (see `U._cross_entropy`).
+        return U._cross_entropy(input, target, None, self.ignore_index, self.reduction,
+                                self.label_smoothing, getattr(self, "mult", 1.0))
 
 
 class SiLU(nn.SiLU):
-    """Unit-scaled `nn.SiLU`."""
+    """Unit-scaled SiLU `x * sigmoid(mult * x)` (see `U.silu`), not in place."""
 
-    def __init__(self, inplace: bool = False, constraint: ConstraintArg = "gmean") -> None:
+    def __init__(self, mult: Union[float, bool] = 1.0,
+                 constraint: ConstraintArg = "to_output_scale", inplace: bool = False) -> None:
+        if isinstance(mult, bool):  # SiLU(inplace) as earlier versions took it
+            inplace = mult
+        if inplace:
+            raise ValueError("SiLU: inplace=True is not supported by the unit-scaled version")
         super().__init__(inplace)
+        self.mult = 1.0 if isinstance(mult, bool) else float(mult)
         self.constraint = constraint
 
     def forward(self, input: Tensor) -> Tensor:
-        return U.silu(input, self.inplace, self.constraint)
+        return U.silu(input, getattr(self, "mult", 1.0), self.constraint)
 
 
 class _RMSNormFallback(nn.Module):
@@ -224,7 +409,22 @@ _RMSNormBase: Any = getattr(nn, "RMSNorm", _RMSNormFallback)
 
 
 class RMSNorm(_RMSNormBase):  # type: ignore[misc]  # nn.RMSNorm where torch has it (>= 2.4)
-    """Unit-scaled `nn.RMSNorm`: forward `U.rms_norm` (unit weight)."""
+    """Unit-scaled `nn.RMSNorm`: forward `U.rms_norm`.
+
+    As in unit_scaling, `eps` is 1e-5 and there is no gain by default
+    (`elementwise_affine=False`); with one, it is a u-μP parameter of type "norm". `eps=None`
+    is torch's default, the input dtype's machine epsilon.
+    """
+
+    def __init__(self, normalized_shape: Union[int, Sequence[int]], eps: Optional[float] = 1e-5,
+                 elementwise_affine: bool = False, device: Any = None,
+                 dtype: Optional[torch.dtype] = None) -> None:
+        shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(
+            normalized_shape)
+        super().__init__(shape, eps, elementwise_affine, device=device, dtype=dtype)
+        gain: Optional[Tensor] = self.__dict__["_parameters"].get("weight")
+        if gain is not None:
+            self.weight = Parameter(gain.data, "norm")
 
     def forward(self, input: Tensor) -> Tensor:
         return U.rms_norm(input, self.normalized_shape, self.weight, self.eps)
@@ -242,8 +442,12 @@ def _plain_residual_add(residual: Tensor, skip: Tensor, tau: float = 1.0) -> Ten
 
 
 def _plain_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
-                     dropout_p: float = 0.0, is_causal: bool = False) -> Tensor:
+                     dropout_p: float = 0.0, is_causal: bool = False,
+                     scale: Optional[float] = None) -> Tensor:
     """`F.scaled_dot_product_attention`; under `ipu_tracing()` built from ops PopTorch has."""
+    if scale is not None and abs(scale * query.shape[-1] ** 0.5 - 1.0) >= 1e-12:
+        # torch 2.0 has no `scale` argument: fold a scale other than the default into the query.
+        query = query * (scale * query.shape[-1] ** 0.5)
     if is_ipu_tracing():
         return U._explicit_attention(query, key, value, attn_mask, dropout_p, is_causal)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
@@ -281,18 +485,52 @@ class Ops:
     silu_glu: Callable[..., Tensor] = U.silu_glu
 
 
+def gmean_linear(in_features: int, out_features: int, bias: bool = True, device: Any = None,
+                 dtype: Optional[torch.dtype] = None) -> Linear:
+    """`Linear` with the paper's geometric-mean constraint, as the blocks below use it."""
+    return Linear(in_features, out_features, bias, device, dtype, constraint="gmean")
+
+
+def affine_layer_norm(normalized_shape: Union[int, Sequence[int]], eps: float = 1e-5,
+                      device: Any = None, dtype: Optional[torch.dtype] = None) -> LayerNorm:
+    """`LayerNorm` with a gain and bias, as the blocks below use it."""
+    return LayerNorm(normalized_shape, eps, elementwise_affine=True, device=device, dtype=dtype)
+
+
+def gmean_gelu(input: Tensor) -> Tensor:
+    """`U.gelu` with the paper's geometric-mean constraint, as the blocks below use it."""
+    return U.gelu(input, constraint="gmean")
+
+
+def unit_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
+                   dropout_p: float = 0.0, is_causal: bool = False,
+                   scale: Optional[float] = None, enable_gqa: bool = False) -> Tensor:
+    """`U.scaled_dot_product_attention` with torch's signature and default logit scale,
+    1/sqrt(head_dim) (the op's own default is u-μP's 1/head_dim)."""
+    return U.scaled_dot_product_attention(
+        query, key, value, attn_mask, dropout_p, is_causal,
+        scale=query.shape[-1] ** -0.5 if scale is None else scale, enable_gqa=enable_gqa)
+
+
+def gmean_silu_glu(input: Tensor, gate: Tensor) -> Tensor:
+    """`U.silu_glu` with the geometric-mean constraint, as `GatedMLP` uses it."""
+    return U.silu_glu(input, gate, constraint="gmean")
+
+
+# The blocks below were measured and recorded with the paper's geometric-mean constraint on
+# their linears and activations; the ops' own default is unit_scaling's "to_output_scale".
 UNIT_OPS = Ops(
-    Linear=Linear,
-    LayerNorm=LayerNorm,
+    Linear=gmean_linear,
+    LayerNorm=affine_layer_norm,
     Embedding=Embedding,
-    gelu=U.gelu,
+    gelu=gmean_gelu,
     dropout=U.dropout,
     add=U.add,
     residual_split=U.residual_split,
     residual_add=U.residual_add,
-    scaled_dot_product_attention=U.scaled_dot_product_attention,
+    scaled_dot_product_attention=unit_attention,
     cross_entropy=U.cross_entropy,
-    silu_glu=U.silu_glu,
+    silu_glu=gmean_silu_glu,
 )
 
 TORCH_OPS = Ops(
@@ -318,8 +556,12 @@ def layer_norm_module(ops: Ops, hidden_size: int, bias: bool) -> nn.Module:
     return norm
 
 
-class MHSA(nn.Module):
-    """Multi-head self-attention: fused QKV projection, attention, output projection."""
+class SelfAttention(nn.Module):
+    """Multi-head self-attention: fused QKV projection, attention, output projection.
+
+    The attention logits are scaled by `attention_scale`, by default torch's 1/sqrt(head_dim)
+    (u-μP's GPT gives 1/head_dim; `uu.MHSA` is unit_scaling's u-μP block).
+    """
 
     def __init__(
         self,
@@ -337,7 +579,7 @@ class MHSA(nn.Module):
         self.heads = heads
         self.is_causal = is_causal
         self.dropout_p = dropout_p
-        # None: the attention function's default, 1/sqrt(head_dim); u-μP asks for 1/head_dim.
+        # None: torch's 1/sqrt(head_dim); u-μP asks for 1/head_dim.
         self.attention_scale = attention_scale
         self.qkv = ops.Linear(hidden_size, 3 * hidden_size, bias=bias)
         self.proj = ops.Linear(hidden_size, hidden_size, bias=bias)
@@ -350,7 +592,7 @@ class MHSA(nn.Module):
         qkv = self.qkv(input).view(batch, seq, 3, self.heads, hidden // self.heads)
         query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         dropout_p = self.dropout_p if self.training else 0.0
-        if (attn_mask is None and self.attention is U.scaled_dot_product_attention
+        if (attn_mask is None and self.attention is unit_attention
                 and type(self.proj) is Linear and self.proj.bias is None
                 and not _observed(self.proj) and not is_ipu_tracing()):
             # Unit scaling's row scale depends on the query position only, so it commutes with
@@ -368,8 +610,9 @@ class MHSA(nn.Module):
         return self.proj(out.transpose(1, 2).reshape(batch, seq, hidden))
 
 
-class MLP(nn.Module):
-    """Position-wise feed-forward block: Linear, GELU, Linear."""
+class FeedForward(nn.Module):
+    """Position-wise feed-forward block: Linear, GELU, Linear (`uu.MLP` is unit_scaling's
+    SwiGLU block)."""
 
     def __init__(
         self, hidden_size: int, expansion: int = 4, bias: bool = False, ops: Ops = UNIT_OPS
@@ -388,7 +631,7 @@ class MLP(nn.Module):
         """Whether the one-Function eager form applies: unit-scaled parts that nothing
         observes, eager mode, a non-empty input."""
         up, down = self.up, self.down
-        return (self.gelu is U.gelu and type(up) is Linear and type(down) is Linear
+        return (self.gelu is gmean_gelu and type(up) is Linear and type(down) is Linear
                 and input.dim() >= 2 and input.numel() > 0 and not _observed(up)
                 and not _observed(down) and fused.eager_forms())
 
@@ -433,8 +676,8 @@ class GatedMLP(nn.Module):
         return self.down(self.silu_glu(self.up(input), self.gate(input)))
 
 
-class TransformerLayer(nn.Module):
-    """Pre-norm transformer layer.
+class TransformerBlock(nn.Module):
+    """Pre-norm transformer layer (`uu.TransformerLayer` is unit_scaling's u-μP layer).
 
     Each branch is joined by `residual_split` / `residual_add` with its own tau (branch-to-skip
     weight ratio): a small attention tau keeps early training close to the identity, where
@@ -460,9 +703,10 @@ class TransformerLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.attn_norm = layer_norm_module(ops, hidden_size, bias)
-        self.attn = MHSA(hidden_size, heads, is_causal, dropout_p, bias, ops, attention_scale)
+        self.attn = SelfAttention(hidden_size, heads, is_causal, dropout_p, bias, ops,
+                                  attention_scale)
         self.mlp_norm = layer_norm_module(ops, hidden_size, bias)
-        self.mlp = MLP(hidden_size, mlp_expansion, bias, ops)
+        self.mlp = FeedForward(hidden_size, mlp_expansion, bias, ops)
         self.attn_tau = attn_tau
         self.mlp_tau = mlp_tau
         self.dropout_p = dropout_p
@@ -496,18 +740,20 @@ class TransformerLayer(nn.Module):
         param_scale = (input.numel() // input.shape[-1]) ** -0.5
         norm = cast(LayerNorm, self.attn_norm)
         normed, stream = fused_blocks.residual_norm(
-            input, None, 1.0, 1.0, attn_branch, norm.weight, norm.bias, norm.eps, param_scale)
+            input, None, 1.0, 1.0, attn_branch, attn_skip, norm.weight, norm.bias, norm.eps,
+            param_scale)
         branch = ops.dropout(self.attn(normed), self.dropout_p, self.training)
         norm = cast(LayerNorm, self.mlp_norm)
         normed, stream = fused_blocks.residual_norm(
-            stream, branch, attn_branch, attn_skip, mlp_branch, norm.weight, norm.bias,
-            norm.eps, param_scale)
+            stream, branch, attn_branch, attn_skip, mlp_branch, mlp_skip, norm.weight,
+            norm.bias, norm.eps, param_scale)
         branch = ops.dropout(self.mlp(normed), self.dropout_p, self.training)
         return U.residual_add(branch, stream, self.mlp_tau)
 
 
-class TransformerDecoder(nn.Module):
-    """Decoder-only transformer language model (GPT shape), unit-scaled by default.
+class GPT(nn.Module):
+    """Decoder-only transformer language model, unit-scaled by default
+    (`uu.TransformerDecoder` is unit_scaling's u-μP decoder).
 
     `forward(input_ids)` returns logits; `forward(input_ids, labels)` returns the mean
     cross-entropy loss, and `(loss, logits)` with `return_logits=True`.
@@ -547,7 +793,7 @@ class TransformerDecoder(nn.Module):
         self.embedding = ops.Embedding(vocab_size, hidden_size)
         self.position_embedding = ops.Embedding(seq_len, hidden_size)
         self.layers = nn.ModuleList(
-            TransformerLayer(
+            TransformerBlock(
                 hidden_size, heads, mlp_expansion, True, dropout_p, layer_attn_tau,
                 layer_mlp_tau, bias, ops, attention_scale,
             )

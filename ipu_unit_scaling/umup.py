@@ -56,7 +56,7 @@ from torch import Tensor, nn
 from . import functional as U
 from . import lowering
 from .constraints import ConstraintArg, apply_constraint
-from .modules import UNIT_OPS, Linear, TransformerDecoder
+from .modules import GPT, UNIT_OPS, Linear
 
 __all__ = [
     "WEIGHT_TYPES",
@@ -274,14 +274,14 @@ def umup_decoder(
     dropout_p: float = 0.0,
     bias: bool = False,
     hyperparameters: UmupHyperparameters = UmupHyperparameters(),
-) -> TransformerDecoder:
-    """``uu.TransformerDecoder`` in u-μP: the unit-scaled GPT with per-layer residual taus,
+) -> GPT:
+    """``uu.GPT`` in u-μP: the unit-scaled GPT with per-layer residual taus,
     1/head_dim attention, ``gelu(ffn_act_mult x)``, and a ``1/fan_in`` readout whose logits the
     loss softmax sees times ``loss_softmax_mult``. Train it with :mod:`ipu_unit_scaling.optim`,
     which reads the weight types from :func:`weight_rules`."""
     hp = hyperparameters
     ops = dataclasses.replace(UNIT_OPS, gelu=ScaledGELU(hp.ffn_act_mult))
-    return TransformerDecoder(
+    return GPT(
         vocab_size=vocab_size, hidden_size=hidden_size, depth=depth, heads=heads,
         seq_len=seq_len, mlp_expansion=mlp_expansion, dropout_p=dropout_p, bias=bias, ops=ops,
         taus=residual_taus(depth, hp.residual_mult, hp.residual_attn_ratio),

@@ -140,12 +140,12 @@ def test_popxl_backend_needs_popxl(monkeypatch):
 
 
 def test_inference_model_on_cpu_and_emulator_gives_the_eval_logits():
-    from ipu_unit_scaling import TransformerDecoder
+    from ipu_unit_scaling import GPT
     from ipu_unit_scaling.backends import build_inference_model
     from ipu_unit_scaling.lowering import torch_numerics
 
     torch.manual_seed(0)
-    model = TransformerDecoder(vocab_size=16, hidden_size=8, depth=2, heads=2, seq_len=6,
+    model = GPT(vocab_size=16, hidden_size=8, depth=2, heads=2, seq_len=6,
                                dropout_p=0.5)
     ids = torch.randint(0, 16, (3, 6))
     config = load_config("tiny")

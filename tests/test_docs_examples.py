@@ -238,17 +238,16 @@ def _unit_mlp(block: Block, namespace: Namespace) -> None:
 def _readme_unit(block: Block, namespace: Namespace) -> None:
     """The README's short example: what its comments say, over a few seeds."""
     code = " ".join(block.code.split())
-    for stated in ("weights ~ N(0, 1)", "# std 0.93", "have std 1.05 to 1.1"):
+    for stated in ("weights ~ N(0, 1)", "# std 1.0", "have std 1.15"):
         assert stated in code, f"the check tests {stated!r}; update it with the comment"
     for seed in MLP_SEEDS:
         ns = namespace if seed == 0 else run_block(block, seed)
         layer, x, y = ns["layer"], ns["x"], ns["y"]
         _between(_std(layer.weight), 0.97, 1.03, "initial weight")
         assert abs(layer.weight.mean().item()) < 0.01
-        _between(_std(y), 0.92, 0.945, "y")
-        for name, tensor in (("x.grad", x.grad), ("layer.weight.grad", layer.weight.grad),
-                             ("layer.bias.grad", layer.bias.grad)):
-            _between(_std(tensor), 1.045, 1.105, name)
+        _between(_std(y), 0.98, 1.02, "y")
+        for name, tensor in (("x.grad", x.grad), ("layer.weight.grad", layer.weight.grad)):
+            _between(_std(tensor), 1.125, 1.175, name)
 
 
 @check("readme_fp8")

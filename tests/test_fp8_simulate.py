@@ -132,7 +132,7 @@ def test_unit_scaled_decoder_with_fp8_attention():
     from ipu_unit_scaling.fp8 import FP8UnitScaledLinear
 
     torch.manual_seed(2)
-    model = uu.TransformerDecoder(vocab_size=64, hidden_size=32, depth=1, heads=2, seq_len=16)
+    model = uu.GPT(vocab_size=64, hidden_size=32, depth=1, heads=2, seq_len=16)
     simulate_fp8(model, FP8Config(scaling="static", attention=True))
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert linears and all(isinstance(m, FP8UnitScaledLinear) for m in linears)

@@ -117,7 +117,7 @@ def test_rms_norm_default_eps_and_half_inputs():
 
 
 def test_rms_norm_module_matches_torch_state_and_function():
-    module = uu.RMSNorm(32, eps=1e-6)
+    module = uu.RMSNorm(32, eps=1e-6, elementwise_affine=True)
     assert torch.equal(module.weight, torch.ones(32))
     x = torch.randn(3, 32)
     torch.testing.assert_close(module(x), _rms_norm_reference(x, module.weight, 1e-6))
@@ -165,7 +165,7 @@ def test_gqa_output_and_query_grad_unit_key_value_grads_sqrt_groups(groups, is_c
     kv_heads, seq, width = 2, 256, 32
     out_std, (q, k, v) = run_op(
         lambda q, k, v: U.scaled_dot_product_attention(
-            q, k, v, is_causal=is_causal, enable_gqa=True),
+            q, k, v, is_causal=is_causal, scale=width**-0.5, enable_gqa=True),
         [(2, kv_heads * groups, seq, width), (2, kv_heads, seq, width),
          (2, kv_heads, seq, width)],
     )
@@ -181,10 +181,10 @@ def test_gqa_equals_attention_on_repeated_heads_and_torch():
     q = torch.randn(2, 6, 5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(2, 2, 5, 4, generator=gen, dtype=torch.float64, requires_grad=True)
             for _ in range(2))
-    out = U.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    out = U.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.5, enable_gqa=True)
     k_rep, v_rep = (t.detach().repeat_interleave(3, dim=1).requires_grad_() for t in (k, v))
     q_ref = q.detach().clone().requires_grad_()
-    reference = U.scaled_dot_product_attention(q_ref, k_rep, v_rep, is_causal=True)
+    reference = U.scaled_dot_product_attention(q_ref, k_rep, v_rep, is_causal=True, scale=0.5)
     torch.testing.assert_close(out, reference)
     grad = torch.randn(out.shape, generator=gen, dtype=torch.float64)
     out.backward(grad)

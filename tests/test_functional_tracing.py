@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import ipu_unit_scaling.functional as U
-from ipu_unit_scaling import TransformerDecoder
+from ipu_unit_scaling import GPT
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
 pytestmark = pytest.mark.numerics
@@ -30,7 +30,7 @@ def test_gpt_training_forward_compiles_to_one_graph():
         pytest.skip("needs torch._dynamo.explain(model)(*args) (torch >= 2.1)")
     explain = dynamo.explain
     torch.manual_seed(0)
-    model = TransformerDecoder(vocab_size=16, hidden_size=8, depth=1, heads=2, seq_len=4)
+    model = GPT(vocab_size=16, hidden_size=8, depth=1, heads=2, seq_len=4)
     ids = torch.randint(16, (2, 4))
     result = explain(model)(ids, ids)
     assert result.graph_break_count == 0, [str(r.reason)[:200] for r in result.break_reasons]
@@ -56,9 +56,7 @@ def test_residual_add_broadcasts_and_promotes_like_a_sum(residual_shape, skip_sh
     assert out.dtype == torch.promote_types(torch.float32, skip_dtype)
     assert torch.allclose(out.double(), expected, rtol=1e-3, atol=1e-3)
     out.backward(torch.ones_like(out))
-    # Backwards, the branch passes the gradient through unscaled; the skip scales it.
+    # Backwards, both pass the gradient through unscaled (residual_split scales it).
     uses = torch.ones(out.shape, dtype=torch.float64)
     assert torch.allclose(residual.grad.double(), uses.sum_to_size(residual_shape))
-    assert torch.allclose(
-        skip.grad.double(), skip_weight * uses.sum_to_size(skip_shape), rtol=1e-3
-    )
+    assert torch.allclose(skip.grad.double(), uses.sum_to_size(skip_shape), rtol=1e-3)

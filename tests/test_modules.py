@@ -44,7 +44,7 @@ def grad_stds(model: nn.Module) -> dict:
 
 
 def test_leaf_modules_are_drop_ins_with_unit_init():
-    linear = uu.Linear(256, 64)
+    linear = uu.Linear(256, 64, bias=True)
     assert isinstance(linear, nn.Linear)
     assert abs(linear.weight.std().item() - 1) < 0.05
     assert torch.count_nonzero(linear.bias) == 0
@@ -59,7 +59,7 @@ def test_leaf_modules_are_drop_ins_with_unit_init():
 @pytest.mark.parametrize("shape", [(32, 64, 96), (2048, 96)])
 def test_linear_module_grads_are_unit(shape):
     torch.manual_seed(0)
-    layer = uu.Linear(96, 160, constraint=None)
+    layer = uu.Linear(96, 160, bias=True, constraint=None)
     x = torch.randn(*shape, requires_grad=True)
     out = layer(x)
     out.backward(torch.randn_like(out))
@@ -74,7 +74,7 @@ def test_linear_module_grads_are_unit(shape):
 
 def test_layer_norm_and_embedding_module_grads_are_unit():
     torch.manual_seed(0)
-    norm = uu.LayerNorm(128)
+    norm = uu.LayerNorm(128, elementwise_affine=True)
     x = torch.randn(16, 64, 128) * 3 + 1
     out = norm(x)
     out.backward(torch.randn_like(out))
@@ -108,9 +108,9 @@ def test_mhsa_and_mlp_are_unit():
     torch.manual_seed(0)
     x = torch.randn(8, SEQ, WIDTH, requires_grad=True)
     for module in [
-        uu.MHSA(WIDTH, HEADS, is_causal=True),
-        uu.MHSA(WIDTH, HEADS, is_causal=False),
-        uu.MLP(WIDTH),
+        uu.SelfAttention(WIDTH, HEADS, is_causal=True),
+        uu.SelfAttention(WIDTH, HEADS, is_causal=False),
+        uu.FeedForward(WIDTH),
     ]:
         x.grad = None
         out = module(x)

@@ -168,9 +168,9 @@ MODULES = {
     "GELU": lambda: (nn.Sequential(uu.Linear(8, 8), uu.GELU()), _randn(3, 8)),
     "ReLU": lambda: (nn.Sequential(uu.Linear(8, 8), uu.ReLU()), _randn(3, 8)),
     "Softmax": lambda: (nn.Sequential(uu.Linear(8, 8), uu.Softmax(dim=-1)), _randn(3, 8)),
-    "MHSA": lambda: (uu.MHSA(16, 4), _randn(2, 6, 16)),
-    "MLP": lambda: (uu.MLP(16), _randn(2, 6, 16)),
-    "TransformerLayer": lambda: (uu.TransformerLayer(16, 2, bias=True), _randn(2, 6, 16)),
+    "MHSA": lambda: (uu.SelfAttention(16, 4), _randn(2, 6, 16)),
+    "MLP": lambda: (uu.FeedForward(16), _randn(2, 6, 16)),
+    "TransformerLayer": lambda: (uu.TransformerBlock(16, 2, bias=True), _randn(2, 6, 16)),
     "RMSNorm": lambda: (nn.Sequential(uu.Linear(8, 8), uu.RMSNorm(8)), _randn(3, 8)),
     "SiLU": lambda: (nn.Sequential(uu.Linear(8, 8), uu.SiLU()), _randn(3, 8)),
     "GatedMLP": lambda: (uu.GatedMLP(16, 40), _randn(2, 6, 16)),
@@ -188,9 +188,9 @@ def test_every_module_traced_has_eager_gradients(name):
         assert _relative_error(t, e) < 1e-5, name
 
 
-def _decoder(**kwargs) -> uu.TransformerDecoder:
+def _decoder(**kwargs) -> uu.GPT:
     torch.manual_seed(0)
-    return uu.TransformerDecoder(vocab_size=32, hidden_size=16, depth=2, heads=2, seq_len=8,
+    return uu.GPT(vocab_size=32, hidden_size=16, depth=2, heads=2, seq_len=8,
                                  **kwargs)
 
 

@@ -23,9 +23,9 @@ pytestmark = pytest.mark.ipu
 VOCAB, SEQ = 11, 8
 
 
-def tiny_decoder() -> uu.TransformerDecoder:
+def tiny_decoder() -> uu.GPT:
     torch.manual_seed(0)
-    return uu.TransformerDecoder(vocab_size=VOCAB, hidden_size=16, depth=2, heads=2,
+    return uu.GPT(vocab_size=VOCAB, hidden_size=16, depth=2, heads=2,
                                  seq_len=SEQ)
 
 

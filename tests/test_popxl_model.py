@@ -48,9 +48,9 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def tiny_decoder(bias: bool = False, seed: int = 0) -> uu.TransformerDecoder:
+def tiny_decoder(bias: bool = False, seed: int = 0) -> uu.GPT:
     torch.manual_seed(seed)
-    return uu.TransformerDecoder(vocab_size=VOCAB, hidden_size=16, depth=2, heads=2,
+    return uu.GPT(vocab_size=VOCAB, hidden_size=16, depth=2, heads=2,
                                  seq_len=SEQ, bias=bias)
 
 

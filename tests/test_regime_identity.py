@@ -95,9 +95,9 @@ def assert_unit_scaled(model: nn.Module) -> None:
     assert tables
     for table in tables:
         assert table.residual_add is U.residual_add
-        assert table.scaled_dot_product_attention is U.scaled_dot_product_attention
+        assert table.scaled_dot_product_attention is uu.unit_attention
         assert table.cross_entropy is U.cross_entropy
-        assert table.LayerNorm is uu.LayerNorm and table.Embedding is uu.Embedding
+        assert type(table.LayerNorm(8)) is uu.LayerNorm and table.Embedding is uu.Embedding
     for name, linear in _linears(model):
         assert 0.8 < float(linear.weight.detach().std()) < 1.25, name  # unit initialisation
         # Every linear here has fan_in >= 32: its output scale is at most 32**-0.25 < 0.5.
@@ -110,7 +110,8 @@ def assert_umup(model: nn.Module, kind: str) -> None:
     umup = kind == "u-mup"
     gelus = [table.gelu for table in _ops_tables(model)]
     assert all(isinstance(g, umup_rules.ScaledGELU) == umup for g in gelus)
-    attention_scales = {m.attention_scale for m in model.modules() if isinstance(m, uu.MHSA)}
+    attention_scales = {m.attention_scale for m in model.modules()
+                        if isinstance(m, uu.SelfAttention)}
     logit_scale = getattr(model, "logit_scale", 1.0)
     if not umup:
         assert attention_scales == {None} and logit_scale == 1.0

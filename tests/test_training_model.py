@@ -29,7 +29,7 @@ class StandInBlock(nn.Module):
 
 
 class StandInGPT(nn.Module):
-    """Shaped like ipu_unit_scaling.models.TransformerDecoder (same attributes and forward)."""
+    """Shaped like ipu_unit_scaling.models.GPT (same attributes and forward)."""
 
     def __init__(self, vocab: int = 17, seq_len: int = 8, width: int = 16, depth: int = 4):
         super().__init__()

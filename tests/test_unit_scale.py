@@ -581,7 +581,7 @@ class UnitProjectionAttention(BiasedSelfAttention):
     """Self-attention with unit-scaled projections that each keep unit outputs (constraint
     None), marked as `unit_scale` marks them: the rule's own setting."""
 
-    attention = staticmethod(U.scaled_dot_product_attention)
+    attention = staticmethod(uu.unit_attention)  # torch's logit scale 1/sqrt(head_dim)
 
     def __init__(self, width: int, heads: int, causal: bool) -> None:
         super().__init__(width, heads, causal)

@@ -1,7 +1,7 @@
 """simulate_fp8: swap a model's linear layers (and optionally attention) for FP8 versions."""
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import nn
@@ -26,6 +26,8 @@ class FP8UnitScaledLinear(FP8Linear):
     """
 
     constraint: Optional[str]
+    # `U.linear`'s exponents: (1, 0.5, 0.5) for a `uu.LinearReadout`.
+    scale_power: Tuple[float, float, float] = (0.5, 0.5, 0.5)
     # The `uu.Linear`'s `AttentionProjection`, if unit_scale marked it an attention projection.
     attention_projection: Any = None
 
@@ -34,6 +36,7 @@ class FP8UnitScaledLinear(FP8Linear):
                          site: str = "linear") -> FP8UnitScaledLinear:
         new = cls.from_linear(linear, config, site)
         new.constraint = linear.constraint  # type: ignore[assignment]
+        new.scale_power = getattr(linear, "scale_power", new.scale_power)
         new.attention_projection = getattr(linear, "attention_projection", None)
         return new
 
@@ -44,7 +47,7 @@ class FP8UnitScaledLinear(FP8Linear):
 
         batch_size = max(1, x.numel() // x.shape[-1])
         output_scale, grad_input_scale, grad_weight_scale = U.linear_scales(
-            self.in_features, self.out_features, batch_size, self.constraint)
+            self.in_features, self.out_features, batch_size, self.constraint, self.scale_power)
         # Its gradient is a sum over the batch: unit variance after 1/sqrt(batch).
         bias_scale = batch_size ** -0.5
         rule = self.attention_projection
@@ -83,7 +86,8 @@ def simulate_fp8(model: nn.Module, config: Optional[FP8Config] = None) -> nn.Mod
       whose forward that module never calls). A bare ``nn.Linear`` passed as ``model`` cannot
       be replaced in place: its FP8 version is returned.
     - With ``config.attention``, every module's attention function, an ``attention_fn`` or
-      ``attention`` attribute that is a plain callable (not a submodule), as on ``uu.MHSA``, is
+      ``attention`` attribute that is a plain callable (not a submodule), as on
+      ``uu.SelfAttention``, is
       wrapped to run inside :func:`fp8_attention`: the ``F.scaled_dot_product_attention`` it
       calls (``U.scaled_dot_product_attention`` calls it too, keeping its unit scaling around
       it) runs its two matmuls in FP8.

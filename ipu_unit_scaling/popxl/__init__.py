@@ -5,7 +5,7 @@ The model code (:mod:`.model`, :mod:`.fp8_ops`) is written once against the ``po
 :mod:`.reference` is a torch stand-in for the part of PopXL it uses, on which it is tested here.
 
 - :class:`PopXLTrainingModel`: ``poptorch.trainingModel``'s interface on PopXL.
-- :func:`loss_and_gradients`: one forward and backward pass of a ``uu.TransformerDecoder``.
+- :func:`loss_and_gradients`: one forward and backward pass of a ``uu.GPT``.
 - :func:`popxl_available`: whether ``popxl`` imports.
 
 FP8 AMAX scales come from PopXL ops by default, or (``amax="codelets"``) from the codelets as a

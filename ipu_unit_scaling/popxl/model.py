@@ -1,4 +1,4 @@
-"""The unit-scaled decoder of ``uu.TransformerDecoder``, written in PopXL.
+"""The unit-scaled decoder of ``uu.GPT``, written in PopXL.
 
 Written once against ``xl``: the real ``popxl`` module, or its torch stand-in
 :mod:`ipu_unit_scaling.popxl.reference`. Every unit-scaling rule is the one
@@ -36,7 +36,7 @@ from .. import functional as U
 from ..config import ConfigError
 from ..constraints import ConstraintArg, apply_constraint
 from ..fp8.config import FP8Config
-from ..modules import UNIT_OPS, TransformerDecoder
+from ..modules import GPT, UNIT_OPS
 from .fp8_ops import AMAX_SOURCES, CastSite, FP8LinearBlock
 
 __all__ = ["DecoderSpec", "LayerSpec", "PopXLDecoder", "Tape", "scaled"]
@@ -75,7 +75,7 @@ class LayerSpec:
 
 @dataclass(frozen=True)
 class DecoderSpec:
-    """What the PopXL decoder needs to know about a ``uu.TransformerDecoder``."""
+    """What the PopXL decoder needs to know about a ``uu.GPT``."""
 
     vocab_size: int
     hidden_size: int
@@ -89,10 +89,10 @@ class DecoderSpec:
 
     @classmethod
     def from_module(cls, module: nn.Module) -> DecoderSpec:
-        """Read a ``uu.TransformerDecoder`` (plain or after ``simulate_fp8``); ConfigError if it
+        """Read a ``uu.GPT`` (plain or after ``simulate_fp8``); ConfigError if it
         is something the PopXL decoder does not build."""
-        if not isinstance(module, TransformerDecoder):
-            raise ConfigError([("model", f"the popxl backend builds uu.TransformerDecoder, "
+        if not isinstance(module, GPT):
+            raise ConfigError([("model", f"the popxl backend builds uu.GPT, "
                                          f"not {type(module).__name__}")])
         model: Any = module  # submodules are read by attribute, as the decoder defines them
         if model.ops != UNIT_OPS:  # by value: a deep copy holds an equal Ops
@@ -203,7 +203,7 @@ def _zeros_like(xl: Any, t: Tensor) -> Tensor:
 
 
 class PopXLDecoder:
-    """The unit-scaled ``uu.TransformerDecoder`` as PopXL graphs, FP8 linears when ``fp8``.
+    """The unit-scaled ``uu.GPT`` as PopXL graphs, FP8 linears when ``fp8``.
 
     ``forward(tape, ids, labels, params)`` adds one micro-batch's forward calls to the current
     graph and returns ``(logits, loss)``; ``tape.backward({loss: one})`` then gives every

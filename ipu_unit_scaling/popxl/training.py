@@ -169,7 +169,7 @@ def loss_and_gradients(model: nn.Module, input_ids: torch.Tensor, labels: torch.
                        fp8: Optional[FP8Config] = None, xl: Any = None,
                        device: Optional[str] = None, keep_values: bool = False,
                        amax: str = "ops") -> StepResult:
-    """The loss, logits and every parameter gradient of ``model`` (a ``uu.TransformerDecoder``)
+    """The loss, logits and every parameter gradient of ``model`` (a ``uu.GPT``)
     on one batch, computed by the PopXL decoder: on ``xl`` (default: the real ``popxl``).
     ``amax``: "ops" or "codelets" (see :class:`~.model.PopXLDecoder`)."""
     xl = xl if xl is not None else import_popxl()

@@ -13,7 +13,7 @@ from ..constraints import SharedInputGmean
 from . import export as E
 from . import replacements as R
 
-_ATTENTION_MODULES = (nn.MultiheadAttention, R.UnitMultiheadAttention, uu.MHSA, nn.Softmax)
+_ATTENTION_MODULES = (nn.MultiheadAttention, R.UnitMultiheadAttention, uu.SelfAttention, nn.Softmax)
 
 
 def _share_input_scales(root: nn.Module, graph: fx.Graph) -> None:

@@ -20,6 +20,11 @@ from .. import functional as U
 from .. import modules as uu
 from ..scale import scale_bwd
 
+# The constraint of the ops and modules `unit_scale` puts in: the paper's geometric mean, with
+# which converted models were measured (the ops' own default is unit_scaling's
+# "to_output_scale").
+CONSTRAINT = "gmean"
+
 __all__ = [
     "UnitMultiheadAttention",
     "UnitAttention",
@@ -61,10 +66,11 @@ class UnitMultiheadAttention(nn.Module):
         self.num_heads = source.num_heads
         self.batch_first = source.batch_first
         self.dropout = source.dropout
-        self.q_proj = uu.Linear(embed_dim, embed_dim, bias=bias)
-        self.k_proj = uu.Linear(embed_dim, embed_dim, bias=bias)
-        self.v_proj = uu.Linear(embed_dim, embed_dim, bias=bias)
-        self.out_proj = uu.Linear(embed_dim, embed_dim, bias=source.out_proj.bias is not None)
+        self.q_proj = uu.Linear(embed_dim, embed_dim, bias=bias, constraint=CONSTRAINT)
+        self.k_proj = uu.Linear(embed_dim, embed_dim, bias=bias, constraint=CONSTRAINT)
+        self.v_proj = uu.Linear(embed_dim, embed_dim, bias=bias, constraint=CONSTRAINT)
+        self.out_proj = uu.Linear(embed_dim, embed_dim, bias=source.out_proj.bias is not None,
+                                  constraint=CONSTRAINT)
 
     def forward(
         self,
@@ -93,7 +99,7 @@ class UnitMultiheadAttention(nn.Module):
         out = U.scaled_dot_product_attention(
             q, k, v, attn_mask=allowed,
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=is_causal and allowed is None,
+            is_causal=is_causal and allowed is None, scale=head_dim**-0.5,
         )
         out = self.out_proj(out.transpose(1, 2).reshape(batch, target_len, self.embed_dim))
         if not self.batch_first:
@@ -126,7 +132,7 @@ class UnitAttention(nn.Module):
         self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor] = None,
         is_causal: bool = False, scale: Optional[float] = None, enable_gqa: bool = False,
     ) -> Tensor:
-        return U.scaled_dot_product_attention(
+        return unit_scaled_dot_product_attention(
             query, key, value, attn_mask, self.dropout_p if self.training else 0.0, is_causal,
             scale, enable_gqa,
         )
@@ -159,11 +165,12 @@ class UnitConv1D(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features))
 
     def forward(self, input: Tensor) -> Tensor:
-        return U.linear(input, self.weight.t(), self.bias)
+        return U.linear(input, self.weight.t(), self.bias, CONSTRAINT)
 
 
 def _linear(m: nn.Linear) -> nn.Module:
-    return uu.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+    return uu.Linear(m.in_features, m.out_features, bias=m.bias is not None,
+                     constraint=CONSTRAINT)
 
 
 def _layer_norm(m: nn.LayerNorm) -> nn.Module:
@@ -180,22 +187,26 @@ def _embedding(m: nn.Embedding) -> nn.Module:
     )
 
 
-def _cross_entropy_loss(m: nn.CrossEntropyLoss) -> nn.Module:
-    return uu.CrossEntropyLoss(
-        m.weight, ignore_index=m.ignore_index, reduction=m.reduction,
-        label_smoothing=m.label_smoothing,
-    )
+def _cross_entropy_loss(m: nn.CrossEntropyLoss) -> Optional[nn.Module]:
+    """`uu.CrossEntropyLoss`, keeping a label smoothing (with the one-hot rule's scale); None
+    (not converted) with class weights."""
+    if m.weight is not None:
+        return None
+    new = uu.CrossEntropyLoss(ignore_index=m.ignore_index, reduction=m.reduction)
+    new.label_smoothing = m.label_smoothing
+    return new
 
 
 def _rms_norm(m: nn.Module) -> Optional[nn.Module]:
     """`nn.RMSNorm`, or a model's own RMSNorm class (Llama's and its kin's): a 1-D `weight`
     and an epsilon named `eps` or `variance_epsilon`. None (not converted) for another shape."""
     weight = getattr(m, "weight", None)
-    eps = getattr(m, "eps", getattr(m, "variance_epsilon", None))
+    eps: Optional[float] = getattr(m, "eps", getattr(m, "variance_epsilon", None))
     if isinstance(weight, Tensor) and weight.dim() == 1:
-        return uu.RMSNorm(weight.shape[0], eps=eps)
+        return uu.RMSNorm(weight.shape[0], eps=eps, elementwise_affine=True)
     if isinstance(m, getattr(nn, "RMSNorm", ())) and weight is None:
-        return uu.RMSNorm(m.normalized_shape, eps=m.eps, elementwise_affine=False)
+        shape: Tuple[int, ...] = tuple(m.normalized_shape)  # type: ignore[arg-type]
+        return uu.RMSNorm(shape, eps=eps, elementwise_affine=False)
     return None
 
 
@@ -205,13 +216,14 @@ def module_converters() -> Dict[type, ModuleConverter]:
         nn.Linear: _linear,
         nn.LayerNorm: _layer_norm,
         nn.Embedding: _embedding,
-        nn.GELU: lambda m: uu.GELU(m.approximate),
-        nn.ReLU: lambda m: uu.ReLU(),
-        nn.Softmax: lambda m: uu.Softmax(m.dim if m.dim is not None else -1),
+        nn.GELU: lambda m: uu.GELU(approximate=m.approximate, constraint=CONSTRAINT),
+        nn.ReLU: lambda m: uu.ReLU(constraint=CONSTRAINT),
+        nn.Softmax: lambda m: uu.Softmax(m.dim if m.dim is not None else -1,
+                                         constraint=CONSTRAINT),
         nn.Dropout: lambda m: uu.Dropout(m.p),
         nn.CrossEntropyLoss: _cross_entropy_loss,
         nn.MultiheadAttention: UnitMultiheadAttention,
-        nn.SiLU: lambda m: uu.SiLU(),
+        nn.SiLU: lambda m: uu.SiLU(constraint=CONSTRAINT),
     }
     if hasattr(nn, "RMSNorm"):  # torch >= 2.4
         converters[nn.RMSNorm] = _rms_norm
@@ -228,7 +240,7 @@ def _transformers_modeling_modules() -> List[Any]:
 
 def _gelu_converter(approximate: str) -> ModuleConverter:
     def convert(module: nn.Module) -> nn.Module:
-        return uu.GELU(approximate)
+        return uu.GELU(approximate=approximate, constraint=CONSTRAINT)
 
     return convert
 
@@ -253,7 +265,7 @@ def _transformers_converters() -> Dict[type, ModuleConverter]:
             found[cls] = _gelu_converter(approximate)
     silu = getattr(activations, "SiLUActivation", None) if activations is not None else None
     if isinstance(silu, type):
-        found[silu] = lambda m: uu.SiLU()
+        found[silu] = lambda m: uu.SiLU(constraint=CONSTRAINT)
     # Llama's RMSNorm and the copies of it in other models' files (Mistral, Qwen2, ...).
     for module in _transformers_modeling_modules():
         for name, cls in list(vars(module).items()):
@@ -284,27 +296,27 @@ def scale_preserving_functions() -> Set[Callable[..., Any]]:
 
 
 def unit_gelu(input: Tensor, approximate: str = "none") -> Tensor:
-    return U.gelu(input, approximate)
+    return U.gelu(input, approximate=approximate, constraint=CONSTRAINT)
 
 
 def unit_relu(input: Tensor, inplace: bool = False) -> Tensor:
-    return U.relu(input)
+    return U.relu(input, constraint=CONSTRAINT)
 
 
 def unit_softmax(
     input: Tensor, dim: Optional[int] = None, _stacklevel: int = 3,
     dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
-    return U.softmax(input, -1 if dim is None else dim, dtype)
+    return U.softmax(input, -1 if dim is None else dim, dtype, CONSTRAINT)
 
 
 def unit_silu(input: Tensor, inplace: bool = False) -> Tensor:
-    return U.silu(input)
+    return U.silu(input, constraint=CONSTRAINT)
 
 
 def unit_silu_glu(input: Tensor, gate: Tensor) -> Tensor:
     """`input * silu(gate)` (a SiLU-gated product found in the graph): `U.silu_glu`."""
-    return U.silu_glu(input, gate)
+    return U.silu_glu(input, gate, constraint=CONSTRAINT)
 
 
 def unit_rms_norm(
@@ -315,11 +327,11 @@ def unit_rms_norm(
 
 
 def unit_matmul(input: Tensor, other: Tensor) -> Tensor:
-    return U.matmul(input, other)
+    return U.matmul(input, other, CONSTRAINT)
 
 
 def unit_linear(input: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    return U.linear(input, weight, bias)
+    return U.linear(input, weight, bias, CONSTRAINT)
 
 
 def unit_addmm(
@@ -328,7 +340,7 @@ def unit_addmm(
     """`torch.addmm(bias, x, w)` as a unit-scaled linear of x by w (w is (in, out))."""
     if beta != 1 or alpha != 1:
         raise ValueError("unit_scale converts torch.addmm only with beta=1 and alpha=1")
-    return U.linear(input, weight.t(), bias)
+    return U.linear(input, weight.t(), bias, CONSTRAINT)
 
 
 def unit_layer_norm(
@@ -351,8 +363,10 @@ def unit_scaled_dot_product_attention(
     dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
     enable_gqa: bool = False,
 ) -> Tensor:
+    if scale is None:  # torch's default, not unit_scaling's 1/head_dim
+        scale = query.shape[-1] ** -0.5
     return U.scaled_dot_product_attention(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
     )
 
 
@@ -363,7 +377,7 @@ def unit_cross_entropy(
 ) -> Tensor:
     if size_average is not None or reduce is not None:
         raise ValueError("size_average/reduce are deprecated; use reduction")
-    return U.cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing)
+    return U._cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing)
 
 
 def unit_mse_loss(
@@ -372,16 +386,16 @@ def unit_mse_loss(
 ) -> Tensor:
     if size_average is not None or reduce is not None or weight is not None:
         raise ValueError("size_average/reduce/weight are not supported; use reduction")
-    return U.mse_loss(input, target, reduction)
+    return U.mse_loss(input, target, reduction=reduction)
 
 
 def unit_add(input: Tensor, other: Tensor, *, alpha: float = 1) -> Tensor:
     """A sum of two independent tensors (not a residual): `U.add`."""
-    return U.add(input, other, alpha)
+    return U.add(input, other, alpha=alpha)
 
 
 def unit_sub(input: Tensor, other: Tensor, *, alpha: float = 1) -> Tensor:
-    return U.add(input, other, -alpha)
+    return U.add(input, other, alpha=-alpha)
 
 
 def unit_residual_branch(input: Tensor, tau: float) -> Tensor:
@@ -390,7 +404,9 @@ def unit_residual_branch(input: Tensor, tau: float) -> Tensor:
 
 
 def unit_residual_add(residual: Tensor, skip: Tensor, tau: float) -> Tensor:
-    return U.residual_add(residual, skip, tau)
+    """The join of `unit_residual_branch`: the skip is the stream itself (no split output), so
+    it takes its weight in both passes."""
+    return U._residual_join(residual, skip, tau)
 
 
 def scale_grad(input: Tensor, grad_scale: float) -> Tensor:

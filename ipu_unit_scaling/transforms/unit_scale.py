@@ -25,10 +25,26 @@ model (an input embedding shared with the output layer) stay tied in the copy.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
+import logging
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Union
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Set,
+    TypeVar,
+    Union,
+)
 
 import torch
 import torch.fx as fx
@@ -37,6 +53,7 @@ from torch import nn
 from .. import modules as uu
 from . import export as E
 from . import replacements as R
+from .compose import apply_transform, transforms_of, without_transforms
 from .graph import (
     _between,
     _first_line,
@@ -60,6 +77,8 @@ from .tracing import ArgumentFrame, Inputs, SpecialisedCall, capture_inputs, tra
 __all__ = ["unit_scale", "unit_scale_with_report", "UnitScaleReport", "UnitScaleWarning"]
 
 ModuleKey = Union[str, type]
+M = TypeVar("M", bound=nn.Module)
+logger = logging.getLogger(__name__)
 
 
 class UnitScaleWarning(UserWarning):
@@ -96,7 +115,8 @@ class UnitScaleReport:
 
 # Unit-scaled modules that are already what unit_scale would produce.
 _UNIT_MODULES = (
-    SpecialisedCall, fx.GraphModule, uu.Linear, uu.LayerNorm, uu.Embedding, uu.GELU, uu.ReLU,
+    SpecialisedCall, fx.GraphModule, uu.Linear, uu.Conv1d, uu.LayerNorm, uu.Embedding, uu.GELU,
+    uu.ReLU,
     uu.Softmax, uu.Dropout, uu.CrossEntropyLoss, uu.RMSNorm, uu.SiLU, R.UnitMultiheadAttention,
     R.UnitConv1D, R.UnitAttention,
 )
@@ -110,17 +130,18 @@ _INSERTED = (R.unit_residual_branch, R.unit_residual_add, R.unit_silu_glu)
 
 
 def unit_scale(
-    model: nn.Module,
+    model: M,
     example_inputs: Optional[Sequence[Any]] = None,
     example_kwargs: Optional[Dict[str, Any]] = None,
     *,
     skip: Iterable[ModuleKey] = (),
     replacements: Optional[Mapping[ModuleKey, Callable[[nn.Module], nn.Module]]] = None,
     function_replacements: Optional[Mapping[Any, Callable[..., Any]]] = None,
+    replace: Optional[Mapping[Callable[..., Any], Callable[..., Any]]] = None,
     attn_tau: float = 0.2,
     mlp_tau: float = 0.5,
     seed: int = 0,
-) -> nn.Module:
+) -> M:
     """Return a unit-scaled copy of `model`; `model` itself is not changed.
 
     - `example_inputs` / `example_kwargs`: one call's arguments. They let tracing resolve Python
@@ -132,24 +153,40 @@ def unit_scale(
       replacement from the original module (checked before the built-in conversions).
     - `function_replacements`: torch functions (or method names such as "tanh") mapped to a
       function with the same arguments.
+    - `replace` (unit_scaling's argument): Python functions the model's modules call (by a
+      global name or a closure variable of their `forward`) mapped to a function to trace in
+      their place, as one call, not traced through: `{my_gelu: F.gelu}` makes a hand-written
+      GELU the unit-scaled one. A dict given second is taken as `replace`, as unit_scaling's
+      `unit_scale(module, replace)`.
     - `attn_tau`, `mlp_tau`: branch-to-skip weight ratios of residuals whose branch does / does
       not contain attention.
     - `seed`: the converted weights are drawn from this seed (the caller's RNG is untouched), so
       two conversions of one model are identical.
 
     Ops that could not be converted are listed in a `UnitScaleWarning`.
+
+    Graph transforms applied to `model` before (`transforms.simulate_fp8`, `track_scales`, ...)
+    are applied again to the converted model, after unit scaling: unit scaling comes first.
     """
+    if isinstance(example_inputs, Mapping) and example_kwargs is None and replace is None:
+        example_inputs, replace = None, example_inputs  # unit_scale(module, replace)
+    backends = transforms_of(model)
+    if backends:
+        logger.info("unit scaling the model before its %d graph transform(s)", len(backends))
+        model = without_transforms(copy.deepcopy(model))
     converted, report = unit_scale_with_report(
         model, example_inputs, example_kwargs, skip=skip, replacements=replacements,
-        function_replacements=function_replacements, attn_tau=attn_tau, mlp_tau=mlp_tau,
-        seed=seed,
+        function_replacements=function_replacements, replace=replace, attn_tau=attn_tau,
+        mlp_tau=mlp_tau, seed=seed,
     )
+    for backend in backends:
+        converted = apply_transform(converted, backend)
     if report.unconverted or report.untraceable:
         warnings.warn(
             "unit_scale left some ops unscaled; they run as in the original model:\n"
             + report.summary(), UnitScaleWarning, stacklevel=2,
         )
-    return converted
+    return converted  # type: ignore[return-value]  # a module in place of the model
 
 
 def unit_scale_with_report(
@@ -160,12 +197,30 @@ def unit_scale_with_report(
     skip: Iterable[ModuleKey] = (),
     replacements: Optional[Mapping[ModuleKey, Callable[[nn.Module], nn.Module]]] = None,
     function_replacements: Optional[Mapping[Any, Callable[..., Any]]] = None,
+    replace: Optional[Mapping[Callable[..., Any], Callable[..., Any]]] = None,
     attn_tau: float = 0.2,
     mlp_tau: float = 0.5,
     seed: int = 0,
 ) -> tuple[nn.Module, UnitScaleReport]:
     """`unit_scale` without the warning: returns `(converted_model, report)`."""
     copied = copy.deepcopy(model)
+    with _calls_replaced(copied, dict(replace or {})):
+        return _unit_scale_copy(copied, example_inputs, example_kwargs, skip, replacements,
+                                function_replacements, attn_tau, mlp_tau, seed, model.training)
+
+
+def _unit_scale_copy(
+    copied: nn.Module,
+    example_inputs: Optional[Sequence[Any]],
+    example_kwargs: Optional[Dict[str, Any]],
+    skip: Iterable[ModuleKey],
+    replacements: Optional[Mapping[ModuleKey, Callable[[nn.Module], nn.Module]]],
+    function_replacements: Optional[Mapping[Any, Callable[..., Any]]],
+    attn_tau: float,
+    mlp_tau: float,
+    seed: int,
+    training: bool,
+) -> tuple[nn.Module, UnitScaleReport]:
     captured: Dict[str, Inputs] = {}
     if example_inputs is not None or example_kwargs:
         captured = capture_inputs(copied, tuple(example_inputs or ()), example_kwargs)
@@ -180,8 +235,64 @@ def unit_scale_with_report(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         converted = converter.convert(copied, "")
-    converted.train(model.training)
+    converted.train(training)
     return converted, converter.report
+
+
+def _traced_as_call(target: Callable[..., Any]) -> Callable[..., Any]:
+    """`target`, recorded as one call node when called on traced values."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        proxies = _proxies(args, kwargs)
+        if proxies:
+            return proxies[0].tracer.create_proxy("call_function", target, args, kwargs)
+        return target(*args, **kwargs)
+
+    return call
+
+
+def _proxies(args: Any, kwargs: Any) -> List[fx.Proxy]:
+    found: List[fx.Proxy] = []
+
+    def collect(value: Any) -> Any:
+        if isinstance(value, fx.Proxy):
+            found.append(value)
+        return value
+
+    fx.node.map_aggregate((args, kwargs), collect)
+    return found
+
+
+def _replaced(value: Any, replace: Dict[Callable[..., Any], Callable[..., Any]]) -> bool:
+    return callable(value) and _hashable(value) and value in replace
+
+
+@contextlib.contextmanager
+def _calls_replaced(model: nn.Module, replace: Dict[Callable[..., Any], Callable[..., Any]]
+                    ) -> Iterator[None]:
+    """While tracing `model`: each function in `replace` that a module's `forward` refers to,
+    by a global name or a closure variable, is the traced call of its replacement instead."""
+    restore: List[Callable[[], None]] = []
+    try:
+        if replace:
+            for module in model.modules():
+                forward = getattr(type(module).forward, "__func__", type(module).forward)
+                for name, value in list(getattr(forward, "__globals__", {}).items()):
+                    if _replaced(value, replace):
+                        namespace = forward.__globals__
+                        namespace[name] = _traced_as_call(replace[value])
+                        restore.append(functools.partial(namespace.__setitem__, name, value))
+                for cell in getattr(forward, "__closure__", None) or ():
+                    try:
+                        value = cell.cell_contents
+                    except ValueError:  # an empty cell
+                        continue
+                    if _replaced(value, replace):
+                        cell.cell_contents = _traced_as_call(replace[value])
+                        restore.append(functools.partial(setattr, cell, "cell_contents", value))
+        yield
+    finally:
+        for undo in reversed(restore):
+            undo()
 
 
 class _Converter:

@@ -1,0 +1,117 @@
+"""Composable graph transforms of a module's forward pass, captured by TorchDynamo.
+
+`apply_transform(module, backend)` returns a copy of `module` whose forward pass is captured as
+torch.fx graphs by TorchDynamo the first time it runs, each graph passed through `backend`
+(a `torch.compile` backend: `(graph_module, example_inputs) -> callable`). Applied to a module
+that already carries transforms, the new backend runs after the earlier ones, so transforms nest:
+`compile(simulate_fp8(module))`. The graph is captured again after `torch._dynamo.reset()`, which
+a new transform does on its first call (so many transformed copies of one class never exhaust
+Dynamo's cache of compiled frames).
+
+Captured graphs inline torch.nn modules (TorchDynamo does so from torch 2.1: a linear layer is an
+`F.linear` call); graph breaks give several graphs, each through the backends.
+
+`compile(module)` is the transform that runs TorchInductor last (what `torch.compile` does),
+composable with the others; `torch.compile` itself cannot wrap a transformed module.
+
+These are unit_scaling's transform API; `ipu_unit_scaling.transforms.unit_scale`, this package's
+conversion, traces with torch.fx instead and returns a module that needs no capture.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+
+from torch import Tensor, fx, nn
+
+__all__ = ["Backend", "apply_transform", "transforms_of", "without_transforms", "compile"]
+
+Backend = Callable[[fx.GraphModule, List[Tensor]], Callable[..., Any]]
+M = TypeVar("M", bound=nn.Module)
+
+
+def _dynamo() -> Any:
+    try:
+        import torch._dynamo as dynamo
+    except ImportError as error:  # pragma: no cover - torch builds without Dynamo
+        raise RuntimeError(f"graph transforms need TorchDynamo: {error}") from error
+    return dynamo
+
+
+class _TransformedForward:
+    """The forward of a transformed module: its own forward, captured through `backends`.
+
+    Held in the module's `__dict__` as `forward`; a deep copy of the module gets one bound to
+    the copy, to be captured again.
+    """
+
+    def __init__(self, module: nn.Module, base_forward: Callable[..., Any],
+                 backends: Tuple[Backend, ...]) -> None:
+        self.module = module
+        self.base_forward = base_forward
+        self.backends = backends
+        self._compiled: Optional[Callable[..., Any]] = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._compiled is None:
+            dynamo = _dynamo()
+            dynamo.reset()
+            self._compiled = dynamo.optimize(_composed(self.backends))(self.base_forward)
+        return self._compiled(*args, **kwargs)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> _TransformedForward:
+        module = copy.deepcopy(self.module, memo)
+        base_forward = copy.deepcopy(self.base_forward, memo)  # rebinds to the copy
+        return _TransformedForward(module, base_forward, self.backends)
+
+
+def _composed(backends: Sequence[Backend]) -> Backend:
+    def composite(gm: fx.GraphModule, example_inputs: List[Tensor]) -> Callable[..., Any]:
+        result: Any = gm
+        for backend in backends:
+            result = backend(result, example_inputs)
+        return result  # type: ignore[no-any-return]
+
+    return composite
+
+
+def transforms_of(module: nn.Module) -> Tuple[Backend, ...]:
+    """The backends applied to `module` by `apply_transform`, first to last (none: `()`)."""
+    forward = module.__dict__.get("forward")
+    return forward.backends if isinstance(forward, _TransformedForward) else ()
+
+
+def without_transforms(module: M) -> M:
+    """`module` itself with its own forward again (the transforms dropped), in place."""
+    forward = module.__dict__.get("forward")
+    if isinstance(forward, _TransformedForward):
+        del module.__dict__["forward"]
+    return module
+
+
+def apply_transform(module: M, backend: Backend,
+                    non_recurse_functions: Sequence[Callable[..., Any]] = ()) -> M:
+    """A copy of `module` whose forward graphs pass through `backend` after any earlier
+    transforms' backends (see the module docstring).
+
+    `non_recurse_functions` are captured as single calls (`torch._dynamo.allow_in_graph`)
+    instead of being traced through, so that a backend can find and replace them.
+    """
+    dynamo = _dynamo()
+    copied = copy.deepcopy(module)
+    earlier = transforms_of(copied)
+    without_transforms(copied)
+    for function in non_recurse_functions:
+        dynamo.allow_in_graph(function)
+    copied.__dict__["forward"] = _TransformedForward(copied, copied.forward, (*earlier, backend))
+    return copied
+
+
+def _inductor(gm: fx.GraphModule, example_inputs: List[Tensor]) -> Callable[..., Any]:
+    return _dynamo().lookup_backend("inductor")(gm, example_inputs)  # type: ignore[no-any-return]
+
+
+def compile(module: M) -> M:  # noqa: A001 - unit_scaling's name for it
+    """A copy of `module` compiled by TorchInductor after its other transforms (the
+    composable `torch.compile`); apply it last."""
+    return apply_transform(module, _inductor)
