@@ -5,9 +5,9 @@
 The tests ship inside the library's wheel (``unit_scaling/tests/``). This script fetches the wheel
 with ``pip download`` (or takes ``--wheel``), extracts only the tests into a temporary package,
 points every import of the library at this package, and runs pytest there. Nothing of the
-library's is kept in this repository. It prints one closing line:
+library's is kept in this repository. It prints the failing tests and one closing line:
 
-    unit-scaling 0.3.5 conformance: N passed, N failed, N skipped
+    unit-scaling 0.3.5 conformance: N of its M tests pass here (N fail, N skipped)
 
 Import mapping (names only, no code of the library is used):
 - ``import unit_scaling`` and ``unit_scaling.X`` become ``ipu_unit_scaling`` and
@@ -123,6 +123,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--keep", type=Path, help="extract the tests here and keep them")
     parser.add_argument("--min-passed", type=int, default=0,
                         help="exit 1 when fewer tests pass")
+    parser.add_argument("--verbose", action="store_true", help="print pytest's whole output")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
 
@@ -135,11 +136,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               "--rootdir", str(work), "-o", "addopts=", str(tests),
                               *args.pytest_args]
         result = subprocess.run(command, cwd=work, capture_output=True, text=True)
-        sys.stdout.write(result.stdout)
-        sys.stderr.write(result.stderr)
+        if args.verbose:
+            sys.stdout.write(result.stdout)
+            sys.stderr.write(result.stderr)
+        else:  # which tests fail, not the library's own summary lines
+            sys.stdout.writelines(line + "\n" for line in result.stdout.splitlines()
+                                  if line.startswith(("FAILED ", "ERROR ")))
     counts = count_outcomes(result.stdout)
-    print(f"unit-scaling {VERSION} conformance: {counts['passed']} passed, "
-          f"{counts['failed'] + counts['error']} failed, {counts['skipped']} skipped")
+    total = sum(counts.values())
+    print(f"unit-scaling {VERSION} conformance: {counts['passed']} of its {total} tests pass "
+          f"here ({counts['failed'] + counts['error']} fail, {counts['skipped']} skipped)")
     return 0 if counts["passed"] >= args.min_passed else 1
 
 
