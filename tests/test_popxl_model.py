@@ -328,7 +328,7 @@ def test_the_training_loop_checkpoints_and_resumes_the_popxl_training_model_on_t
         return PopXLTrainingModel(model, optimizer, config, xl=reference, device="ipu_model")
 
     monkeypatch.setattr(train_module, "build_training_model", build)
-    monkeypatch.setattr(train_module, "select_backend", lambda name="auto": "popxl")
+    monkeypatch.setattr(train_module, "select_backend", lambda name="auto", config=None: "popxl")
 
     def config(steps):
         return load_config(None, [

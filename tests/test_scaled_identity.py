@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ipu_unit_scaling import TransformerDecoder
+from ipu_unit_scaling import GPT
 from ipu_unit_scaling.backends import poptorch_ops
 from ipu_unit_scaling.backends.ipu import custom_op
 from ipu_unit_scaling.ipu import check_poptorch, ipu_tracing, trace_like_poptorch
@@ -126,9 +126,9 @@ def test_emulator_accepts_only_the_package_ops_that_have_a_popart_op(monkeypatch
     assert list(report.unsupported) == ["ipu_unit_scaling::scaled_identity"]
 
 
-def small_gpt() -> TransformerDecoder:
+def small_gpt() -> GPT:
     torch.manual_seed(0)
-    return TransformerDecoder(vocab_size=32, hidden_size=16, depth=2, heads=2, seq_len=8)
+    return GPT(vocab_size=32, hidden_size=16, depth=2, heads=2, seq_len=8)
 
 
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
