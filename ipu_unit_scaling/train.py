@@ -953,9 +953,11 @@ def _train(
                 if session.step < training.steps and _crossed(
                         first_step, session.step, training.checkpoint_interval):
                     session.save()
-                # Every rank stops at the step any of them was asked to stop at.
-                stop.signum = agreed_stop(stop.signum)
-                if stop.signum is not None:
+                # Every rank stops at the step any of them was asked to stop at. A signal
+                # that arrives during the agreement stays in stop.signum for the next one.
+                agreed = agreed_stop(stop.signum)
+                if agreed is not None:
+                    stop.signum = agreed
                     if session.saved_step != session.step:
                         session.save(final=True)
                     status = "interrupted"

@@ -279,7 +279,7 @@ def test_sigterm_on_one_rank_stops_every_rank_at_one_step_with_a_checkpoint(
     try:
         _wait_for_rows(run_dir, 2, ranks)
         ranks[0].send_signal(signal.SIGSTOP)  # (holds the run where it is)
-        assert _metric_rows(run_dir) < STEPS - 1
+        assert _metric_rows(run_dir) < STEPS - 2  # room for the stop to be agreed on
         ranks[1].send_signal(signal.SIGTERM)
         ranks[0].send_signal(signal.SIGCONT)
     finally:
