@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, NoReturn, Optional, Sequence, Tuple
 
 from . import __version__
-from .config import CONFIGS_DIR, MAX_SEED, REGIMES, Config, ConfigError, load_config
+from .config import (
+    CONFIGS_DIR,
+    MAX_SEED,
+    REGIMES,
+    Config,
+    ConfigError,
+    load_config,
+    setting_differences,
+)
 
 MODEL_KINDS = ("plain", "unit", "u-mup")  # as ipu_unit_scaling.train.MODEL_KINDS
 
@@ -460,7 +468,7 @@ def _regime_plan(config: Config, regime: str, regime_dir: Path, corpus: Any) -> 
     summary = read_json(regime_dir / SUMMARY_FILE)
     if not has_checkpoint and summary is None:
         return cfg, "start"  # new, or killed before anything worth keeping
-    differences = _differences(load_run_config(regime_dir).to_dict(), cfg.to_dict())
+    differences = setting_differences(load_run_config(regime_dir).to_dict(), cfg.to_dict())
     if summary is not None and summary.get("data_sha256") != corpus.sha256:
         differences.append(f"data: {corpus.source} is not the text it trained on")
     if differences:
@@ -474,21 +482,6 @@ def _regime_plan(config: Config, regime: str, regime_dir: Path, corpus: Any) -> 
                                 summary.get("steps") == cfg.training.steps):  # type: ignore
         return cfg, "reuse"
     return cfg, "resume" if has_checkpoint else "start"
-
-
-def _differences(saved: Dict[str, Any], wanted: Dict[str, Any], prefix: str = "") -> List[str]:
-    """``key: saved -> wanted`` for each setting that differs (the compare section aside: it
-    holds no setting of one regime's run)."""
-    found = []
-    for key in sorted(set(saved) | set(wanted)):
-        if not prefix and key == "compare":
-            continue
-        old, new = saved.get(key), wanted.get(key)
-        if isinstance(old, dict) and isinstance(new, dict) and not prefix:
-            found += _differences(old, new, key + ".")
-        elif old != new:
-            found.append(f"{prefix}{key}: {old!r} -> {new!r}")
-    return found
 
 
 def _run_regimes(plans: Sequence[Any], run_dir: Path, quiet: bool) -> List[Dict[str, Any]]:

@@ -803,3 +803,19 @@ def scheduled_learning_rate(training: TrainingConfig, step: int) -> float:
     decay_steps = max(1, training.steps - warmup)
     progress = min(1.0, (step - warmup) / decay_steps)
     return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def setting_differences(saved: Dict[str, Any], wanted: Dict[str, Any],
+                        prefix: str = "") -> List[str]:
+    """``key: saved -> wanted`` for each setting of two config dicts that differs (the compare
+    section aside: it holds no setting of one run)."""
+    found = []
+    for key in sorted(set(saved) | set(wanted)):
+        if not prefix and key == "compare":
+            continue
+        old, new = saved.get(key), wanted.get(key)
+        if isinstance(old, dict) and isinstance(new, dict) and not prefix:
+            found += setting_differences(old, new, key + ".")
+        elif old != new:
+            found.append(f"{prefix}{key}: {old!r} -> {new!r}")
+    return found

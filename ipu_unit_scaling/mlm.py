@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from . import modules as uu
-from .config import BACKEND_NAMES, Config
+from .config import BACKEND_NAMES, Config, setting_differences
 from .encoder import BertStyleEncoder
 from .fp8 import NonFiniteAmaxError
 from .precision import REGIME_SETTINGS
@@ -376,7 +376,7 @@ def _plan(wanted: Config, config: MLMConfig, directory: Path, data_sha256: str) 
         return "replace"
     if not has_checkpoint and summary is None:
         return "start"  # new, or killed before anything worth keeping
-    differences = _differences(load_run_config(directory).to_dict(), wanted.to_dict())
+    differences = setting_differences(load_run_config(directory).to_dict(), wanted.to_dict())
     task, saved_task = _task(config), read_task(directory)
     if saved_task.settings() != task.settings():
         differences.append(f"task: {saved_task.settings()} -> {task.settings()}")
@@ -394,21 +394,6 @@ def _plan(wanted: Config, config: MLMConfig, directory: Path, data_sha256: str) 
             status == "completed" and summary.get("steps") == wanted.training.steps)):
         return "reuse"
     return "resume" if has_checkpoint else "start"
-
-
-def _differences(saved: Dict[str, Any], wanted: Dict[str, Any], prefix: str = "") -> List[str]:
-    """``key: saved -> wanted`` for each setting that differs (the compare section aside: it
-    holds no setting of one run)."""
-    found = []
-    for key in sorted(set(saved) | set(wanted)):
-        if not prefix and key == "compare":
-            continue
-        old, new = saved.get(key), wanted.get(key)
-        if isinstance(old, dict) and isinstance(new, dict) and not prefix:
-            found += _differences(old, new, key + ".")
-        elif old != new:
-            found.append(f"{prefix}{key}: {old!r} -> {new!r}")
-    return found
 
 
 def _write_comparison(config: MLMConfig, regimes: Sequence[str], seeds: Sequence[int],
