@@ -18,7 +18,7 @@ class BuildHostLibrary(build_ext):
     """
 
     def get_ext_filename(self, fullname: str) -> str:
-        # Not a Python extension module: a fixed name that ipu_unit_scaling._host looks for.
+        # Not a Python extension module: a fixed name that ipu_unit_scaling.fp8.host_library looks for.
         return os.path.join(*fullname.split(".")) + ".so"
 
     def build_extension(self, ext: Extension) -> None:
@@ -31,7 +31,7 @@ class BuildHostLibrary(build_ext):
 
 
 host_library = Extension(
-    "ipu_unit_scaling._fp8_host",
+    "ipu_unit_scaling.fp8._fp8_host",
     sources=["codelets/host/fp8_host.cpp"],
     include_dirs=["codelets/host_shim"],
     depends=["codelets/fp8_codelets.cpp", "codelets/fp8_arith.hpp", "codelets/partition.hpp",
@@ -77,7 +77,7 @@ setup(
         # mkdocs.yml's site: the guide in docs/ and the API reference from the docstrings.
         "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
     },
-    entry_points={"console_scripts": ["ipu-unit-scaling=ipu_unit_scaling.cli:command"]},
+    entry_points={"console_scripts": ["ipu-unit-scaling=ipu_unit_scaling.apps.cli:command"]},
     # Named configs for installs without a source checkout (see config.CONFIGS_DIR).
     data_files=[("share/ipu-unit-scaling/configs", sorted(glob.glob("configs/*.yaml")))],
     ext_modules=[host_library],

@@ -13,8 +13,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 from torch.utils import benchmark
 
-from ipu_unit_scaling import _host
 from ipu_unit_scaling.fp8 import F143, cast_to_fp8, cast_to_fp8_reference
+from ipu_unit_scaling.fp8 import host_library as _host
 
 EAGER = "torch eager (abs, max, log2, mul, clamp, cast)"
 FUSED = "fused host (cast_to_fp8)"

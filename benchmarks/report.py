@@ -76,8 +76,8 @@ COMPARISON_NOTES = [
     "forward, E5M2 backward, stochastic rounding, through a TorchDynamo graph rewrite), so it "
     "is the counterpart of the static row only, against its own FP32 build.",
     "FP8 rows with the host library off run the same step inside "
-    "`ipu_unit_scaling._host.disabled()`, as an install without a C++ compiler would: FP8 "
-    "values come from torch's float8 round trip instead of the fused kernel.",
+    "`ipu_unit_scaling.fp8.host_library.disabled()`, as an install without a C++ compiler "
+    "would: FP8 values come from torch's float8 round trip instead of the fused kernel.",
     "The width sweep builds the same GPT at each width with its other sizes fixed (depth, "
     "sequence, batch as stated in the row), fewer rounds than the main rows: it shows the trend "
     "of the unit-scaling and FP8 overheads with the model's size, not a target.",

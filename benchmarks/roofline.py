@@ -57,13 +57,13 @@ HEADER = ["kernel", "threads", "variant", "Melem/s", "GB/s moved", "of copy boun
 
 def available() -> Optional[str]:
     """None when the host library is there, else why the roofline cannot be measured."""
-    from ipu_unit_scaling import _host
+    from ipu_unit_scaling.fp8 import host_library as _host
 
     return None if _host.fused_cast_available() else _host.fast_path_status()
 
 
 def _kernels(x: torch.Tensor) -> Dict[str, Callable[[], object]]:
-    from ipu_unit_scaling import _host
+    from ipu_unit_scaling.fp8 import host_library as _host
 
     # Outputs allocated once: the kernels are measured, not the allocator (a fresh 64 MiB
     # buffer is mapped page by page on first touch, which costs more than the kernel).
@@ -81,7 +81,7 @@ def _kernels(x: torch.Tensor) -> Dict[str, Callable[[], object]]:
 
 def _with_tuning(step: Callable[[], object], block: int = -1,
                  simd: int = -1) -> Callable[[], object]:
-    from ipu_unit_scaling import _host
+    from ipu_unit_scaling.fp8 import host_library as _host
 
     def tuned() -> object:
         _host.fused_tuning(block, simd)
@@ -122,7 +122,7 @@ def measure(n: int = 16 << 20, threads: Sequence[int] = (), rounds: int = 7,
             ) -> List[RooflineRow]:
     """Every kernel at each thread count (default 1 and all cores), AVX2 and portable, and the
     amax + cast at each block size on all cores. Needs the host library."""
-    from ipu_unit_scaling import _host
+    from ipu_unit_scaling.fp8 import host_library as _host
 
     threads = list(threads) or sorted({1, os.cpu_count() or 1})
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))

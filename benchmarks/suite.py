@@ -218,7 +218,7 @@ def _fp8_rows(results: Results, settings: Settings, names: List[str]) -> None:
 
 def _without_host_library(step: Callable[[], object]) -> Callable[[], object]:
     """`step` as an install without a C++ compiler runs it: no host library."""
-    from ipu_unit_scaling import _host
+    from ipu_unit_scaling.fp8 import host_library as _host
 
     def no_host() -> object:
         with _host.disabled():
@@ -228,8 +228,8 @@ def _without_host_library(step: Callable[[], object]) -> Callable[[], object]:
 
 
 def _no_host_note() -> str:
-    from ipu_unit_scaling import _host
     from ipu_unit_scaling.fp8 import F143
+    from ipu_unit_scaling.fp8 import host_library as _host
     from ipu_unit_scaling.fp8.values import values_path
 
     with _host.disabled():
@@ -318,7 +318,7 @@ def _memory_rows(results: Results, settings: Settings, names: List[str]) -> None
 def _cast_path() -> str:
     """Which CPU cast the FP8 rows used: the compiled host cast or the pure-torch one."""
     try:
-        from ipu_unit_scaling import _host  # type: ignore[attr-defined]
+        from ipu_unit_scaling.fp8 import host_library as _host
     except ImportError:
         return "pure torch (no host cast in this version)"
     return str(_host.fast_path_status())

@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
+from ipu_unit_scaling.scale import scale
 
 from ipu_unit_scaling import GPT
 from ipu_unit_scaling.ipu import ipu_tracing, trace_like_poptorch
-from ipu_unit_scaling.scale import scale
-from ipu_unit_scaling.scaled_identity import composite_scales
+from ipu_unit_scaling.ops.scaled_identity import composite_scales
 
 from .measure import time_interleaved
 from .variants import OURS, TORCH, Shape, build_model, make_batch

@@ -7,8 +7,13 @@ subset of this one: code written for it runs with only its import changed.
 """
 from __future__ import annotations
 
-from . import constraints, core, formats, functional, optim, parameter
-from .blocks import (
+from . import _moved  # noqa: F401  (keeps the old import paths of moved modules working)
+
+# isort: split
+from . import core
+from .fp8 import generic_formats as formats
+from .modules import mup_parameter as parameter
+from .modules.depth_blocks import (
     MHSA,
     MLP,
     DepthModuleList,
@@ -17,8 +22,7 @@ from .blocks import (
     TransformerLayer,
     TransformerStack,
 )
-from .core.functional import transformer_residual_scaling_rule
-from .modules import (
+from .modules.layers import (
     GELU,
     GPT,
     TORCH_OPS,
@@ -42,8 +46,12 @@ from .modules import (
     TransformerBlock,
     unit_attention,
 )
-from .parameter import MupType, Parameter
-from .scale import scale, scale_bwd, scale_fwd
+from .modules.mup_parameter import MupType, Parameter
+from .ops import scale_constraints as constraints
+from .ops import unit_ops as functional
+from .ops.op_helpers import transformer_residual_scaling_rule
+from .ops.scaling_primitive import scale, scale_bwd, scale_fwd
+from .parametrization import mup_optimizers as optim
 
 __version__ = "0.1.0"
 

@@ -1,5 +1,5 @@
 """``python -m ipu_unit_scaling`` is the ``ipu-unit-scaling`` command (and what torchrun runs:
 ``torchrun --nproc-per-node N -m ipu_unit_scaling train ...``)."""
-from .cli import command
+from .apps.cli import command
 
 command()

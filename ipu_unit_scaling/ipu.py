@@ -1,7 +1,7 @@
 """Running on IPUs: the PopTorch switch and the check to run before spending IPU time.
 
 - :func:`ipu_tracing`: inside it every op of the package takes its PopTorch form (see
-  :mod:`ipu_unit_scaling.tracing`). The IPU backends enter it around PopTorch's trace, and
+  :mod:`ipu_unit_scaling.ops.trace_switch`). The IPU backends enter it around PopTorch's trace, and
   the emulator does the same.
 - :func:`check_poptorch`: traces a model the way PopTorch does, with no SDK, and reports
   what PopTorch would refuse (host reads, moves to the CPU, float8 tensors, arguments its
@@ -11,14 +11,14 @@
 """
 from __future__ import annotations
 
-from .backends.emulator import (
+from .backends.poptorch_emulator import (
     PopTorchError,
     PopTorchReport,
     PopTorchTrace,
     check_poptorch,
     trace_like_poptorch,
 )
-from .tracing import ipu_tracing, is_ipu_tracing
+from .ops.trace_switch import ipu_tracing, is_ipu_tracing
 
 __all__ = [
     "ipu_tracing", "is_ipu_tracing", "check_poptorch", "trace_like_poptorch", "PopTorchError",

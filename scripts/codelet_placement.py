@@ -2,7 +2,8 @@
 
     python scripts/codelet_placement.py [--rows 1024] [--cols 4096] [--graphs 60]
 
-Builds the host model of the graph (``ipu_unit_scaling.emulator.graph_model``, driven by the
+Builds the host model of the graph (``ipu_unit_scaling.fp8.codelet_emulator.graph_model``, driven
+by the
 C++ placement plan of ``codelets/placement.hpp``) and of the earlier graph
 (``flat_graph_model``) for a float16 ``rows x cols`` input of ``Fp8Quantise`` on a 1472-tile
 IPU, laid out as a matmul lays out its operand (16 x 92 blocks, one per tile) or in the
@@ -17,8 +18,8 @@ from typing import List
 
 import torch
 
-from ipu_unit_scaling import emulator
 from ipu_unit_scaling.fp8 import F143, cast_to_fp8_reference
+from ipu_unit_scaling.fp8 import codelet_emulator as emulator
 
 HEADER = ("| layout of x | graph | busiest tile | vertices | edges | remote edges | bytes in "
           "| x elements exchanged | most elements cast on a tile |\n"

@@ -13,7 +13,7 @@ import argparse
 import sys
 import time
 
-from ipu_unit_scaling import _host
+from ipu_unit_scaling.fp8 import host_library as _host
 
 
 def main() -> int:

@@ -1,5 +1,5 @@
-"""Write ``ipu_unit_scaling/poptorch_lowering.py``: what PopTorch lowers each ATen op of this
-project's models to, read from a poptorch checkout.
+"""Write ``ipu_unit_scaling/ops/poptorch_lowering_table.py``: what PopTorch lowers each ATen op
+of this project's models to, read from a poptorch checkout.
 
     python scripts/poptorch_lowering.py PATH_TO_POPTORCH_CHECKOUT [--check]
 
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
-TABLE = REPO / "ipu_unit_scaling" / "poptorch_lowering.py"
+TABLE = REPO / "ipu_unit_scaling" / "ops" / "poptorch_lowering_table.py"
 CANONICALIZATION = "poptorch/source/popart_canonicalization"
 
 VERDICTS = ("same", "differs", "random", "stochastic-rounding", "constant")
@@ -309,7 +309,7 @@ def ops_poptorch_sees(module: Any, *inputs: Any) -> Set[str]:
     from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from ipu_unit_scaling.tracing import ipu_tracing
+    from ipu_unit_scaling.ops.trace_switch import ipu_tracing
 
     dropouts = {F.dropout: "dropout", torch.dropout: "dropout",
                 torch.ops.aten.dropout.default: "dropout",
@@ -346,10 +346,10 @@ def project_models(hugging_face: bool = True) -> Iterator[Tuple[str, Any, Tuple[
     False leaves out the Hugging Face models."""
     import torch
 
+    from ipu_unit_scaling.apps.mlm import MLM_ALLOWED_REGIMES, MLMConfig, build_encoder
     from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
-    from ipu_unit_scaling.mlm import MLM_ALLOWED_REGIMES, MLMConfig, build_encoder
     from ipu_unit_scaling.models import GPTConfig, build_gpt
-    from ipu_unit_scaling.precision import simulate_fp16
+    from ipu_unit_scaling.training.precision import simulate_fp16
 
     precisions = {"fp32": None, "fp16": "fp16", "fp8-amax": FP8Config(),
                   "fp8-static": FP8Config(scaling="static"),
@@ -434,7 +434,7 @@ def traced_ops() -> Set[str]:
     for _, module, inputs in project_models():
         ops |= ops_poptorch_sees(module, *inputs)
     try:
-        from ipu_unit_scaling.poptorch_lowering import LOWERINGS
+        from ipu_unit_scaling.ops.poptorch_lowering_table import LOWERINGS
     except ImportError:
         return ops
     return ops | set(LOWERINGS)

@@ -11,7 +11,7 @@ def _step_losses(config, backend: str, calls: int) -> torch.Tensor:
     """Per-step losses of ``calls`` training-model calls of the config's GPT on ``backend``,
     from the same seed and the same random token batches whatever the backend."""
     from ipu_unit_scaling.backends import build_training_model, make_optimizer
-    from ipu_unit_scaling.train import build_model
+    from ipu_unit_scaling.loop.training_loop import build_model
 
     torch.manual_seed(0)
     model = build_model(config)

@@ -10,14 +10,14 @@ import torch
 
 from ipu_unit_scaling import backends
 from ipu_unit_scaling.backends import BACKEND_ENV, BackendError, select_backend
-from ipu_unit_scaling.backends.ipu.options import (
+from ipu_unit_scaling.backends.poptorch.poptorch_options import (
     New,
     OptionCall,
     Ref,
     apply_option_calls,
     option_calls,
 )
-from ipu_unit_scaling.config import load_config
+from ipu_unit_scaling.training.run_config import load_config
 
 
 def fake_poptorch(hardware: bool) -> types.SimpleNamespace:
@@ -55,8 +55,10 @@ def test_package_imports_without_poptorch():
     code = (
         "import sys; sys.modules['poptorch'] = None\n"
         "import ipu_unit_scaling, ipu_unit_scaling.backends, ipu_unit_scaling.ipu\n"
-        "import ipu_unit_scaling.backends.ipu.training, ipu_unit_scaling.backends.emulator\n"
-        "import ipu_unit_scaling.backends.ipu.options, ipu_unit_scaling.backends.distributed\n"
+        "import ipu_unit_scaling.backends.poptorch.poptorch_training\n"
+        "import ipu_unit_scaling.backends.poptorch_emulator\n"
+        "import ipu_unit_scaling.backends.poptorch.poptorch_options\n"
+        "import ipu_unit_scaling.backends.distributed\n"
         "from ipu_unit_scaling.backends import select_backend\n"
         "assert select_backend('auto') == 'cpu'\n"
     )
@@ -142,7 +144,7 @@ def test_popxl_backend_needs_popxl(monkeypatch):
 def test_inference_model_on_cpu_and_emulator_gives_the_eval_logits():
     from ipu_unit_scaling import GPT
     from ipu_unit_scaling.backends import build_inference_model
-    from ipu_unit_scaling.lowering import torch_numerics
+    from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
 
     torch.manual_seed(0)
     model = GPT(vocab_size=16, hidden_size=8, depth=2, heads=2, seq_len=6,

@@ -15,9 +15,9 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from ipu_unit_scaling.cli import main
-from ipu_unit_scaling.config import REGIMES
-from ipu_unit_scaling.train import load_checkpoint, read_metrics
+from ipu_unit_scaling.apps.cli import main
+from ipu_unit_scaling.loop.training_loop import load_checkpoint, read_metrics
+from ipu_unit_scaling.training.run_config import REGIMES
 
 ROOT = Path(__file__).resolve().parent.parent
 # The tiny config on one stage with one micro-batch per step: the fastest deterministic run.
@@ -85,7 +85,7 @@ def _wait_for(path: Path, process: subprocess.Popen, timeout: float = 60.0) -> N
 def _train_process(*argv: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.Popen(
-        [sys.executable, "-m", "ipu_unit_scaling.cli", "train", *argv],
+        [sys.executable, "-m", "ipu_unit_scaling.apps.cli", "train", *argv],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
 
@@ -254,7 +254,7 @@ def test_scale_report_and_analyse_write_their_files(capsys, tmp_path):
 
 
 def test_compare_bert_trains_every_regime_and_seed(tmp_path, capsys):
-    from ipu_unit_scaling.cli import main
+    from ipu_unit_scaling.apps.cli import main
 
     status = main(["compare", "--model", "bert", "--regimes", "fp32", "unit-fp8", "--seeds",
                    "2", "--set", "mlm.steps=10", "mlm.hidden_size=32", "mlm.depth=1",
@@ -273,7 +273,7 @@ def test_compare_bert_trains_every_regime_and_seed(tmp_path, capsys):
     (["--seeds", "0"], "expected a positive integer"),
 ])
 def test_compare_bert_arguments_are_checked(arguments, message, capsys):
-    from ipu_unit_scaling.cli import main
+    from ipu_unit_scaling.apps.cli import main
 
     assert main(["compare", *arguments]) == 2
     assert message in capsys.readouterr().err
@@ -286,8 +286,8 @@ def test_compare_help_describes_every_regime_it_accepts(capsys):
     for regime in REGIMES:
         assert f"{regime} (" in described, regime
 
-    from ipu_unit_scaling.cli import REGIME_HELP
-    from ipu_unit_scaling.precision import REGIME_SETTINGS
+    from ipu_unit_scaling.apps.cli import REGIME_HELP
+    from ipu_unit_scaling.training.precision import REGIME_SETTINGS
 
     assert set(REGIME_HELP) == set(REGIME_SETTINGS) == set(REGIMES)
 
@@ -345,7 +345,7 @@ def test_analyse_table_keeps_the_layer_of_every_op():
 
 @pytest.mark.parametrize("loss", [0.002, 3.0, 1234.0, 123456.0, 1e30])
 def test_loss_figures_keep_their_labels_inside(tmp_path, monkeypatch, loss):
-    from ipu_unit_scaling.plots import plot_compare, plot_run
+    from ipu_unit_scaling.training.plots import plot_compare, plot_run
 
     metrics = tmp_path / "metrics.csv"
     metrics.write_text("step,lr,train_loss,val_loss,tokens_per_s,elapsed_s\n" + "".join(
@@ -363,7 +363,7 @@ def test_loss_figures_keep_their_labels_inside(tmp_path, monkeypatch, loss):
 @pytest.mark.parametrize("command", ["compare", "sweep"])
 def test_help_in_an_ascii_terminal_escapes_what_it_cannot_show(command):
     result = subprocess.run(
-        [sys.executable, "-m", "ipu_unit_scaling.cli", command, "--help"], cwd=ROOT,
+        [sys.executable, "-m", "ipu_unit_scaling.apps.cli", command, "--help"], cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=str(ROOT), PYTHONIOENCODING="ascii"),
         capture_output=True, timeout=120,
     )

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import ipu_unit_scaling
-from ipu_unit_scaling.cli import build_parser, main
+from ipu_unit_scaling.apps.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 

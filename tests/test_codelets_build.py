@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ipu_unit_scaling.popxl import codelets
+from ipu_unit_scaling.backends.popxl import codelets
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_POPC = """#!/bin/sh

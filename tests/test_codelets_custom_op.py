@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ipu_unit_scaling.backends.ipu import custom_op
+from ipu_unit_scaling.backends.poptorch import fp8_custom_op as custom_op
 from ipu_unit_scaling.fp8 import F143, F152, NonFiniteAmaxError, cast_to_fp8_reference
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).

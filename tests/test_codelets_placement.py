@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from ipu_unit_scaling import _host, emulator
 from ipu_unit_scaling.fp8 import F143, F152, NonFiniteAmaxError, cast_to_fp8_reference
+from ipu_unit_scaling.fp8 import codelet_emulator as emulator
+from ipu_unit_scaling.fp8 import host_library as _host
 
 pytestmark = pytest.mark.numerics
 

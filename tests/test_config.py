@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ipu_unit_scaling.config import (
+from ipu_unit_scaling.training.run_config import (
     CONFIGS_DIR,
     Config,
     ConfigError,
@@ -214,9 +214,9 @@ def test_learning_rate_schedule():
 
 
 def test_model_and_fp8_sections_are_the_library_config_classes():
-    from ipu_unit_scaling.config import ModelConfig, PrecisionConfig
     from ipu_unit_scaling.fp8 import FP8Config
     from ipu_unit_scaling.models import GPTConfig
+    from ipu_unit_scaling.training.run_config import ModelConfig, PrecisionConfig
 
     assert ModelConfig is GPTConfig
     config = load_config("tiny", ["precision.fp8.gradient_margin=5", "model.bias=true"])
@@ -247,7 +247,7 @@ def test_warmup_longer_than_the_run_is_clamped():
 
 
 def test_exponent_notation_is_a_float_in_mappings_too():
-    from ipu_unit_scaling.config import load_config
+    from ipu_unit_scaling.training.run_config import load_config
 
     config = load_config(None, ["compare.learning_rates.fp32=1e-3", "training.learning_rate=2e-3"])
     assert config.compare.learning_rates["fp32"] == 1e-3
@@ -340,8 +340,8 @@ def test_a_set_value_means_what_was_typed_or_is_refused_in_one_line(row):
 
 
 def test_the_set_table_reaches_the_command_line_and_bert_settings(tmp_path, capsys):
-    from ipu_unit_scaling.cli import main
-    from ipu_unit_scaling.mlm import MLMConfig
+    from ipu_unit_scaling.apps.cli import main
+    from ipu_unit_scaling.apps.mlm import MLMConfig
 
     assert main(["train", "--config", "tiny", "--set", "training.steps=010",
                  "--run-dir", str(tmp_path / "run")]) == 2

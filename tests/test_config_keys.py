@@ -13,13 +13,13 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-import ipu_unit_scaling.plots
-from ipu_unit_scaling import cli
-from ipu_unit_scaling import train as train_module
+import ipu_unit_scaling.training.plots
+from ipu_unit_scaling.apps import cli
 from ipu_unit_scaling.backends import BackendError, build_training_model, make_optimizer
-from ipu_unit_scaling.config import Config, load_config
-from ipu_unit_scaling.data import DataError
-from ipu_unit_scaling.train import build_model, read_metrics, regime_config, train
+from ipu_unit_scaling.loop import training_loop as train_module
+from ipu_unit_scaling.loop.training_loop import build_model, read_metrics, regime_config, train
+from ipu_unit_scaling.training.data import DataError
+from ipu_unit_scaling.training.run_config import Config, load_config
 
 BASE = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1",
         "training.steps=4", "training.eval_interval=4", "training.eval_batches=1",
@@ -84,7 +84,7 @@ def _stages(tmp_path: Path, monkeypatch: Any, overrides: List[str]) -> Any:
 
 
 def _options(tmp_path: Path, monkeypatch: Any, overrides: List[str]) -> Any:
-    from ipu_unit_scaling.backends.ipu.options import option_calls
+    from ipu_unit_scaling.backends.poptorch.poptorch_options import option_calls
 
     return option_calls(_config(*overrides))
 
@@ -236,7 +236,7 @@ def test_every_key_of_the_schema_has_a_row():
 
 @pytest.mark.parametrize("key", sorted(KEYS))
 def test_changing_the_key_changes_what_happens(key, tmp_path, monkeypatch):
-    monkeypatch.setattr(ipu_unit_scaling.plots, "plot_run", lambda *args, **kwargs: None)
+    monkeypatch.setattr(ipu_unit_scaling.training.plots, "plot_run", lambda *args, **kwargs: None)
     value, observe, shared = KEYS[key]
     if key == "training.checkpoint_dir":
         value = str(tmp_path / "elsewhere")

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
-from ipu_unit_scaling.data import (
+from ipu_unit_scaling.training.data import (
     CharTokenizer,
     DataError,
     embedded_corpus,

@@ -23,8 +23,8 @@ import torch
 
 from ipu_unit_scaling.backends import BACKEND_ENV, BackendError, select_backend
 from ipu_unit_scaling.backends.distributed import check_launch
-from ipu_unit_scaling.config import load_config, scheduled_learning_rate
-from ipu_unit_scaling.rundir import RunLock, load_checkpoint, read_metrics
+from ipu_unit_scaling.training.run_config import load_config, scheduled_learning_rate
+from ipu_unit_scaling.training.run_directory import RunLock, load_checkpoint, read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 12
@@ -164,7 +164,7 @@ def _assert_close_rows(got: List[Dict[str, str]], expected: List[Dict[str, str]]
 
 
 def _single_process(text: Path, run_dir: Path, settings: Sequence[str]) -> Path:
-    from ipu_unit_scaling.train import train
+    from ipu_unit_scaling.loop.training_loop import train
 
     config = load_config("tiny", list(settings))
     config.data.path = str(text)
@@ -195,7 +195,7 @@ def test_data_parallel_run_has_the_losses_of_one_process(data_parallel_run, text
 
 
 def test_evaluate_and_sample_read_a_distributed_run(data_parallel_run, tmp_path, capsys):
-    from ipu_unit_scaling.cli import main
+    from ipu_unit_scaling.apps.cli import main
 
     summary = json.loads((data_parallel_run / "summary.json").read_text())
     assert main(["evaluate", str(data_parallel_run), "--precision", "fp32", "fp8-amax",
@@ -295,7 +295,7 @@ def test_sigterm_on_one_rank_stops_every_rank_at_one_step_with_a_checkpoint(
     assert not elsewhere.exists()
 
     # It resumes on one process, with the losses of the uninterrupted run.
-    from ipu_unit_scaling.train import train
+    from ipu_unit_scaling.loop.training_loop import train
 
     train(None, run_dir, resume=True, quiet=True)
     _assert_close_rows(_rows(run_dir), _rows(data_parallel_run))
@@ -323,7 +323,7 @@ def test_pipelined_run_has_the_losses_of_one_process_and_resumes_without_torchru
         text, tmp_path):
     """configs/tiny.yaml's two stages on two processes; its checkpoint (weights and Adam state
     gathered from both stages) continues on one process as if it had never been split."""
-    from ipu_unit_scaling.train import train
+    from ipu_unit_scaling.loop.training_loop import train
 
     run_dir = tmp_path / "pipelined"
     _torchrun_ok(_train_arguments(text, run_dir, PIPELINED + ["training.steps=4"]))
@@ -365,7 +365,7 @@ def test_pipelined_config_without_pipelining_is_refused_in_one_line(monkeypatch)
 
 
 def test_only_train_runs_under_torchrun(monkeypatch, capsys, tmp_path):
-    from ipu_unit_scaling.cli import main
+    from ipu_unit_scaling.apps.cli import main
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")

@@ -122,8 +122,8 @@ REQUIREMENTS: Dict[str, Callable[[], Optional[str]]] = {
 
 
 def _gpt_from(config_path: Optional[str], namespace: Namespace) -> None:
-    from ipu_unit_scaling.config import load_config
-    from ipu_unit_scaling.train import build_model
+    from ipu_unit_scaling.loop.training_loop import build_model
+    from ipu_unit_scaling.training.run_config import load_config
 
     config = load_config(config_path)
     model = build_model(config)
@@ -552,8 +552,8 @@ def _shell_comments(command: str) -> List[str]:
 def test_shell_comments_count_the_regimes_compare_runs():
     """The shell examples' comments, in README and docs: `compare` runs the default config's
     regimes, and `compare --model bert` the MLM regimes."""
-    from ipu_unit_scaling.config import load_config
-    from ipu_unit_scaling.mlm import MLM_REGIMES
+    from ipu_unit_scaling.apps.mlm import MLM_REGIMES
+    from ipu_unit_scaling.training.run_config import load_config
 
     gpt_regimes = len(load_config(None).compare.regimes)
     for comment in _shell_comments("ipu-unit-scaling compare"):

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from ipu_unit_scaling import _host, emulator
 from ipu_unit_scaling.fp8 import (
     F143,
     F152,
@@ -18,6 +17,8 @@ from ipu_unit_scaling.fp8 import (
     cast_from_fp8,
     cast_to_fp8_reference,
 )
+from ipu_unit_scaling.fp8 import codelet_emulator as emulator
+from ipu_unit_scaling.fp8 import host_library as _host
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
 pytestmark = pytest.mark.numerics

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from ipu_unit_scaling.cli import main
-from ipu_unit_scaling.config import load_config
-from ipu_unit_scaling.experiments import (
+from ipu_unit_scaling.apps.cli import main
+from ipu_unit_scaling.apps.experiments import (
     SweepPoint,
     aggregate_seeds,
     default_exponents,
@@ -18,6 +17,7 @@ from ipu_unit_scaling.experiments import (
     mean_curves,
     transfer_summary,
 )
+from ipu_unit_scaling.training.run_config import load_config
 
 FAST = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1"]
 

@@ -8,19 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from ipu_unit_scaling import train as train_module
-from ipu_unit_scaling.cli import main
-from ipu_unit_scaling.config import ConfigError, load_config
-from ipu_unit_scaling.data import CharTokenizer, load_corpus
-from ipu_unit_scaling.finetune import (
-    check_same_model,
-    encode_with,
-    extend_model_state,
-    extend_tokenizer,
-)
-from ipu_unit_scaling.inference import PRECISIONS, mean_loss, precision_config
-from ipu_unit_scaling.pretrained import open_run
-from ipu_unit_scaling.train import (
+from ipu_unit_scaling.apps.cli import main
+from ipu_unit_scaling.apps.pretrained import open_run
+from ipu_unit_scaling.loop import training_loop as train_module
+from ipu_unit_scaling.loop.training_loop import (
     RunError,
     TrainingInterrupted,
     load_checkpoint,
@@ -28,6 +19,15 @@ from ipu_unit_scaling.train import (
     regime_config,
     train,
 )
+from ipu_unit_scaling.training.data import CharTokenizer, load_corpus
+from ipu_unit_scaling.training.finetune import (
+    check_same_model,
+    encode_with,
+    extend_model_state,
+    extend_tokenizer,
+)
+from ipu_unit_scaling.training.inference import PRECISIONS, mean_loss, precision_config
+from ipu_unit_scaling.training.run_config import ConfigError, load_config
 
 
 def _weather_log():

@@ -20,11 +20,13 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ipu_unit_scaling import _host, emulator
-from ipu_unit_scaling.backends.ipu import custom_op
-from ipu_unit_scaling.fp8 import F143, F152, fp8_quantise, fp8_quantise_gradient, ops
-from ipu_unit_scaling.popxl import codelets as popxl_codelets
-from ipu_unit_scaling.tracing import ipu_tracing
+from ipu_unit_scaling.backends.poptorch import fp8_custom_op as custom_op
+from ipu_unit_scaling.backends.popxl import codelets as popxl_codelets
+from ipu_unit_scaling.fp8 import F143, F152, fp8_quantise, fp8_quantise_gradient
+from ipu_unit_scaling.fp8 import cast_ops as ops
+from ipu_unit_scaling.fp8 import codelet_emulator as emulator
+from ipu_unit_scaling.fp8 import host_library as _host
+from ipu_unit_scaling.ops.trace_switch import ipu_tracing
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
 pytestmark = pytest.mark.numerics

@@ -175,10 +175,10 @@ def install_fake_host(monkeypatch, available: bool):
                                   overflow="saturate" if saturate else "nan")
         return t.codes, t.log2_scale
 
-    host = types.ModuleType("ipu_unit_scaling._host")
+    host = types.ModuleType("ipu_unit_scaling.fp8.host_library")
     host.fused_cast_available = lambda: available  # type: ignore[attr-defined]
     host.fused_cast_to_fp8 = fused_cast_to_fp8  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "ipu_unit_scaling._host", host)
+    monkeypatch.setitem(sys.modules, "ipu_unit_scaling.fp8.host_library", host)
     import ipu_unit_scaling
 
     monkeypatch.setattr(ipu_unit_scaling, "_host", host, raising=False)

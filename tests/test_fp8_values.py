@@ -12,7 +12,6 @@ import shutil
 import pytest
 import torch
 
-from ipu_unit_scaling import _host
 from ipu_unit_scaling.fp8 import (
     F143,
     F152,
@@ -25,6 +24,7 @@ from ipu_unit_scaling.fp8 import (
     get_format,
     values,
 )
+from ipu_unit_scaling.fp8 import host_library as _host
 from ipu_unit_scaling.fp8.linear import fp8_linear
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).

@@ -9,13 +9,13 @@ from __future__ import annotations
 import math
 from typing import Callable, List, Sequence
 
+import ipu_unit_scaling.functional as U
 import pytest
 import torch
 import torch.nn.functional as F
-
-import ipu_unit_scaling.functional as U
-from ipu_unit_scaling import fused
 from ipu_unit_scaling.scale import scale, scale_bwd, scale_fwd
+
+from ipu_unit_scaling.ops import fused_ops as fused
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
 pytestmark = pytest.mark.numerics
@@ -205,7 +205,7 @@ def test_fused_modules_match_the_op_by_op_forms(monkeypatch, bias):
     """uu.GPT, TransformerLayer and MLP with their one-Function eager forms
     against the same model computed op by op (the forms switched off)."""
     import ipu_unit_scaling as uu
-    from ipu_unit_scaling import modules
+    from ipu_unit_scaling.modules import layers as modules
 
     torch.manual_seed(0)
     model = uu.GPT(vocab_size=48, hidden_size=32, depth=2, heads=4, seq_len=12,

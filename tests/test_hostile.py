@@ -19,11 +19,11 @@ from typing import Callable, List, NamedTuple, Optional
 
 import pytest
 
-import ipu_unit_scaling.plots
-from ipu_unit_scaling import cli
-from ipu_unit_scaling.cli import main
-from ipu_unit_scaling.data import load_corpus, read_text_file
-from ipu_unit_scaling.rundir import MetricsLog, make_unique_run_dir
+import ipu_unit_scaling.training.plots
+from ipu_unit_scaling.apps import cli
+from ipu_unit_scaling.apps.cli import main
+from ipu_unit_scaling.training.data import load_corpus, read_text_file
+from ipu_unit_scaling.training.run_directory import MetricsLog, make_unique_run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(60))
@@ -341,7 +341,7 @@ CASES = [
 
 
 def _checkpoint(tmp: Path) -> str:
-    from ipu_unit_scaling.rundir import save_checkpoint
+    from ipu_unit_scaling.training.run_directory import save_checkpoint
 
     path = tmp / "checkpoint.pt"
     save_checkpoint(path, {"step": 1, "model": {}})
@@ -364,7 +364,7 @@ def test_the_table_is_big_enough():
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_hostile_input_exits_cleanly(case, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # default run directories land here
-    monkeypatch.setattr(ipu_unit_scaling.plots, "plot_run", lambda *args, **kwargs: None)
+    monkeypatch.setattr(ipu_unit_scaling.training.plots, "plot_run", lambda *args, **kwargs: None)
     argv = case.argv(tmp_path)
     monkeypatch.setattr(sys, "argv", ["ipu-unit-scaling", *argv])  # as the lock records it
     capsys.readouterr()
@@ -386,7 +386,7 @@ def test_the_real_command_line_prints_one_line(tmp_path):
     """In a fresh interpreter too (its own recursion limit and entry point)."""
     config = write(tmp_path, "config.yaml", nested_yaml(20000))
     result = subprocess.run(
-        [sys.executable, "-m", "ipu_unit_scaling.cli", "train", "--config", config],
+        [sys.executable, "-m", "ipu_unit_scaling.apps.cli", "train", "--config", config],
         cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
         text=True, timeout=120,
     )
@@ -420,7 +420,7 @@ REFUSED_STARTS = {
 @pytest.mark.parametrize("name", sorted(REFUSED_STARTS))
 def test_a_refused_start_leaves_nothing_behind(name, explicit, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(ipu_unit_scaling.plots, "plot_run", lambda *args, **kwargs: None)
+    monkeypatch.setattr(ipu_unit_scaling.training.plots, "plot_run", lambda *args, **kwargs: None)
     argv = REFUSED_STARTS[name](tmp_path)
     if explicit:
         argv += ["--run-dir", str(tmp_path / "new" / "run")]
@@ -433,7 +433,7 @@ def test_a_refused_start_leaves_nothing_behind(name, explicit, tmp_path, capsys,
 
 
 def test_a_failure_after_training_started_keeps_the_run(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(ipu_unit_scaling.plots, "plot_run", lambda *args, **kwargs: None)
+    monkeypatch.setattr(ipu_unit_scaling.training.plots, "plot_run", lambda *args, **kwargs: None)
     argv = train(tmp_path, "training.learning_rate=1e30", "training.steps=6",
                  "training.optimizer=sgd", run_dir=str(tmp_path / "new" / "run"))
     assert main(argv) == 1  # diverged: its metrics and summary say how
@@ -449,7 +449,7 @@ def test_a_refused_start_keeps_a_directory_it_did_not_create(tmp_path, capsys):
 
 def test_default_run_directories_of_the_same_second_differ(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(ipu_unit_scaling.plots, "plot_run", lambda *args, **kwargs: None)
+    monkeypatch.setattr(ipu_unit_scaling.training.plots, "plot_run", lambda *args, **kwargs: None)
     monkeypatch.setattr(cli.time, "strftime", lambda *args: "20250101-000000")
     argv = ["train", "--config", "tiny", "--data", data(tmp_path), "--quiet", "--set", *SMALL]
     assert main(argv) == 0

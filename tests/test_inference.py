@@ -11,13 +11,21 @@ from typing import Dict, List
 import pytest
 import torch
 
-from ipu_unit_scaling import cli
+from ipu_unit_scaling.apps import cli
+from ipu_unit_scaling.apps.cli import main
+from ipu_unit_scaling.apps.pretrained import (
+    TrainedRun,
+    evaluate_run,
+    format_evaluation,
+    open_run,
+    sample_run,
+    write_evaluation,
+)
 from ipu_unit_scaling.backends import select_backend
-from ipu_unit_scaling.cli import main
-from ipu_unit_scaling.config import Config, load_config
-from ipu_unit_scaling.data import CharTokenizer, DataError, embedded_corpus, get_batch
 from ipu_unit_scaling.fp8 import FP8Config, FP8Linear, simulate_fp8
-from ipu_unit_scaling.inference import (
+from ipu_unit_scaling.loop.training_loop import RunError, read_metrics, regime_config, train
+from ipu_unit_scaling.training.data import CharTokenizer, DataError, embedded_corpus, get_batch
+from ipu_unit_scaling.training.inference import (
     PRECISIONS,
     LanguageModelLoss,
     encode_known,
@@ -26,15 +34,7 @@ from ipu_unit_scaling.inference import (
     precision_config,
     text_batches,
 )
-from ipu_unit_scaling.pretrained import (
-    TrainedRun,
-    evaluate_run,
-    format_evaluation,
-    open_run,
-    sample_run,
-    write_evaluation,
-)
-from ipu_unit_scaling.train import RunError, read_metrics, regime_config, train
+from ipu_unit_scaling.training.run_config import Config, load_config
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from ipu_unit_scaling.config import load_config
+from ipu_unit_scaling.training.run_config import load_config
 
 pytestmark = pytest.mark.ipu
 
@@ -27,7 +27,7 @@ def _config(precision: str):
 
 def test_options_apply_to_a_real_poptorch_options():
     poptorch = pytest.importorskip("poptorch")
-    from ipu_unit_scaling.backends.ipu.options import build_options
+    from ipu_unit_scaling.backends.poptorch.poptorch_options import build_options
 
     options = build_options(load_config("ipu-4"), use_ipu_model=True)
     assert isinstance(options, poptorch.Options)
@@ -50,7 +50,7 @@ def test_real_decoder_on_a_2_ipu_pipeline_matches_the_emulator(precision, tolera
 def test_destroy_removes_the_pipeline_annotations():
     pytest.importorskip("poptorch")
     from ipu_unit_scaling.backends import build_training_model, make_optimizer
-    from ipu_unit_scaling.train import build_model
+    from ipu_unit_scaling.loop.training_loop import build_model
 
     config = _config("fp32")
     model = build_model(config)

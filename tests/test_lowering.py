@@ -9,18 +9,18 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, Tuple
 
+import ipu_unit_scaling.functional as U
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import ipu_unit_scaling.functional as U
-from ipu_unit_scaling import lowering
 from ipu_unit_scaling.ipu import trace_like_poptorch
-from ipu_unit_scaling.lowering import stochastic_round_to_half, torch_numerics
-from ipu_unit_scaling.poptorch_lowering import GELU_LOWERING, LOWERINGS, POPTORCH_COMMIT
-from ipu_unit_scaling.precision import round_to_half
+from ipu_unit_scaling.ops import ipu_lowering as lowering
+from ipu_unit_scaling.ops.ipu_lowering import stochastic_round_to_half, torch_numerics
+from ipu_unit_scaling.ops.poptorch_lowering_table import GELU_LOWERING, LOWERINGS, POPTORCH_COMMIT
+from ipu_unit_scaling.training.precision import round_to_half
 
 pytestmark = pytest.mark.numerics
 
@@ -313,7 +313,7 @@ def test_unit_scaled_gelu_has_unit_constants_of_the_gelu_that_runs(approximate):
 
 
 def test_umup_gelu_has_the_constants_of_the_gelu_that_runs():
-    from ipu_unit_scaling.umup import ScaledGELU
+    from ipu_unit_scaling.parametrization.umup import ScaledGELU
 
     mult = 0.5
     x = torch.linspace(-5.0, 5.0, 201)
@@ -403,9 +403,9 @@ def test_emulator_rounds_both_fp16_casts_stochastically_when_asked():
 
 def test_emulator_backend_passes_the_stochastic_rounding_option():
     from ipu_unit_scaling.backends import build_training_model, make_optimizer
-    from ipu_unit_scaling.backends.emulator import TracedTrainingModule
-    from ipu_unit_scaling.config import load_config
-    from ipu_unit_scaling.train import build_model
+    from ipu_unit_scaling.backends.poptorch_emulator import TracedTrainingModule
+    from ipu_unit_scaling.loop.training_loop import build_model
+    from ipu_unit_scaling.training.run_config import load_config
 
     for rounding in (False, True):
         config = load_config("tiny", ["precision.dtype=fp16",

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-import ipu_unit_scaling.memory as memory
-from ipu_unit_scaling.cli import main
-from ipu_unit_scaling.config import load_config
-from ipu_unit_scaling.memory import estimate_step_memory, format_bytes, parameter_count
-from ipu_unit_scaling.train import build_model
+import ipu_unit_scaling.training.memory as memory
+from ipu_unit_scaling.apps.cli import main
+from ipu_unit_scaling.loop.training_loop import build_model
+from ipu_unit_scaling.training.memory import estimate_step_memory, format_bytes, parameter_count
+from ipu_unit_scaling.training.run_config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1"]
@@ -76,9 +76,9 @@ def test_machine_memory_is_known_here():
 MEASURE = """
 import json, os, sys, torch
 from ipu_unit_scaling.backends import build_training_model, make_optimizer
-from ipu_unit_scaling.config import load_config
-from ipu_unit_scaling.memory import estimate_step_memory
-from ipu_unit_scaling.train import build_model
+from ipu_unit_scaling.training.run_config import load_config
+from ipu_unit_scaling.training.memory import estimate_step_memory
+from ipu_unit_scaling.loop.training_loop import build_model
 torch.set_num_threads(1)
 config = load_config("default", sys.argv[1:])
 inputs = torch.randint(0, config.model.vocab_size, (config.samples_per_call, config.model.seq_len))

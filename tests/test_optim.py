@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ipu_unit_scaling import optim
-from ipu_unit_scaling.umup import UmupHyperparameters, umup_decoder
+from ipu_unit_scaling.parametrization.umup import UmupHyperparameters, umup_decoder
 
 WIDTH, DEPTH, EXPANSION, VOCAB, SEQ = 64, 3, 4, 40, 16
 
@@ -136,7 +136,7 @@ def test_make_optimizer_gives_u_mup_groups_on_every_backend(monkeypatch):
     import types
 
     from ipu_unit_scaling.backends import make_optimizer
-    from ipu_unit_scaling.config import load_config
+    from ipu_unit_scaling.training.run_config import load_config
 
     recorded = {}
 

@@ -15,20 +15,20 @@ from typing import Any, List, Tuple
 import pytest
 import torch
 
+from ipu_unit_scaling.apps.cli import main
+from ipu_unit_scaling.apps.pretrained import evaluate_run, open_run, sample_run
 from ipu_unit_scaling.backends import build_inference_model, build_training_model
-from ipu_unit_scaling.backends.ipu.checks import (
+from ipu_unit_scaling.backends.poptorch.compile_checks import (
     CompileOptions,
     PopTorchError,
     check_compile,
     forward_stages,
 )
-from ipu_unit_scaling.backends.ipu.options import New, option_calls
-from ipu_unit_scaling.cli import main
-from ipu_unit_scaling.config import Config, load_config
-from ipu_unit_scaling.lowering import torch_numerics
-from ipu_unit_scaling.precision import build_model
-from ipu_unit_scaling.pretrained import evaluate_run, open_run, sample_run
-from ipu_unit_scaling.train import regime_config, train
+from ipu_unit_scaling.backends.poptorch.poptorch_options import New, option_calls
+from ipu_unit_scaling.loop.training_loop import regime_config, train
+from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
+from ipu_unit_scaling.training.precision import build_model
+from ipu_unit_scaling.training.run_config import Config, load_config
 
 
 def refusal(options: CompileOptions, *, training: bool, stages: int, ipus: int) -> str:
@@ -232,7 +232,7 @@ def _fake_poptorch(log: List[Tuple[str, Tuple[Any, ...]]], executors: List[Any])
 
 
 def test_ipu_inference_model_compiles_sharded_and_again_for_new_shapes(monkeypatch):
-    from ipu_unit_scaling.backends.ipu.training import IPUInferenceModel
+    from ipu_unit_scaling.backends.poptorch.poptorch_training import IPUInferenceModel
 
     log: List[Tuple[str, Tuple[Any, ...]]] = []
     executors: List[Any] = []
@@ -253,7 +253,10 @@ def test_ipu_inference_model_compiles_sharded_and_again_for_new_shapes(monkeypat
 
 
 def test_ipu_backend_refuses_before_asking_poptorch_for_a_model(monkeypatch):
-    from ipu_unit_scaling.backends.ipu.training import IPUInferenceModel, IPUTrainingModel
+    from ipu_unit_scaling.backends.poptorch.poptorch_training import (
+        IPUInferenceModel,
+        IPUTrainingModel,
+    )
 
     log: List[Tuple[str, Tuple[Any, ...]]] = []
     executors: List[Any] = []

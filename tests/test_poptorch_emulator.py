@@ -6,15 +6,14 @@ import copy
 import sys
 from typing import Callable, List
 
+import ipu_unit_scaling.functional as U
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import ipu_unit_scaling as uu
-import ipu_unit_scaling.functional as U
 from ipu_unit_scaling.backends import build_training_model
-from ipu_unit_scaling.config import load_config
 from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
 from ipu_unit_scaling.ipu import (
     PopTorchError,
@@ -23,8 +22,9 @@ from ipu_unit_scaling.ipu import (
     is_ipu_tracing,
     trace_like_poptorch,
 )
-from ipu_unit_scaling.lowering import torch_numerics
 from ipu_unit_scaling.models import GPTConfig, build_gpt
+from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
+from ipu_unit_scaling.training.run_config import load_config
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
 pytestmark = pytest.mark.numerics
@@ -426,7 +426,7 @@ PRECISIONS = {
 
 def _gpt_in(precision: str, unit_scaled: bool = True, parametrization: str = "unit",
             **umup_keys: float) -> nn.Module:
-    from ipu_unit_scaling.train import simulate_fp16
+    from ipu_unit_scaling.loop.training_loop import simulate_fp16
 
     torch.manual_seed(0)
     model = build_gpt(GPTConfig(vocab_size=32, seq_len=8, depth=2, hidden_size=16, heads=2,
@@ -499,7 +499,7 @@ def test_umup_emulator_backend_trains_like_the_cpu_backend(step_losses):
 
 
 def test_fp16_gradients_are_rounded_in_the_traced_graph_too():
-    from ipu_unit_scaling.train import round_to_half
+    from ipu_unit_scaling.loop.training_loop import round_to_half
 
     weight = nn.Parameter(torch.tensor([1.0001, 3.14159265]))
     module = Call(lambda w: round_to_half(w) * torch.tensor([1.0001, 2.71828182]), weight.data)

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import ipu_unit_scaling as uu
-from ipu_unit_scaling.config import load_config
+from ipu_unit_scaling.backends.popxl import PopXLTrainingModel, loss_and_gradients, reference
 from ipu_unit_scaling.fp8 import FP8Config
-from ipu_unit_scaling.popxl import PopXLTrainingModel, loss_and_gradients, reference
-from ipu_unit_scaling.train import build_model
+from ipu_unit_scaling.loop.training_loop import build_model
+from ipu_unit_scaling.training.run_config import load_config
 
 pytestmark = pytest.mark.ipu
 
@@ -90,7 +90,7 @@ def test_a_training_call_on_the_ipu_model_matches_the_reference():
 def test_the_codelets_custom_op_on_the_ipu_model_matches_the_reference():
     """amax="codelets" with the PopXL binding built by CMake (target ius_popxl_ops)."""
     popxl = pytest.importorskip("popxl")
-    from ipu_unit_scaling.popxl import codelets
+    from ipu_unit_scaling.backends.popxl import codelets
 
     try:
         codelets.binding_path()

@@ -13,7 +13,14 @@ import torch
 
 import ipu_unit_scaling as uu
 from ipu_unit_scaling.backends import build_training_model, make_optimizer
-from ipu_unit_scaling.config import ConfigError, load_config, scheduled_learning_rate
+from ipu_unit_scaling.backends.popxl import (
+    PopXLTrainingModel,
+    check_config,
+    loss_and_gradients,
+    popxl_available,
+    reference,
+    reference_settings,
+)
 from ipu_unit_scaling.fp8 import (
     FP8Config,
     Fp8Tensor,
@@ -23,15 +30,8 @@ from ipu_unit_scaling.fp8 import (
 )
 from ipu_unit_scaling.fp8 import linear as fp8_linear_module
 from ipu_unit_scaling.fp8 import log2_scale as log2_scale_of
-from ipu_unit_scaling.popxl import (
-    PopXLTrainingModel,
-    check_config,
-    loss_and_gradients,
-    popxl_available,
-    reference,
-    reference_settings,
-)
-from ipu_unit_scaling.train import build_model
+from ipu_unit_scaling.loop.training_loop import build_model
+from ipu_unit_scaling.training.run_config import ConfigError, load_config, scheduled_learning_rate
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
 pytestmark = pytest.mark.numerics
@@ -322,7 +322,7 @@ def test_the_training_loop_checkpoints_and_resumes_the_popxl_training_model_on_t
         monkeypatch, tmp_path):
     """train() with the PopXL training model in place of the backend's wrapper: 10 steps in one
     go equal 5 steps, a checkpoint (weights and Adam state) and 5 resumed steps."""
-    import ipu_unit_scaling.train as train_module
+    import ipu_unit_scaling.loop.training_loop as train_module
 
     def build(model, optimizer, config, backend=None):
         return PopXLTrainingModel(model, optimizer, config, xl=reference, device="ipu_model")
@@ -378,7 +378,7 @@ def test_popxl_is_a_backend_name_and_needs_popxl():
 
 @pytest.fixture
 def host_codelets():
-    from ipu_unit_scaling import _host
+    from ipu_unit_scaling.fp8 import host_library as _host
 
     if not _host.fused_cast_available():
         pytest.skip(f"host library of the codelets not built: {_host.fast_path_status()}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from ipu_unit_scaling.popxl import reference
+from ipu_unit_scaling.backends.popxl import reference
 
 POPXL_TOP = {
     "get_current_graph", "get_main_graph", "get_ir", "gcg", "gmg", "gir", "in_sequence",

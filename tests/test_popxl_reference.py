@@ -12,8 +12,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from ipu_unit_scaling.backends.popxl import cast_to_fp8, fp8_matmul, reference, scaled, scaling_bias
 from ipu_unit_scaling.fp8 import F143, F152, FP8Config, log2_scale
-from ipu_unit_scaling.popxl import cast_to_fp8, fp8_matmul, reference, scaled, scaling_bias
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
 pytestmark = pytest.mark.numerics

@@ -27,13 +27,14 @@ from torch import nn
 
 import ipu_unit_scaling as uu
 from ipu_unit_scaling import functional as U
-from ipu_unit_scaling import mlm, train
-from ipu_unit_scaling import umup as umup_rules
-from ipu_unit_scaling.cli import main
-from ipu_unit_scaling.config import REGIMES
+from ipu_unit_scaling.apps import mlm
+from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.fp8 import FP8Linear, FP8UnitScaledLinear
-from ipu_unit_scaling.precision import REGIME_SETTINGS, FP16Linear
-from ipu_unit_scaling.tasks import CausalLM, MaskedLM
+from ipu_unit_scaling.loop import training_loop as train
+from ipu_unit_scaling.loop.tasks import CausalLM, MaskedLM
+from ipu_unit_scaling.parametrization import umup as umup_rules
+from ipu_unit_scaling.training.precision import REGIME_SETTINGS, FP16Linear
+from ipu_unit_scaling.training.run_config import REGIMES
 
 # The tiny config on one stage, one step, no evaluation between: the fastest run that builds
 # its model as a real run does.

@@ -13,14 +13,19 @@ from typing import Dict, List
 import pytest
 import torch
 
-import ipu_unit_scaling.inference as inference
-import ipu_unit_scaling.memory as memory
-import ipu_unit_scaling.pretrained as pretrained
-from ipu_unit_scaling.cli import main
-from ipu_unit_scaling.data import BYTES_PER_TEXT_BYTE, CharTokenizer, DataError, embedded_corpus
-from ipu_unit_scaling.inference import encode_known, text_batches
-from ipu_unit_scaling.pretrained import evaluate_run, open_run
-from ipu_unit_scaling.rundir import (
+import ipu_unit_scaling.apps.pretrained as pretrained
+import ipu_unit_scaling.training.inference as inference
+import ipu_unit_scaling.training.memory as memory
+from ipu_unit_scaling.apps.cli import main
+from ipu_unit_scaling.apps.pretrained import evaluate_run, open_run
+from ipu_unit_scaling.training.data import (
+    BYTES_PER_TEXT_BYTE,
+    CharTokenizer,
+    DataError,
+    embedded_corpus,
+)
+from ipu_unit_scaling.training.inference import encode_known, text_batches
+from ipu_unit_scaling.training.run_directory import (
     RunError,
     RunLock,
     checkpoint_sha256,
@@ -312,8 +317,8 @@ def test_encoding_in_chunks_gives_the_tokenizers_ids_and_counts_every_unknown(mo
 
 MEASURE = """
 import os, resource, sys, torch
-from ipu_unit_scaling.data import CharTokenizer, read_text_file
-from ipu_unit_scaling.inference import encode_known, text_batches
+from ipu_unit_scaling.training.data import CharTokenizer, read_text_file
+from ipu_unit_scaling.training.inference import encode_known, text_batches
 path = sys.argv[1]
 with open(path, encoding="utf-8") as handle:
     tokenizer = CharTokenizer.from_text(handle.read(1000))

@@ -10,10 +10,11 @@ from typing import Dict, List
 import pytest
 import torch
 
-import ipu_unit_scaling.rundir as rundir
-import ipu_unit_scaling.train as train_module
-from ipu_unit_scaling.cli import main
-from ipu_unit_scaling.rundir import (
+import ipu_unit_scaling.loop.training_loop as train_module
+import ipu_unit_scaling.training.run_directory as rundir
+from ipu_unit_scaling.apps.cli import main
+from ipu_unit_scaling.loop.training_loop import read_metrics
+from ipu_unit_scaling.training.run_directory import (
     MetricsLog,
     RunError,
     RunLock,
@@ -23,7 +24,6 @@ from ipu_unit_scaling.rundir import (
     remove_temporaries,
     save_checkpoint,
 )
-from ipu_unit_scaling.train import read_metrics
 
 FAST = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1",
         "training.eval_batches=1"]
@@ -501,7 +501,7 @@ def test_compare_curves_have_at_least_ten_points(capsys, tmp_path, data):
 
 
 def test_a_missing_plotting_library_costs_the_figure_only(capsys, tmp_path, data, monkeypatch):
-    import ipu_unit_scaling.plots as plots
+    import ipu_unit_scaling.training.plots as plots
 
     def no_matplotlib():
         raise RuntimeError("plots need matplotlib: pip install matplotlib")

@@ -12,15 +12,15 @@ from typing import Any, Callable, Dict, List, Tuple
 import pytest
 import torch
 
-import ipu_unit_scaling.train as train_module
-from ipu_unit_scaling.cli import main
-from ipu_unit_scaling.config import Config, ConfigError, load_config
-from ipu_unit_scaling.data import load_corpus
-from ipu_unit_scaling.lowering import torch_numerics
-from ipu_unit_scaling.mlm import MLMConfig, run_config
-from ipu_unit_scaling.rundir import METRIC_FIELDS
-from ipu_unit_scaling.tasks import CausalLM, MaskedLM, Task, read_task
-from ipu_unit_scaling.train import load_checkpoint, read_metrics, train
+import ipu_unit_scaling.loop.training_loop as train_module
+from ipu_unit_scaling.apps.cli import main
+from ipu_unit_scaling.apps.mlm import MLMConfig, run_config
+from ipu_unit_scaling.loop.tasks import CausalLM, MaskedLM, Task, read_task
+from ipu_unit_scaling.loop.training_loop import load_checkpoint, read_metrics, train
+from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
+from ipu_unit_scaling.training.data import load_corpus
+from ipu_unit_scaling.training.run_config import Config, ConfigError, load_config
+from ipu_unit_scaling.training.run_directory import METRIC_FIELDS
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="kills a forked child")
 

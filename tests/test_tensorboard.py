@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-import ipu_unit_scaling.train as train_module
-from ipu_unit_scaling.config import load_config
-from ipu_unit_scaling.train import read_metrics, train
+import ipu_unit_scaling.loop.training_loop as train_module
+from ipu_unit_scaling.loop.training_loop import read_metrics, train
+from ipu_unit_scaling.training.run_config import load_config
 
 TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(60))
 
@@ -109,7 +109,7 @@ def test_a_resume_in_the_same_second_still_writes_the_file_read_last(tmp_path):
     """TensorBoard reads event files in name order, and names start with the second they were
     made in: the resume's file must sort after the killed process's even then."""
     pytest.importorskip("torch.utils.tensorboard")
-    from ipu_unit_scaling.tensorboard_log import TensorBoardLog
+    from ipu_unit_scaling.training.tensorboard_log import TensorBoardLog
 
     log_dir = tmp_path / "tensorboard"
     log_dir.mkdir()

@@ -7,9 +7,8 @@ import torch
 from torch import nn
 
 import ipu_unit_scaling as uu
-from ipu_unit_scaling.config import REGIMES, load_config, validate
 from ipu_unit_scaling.fp8 import FP8Linear
-from ipu_unit_scaling.train import (
+from ipu_unit_scaling.loop.training_loop import (
     FP16Linear,
     RunError,
     build_model,
@@ -18,6 +17,7 @@ from ipu_unit_scaling.train import (
     save_checkpoint,
     simulate_fp16,
 )
+from ipu_unit_scaling.training.run_config import REGIMES, load_config, validate
 
 
 def test_each_regime_sets_model_precision_scaling_and_its_learning_rate():

@@ -16,11 +16,11 @@ from typing import List
 import pytest
 import torch
 
-import ipu_unit_scaling.train as train_module
-from ipu_unit_scaling.cli import main
-from ipu_unit_scaling.config import load_config, scheduled_learning_rate
-from ipu_unit_scaling.pretrained import evaluate_run, open_run
-from ipu_unit_scaling.train import divergence_bound, load_checkpoint, read_metrics
+import ipu_unit_scaling.loop.training_loop as train_module
+from ipu_unit_scaling.apps.cli import main
+from ipu_unit_scaling.apps.pretrained import evaluate_run, open_run
+from ipu_unit_scaling.loop.training_loop import divergence_bound, load_checkpoint, read_metrics
+from ipu_unit_scaling.training.run_config import load_config, scheduled_learning_rate
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1",
@@ -72,7 +72,7 @@ def test_sigterm_saves_at_the_step_boundary_and_the_resume_goes_on_from_there(ca
                 "training.checkpoint_interval=0"]
     run_dir = tmp_path / "run"
     process = subprocess.Popen(
-        [sys.executable, "-m", "ipu_unit_scaling.cli",
+        [sys.executable, "-m", "ipu_unit_scaling.apps.cli",
          *train_args(run_dir, data, *settings, "training.steps=100000")],
         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

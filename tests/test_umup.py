@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import math
 
+import ipu_unit_scaling.functional as U
 import pytest
 import torch
 import torch.nn.functional as F
+from ipu_unit_scaling.scale import scale_fwd
 from torch import nn
 
 import ipu_unit_scaling as uu
-import ipu_unit_scaling.functional as U
-from ipu_unit_scaling.scale import scale_fwd
-from ipu_unit_scaling.umup import (
+from ipu_unit_scaling.parametrization.umup import (
     ScaledGELU,
     UmupHyperparameters,
     WeightRule,
@@ -239,7 +239,7 @@ def test_lr_scales_follow_the_table():
 
 def test_weight_types_survive_fp8_and_fp16_conversion():
     from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
-    from ipu_unit_scaling.train import simulate_fp16
+    from ipu_unit_scaling.loop.training_loop import simulate_fp16
 
     reference = weight_rules(gpt())
     assert weight_rules(simulate_fp8(gpt(), FP8Config(scaling="static"))) == reference
@@ -327,7 +327,7 @@ def test_matches_the_published_library_where_it_is_installed():
 
 
 def test_config_refuses_keys_the_parametrization_would_ignore():
-    from ipu_unit_scaling.config import ConfigError, load_config
+    from ipu_unit_scaling.training.run_config import ConfigError, load_config
 
     load_config(None, ["model.parametrization=u-mup", "model.residual_mult=2"])  # fine
     cases = {
@@ -347,8 +347,8 @@ def test_config_refuses_keys_the_parametrization_would_ignore():
 
 
 def test_the_umup_config_builds_the_umup_gpt():
-    from ipu_unit_scaling.config import load_config
-    from ipu_unit_scaling.train import build_model
+    from ipu_unit_scaling.loop.training_loop import build_model
+    from ipu_unit_scaling.training.run_config import load_config
 
     config = load_config("umup", ["precision.dtype=fp32", "model.attn_softmax_mult=2"])
     assert config.training.learning_rate == 1.0

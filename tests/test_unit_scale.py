@@ -411,7 +411,8 @@ def test_value_bias_gradient_is_divided_by_the_attention_row_scale(causal):
     rule divides it by the rows' root-mean-square r. Checked in float64 against that identity,
     written out: with the rule, without it (the rule off), and in the traced form."""
     from ipu_unit_scaling.functional import _expected_softmax_square_sum
-    from ipu_unit_scaling.tracing import ipu_tracing
+
+    from ipu_unit_scaling.ops.trace_switch import ipu_tracing
 
     batch, length, width, heads = 3, 16, 32, 2
     torch.manual_seed(0)
@@ -516,7 +517,7 @@ def test_softmax_moments_by_quadrature_match_monte_carlo(logit_std):
     """E[sum p**2], E[sum p**3] and E[(sum p**2)**2] for the softmax of m independent normal
     logits, from the quadrature, against sampling in float64 (an independent estimate), and
     exactly 1 for one key."""
-    from ipu_unit_scaling._softmax_moments import softmax_moments
+    from ipu_unit_scaling.ops.softmax_moments import softmax_moments
 
     moments = softmax_moments(200, logit_std)
     for values in moments:
@@ -623,7 +624,7 @@ def test_query_key_rule_in_the_traced_form_and_through_simulate_fp8():
     import copy
 
     from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
-    from ipu_unit_scaling.tracing import ipu_tracing
+    from ipu_unit_scaling.ops.trace_switch import ipu_tracing
 
     torch.manual_seed(0)
     converted = unit_scale(BiasedSelfAttention()).double()

@@ -8,7 +8,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ..models import GPTConfig, build_gpt
+from ..models.gpt import GPTConfig, build_gpt
 from .report import worst_table
 from .tracking import ScaleRecord, range_format, track_scales
 
@@ -34,8 +34,8 @@ def plot_scales(
     """
     import io
 
-    from ..plots import _pyplot
-    from ..rundir import atomic_write
+    from ..training.plots import _pyplot
+    from ..training.run_directory import atomic_write
 
     plt = _pyplot()
     figure = scales_figure(plt, records_by_model, title)
@@ -108,7 +108,8 @@ def analyse(
 ) -> Tuple[str, Path]:
     """Track the config's GPT at initialisation; write `scales.png`, return (table, png path).
 
-    `config` is a `GPTConfig` or a run config (`ipu_unit_scaling.config.Config`): its `model`
+    `config` is a `GPTConfig` or a run config (`ipu_unit_scaling.training.run_config.Config`): its
+    `model`
     section gives the GPT and `training.batch_size` the batch, unless `batch_size` is given
     (default 8 for a bare `GPTConfig`). Tokens are uniform random: at initialisation the scales
     do not depend on the text. With `plain_and_unit`, the plain-torch build and the unit-scaled

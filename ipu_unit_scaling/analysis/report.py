@@ -8,7 +8,7 @@ from typing import Dict, List, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
-from ..rundir import error_naming
+from ..training.run_directory import error_naming
 from .tracking import ScaleRecord, track_scales
 
 __all__ = ["ROLES", "role_summary", "worst_table", "ScaleReporter"]

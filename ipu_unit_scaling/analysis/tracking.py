@@ -109,8 +109,8 @@ def _statistics(
 # Functions of this package whose internal torch calls make up one unit-scaled op.
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OP_FILES = {
-    os.path.join(_PACKAGE_DIR, "functional.py"),
-    os.path.join(_PACKAGE_DIR, "scale.py"),
+    os.path.join(_PACKAGE_DIR, "ops", "unit_ops.py"),
+    os.path.join(_PACKAGE_DIR, "ops", "scaling_primitive.py"),
     os.path.join(_PACKAGE_DIR, "transforms", "replacements.py"),
 }
 

@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterable, List, Optional, Protocol, Union
 import torch
 from torch import nn
 
-from ..config import BACKEND_NAMES, Config
+from ..training.run_config import BACKEND_NAMES, Config
 from .cpu import CPUTrainingModel, TrainingModule
 from .distributed import check_launch, launched_world_size
 from .stages import Stage, stages
@@ -79,7 +79,7 @@ def select_backend(name: str = "auto", config: Optional[Config] = None,
     if name in ("cpu", "emulator"):
         return name
     if name == "popxl":
-        from ..popxl import popxl_available
+        from .popxl import popxl_available
 
         if not popxl_available():
             raise BackendError(
@@ -109,7 +109,8 @@ def make_optimizer(
 
     ``parameters`` is the model, or the parameters to optimize. Under u-μP
     (``model.parametrization: u-mup``) each tensor's learning rate depends on its type, which
-    the model tells (:func:`ipu_unit_scaling.umup.weight_rules`): pass the model, or the
+    the model tells (:func:`ipu_unit_scaling.parametrization.umup.weight_rules`): pass the model,
+    or the
     parameters and ``model=``; the groups are :func:`ipu_unit_scaling.optim.param_groups`.
     """
     backend = backend or select_backend(config.backend)
@@ -120,7 +121,7 @@ def make_optimizer(
     training = config.training
     lr, decay = training.learning_rate, training.weight_decay
     if config.model.parametrization == "u-mup":
-        from ..optim import param_groups
+        from ..parametrization.mup_optimizers import param_groups
 
         if model is None:
             raise TypeError("u-μP needs the model to type its parameters: pass the model, or "
@@ -129,7 +130,7 @@ def make_optimizer(
         # independent of the learning rate (see ipu_unit_scaling.optim).
         params = param_groups(model, lr, decay, training.optimizer != "adam", parameters)
     if backend in ("ipu", "ipu_model"):
-        from .ipu.training import make_ipu_optimizer
+        from .poptorch.poptorch_training import make_ipu_optimizer
 
         return make_ipu_optimizer(params, config)
     if training.optimizer == "sgd":
@@ -157,7 +158,7 @@ def build_training_model(
         split = stages(model, config)
         module: nn.Module = TrainingModule(model)
         if backend == "emulator":
-            from .emulator import emulated_training_module
+            from .poptorch_emulator import emulated_training_module
 
             module = emulated_training_module(model, config, split)
         ipu = config.ipu
@@ -171,11 +172,11 @@ def build_training_model(
             split=split,
         )
     if backend in ("ipu", "ipu_model"):
-        from .ipu.training import IPUTrainingModel
+        from .poptorch.poptorch_training import IPUTrainingModel
 
         return IPUTrainingModel(model, optimizer, config, use_ipu_model=backend == "ipu_model")
     if backend == "popxl":
-        from ..popxl import PopXLTrainingModel
+        from .popxl import PopXLTrainingModel
 
         return PopXLTrainingModel(model, optimizer, config)
     if backend == "distributed":
@@ -210,11 +211,11 @@ def build_inference_model(model: nn.Module, config: Config,
     """
     backend = backend or select_backend(config.backend)
     if backend in ("ipu", "ipu_model"):
-        from .ipu.training import IPUInferenceModel
+        from .poptorch.poptorch_training import IPUInferenceModel
 
         return IPUInferenceModel(model, config, use_ipu_model=backend == "ipu_model")
     if backend == "emulator":
-        from .emulator import EmulatedInferenceModel
+        from .poptorch_emulator import EmulatedInferenceModel
 
         return EmulatedInferenceModel(model, config)
     if backend in ("cpu", "popxl", "distributed"):

@@ -10,7 +10,7 @@ Outputs follow ``poptorch.OutputMode.All``, which the IPU backend sets: ``loss``
 micro-batch, in input order, and ``output`` is the per-micro-batch outputs concatenated on dim 0.
 ``loss.view(device_iterations, -1).mean(1)`` gives the loss of each optimizer step.
 
-The model being wrapped follows the contract of ``ipu_unit_scaling.models``:
+The model being wrapped follows the contract of ``ipu_unit_scaling.models.gpt``:
 ``model(input_ids, labels, return_logits=True) -> (loss, logits)``.
 """
 from __future__ import annotations

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import Config
+from ..training.run_config import Config
 
 __all__ = [
     "launched_world_size", "join_launched_world", "writes_run_files",

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import Config
+from ..training.run_config import Config
 from .stages import Stage, check_no_shared_parameters, layer_bounds, stage_parameters
 
 __all__ = ["PipelineReplica", "StageModule", "boundary_module"]

@@ -1,6 +1,6 @@
 """The pipeline stage split, shared by every backend: PopTorch blocks, torch pipeline stages.
 
-The model follows the contract of ``ipu_unit_scaling.models``: its transformer blocks are in an
+The model follows the contract of ``ipu_unit_scaling.models.gpt``: its transformer blocks are in an
 ``nn.ModuleList`` called ``layers``.
 """
 from __future__ import annotations
@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Dict, Iterator, List, Sequence, Tuple
 
 from torch import nn
 
-from ..config import resolve_layers_per_ipu
+from ..training.run_config import resolve_layers_per_ipu
 
 if TYPE_CHECKING:
-    from ..config import Config
+    from ..training.run_config import Config
 
 # Children that must sit with the first or last stage whatever their registration order.
 INPUT_SIDE = ("embedding", "position_embedding")

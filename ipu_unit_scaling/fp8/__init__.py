@@ -6,11 +6,11 @@ Convention: ``q = encode(x * 2**s)``, ``x ~= decode(q) * 2**-s`` with
 from __future__ import annotations
 
 from .attention import FP8AttentionFn, fp8_attention, fp8_scaled_dot_product_attention
+from .cast_ops import fp8_quantise, fp8_quantise_gradient
 from .codec import decode, encode, quantise, stochastic_round_to_grid
-from .config import FP8Config, FP8ConfigError
-from .formats import E4M3FN, E5M2, F143, F152, FORMATS, FP8Format, get_format
+from .fp8_config import FP8Config, FP8ConfigError
+from .fp8_formats import E4M3FN, E5M2, F143, F152, FORMATS, FP8Format, get_format
 from .linear import FP8Linear, fp8_linear, fp8_matmul, scaled_mm_supported
-from .ops import fp8_quantise, fp8_quantise_gradient
 from .scaling import (
     MAX_LOG2_SCALE,
     MAX_MARGIN,

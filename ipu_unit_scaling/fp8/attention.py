@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .config import FP8Config
+from .fp8_config import FP8Config
 from .linear import fp8_matmul
 
 __all__ = ["fp8_scaled_dot_product_attention", "fp8_attention", "FP8AttentionFn"]

@@ -23,7 +23,7 @@ from typing import Dict, Optional, Union
 
 import torch
 
-from .formats import FP8Format, get_format
+from .fp8_formats import FP8Format, get_format
 
 __all__ = [
     "encode", "decode", "quantise", "stochastic_round_to_grid", "ROUNDING_MODES",

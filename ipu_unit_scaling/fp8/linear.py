@@ -22,9 +22,9 @@ from typing import Optional, Tuple, Type, TypeVar
 import torch
 from torch import nn
 
-from ..tracing import is_ipu_tracing
-from .config import FP8Config
-from .formats import FP8Format
+from ..ops.trace_switch import is_ipu_tracing
+from .fp8_config import FP8Config
+from .fp8_formats import FP8Format
 from .scaling import Fp8Tensor, cast_from_fp8, cast_to_fp8
 from .stats import stats_enabled
 from .values import quantise_values
@@ -254,7 +254,7 @@ def _traced_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[tor
     values, as the eager form does. The bias joins after the gradient cast, so its gradient is
     the unquantised output gradient, also as in the eager form.
     """
-    from .ops import fp8_quantise, fp8_quantise_gradient
+    from .cast_ops import fp8_quantise, fp8_quantise_gradient
 
     scale, saturate = _traced_casts(config)
     x8 = fp8_quantise(x, config.activation, config.activation_margin, saturate, scale)
@@ -343,7 +343,7 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, config: Optional[FP8Config] = N
         raise ValueError("fp8_matmul needs operands with at least 2 dimensions")
     config = config or _DEFAULT_CONFIG
     if is_ipu_tracing():
-        from .ops import fp8_quantise, fp8_quantise_gradient
+        from .cast_ops import fp8_quantise, fp8_quantise_gradient
 
         scale, saturate = _traced_casts(config)
         a8 = fp8_quantise(a, config.activation, config.activation_margin, saturate, scale)

@@ -30,7 +30,7 @@ from .codec import (
     decode,
     encode,
 )
-from .formats import FP8Format, get_format
+from .fp8_formats import FP8Format, get_format
 from .stats import record_cast, stats_enabled
 
 __all__ = [
@@ -146,7 +146,7 @@ def _try_host_cast(
     if not x.is_contiguous():
         return None
     try:
-        from ipu_unit_scaling import _host  # type: ignore[attr-defined]
+        from . import host_library as _host
     except ImportError:
         return None
     if not _host.fused_cast_available():
@@ -198,7 +198,7 @@ def _try_host_decode(t: Fp8Tensor) -> Optional[torch.Tensor]:
     if t.codes.device.type != "cpu" or t.codes.dtype != torch.uint8:
         return None
     try:
-        from ipu_unit_scaling import _host  # type: ignore[attr-defined]
+        from . import host_library as _host
     except ImportError:
         return None
     if not _host.fused_cast_available():

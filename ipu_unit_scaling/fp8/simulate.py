@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from .attention import FP8AttentionFn
-from .config import FP8Config
+from .fp8_config import FP8Config
 from .linear import FP8Linear, fp8_linear, fp8_linear_values, values_path_applies
 
 __all__ = ["simulate_fp8", "FP8UnitScaledLinear", "ATTENTION_ATTRIBUTES"]
@@ -42,8 +42,8 @@ class FP8UnitScaledLinear(FP8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Imported here: the unit-scaled core imports nothing from fp8, and fp8 stays usable alone.
-        from ipu_unit_scaling import functional as U
-        from ipu_unit_scaling.scale import scale_bwd, scale_fwd
+        from ..ops import unit_ops as U
+        from ..ops.scaling_primitive import scale_bwd, scale_fwd
 
         batch_size = max(1, x.numel() // x.shape[-1])
         output_scale, grad_input_scale, grad_weight_scale = U.linear_scales(

@@ -10,7 +10,7 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
-from .formats import FP8Format
+from .fp8_formats import FP8Format
 
 __all__ = ["CastRecord", "Fp8Stats", "fp8_stats", "stats_enabled", "record_cast"]
 

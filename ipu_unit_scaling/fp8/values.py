@@ -24,7 +24,7 @@ from typing import Optional, Tuple
 import torch
 
 from .codec import decode, encode
-from .formats import FP8Format
+from .fp8_formats import FP8Format
 from .scaling import NonFiniteAmaxError, log2_scale
 
 __all__ = ["quantise_values", "values_path"]
@@ -34,7 +34,7 @@ _HOST_FORMATS = ("F143", "F152")
 
 def _host_library():
     try:
-        from ipu_unit_scaling import _host  # type: ignore[attr-defined]
+        from . import host_library as _host
     except ImportError:
         return None
     return _host if _host.fused_cast_available() else None

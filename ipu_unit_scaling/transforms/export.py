@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from . import replacements as R
-from .tracing import ArgumentFrame, Inputs
+from .fx_tracing import ArgumentFrame, Inputs
 
 __all__ = ["export_unavailable", "ExportTrace", "trace_with_export", "ATEN_ADAPTERS",
            "ATEN_WEIGHT_POSITIONS", "module_path"]

@@ -8,8 +8,8 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from .. import modules as uu
-from ..constraints import SharedInputGmean
+from ..modules import layers as uu
+from ..ops.scale_constraints import SharedInputGmean
 from . import export as E
 from . import replacements as R
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
-from ..formats import FPFormat
+from ..fp8.generic_formats import FPFormat
 from .compose import Backend, apply_transform
 
 __all__ = ["simulate_format", "simulate_fp8"]

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import functional as U
-from .. import modules as uu
-from ..scale import scale_bwd
+from ..modules import layers as uu
+from ..ops import unit_ops as U
+from ..ops.scaling_primitive import scale_bwd
 
 # The constraint of the ops and modules `unit_scale` puts in: the paper's geometric mean, with
 # which converted models were measured (the ops' own default is unit_scaling's

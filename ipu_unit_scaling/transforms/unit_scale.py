@@ -50,10 +50,11 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from .. import modules as uu
+from ..modules import layers as uu
 from . import export as E
 from . import replacements as R
 from .compose import apply_transform, transforms_of, without_transforms
+from .fx_tracing import ArgumentFrame, Inputs, SpecialisedCall, capture_inputs, trace_module
 from .graph import (
     _between,
     _first_line,
@@ -72,7 +73,6 @@ from .graph import (
     _silu_input,
     _target_name,
 )
-from .tracing import ArgumentFrame, Inputs, SpecialisedCall, capture_inputs, trace_module
 
 __all__ = ["unit_scale", "unit_scale_with_report", "UnitScaleReport", "UnitScaleWarning"]
 

@@ -1,0 +1,492 @@
+"""Masked-language-model training of the BERT-style encoder, and the precision comparison
+behind ``ipu-unit-scaling compare --model bert``: the unit-scaling paper's BERT experiment at a
+size a CPU trains in minutes.
+
+Data: the character corpus (see `data`), cut into sequences of random length between
+`min_len` and `seq_len`, padded to `seq_len` with a padding token; BERT's masking picks 15% of
+the real tokens as targets (at least one per sequence), of which 80% are replaced by a mask
+token, 10% by a random character and 10% kept. The loss and the metrics count the targets
+only: validation MLM loss (mean cross-entropy per target) and accuracy (targets predicted
+exactly), on fixed validation batches.
+
+Every run trains through the training loop of :mod:`.train` as the task
+:class:`~.tasks.MaskedLM`: a run is one regime and one seed, in its own directory with the
+loop's files (config, checkpoint, metrics, summary, figure), checkpoints, SIGINT/SIGTERM
+handling and resume. Every regime trains the same batches from the same seed. Running the
+comparison again into the same directory reuses finished runs and resumes unfinished ones when
+their settings are the same, and refuses, naming the settings, when they are not.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ..fp8 import NonFiniteAmaxError
+from ..models.encoder import BertStyleEncoder
+from ..modules import layers as uu
+from ..training.precision import REGIME_SETTINGS
+from ..training.run_config import BACKEND_NAMES, Config, setting_differences
+
+__all__ = [
+    "MLMConfig", "MLMBatches", "mask_tokens", "masked_batch", "build_encoder",
+    "encoder_from_config", "run_config", "train_mlm", "run_mlm_compare", "format_mlm_table",
+    "check_mlm_regimes", "encoder_kind", "MLM_REGIMES", "MLM_ALLOWED_REGIMES", "ENCODER_OPS",
+]
+
+# The encoder's model kinds (precision.MODEL_KINDS less u-μP, which it has no form of).
+ENCODER_OPS = {"plain": uu.TORCH_OPS, "unit": uu.UNIT_OPS}
+ENCODER_NAMES = {"plain": "plain", "unit": "unit-scaled"}
+# Every regime of a kind the encoder has.
+MLM_ALLOWED_REGIMES = tuple(regime for regime, (kind, _, _) in REGIME_SETTINGS.items()
+                            if kind in ENCODER_OPS)
+# The comparison the paper's BERT experiment makes (more regimes may be asked for).
+MLM_REGIMES = ("fp32", "fp16", "fp8-naive", "unit-fp16", "unit-fp8")
+# Per model kind: the best of a sweep of its fp32 regime at the default shape, seed 0 (plain:
+# 1e-3, 2e-3, 4e-3; unit-scaled: 0.01, 0.02, 0.04, 0.08); see docs/guide/compare.md.
+KIND_LEARNING_RATES = {"plain": 2e-3, "unit": 0.04}
+
+
+def encoder_kind(regime: str) -> str:
+    """``plain`` or ``unit``: the encoder a regime trains; ValueError for others."""
+    check_mlm_regimes([regime])
+    return REGIME_SETTINGS[regime][0]
+
+
+def check_mlm_regimes(regimes: Sequence[str]) -> None:
+    """ValueError naming the regimes the encoder cannot run (unknown ones, u-μP)."""
+    refused = [regime for regime in regimes if regime not in MLM_ALLOWED_REGIMES]
+    if refused:
+        raise ValueError(f"--model bert cannot run {', '.join(refused)} (the BERT-style encoder "
+                         f"is plain or unit-scaled, not u-μP); its regimes: "
+                         f"{', '.join(MLM_ALLOWED_REGIMES)}")
+
+
+def _default_learning_rates() -> Dict[str, float]:
+    return {regime: KIND_LEARNING_RATES[encoder_kind(regime)] for regime in MLM_ALLOWED_REGIMES}
+
+
+@dataclass
+class MLMConfig:
+    """Shape, data and training of the masked-LM comparison (``--set mlm.<field>=value``).
+
+    Each run trains with Adam on a cosine schedule after a linear warmup, and checkpoints at
+    every evaluation (``eval_interval``) and at its end.
+    """
+
+    hidden_size: int = 128
+    depth: int = 2
+    heads: int = 4
+    mlp_expansion: int = 4
+    seq_len: int = 64
+    min_len: int = 24
+    mask_prob: float = 0.15
+    attn_tau: float = 0.2
+    mlp_tau: float = 0.5
+    batch_size: int = 16
+    steps: int = 300
+    warmup_steps: int = 30
+    eval_interval: int = 100
+    eval_batches: int = 8
+    val_fraction: float = 0.1
+    data: Optional[str] = None
+    backend: str = "auto"
+    learning_rates: Dict[str, float] = field(default_factory=_default_learning_rates)
+
+    def validate(self) -> None:
+        problems = []
+        if self.hidden_size % self.heads:
+            problems.append(f"hidden_size {self.hidden_size} is not a multiple of heads "
+                            f"{self.heads}")
+        if not 1 <= self.min_len <= self.seq_len:
+            problems.append(f"min_len must be in [1, seq_len={self.seq_len}], got "
+                            f"{self.min_len}")
+        if not 0 < self.mask_prob < 1:
+            problems.append(f"mask_prob must be in (0, 1), got {self.mask_prob}")
+        for name in ("depth", "heads", "batch_size", "steps", "eval_batches", "hidden_size"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.backend not in BACKEND_NAMES:
+            problems.append(f"backend must be one of {', '.join(BACKEND_NAMES)}, got "
+                            f"{self.backend!r}")
+        if problems:
+            raise ValueError("invalid mlm config: " + "; ".join(problems))
+
+    def with_overrides(self, overrides: Sequence[str]) -> MLMConfig:
+        """A copy with ``mlm.<field>=<value>`` (or ``<field>=<value>``) overrides applied."""
+        from ..training.run_config import parse_override_value
+
+        result = copy.deepcopy(self)
+        known = {f.name for f in fields(self)}
+        for item in overrides:
+            key, sep, text = item.partition("=")
+            key = key[len("mlm."):] if key.startswith("mlm.") else key
+            if not sep or key.split(".")[0] not in known:
+                raise ValueError(f"{item!r}: not an mlm setting; known: {', '.join(sorted(known))}")
+            value = parse_override_value(item.partition("=")[0], text)
+            if key.startswith("learning_rates."):
+                regime = key.split(".", 1)[1]
+                check_mlm_regimes([regime])
+                result.learning_rates[regime] = float(value)
+            else:
+                current = getattr(result, key)
+                if current is not None and not isinstance(value, type(current)) and not (
+                        isinstance(current, float) and isinstance(value, int)):
+                    raise ValueError(f"{item!r}: expected {type(current).__name__}")
+                setattr(result, key, float(value) if isinstance(current, float) else value)
+        result.validate()
+        return result
+
+
+# ---------------------------------------------------------------- data
+
+
+def mask_tokens(ids: Tensor, real: Tensor, mask_id: int, vocab: int, mask_prob: float,
+                generator: torch.Generator) -> Tuple[Tensor, Tensor]:
+    """BERT's masking of the real (unpadded) positions: (inputs, labels), labels -100 off target.
+
+    Each real token is a target with probability `mask_prob`, and every sequence gets at least
+    one; a target's input becomes `mask_id` (80%), a random token below `vocab` (10%) or stays
+    (10%).
+    """
+    chosen = (torch.rand(ids.shape, generator=generator) < mask_prob) & real
+    first = real.float().argmax(dim=1)  # a real position of each row, for rows without a target
+    none = ~chosen.any(dim=1)
+    chosen[none, first[none]] = True
+    labels = torch.where(chosen, ids, torch.full_like(ids, -100))
+    kind = torch.rand(ids.shape, generator=generator)
+    random_tokens = torch.randint(0, vocab, ids.shape, generator=generator)
+    inputs = torch.where(chosen & (kind < 0.8), torch.full_like(ids, mask_id), ids)
+    inputs = torch.where(chosen & (kind >= 0.8) & (kind < 0.9), random_tokens, inputs)
+    return inputs, labels
+
+
+def masked_batch(tokens: Tensor, vocab: int, rows: int, seq_len: int, min_len: int,
+                 mask_prob: float, generator: torch.Generator) -> Tuple[Tensor, Tensor]:
+    """``rows`` padded, masked sequences of ``tokens`` (ids below ``vocab``): windows at random
+    starts cut to a random length in [``min_len``, ``seq_len``], padded with ``vocab``, masked
+    by :func:`mask_tokens` with mask token ``vocab + 1``."""
+    starts = torch.randint(0, len(tokens) - seq_len, (rows,), generator=generator)
+    ids = tokens[starts[:, None] + torch.arange(seq_len)]
+    lengths = torch.randint(min_len, seq_len + 1, (rows,), generator=generator)
+    real = torch.arange(seq_len)[None, :] < lengths[:, None]
+    ids = torch.where(real, ids, torch.full_like(ids, vocab))
+    return mask_tokens(ids, real, vocab + 1, vocab, mask_prob, generator)
+
+
+class MLMBatches:
+    """Padded, masked batches of one text split, from a seeded generator."""
+
+    def __init__(self, tokens: Tensor, vocab: int, config: MLMConfig, seed: int) -> None:
+        self.tokens, self.vocab, self.config = tokens, vocab, config
+        self.pad_id, self.mask_id = vocab, vocab + 1
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next(self) -> Tuple[Tensor, Tensor]:
+        c = self.config
+        return masked_batch(self.tokens, self.vocab, c.batch_size, c.seq_len, c.min_len,
+                            c.mask_prob, self.generator)
+
+
+# ---------------------------------------------------------------- models and regimes
+
+
+def encoder_from_config(config: Config) -> nn.Module:
+    """The encoder ``config.model`` describes (plain or unit-scaled by ``model.unit_scaled``;
+    the vocabulary ``model.vocab_size`` characters plus padding and mask), in
+    ``config.precision``."""
+    from ..training.precision import model_kind, simulate_fp16
+
+    shape = config.model
+    model: nn.Module = BertStyleEncoder(
+        shape.vocab_size + 2, shape.hidden_size, shape.depth, shape.heads, shape.seq_len,
+        pad_id=shape.vocab_size, mlp_expansion=shape.mlp_expansion, dropout_p=shape.dropout,
+        attn_tau=shape.attn_tau, mlp_tau=shape.mlp_tau, ops=ENCODER_OPS[model_kind(config)],
+    )
+    if config.precision.dtype == "fp8":
+        from ..fp8 import simulate_fp8
+
+        model = simulate_fp8(model, config.precision.fp8)
+    elif config.precision.dtype == "fp16":
+        model = simulate_fp16(model)
+    return model
+
+
+def build_encoder(config: MLMConfig, vocab: int, regime: str) -> nn.Module:
+    """The encoder for one regime: unit-scaled or plain, with its precision simulated."""
+    return encoder_from_config(run_config(config, regime, 0, vocab))
+
+
+def run_config(config: MLMConfig, regime: str, seed: int, vocab: int) -> Config:
+    """The training loop's config of one run of the comparison: the encoder's shape, the
+    regime's model kind, precision and learning rate, the seed, and ``vocab`` characters."""
+    from ..training.precision import set_model_kind
+    from ..training.run_config import validate
+
+    kind, dtype, scaling = REGIME_SETTINGS[regime]
+    check_mlm_regimes([regime])
+    result = Config()
+    set_model_kind(result, kind)
+    model = result.model
+    model.vocab_size, model.seq_len, model.depth = vocab, config.seq_len, config.depth
+    model.hidden_size, model.heads = config.hidden_size, config.heads
+    model.mlp_expansion, model.attn_tau, model.mlp_tau = (
+        config.mlp_expansion, config.attn_tau, config.mlp_tau)
+    result.precision.dtype = dtype
+    result.precision.fp8 = dataclasses.replace(result.precision.fp8, scaling=scaling)
+    training = result.training
+    training.batch_size, training.steps, training.seed = config.batch_size, config.steps, seed
+    training.optimizer, training.schedule = "adam", "cosine"
+    training.learning_rate = config.learning_rates[regime]
+    training.warmup_steps = config.warmup_steps
+    training.eval_interval, training.eval_batches = config.eval_interval, config.eval_batches
+    # Checkpoints reuse the evaluation that proves their weights good.
+    training.checkpoint_interval = config.eval_interval
+    result.data.path, result.data.val_fraction = config.data, config.val_fraction
+    result.backend = config.backend
+    validate(result)
+    return result
+
+
+def _task(config: MLMConfig) -> Any:
+    from ..loop.tasks import MaskedLM
+
+    return MaskedLM(min_len=config.min_len, mask_prob=config.mask_prob)
+
+
+def evaluate(model: nn.Module, batches: Sequence[Tuple[Tensor, Tensor]]) -> Tuple[float, float]:
+    """(MLM loss per target, accuracy over targets) on `batches`."""
+    was_training = model.training
+    model.eval()
+    total_loss, correct, targets = 0.0, 0, 0
+    try:
+        with torch.no_grad():
+            for inputs, labels in batches:
+                loss, logits = model(inputs, labels, return_logits=True)
+                counted = labels != -100
+                total_loss += float(loss) * int(counted.sum())
+                correct += int((logits.argmax(-1) == labels)[counted].sum())
+                targets += int(counted.sum())
+    except NonFiniteAmaxError:  # an FP8 cast that meets a non-finite value refuses it
+        return math.nan, math.nan
+    finally:
+        model.train(was_training)
+    return total_loss / targets, correct / targets
+
+
+def train_mlm(config: MLMConfig, regime: str, seed: int, run_dir: Path, *,
+              resume: bool = False, quiet: bool = True, desc: Optional[str] = None
+              ) -> Dict[str, Any]:
+    """Train one regime with one seed into `run_dir` through the training loop (or with
+    `resume` continue the run there); returns its summary. A run that diverges returns its
+    summary too (status ``diverged``); SIGINT and SIGTERM raise TrainingInterrupted after a
+    checkpoint, as they do for every run."""
+    from ..loop.training_loop import TrainingDiverged, train
+    from ..training.data import load_corpus
+    from ..training.run_directory import SUMMARY_FILE, read_json
+
+    corpus = load_corpus(config.data, config.val_fraction, config.seq_len)
+    cfg = run_config(config, regime, seed, corpus.tokenizer.vocab_size)
+    label = desc or f"{regime} seed {seed}"
+    try:
+        train(cfg, run_dir, resume=resume, quiet=quiet, desc=label, task=_task(config))
+    except TrainingDiverged as error:
+        if not quiet:
+            print(f"{label}: {error}")
+    return read_json(Path(run_dir) / SUMMARY_FILE) or {}
+
+
+# ---------------------------------------------------------------- the comparison
+
+
+def _mean_std(values: Sequence[float]) -> Tuple[Optional[float], Optional[float]]:
+    if not values:
+        return None, None
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def run_mlm_compare(config: MLMConfig, regimes: Sequence[str], seeds: Sequence[int],
+                    run_dir: Path, quiet: bool = False) -> List[Dict[str, Any]]:
+    """Train every regime with every seed into `run_dir/<regime>-seed<k>`; one row per regime,
+    over the seeds: mean (and std) final MLM loss and accuracy, and the gap to fp32.
+
+    A run already in `run_dir` is reused (finished) or resumed (unfinished) when its saved
+    settings are those it would run with now; otherwise nothing trains and a RunError names
+    the settings that differ.
+    """
+    from ..training.data import load_corpus
+    from ..training.run_directory import (
+        METRICS_FILE,
+        SUMMARY_FILE,
+        RunLock,
+        make_run_dir,
+        read_json,
+        remove_temporaries,
+    )
+
+    check_mlm_regimes(regimes)
+    say = (lambda text: None) if quiet else print
+    make_run_dir(run_dir)
+    with RunLock(run_dir):
+        remove_temporaries(run_dir)
+        corpus = load_corpus(config.data, config.val_fraction, config.seq_len)
+        vocab = corpus.tokenizer.vocab_size
+        plans = [(regime, seed, _plan(run_config(config, regime, seed, vocab),
+                                      config, run_dir / f"{regime}-seed{seed}", corpus.sha256))
+                 for regime in regimes for seed in seeds]
+        runs: Dict[Tuple[str, int], Dict[str, Any]] = {}
+        for regime, seed, action in plans:
+            directory = run_dir / f"{regime}-seed{seed}"
+            if action == "reuse":
+                say(f"{regime} seed {seed}: reusing the finished run in {directory}")
+                runs[regime, seed] = read_json(directory / SUMMARY_FILE) or {}
+                continue
+            if action == "replace":
+                say(f"{regime} seed {seed}: {directory} holds a run of an earlier version, "
+                    "without a checkpoint; training it again")
+                _remove_files(directory, (SUMMARY_FILE, METRICS_FILE))
+            runs[regime, seed] = train_mlm(config, regime, seed, directory,
+                                           resume=action == "resume", quiet=quiet)
+        return _write_comparison(config, regimes, seeds, run_dir, runs)
+
+
+def _plan(wanted: Config, config: MLMConfig, directory: Path, data_sha256: str) -> str:
+    """Whether to ``start``, ``resume`` or ``reuse`` the run in ``directory``, or ``replace``
+    the files an earlier version's loop left there; RunError when it was trained with other
+    settings."""
+    from ..loop.tasks import read_task
+    from ..loop.training_loop import load_run_config
+    from ..training.precision import model_kind
+    from ..training.run_directory import (
+        CHECKPOINT_FILE,
+        CONFIG_FILE,
+        SUMMARY_FILE,
+        RunError,
+        read_json,
+    )
+
+    has_checkpoint = (directory / CHECKPOINT_FILE).exists()
+    summary = read_json(directory / SUMMARY_FILE)
+    if summary is not None and not has_checkpoint and "regime" in summary and \
+            "checkpoint_step" not in summary and not (directory / CONFIG_FILE).exists():
+        # Written by the masked-LM loop of earlier versions, which kept no checkpoint: nothing
+        # to continue, so it is trained again.
+        return "replace"
+    if not has_checkpoint and summary is None:
+        return "start"  # new, or killed before anything worth keeping
+    differences = setting_differences(load_run_config(directory).to_dict(), wanted.to_dict())
+    task, saved_task = _task(config), read_task(directory)
+    if saved_task.settings() != task.settings():
+        differences.append(f"task: {saved_task.settings()} -> {task.settings()}")
+    if summary is not None and summary.get("data_sha256") != data_sha256:
+        differences.append("data: not the text it trained on")
+    if differences:
+        shown = ", ".join(differences[:4]) + (", ..." if len(differences) > 4 else "")
+        raise RunError(f"{directory} was trained with other settings ({shown}); rerun with the "
+                       "same settings or choose another --run-dir")
+    summary = summary or {}
+    status = summary.get("status")
+    # A summary that does not say which model it trained is not trusted to be this regime's:
+    # the run is resumed, which rewrites it.
+    if summary.get("model") == model_kind(wanted) and (status == "diverged" or (
+            status == "completed" and summary.get("steps") == wanted.training.steps)):
+        return "reuse"
+    return "resume" if has_checkpoint else "start"
+
+
+def _write_comparison(config: MLMConfig, regimes: Sequence[str], seeds: Sequence[int],
+                      run_dir: Path, runs: Dict[Tuple[str, int], Dict[str, Any]]
+                      ) -> List[Dict[str, Any]]:
+    """The rows of the table, from the runs' summaries; writes compare.md, .json and .png."""
+    from ..training.run_directory import atomic_write
+
+    def completed(run: Dict[str, Any]) -> bool:
+        return run.get("status") == "completed" and run.get("final_val_loss") is not None
+
+    rows = []
+    for regime in regimes:
+        done = [runs[regime, s] for s in seeds]
+        finished = [run for run in done if completed(run)]
+        losses = [run["final_val_loss"] for run in finished]
+        accuracy = [run.get("final_val_metrics", {}).get("accuracy", math.nan)
+                    for run in finished]
+        gaps = []
+        for seed, run in zip(seeds, done):
+            reference = runs.get(("fp32", seed))
+            if completed(run) and reference and completed(reference):
+                gaps.append(100 * (run["final_val_loss"] - reference["final_val_loss"])
+                            / reference["final_val_loss"])
+        loss_mean, loss_std = _mean_std(losses)
+        accuracy_mean, accuracy_std = _mean_std(accuracy)
+        gap_mean, gap_std = _mean_std(gaps)
+        rows.append({
+            "regime": regime, "model": encoder_kind(regime),
+            "learning_rate": config.learning_rates[regime],
+            "completed": len(losses), "runs": len(done),
+            "val_loss": loss_mean, "val_loss_std": loss_std,
+            "val_accuracy": accuracy_mean, "val_accuracy_std": accuracy_std,
+            "gap_to_fp32_percent": gap_mean, "gap_std": gap_std,
+            "seconds": statistics.fmean(run.get("elapsed_s") or 0.0 for run in done),
+            "messages": [run["message"] for run in done if run.get("message")],
+        })
+    table = format_mlm_table(rows, seeds)
+    atomic_write(run_dir / "compare.md", (table + "\n").encode("utf-8"))
+    atomic_write(run_dir / "compare.json", json.dumps(
+        {"config": asdict(config), "seeds": list(seeds), "regimes": rows},
+        indent=2).encode("utf-8"))
+    try:
+        from ..training.plots import plot_compare
+
+        curves = {f"{r}-seed{s}" if len(seeds) > 1 else r:
+                  [(p[0], p[1]) for p in runs[r, s].get("val_curve", [])]
+                  for r in regimes for s in seeds}
+        plot_compare(curves, run_dir / "compare.png", None,
+                     title="Validation masked-LM loss by regime and seed")
+    except RuntimeError:  # matplotlib missing: the table is the result
+        pass
+    return rows
+
+
+def _remove_files(directory: Path, names: Sequence[str]) -> None:
+    for name in names:
+        try:
+            (directory / name).unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _pm(mean: Optional[float], std: Optional[float], fmt: str, suffix: str = "") -> str:
+    if mean is None:
+        return "-"
+    return f"{mean:{fmt}}{suffix} ± {std:{fmt.lstrip('+')}}{suffix}"
+
+
+def format_mlm_table(rows: Sequence[Dict[str, Any]], seeds: Sequence[int]) -> str:
+    """Markdown: one row per regime, mean ± std over the seeds."""
+    lines = [
+        "| regime | model | precision | learning rate | MLM loss | accuracy | gap to fp32 "
+        "| completed | time per run |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        _, dtype, scaling = REGIME_SETTINGS[row["regime"]]
+        precision = dtype if dtype != "fp8" else f"fp8 {scaling}"
+        lines.append(
+            f"| {row['regime']} | {ENCODER_NAMES[encoder_kind(row['regime'])]} | {precision} | "
+            f"{row['learning_rate']:g} | {_pm(row['val_loss'], row['val_loss_std'], '.4f')} | "
+            f"{_pm(row['val_accuracy'], row['val_accuracy_std'], '.3f')} | "
+            f"{_pm(row['gap_to_fp32_percent'], row['gap_std'], '+.1f', '%')} | "
+            f"{row['completed']}/{row['runs']} | {row['seconds']:.0f} s |"
+        )
+    lines.append("")
+    lines.append(f"Mean ± standard deviation over seeds {', '.join(map(str, seeds))}; MLM loss "
+                 "in nats per masked character on the validation split.")
+    return "\n".join(lines)

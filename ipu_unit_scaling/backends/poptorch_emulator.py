@@ -1,0 +1,511 @@
+"""PopTorch's semantics without the Poplar SDK: trace forward, differentiate the traced graph.
+
+PopTorch compiles a model in steps that decide what it computes:
+
+1. it checks its options against the model's pipeline (:mod:`.ipu.checks`);
+2. it runs the forward pass once, recording the ATen ops that reach its dispatcher (after
+   PyTorch's own decompositions); ``.item()`` and other reads of a tensor on the host are
+   refused, so are moves to the CPU, and float8 tensors cannot cross;
+3. ops whose inputs are all compile-time constants are evaluated on the host; every other op
+   needs a handler, and some handlers refuse some arguments (:mod:`.poptorch_ops`);
+4. PopART differentiates that forward graph: a ``torch.autograd.Function``'s ``forward`` is
+   recorded like any other code and its ``backward`` is never used; a PopART custom op
+   (``poptorch.custom_op``) is one op, differentiated by its grad op;
+5. the optimizer runs on the device with ``trainingModel``'s batching semantics.
+
+This module does the same on the host. :func:`trace_like_poptorch` traces a module with fake
+tensors under :func:`ipu_unit_scaling.ipu_tracing` and the IPU backend's rewrites
+(:mod:`.ipu.rewrites`), checks every op against PopTorch's rules and returns a
+:class:`PopTorchTrace`: the recorded graph, run with the module's live parameters, so autograd
+of the graph plays PopART's autodiff. :func:`check_poptorch` is the check to run before
+spending IPU time. The ``emulator`` backend trains through :func:`emulated_training_module`
+with the CPU backend's batching semantics, and evaluates and samples through
+:class:`EmulatedInferenceModel`; both refuse the options PopTorch would refuse.
+
+(:mod:`ipu_unit_scaling.fp8.codelet_emulator` is a different emulator: the FP8 codelets run tile by
+tile.)
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..ops.ipu_lowering import lower_graph
+from ..ops.trace_switch import ipu_tracing
+from ..training.run_config import Config
+from . import poptorch_ops
+from .cpu import TrainingModule
+from .poptorch.compile_checks import PopTorchError, check_config_compiles, check_inputs
+from .poptorch.rewrites import PopTorchRewrites
+from .poptorch_ops import ARGUMENT_RULES, HOST_READ_OPS, base_name, is_supported
+from .stages import Stage, stages
+
+__all__ = [
+    "PopTorchError", "PopTorchReport", "PopTorchTrace", "trace_like_poptorch", "check_poptorch",
+    "TracedTrainingModule", "EmulatedInferenceModel", "emulated_training_module",
+]
+
+
+@dataclass
+class PopTorchReport:
+    """What tracing found: op counts and the ops PopTorch has no handler for, by module."""
+
+    op_counts: Dict[str, int]
+    unsupported: Dict[str, List[str]] = field(default_factory=dict)  # op -> module paths
+
+    @property
+    def ok(self) -> bool:
+        return not self.unsupported
+
+    def __str__(self) -> str:
+        total = sum(self.op_counts.values())
+        if self.ok:
+            return f"PopTorch check passed: {total} ops, all supported"
+        lines = [f"PopTorch check: {len(self.unsupported)} unsupported op(s) of {total} ops"]
+        for op, modules in sorted(self.unsupported.items()):
+            lines.append(f"  {op} in {', '.join(sorted(set(modules)))}")
+        return "\n".join(lines)
+
+
+def _is_float8(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and str(value.dtype).startswith("torch.float8")
+
+
+def _tensors(value: Any) -> List[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _named_arguments(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The op's arguments by their schema names, defaults filled in."""
+    named: Dict[str, Any] = {}
+    for index, argument in enumerate(func._schema.arguments):
+        if index < len(args):
+            named[argument.name] = args[index]
+        elif argument.name in kwargs:
+            named[argument.name] = kwargs[argument.name]
+        elif argument.has_default_value():
+            named[argument.name] = argument.default_value
+    return named
+
+
+class _PopTorchRules(TorchDispatchMode):
+    """Checks each op as PopTorch's dispatcher would see it, naming the module it came from.
+
+    It also follows which tensors are compile-time constants: the trace's inputs, parameters
+    and buffers are not, nor is anything computed from them or drawn at random. An ATen op on
+    constants only is evaluated on the host by PopTorch before any handler runs, so it is
+    neither checked against the handler list nor against the handlers' argument rules.
+    """
+
+    def __init__(self, scopes: List[str]):
+        super().__init__()
+        self.scopes = scopes
+        self.unsupported: Dict[str, List[str]] = collections.defaultdict(list)
+        # > 0 inside an op PopTorch's dispatcher takes whole (see `_PopTorchCalls`).
+        self.inside_dispatcher_op = 0
+        # id -> tensor (kept alive so that ids stay unique) of the tensors that are not
+        # compile-time constants.
+        self._variable: Dict[int, torch.Tensor] = {}
+        # id -> device object of the tensors of the trace: on an IPU these are the IPU.
+        self.devices: Dict[int, Any] = {}
+
+    def where(self) -> str:
+        return self.scopes[-1] if self.scopes else "<model>"
+
+    def refusal(self, op: str, reason: str) -> PopTorchError:
+        return PopTorchError(f"{op} in {self.where()}: {reason}")
+
+    def mark_variable(self, value: Any) -> None:
+        for tensor in _tensors(value):
+            self._variable[id(tensor)] = tensor
+            self.devices[id(tensor.device)] = tensor.device
+
+    def is_constant(self, value: Any) -> bool:
+        return not any(id(t) in self._variable for t in _tensors(value))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if func.namespace == "aten" and name in HOST_READ_OPS:
+            raise self.refusal(
+                f"aten::{name}",
+                "a tensor is read on the host (.item(), .tolist(), int()/float()/bool() of a "
+                "tensor, or control flow on a tensor's value). PopTorch refuses it while "
+                "tracing; keep the value a tensor.")
+        if any(_is_float8(a) for a in tree_flatten((args, kwargs))[0]):
+            raise self.refusal(
+                str(func), "takes a float8 tensor, which cannot cross PopTorch: carry FP8 as "
+                "uint8 codes through the FP8 custom ops (ipu_unit_scaling.fp8.cast_ops)")
+        if func.namespace == "prim":  # metadata queries (prim::device), not graph ops
+            return func(*args, **kwargs)
+        variable = not self.is_constant((args, kwargs)) or (
+            torch.Tag.nondeterministic_seeded in func.tags)
+        if self.inside_dispatcher_op == 0:
+            if func.namespace != "aten":
+                if not poptorch_ops.is_custom_op(func.namespace, name):
+                    self.unsupported[f"{func.namespace}::{name}"].append(self.where())
+            elif variable:
+                self._check_arguments(func, name, args, kwargs)
+                if not is_supported(name):
+                    self.unsupported[f"aten::{name}"].append(self.where())
+        out = func(*args, **kwargs)
+        if any(_is_float8(o) for o in tree_flatten(out)[0]):
+            raise self.refusal(str(func), "makes a float8 tensor, which cannot cross PopTorch")
+        for tensor in _tensors(out):
+            device = tensor.device  # one object per fake tensor: `.to(t.device)` is found
+            self.devices[id(device)] = device
+        if variable:
+            self.mark_variable(out)
+            for value, argument in zip(args, func._schema.arguments):
+                if argument.alias_info is not None and argument.alias_info.is_write:
+                    self.mark_variable(value)  # written in place with a variable value
+        return out
+
+    def _check_arguments(self, func: Any, name: str, args: Sequence[Any],
+                         kwargs: Dict[str, Any]) -> None:
+        rules = ARGUMENT_RULES.get(name) or ARGUMENT_RULES.get(base_name(name), ())
+        if not rules:
+            return
+        named = _named_arguments(func, args, kwargs)
+        for rule in rules:
+            if rule.refuses(named, self.is_constant):
+                raise self.refusal(f"aten::{name}", f"{rule.reason} "
+                                   f"(poptorch/source/popart_canonicalization/{rule.source})")
+
+
+# Functions PopTorch's dispatcher implements itself (`RegisterOptionalAtenOps.cpp.inc`), which
+# a dispatch mode would only see decomposed: dropout into `empty_like`, `bernoulli_` and
+# `div_`, one_hot and adaptive pooling into other ops. Ops inside them are not checked.
+_DISPATCHER_LEVEL_FUNCTIONS = frozenset((
+    torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
+    torch.nn.functional.dropout3d, torch.dropout, torch.feature_dropout,
+    torch.nn.functional.one_hot, torch.nn.functional.adaptive_avg_pool1d,
+    torch.nn.functional.adaptive_avg_pool2d, torch.nn.functional.adaptive_avg_pool3d,
+))
+_DISPATCHER_LEVEL_ATEN = frozenset(("dropout", "feature_dropout"))
+_ADAPTIVE_POOLS = {torch.nn.functional.adaptive_avg_pool1d: 1,
+                   torch.nn.functional.adaptive_avg_pool2d: 2,
+                   torch.nn.functional.adaptive_avg_pool3d: 3}
+_HOST_READ_METHODS = {torch.Tensor.numpy: "Tensor.numpy", torch.Tensor.tolist: "Tensor.tolist"}
+_DEVICE_PROPERTY = torch.Tensor.device
+
+
+def _one_hot_without_checks(indices: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
+    classes = torch.arange(num_classes, dtype=indices.dtype, device=indices.device)
+    return (indices.unsqueeze(-1) == classes).to(torch.long)
+
+
+def _is_device_getter(func: Any) -> bool:
+    """``tensor.device`` (each access to the getter makes a new method-wrapper object)."""
+    return getattr(func, "__self__", None) is _DEVICE_PROPERTY and (
+        getattr(func, "__name__", "") == "__get__")
+
+
+class _PopTorchCalls(TorchFunctionMode):
+    """What PopTorch decides from the Python call rather than the ATen op.
+
+    - Dropout, one_hot and adaptive average pooling as PopTorch's dispatcher takes them: whole
+      (see `_DISPATCHER_LEVEL_FUNCTIONS`), with their handlers' argument checks.
+    - Moves to the CPU inside ``forward`` (``.cpu()``, ``.to("cpu")``): PopTorch traces on the
+      IPU device, and its ``copy_`` refuses an IPU to CPU copy except for the outputs
+      (``RegisterAtenOverloads.cpp``). ``.to(t.device)`` stays on the IPU there, so devices
+      read from tensors are remembered and let through.
+    - Reads of a tensor's data on the host (``.numpy()``, ``.tolist()``).
+    """
+
+    def __init__(self, rules: _PopTorchRules):
+        super().__init__()
+        self.rules = rules
+        self._tensor_devices: Dict[int, Any] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        if _is_device_getter(func):
+            device = func(*args, **kwargs)
+            self._tensor_devices[id(device)] = device
+            return device
+        self._refuse_host_access(func, args, kwargs)
+        packet = getattr(func, "overloadpacket", None)
+        whole = func in _DISPATCHER_LEVEL_FUNCTIONS or (
+            packet is not None and getattr(func, "namespace", "") == "aten"
+            and packet.__name__ in _DISPATCHER_LEVEL_ATEN)
+        if not whole:
+            return func(*args, **kwargs)
+        if func is torch.nn.functional.one_hot:
+            classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+            if classes == -1 and not self.rules.is_constant(args[0]):
+                raise self.rules.refusal(
+                    "aten::one_hot", "num_classes must be given: the handler needs the class "
+                    "count at compile time (poptorch/source/popart_canonicalization/"
+                    "EmbeddingOps.cpp)")
+            if classes != -1:
+                # The same values without torch's range checks, which read the indices on
+                # the host; PopTorch takes one_hot whole.
+                func = _one_hot_without_checks
+        self.rules.inside_dispatcher_op += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.rules.inside_dispatcher_op -= 1
+        dims = _ADAPTIVE_POOLS.get(func)
+        if dims is not None and not self.rules.is_constant(args[0]):
+            sizes_in, sizes_out = args[0].shape[-dims:], out.shape[-dims:]
+            if any(o and i % o for i, o in zip(sizes_in, sizes_out)):
+                raise self.rules.refusal(
+                    f"aten::adaptive_avg_pool{dims}d",
+                    f"input sizes {tuple(sizes_in)} are not multiples of the output sizes "
+                    f"{tuple(sizes_out)}, which the handler refuses "
+                    "(poptorch/source/popart_canonicalization/PoolingOps.cpp)")
+        return out
+
+    def _refuse_host_access(self, func: Any, args: Sequence[Any],
+                            kwargs: Dict[str, Any]) -> None:
+        if func is torch.Tensor.cpu or (func is torch.Tensor.to and self._moves_to_cpu(
+                args, kwargs)):
+            call = "Tensor.cpu" if func is torch.Tensor.cpu else "Tensor.to"
+            raise self.rules.refusal(
+                call, "a move to the CPU inside forward. PopTorch refuses it while tracing "
+                "(illegal move to CPU, RegisterAtenOverloads.cpp): return the tensor as an "
+                "output instead")
+        if func in _HOST_READ_METHODS:
+            raise self.rules.refusal(
+                _HOST_READ_METHODS[func], "a tensor is read on the host. PopTorch refuses it "
+                "while tracing; keep the value a tensor.")
+
+    def _moves_to_cpu(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
+        if any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())):
+            return False  # .to(other): other's device, the IPU for any tensor in the trace
+        device = kwargs.get("device", args[1] if len(args) > 1 else None)
+        if self._is_tensor_device(device, args[0]):
+            return False  # a device read from a tensor of the trace: the IPU on an IPU
+        parsed = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
+        return parsed is not None and parsed.type == "cpu"
+
+    def _is_tensor_device(self, device: Any, tensor: torch.Tensor) -> bool:
+        # Fake tensors keep one device object each, which the rules record; real tensors
+        # make one per access, which the getter above records.
+        return (id(device) in self._tensor_devices or id(device) in self.rules.devices
+                or device is tensor.device)
+
+
+@contextlib.contextmanager
+def _module_scopes(module: nn.Module, scopes: List[str]) -> Iterator[None]:
+    """Keep ``scopes[-1]`` the qualified name of the module whose forward is running."""
+    handles = []
+    for name, child in module.named_modules():
+        label = name or type(module).__name__
+
+        def enter(_: nn.Module, __: Any, label: str = label) -> None:
+            scopes.append(label)
+
+        def leave(_: nn.Module, __: Any, ___: Any) -> None:
+            scopes.pop()
+
+        handles.append(child.register_forward_pre_hook(enter))
+        handles.append(child.register_forward_hook(leave))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class PopTorchTrace:
+    """A module's forward as PopTorch records it, callable with the module's live parameters.
+
+    Calling it runs the recorded ATen graph (and the package's custom ops, each one node whose
+    gradient comes from the op's Autograd kernel, as PopART's comes from the grad op) on real
+    tensors; autograd of that graph is what PopART's autodiff computes. It is valid for inputs
+    of the traced shapes and dtypes and the traced train/eval mode.
+    """
+
+    def __init__(self, module: nn.Module, graph: GraphModule, report: PopTorchReport,
+                 parameter_names: List[str], buffer_names: List[str]):
+        self.module = module
+        self.graph = graph
+        self.report = report
+        self.parameter_names = parameter_names
+        self.buffer_names = buffer_names
+
+    def __call__(self, *inputs: Any) -> Any:
+        parameters = dict(self.module.named_parameters())
+        buffers = dict(self.module.named_buffers())
+        return self.graph([parameters[n] for n in self.parameter_names],
+                          [buffers[n] for n in self.buffer_names], *inputs)
+
+    def ops(self) -> List[str]:
+        """The ops of the graph in execution order, e.g. ``aten::mm``."""
+        names = []
+        for node in self.graph.graph.nodes:
+            if node.op == "call_function" and hasattr(node.target, "overloadpacket"):
+                names.append(f"{node.target.namespace}::{node.target.overloadpacket.__name__}")
+        return names
+
+
+def _make_fx() -> Callable[..., Any]:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx
+
+
+def _functional_call(module: nn.Module, state: Dict[str, torch.Tensor],
+                     inputs: Tuple[Any, ...]) -> Any:
+    from torch.func import functional_call
+
+    return functional_call(module, state, inputs)
+
+
+def trace_like_poptorch(module: nn.Module, *inputs: Any,
+                        stochastic_rounding: bool = False) -> PopTorchTrace:
+    """Trace ``module(*inputs)`` the way PopTorch does (see the module docstring).
+
+    Raises :class:`PopTorchError` for what PopTorch refuses while tracing (host reads of a
+    tensor, moves to the CPU, float8 tensors, arguments a handler refuses), naming the op and
+    the module; unsupported ops are collected in ``trace.report``. The module's train/eval
+    mode is traced as it is.
+
+    The trace computes what an IPU computes where PopART departs from eager torch (GELU; with
+    ``stochastic_rounding``, as ``Precision.enableStochasticRounding``, the float-half casts):
+    see :mod:`ipu_unit_scaling.ops.ipu_lowering`.
+    """
+    parameter_names = [name for name, _ in module.named_parameters()]
+    buffer_names = [name for name, _ in module.named_buffers()]
+    scopes: List[str] = []
+    rules = _PopTorchRules(scopes)
+
+    def forward(parameters: List[torch.Tensor], buffers: List[torch.Tensor], *args: Any) -> Any:
+        state = dict(zip(parameter_names, parameters))
+        state.update(zip(buffer_names, buffers))
+        rules.mark_variable((parameters, buffers, args))  # graph inputs, never constants
+        with ipu_tracing(), _module_scopes(module, scopes), rules, _PopTorchCalls(rules), \
+                PopTorchRewrites():
+            return _functional_call(module, state, args)
+
+    parameters = [p for _, p in module.named_parameters()]
+    buffers = [b for _, b in module.named_buffers()]
+    try:
+        graph = _make_fx()(forward, tracing_mode="fake")(parameters, buffers, *inputs)
+    except PopTorchError:
+        raise
+    except Exception as error:
+        cause = error
+        while cause is not None and not isinstance(cause, PopTorchError):
+            cause = cause.__cause__ or cause.__context__  # type: ignore[assignment]
+        if isinstance(cause, PopTorchError):
+            raise PopTorchError(str(cause)) from None
+        raise
+    counts: Dict[str, int] = collections.Counter()
+    for node in graph.graph.nodes:
+        if node.op == "call_function" and hasattr(node.target, "overloadpacket"):
+            counts[f"{node.target.namespace}::{node.target.overloadpacket.__name__}"] += 1
+    report = PopTorchReport(dict(counts), {k: list(v) for k, v in rules.unsupported.items()})
+    graph = lower_graph(graph, stochastic_rounding)
+    return PopTorchTrace(module, graph, report, parameter_names, buffer_names)
+
+
+def check_poptorch(model: nn.Module, *inputs: Any, strict: bool = True) -> PopTorchReport:
+    """Check that PopTorch can train ``model`` on ``inputs``, before spending IPU time.
+
+    Traces like PopTorch (fake tensors: nothing is computed) and returns the report. Raises
+    :class:`PopTorchError` for what :func:`trace_like_poptorch` refuses, and with ``strict``
+    also for ops PopTorch has no handler for, listing each with the modules it came from.
+    """
+    report = trace_like_poptorch(model, *inputs).report
+    if strict and not report.ok:
+        raise PopTorchError(str(report))
+    return report
+
+
+class TracedTrainingModule(nn.Module):
+    """Runs the wrapped module through :func:`trace_like_poptorch` (one trace per input
+    signature and train/eval mode), so its gradients are those PopART would compute;
+    ``stochastic_rounding`` as in :func:`trace_like_poptorch`."""
+
+    def __init__(self, module: nn.Module, stochastic_rounding: bool = False):
+        super().__init__()
+        self.module = module
+        self.stochastic_rounding = stochastic_rounding
+        self._traces: Dict[Tuple[Any, ...], PopTorchTrace] = {}
+
+    def _signature(self, inputs: Sequence[Any]) -> Tuple[Any, ...]:
+        shapes = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
+                       for x in inputs)
+        return shapes + (self.module.training,)
+
+    def forward(self, *inputs: Any) -> Any:
+        key = self._signature(inputs)
+        trace = self._traces.get(key)
+        if trace is None:
+            trace = trace_like_poptorch(self.module, *inputs,
+                                        stochastic_rounding=self.stochastic_rounding)
+            if not trace.report.ok:
+                raise PopTorchError(str(trace.report))
+            self._traces[key] = trace
+        return trace(*inputs)
+
+
+def _join_outputs(outputs: List[Any]) -> Any:
+    """One call's outputs as ``poptorch.OutputMode.All`` returns them: per micro-batch results
+    concatenated on dim 0, scalars stacked."""
+    first = outputs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(outputs) if first.dim() == 0 else torch.cat(outputs)
+    if isinstance(first, (tuple, list)):
+        return type(first)(_join_outputs(list(parts)) for parts in zip(*outputs))
+    return first
+
+
+def _split_rows(value: Any, parts: int) -> List[Any]:
+    if isinstance(value, torch.Tensor) and value.dim():
+        return list(value.chunk(parts))
+    return [value] * parts
+
+
+class EmulatedInferenceModel:
+    """``poptorch.inferenceModel`` as the IPU backend builds it, on the host.
+
+    Built from the same options as :class:`~.ipu.training.IPUInferenceModel` and refused at
+    construction if PopTorch would refuse to compile them (:mod:`.ipu.checks`). A call takes a
+    multiple of ``rows_per_call`` rows, runs each micro-batch through the graph PopTorch would
+    trace (in eval mode, without gradients) and returns what ``OutputMode.All`` returns.
+    """
+
+    def __init__(self, model: nn.Module, config: Config):
+        split = stages(model, config) if config.ipu.ipus_per_replica > 1 else []
+        self.compile_options = check_config_compiles(config, split, training=False)
+        self.rows_per_call = self.compile_options.rows_per_call
+        self.stages = split
+        self.model = model
+        self.runner = TracedTrainingModule(model, config.ipu.stochastic_rounding)
+
+    def __call__(self, *inputs: Any) -> Any:
+        check_inputs(self.compile_options, inputs)
+        self.model.eval()
+        parts = self.rows_per_call
+        with torch.no_grad():
+            if parts == 1:
+                return self.runner(*inputs)
+            micro_batches = zip(*(_split_rows(x, parts) for x in inputs))
+            return _join_outputs([self.runner(*micro) for micro in micro_batches])
+
+    def destroy(self) -> None:
+        """Nothing to release off the IPU."""
+
+
+def emulated_training_module(model: nn.Module, config: Config,
+                             split: Sequence[Stage]) -> TracedTrainingModule:
+    """The traced ``(output, loss)`` module the emulator backend trains, once the options the
+    IPU backend would build for ``config`` pass PopTorch's compile checks."""
+    check_config_compiles(config, split, training=True)
+    return TracedTrainingModule(TrainingModule(model), config.ipu.stochastic_rounding)

@@ -1,0 +1,727 @@
+"""Run the FP8 codelets on the host, tile by tile, as the Poplar graph runs them, and count
+what that graph places on each tile.
+
+The PopART custom ops (``custom_ops/fp8_graph.cpp``) build this graph for an input laid out
+over the tiles by whatever op produced or consumes it (its *tile mapping*)::
+
+    every tile holding input:  PartialAmax<T>      on its data   -> partials[tile, 0..workers)
+    a tree over those tiles:   MaxPartials         on <= F partials of a group -> their amax
+    its root:                  ScalingBias<E>      on <= F partials -> log2 scale, non-finite flag
+    every tile holding input:  CastToFp8<T, E, S>  on its data   -> codes, laid out like x
+
+and the ``Fp8Quantise`` op (and the grad op of ``Fp8GradientQuantise``) adds
+``CastFromFp8<T, E>`` on every tile, back to x's dtype: see :func:`quantise`. A tile whose
+data lies in several regions of its memory runs the ``...Regions`` variant of a vertex. The
+tree (F = ceil(sqrt(tiles holding input))) is the C++ plan the custom op builds from
+(``codelets/placement.hpp``), and each MultiVertex picks its workers' share itself with the
+C++ split (``codelets/partition.hpp``), so the emulator runs the vertex sources compiled for
+the host (``_fp8_host.so``) over the graph's own split. It needs the host library (see
+:func:`ipu_unit_scaling.fp8.host_library.fast_path_status`).
+
+A tile mapping here is a list over tiles of the tile's regions, each region a tuple of
+``(begin, end)`` intervals of the flattened tensor that lie one after the other in the tile's
+memory (what Poplar's ``getSortedContiguousRegions`` returns). :func:`flat_mapping` is the
+even split of the flat tensor; :func:`block_mapping` a matmul-like layout of a matrix.
+
+:func:`graph_model` lists the vertices and edges the custom op adds for a mapping, and
+:func:`flat_graph_model` those of the earlier graph, which copied the input into the flat
+layout, cast it there and reduced every tile's partials on tile 0; :func:`tile_loads` counts
+them per tile.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from . import MAX_LOG2_SCALE, FP8Format, NonFiniteAmaxError, get_format
+from . import host_library as _host
+
+__all__ = [
+    "IPU_TILES", "IPU_WORKERS", "EmulatedCast", "Interval", "Region", "TileMapping",
+    "partition", "python_partition", "flat_mapping", "block_mapping", "check_mapping",
+    "AmaxTree", "amax_tree", "amax_tree_fan_in", "region_pieces",
+    "leaf_tiles", "partial_amaxes", "scaling_bias", "AmaxReduction", "reduce_amax", "cast_to_fp8",
+    "cast_from_fp8", "quantise",
+    "Edge", "ModelVertex", "GraphModel", "TileLoad", "graph_model", "flat_graph_model",
+    "Transfer", "tile_loads", "busiest_tile", "exchanged_elements",
+]
+
+# A Mk2 IPU (GC200): 1472 tiles, 6 hardware worker threads per tile.
+IPU_TILES = 1472
+IPU_WORKERS = 6
+_OVERFLOW_POLICIES = ("saturate", "nan")
+_GRAIN = 8  # ius::kPartitionGrain: regions are allocated on 8-element boundaries here
+
+Interval = Tuple[int, int]
+Region = Tuple[Interval, ...]
+TileMapping = List[List[Region]]
+
+
+class EmulatedCast(NamedTuple):
+    """What the custom op's graph produces, plus the intermediate the tests look at."""
+
+    codes: torch.Tensor  # uint8, shaped like the input
+    log2_scale: int
+    partials: Optional[torch.Tensor]  # float32 [tiles, workers]; None when the scale was given
+
+
+# ---------------------------------------------------------------------------------------------
+# The C++ placement rules, through the host library
+
+
+_c_int64 = ctypes.c_int64
+_c_void_p = ctypes.c_void_p
+_PLACEMENT_SIGNATURES: Dict[str, Tuple[Any, List[Any]]] = {
+    "ius_amax_tree": (_c_int64, [_c_void_p, _c_int64, ctypes.c_uint64, _c_int64, _c_void_p,
+                                 _c_void_p, _c_void_p]),
+    "ius_region_pieces": (ctypes.c_int, [_c_void_p, _c_int64, ctypes.c_uint, _c_void_p]),
+    "ius_vertex_max_partials": (ctypes.c_int, [_c_void_p, _c_int64, _c_void_p]),
+    "ius_vertex_partial_amax_regions": (
+        ctypes.c_int, [_c_void_p, _c_void_p, _c_int64, ctypes.c_int, ctypes.c_uint, _c_void_p]),
+    "ius_vertex_cast_to_fp8_regions": (
+        ctypes.c_int, [_c_void_p, _c_void_p, _c_void_p, _c_int64, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_uint, ctypes.c_int]),
+    "ius_vertex_cast_from_fp8_regions": (
+        ctypes.c_int, [_c_void_p, _c_void_p, _c_void_p, _c_int64, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_uint, ctypes.c_int]),
+}
+
+
+def _function(name: str) -> Callable[..., int]:
+    """An entry point of the host library that ``_host`` does not declare, typed here."""
+    lib = _host.library()
+    try:
+        function = getattr(lib, name)
+    except AttributeError:
+        raise _host.HostLibraryUnavailable(
+            f"{_host.LIBRARY_PATH.name} predates {name}; rebuild it with "
+            "`python setup.py build_ext --inplace`") from None
+    restype, argtypes = _PLACEMENT_SIGNATURES[name]
+    function.restype = restype
+    function.argtypes = argtypes
+    return function  # type: ignore[no-any-return]
+
+
+class AmaxTree(NamedTuple):
+    """The reduction of the tiles' partials, as ``ius::planAmaxTree`` plans it.
+
+    Nodes ``[0, leaves)`` are the PartialAmax vertices, in the order of the tiles given; the
+    others are MaxPartials vertices, level by level, and last the root, ScalingBias.
+    """
+
+    tiles: List[int]  # node -> tile of its vertex
+    parents: List[int]  # node -> the node that reads its result; -1 for the root
+    levels: List[int]  # node -> 0 for leaves, then 1, 2, ... up to the root
+    leaves: int
+
+    @property
+    def root(self) -> int:
+        return len(self.tiles) - 1
+
+    def children(self) -> List[List[int]]:
+        children: List[List[int]] = [[] for _ in self.tiles]
+        for node, parent in enumerate(self.parents):
+            if parent >= 0:
+                children[parent].append(node)
+        return children
+
+
+def amax_tree(leaf_tiles: Sequence[int], rotation: int = 0) -> AmaxTree:
+    """The C++ amax tree over the tiles holding input (``rotation``: the op's id)."""
+    leaves = len(leaf_tiles)
+    capacity = 2 * leaves + 1
+    tiles_in = np.asarray(leaf_tiles, dtype=np.uint32)
+    tiles = np.zeros(capacity, dtype=np.int64)
+    parents = np.zeros(capacity, dtype=np.int64)
+    levels = np.zeros(capacity, dtype=np.int64)
+    nodes = _function("ius_amax_tree")(
+        tiles_in.ctypes.data, leaves, rotation, capacity, tiles.ctypes.data,
+        parents.ctypes.data, levels.ctypes.data)
+    if nodes < 1:
+        raise ValueError(f"the amax tree over {leaves} tiles could not be planned")
+    return AmaxTree(tiles[:nodes].tolist(), parents[:nodes].tolist(), levels[:nodes].tolist(),
+                    leaves)
+
+
+def amax_tree_fan_in(leaves: int) -> int:
+    """The most inputs any tree vertex reads: the smallest F >= 2 with F * F >= leaves."""
+    fan_in = 2
+    while fan_in * fan_in < leaves:
+        fan_in += 1
+    return fan_in
+
+
+def region_pieces(lengths: Sequence[int], workers: int = IPU_WORKERS) -> torch.Tensor:
+    """int64 ``[workers, regions, 2]``: the [begin, end) of each region each worker of a
+    ``...Regions`` vertex takes (``ius::forEachPiece``); begin == end where it takes none."""
+    count = len(lengths)
+    lengths_in = np.asarray(lengths, dtype=np.int64)
+    pieces = np.zeros((workers, count, 2), dtype=np.int64)
+    status = _function("ius_region_pieces")(lengths_in.ctypes.data, count, workers,
+                                            pieces.ctypes.data)
+    if status != 0:
+        raise ValueError(f"bad region split: lengths={list(lengths)}, workers={workers}")
+    return torch.from_numpy(pieces)
+
+
+def partition(numel: int, tiles: int = IPU_TILES, workers: int = IPU_WORKERS) -> torch.Tensor:
+    """int64 ``[tiles, workers, 2]``: the [begin, end) of each worker of each tile of the even
+    split of a flat tensor (the earlier graph's layout, and :func:`flat_mapping`'s).
+
+    Computed by the C++ function (``codelets/partition.hpp``) the codelets use.
+    """
+    return _host.partition(numel, tiles, workers)
+
+
+def _split(length: int, parts: int, part: int, grain: int) -> Tuple[int, int]:
+    grains = -(-length // grain)
+    base, extra = divmod(grains, parts)
+    first = part * base + min(part, extra)
+    last = first + base + (1 if part < extra else 0)
+    return min(first * grain, length), min(last * grain, length)
+
+
+def python_partition(numel: int, tiles: int = IPU_TILES, workers: int = IPU_WORKERS,
+                     grain: int = 8) -> torch.Tensor:
+    """A Python copy of the C++ partition, for reading and for checking the two agree."""
+    bounds = torch.empty((tiles, workers, 2), dtype=torch.int64)
+    for t in range(tiles):
+        tile_begin, tile_end = _split(numel, tiles, t, grain)
+        for w in range(workers):
+            begin, end = _split(tile_end - tile_begin, workers, w, grain)
+            bounds[t, w, 0] = tile_begin + begin
+            bounds[t, w, 1] = tile_begin + end
+    return bounds
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile mappings
+
+
+def _tile_ranges(numel: int, tiles: int) -> List[Tuple[int, int]]:
+    """[begin, end) of each tile's slice of the even split."""
+    bounds = partition(numel, tiles, 1)
+    return [(int(b), int(e)) for b, e in bounds[:, 0].tolist()]
+
+
+def flat_mapping(numel: int, tiles: int = IPU_TILES) -> TileMapping:
+    """The even split of the flat tensor: tile t holds one region, ``partition``'s slice."""
+    return [[((begin, end),)] if end > begin else [] for begin, end in _tile_ranges(numel, tiles)]
+
+
+def block_mapping(rows: int, cols: int, row_blocks: int, col_blocks: int,
+                  tiles: int = IPU_TILES, contiguous_blocks: bool = True) -> TileMapping:
+    """A matmul-like layout of a row-major ``[rows, cols]`` matrix: a grid of
+    ``row_blocks x col_blocks`` blocks (rows split evenly, columns in 8-column grains), block
+    ``(i, j)`` on tile ``i * col_blocks + j``.
+
+    With ``contiguous_blocks`` each block is one region of its tile's memory, as when an op
+    allocates its output block by block and presents it in row-major order; else each of the
+    block's row segments is a region of its own.
+    """
+    if row_blocks * col_blocks > tiles:
+        raise ValueError(f"{row_blocks} x {col_blocks} blocks need more than {tiles} tiles")
+    mapping: TileMapping = [[] for _ in range(tiles)]
+    for i in range(row_blocks):
+        row_begin, row_end = _split(rows, row_blocks, i, 1)
+        for j in range(col_blocks):
+            col_begin, col_end = _split(cols, col_blocks, j, _GRAIN)
+            if row_end == row_begin or col_end == col_begin:
+                continue
+            segments = tuple((r * cols + col_begin, r * cols + col_end)
+                             for r in range(row_begin, row_end))
+            tile = mapping[i * col_blocks + j]
+            tile.extend([segments] if contiguous_blocks else [(s,) for s in segments])
+    return mapping
+
+
+def check_mapping(mapping: TileMapping, numel: int) -> None:
+    """ValueError unless the mapping's intervals hold every element exactly once."""
+    covered = np.zeros(numel, dtype=np.int64)
+    for tile, regions in enumerate(mapping):
+        for region in regions:
+            if not region:
+                raise ValueError(f"tile {tile} has an empty region")
+            for begin, end in region:
+                if not 0 <= begin < end <= numel:
+                    raise ValueError(f"tile {tile}: interval [{begin}, {end}) is not a "
+                                     f"non-empty part of [0, {numel})")
+                covered[begin:end] += 1
+    if numel and (covered.min() != 1 or covered.max() != 1):
+        missing, doubled = int((covered == 0).sum()), int((covered > 1).sum())
+        raise ValueError(f"the mapping leaves {missing} elements unmapped and maps {doubled} "
+                         "more than once")
+
+
+def _region_length(region: Region) -> int:
+    return sum(end - begin for begin, end in region)
+
+
+class _TileMemory:
+    """Each tile's regions as separate buffers, as Poplar allocates them (each region's
+    buffer starts on an 8-element boundary), gathered from and scattered to a flat tensor."""
+
+    def __init__(self, mapping: TileMapping):
+        self.spans: List[List[Tuple[int, int]]] = []  # per tile: (offset, length) per region
+        chunks: List[np.ndarray] = []
+        size = 0
+        for regions in mapping:
+            spans = []
+            for region in regions:
+                length = _region_length(region)
+                spans.append((size, length))
+                chunks.extend(np.arange(begin, end, dtype=np.int64) for begin, end in region)
+                padding = -length % _GRAIN
+                chunks.append(np.full(padding, -1, dtype=np.int64))
+                size += length + padding
+            self.spans.append(spans)
+        index = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
+        self.index = torch.from_numpy(index)
+        self.valid = self.index >= 0
+
+    def gather(self, flat: torch.Tensor) -> torch.Tensor:
+        buffer = torch.zeros(self.index.numel(), dtype=flat.dtype)
+        buffer[self.valid] = flat[self.index[self.valid]]
+        return buffer
+
+    def scatter(self, buffer: torch.Tensor, numel: int) -> torch.Tensor:
+        flat = torch.empty(numel, dtype=buffer.dtype)
+        flat[self.index[self.valid]] = buffer[self.valid]
+        return flat
+
+    def addresses(self, buffer: torch.Tensor, tile: int) -> Tuple[Any, Any, int]:
+        """The tile's region pointers and lengths as ctypes arrays, and their count."""
+        spans = self.spans[tile]
+        pointers = (ctypes.c_void_p * len(spans))(
+            *[buffer.data_ptr() + offset * buffer.element_size() for offset, _ in spans])
+        lengths = (ctypes.c_int64 * len(spans))(*[length for _, length in spans])
+        return pointers, lengths, len(spans)
+
+
+def _mapping_for(numel: int, tiles: int, mapping: Optional[TileMapping]) -> TileMapping:
+    if mapping is None:
+        return flat_mapping(numel, tiles)
+    check_mapping(mapping, numel)
+    return mapping
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the graph
+
+
+def _flat_input(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type != "cpu":
+        raise ValueError(f"the emulator runs on CPU tensors, got {x.device}")
+    _host.dtype_code(x.dtype)
+    return x.detach().contiguous().reshape(-1)
+
+
+def _address(t: torch.Tensor, element: int = 0) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr() + element * t.element_size())
+
+
+def _check(status: int, what: str) -> None:
+    if status == _host.MISALIGNED:
+        raise ValueError(f"{what}: a vertex field was connected to misaligned memory")
+    if status != 0:
+        raise ValueError(f"{what}: the host vertex rejected its arguments")
+
+
+def partial_amaxes(x: torch.Tensor, tiles: int = IPU_TILES, workers: int = IPU_WORKERS,
+                   mapping: Optional[TileMapping] = None) -> torch.Tensor:
+    """Run PartialAmax on every tile holding input (``mapping``, else the even split over
+    ``tiles``): float32 ``[tiles, workers]``, 0 where a tile or worker has no data."""
+    lib = _host.library()
+    flat = _flat_input(x)
+    layout = _mapping_for(flat.numel(), tiles, mapping)
+    memory = _TileMemory(layout)
+    buffer = memory.gather(flat)
+    dtype = _host.dtype_code(flat.dtype)
+    partials = torch.zeros((len(layout), workers), dtype=torch.float32)
+    for t, spans in enumerate(memory.spans):
+        if not spans:
+            continue  # no vertex on a tile that holds no input
+        out = _address(partials, t * workers)
+        if len(spans) == 1:
+            offset, length = spans[0]
+            status = lib.ius_vertex_partial_amax(_address(buffer, offset), length, dtype,
+                                                 workers, out)
+        else:
+            pointers, lengths, count = memory.addresses(buffer, t)
+            status = _function("ius_vertex_partial_amax_regions")(pointers, lengths, count,
+                                                                  dtype, workers, out)
+        _check(status, "PartialAmax")
+    return partials
+
+
+def scaling_bias(partials: torch.Tensor, fmt: FP8Format, margin: int = 0) -> Tuple[int, bool]:
+    """Run one ScalingBias vertex on the partials: (log2 scale, amax non-finite)."""
+    lib = _host.library()
+    flat = partials.detach().to(torch.float32).contiguous().reshape(-1)
+    scale = ctypes.c_int(0)
+    non_finite = ctypes.c_int(0)
+    status = lib.ius_vertex_scaling_bias(_address(flat), flat.numel(),
+                                         _host.exponent_bits(fmt.name), int(margin),
+                                         ctypes.byref(scale), ctypes.byref(non_finite))
+    _check(status, "ScalingBias")
+    return scale.value, bool(non_finite.value)
+
+
+def leaf_tiles(mapping: TileMapping) -> List[int]:
+    """The tiles holding input: the amax tree's leaves, in tile order."""
+    return [t for t, regions in enumerate(mapping) if regions]
+
+
+class AmaxReduction(NamedTuple):
+    amax: float  # what the root reduces its partials to (NaN-aware, as on the tiles)
+    log2_scale: int
+    non_finite: bool
+
+
+def reduce_amax(partials: torch.Tensor, leaves: Sequence[int], fmt: FP8Format, margin: int = 0,
+                rotation: int = 0) -> AmaxReduction:
+    """Reduce the partials (``[tiles, workers]``) of the ``leaves`` tiles up the amax tree, as
+    the graph does: MaxPartials at every inner node, ScalingBias at the root. The amax is the
+    root's partials reduced by the MaxPartials code, the loop ScalingBias runs first."""
+    tree = amax_tree(leaves, rotation)
+    children = tree.children()
+    max_partials = _function("ius_vertex_max_partials")
+
+    def reduce(inputs: List[torch.Tensor]) -> torch.Tensor:
+        values = torch.cat(inputs).contiguous() if inputs else torch.zeros(1)
+        amax = torch.zeros(1, dtype=torch.float32)
+        _check(max_partials(_address(values), values.numel(), _address(amax)), "MaxPartials")
+        return amax
+
+    results: List[torch.Tensor] = [partials[t].to(torch.float32).contiguous() for t in leaves]
+    for node in range(tree.leaves, tree.root):  # inner nodes come level by level
+        results.append(reduce([results[c] for c in children[node]]))
+    root_inputs = [results[c] for c in children[tree.root]]
+    root_partials = torch.cat(root_inputs) if root_inputs else torch.zeros(1)
+    log2_scale, non_finite = scaling_bias(root_partials, fmt, margin)
+    return AmaxReduction(reduce(root_inputs).item(), log2_scale, non_finite)
+
+
+def cast_to_fp8(
+    x: torch.Tensor,
+    fmt: object,
+    log2_scale: Optional[int] = None,
+    margin: int = 0,
+    overflow: str = "saturate",
+    tiles: int = IPU_TILES,
+    workers: int = IPU_WORKERS,
+    mapping: Optional[TileMapping] = None,
+    rotation: int = 0,
+) -> EmulatedCast:
+    """Amax, scaling bias and cast to F143/F152, vertex by vertex and tile by tile.
+
+    Same contract as :func:`ipu_unit_scaling.fp8.cast_to_fp8` with rounding to nearest:
+    ``log2_scale=None`` derives the scale from the amax, reduced up the graph's amax tree (an
+    inf/NaN amax raises ``NonFiniteAmaxError``, as the host reads the vertex's non-finite
+    flag). ``mapping`` lays x out over the tiles (default: the even split over ``tiles``);
+    ``rotation`` is the op id the graph gives the tree.
+    """
+    fmt = get_format(fmt)  # type: ignore[arg-type]
+    if overflow not in _OVERFLOW_POLICIES:
+        raise ValueError(f"overflow policy must be one of {_OVERFLOW_POLICIES}, got {overflow!r}")
+    lib = _host.library()
+    exponent_bits = _host.exponent_bits(fmt.name)
+    flat = _flat_input(x)
+    dtype = _host.dtype_code(flat.dtype)
+    layout = _mapping_for(flat.numel(), tiles, mapping)
+
+    partials: Optional[torch.Tensor] = None
+    if log2_scale is not None and not -MAX_LOG2_SCALE <= log2_scale <= MAX_LOG2_SCALE:
+        raise ValueError(f"log2_scale must be in -{MAX_LOG2_SCALE}..{MAX_LOG2_SCALE}")
+    if log2_scale is None:
+        partials = partial_amaxes(flat, workers=workers, mapping=layout)
+        reduction = reduce_amax(partials, leaf_tiles(layout), fmt, margin, rotation)
+        if reduction.non_finite:
+            raise NonFiniteAmaxError(
+                f"amax is {reduction.amax}; cannot choose an FP8 scale for {fmt.name}")
+        log2_scale = reduction.log2_scale
+
+    memory = _TileMemory(layout)
+    buffer = memory.gather(flat)
+    codes = torch.zeros(buffer.numel(), dtype=torch.uint8)
+    saturate = int(overflow == "saturate")
+    for t, spans in enumerate(memory.spans):
+        if not spans:
+            continue
+        if len(spans) == 1:
+            offset, length = spans[0]
+            status = lib.ius_vertex_cast_to_fp8(
+                _address(buffer, offset), length, dtype, exponent_bits, saturate, workers,
+                int(log2_scale), _address(codes, offset))
+        else:
+            inputs, lengths, count = memory.addresses(buffer, t)
+            outputs, _, _ = memory.addresses(codes, t)
+            status = _function("ius_vertex_cast_to_fp8_regions")(
+                inputs, outputs, lengths, count, dtype, exponent_bits, saturate, workers,
+                int(log2_scale))
+        _check(status, "CastToFp8")
+    return EmulatedCast(memory.scatter(codes, flat.numel()).reshape(x.shape), int(log2_scale),
+                        partials)
+
+
+def cast_from_fp8(
+    codes: torch.Tensor,
+    fmt: object,
+    log2_scale: int,
+    dtype: torch.dtype = torch.float32,
+    tiles: int = IPU_TILES,
+    workers: int = IPU_WORKERS,
+    mapping: Optional[TileMapping] = None,
+) -> torch.Tensor:
+    """Run CastFromFp8 on every tile holding codes: ``decode(codes) * 2**-log2_scale`` as
+    float32/float16, laid out like the codes (``mapping``, default the even split)."""
+    fmt = get_format(fmt)  # type: ignore[arg-type]
+    lib = _host.library()
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"codes must be uint8, got {codes.dtype}")
+    flat = codes.detach().contiguous().reshape(-1)
+    out_dtype = _host.dtype_code(dtype)
+    exponent_bits = _host.exponent_bits(fmt.name)
+    memory = _TileMemory(_mapping_for(flat.numel(), tiles, mapping))
+    buffer = memory.gather(flat)
+    out = torch.zeros(buffer.numel(), dtype=dtype)
+    for t, spans in enumerate(memory.spans):
+        if not spans:
+            continue
+        if len(spans) == 1:
+            offset, length = spans[0]
+            status = lib.ius_vertex_cast_from_fp8(_address(buffer, offset), length, out_dtype,
+                                                  exponent_bits, workers, int(log2_scale),
+                                                  _address(out, offset))
+        else:
+            inputs, lengths, count = memory.addresses(buffer, t)
+            outputs, _, _ = memory.addresses(out, t)
+            status = _function("ius_vertex_cast_from_fp8_regions")(
+                inputs, outputs, lengths, count, out_dtype, exponent_bits, workers,
+                int(log2_scale))
+        _check(status, "CastFromFp8")
+    return memory.scatter(out, flat.numel()).reshape(codes.shape)
+
+
+def quantise(
+    x: torch.Tensor,
+    fmt: object,
+    log2_scale: Optional[int] = None,
+    margin: int = 0,
+    overflow: str = "saturate",
+    tiles: int = IPU_TILES,
+    workers: int = IPU_WORKERS,
+    mapping: Optional[TileMapping] = None,
+    rotation: int = 0,
+) -> Tuple[torch.Tensor, int, bool]:
+    """The ``Fp8Quantise`` graph, vertex by vertex: ``decode(cast(x * 2**s)) * 2**-s``.
+
+    Returns (values in x's dtype and shape, s, the non-finite flag). As on the IPU, a
+    non-finite amax does not raise: ScalingBias writes s = 0 and sets the flag, and the cast
+    goes on with s = 0.
+    """
+    fmt = get_format(fmt)  # type: ignore[arg-type]
+    flat = _flat_input(x)
+    layout = _mapping_for(flat.numel(), tiles, mapping)
+    flag = False
+    if log2_scale is None:
+        partials = partial_amaxes(flat, workers=workers, mapping=layout)
+        reduction = reduce_amax(partials, leaf_tiles(layout), fmt, margin, rotation)
+        log2_scale, flag = reduction.log2_scale, reduction.non_finite
+    codes = cast_to_fp8(flat, fmt, log2_scale, margin, overflow, workers=workers,
+                        mapping=layout).codes
+    values = cast_from_fp8(codes, fmt, log2_scale, x.dtype, workers=workers, mapping=layout)
+    return values.reshape(x.shape), log2_scale, flag
+
+
+# ---------------------------------------------------------------------------------------------
+# The graph, counted
+
+
+class Edge(NamedTuple):
+    """A vertex field's connection to one piece of a tensor, held by one tile."""
+
+    field: str
+    tile: int  # the tile holding the piece
+    elements: int
+    bytes: int
+    data: bool  # a piece of x, the codes or the values (not partials, not the scale)
+
+
+class ModelVertex(NamedTuple):
+    compute_set: str
+    codelet: str  # without template arguments
+    tile: int
+    edges: Tuple[Edge, ...]
+
+
+class Transfer(NamedTuple):
+    """A piece of x that a program copy moves from one tile to another."""
+
+    source: int
+    destination: int
+    elements: int
+    bytes: int
+
+
+class GraphModel(NamedTuple):
+    tiles: int
+    vertices: List[ModelVertex]
+    copies: List[Transfer]
+
+
+class TileLoad(NamedTuple):
+    tile: int
+    vertices: int
+    edges: int  # the edges of the tile's vertices
+    remote_edges: int  # those whose piece another tile holds: exchanged in
+    bytes_in: int  # bytes exchanged into the tile (remote edges and copies)
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _data_edges(field: str, tile: int, regions: Sequence[Region], size: int) -> Tuple[Edge, ...]:
+    return tuple(Edge(field, tile, _region_length(r), _region_length(r) * size, True)
+                 for r in regions)
+
+
+def _cast_vertices(leaves: Sequence[int], mapping: TileMapping, input_size: int,
+                   scale_tile: int, quantise: bool) -> List[ModelVertex]:
+    """CastToFp8 (and CastFromFp8) on every tile holding input, on the tile's own regions."""
+    scale = Edge("log2Scale", scale_tile, 1, 4, False)
+    passes = [("CastToFp8", input_size, 1)] + ([("CastFromFp8", 1, input_size)] if quantise else [])
+    vertices = []
+    for name, in_size, out_size in passes:
+        for t in leaves:
+            regions = mapping[t]
+            codelet = name if len(regions) == 1 else name + "Regions"
+            edges = (_data_edges("in", t, regions, in_size) + (scale,)
+                     + _data_edges("out", t, regions, out_size))
+            vertices.append(ModelVertex(name, codelet, t, edges))
+    return vertices
+
+
+def graph_model(mapping: TileMapping, dtype: torch.dtype = torch.float16, quantise: bool = True,
+                workers: int = IPU_WORKERS, rotation: int = 0) -> GraphModel:
+    """The vertices and edges ``CodeletOpx`` adds for an input laid out by ``mapping``:
+    ``Fp8Quantise`` (``quantise``) or ``Fp8AmaxCast``. ``rotation`` is the op's id."""
+    size = _element_size(dtype)
+    leaves = leaf_tiles(mapping)
+    vertices = []
+    for t in leaves:
+        regions = mapping[t]
+        codelet = "PartialAmax" if len(regions) == 1 else "PartialAmaxRegions"
+        edges = (_data_edges("in", t, regions, size)
+                 + (Edge("partials", t, workers, 4 * workers, False),))
+        vertices.append(ModelVertex("PartialAmax", codelet, t, edges))
+    tree = amax_tree(leaves, rotation)
+    children = tree.children()
+    for node in range(tree.leaves, len(tree.tiles)):
+        tile = tree.tiles[node]
+        inputs = tuple(Edge("partials", tree.tiles[c], workers if c < tree.leaves else 1,
+                            4 * (workers if c < tree.leaves else 1), False)
+                       for c in children[node])
+        if node < tree.root:
+            vertices.append(ModelVertex("MaxPartials", "MaxPartials", tile,
+                                        inputs + (Edge("amax", tile, 1, 4, False),)))
+        else:
+            inputs = inputs or (Edge("partials", tile, 1, 4, False),)  # a zero: no input
+            outputs = (Edge("log2Scale", tile, 1, 4, False), Edge("nonFinite", tile, 1, 4, False))
+            vertices.append(ModelVertex("ScalingBias", "ScalingBias", tile, inputs + outputs))
+    vertices += _cast_vertices(leaves, mapping, size, tree.tiles[tree.root], quantise)
+    return GraphModel(len(mapping), vertices, [])
+
+
+def _merged_intervals(regions: Sequence[Region]) -> List[Interval]:
+    merged: List[Interval] = []
+    for begin, end in sorted(i for region in regions for i in region):
+        if merged and merged[-1][1] == begin:
+            merged[-1] = (merged[-1][0], end)
+        else:
+            merged.append((begin, end))
+    return merged
+
+
+def _layout_copies(mapping: TileMapping, size: int) -> List[Transfer]:
+    """What copying x from ``mapping`` into the even split moves, piece by piece."""
+    numel = sum(_region_length(r) for regions in mapping for r in regions)
+    intervals = sorted((b, e, t) for t, regions in enumerate(mapping)
+                       for region in regions for b, e in region)
+    starts = np.array([b for b, _, _ in intervals], dtype=np.int64)
+    copies = []
+    for destination, (begin, end) in enumerate(_tile_ranges(numel, len(mapping))):
+        i = max(int(np.searchsorted(starts, begin, side="right")) - 1, 0)
+        while i < len(intervals) and intervals[i][0] < end:
+            b, e, source = intervals[i]
+            piece = min(e, end) - max(b, begin)
+            if piece > 0:
+                copies.append(Transfer(source, destination, piece, piece * size))
+            i += 1
+    return copies
+
+
+def flat_graph_model(mapping: TileMapping, dtype: torch.dtype = torch.float16,
+                     quantise: bool = True, workers: int = IPU_WORKERS) -> GraphModel:
+    """The earlier graph for the same input: x copied into the even split over the tiles
+    (unless it was laid out so), the vertices on that split, and one ScalingBias on tile 0
+    reading the partials of every tile holding input; outputs left in the even split."""
+    size = _element_size(dtype)
+    numel = sum(_region_length(r) for regions in mapping for r in regions)
+    tiles = len(mapping)
+    flat = flat_mapping(numel, tiles)
+    laid_out = all(_merged_intervals(mapping[t]) == list(flat[t][0] if flat[t] else ())
+                   for t in range(tiles))
+    copies = [] if laid_out else _layout_copies(mapping, size)
+    leaves = leaf_tiles(flat)
+    vertices = [ModelVertex("PartialAmax", "PartialAmax", t,
+                            _data_edges("in", t, flat[t], size)
+                            + (Edge("partials", t, workers, 4 * workers, False),))
+                for t in leaves]
+    inputs = tuple(Edge("partials", t, workers, 4 * workers, False) for t in leaves)
+    inputs = inputs or (Edge("partials", 0, 1, 4, False),)
+    outputs = (Edge("log2Scale", 0, 1, 4, False), Edge("nonFinite", 0, 1, 4, False))
+    vertices.append(ModelVertex("ScalingBias", "ScalingBias", 0, inputs + outputs))
+    vertices += _cast_vertices(leaves, flat, size, 0, quantise)
+    return GraphModel(tiles, vertices, copies)
+
+
+def tile_loads(*models: GraphModel) -> List[TileLoad]:
+    """Per tile, what the graphs (one, or several sharing the IPU) place there."""
+    tiles = max(m.tiles for m in models)
+    vertices = np.zeros(tiles, dtype=np.int64)
+    edges = np.zeros(tiles, dtype=np.int64)
+    remote = np.zeros(tiles, dtype=np.int64)
+    bytes_in = np.zeros(tiles, dtype=np.int64)
+    for model in models:
+        for vertex in model.vertices:
+            vertices[vertex.tile] += 1
+            edges[vertex.tile] += len(vertex.edges)
+            for edge in vertex.edges:
+                if edge.tile != vertex.tile:
+                    remote[vertex.tile] += 1
+                    bytes_in[vertex.tile] += edge.bytes
+        for copy in model.copies:
+            if copy.source != copy.destination:
+                bytes_in[copy.destination] += copy.bytes
+    return [TileLoad(t, int(vertices[t]), int(edges[t]), int(remote[t]), int(bytes_in[t]))
+            for t in range(tiles)]
+
+
+def busiest_tile(*models: GraphModel) -> TileLoad:
+    """The tile with the most edges (then the most vertices, then the lowest index)."""
+    return max(tile_loads(*models), key=lambda load: (load.edges, load.vertices, -load.tile))
+
+
+def exchanged_elements(*models: GraphModel) -> int:
+    """Elements of x, the codes or the values that move between tiles."""
+    moved = 0
+    for model in models:
+        moved += sum(c.elements for c in model.copies if c.source != c.destination)
+        moved += sum(e.elements for v in model.vertices for e in v.edges
+                     if e.data and e.tile != v.tile)
+    return moved

@@ -1,0 +1,368 @@
+"""The host build of the FP8 codelets: loading it, and the fused CPU cast.
+
+``codelets/`` holds C++ Poplar vertices; ``setup.py`` also compiles them with the host
+compiler, through a small stand-in for ``poplar/Vertex.hpp``, into ``_fp8_host.so`` next to
+this file (a plain C ABI library, loaded with ctypes). It gives two things:
+
+* the fast CPU path of :func:`ipu_unit_scaling.fp8.cast_to_fp8`: one pass for the amax and
+  one for scale + round + store, over all threads, bit-identical to the torch reference;
+* the CPU kernel of the FP8 quantise custom ops (:func:`fused_quantise`, used by
+  :mod:`ipu_unit_scaling.fp8.cast_ops`), and :func:`quantise_float32`, the same rounding straight
+  to float32 values in one pass, for FP8 simulation;
+* the vertices themselves, which :mod:`ipu_unit_scaling.fp8.codelet_emulator` runs tile by tile.
+
+This module sits below everything else in the package and imports none of it: it reports
+with its own types (:class:`NonFiniteAmax`, :class:`HostLibraryUnavailable`) and plain values.
+
+When the library is missing (no C++ compiler at install time) or disabled with
+``IPU_UNIT_SCALING_HOST_LIB=0``, everything still works on the torch path, and
+:func:`fast_path_status` says why the fast path is off.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+from pathlib import Path
+from typing import Iterator, Optional, Tuple
+
+import torch
+
+__all__ = [
+    "HostLibraryUnavailable", "NonFiniteAmax", "MISALIGNED", "LIBRARY_PATH", "DISABLE_ENV",
+    "library", "fast_path_status", "fused_cast_available", "disabled", "fused_amax",
+    "fused_cast_to_fp8",
+    "fused_cast_from_fp8", "fused_quantise", "quantise_float32", "fused_tuning", "fast_selftest",
+    "exponent_bits", "partition", "partition_grain", "dtype_code", "num_threads",
+]
+
+LIBRARY_PATH = Path(__file__).with_name("_fp8_host.so")
+DISABLE_ENV = "IPU_UNIT_SCALING_HOST_LIB"
+_ABI_VERSION = 2
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1}
+# The IPU formats the codelets implement, by FP8Format.name, keyed to their exponent bits.
+_EXPONENT_BITS = {"F143": 4, "F152": 5}
+# Status of a vertex entry point whose field was connected to memory breaking its alignment.
+MISALIGNED = -2
+
+_c_int64 = ctypes.c_int64
+_c_int = ctypes.c_int
+_c_uint = ctypes.c_uint
+_c_void_p = ctypes.c_void_p
+_SIGNATURES = {
+    "ius_abi_version": (_c_int, []),
+    "ius_partition_grain": (_c_uint, []),
+    "ius_partition": (None, [_c_int64, _c_uint, _c_uint, _c_void_p]),
+    "ius_vertex_partial_amax": (_c_int, [_c_void_p, _c_int64, _c_int, _c_uint, _c_void_p]),
+    "ius_vertex_scaling_bias": (
+        _c_int, [_c_void_p, _c_int64, _c_int, _c_int, _c_void_p, _c_void_p]),
+    "ius_vertex_cast_to_fp8": (
+        _c_int, [_c_void_p, _c_int64, _c_int, _c_int, _c_int, _c_uint, _c_int, _c_void_p]),
+    "ius_vertex_cast_from_fp8": (
+        _c_int, [_c_void_p, _c_int64, _c_int, _c_int, _c_uint, _c_int, _c_void_p]),
+    "ius_fused_cast_to_fp8": (
+        _c_int, [_c_void_p, _c_int64, _c_int, _c_int, _c_int, _c_int, _c_int, _c_int, _c_int,
+                 _c_void_p, _c_void_p, _c_void_p]),
+    "ius_fused_quantise": (
+        _c_int, [_c_void_p, _c_int64, _c_int, _c_int, _c_int, _c_int, _c_int, _c_int,
+                 _c_void_p, _c_void_p, _c_void_p]),
+    "ius_fused_tuning": (_c_int, [_c_int64, _c_int]),
+    "ius_fast_selftest": (_c_int64, [ctypes.c_uint32, ctypes.c_uint32, _c_int64, _c_int]),
+    "ius_fused_amax": (_c_int, [_c_void_p, _c_int64, _c_int, _c_int, _c_void_p]),
+}
+
+
+class HostLibraryUnavailable(RuntimeError):
+    """The compiled host library is not there (or not usable); the message says why."""
+
+
+class NonFiniteAmax(ValueError):
+    """The amax of a cast's input is inf or NaN, so no scale follows from it.
+
+    The host library's own report; :mod:`ipu_unit_scaling.fp8` turns it into its
+    ``NonFiniteAmaxError``.
+    """
+
+    def __init__(self, amax: float, fmt_name: str):
+        super().__init__(f"amax is {amax}; cannot choose an FP8 scale for {fmt_name}")
+        self.amax = amax
+        self.fmt_name = fmt_name
+
+
+_library: Optional[ctypes.CDLL] = None
+_reason: Optional[str] = None
+
+
+def _missing_reason() -> str:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        return (f"{LIBRARY_PATH.name} was not built: no C++ compiler (c++ or g++) was found. "
+                "Install one and reinstall, or run `python setup.py build_ext --inplace`")
+    return (f"{LIBRARY_PATH.name} was not built (install without build step, or the build "
+            "failed; see the install log). Run `python setup.py build_ext --inplace`")
+
+
+_disabled = 0
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Inside the block the library counts as missing, as on an install without a C++
+    compiler: every caller takes its torch path (benchmarks and tests compare the two)."""
+    global _disabled
+    _disabled += 1
+    try:
+        yield
+    finally:
+        _disabled -= 1
+
+
+def _load() -> Tuple[Optional[ctypes.CDLL], str]:
+    global _library, _reason
+    if _disabled:
+        return None, "switched off by ipu_unit_scaling.fp8.host_library.disabled()"
+    if _library is not None or _reason is not None:
+        return _library, _reason or ""
+    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+        _reason = f"disabled by {DISABLE_ENV}={os.environ[DISABLE_ENV]}"
+    elif not LIBRARY_PATH.exists():
+        _reason = _missing_reason()
+    else:
+        try:
+            lib = ctypes.CDLL(str(LIBRARY_PATH))
+            version = lib.ius_abi_version()
+            if version != _ABI_VERSION:
+                raise OSError(f"ABI version {version}, expected {_ABI_VERSION}; rebuild it")
+            for name, (restype, argtypes) in _SIGNATURES.items():
+                function = getattr(lib, name)
+                function.restype = restype
+                function.argtypes = argtypes
+            _library = lib
+        except (OSError, AttributeError) as error:
+            _reason = f"{LIBRARY_PATH} could not be loaded: {error}"
+    return _library, _reason or ""
+
+
+def library() -> ctypes.CDLL:
+    """The loaded host library; raises :class:`HostLibraryUnavailable` saying why not."""
+    lib, reason = _load()
+    if lib is None:
+        raise HostLibraryUnavailable(f"FP8 host library unavailable: {reason}")
+    return lib
+
+
+def fast_path_status() -> str:
+    """One line: whether the fused host cast is on, and if not, why."""
+    lib, reason = _load()
+    if lib is None:
+        return f"off: {reason}; FP8 casts use the torch path"
+    return f"on: fused host cast from {LIBRARY_PATH.name}, {num_threads()} threads"
+
+
+def fused_cast_available() -> bool:
+    return _load()[0] is not None
+
+
+def exponent_bits(fmt_name: str) -> int:
+    """4 for F143, 5 for F152; ValueError for formats the codelets do not implement."""
+    bits = _EXPONENT_BITS.get(fmt_name.upper())
+    if bits is None:
+        raise ValueError(f"the FP8 codelets implement {sorted(_EXPONENT_BITS)}, not {fmt_name!r}")
+    return bits
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    code = _DTYPE_CODES.get(dtype)
+    if code is None:
+        raise TypeError(f"the FP8 codelets take float32 or float16, not {dtype}")
+    return code
+
+
+def num_threads() -> int:
+    """Threads for the fused cast: torch's intra-op setting, so users have one knob."""
+    return max(1, torch.get_num_threads())
+
+
+def _pointer(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def _output(x: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor]) -> torch.Tensor:
+    if out is None:
+        return torch.empty(x.shape, dtype=dtype)
+    if out.dtype != dtype or out.numel() != x.numel() or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous {dtype} tensor of {x.numel()} elements")
+    return out
+
+
+def _fused_cast(x: torch.Tensor, fmt_name: str, log2_scale: Optional[int], margin: int,
+                saturate: bool, out: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, int, Optional[float]]:
+    """(codes, scale used, the amax when it was not finite, else None); codes are
+    unspecified in the non-finite case."""
+    if x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError("the fused host cast needs a contiguous CPU tensor")
+    lib = library()
+    codes = _output(x, torch.uint8, out)
+    used = ctypes.c_int(0)
+    amax = ctypes.c_float(0.0)
+    status = lib.ius_fused_cast_to_fp8(
+        _pointer(x), x.numel(), dtype_code(x.dtype), exponent_bits(fmt_name), int(saturate),
+        int(log2_scale is not None), int(log2_scale or 0), int(margin), num_threads(),
+        _pointer(codes), ctypes.byref(used), ctypes.byref(amax))
+    if status == 1:
+        return codes, 0, amax.value
+    if status != 0:
+        raise ValueError(f"fused host cast rejected its arguments (log2_scale={log2_scale})")
+    return codes, used.value, None
+
+
+def fused_cast_to_fp8(
+    x: torch.Tensor,
+    fmt_name: str,
+    log2_scale: Optional[int],
+    margin: int,
+    saturate: bool,
+    out: Optional[torch.Tensor] = None,
+) -> Optional[Tuple[torch.Tensor, int]]:
+    """Scale, round to nearest even and encode ``x`` in one fused multi-threaded host pass.
+
+    ``x`` is a contiguous CPU float32/float16 tensor. ``log2_scale=None`` derives the scale
+    from the amax with ``margin`` (raising :class:`NonFiniteAmax` for an inf/NaN amax).
+    Returns (uint8 codes shaped like ``x``, the log2 scale used), or None for a format the
+    codelets do not implement (the OCP formats), so the caller takes its torch path. ``out``:
+    a contiguous uint8 tensor to write the codes to (returned as it is).
+    """
+    if fmt_name.upper() not in _EXPONENT_BITS:
+        return None
+    codes, used, non_finite_amax = _fused_cast(x, fmt_name, log2_scale, margin, saturate, out)
+    if non_finite_amax is not None:
+        raise NonFiniteAmax(non_finite_amax, fmt_name.upper())
+    return codes, used
+
+
+def fused_quantise(
+    x: torch.Tensor,
+    fmt_name: str,
+    log2_scale: Optional[int],
+    margin: int,
+    saturate: bool,
+) -> Tuple[torch.Tensor, int, bool]:
+    """``decode(cast(x * 2**s)) * 2**-s`` in x's dtype and shape, as the Fp8Quantise custom op.
+
+    ``x`` is a contiguous CPU float32/float16 tensor; the format is F143 or F152. ``s`` is
+    ``log2_scale``, or comes from the amax with ``margin``. As on the IPU, where a vertex
+    cannot raise, a non-finite amax gives ``s = 0`` and the cast goes on (NaN stays NaN,
+    inf follows the overflow policy). Returns (values, s, whether the amax was non-finite).
+    The decode runs the CastFromFp8 vertex code, half output included.
+    """
+    codes, used, non_finite_amax = _fused_cast(x, fmt_name, log2_scale, margin, saturate)
+    if non_finite_amax is not None:
+        codes, used, _ = _fused_cast(x, fmt_name, 0, margin, saturate)
+    values = torch.empty(x.shape, dtype=x.dtype)
+    status = library().ius_vertex_cast_from_fp8(
+        _pointer(codes), codes.numel(), dtype_code(x.dtype), exponent_bits(fmt_name), 1, used,
+        _pointer(values))
+    if status != 0:
+        raise ValueError(f"host decode rejected its arguments (status {status})")
+    return values, used, non_finite_amax is not None
+
+
+def quantise_float32(
+    x: torch.Tensor,
+    fmt_name: str,
+    log2_scale: Optional[int],
+    margin: int,
+    saturate: bool,
+    out: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, int, Optional[float]]:
+    """``decode(cast(x * 2**s)) * 2**-s`` as a float32 tensor (new, or ``out``), in one pass
+    with no codes.
+
+    ``x`` is a contiguous CPU float32 tensor; the format is F143 or F152 (see
+    :func:`exponent_bits`). ``s`` is ``log2_scale`` (-31..31), or comes from the amax with
+    ``margin``. Returns (values, s, None), or (unspecified values, 0, the amax) when the amax
+    is not finite, for the caller to decide what that means.
+    """
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
+        raise ValueError("quantise_float32 needs a contiguous CPU float32 tensor")
+    lib = library()
+    out = _output(x, torch.float32, out)
+    used = ctypes.c_int(0)
+    amax = ctypes.c_float(0.0)
+    status = lib.ius_fused_quantise(
+        _pointer(x), x.numel(), exponent_bits(fmt_name), int(saturate),
+        int(log2_scale is not None), int(log2_scale or 0), int(margin), num_threads(),
+        _pointer(out), ctypes.byref(used), ctypes.byref(amax))
+    if status == 1:
+        return out, 0, amax.value
+    if status != 0:
+        raise ValueError(f"host quantise rejected its arguments (log2_scale={log2_scale})")
+    return out, used.value, None
+
+
+def fused_amax(x: torch.Tensor) -> float:
+    """max |x| of a contiguous CPU float32/float16 tensor by the fast path's amax loop (NaN
+    wins), over :func:`num_threads` threads."""
+    if x.device.type != "cpu" or not x.is_contiguous():
+        raise ValueError("fused_amax needs a contiguous CPU tensor")
+    amax = ctypes.c_float(0.0)
+    status = library().ius_fused_amax(_pointer(x), x.numel(), dtype_code(x.dtype), num_threads(),
+                                      ctypes.byref(amax))
+    if status != 0:
+        raise ValueError(f"fused_amax rejected its arguments (status {status})")
+    return amax.value
+
+
+def fused_tuning(block_elements: int = -1, simd: int = -1) -> bool:
+    """Set the fused kernels' block size (elements, at least 1024) and whether they may use
+    AVX2 (1) or only the portable loops (0); -1 leaves a knob as it is. Returns whether the
+    AVX2 kernels are in use. Process-wide; for benchmarks."""
+    return bool(library().ius_fused_tuning(int(block_elements), int(simd)))
+
+
+def fast_selftest(start: int, stride: int, count: int, log2_scale: int = 0) -> int:
+    """Mismatches between the fast path's rounding (portable loops and AVX2 kernels, codes and
+    values, F143 and F152, both overflow policies) and the vertex functions, over ``count``
+    float32 bit patterns ``start, start + stride, ...`` (mod 2**32) at scale ``2**log2_scale``.
+    ``fast_selftest(0, 1, 2**32)`` checks every pattern (minutes)."""
+    return int(library().ius_fast_selftest(start % 2**32, stride % 2**32, count, log2_scale))
+
+
+def fused_cast_from_fp8(
+    codes: torch.Tensor, fmt_name: str, log2_scale: int
+) -> Optional[torch.Tensor]:
+    """``decode(codes) * 2**-log2_scale`` as float32 through the CastFromFp8 vertex code.
+
+    ``codes`` is a CPU uint8 tensor (made contiguous here). Returns None for a format the
+    codelets do not implement, so the caller takes its torch path.
+    """
+    if fmt_name.upper() not in _EXPONENT_BITS:
+        return None
+    flat = codes.contiguous()
+    out = torch.empty(codes.shape, dtype=torch.float32)
+    status = library().ius_vertex_cast_from_fp8(
+        _pointer(flat), flat.numel(), dtype_code(torch.float32), exponent_bits(fmt_name), 1,
+        int(log2_scale), _pointer(out))
+    if status != 0:
+        raise ValueError(f"host decode rejected its arguments (log2_scale={log2_scale})")
+    return out
+
+
+def partition_grain() -> int:
+    """Slices start on multiples of this many elements (see codelets/partition.hpp)."""
+    return int(library().ius_partition_grain())
+
+
+def partition(numel: int, tiles: int, workers: int) -> torch.Tensor:
+    """The C++ split of ``numel`` elements: int64 ``[tiles, workers, 2]`` of [begin, end).
+
+    This is the function the custom op uses to map the input and the vertices to tiles,
+    and the MultiVertex codelets use to pick each worker's slice.
+    """
+    if numel < 0 or tiles < 1 or workers < 1:
+        raise ValueError(f"bad partition: numel={numel}, tiles={tiles}, workers={workers}")
+    bounds = torch.empty((tiles, workers, 2), dtype=torch.int64)
+    library().ius_partition(numel, tiles, workers, _pointer(bounds))
+    return bounds

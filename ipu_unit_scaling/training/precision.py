@@ -1,0 +1,150 @@
+"""Precision regimes: the model a config describes, in FP32, simulated FP16 or simulated FP8.
+
+``compare`` trains one model per regime; ``build_model`` is the one place a run's model is
+built, so every key of the ``model`` and ``precision`` sections reaches it.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..models.gpt import build_gpt
+from ..ops import unit_ops as U
+from .run_config import REGIMES, UMUP_MULTIPLIERS, Config
+
+__all__ = ["REGIME_SETTINGS", "MODEL_KINDS", "COMPARE_EVAL_POINTS", "regime_config",
+           "set_model_kind", "model_kind", "round_to_half",
+           "FP16Linear", "simulate_fp16", "build_model"]
+
+# regime -> (model: plain, unit or u-mup; precision dtype; FP8 scaling)
+REGIME_SETTINGS: Dict[str, Tuple[str, str, str]] = {
+    "fp32": ("plain", "fp32", "amax"),
+    "fp16": ("plain", "fp16", "amax"),
+    "fp8-naive": ("plain", "fp8", "static"),
+    "fp8-amax": ("plain", "fp8", "amax"),
+    "unit-fp32": ("unit", "fp32", "amax"),
+    "unit-fp16": ("unit", "fp16", "amax"),
+    "unit-fp8": ("unit", "fp8", "static"),
+    "unit-fp8-amax": ("unit", "fp8", "amax"),
+    "umup-fp32": ("u-mup", "fp32", "amax"),
+    "umup-fp16": ("u-mup", "fp16", "amax"),
+    "umup-fp8": ("u-mup", "fp8", "static"),
+    "umup-fp8-amax": ("u-mup", "fp8", "amax"),
+}
+assert set(REGIME_SETTINGS) == set(REGIMES)
+MODEL_KINDS = ("plain", "unit", "u-mup")
+# compare draws one validation curve per regime: at least this many points where steps allow.
+COMPARE_EVAL_POINTS = 10
+
+
+
+def regime_config(config: Config, regime: str) -> Config:
+    """``config`` set to one comparison regime: model build, precision, learning rate, and an
+    evaluation interval that gives every curve at least ten points."""
+    if regime not in REGIME_SETTINGS:
+        raise ValueError(f"unknown regime {regime!r}; allowed: {', '.join(REGIMES)}")
+    model, dtype, scaling = REGIME_SETTINGS[regime]
+    result = copy.deepcopy(config)
+    set_model_kind(result, model)
+    result.precision.dtype = dtype
+    result.precision.fp8 = dataclasses.replace(result.precision.fp8, scaling=scaling)
+    training = result.training
+    training.learning_rate = config.compare.learning_rates[regime]
+    most = max(1, training.steps // COMPARE_EVAL_POINTS)
+    if training.eval_interval == 0 or training.eval_interval > most:
+        training.eval_interval = most
+    return result
+
+
+def set_model_kind(config: Config, kind: str) -> None:
+    """Make ``config.model`` a plain, unit-scaled or u-μP GPT, in place. Each takes the model
+    keys that apply to it: the others go back to their defaults (u-μP's multipliers outside
+    u-μP, unit scaling's taus inside it), so the result always validates."""
+    if kind not in MODEL_KINDS:
+        raise ValueError(f"model kind {kind!r} is not one of {', '.join(MODEL_KINDS)}")
+    model, defaults = config.model, type(config.model)()
+    model.unit_scaled = kind != "plain"
+    model.parametrization = "u-mup" if kind == "u-mup" else "unit"
+    reset = ("attn_tau", "mlp_tau") if kind == "u-mup" else UMUP_MULTIPLIERS
+    for name in reset:
+        setattr(model, name, getattr(defaults, name))
+
+
+def model_kind(config: Config) -> str:
+    """``plain``, ``unit`` or ``u-mup``: what :func:`set_model_kind` set."""
+    if not config.model.unit_scaled:
+        return "plain"
+    return "u-mup" if config.model.parametrization == "u-mup" else "unit"
+
+
+def round_to_half(x: Tensor) -> Tensor:
+    """``x`` as float16 would hold it (overflow to inf, underflow to zero), gradient likewise.
+
+    A round trip through float16: autograd of the two casts rounds the gradient the same way,
+    so eager PyTorch and PopTorch's traced graph compute the same thing while casts round to
+    nearest. With ``ipu.stochastic_rounding`` an IPU rounds both casts (the value's and the
+    gradient's) stochastically; the emulator backend does too (:mod:`.lowering`), the CPU
+    backend rounds to nearest.
+    """
+    return x.to(torch.float16).to(x.dtype)
+
+
+class FP16Linear(nn.Linear):
+    """A linear layer whose matmul sees float16 operands and produces a float16 result.
+
+    Input, weight and output are rounded to float16 in the forward pass; the output gradient
+    and the input and weight gradients in the backward pass: the casts of an FP16 matmul with
+    float32 accumulation, at the places FP8 casts go. A unit-scaled layer (``unit_scaled``, any
+    ``uu.Linear`` whatever its constraint, u-μP's readout's ``None`` included) keeps its scales
+    inside the rounding, as hardware that fuses them into the matmul would.
+    """
+
+    constraint: Optional[Any]
+    unit_scaled: bool = False
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> FP16Linear:
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.bias = linear.bias  # type: ignore[assignment]
+        # The test simulate_fp8 uses: a linear with a constraint attribute is unit-scaled.
+        new.unit_scaled = hasattr(linear, "constraint")
+        new.constraint = getattr(linear, "constraint", None)
+        return new
+
+    def forward(self, input: Tensor) -> Tensor:
+        weight = round_to_half(self.weight)
+        bias = None if self.bias is None else round_to_half(self.bias)
+        if self.unit_scaled:
+            output = U.linear(round_to_half(input), weight, bias, self.constraint)
+        else:
+            output = F.linear(round_to_half(input), weight, bias)
+        return round_to_half(output)
+
+
+def simulate_fp16(model: nn.Module) -> nn.Module:
+    """Make every linear layer of ``model`` an :class:`FP16Linear`, in place (no loss scaling)."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and not isinstance(child, FP16Linear):
+                setattr(parent, name, FP16Linear.from_linear(child))
+    return model
+
+
+def build_model(config: Config) -> nn.Module:
+    """The example GPT that ``config.model`` describes, in ``config.precision``."""
+    model: nn.Module = build_gpt(config.model)
+    if config.precision.dtype == "fp8":
+        from ..fp8 import simulate_fp8
+
+        model = simulate_fp8(model, config.precision.fp8)
+    elif config.precision.dtype == "fp16":
+        model = simulate_fp16(model)
+    return model

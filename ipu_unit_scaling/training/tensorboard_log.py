@@ -1,0 +1,79 @@
+"""The training loop's scalars for TensorBoard, where it is installed (the ``tensorboard`` extra).
+
+Every run then writes event files into ``<run_dir>/tensorboard/``, so ``tensorboard --logdir
+runs`` shows all runs side by side: ``train/loss``, ``train/lr`` and ``train/tokens_per_s`` at
+every step, ``val/loss`` (and a task's other validation metrics, e.g. ``val/accuracy``) at
+every evaluation. ``metrics.csv`` holds the same numbers, exactly; TensorBoard stores them as
+float32.
+
+A resumed run continues at its checkpoint's step: it tells TensorBoard to hide what the killed
+process logged after that step (the events' purge step), so each step shows once.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from .run_directory import TENSORBOARD_DIR
+
+__all__ = ["TensorBoardLog"]
+
+
+class TensorBoardLog:
+    """Scalars of one run for TensorBoard, or nothing when TensorBoard does not import.
+
+    ``problem`` says why an installed TensorBoard could not be used ("" otherwise). A
+    ``run_dir`` of None (a distributed run's ranks other than 0) writes nothing.
+    """
+
+    def __init__(self, run_dir: Optional[Path], step: int) -> None:
+        self.writer: Optional[Any] = None
+        self.problem = ""
+        if run_dir is None:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:  # not installed: metrics.csv is the record
+            return
+        except Exception as error:  # installed but broken (a protobuf it cannot use, ...)
+            self.problem = f"{TENSORBOARD_DIR}/ not written: {' '.join(str(error).split())}"
+            return
+        log_dir = Path(run_dir) / TENSORBOARD_DIR
+        if step:
+            _wait_for_a_later_name(log_dir)
+        # A fresh run starts from an empty directory; a resumed one hides steps > ``step``.
+        self.writer = SummaryWriter(str(log_dir), purge_step=step + 1 if step else None)
+
+    def log(self, step: int, scalars: Dict[str, Optional[float]]) -> None:
+        """``scalars`` at ``step``; None values are left out."""
+        if self.writer is None:
+            return
+        for tag, value in scalars.items():
+            if value is not None:
+                self.writer.add_scalar(tag, value, step)
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def _wait_for_a_later_name(log_dir: Path) -> None:
+    """Wait, if need be, until a new event file's name sorts after those in ``log_dir``.
+
+    TensorBoard reads a directory's event files in name order, and a name starts with the
+    second its writer was made in, then the host and process id: a resume within the second
+    the killed process started in could sort first, and its steps be hidden by the older ones.
+    """
+    seconds = [int(part[3]) for part in (path.name.split(".") for path in
+                                         log_dir.glob("events.out.tfevents.*"))
+               if len(part) > 3 and part[3].isdigit()]
+    if seconds:
+        delay = max(seconds) + 1 - time.time()
+        if delay > 0:
+            time.sleep(delay)
