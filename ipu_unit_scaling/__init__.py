@@ -1,18 +1,39 @@
 """ipu-unit-scaling: unit scaling and FP8-AMAX for PyTorch, IPU-first.
 
-`import ipu_unit_scaling as uu` gives the unit-scaled modules (mirroring `torch.nn`);
-`import ipu_unit_scaling.functional as U` gives the unit-scaled ops (mirroring
-`torch.nn.functional`). The public API of Graphcore Research's unit-scaling library (0.3.5) is a
-subset of this one: code written for it runs with only its import changed.
+``import ipu_unit_scaling as uu`` gives the unit-scaled modules (mirroring ``torch.nn``);
+``import ipu_unit_scaling.functional as U`` gives the unit-scaled ops (mirroring
+``torch.nn.functional``). The public API of Graphcore Research's unit-scaling library (0.3.5) is
+a subset of this one: code written for it runs with only its import changed.
+
+Package map, from the bottom layer up (a module imports only from its own layer or below):
+
+    ops/              U: the scaling primitive, constraints, the unit-scaled ops, their fused
+                      eager forms, and ipu_tracing(), the switch to their PopTorch forms
+    modules/          uu: the unit-scaled torch.nn mirror and unit-scaling's u-μP blocks
+    fp8/              FP8 formats, the AMAX scaling rule, casts, FP8 linear, simulate_fp8,
+                      the host build of the codelets and their tile-by-tile emulator
+    transforms/       unit_scale(model) and the other model rewrites, scale tracking
+    parametrization/  u-μP: per-weight scales, multipliers and learning rates; the optimizers
+    models/           example models: the GPT (unit-scaled, u-μP or plain) and a BERT encoder
+    training/         the run config, data, run directories, memory estimate, precision
+                      regimes, validation and plots
+    analysis/         scale tracking and reports over a model's ops
+    backends/         cpu, emulator (PopTorch's semantics), poptorch (IPUs), popxl, distributed
+    loop/             the one training loop and its tasks (causal LM, masked LM)
+    apps/             the ipu-unit-scaling command: train, compare, sweep, evaluate, sample, ...
+
+At the top level sit only public paths: this package (uu), ``functional`` (U), ``ipu``
+(``ipu_tracing``, ``check_poptorch``, ``trace_like_poptorch``) and unit-scaling's module paths
+(``scale``, ``constraints``, ``formats``, ``parameter``, ``optim``, ``utils``, ``docs``,
+``core.functional``), each re-exporting the layer that writes it. Paths of modules from before
+the layers still import (``_moved.py``).
 """
 from __future__ import annotations
 
 from . import _moved  # noqa: F401  (keeps the old import paths of moved modules working)
 
 # isort: split
-from . import core
-from .fp8 import generic_formats as formats
-from .modules import mup_parameter as parameter
+from . import constraints, core, formats, functional, optim, parameter
 from .modules.depth_blocks import (
     MHSA,
     MLP,
@@ -47,11 +68,8 @@ from .modules.layers import (
     unit_attention,
 )
 from .modules.mup_parameter import MupType, Parameter
-from .ops import scale_constraints as constraints
-from .ops import unit_ops as functional
 from .ops.op_helpers import transformer_residual_scaling_rule
 from .ops.scaling_primitive import scale, scale_bwd, scale_fwd
-from .parametrization import mup_optimizers as optim
 
 __version__ = "0.1.0"
 

@@ -10,8 +10,6 @@ import torch
 
 poptorch = pytest.importorskip("poptorch", reason="poptorch (Poplar SDK) is not installed")
 
-from ipu_unit_scaling.scale import scale  # noqa: E402
-
 from ipu_unit_scaling.backends.poptorch.fp8_custom_op import (  # noqa: E402
     PopTorchFP8CustomOps,
     custom_op_library_path,
@@ -26,6 +24,7 @@ from ipu_unit_scaling.fp8 import (  # noqa: E402
     fp8_quantise_gradient,
 )
 from ipu_unit_scaling.ops.trace_switch import ipu_tracing  # noqa: E402
+from ipu_unit_scaling.scale import scale  # noqa: E402
 
 pytestmark = pytest.mark.ipu
 REPO = Path(__file__).resolve().parents[1]

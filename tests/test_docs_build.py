@@ -17,7 +17,7 @@ PLUGINS = ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python")
 # Modules without a reference page of their own: the modules and scale primitives that
 # `import ipu_unit_scaling as uu` re-exports (on its page), and the eager fast paths behind the
 # `U` ops, which have no API of their own.
-DOCUMENTED_ELSEWHERE = {"modules", "scale", "fused", "fused_blocks"}
+DOCUMENTED_ELSEWHERE = {"modules", "scale"}
 
 
 def _missing_plugins() -> list:

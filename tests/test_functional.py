@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 from typing import Callable, List, Sequence, Tuple
 
-import ipu_unit_scaling.functional as U
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+
+import ipu_unit_scaling.functional as U
 from ipu_unit_scaling.scale import scale, scale_bwd, scale_fwd
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
@@ -261,7 +262,6 @@ def test_attention_is_unit_for_any_logit_std(logit_std, masking):
 
 def test_softmax_square_sum_closed_form_is_within_5_percent_up_to_logit_std_1():
     from ipu_unit_scaling.functional import _expected_softmax_square_sum
-
     from ipu_unit_scaling.ops.softmax_moments import softmax_moments
 
     keys = np.arange(1, 2049, dtype=np.float64)

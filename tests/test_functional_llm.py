@@ -6,13 +6,13 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence, Tuple
 
-import ipu_unit_scaling.functional as U
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 import ipu_unit_scaling as uu
+import ipu_unit_scaling.functional as U
 from ipu_unit_scaling.ipu import ipu_tracing
 from ipu_unit_scaling.ops.llm_ops import SILU_MOMENTS
 

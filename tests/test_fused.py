@@ -9,13 +9,13 @@ from __future__ import annotations
 import math
 from typing import Callable, List, Sequence
 
-import ipu_unit_scaling.functional as U
 import pytest
 import torch
 import torch.nn.functional as F
-from ipu_unit_scaling.scale import scale, scale_bwd, scale_fwd
 
+import ipu_unit_scaling.functional as U
 from ipu_unit_scaling.ops import fused_ops as fused
+from ipu_unit_scaling.scale import scale, scale_bwd, scale_fwd
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
 pytestmark = pytest.mark.numerics

@@ -9,13 +9,13 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, Tuple
 
-import ipu_unit_scaling.functional as U
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import ipu_unit_scaling.functional as U
 from ipu_unit_scaling.ipu import trace_like_poptorch
 from ipu_unit_scaling.ops import ipu_lowering as lowering
 from ipu_unit_scaling.ops.ipu_lowering import stochastic_round_to_half, torch_numerics

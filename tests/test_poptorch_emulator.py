@@ -6,13 +6,13 @@ import copy
 import sys
 from typing import Callable, List
 
-import ipu_unit_scaling.functional as U
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import ipu_unit_scaling as uu
+import ipu_unit_scaling.functional as U
 from ipu_unit_scaling.backends import build_training_model
 from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
 from ipu_unit_scaling.ipu import (

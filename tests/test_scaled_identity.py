@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from ipu_unit_scaling.scale import scale
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ipu_unit_scaling import GPT
@@ -20,6 +19,7 @@ from ipu_unit_scaling.backends.poptorch import fp8_custom_op as custom_op
 from ipu_unit_scaling.ipu import check_poptorch, ipu_tracing, trace_like_poptorch
 from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
 from ipu_unit_scaling.ops.scaled_identity import composite_scales, scaled_identity
+from ipu_unit_scaling.scale import scale
 
 REPO = Path(__file__).resolve().parents[1]
 SCALES = [(0.5, 2.0), (1.0, 0.08838834764831845), (1 / math.sqrt(3.0), 1.0),

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import math
 
-import ipu_unit_scaling.functional as U
 import pytest
 import torch
 import torch.nn.functional as F
-from ipu_unit_scaling.scale import scale_fwd
 from torch import nn
 
 import ipu_unit_scaling as uu
+import ipu_unit_scaling.functional as U
 from ipu_unit_scaling.parametrization.umup import (
     ScaledGELU,
     UmupHyperparameters,
@@ -30,6 +29,7 @@ from ipu_unit_scaling.parametrization.umup import (
     umup_decoder,
     weight_rules,
 )
+from ipu_unit_scaling.scale import scale_fwd
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
 pytestmark = pytest.mark.numerics

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 import torch
 from torch import Tensor, fx, nn
 
-from ..ops import unit_ops as functional
+from .. import ops as functional
 
 __all__ = ["ScalePair", "analyse_module"]
 

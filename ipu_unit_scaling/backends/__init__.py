@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..training.run_config import BACKEND_NAMES, Config
+from .backend_error import BackendError
 from .cpu import CPUTrainingModel, TrainingModule
 from .distributed import check_launch, launched_world_size
 from .stages import Stage, stages
@@ -38,10 +39,6 @@ __all__ = [
 ]
 
 BACKEND_ENV = "IPU_UNIT_SCALING_BACKEND"
-
-
-class BackendError(RuntimeError):
-    pass
 
 
 def _import_poptorch() -> Optional[Any]:

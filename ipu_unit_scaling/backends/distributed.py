@@ -77,7 +77,7 @@ def writes_run_files() -> bool:
 def join_launched_world() -> None:
     """Join the process group torchrun launched this process into (gloo, from its environment
     variables); nothing when not under torchrun or already joined."""
-    from . import BackendError
+    from .backend_error import BackendError
 
     if not launched_world_size() or (dist.is_available() and dist.is_initialized()):
         return
@@ -117,7 +117,7 @@ def _has_pipelining() -> bool:
 def check_launch(config: Optional[Config] = None) -> None:
     """Refuse, in one line, a ``distributed`` run that cannot work: not under torchrun, a world
     that is not the config's layout, or stages without torch.distributed.pipelining."""
-    from . import BackendError
+    from .backend_error import BackendError
 
     world = launched_world_size()
     if not world:

@@ -1,6 +1,6 @@
-"""The building blocks of `ipu_unit_scaling.functional`, for writing new unit-scaled ops."""
+"""unit-scaling's ``unit_scaling.core`` path: helpers for writing new unit-scaled ops."""
 from __future__ import annotations
 
-from ..ops import op_helpers as functional
+from . import functional
 
 __all__ = ["functional"]

@@ -42,7 +42,7 @@ class FP8UnitScaledLinear(FP8Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Imported here: the unit-scaled core imports nothing from fp8, and fp8 stays usable alone.
-        from ..ops import unit_ops as U
+        from .. import ops as U
         from ..ops.scaling_primitive import scale_bwd, scale_fwd
 
         batch_size = max(1, x.numel() // x.shape[-1])

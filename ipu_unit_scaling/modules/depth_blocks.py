@@ -24,7 +24,7 @@ from typing import Any, Iterable
 
 from torch import Tensor, nn
 
-from ..ops import unit_ops as U
+from .. import ops as U
 from ..ops.op_helpers import ResidualScalingFn, transformer_residual_scaling_rule
 from .layers import Embedding, Linear, LinearReadout, RMSNorm
 from .mup_parameter import has_parameter_data

@@ -49,9 +49,6 @@ __all__ = [
     "attention_query_key_grad_scale",
     "cross_entropy",
     "mse_loss",
-    "rms_norm",
-    "silu",
-    "silu_glu",
 ]
 
 
@@ -933,7 +930,3 @@ def mse_loss(input: Tensor, target: Tensor, size_average: Optional[bool] = None,
     grad_scale = elements / (2 * math.sqrt(2))
     input, target = scale_bwd(input, grad_scale), scale_bwd(target, grad_scale)
     return F.mse_loss(input, target, reduction=reduction)
-
-
-# Ops of current language models live in their own file; they build on the helpers above.
-from .llm_ops import rms_norm, silu, silu_glu  # noqa: E402

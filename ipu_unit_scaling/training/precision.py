@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import ops as U
 from ..models.gpt import build_gpt
-from ..ops import unit_ops as U
 from .run_config import REGIMES, UMUP_MULTIPLIERS, Config
 
 __all__ = ["REGIME_SETTINGS", "MODEL_KINDS", "COMPARE_EVAL_POINTS", "regime_config",

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import ops as U
 from ..modules import layers as uu
-from ..ops import unit_ops as U
+from ..ops import unit_ops
 from ..ops.scaling_primitive import scale_bwd
 
 # The constraint of the ops and modules `unit_scale` puts in: the paper's geometric mean, with
@@ -377,7 +378,7 @@ def unit_cross_entropy(
 ) -> Tensor:
     if size_average is not None or reduce is not None:
         raise ValueError("size_average/reduce are deprecated; use reduction")
-    return U._cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing)
+    return unit_ops._cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing)
 
 
 def unit_mse_loss(
@@ -406,7 +407,7 @@ def unit_residual_branch(input: Tensor, tau: float) -> Tensor:
 def unit_residual_add(residual: Tensor, skip: Tensor, tau: float) -> Tensor:
     """The join of `unit_residual_branch`: the skip is the stream itself (no split output), so
     it takes its weight in both passes."""
-    return U._residual_join(residual, skip, tau)
+    return unit_ops._residual_join(residual, skip, tau)
 
 
 def scale_grad(input: Tensor, grad_scale: float) -> Tensor:

@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from ...training.run_config import Config
-from .. import BackendError
+from ..backend_error import BackendError
 from ..stages import Stage
 from .poptorch_options import New, OptionCall, option_calls
 

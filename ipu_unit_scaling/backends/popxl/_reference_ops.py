@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from ...fp8.codec import decode, encode
-from . import reference as _r
-from .reference import Tensor, _add_op, _add_stateful_op, _Run, _same_dtype
+from . import _reference_core as _r
+from ._reference_core import Tensor, _add_op, _add_stateful_op, _Run, _same_dtype
 from .reference_settings import fp8_matmul_output_dtype
 
 __all__ = [

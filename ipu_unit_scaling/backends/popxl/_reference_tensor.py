@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import List
 
-from .reference import Tensor, TensorSpec, constant, variable
-from .reference import _Constant as Constant
-from .reference import _TensorLike as TensorLike
-from .reference import _Variable as Variable
+from ._reference_core import Tensor, TensorSpec, constant, variable
+from ._reference_core import _Constant as Constant
+from ._reference_core import _TensorLike as TensorLike
+from ._reference_core import _Variable as Variable
 
 __all__ = ["Tensor", "Variable", "Constant", "TensorSpec", "TensorLike", "variable", "constant"]
 

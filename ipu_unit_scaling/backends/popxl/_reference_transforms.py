@@ -14,9 +14,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import reference as _r
+from . import _reference_core as _r
+from ._reference_core import Tensor, _add_stateful_op, _graph_input, _Run
 from ._reference_ops import CallSiteInfo
-from .reference import Tensor, _add_stateful_op, _graph_input, _Run
 
 __all__ = ["autodiff", "GradGraphInfo", "ExpectedConnection", "ExpectedConnectionType"]
 

@@ -24,7 +24,6 @@ from typing import Any, Set, Tuple
 import torch
 
 from ...fp8.fp8_formats import FP8Format
-from .fp8_ops import fp8_dtype
 
 __all__ = ["OP_NAME", "fp8_amax_cast", "binding_path", "load_binding",
            "pybind11_internals", "check_shared_internals"]
@@ -37,6 +36,15 @@ POPART_PYBIND11 = "2.6.2"  # the pybind11 release PopART's Python bindings are b
 _STAND_IN_TILES = 16  # the emulator's split, for the stand-in only
 
 Tensor = Any
+
+
+def fp8_dtype(xl: Any, fmt: FP8Format) -> Any:
+    """The PopXL dtype of an IPU FP8 format (the OCP formats have none)."""
+    if fmt.name == "F143":
+        return xl.float8_143
+    if fmt.name == "F152":
+        return xl.float8_152
+    raise ValueError(f"PopXL has no FP8 dtype for {fmt.name}; use F143 or F152")
 
 
 def fp8_amax_cast(xl: Any, x: Tensor, fmt: FP8Format, margin: int, saturate: bool

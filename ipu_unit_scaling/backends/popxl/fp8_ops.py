@@ -20,11 +20,12 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ... import ops as U
 from ...fp8.fp8_config import FP8Config
 from ...fp8.fp8_formats import FP8Format
 from ...fp8.scaling import MAX_LOG2_SCALE
-from ...ops import unit_ops as U
 from ...ops.scale_constraints import ConstraintArg
+from .codelets import fp8_dtype
 
 __all__ = ["AMAX_SOURCES", "scaling_bias", "cast_to_fp8", "fp8_matmul", "FP8LinearBlock",
            "CastSite", "fp8_dtype"]
@@ -37,15 +38,6 @@ _FUSED_LOW, _FUSED_HIGH = -32, 31
 _TABLE_LOW = -MAX_LOG2_SCALE
 _POW2_TABLE = np.array([math.ldexp(1.0, k) for k in range(_TABLE_LOW, MAX_LOG2_SCALE + 1)],
                        np.float32)
-
-
-def fp8_dtype(xl: Any, fmt: FP8Format) -> Any:
-    """The PopXL dtype of an IPU FP8 format (the OCP formats have none)."""
-    if fmt.name == "F143":
-        return xl.float8_143
-    if fmt.name == "F152":
-        return xl.float8_152
-    raise ValueError(f"PopXL has no FP8 dtype for {fmt.name}; use F143 or F152")
 
 
 def scaling_bias(xl: Any, amax: Tensor, fmt: FP8Format, margin: int) -> Tuple[Tensor, Tensor]:

@@ -33,9 +33,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from ... import ops as U
 from ...fp8.fp8_config import FP8Config
 from ...modules.layers import GPT, UNIT_OPS
-from ...ops import unit_ops as U
+from ...ops import unit_ops
 from ...ops.scale_constraints import ConstraintArg, apply_constraint
 from ...training.run_config import ConfigError
 from .fp8_ops import AMAX_SOURCES, CastSite, FP8LinearBlock
@@ -288,7 +289,7 @@ class PopXLDecoder:
         weight ``tau / sqrt(1 + tau**2)``) then ``U.layer_norm``."""
         xl = self.xl
         bias = self.spec.bias
-        branch_grad = 1.0 if split_tau is None else U._residual_weights(split_tau)[0]
+        branch_grad = 1.0 if split_tau is None else unit_ops._residual_weights(split_tau)[0]
         rows, width = int(np.prod(x.shape[:-1])), x.shape[-1]
         shape = tuple(x.shape)
 
@@ -342,7 +343,7 @@ class PopXLDecoder:
         mask = np.triu(np.full((seq, seq), _MASKED, np.float32), k=1)
         # The same per-row scale U computes: sqrt(1 / E[sum p**2]) for the keys a row sees.
         visible = torch.arange(1, seq + 1, dtype=torch.float32).unsqueeze(-1)
-        row_scale = ((1 - 0.0) / U._expected_softmax_square_sum(visible)) ** 0.5
+        row_scale = ((1 - 0.0) / unit_ops._expected_softmax_square_sum(visible)) ** 0.5
         row_scale = row_scale.numpy().astype(np.float32)
 
         def attention(qkv: Tensor) -> Tensor:
@@ -374,7 +375,7 @@ class PopXLDecoder:
     def _join(self, branch: Tensor, tau: float) -> Any:
         """``U.residual_add``: ``a * branch + b * skip``, the branch scaled forward only."""
         xl = self.xl
-        branch_weight, skip_weight = U._residual_weights(tau)
+        branch_weight, skip_weight = unit_ops._residual_weights(tau)
 
         def join(branch: Tensor, skip: Tensor) -> Tensor:
             return skip * skip_weight + scaled(xl, branch, branch_weight, 1.0)
@@ -386,7 +387,8 @@ class PopXLDecoder:
         xl = self.xl
         shape = tuple(logits.shape)
         classes, rows = shape[-1], int(np.prod(shape[:-1]))
-        per_element_var = (1 - 2 / classes + U._expected_softmax_square_sum(classes)) / classes
+        square_sum = unit_ops._expected_softmax_square_sum(classes)
+        per_element_var = (1 - 2 / classes + square_sum) / classes
         grad_scale = rows * per_element_var**-0.5
 
         def loss(logits: Tensor, labels: Tensor) -> Tensor:
@@ -398,5 +400,5 @@ class PopXLDecoder:
 
 
 def _gelu_scales() -> Tuple[float, float]:
-    out_std, grad_rms = U._GELU_STDS["none"]
+    out_std, grad_rms = unit_ops._GELU_STDS["none"]
     return 1 / out_std, 1 / grad_rms

@@ -1,0 +1,158 @@
+"""The package's layout rules: folders name the layers, imports point down, names are unique,
+no file is long without saying why, and old import paths still work."""
+from __future__ import annotations
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Set
+
+import pytest
+
+import ipu_unit_scaling
+from ipu_unit_scaling._moved import MOVED
+
+PACKAGE = Path(ipu_unit_scaling.__file__).parent
+# Bottom layer first. A module imports only from its own layer or a lower one.
+LAYERS = ["ops", "modules", "fp8", "transforms", "parametrization", "models", "training",
+          "analysis", "backends", "loop", "apps"]
+# Public paths that repeat a name because unit-scaling's paths do (functional, core.functional).
+PUBLIC_REPEATS = {"functional"}
+LONG_FILE_LINES = 600
+LONG_FILE_REASON = "Over 600 lines because"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+MODULES: Dict[str, Path] = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _imports(name: str, module_level_only: bool) -> Set[str]:
+    """The package modules ``name`` imports (a ``from x import y`` of a submodule counts y)."""
+    path = MODULES[name]
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    nodes = tree.body if module_level_only else list(ast.walk(tree))
+    found: Set[str] = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                target = ".".join(base + (node.module.split(".") if node.module else []))
+            elif node.module and node.module.split(".")[0] == "ipu_unit_scaling":
+                target = node.module.partition(".")[2]
+            else:
+                continue
+            submodules = [a.name for a in node.names
+                          if (f"{target}.{a.name}" if target else a.name) in MODULES]
+            found.update(f"{target}.{s}" if target else s for s in submodules)
+            if len(submodules) < len(node.names):
+                found.add(target)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "ipu_unit_scaling":
+                    found.add(alias.name.partition(".")[2])
+    return {m for m in found if m in MODULES and m != name}
+
+
+def _layer(name: str) -> Optional[int]:
+    top = name.split(".")[0]
+    return LAYERS.index(top) if top in LAYERS else None
+
+
+def test_every_folder_is_a_layer():
+    folders = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert folders - {"core"} == set(LAYERS), "a folder of the package is not in LAYERS"
+
+
+def test_no_import_points_up_a_layer():
+    upward = []
+    for name in MODULES:
+        layer = _layer(name)
+        if layer is None:
+            continue
+        for target in _imports(name, module_level_only=False):
+            target_layer = _layer(target)
+            if target_layer is None:
+                if not (name.startswith("apps.") and target == ""):  # apps may read __version__
+                    upward.append(f"{name} -> {target or 'ipu_unit_scaling'} (a public path)")
+            elif target_layer > layer:
+                upward.append(f"{name} -> {target}")
+    assert not upward, "imports that point up: " + ", ".join(sorted(upward))
+
+
+def test_no_import_circles():
+    graph = {name: _imports(name, module_level_only=True) for name in MODULES}
+    circles: List[List[str]] = []
+
+    def visit(node: str, path: List[str], done: Set[str]) -> None:
+        for target in sorted(graph[node]):
+            if target in path:
+                circles.append(path[path.index(target):] + [target])
+            elif target not in done:
+                visit(target, path + [target], done)
+        done.add(node)
+
+    done: Set[str] = set()
+    for name in sorted(graph):
+        if name not in done:
+            visit(name, [name], done)
+    assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
+
+
+def test_module_names_are_unique():
+    seen: Dict[str, List[str]] = {}
+    for name in MODULES:
+        if name:
+            seen.setdefault(name.split(".")[-1], []).append(name)
+    repeated = {base: names for base, names in seen.items()
+                if len(names) > 1 and base not in PUBLIC_REPEATS}
+    assert not repeated, f"modules that share a name: {repeated}"
+
+
+def test_long_files_say_why():
+    unexplained = []
+    for path in MODULES.values():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        if len(lines) > LONG_FILE_LINES and not any(LONG_FILE_REASON in line
+                                                    for line in lines[:40]):
+            unexplained.append(f"{path.relative_to(PACKAGE)} ({len(lines)} lines)")
+    assert not unexplained, f"files over {LONG_FILE_LINES} lines with no reason at the top: " \
+                            f"{unexplained}"
+
+
+def test_help_opens_with_a_map_of_every_layer():
+    doc = ipu_unit_scaling.__doc__ or ""
+    map_start = doc.index("Package map")
+    assert map_start < 700, "the package map is not near the top of help(ipu_unit_scaling)"
+    missing = [layer for layer in LAYERS if f"    {layer}/" not in doc]
+    assert not missing, f"layers missing from the package map: {missing}"
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_old_path_imports_the_moved_module(old: str):
+    new = importlib.import_module(f"ipu_unit_scaling.{MOVED[old]}")
+    assert importlib.import_module(f"ipu_unit_scaling.{old}") is new
+    assert old not in MODULES, f"{old} is both a moved path and a module"
+
+
+def test_old_paths_work_in_a_fresh_interpreter():
+    """The paths the README documented before the layers, imported first thing."""
+    code = ("from ipu_unit_scaling.config import load_config\n"
+            "from ipu_unit_scaling import emulator\n"
+            "from ipu_unit_scaling.backends.ipu.custom_op import fp8_amax_cast\n"
+            "from ipu_unit_scaling.analysis import track_scales, analyse, ScaleReporter\n"
+            "from ipu_unit_scaling.backends import build_training_model, make_optimizer\n"
+            "from ipu_unit_scaling.ipu import check_poptorch, ipu_tracing, trace_like_poptorch\n"
+            "from ipu_unit_scaling.models import GPTConfig, build_gpt\n"
+            "import ipu_unit_scaling.train as old, ipu_unit_scaling.loop.training_loop as new\n"
+            "assert old is new and emulator.__name__.endswith('fp8.codelet_emulator')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
