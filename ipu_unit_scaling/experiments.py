@@ -238,6 +238,10 @@ SWEEP_OWN_SETTINGS = {
     "model.parametrization": "--models",
 }
 
+# Keys a model kind keeps in its config but never reads: the plain model's residual adds are
+# unweighted, so unit scaling's taus do nothing there.
+IGNORED_KEYS = {"plain": ("model.attn_tau", "model.mlp_tau")}
+
 
 @dataclass
 class SweepPoint:
@@ -341,6 +345,8 @@ def kinds_using(config: Config, key: str, values: Sequence[Any],
     would train the same model at every value."""
     using = []
     for kind in kinds:
+        if key in IGNORED_KEYS.get(kind, ()):
+            continue
         trained = [setting(point_config(with_setting(config, key, value), kind,
                                         config.model.hidden_size, config.model.depth, None), key)
                    for value in values]

@@ -123,8 +123,25 @@ def test_values_are_read_as_set_reads_them():
 def test_kinds_using_a_key():
     config = load_config("tiny")
     assert kinds_using(config, "model.residual_mult", [0.5, 2.0]) == ["u-mup"]
-    assert kinds_using(config, "model.attn_tau", [0.5, 2.0]) == ["plain", "unit"]
+    # u-μP sets its residual weights itself; the plain model's residual adds take no tau.
+    assert kinds_using(config, "model.attn_tau", [0.5, 2.0]) == ["unit"]
+    assert kinds_using(config, "model.mlp_tau", [0.5, 2.0]) == ["unit"]
     assert kinds_using(config, "training.seed", [1, 2]) == ["plain", "unit", "u-mup"]
+
+
+def test_the_plain_model_ignores_the_taus_it_is_not_swept_over():
+    import torch
+
+    from ipu_unit_scaling.models import GPTConfig, build_gpt
+
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    outputs = []
+    for tau in (0.2, 0.9):
+        torch.manual_seed(0)
+        model = build_gpt(GPTConfig(vocab_size=32, seq_len=8, depth=1, hidden_size=16, heads=2,
+                                    unit_scaled=False, attn_tau=tau, mlp_tau=tau))
+        outputs.append(model(tokens))
+    assert torch.equal(outputs[0], outputs[1])  # the same model, the same kernels
 
 
 def test_transfer_summary_of_a_key_sweep():
