@@ -197,14 +197,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     sweep = commands.add_parser(
-        "sweep", help="learning-rate sweep across widths: does the best learning rate transfer?",
+        "sweep", help="learning-rate (or any key's) sweep across widths: does the best transfer?",
         description="Train a grid of learning rates (powers of two) x widths (x depths) for each "
                     "model (plain, unit = unit-scaled, u-mup = u-μP), then write sweep.md (final "
                     "validation losses, the best learning rate at each width, how far it moves, "
                     "and the default learning rate's loss against the best), sweep.json and "
                     "sweep.png (loss against learning rate, one curve per width). Each model's "
                     "grid is centred on its default learning rate (compare.learning_rates of its "
-                    "fp32 regime). Rerunning with the same --run-dir reuses finished points.",
+                    "fp32 regime). With --key KEY --values V ... the axis is that config key "
+                    "instead (each model at its default learning rate) and the tables give the "
+                    "best value at each width and whether it moves. Rerunning with the same "
+                    "--run-dir reuses finished points.",
     )
     _add_config_arguments(sweep)
     sweep.add_argument("--models", nargs="+", choices=MODEL_KINDS, metavar="MODEL",

@@ -32,7 +32,9 @@ __all__ = [
     "SweepPoint",
     "default_exponents",
     "parse_sweep_values",
+    "kinds_using",
     "run_sweep",
+    "sweep_report",
     "transfer_summary",
     "format_sweep_tables",
 ]
