@@ -197,27 +197,36 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     sweep = commands.add_parser(
-        "sweep", help="learning-rate sweep across widths: does the best learning rate transfer?",
+        "sweep", help="learning-rate (or any key's) sweep across widths: does the best transfer?",
         description="Train a grid of learning rates (powers of two) x widths (x depths) for each "
                     "model (plain, unit = unit-scaled, u-mup = u-μP), then write sweep.md (final "
                     "validation losses, the best learning rate at each width, how far it moves, "
                     "and the default learning rate's loss against the best), sweep.json and "
                     "sweep.png (loss against learning rate, one curve per width). Each model's "
                     "grid is centred on its default learning rate (compare.learning_rates of its "
-                    "fp32 regime). Rerunning with the same --run-dir reuses finished points.",
+                    "fp32 regime). With --key KEY --values V ... the axis is that config key "
+                    "instead (each model at its default learning rate) and the tables give the "
+                    "best value at each width and whether it moves. Rerunning with the same "
+                    "--run-dir reuses finished points.",
     )
     _add_config_arguments(sweep)
-    sweep.add_argument("--models", nargs="+", choices=MODEL_KINDS, default=list(MODEL_KINDS),
-                       metavar="MODEL", help="models to sweep (default: plain unit u-mup)")
+    sweep.add_argument("--models", nargs="+", choices=MODEL_KINDS, metavar="MODEL",
+                       help="models to sweep (default: plain unit u-mup; with --key, those "
+                            "that use the key)")
     sweep.add_argument("--widths", nargs="+", type=_positive_int, default=[64, 128, 256],
                        metavar="W", help="model.hidden_size values (default: 64 128 256)")
     sweep.add_argument("--depths", nargs="+", type=_positive_int, metavar="D",
                        help="model.depth values (default: the config's)")
-    sweep.add_argument("--span", type=_positive_int, default=2, metavar="K",
+    sweep.add_argument("--span", type=_positive_int, metavar="K",
                        help="learning rates 2^(c-K) .. 2^(c+K) around each model's default "
                             "2^c (default 2: five rates)")
     sweep.add_argument("--log2-lr", nargs="+", default=[], metavar="MODEL=LO:HI",
                        help="an explicit grid for a model, e.g. u-mup=-3:2 (2^-3 .. 2^2)")
+    sweep.add_argument("--key", metavar="KEY",
+                       help="sweep this config key instead of the learning rate, e.g. "
+                            "model.residual_mult, each model at its default learning rate")
+    sweep.add_argument("--values", nargs="+", metavar="VALUE",
+                       help="the --key values, read as --set reads them, e.g. 0.25 0.5 1 2")
 
     analyse = commands.add_parser(
         "analyse", help="compare tensor scales of the plain and unit-scaled model",
@@ -631,10 +640,11 @@ def run_compare_seeds(config: Config, regimes: Sequence[str], run_dir: Path, see
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from .experiments import DEFAULT_REGIME, default_exponents, format_sweep_tables, run_sweep
+    from .experiments import default_exponents, run_sweep, sweep_report
 
     config = _load(args)
-    exponents = {kind: default_exponents(config, kind, args.span) for kind in args.models}
+    key, values = _sweep_key(args, config)
+    exponents = {kind: default_exponents(config, kind, args.span or 2) for kind in args.models}
     for item in args.log2_lr:
         kind, _, bounds = item.partition("=")
         low, _, high = bounds.partition(":")
@@ -653,12 +663,34 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
                              "divide every width")
     with _run_directory(args.run_dir, _runs_root(config), "sweep") as run_dir:
         points = run_sweep(config, args.models, args.widths, depths, exponents, run_dir,
-                           quiet=args.quiet)
-    defaults = {kind: config.compare.learning_rates[DEFAULT_REGIME[kind]]
-                for kind in args.models}
-    print(format_sweep_tables(points, defaults))
+                           quiet=args.quiet, key=key, values=values)
+    print(sweep_report(config, points))
     print(f"transfer plot: {run_dir / 'sweep.png'}; table: {run_dir / 'sweep.md'}")
     return 0
+
+
+def _sweep_key(args: argparse.Namespace, config: Config) -> Tuple[Optional[str], List[Any]]:
+    """``--key`` and its parsed ``--values`` (None, [] for a learning-rate sweep); fills in
+    ``args.models`` where it was left out."""
+    from .experiments import kinds_using, parse_sweep_values
+
+    if args.key is None:
+        if args.values:
+            raise UsageError("--values needs --key, the config key they are values of")
+        args.models = args.models or list(MODEL_KINDS)
+        return None, []
+    if not args.values:
+        raise UsageError(f"--key {args.key} needs --values, e.g. --values 0.5 1 2")
+    if args.log2_lr or args.span is not None:
+        raise UsageError("--log2-lr and --span set a learning-rate grid; with --key each model "
+                         "trains at its default learning rate (compare.learning_rates)")
+    values = parse_sweep_values(config, args.key, args.values)
+    if args.models is None:
+        args.models = kinds_using(config, args.key, values) or list(MODEL_KINDS)
+        if len(args.models) < len(MODEL_KINDS) and not args.quiet:
+            print(f"sweep: {args.key} acts in {' and '.join(args.models)} only; sweeping "
+                  f"{'it' if len(args.models) == 1 else 'them'}")
+    return args.key, values
 
 
 def _read_baseline(run_dir: Path) -> Optional[float]:
