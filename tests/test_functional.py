@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import ipu_unit_scaling.functional as U
+from ipu_unit_scaling.ops import unit_ops
 from ipu_unit_scaling.scale import scale, scale_bwd, scale_fwd
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
@@ -210,7 +211,7 @@ def test_residual_gradient_is_the_true_gradient_of_the_weighted_sum():
 def test_residual_weights_stay_finite_and_unit_for_extreme_tau(tau):
     """The branch and skip weights are tau and 1 over sqrt(1 + tau**2), their squares summing
     to 1, where tau**2 alone under- or overflows (float64 reference from the ratio form)."""
-    branch, skip = U._residual_weights(tau)
+    branch, skip = unit_ops._residual_weights(tau)
     assert branch**2 + skip**2 == pytest.approx(1.0, rel=1e-12)
     assert branch / skip == pytest.approx(tau, rel=1e-12)
 
@@ -261,7 +262,7 @@ def test_attention_is_unit_for_any_logit_std(logit_std, masking):
 
 
 def test_softmax_square_sum_closed_form_is_within_5_percent_up_to_logit_std_1():
-    from ipu_unit_scaling.functional import _expected_softmax_square_sum
+    from ipu_unit_scaling.ops.activation_ops import _expected_softmax_square_sum
     from ipu_unit_scaling.ops.softmax_moments import softmax_moments
 
     keys = np.arange(1, 2049, dtype=np.float64)

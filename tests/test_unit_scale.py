@@ -410,7 +410,7 @@ def test_value_bias_gradient_is_divided_by_the_attention_row_scale(causal):
     + 1 b^T and the value bias's gradient is sum_i r_i g_i, r_i the row scale of query i. The
     rule divides it by the rows' root-mean-square r. Checked in float64 against that identity,
     written out: with the rule, without it (the rule off), and in the traced form."""
-    from ipu_unit_scaling.functional import _expected_softmax_square_sum
+    from ipu_unit_scaling.ops.activation_ops import _expected_softmax_square_sum
     from ipu_unit_scaling.ops.trace_switch import ipu_tracing
 
     batch, length, width, heads = 3, 16, 32, 2

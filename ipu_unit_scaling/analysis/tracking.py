@@ -110,6 +110,9 @@ def _statistics(
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _OP_FILES = {
     os.path.join(_PACKAGE_DIR, "ops", "unit_ops.py"),
+    os.path.join(_PACKAGE_DIR, "ops", "activation_ops.py"),
+    os.path.join(_PACKAGE_DIR, "ops", "attention_ops.py"),
+    os.path.join(_PACKAGE_DIR, "ops", "loss_ops.py"),
     os.path.join(_PACKAGE_DIR, "ops", "scaling_primitive.py"),
     os.path.join(_PACKAGE_DIR, "transforms", "replacements.py"),
 }

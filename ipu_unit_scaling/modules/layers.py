@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops as U
-from ..ops import fused_blocks, unit_ops
+from ..ops import activation_ops, attention_ops, fused_blocks, loss_ops, unit_ops
 from ..ops import fused_ops as fused
 from ..ops.scale_constraints import ConstraintArg, SharedInputGmean
 from ..ops.scaling_primitive import scale_bwd, scale_fwd
@@ -366,8 +366,8 @@ class CrossEntropyLoss(nn.CrossEntropyLoss):
         self.mult = mult
 
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
-        # A label smoothing is only set by `unit_scale` (see `unit_ops._cross_entropy`).
-        return unit_ops._cross_entropy(input, target, None, self.ignore_index, self.reduction,
+        # A label smoothing is only set by `unit_scale` (see `loss_ops._cross_entropy`).
+        return loss_ops._cross_entropy(input, target, None, self.ignore_index, self.reduction,
                                 self.label_smoothing, getattr(self, "mult", 1.0))
 
 
@@ -450,7 +450,7 @@ def _plain_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optio
         # torch 2.0 has no `scale` argument: fold a scale other than the default into the query.
         query = query * (scale * query.shape[-1] ** 0.5)
     if is_ipu_tracing():
-        return unit_ops._explicit_attention(query, key, value, attn_mask, dropout_p, is_causal)
+        return attention_ops._explicit_attention(query, key, value, attn_mask, dropout_p, is_causal)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
                                           dropout_p=dropout_p, is_causal=is_causal)
 
@@ -601,7 +601,7 @@ class SelfAttention(nn.Module):
             # output itself, which attention keeps for its backward pass anyway: no scaled
             # copy of it is held until the backward pass. Only where nothing looks at the
             # projection's own output, which is then not scaled yet.
-            out, row_scale = unit_ops.attention_before_row_scale(
+            out, row_scale = attention_ops.attention_before_row_scale(
                 query, key, value, dropout_p=dropout_p, is_causal=self.is_causal,
                 scale=self.attention_scale)
             return self.proj(out.transpose(1, 2).reshape(batch, seq, hidden)) * row_scale
@@ -642,8 +642,8 @@ class FeedForward(nn.Module):
         up_scales = fused.cached_scales(
             ("linear", up.in_features, up.out_features, batch, up.constraint),
             U.linear_scales, up.in_features, up.out_features, batch, up.constraint)
-        gelu_scales = fused.cached_scales(("gelu", "none", "gmean"), unit_ops._gelu_scales, "none",
-                                          "gmean")
+        gelu_scales = fused.cached_scales(("gelu", "none", "gmean"),
+                                          activation_ops._gelu_scales, "none", "gmean")
         down_scales = fused.cached_scales(
             ("linear", down.in_features, down.out_features, batch, down.constraint),
             U.linear_scales, down.in_features, down.out_features, batch, down.constraint)

@@ -54,8 +54,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..modules.layers import GPT, UNIT_OPS, Linear
+from ..ops import activation_ops, unit_ops
 from ..ops import ipu_lowering as lowering
-from ..ops import unit_ops
 from ..ops.scale_constraints import ConstraintArg, apply_constraint
 
 __all__ = [
@@ -155,12 +155,13 @@ class ScaledGELU:
         # Scales of torch's GELU and of the one an IPU runs (see U.gelu), by U.gelu's
         # quadrature.
         self.scales = {
-            form: apply_constraint(constraint, *(1 / m for m in unit_ops._gelu_moments(form, mult)))
+            form: apply_constraint(
+                constraint, *(1 / m for m in activation_ops._gelu_moments(form, mult)))
             for form in {approximate, lowering.gelu_on_ipu(approximate)}}
         self.output_scale, self.grad_scale = self.scales[approximate]
 
     def __call__(self, input: Tensor) -> Tensor:
-        output_scale, grad_scale = self.scales[unit_ops._gelu_form(self.approximate)]
+        output_scale, grad_scale = self.scales[activation_ops._gelu_form(self.approximate)]
         return unit_ops._scaled_call(self._gelu, (input,), output_scale, (grad_scale,),
                               scale_in_place=True)
 

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from .. import ops as U
 from ..modules import layers as uu
-from ..ops import unit_ops
+from ..ops import loss_ops, unit_ops
 from ..ops.scaling_primitive import scale_bwd
 
 # The constraint of the ops and modules `unit_scale` puts in: the paper's geometric mean, with
@@ -378,7 +378,7 @@ def unit_cross_entropy(
 ) -> Tensor:
     if size_average is not None or reduce is not None:
         raise ValueError("size_average/reduce are deprecated; use reduction")
-    return unit_ops._cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing)
+    return loss_ops._cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing)
 
 
 def unit_mse_loss(

@@ -36,7 +36,7 @@ from torch import nn
 from ... import ops as U
 from ...fp8.fp8_config import FP8Config
 from ...modules.layers import GPT, UNIT_OPS
-from ...ops import unit_ops
+from ...ops import activation_ops, unit_ops
 from ...ops.scale_constraints import ConstraintArg, apply_constraint
 from ...training.run_config import ConfigError
 from .fp8_ops import AMAX_SOURCES, CastSite, FP8LinearBlock
@@ -343,7 +343,7 @@ class PopXLDecoder:
         mask = np.triu(np.full((seq, seq), _MASKED, np.float32), k=1)
         # The same per-row scale U computes: sqrt(1 / E[sum p**2]) for the keys a row sees.
         visible = torch.arange(1, seq + 1, dtype=torch.float32).unsqueeze(-1)
-        row_scale = ((1 - 0.0) / unit_ops._expected_softmax_square_sum(visible)) ** 0.5
+        row_scale = ((1 - 0.0) / activation_ops._expected_softmax_square_sum(visible)) ** 0.5
         row_scale = row_scale.numpy().astype(np.float32)
 
         def attention(qkv: Tensor) -> Tensor:
@@ -387,7 +387,7 @@ class PopXLDecoder:
         xl = self.xl
         shape = tuple(logits.shape)
         classes, rows = shape[-1], int(np.prod(shape[:-1]))
-        square_sum = unit_ops._expected_softmax_square_sum(classes)
+        square_sum = activation_ops._expected_softmax_square_sum(classes)
         per_element_var = (1 - 2 / classes + square_sum) / classes
         grad_scale = rows * per_element_var**-0.5
 
@@ -400,5 +400,5 @@ class PopXLDecoder:
 
 
 def _gelu_scales() -> Tuple[float, float]:
-    out_std, grad_rms = unit_ops._GELU_STDS["none"]
+    out_std, grad_rms = activation_ops._GELU_STDS["none"]
     return 1 / out_std, 1 / grad_rms

@@ -1,0 +1,110 @@
+"""Unit-scaled losses: cross entropy and mean squared error, whose gradients (not outputs) are
+unit-scaled."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import fused_ops as fused
+from .activation_ops import _expected_softmax_square_sum
+from .scaling_primitive import scale_bwd, scale_fwd
+from .unit_ops import _reject
+
+__all__ = [
+    "cross_entropy",
+    "mse_loss",
+]
+
+
+# ---------------------------------------------------------------- losses
+
+
+def cross_entropy(
+    input: Tensor,
+    target: Tensor,
+    weight: Optional[Tensor] = None,
+    size_average: Optional[bool] = None,
+    ignore_index: int = -100,
+    reduce: Optional[bool] = None,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    mult: float = 1.0,
+) -> Tensor:
+    """Unit-scaled `F.cross_entropy`: the same loss value, a unit-scaled input gradient.
+
+    Rule: for unit-normal logits over V classes, p - y has per-element variance
+    (1 - 2/V + S(V)) / V, so each row's gradient is scaled by sqrt(V / (1 - 2/V + S(V))). With
+    reduction="mean", torch divides by the number of counted targets, C (those not equal to
+    `ignore_index`; all N rows for class-probability targets); the grad scale is then
+    sqrt(C * N): the rows with a target get sqrt(N / C) each and the ignored rows zero, so the
+    gradient has unit mean square over the whole (N, V) tensor, and so do the gradients of the
+    layers below, whose scales count all N rows. In masked-LM training C is random (about 15%
+    of the tokens, varying batch to batch); it is counted from `target` in the graph, a tensor
+    that never leaves the device, so each batch gets its exact scale with no host read and no
+    assumed masking rate. Without ignored targets C = N and the scale is N, as before.
+
+    `mult` (u-μP's `loss_softmax_mult`) multiplies the logits in the forward pass only. Class
+    `weight`s, `label_smoothing` and torch's deprecated `size_average` / `reduce` are refused.
+    """
+    _reject("size_average", size_average, None, "use reduction")
+    _reject("reduce", reduce, None, "use reduction")
+    _reject("label_smoothing", label_smoothing, 0.0, "the gradient scale assumes one-hot targets")
+    return _cross_entropy(input, target, weight, ignore_index, reduction, 0.0, mult)
+
+
+def _cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int,
+                   reduction: str, label_smoothing: float, mult: float = 1.0) -> Tensor:
+    """`cross_entropy`, with a label smoothing if given (the one-hot rule's gradient scale,
+    for `unit_scale`'s conversions of models that smooth their labels)."""
+    _reject("weight", weight, None, "class weights change the gradient's scale per row")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction={reduction!r} must be one of 'mean', 'sum', 'none'")
+    classes = input.shape[1] if input.dim() > 1 else input.shape[0]
+    per_element_var = (1 - 2 / classes + _expected_softmax_square_sum(classes)) / classes
+    input = scale_bwd(input, per_element_var**-0.5)
+    if mult != 1.0:
+        input = scale_fwd(input, mult)
+    loss = F.cross_entropy(input, target, ignore_index=ignore_index, reduction=reduction,
+                           label_smoothing=label_smoothing)
+    if reduction != "mean":
+        return loss
+    if target.is_floating_point():  # class probabilities: every row counts
+        return scale_bwd(loss, max(1, input.numel() // max(1, classes)))
+    rows = max(1, target.numel())
+    if fused.eager_forms():  # the same scale in one node, counted in the backward pass
+        return fused.scale_grad_by_count(loss, target != ignore_index, rows)
+    counted = (target != ignore_index).sum().clamp(min=1).to(loss.dtype)
+    return _scale_bwd_by_tensor(loss, torch.sqrt(counted * rows))
+
+
+def _scale_bwd_by_tensor(x: Tensor, grad_scale: Tensor) -> Tensor:
+    """Identity forward; the gradient is multiplied by the (device-side) tensor `grad_scale`.
+
+    The same form as the traced `scale`, so it is right eagerly and under PopTorch alike; used
+    on a scalar loss, its three extra ops cost nothing.
+    """
+    detached = x.detach()
+    return detached + (x - detached) * grad_scale.detach()
+
+
+def mse_loss(input: Tensor, target: Tensor, size_average: Optional[bool] = None,
+             reduce: Optional[bool] = None, reduction: str = "mean") -> Tensor:
+    """Unit-scaled `F.mse_loss`: the same loss value, unit-scaled gradients.
+
+    Rule: the gradient is 2 (x - t) / N; for independent unit x and t, x - t has std sqrt(2), so
+    both grad scales are N / (2 sqrt(2)) (without N for reduction="sum"/"none").
+    """
+    _reject("size_average", size_average, None, "use reduction")
+    _reject("reduce", reduce, None, "use reduction")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction={reduction!r} must be one of 'mean', 'sum', 'none'")
+    if input.shape != target.shape:
+        raise ValueError(f"input shape {tuple(input.shape)} != target shape {tuple(target.shape)}")
+    elements = max(1, input.numel()) if reduction == "mean" else 1
+    grad_scale = elements / (2 * math.sqrt(2))
+    input, target = scale_bwd(input, grad_scale), scale_bwd(target, grad_scale)
+    return F.mse_loss(input, target, reduction=reduction)
