@@ -3,13 +3,15 @@
 
 Exit status: 0 done, 1 diverged (a non-finite or exploding training loss, or non-finite sampled
 logits), 2 bad arguments, config, data or run directory (one line on stderr, never a traceback),
-130 Ctrl-C (SIGINT), 143 SIGTERM.
+130 Ctrl-C (SIGINT), 143 SIGTERM, 141 when what reads sample's output goes away (``| head``);
+the other commands then go on without their log.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import copy
+import errno
 import json
 import math
 import os
@@ -37,6 +39,7 @@ PROG = "ipu-unit-scaling"
 EXIT_DIVERGED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+EXIT_READER_LEFT = 141  # 128 + SIGPIPE, what a shell reports for a command whose pipe closed
 MAX_THREADS = 1024
 DEBUG_ENV = "IPU_UNIT_SCALING_DEBUG"  # set to 1: unexpected errors show their traceback
 
@@ -129,8 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "Runs on IPUs through PopTorch when available, else on CPU.",
         epilog="Exit status: 0 done, 1 diverged (a non-finite or exploding loss, or non-finite "
                "sampled logits), 2 bad arguments, config or data, 130 interrupted (143 by "
-               "SIGTERM). IPU_UNIT_SCALING_BACKEND overrides "
-               "the backend.",
+               "SIGTERM), 141 sample's reader gone ('| head'; other commands then go on "
+               "without their log). IPU_UNIT_SCALING_BACKEND overrides the backend.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -785,6 +788,8 @@ def _cmd_sample(args: argparse.Namespace) -> int:
         def show(text: str) -> None:
             sys.stdout.write(text)
             sys.stdout.flush()
+            if getattr(sys.stdout, "left", False):  # `sample ... | head`: nobody reads on
+                raise BrokenPipeError(errno.EPIPE, "the reader of the output has gone")
 
         show(prompt)
         text = sample_run(run, prompt, args.tokens, temperature=args.temperature,
@@ -798,10 +803,56 @@ COMMANDS = {"train": _cmd_train, "compare": _cmd_compare, "sweep": _cmd_sweep,
             "analyse": _cmd_analyse, "evaluate": _cmd_evaluate, "sample": _cmd_sample}
 
 
+class _ReaderMayLeave:
+    """stdout or stderr, whose reader may go away (``... | head``): from then on what is
+    written is dropped (``left`` says so), so that a run goes on to its end and its files
+    instead of dying of its log."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.left = False
+
+    def write(self, text: str) -> int:
+        if not self.left:
+            try:
+                return int(self._stream.write(text))
+            except BrokenPipeError:
+                self._leave()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.left:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._leave()
+
+    def _leave(self) -> None:
+        self.left = True
+        try:  # the interpreter flushes the stream once more at exit: into the null device
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())
+            os.close(null)
+        except (OSError, ValueError, AttributeError):  # not a file (a test's capture)
+            pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     _escape_what_the_terminal_cannot_show()
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _ReaderMayLeave(sys.stdout), _ReaderMayLeave(sys.stderr)
+    try:
+        return _run(argv)
+    finally:
+        sys.stdout, sys.stderr = streams
+
+
+def _run(argv: List[str]) -> int:
     if not argv:
         *others, last = COMMANDS
         print(f"{PROG}: error: no command; use '{PROG} train' to train the default config, or "
@@ -843,6 +894,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if speaks:
             print(f"{PROG}: {message}", file=sys.stderr)
         return 128 + getattr(error, "signum", EXIT_INTERRUPTED - 128)  # 130 SIGINT, 143 SIGTERM
+    except BrokenPipeError:  # sample's reader has gone: nothing more to say, to no one
+        return EXIT_READER_LEFT
     except OSError as error:  # a file system that refuses: full, read-only, gone
         where = f" ({error.filename})" if error.filename else ""
         return _fail(f"{error.strerror or _one_line(error)}{where}")

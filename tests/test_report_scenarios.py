@@ -1,0 +1,80 @@
+"""Scenarios of a user who distrusts every result: settings that must not change silently,
+results that must not be reused or read from the wrong run, and runs that must not be lost.
+
+Each test runs the command as a user does (``cli.main`` or ``python -m ipu_unit_scaling``)
+on a run of a second or less.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from ipu_unit_scaling.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(60))
+# One stage, a few steps, one validation batch.
+SMALL = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1",
+         "training.steps=3", "training.eval_batches=1", "training.warmup_steps=0",
+         "training.eval_interval=3"]
+
+
+def _text(tmp: Path, content: str = TEXT, name: str = "text.txt") -> str:
+    path = tmp / name
+    path.write_text(content, encoding="utf-8")
+    return str(path)
+
+
+def _train(tmp: Path, run_dir: Path, *overrides: str) -> List[str]:
+    return ["train", "--config", "tiny", "--data", _text(tmp), "--run-dir", str(run_dir),
+            "--quiet", "--set", *SMALL, *overrides]
+
+
+def _error(capsys: pytest.CaptureFixture) -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+# ------------------------------------------------------------------ a reader that goes away
+
+
+def _command(tmp: Path, *argv: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "ipu_unit_scaling", *argv], cwd=tmp,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_a_run_whose_log_reader_goes_away_trains_to_its_end(tmp_path):
+    # ipu-unit-scaling train ... | head -1: the log is gone, the run is not
+    run_dir = tmp_path / "run"
+    process = _command(tmp_path, "train", "--config", "tiny", "--data", _text(tmp_path),
+                       "--run-dir", str(run_dir), "--set", *SMALL, "training.steps=30",
+                       "training.log_interval=1")
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.readline()
+    process.stdout.close()
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=300) == 0, err
+    assert "ipu-unit-scaling:" not in err and "Error" not in err, err  # (torch may warn)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["checkpoint_step"] == 30
+
+
+def test_sample_stops_quietly_when_its_reader_goes_away(tmp_path):
+    # ipu-unit-scaling sample ... | head -c 20
+    assert main(_train(tmp_path, tmp_path / "run")) == 0
+    process = _command(tmp_path, "sample", str(tmp_path / "run"), "--tokens", "1000000")
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.read(20)
+    process.stdout.close()
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=300) == 141, err  # 128 + SIGPIPE, as a shell reports it
+    assert "ipu-unit-scaling:" not in err and "Error" not in err, err  # (torch may warn)
