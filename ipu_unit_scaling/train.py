@@ -870,6 +870,9 @@ def _opened(config: Optional[Config], run_dir: Path, resume: bool, overrides: Se
             task = CausalLM()
         if config is None:
             config = load_run_config(run_dir, overrides)
+            if resume:  # its weights are those of the saved model, whatever --set says
+                check_same_model(load_run_config(run_dir), config, str(run_dir), "a resume",
+                                 ": its checkpoint does not fit another")
         backend = select_backend(config.backend, config)
         task.check(config, backend)
         if resume:

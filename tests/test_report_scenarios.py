@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
+from typing import Dict, List
 
 import pytest
 
@@ -34,6 +34,11 @@ def _text(tmp: Path, content: str = TEXT, name: str = "text.txt") -> str:
 def _train(tmp: Path, run_dir: Path, *overrides: str) -> List[str]:
     return ["train", "--config", "tiny", "--data", _text(tmp), "--run-dir", str(run_dir),
             "--quiet", "--set", *SMALL, *overrides]
+
+
+def _files(directory: Path) -> Dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def _error(capsys: pytest.CaptureFixture) -> str:
@@ -78,3 +83,21 @@ def test_sample_stops_quietly_when_its_reader_goes_away(tmp_path):
     err = process.stderr.read().decode()
     assert process.wait(timeout=300) == 141, err  # 128 + SIGPIPE, as a shell reports it
     assert "ipu-unit-scaling:" not in err and "Error" not in err, err  # (torch may warn)
+
+
+# ------------------------------------------------------------------ a resumed run's model
+
+
+def test_a_resume_keeps_the_model_it_trained(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert main(_train(tmp_path, run_dir)) == 0
+    before = _files(run_dir)
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run_dir), "--quiet", "--set", "training.steps=4",
+                 "model.unit_scaled=false"]) == 2
+    error = _error(capsys)
+    assert "model.unit_scaled" in error and str(run_dir) in error
+    assert _files(run_dir) == before
+    # dropout shapes no weight: it may change
+    assert main(["train", "--resume", str(run_dir), "--quiet", "--set", "training.steps=4",
+                 "model.dropout=0.1"]) == 0
