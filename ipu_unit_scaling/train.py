@@ -98,6 +98,7 @@ from .rundir import (
     RunLock,
     UnwrittenMetricsLog,
     atomic_write,
+    check_checkpoint_logged,
     keep_report_rows_up_to,
     leftovers,
     load_checkpoint,
@@ -341,6 +342,7 @@ def _fine_tuning(config: Config, run_dir: Path, backend: str, init_from: Path) -
         raise RunError(f"cannot {action} {init_from}: it holds no {CHECKPOINT_FILE}")
     check_same_model(load_run_config(init_from, (), action), config, str(init_from))
     state = load_checkpoint(init_from / CHECKPOINT_FILE)
+    check_checkpoint_logged(init_from, state, action)  # one of another run of this model
     base = read_tokenizer(init_from, action, state)
     if base.vocab_size != config.model.vocab_size:
         raise RunError(f"cannot {action} {init_from}: its {TOKENIZER_FILE} does not fit its "
@@ -402,6 +404,7 @@ def _open_resumed(config: Config, run_dir: Path, backend: str, task: Task) -> _R
                          "from step 0 with its saved config"]
         return run
     state = load_checkpoint(checkpoint_path)
+    check_checkpoint_logged(run_dir, state, "resume")  # one of another run of this model
     saved_tokenizer = read_tokenizer(run_dir, "resume", state)
     trained = state.get("task", {"name": CAUSAL_LM})  # (earlier versions trained only that)
     if trained != task.settings():

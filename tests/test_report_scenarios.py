@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +102,34 @@ def test_a_resume_keeps_the_model_it_trained(tmp_path, capsys):
     # dropout shapes no weight: it may change
     assert main(["train", "--resume", str(run_dir), "--quiet", "--set", "training.steps=4",
                  "model.dropout=0.1"]) == 0
+
+
+# ------------------------------------------------------------------ whose checkpoint is read
+
+
+@pytest.mark.parametrize("reader", ["evaluate", "sample", "resume", "init-from"])
+def test_a_checkpoint_of_another_run_is_refused(reader, tmp_path, capsys):
+    # Two runs of the same model on the same text, from other seeds: the checkpoints fit
+    # either directory; only the run's own log tells them apart.
+    assert main(_train(tmp_path, tmp_path / "run")) == 0
+    assert main(_train(tmp_path, tmp_path / "other", "training.seed=1")) == 0
+    shutil.copy(tmp_path / "other" / "checkpoint.pt", tmp_path / "run" / "checkpoint.pt")
+    before = _files(tmp_path / "run")
+    capsys.readouterr()
+    argv = {"evaluate": ["evaluate", str(tmp_path / "run"), "--precision", "fp32"],
+            "sample": ["sample", str(tmp_path / "run"), "--tokens", "3"],
+            "resume": ["train", "--resume", str(tmp_path / "run"), "--quiet", "--set",
+                       "training.steps=4"],
+            "init-from": ["train", "--init-from", str(tmp_path / "run"), "--run-dir",
+                          str(tmp_path / "tuned"), "--quiet"]}[reader]
+    assert main(argv) == 2
+    error = _error(capsys)
+    assert "checkpoint.pt" in error and "metrics.csv" in error
+    assert not (tmp_path / "tuned").exists()
+    assert _files(tmp_path / "run") == before
+
+
+def test_a_run_copied_without_its_log_is_still_read(tmp_path, capsys):
+    assert main(_train(tmp_path, tmp_path / "run")) == 0
+    (tmp_path / "run" / "metrics.csv").unlink()
+    assert main(["evaluate", str(tmp_path / "run"), "--precision", "fp32"]) == 0
