@@ -17,6 +17,7 @@ from typing import Dict, List
 import pytest
 
 from ipu_unit_scaling.cli import main
+from ipu_unit_scaling.mlm import MLMConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(60))
@@ -133,3 +134,50 @@ def test_a_run_copied_without_its_log_is_still_read(tmp_path, capsys):
     assert main(_train(tmp_path, tmp_path / "run")) == 0
     (tmp_path / "run" / "metrics.csv").unlink()
     assert main(["evaluate", str(tmp_path / "run"), "--precision", "fp32"]) == 0
+
+
+# ------------------------------------------------------------------ mlm settings
+
+
+@pytest.mark.parametrize("override, words", [
+    ("mlm.steps=true", "steps"),
+    ("mlm.warmup_steps=true", "warmup_steps"),
+    ("mlm.batch_size=true", "batch_size"),
+    ("mlm.warmup_steps=-5", "warmup_steps"),
+    ("mlm.eval_interval=-1", "eval_interval"),
+    ("mlm.val_fraction=2", "val_fraction"),
+    ("mlm.val_fraction=0", "val_fraction"),
+    ("mlm.attn_tau=-1", "attn_tau"),
+    ("mlm.mlp_tau=.nan", "mlp_tau"),
+    ("mlm.mlp_expansion=0", "mlp_expansion"),
+    ("mlm.data=123", "data"),
+    ("mlm.learning_rates.fp32=true", "learning_rates.fp32"),
+    ("mlm.learning_rates.fp32=.nan", "learning_rates.fp32"),
+    ("mlm.learning_rates.fp32=-1", "learning_rates.fp32"),
+    ("mlm.learning_rates.fp32=1e400", "learning_rates.fp32"),
+    ("mlm.learning_rates.fp32=abc", "learning_rates.fp32"),
+    ("mlm.learning_rates.fp32=~", "learning_rates.fp32"),
+])
+def test_an_mlm_setting_is_never_changed_silently(override, words):
+    with pytest.raises(ValueError, match=words.replace(".", r"\.")):
+        MLMConfig().with_overrides([override])
+
+
+@pytest.mark.parametrize("override, field, value", [
+    ("mlm.learning_rates.fp32=1e-3", "learning_rates", 1e-3),
+    ("mlm.mask_prob=0.2", "mask_prob", 0.2),
+    ("mlm.steps=1_000", "steps", 1000),
+    ("mlm.attn_tau=1", "attn_tau", 1.0),
+    ("mlm.eval_interval=0", "eval_interval", 0),
+])
+def test_plain_mlm_settings_still_apply(override, field, value):
+    config = MLMConfig().with_overrides([override])
+    got = getattr(config, field)
+    assert (got["fp32"] if field == "learning_rates" else got) == value
+
+
+def test_a_bad_mlm_learning_rate_is_one_line_naming_it(tmp_path, capsys):
+    assert main(["compare", "--model", "bert", "--run-dir", str(tmp_path / "c"),
+                 "--set", "mlm.learning_rates.fp32=abc"]) == 2
+    assert "mlm.learning_rates.fp32" in _error(capsys)
+    assert not (tmp_path / "c").exists()
