@@ -464,7 +464,7 @@ def run_compare(
 def _regime_plan(config: Config, regime: str, regime_dir: Path, corpus: Any) -> Any:
     """The regime's resolved config, and whether to ``start``, ``resume`` or ``reuse`` it."""
     from .rundir import CHECKPOINT_FILE, SUMMARY_FILE, RunError, read_json
-    from .train import load_run_config, regime_config, resolved_config
+    from .train import check_reused_tokenizer, load_run_config, regime_config, resolved_config
 
     cfg = resolved_config(regime_config(config, regime), corpus)
     has_checkpoint = (regime_dir / CHECKPOINT_FILE).exists()
@@ -483,6 +483,7 @@ def _regime_plan(config: Config, regime: str, regime_dir: Path, corpus: Any) -> 
     status = summary.get("status") if summary else None
     if status == "diverged" or (status == "completed" and
                                 summary.get("steps") == cfg.training.steps):  # type: ignore
+        check_reused_tokenizer(regime_dir, corpus.tokenizer.chars)
         return cfg, "reuse"
     return cfg, "resume" if has_checkpoint else "start"
 

@@ -17,9 +17,12 @@ import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .config import Config
+
+if TYPE_CHECKING:
+    from .data import Corpus
 
 __all__ = [
     "SeedSummary",
@@ -276,6 +279,7 @@ def run_sweep(
     ``sweep.json`` and ``sweep.png``. Finished points found in ``run_dir`` are reused,
     unfinished ones resumed; a point that diverges is recorded as such and the sweep goes on."""
     from .config import validate
+    from .data import load_corpus
     from .rundir import RunLock, make_run_dir
 
     plan = [(kind, depth, width, e) for kind in kinds for depth in depths for width in widths
@@ -284,7 +288,8 @@ def run_sweep(
         validate(point_config(config, kind, width, depth, log2_lr))
     make_run_dir(run_dir)
     with RunLock(run_dir):  # one sweep at a time in a directory
-        points = _train_points(config, plan, run_dir, quiet, log)
+        corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
+        points = _train_points(config, plan, run_dir, quiet, log, corpus)
         defaults = {kind: config.compare.learning_rates[DEFAULT_REGIME[kind]] for kind in kinds}
         tables = format_sweep_tables(points, defaults)
         _write_text(run_dir / "sweep.md", tables + "\n")
@@ -296,8 +301,9 @@ def run_sweep(
 
 
 def _train_points(config: Config, plan: Sequence[Tuple[str, int, int, int]], run_dir: Path,
-                  quiet: bool, log: Callable[[str], None]) -> List[SweepPoint]:
-    from .train import TrainingDiverged, train
+                  quiet: bool, log: Callable[[str], None], corpus: Corpus) -> List[SweepPoint]:
+    from .rundir import RunError
+    from .train import TrainingDiverged, check_reused_tokenizer, train
 
     points: List[SweepPoint] = []
     for index, (kind, depth, width, log2_lr) in enumerate(plan, 1):
@@ -307,7 +313,13 @@ def _train_points(config: Config, plan: Sequence[Tuple[str, int, int, int]], run
         cfg = point_config(config, kind, width, depth, log2_lr)
         if summary or (directory / "checkpoint.pt").is_file():
             _check_same_settings(directory, cfg)
-        if summary.get("status") not in ("completed", "diverged"):
+        if summary and summary.get("data_sha256") != corpus.sha256:
+            raise RunError(f"{directory} was trained with other settings (data: {corpus.source} "
+                           "is not the text it trained on); rerun with the same settings or "
+                           "choose another --run-dir")
+        if summary.get("status") in ("completed", "diverged"):
+            check_reused_tokenizer(directory, corpus.tokenizer.chars)
+        else:
             resume = (directory / "checkpoint.pt").is_file()
             try:
                 train(cfg, directory, resume=resume, quiet=True, desc=name)

@@ -376,7 +376,8 @@ def run_mlm_compare(config: MLMConfig, regimes: Sequence[str], seeds: Sequence[i
         corpus = load_corpus(config.data, config.val_fraction, config.seq_len)
         vocab = corpus.tokenizer.vocab_size
         plans = [(regime, seed, _plan(run_config(config, regime, seed, vocab),
-                                      config, run_dir / f"{regime}-seed{seed}", corpus.sha256))
+                                      config, run_dir / f"{regime}-seed{seed}", corpus.sha256,
+                                      corpus.tokenizer.chars))
                  for regime in regimes for seed in seeds]
         runs: Dict[Tuple[str, int], Dict[str, Any]] = {}
         for regime, seed, action in plans:
@@ -394,14 +395,15 @@ def run_mlm_compare(config: MLMConfig, regimes: Sequence[str], seeds: Sequence[i
         return _write_comparison(config, regimes, seeds, run_dir, runs)
 
 
-def _plan(wanted: Config, config: MLMConfig, directory: Path, data_sha256: str) -> str:
+def _plan(wanted: Config, config: MLMConfig, directory: Path, data_sha256: str,
+          chars: Sequence[str]) -> str:
     """Whether to ``start``, ``resume`` or ``reuse`` the run in ``directory``, or ``replace``
     the files an earlier version's loop left there; RunError when it was trained with other
-    settings."""
+    settings (or on other text, ``data_sha256``, of the characters ``chars``)."""
     from .precision import model_kind
     from .rundir import CHECKPOINT_FILE, CONFIG_FILE, SUMMARY_FILE, RunError, read_json
     from .tasks import read_task
-    from .train import load_run_config
+    from .train import check_reused_tokenizer, load_run_config
 
     has_checkpoint = (directory / CHECKPOINT_FILE).exists()
     summary = read_json(directory / SUMMARY_FILE)
@@ -428,6 +430,7 @@ def _plan(wanted: Config, config: MLMConfig, directory: Path, data_sha256: str) 
     # the run is resumed, which rewrites it.
     if summary.get("model") == model_kind(wanted) and (status == "diverged" or (
             status == "completed" and summary.get("steps") == wanted.training.steps)):
+        check_reused_tokenizer(directory, chars)
         return "reuse"
     return "resume" if has_checkpoint else "start"
 

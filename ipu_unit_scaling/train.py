@@ -520,6 +520,15 @@ def read_tokenizer(run_dir: Path, action: str = "resume",
     return tokenizer
 
 
+def check_reused_tokenizer(run_dir: Path, chars: Sequence[str]) -> None:
+    """A finished run is reused only as intact as a resume would find it: its tokenizer holds
+    ``chars``, those its text gives (an edited one would be refused by every later reader)."""
+    if read_tokenizer(run_dir, "reuse").chars != list(chars):
+        raise RunError(f"cannot reuse {run_dir}: {TOKENIZER_FILE} does not match its data "
+                       "(the file was edited, or comes from another run); restore it, or "
+                       "choose another --run-dir")
+
+
 def _write_settings(run_dir: Path, config: Config, corpus: Corpus, task: Task) -> None:
     import json
 

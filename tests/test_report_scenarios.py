@@ -181,3 +181,64 @@ def test_a_bad_mlm_learning_rate_is_one_line_naming_it(tmp_path, capsys):
                  "--set", "mlm.learning_rates.fp32=abc"]) == 2
     assert "mlm.learning_rates.fp32" in _error(capsys)
     assert not (tmp_path / "c").exists()
+
+
+# ------------------------------------------------------------------ what is reused
+
+
+BERT_SMALL = ["mlm.steps=2", "mlm.hidden_size=16", "mlm.heads=2", "mlm.eval_batches=1",
+              "mlm.warmup_steps=1", "mlm.seq_len=16", "mlm.min_len=8", "mlm.batch_size=4"]
+
+
+def _compare(tmp: Path, run_dir: Path, *extra: str) -> List[str]:
+    return ["compare", "--config", "tiny", "--data", str(tmp / "text.txt"), "--regimes",
+            "fp32", "unit-fp32", "--run-dir", str(run_dir), "--quiet", "--set", *SMALL,
+            *extra]
+
+
+def _bert_compare(tmp: Path, run_dir: Path) -> List[str]:
+    return ["compare", "--model", "bert", "--regimes", "fp32", "--seeds", "1", "--quiet",
+            "--data", str(tmp / "text.txt"), "--run-dir", str(run_dir), "--set", *BERT_SMALL]
+
+
+def _sweep(tmp: Path, run_dir: Path) -> List[str]:
+    return ["sweep", "--config", "tiny", "--data", str(tmp / "text.txt"), "--models", "plain",
+            "--widths", "32", "--log2-lr", "plain=-6:-5", "--run-dir", str(run_dir),
+            "--quiet", "--set", *SMALL]
+
+
+def _swap_two_characters(tokenizer: Path) -> None:
+    saved = json.loads(tokenizer.read_text(encoding="utf-8"))
+    saved["chars"][0], saved["chars"][1] = saved["chars"][1], saved["chars"][0]
+    tokenizer.write_text(json.dumps(saved), encoding="utf-8")
+
+
+@pytest.mark.parametrize("command, finished", [("compare", "unit-fp32"),
+                                               ("bert", "fp32-seed0"),
+                                               ("sweep", "plain/w32-d2/log2lr-5")])
+def test_a_finished_run_whose_tokenizer_was_edited_is_not_reused(command, finished, tmp_path,
+                                                                  capsys):
+    _text(tmp_path)
+    argv = {"compare": _compare, "bert": _bert_compare, "sweep": _sweep}[command](
+        tmp_path, tmp_path / "c")
+    assert main(argv) == 0
+    directory = tmp_path / "c" / finished
+    assert directory.is_dir(), sorted(p.name for p in (tmp_path / "c").iterdir())
+    _swap_two_characters(directory / "tokenizer.json")
+    capsys.readouterr()
+    assert main(argv) == 2
+    error = _error(capsys)
+    assert str(directory) in error and "tokenizer.json" in error
+
+
+@pytest.mark.parametrize("command", ["compare", "bert", "sweep"])
+def test_finished_runs_of_other_text_are_not_reused(command, tmp_path, capsys):
+    _text(tmp_path)
+    argv = {"compare": _compare, "bert": _bert_compare, "sweep": _sweep}[command](
+        tmp_path, tmp_path / "c")
+    assert main(argv) == 0
+    _text(tmp_path, TEXT.replace("fox", "cat"))
+    capsys.readouterr()
+    assert main(argv) == 2
+    error = _error(capsys)
+    assert "text it trained on" in error and str(tmp_path / "c") in error
