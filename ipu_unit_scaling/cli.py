@@ -358,6 +358,22 @@ def _run_directory(chosen: Optional[Path], root: str, command: str) -> Iterator[
         raise
 
 
+@contextlib.contextmanager
+def _continued_by_running_again(command: str, run_dir: Path) -> Iterator[None]:
+    """A regime or point stopped by a signal is taken up by the same command, which resumes it
+    and runs the rest; ``train --resume`` on it alone would leave the rest undone."""
+    from .train import TrainingInterrupted
+
+    try:
+        yield
+    except TrainingInterrupted as error:
+        stopped = str(error).split("; continue with:")[0]
+        raise TrainingInterrupted(
+            f"{stopped}; to continue, run the same {command} command again with --run-dir "
+            f"{run_dir}: it reuses what finished and resumes the rest",
+            error.step, error.checkpoint, error.signum) from error
+
+
 def _runs_root(config: Config) -> str:
     return config.training.checkpoint_dir or "runs"
 
@@ -586,7 +602,8 @@ def _cmd_compare_bert(args: argparse.Namespace) -> int:
     seeds = list(range(args.seeds if args.seeds is not None else 3))
     if len(set(regimes)) != len(regimes):
         raise UsageError("--regimes lists each regime once")
-    with _run_directory(args.run_dir, "runs", "compare-bert") as run_dir:
+    with _run_directory(args.run_dir, "runs", "compare-bert") as run_dir, \
+            _continued_by_running_again("compare", run_dir):
         rows = run_mlm_compare(config, regimes, seeds, run_dir, quiet=args.quiet)
     print(format_mlm_table(rows, seeds))
     print(f"curves: {run_dir / 'compare.png'}; table: {run_dir / 'compare.md'}")
@@ -601,7 +618,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     regimes = list(args.regimes or config.compare.regimes)
     if len(set(regimes)) != len(regimes):
         raise UsageError(f"--regimes lists a regime twice: {' '.join(regimes)}")
-    with _run_directory(args.run_dir, _runs_root(config), "compare") as run_dir:
+    with _run_directory(args.run_dir, _runs_root(config), "compare") as run_dir, \
+            _continued_by_running_again("compare", run_dir):
         if seeds == 1:
             rows = run_compare(config, regimes, run_dir, quiet=args.quiet)
             table = format_compare_table(rows, _read_baseline(run_dir))
@@ -655,7 +673,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         if width % config.model.heads:
             raise UsageError(f"--widths {width}: model.heads ({config.model.heads}) must "
                              "divide every width")
-    with _run_directory(args.run_dir, _runs_root(config), "sweep") as run_dir:
+    with _run_directory(args.run_dir, _runs_root(config), "sweep") as run_dir, \
+            _continued_by_running_again("sweep", run_dir):
         points = run_sweep(config, args.models, args.widths, depths, exponents, run_dir,
                            quiet=args.quiet)
     defaults = {kind: config.compare.learning_rates[DEFAULT_REGIME[kind]]

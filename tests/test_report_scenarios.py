@@ -242,3 +242,38 @@ def test_finished_runs_of_other_text_are_not_reused(command, tmp_path, capsys):
     assert main(argv) == 2
     error = _error(capsys)
     assert "text it trained on" in error and str(tmp_path / "c") in error
+
+
+def _terminate_at_row(monkeypatch, directory_name: str, step: int) -> None:
+    """SIGTERM to this process once ``directory_name``'s run has logged ``step``."""
+    import signal
+
+    from ipu_unit_scaling import rundir
+
+    real_write = rundir.MetricsLog.write
+
+    def write_then_terminate(self, row):
+        real_write(self, row)
+        if self.path.parent.name == directory_name and row.get("step") == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(rundir.MetricsLog, "write", write_then_terminate)
+
+
+@pytest.mark.parametrize("command, stopped", [("compare", "unit-fp32"), ("bert", "fp32-seed0"),
+                                              ("sweep", "log2lr-5")])
+def test_a_stopped_comparison_says_to_run_it_again(command, stopped, tmp_path, capsys,
+                                                    monkeypatch):
+    _text(tmp_path)
+    run_dir = tmp_path / "c"
+    argv = {"compare": _compare, "bert": _bert_compare, "sweep": _sweep}[command](
+        tmp_path, run_dir)
+    _terminate_at_row(monkeypatch, stopped, 1)
+    assert main(argv) == 143
+    message = capsys.readouterr().err.strip()
+    assert "SIGTERM: interrupted at step 1" in message
+    assert "train --resume" not in message  # which would leave the rest of it undone
+    said = "compare" if command == "bert" else command
+    assert f"run the same {said} command again" in message and str(run_dir) in message
+    monkeypatch.undo()
+    assert main(argv) == 0
