@@ -236,6 +236,9 @@ class _Run:
     base_chars: List[str] = field(default_factory=list)
     init_from: Optional[str] = None
     task: Task = field(default_factory=CausalLM)
+    # The pretrained checkpoint's step and training loss, checked against its run's log once
+    # its weights are known to fit.
+    init_checkpoint: Dict[str, Any] = field(default_factory=dict)
 
 
 def load_run_config(
@@ -342,7 +345,6 @@ def _fine_tuning(config: Config, run_dir: Path, backend: str, init_from: Path) -
         raise RunError(f"cannot {action} {init_from}: it holds no {CHECKPOINT_FILE}")
     check_same_model(load_run_config(init_from, (), action), config, str(init_from))
     state = load_checkpoint(init_from / CHECKPOINT_FILE)
-    check_checkpoint_logged(init_from, state, action)  # one of another run of this model
     base = read_tokenizer(init_from, action, state)
     if base.vocab_size != config.model.vocab_size:
         raise RunError(f"cannot {action} {init_from}: its {TOKENIZER_FILE} does not fit its "
@@ -363,6 +365,7 @@ def _fine_tuning(config: Config, run_dir: Path, backend: str, init_from: Path) -
         [f"fine-tuning {init_from} (step {int(state['step'])}): {note}"],
         weights=extend_model_state(state["model"], tokenizer.vocab_size),
         base_chars=list(base.chars), init_from=str(init_from),
+        init_checkpoint={key: state.get(key) for key in ("step", "last_train_loss")},
     )
 
 
@@ -404,7 +407,6 @@ def _open_resumed(config: Config, run_dir: Path, backend: str, task: Task) -> _R
                          "from step 0 with its saved config"]
         return run
     state = load_checkpoint(checkpoint_path)
-    check_checkpoint_logged(run_dir, state, "resume")  # one of another run of this model
     saved_tokenizer = read_tokenizer(run_dir, "resume", state)
     trained = state.get("task", {"name": CAUSAL_LM})  # (earlier versions trained only that)
     if trained != task.settings():
@@ -593,6 +595,8 @@ class _Session:
         self.loss_bound = divergence_bound(vocab)
         if run.state is not None:
             self._restore(run.state)
+            # (once its weights are known to fit: a checkpoint of another model is said to be)
+            check_checkpoint_logged(run.run_dir, run.state, "resume")
             _rewrite_for_resume(run, self.step)
         elif run.weights is not None:
             try:
@@ -600,6 +604,8 @@ class _Session:
             except RuntimeError as error:
                 raise RunError(f"cannot fine-tune from {run.init_from}: its {CHECKPOINT_FILE} "
                                f"does not fit its {CONFIG_FILE}: {state_mismatch(error)}") from None
+            check_checkpoint_logged(Path(str(run.init_from)), run.init_checkpoint,
+                                    "fine-tune from")
         self.wrapper = build_training_model(self.model, self.optimizer, config, run.backend)
         # Until the first call, the host holds the only weights (PopTorch refuses to copy
         # from a model it has not compiled yet).
