@@ -3,13 +3,15 @@
 
 Exit status: 0 done, 1 diverged (a non-finite or exploding training loss, or non-finite sampled
 logits), 2 bad arguments, config, data or run directory (one line on stderr, never a traceback),
-130 Ctrl-C (SIGINT), 143 SIGTERM.
+130 Ctrl-C (SIGINT), 143 SIGTERM, 141 when what reads sample's output goes away (``| head``);
+the other commands then go on without their log.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import copy
+import errno
 import json
 import math
 import os
@@ -37,6 +39,7 @@ PROG = "ipu-unit-scaling"
 EXIT_DIVERGED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+EXIT_READER_LEFT = 141  # 128 + SIGPIPE, what a shell reports for a command whose pipe closed
 MAX_THREADS = 1024
 DEBUG_ENV = "IPU_UNIT_SCALING_DEBUG"  # set to 1: unexpected errors show their traceback
 
@@ -129,8 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "Runs on IPUs through PopTorch when available, else on CPU.",
         epilog="Exit status: 0 done, 1 diverged (a non-finite or exploding loss, or non-finite "
                "sampled logits), 2 bad arguments, config or data, 130 interrupted (143 by "
-               "SIGTERM). IPU_UNIT_SCALING_BACKEND overrides "
-               "the backend.",
+               "SIGTERM), 141 sample's reader gone ('| head'; other commands then go on "
+               "without their log). IPU_UNIT_SCALING_BACKEND overrides the backend.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -364,6 +367,22 @@ def _run_directory(chosen: Optional[Path], root: str, command: str) -> Iterator[
         raise
 
 
+@contextlib.contextmanager
+def _continued_by_running_again(command: str, run_dir: Path) -> Iterator[None]:
+    """A regime or point stopped by a signal is taken up by the same command, which resumes it
+    and runs the rest; ``train --resume`` on it alone would leave the rest undone."""
+    from ..loop.training_loop import TrainingInterrupted
+
+    try:
+        yield
+    except TrainingInterrupted as error:
+        stopped = str(error).split("; continue with:")[0]
+        raise TrainingInterrupted(
+            f"{stopped}; to continue, run the same {command} command again with --run-dir "
+            f"{run_dir}: it reuses what finished and resumes the rest",
+            error.step, error.checkpoint, error.signum) from error
+
+
 def _runs_root(config: Config) -> str:
     return config.training.checkpoint_dir or "runs"
 
@@ -469,7 +488,12 @@ def run_compare(
 
 def _regime_plan(config: Config, regime: str, regime_dir: Path, corpus: Any) -> Any:
     """The regime's resolved config, and whether to ``start``, ``resume`` or ``reuse`` it."""
-    from ..loop.training_loop import load_run_config, regime_config, resolved_config
+    from ..loop.training_loop import (
+        check_reused_tokenizer,
+        load_run_config,
+        regime_config,
+        resolved_config,
+    )
     from ..training.run_directory import CHECKPOINT_FILE, SUMMARY_FILE, RunError, read_json
 
     cfg = resolved_config(regime_config(config, regime), corpus)
@@ -489,6 +513,7 @@ def _regime_plan(config: Config, regime: str, regime_dir: Path, corpus: Any) -> 
     status = summary.get("status") if summary else None
     if status == "diverged" or (status == "completed" and
                                 summary.get("steps") == cfg.training.steps):  # type: ignore
+        check_reused_tokenizer(regime_dir, corpus.tokenizer.chars)
         return cfg, "reuse"
     return cfg, "resume" if has_checkpoint else "start"
 
@@ -591,7 +616,8 @@ def _cmd_compare_bert(args: argparse.Namespace) -> int:
     seeds = list(range(args.seeds if args.seeds is not None else 3))
     if len(set(regimes)) != len(regimes):
         raise UsageError("--regimes lists each regime once")
-    with _run_directory(args.run_dir, "runs", "compare-bert") as run_dir:
+    with _run_directory(args.run_dir, "runs", "compare-bert") as run_dir, \
+            _continued_by_running_again("compare", run_dir):
         rows = run_mlm_compare(config, regimes, seeds, run_dir, quiet=args.quiet)
     print(format_mlm_table(rows, seeds))
     print(f"curves: {run_dir / 'compare.png'}; table: {run_dir / 'compare.md'}")
@@ -606,7 +632,8 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     regimes = list(args.regimes or config.compare.regimes)
     if len(set(regimes)) != len(regimes):
         raise UsageError(f"--regimes lists a regime twice: {' '.join(regimes)}")
-    with _run_directory(args.run_dir, _runs_root(config), "compare") as run_dir:
+    with _run_directory(args.run_dir, _runs_root(config), "compare") as run_dir, \
+            _continued_by_running_again("compare", run_dir):
         if seeds == 1:
             rows = run_compare(config, regimes, run_dir, quiet=args.quiet)
             table = format_compare_table(rows, _read_baseline(run_dir))
@@ -661,7 +688,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         if width % config.model.heads:
             raise UsageError(f"--widths {width}: model.heads ({config.model.heads}) must "
                              "divide every width")
-    with _run_directory(args.run_dir, _runs_root(config), "sweep") as run_dir:
+    with _run_directory(args.run_dir, _runs_root(config), "sweep") as run_dir, \
+            _continued_by_running_again("sweep", run_dir):
         points = run_sweep(config, args.models, args.widths, depths, exponents, run_dir,
                            quiet=args.quiet, key=key, values=values)
     print(sweep_report(config, points))
@@ -817,6 +845,8 @@ def _cmd_sample(args: argparse.Namespace) -> int:
         def show(text: str) -> None:
             sys.stdout.write(text)
             sys.stdout.flush()
+            if getattr(sys.stdout, "left", False):  # `sample ... | head`: nobody reads on
+                raise BrokenPipeError(errno.EPIPE, "the reader of the output has gone")
 
         show(prompt)
         text = sample_run(run, prompt, args.tokens, temperature=args.temperature,
@@ -830,10 +860,56 @@ COMMANDS = {"train": _cmd_train, "compare": _cmd_compare, "sweep": _cmd_sweep,
             "analyse": _cmd_analyse, "evaluate": _cmd_evaluate, "sample": _cmd_sample}
 
 
+class _ReaderMayLeave:
+    """stdout or stderr, whose reader may go away (``... | head``): from then on what is
+    written is dropped (``left`` says so), so that a run goes on to its end and its files
+    instead of dying of its log."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.left = False
+
+    def write(self, text: str) -> int:
+        if not self.left:
+            try:
+                return int(self._stream.write(text))
+            except BrokenPipeError:
+                self._leave()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.left:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._leave()
+
+    def _leave(self) -> None:
+        self.left = True
+        try:  # the interpreter flushes the stream once more at exit: into the null device
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())
+            os.close(null)
+        except (OSError, ValueError, AttributeError):  # not a file (a test's capture)
+            pass
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     _escape_what_the_terminal_cannot_show()
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _ReaderMayLeave(sys.stdout), _ReaderMayLeave(sys.stderr)
+    try:
+        return _run(argv)
+    finally:
+        sys.stdout, sys.stderr = streams
+
+
+def _run(argv: List[str]) -> int:
     if not argv:
         *others, last = COMMANDS
         print(f"{PROG}: error: no command; use '{PROG} train' to train the default config, or "
@@ -880,6 +956,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if speaks:
             print(f"{PROG}: {message}", file=sys.stderr)
         return 128 + getattr(error, "signum", EXIT_INTERRUPTED - 128)  # 130 SIGINT, 143 SIGTERM
+    except BrokenPipeError:  # sample's reader has gone: nothing more to say, to no one
+        return EXIT_READER_LEFT
     except OSError as error:  # a file system that refuses: full, read-only, gone
         where = f" ({error.filename})" if error.filename else ""
         return _fail(f"{error.strerror or _one_line(error)}{where}")

@@ -21,9 +21,12 @@ import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..training.run_config import Config, ConfigError, apply_override, config_from_dict
+
+if TYPE_CHECKING:
+    from ..training.data import Corpus
 
 __all__ = [
     "SeedSummary",
@@ -418,6 +421,7 @@ def run_sweep(
     With ``key``, the axis is that config key's ``values`` (from :func:`parse_sweep_values`)
     instead of the learning rate, each kind at its default learning rate; a kind that does not
     use the key is refused (ConfigError), as is any point whose config does not validate."""
+    from ..training.data import load_corpus
     from ..training.run_config import validate
     from ..training.run_directory import RunLock, make_run_dir
 
@@ -436,7 +440,8 @@ def run_sweep(
         validate(_sweep_point_config(config, kind, width, depth, coordinate, key))
     make_run_dir(run_dir)
     with RunLock(run_dir):  # one sweep at a time in a directory
-        points = _train_points(config, plan, run_dir, quiet, log, key)
+        corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
+        points = _train_points(config, plan, run_dir, quiet, log, corpus, key)
         defaults = sweep_defaults(config, kinds, key)
         learning_rates = sweep_defaults(config, kinds)
         _write_text(run_dir / "sweep.md", sweep_report(config, points) + "\n")
@@ -461,9 +466,10 @@ def sweep_report(config: Config, points: Sequence[SweepPoint]) -> str:
 
 
 def _train_points(config: Config, plan: Sequence[Tuple[str, int, int, Any]], run_dir: Path,
-                  quiet: bool, log: Callable[[str], None],
+                  quiet: bool, log: Callable[[str], None], corpus: Corpus,
                   key: Optional[str] = None) -> List[SweepPoint]:
-    from ..loop.training_loop import TrainingDiverged, train
+    from ..loop.training_loop import TrainingDiverged, check_reused_tokenizer, train
+    from ..training.run_directory import RunError
 
     points: List[SweepPoint] = []
     for index, (kind, depth, width, coordinate) in enumerate(plan, 1):
@@ -475,7 +481,13 @@ def _train_points(config: Config, plan: Sequence[Tuple[str, int, int, Any]], run
         cfg = _sweep_point_config(config, kind, width, depth, coordinate, key)
         if summary or (directory / "checkpoint.pt").is_file():
             _check_same_settings(directory, cfg)
-        if summary.get("status") not in ("completed", "diverged"):
+        if summary and summary.get("data_sha256") != corpus.sha256:
+            raise RunError(f"{directory} was trained with other settings (data: {corpus.source} "
+                           "is not the text it trained on); rerun with the same settings or "
+                           "choose another --run-dir")
+        if summary.get("status") in ("completed", "diverged"):
+            check_reused_tokenizer(directory, corpus.tokenizer.chars)
+        else:
             resume = (directory / "checkpoint.pt").is_file()
             try:
                 train(cfg, directory, resume=resume, quiet=True, desc=name)

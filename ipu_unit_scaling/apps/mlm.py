@@ -103,7 +103,7 @@ class MLMConfig:
 
     def validate(self) -> None:
         problems = []
-        if self.hidden_size % self.heads:
+        if self.hidden_size % max(1, self.heads):
             problems.append(f"hidden_size {self.hidden_size} is not a multiple of heads "
                             f"{self.heads}")
         if not 1 <= self.min_len <= self.seq_len:
@@ -111,9 +111,25 @@ class MLMConfig:
                             f"{self.min_len}")
         if not 0 < self.mask_prob < 1:
             problems.append(f"mask_prob must be in (0, 1), got {self.mask_prob}")
-        for name in ("depth", "heads", "batch_size", "steps", "eval_batches", "hidden_size"):
+        if not 0 < self.val_fraction < 1:
+            problems.append(f"val_fraction must be in (0, 1), got {self.val_fraction}")
+        for name in ("depth", "heads", "batch_size", "steps", "eval_batches", "hidden_size",
+                     "mlp_expansion"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_interval"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be at least 0, got {getattr(self, name)}")
+        for name in ("attn_tau", "mlp_tau"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) > 0):
+                problems.append(f"{name} must be a finite number > 0, got {getattr(self, name)}")
+        if self.data is not None and not (isinstance(self.data, str) and self.data):
+            problems.append(f"data must be a file path, or null for the embedded corpus, got "
+                            f"{self.data!r}")
+        for regime, rate in self.learning_rates.items():
+            if not (math.isfinite(rate) and rate > 0):
+                problems.append(f"learning_rates.{regime} must be a finite number > 0, got "
+                                f"{rate}")
         if self.backend not in BACKEND_NAMES:
             problems.append(f"backend must be one of {', '.join(BACKEND_NAMES)}, got "
                             f"{self.backend!r}")
@@ -135,15 +151,35 @@ class MLMConfig:
             if key.startswith("learning_rates."):
                 regime = key.split(".", 1)[1]
                 check_mlm_regimes([regime])
-                result.learning_rates[regime] = float(value)
+                result.learning_rates[regime] = _number(item, value, float)
             else:
                 current = getattr(result, key)
-                if current is not None and not isinstance(value, type(current)) and not (
-                        isinstance(current, float) and isinstance(value, int)):
+                if isinstance(current, (int, float)):
+                    value = _number(item, value, type(current))
+                elif current is not None and not isinstance(value, type(current)):
                     raise ValueError(f"{item!r}: expected {type(current).__name__}")
-                setattr(result, key, float(value) if isinstance(current, float) else value)
+                setattr(result, key, value)
         result.validate()
         return result
+
+
+def _number(item: str, value: Any, kind: type) -> Any:
+    """``value`` as an int or a float setting: YAML's true is no number, and a float setting
+    takes an int (1 for 1.0) and what YAML reads as text (``1e-3``), but an int setting takes
+    no float."""
+    if kind is float and isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            kind is int and not isinstance(value, int)):
+        expected = "an int" if kind is int else "a number"
+        raise ValueError(f"{item!r}: expected {expected}, got {value!r}")
+    try:
+        return kind(value)
+    except OverflowError:  # an int beyond every float
+        raise ValueError(f"{item!r}: {value} is beyond every float") from None
 
 
 # ---------------------------------------------------------------- data
@@ -340,7 +376,8 @@ def run_mlm_compare(config: MLMConfig, regimes: Sequence[str], seeds: Sequence[i
         corpus = load_corpus(config.data, config.val_fraction, config.seq_len)
         vocab = corpus.tokenizer.vocab_size
         plans = [(regime, seed, _plan(run_config(config, regime, seed, vocab),
-                                      config, run_dir / f"{regime}-seed{seed}", corpus.sha256))
+                                      config, run_dir / f"{regime}-seed{seed}", corpus.sha256,
+                                      corpus.tokenizer.chars))
                  for regime in regimes for seed in seeds]
         runs: Dict[Tuple[str, int], Dict[str, Any]] = {}
         for regime, seed, action in plans:
@@ -358,12 +395,13 @@ def run_mlm_compare(config: MLMConfig, regimes: Sequence[str], seeds: Sequence[i
         return _write_comparison(config, regimes, seeds, run_dir, runs)
 
 
-def _plan(wanted: Config, config: MLMConfig, directory: Path, data_sha256: str) -> str:
+def _plan(wanted: Config, config: MLMConfig, directory: Path, data_sha256: str,
+          chars: Sequence[str]) -> str:
     """Whether to ``start``, ``resume`` or ``reuse`` the run in ``directory``, or ``replace``
     the files an earlier version's loop left there; RunError when it was trained with other
-    settings."""
+    settings (or on other text, ``data_sha256``, of the characters ``chars``)."""
     from ..loop.tasks import read_task
-    from ..loop.training_loop import load_run_config
+    from ..loop.training_loop import check_reused_tokenizer, load_run_config
     from ..training.precision import model_kind
     from ..training.run_directory import (
         CHECKPOINT_FILE,
@@ -398,6 +436,7 @@ def _plan(wanted: Config, config: MLMConfig, directory: Path, data_sha256: str) 
     # the run is resumed, which rewrites it.
     if summary.get("model") == model_kind(wanted) and (status == "diverged" or (
             status == "completed" and summary.get("steps") == wanted.training.steps)):
+        check_reused_tokenizer(directory, chars)
         return "reuse"
     return "resume" if has_checkpoint else "start"
 

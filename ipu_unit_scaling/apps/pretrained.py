@@ -50,6 +50,7 @@ from ..training.run_directory import (
     RunError,
     RunLock,
     atomic_write,
+    check_checkpoint_logged,
     checkpoint_sha256,
     load_checkpoint,
     not_a_directory,
@@ -135,6 +136,7 @@ def open_run(run_dir: Path, action: str = "evaluate") -> TrainedRun:
                        f"characters but its model {config.model.vocab_size}")
     run = TrainedRun(run_dir, config, tokenizer, checkpoint, digest)
     run.model(run.precision)  # a checkpoint of another model is refused now, not mid-way
+    check_checkpoint_logged(run_dir, checkpoint, action)  # one of another run of this model
     return run
 
 

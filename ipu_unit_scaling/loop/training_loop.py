@@ -99,6 +99,7 @@ from ..training.run_directory import (
     RunLock,
     UnwrittenMetricsLog,
     atomic_write,
+    check_checkpoint_logged,
     keep_report_rows_up_to,
     leftovers,
     load_checkpoint,
@@ -236,6 +237,9 @@ class _Run:
     base_chars: List[str] = field(default_factory=list)
     init_from: Optional[str] = None
     task: Task = field(default_factory=CausalLM)
+    # The pretrained checkpoint's step and training loss, checked against its run's log once
+    # its weights are known to fit.
+    init_checkpoint: Dict[str, Any] = field(default_factory=dict)
 
 
 def load_run_config(
@@ -362,6 +366,7 @@ def _fine_tuning(config: Config, run_dir: Path, backend: str, init_from: Path) -
         [f"fine-tuning {init_from} (step {int(state['step'])}): {note}"],
         weights=extend_model_state(state["model"], tokenizer.vocab_size),
         base_chars=list(base.chars), init_from=str(init_from),
+        init_checkpoint={key: state.get(key) for key in ("step", "last_train_loss")},
     )
 
 
@@ -518,6 +523,15 @@ def read_tokenizer(run_dir: Path, action: str = "resume",
     return tokenizer
 
 
+def check_reused_tokenizer(run_dir: Path, chars: Sequence[str]) -> None:
+    """A finished run is reused only as intact as a resume would find it: its tokenizer holds
+    ``chars``, those its text gives (an edited one would be refused by every later reader)."""
+    if read_tokenizer(run_dir, "reuse").chars != list(chars):
+        raise RunError(f"cannot reuse {run_dir}: {TOKENIZER_FILE} does not match its data "
+                       "(the file was edited, or comes from another run); restore it, or "
+                       "choose another --run-dir")
+
+
 def _write_settings(run_dir: Path, config: Config, corpus: Corpus, task: Task) -> None:
     import json
 
@@ -582,6 +596,8 @@ class _Session:
         self.loss_bound = divergence_bound(vocab)
         if run.state is not None:
             self._restore(run.state)
+            # (once its weights are known to fit: a checkpoint of another model is said to be)
+            check_checkpoint_logged(run.run_dir, run.state, "resume")
             _rewrite_for_resume(run, self.step)
         elif run.weights is not None:
             try:
@@ -589,6 +605,8 @@ class _Session:
             except RuntimeError as error:
                 raise RunError(f"cannot fine-tune from {run.init_from}: its {CHECKPOINT_FILE} "
                                f"does not fit its {CONFIG_FILE}: {state_mismatch(error)}") from None
+            check_checkpoint_logged(Path(str(run.init_from)), run.init_checkpoint,
+                                    "fine-tune from")
         self.wrapper = build_training_model(self.model, self.optimizer, config, run.backend)
         # Until the first call, the host holds the only weights (PopTorch refuses to copy
         # from a model it has not compiled yet).
@@ -871,6 +889,9 @@ def _opened(config: Optional[Config], run_dir: Path, resume: bool, overrides: Se
             task = CausalLM()
         if config is None:
             config = load_run_config(run_dir, overrides)
+            if resume:  # its weights are those of the saved model, whatever --set says
+                check_same_model(load_run_config(run_dir), config, str(run_dir), "a resume",
+                                 ": its checkpoint does not fit another")
         backend = select_backend(config.backend, config)
         task.check(config, backend)
         if resume:

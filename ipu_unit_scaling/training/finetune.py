@@ -33,13 +33,17 @@ FREE_MODEL_KEYS = ("dropout",)
 VOCABULARY_ROWS = ("embedding.weight", "head.weight")
 
 
-def check_same_model(pretrained: Config, requested: Config, source: str) -> None:
-    """ConfigError naming each ``model`` key ``requested`` changes from the pretrained run."""
+def check_same_model(pretrained: Config, requested: Config, source: str,
+                     keeper: str = "fine-tuning", why: str = "") -> None:
+    """ConfigError naming each ``model`` key ``requested`` changes from the pretrained run
+    (``keeper``: what keeps its model, a fine-tuning or a resumed run; ``why``: said after the
+    saved value)."""
     before = dataclasses.asdict(pretrained.model)
     after = dataclasses.asdict(requested.model)
     errors = [
-        (f"model.{key}", f"got {after.get(key)!r}, but fine-tuning keeps the model of {source} "
-                         f"({key} = {value!r}); only {', '.join(FREE_MODEL_KEYS)} may change")
+        (f"model.{key}", f"got {after.get(key)!r}, but {keeper} keeps the model of {source} "
+                         f"({key} = {value!r}){why}; only {', '.join(FREE_MODEL_KEYS)} may "
+                         "change")
         for key, value in before.items()
         if key not in FREE_MODEL_KEYS and after.get(key) != value
     ]

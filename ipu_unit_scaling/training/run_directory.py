@@ -607,6 +607,42 @@ def read_metrics(run_dir: Path) -> List[Dict[str, str]]:
         return list(csv.DictReader(handle))
 
 
+def check_checkpoint_logged(run_dir: Path, checkpoint: Dict[str, Any], action: str) -> None:
+    """RunError ("cannot <action> ...") unless ``checkpoint`` is one this run saved: its
+    ``metrics.csv`` logged the checkpoint's training loss at the checkpoint's step. A checkpoint
+    copied in from another run of the same model on the same text passes every other check.
+    A directory without ``metrics.csv`` (a checkpoint shared without its log) is not checked,
+    nor is a checkpoint that records no training loss (one saved before the first step)."""
+    step, loss = checkpoint.get("step"), checkpoint.get("last_train_loss")
+    path = Path(run_dir) / METRICS_FILE
+    if not isinstance(step, int) or not isinstance(loss, float) or not path.is_file():
+        return
+    column = METRIC_FIELDS.index("train_loss")
+    logged = None
+    try:
+        with open(path, newline="", encoding="utf-8", errors="replace") as handle:
+            for row in csv.reader(handle):
+                if len(row) > column and row[0] == str(step):
+                    logged = row[column]
+    except (OSError, csv.Error) as error:
+        raise RunError(f"cannot {action} {run_dir}: cannot read {METRICS_FILE}: "
+                       f"{getattr(error, 'strerror', None) or error}") from None
+    refuse = f"cannot {action} {run_dir}: its {CHECKPOINT_FILE} is not one this run saved"
+    if logged is None:
+        raise RunError(f"{refuse}: it is at step {step}, which {METRICS_FILE} does not log "
+                       "(a checkpoint of another run, or a damaged log)")
+    try:
+        same = float(logged) == loss
+    except ValueError:
+        same = False
+    if not same:
+        raise RunError(f"{refuse}: its training loss at step {step} is {loss!r}, where "
+                       f"{METRICS_FILE} logs {logged} (a checkpoint of another run)")
+
+
+__all__ += ["check_checkpoint_logged"]
+
+
 def metrics_up_to(run_dir: Path, step: int, fields: Sequence[str] = METRIC_FIELDS) -> bytes:
     """metrics.csv holding exactly the rows of steps 1..``step``, from the file in ``run_dir``
     whose columns are ``fields``.
