@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from .modules import GPT, TORCH_OPS, UNIT_OPS
 from .umup import UmupHyperparameters, umup_decoder
@@ -36,6 +37,9 @@ class GPTConfig:
     attn_softmax_mult: float = 1.0
     ffn_act_mult: float = 1.0
     loss_softmax_mult: float = 1.0
+    # "package.module:function" building the model in place of this GPT from these settings
+    # (ipu_unit_scaling.given_model); None trains the GPT.
+    factory: Optional[str] = None
 
     def umup_hyperparameters(self) -> UmupHyperparameters:
         return UmupHyperparameters(

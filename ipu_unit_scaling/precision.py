@@ -139,8 +139,15 @@ def simulate_fp16(model: nn.Module) -> nn.Module:
 
 
 def build_model(config: Config) -> nn.Module:
-    """The example GPT that ``config.model`` describes, in ``config.precision``."""
-    model: nn.Module = build_gpt(config.model)
+    """The example GPT that ``config.model`` describes (or the model its ``factory`` builds,
+    :mod:`.given_model`), in ``config.precision``."""
+    model: nn.Module
+    if config.model.factory is not None:
+        from .given_model import build_given_model
+
+        model = build_given_model(config.model)
+    else:
+        model = build_gpt(config.model)
     if config.precision.dtype == "fp8":
         from .fp8 import simulate_fp8
 
