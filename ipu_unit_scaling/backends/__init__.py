@@ -128,7 +128,8 @@ def make_optimizer(
         # Adam's decay is an L2 term Adam normalises; the decoupled decays are made
         # independent of the learning rate (see ipu_unit_scaling.optim).
         # A given model (ipu_unit_scaling.given_model) types its parameters as uu modules do.
-        rules = model.umup_rules() if hasattr(model, "umup_rules") else None
+        umup_rules = getattr(model, "umup_rules", None)
+        rules = umup_rules() if callable(umup_rules) else None
         params = param_groups(model, lr, decay, training.optimizer != "adam", parameters, rules)
     if backend in ("ipu", "ipu_model"):
         from .ipu.training import make_ipu_optimizer
