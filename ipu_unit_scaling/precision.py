@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from . import functional as U
 from .config import REGIMES, UMUP_MULTIPLIERS, Config
 from .models import build_gpt
+from .modules import LinearReadout
 
 __all__ = ["REGIME_SETTINGS", "MODEL_KINDS", "COMPARE_EVAL_POINTS", "regime_config",
            "set_model_kind", "model_kind", "round_to_half",
@@ -106,6 +107,7 @@ class FP16Linear(nn.Linear):
 
     constraint: Optional[Any]
     unit_scaled: bool = False
+    readout: bool = False  # a uu.LinearReadout: U.linear_readout's 1 / fan_in output scale
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> FP16Linear:
@@ -117,12 +119,15 @@ class FP16Linear(nn.Linear):
         # The test simulate_fp8 uses: a linear with a constraint attribute is unit-scaled.
         new.unit_scaled = hasattr(linear, "constraint")
         new.constraint = getattr(linear, "constraint", None)
+        new.readout = isinstance(linear, LinearReadout)
         return new
 
     def forward(self, input: Tensor) -> Tensor:
         weight = round_to_half(self.weight)
         bias = None if self.bias is None else round_to_half(self.bias)
-        if self.unit_scaled:
+        if self.readout:
+            output = U.linear_readout(round_to_half(input), weight, bias, self.constraint)
+        elif self.unit_scaled:
             output = U.linear(round_to_half(input), weight, bias, self.constraint)
         else:
             output = F.linear(round_to_half(input), weight, bias)

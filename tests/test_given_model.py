@@ -195,3 +195,23 @@ def test_a_run_saved_before_the_factory_key_still_loads(tmp_path):
     del raw["model"]["factory"]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
     assert load_run_config(tmp_path).model.factory is None  # the GPT, as that run trained
+
+
+def test_fp16_simulation_keeps_the_library_readouts_scale():
+    import copy
+
+    import ipu_unit_scaling as uu
+    from ipu_unit_scaling.precision import simulate_fp16
+
+    torch.manual_seed(0)
+    exact = uu.LinearReadout(64, 10)
+    half = simulate_fp16(nn.Sequential(copy.deepcopy(exact)))
+    x = torch.randn(4, 64, requires_grad=True)
+    x_half = x.detach().clone().requires_grad_()
+    want, got = exact(x), half(x_half)
+    # float16 keeps 11 significant bits: each rounding is within 2**-11 relative.
+    torch.testing.assert_close(got, want, rtol=4e-3, atol=4e-3 * want.abs().max().item())
+    want.sum().backward()
+    got.sum().backward()
+    torch.testing.assert_close(x_half.grad, x.grad, rtol=4e-3,
+                               atol=4e-3 * x.grad.abs().max().item())
