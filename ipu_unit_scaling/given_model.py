@@ -26,7 +26,8 @@ Backends: ``cpu`` and ``emulator`` (the traced graph and PopART-style gradients)
 ``ipu_model`` with one IPU per replica (the path the emulator checks). Refused: ``popxl``
 (it trains the GPT it writes in PopXL), ``distributed`` (its stages and replicas split the
 GPT's layer list), a pipeline (``ipu.ipus_per_replica`` above 1: the stage split places the
-GPT's layers), and the masked-LM task (it trains the package's encoder).
+GPT's layers), the masked-LM task (it trains the package's encoder) and ``compare`` (its
+regimes rebuild the GPT plain, unit-scaled and in u-μP).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import functional as U
-from .config import REGIMES, UMUP_MULTIPLIERS, Config
+from .config import REGIMES, UMUP_MULTIPLIERS, Config, ConfigError
 from .models import build_gpt
 from .modules import LinearReadout
 
@@ -49,6 +49,10 @@ def regime_config(config: Config, regime: str) -> Config:
     evaluation interval that gives every curve at least ten points."""
     if regime not in REGIME_SETTINGS:
         raise ValueError(f"unknown regime {regime!r}; allowed: {', '.join(REGIMES)}")
+    if config.model.factory is not None:
+        raise ConfigError([("model.factory", (
+            "compare trains the GPT plain, unit-scaled and in u-μP; a given model has one form: "
+            "train it with 'train', once per --set precision.dtype=fp32/fp16/fp8"))])
     model, dtype, scaling = REGIME_SETTINGS[regime]
     result = copy.deepcopy(config)
     set_model_kind(result, model)

@@ -215,3 +215,12 @@ def test_fp16_simulation_keeps_the_library_readouts_scale():
     got.sum().backward()
     torch.testing.assert_close(x_half.grad, x.grad, rtol=4e-3,
                                atol=4e-3 * x.grad.abs().max().item())
+
+
+def test_compare_refuses_a_given_model(tmp_path, text_file):
+    refused = _command("compare", "--config", "tiny", "--run-dir", str(tmp_path / "c"),
+                       "--regimes", "fp32", "unit-fp32", "--set", f"data.path={text_file}",
+                       *ONE_STAGE, f"model.factory={FACTORY}")
+    assert refused.returncode == 2
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model.factory: compare trains the GPT" in lines[0], lines
