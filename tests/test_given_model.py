@@ -4,6 +4,7 @@ and ``ipu-unit-scaling train`` trains, resumes, evaluates and samples it; bad fa
 refused in one line before anything is written."""
 from __future__ import annotations
 
+import copy
 import math
 import os
 import subprocess
@@ -198,8 +199,6 @@ def test_a_run_saved_before_the_factory_key_still_loads(tmp_path):
 
 
 def test_fp16_simulation_keeps_the_library_readouts_scale():
-    import copy
-
     import ipu_unit_scaling as uu
     from ipu_unit_scaling.precision import simulate_fp16
 
@@ -224,3 +223,14 @@ def test_compare_refuses_a_given_model(tmp_path, text_file):
     assert refused.returncode == 2
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1 and "model.factory: compare trains the GPT" in lines[0], lines
+
+
+@pytest.mark.ipu
+def test_given_model_on_the_ipu_model_matches_the_emulator(step_losses):
+    pytest.importorskip("poptorch")  # only where the Poplar SDK is installed
+    config = _config("ipu.device_iterations=2", "ipu.executable_cache_dir=null",
+                     "training.learning_rate=1.0")
+    emulated = step_losses(copy.deepcopy(config), "emulator", 3)
+    on_ipu_model = step_losses(config, "ipu_model", 3)
+    assert torch.isfinite(on_ipu_model).all()
+    assert torch.allclose(on_ipu_model, emulated, rtol=1e-4, atol=0)
