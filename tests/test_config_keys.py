@@ -171,6 +171,7 @@ KEYS: Dict[str, Any] = {
     "model.attn_softmax_mult": ("4", _losses, ["model.parametrization=u-mup"]),
     "model.ffn_act_mult": ("2", _losses, ["model.parametrization=u-mup"]),
     "model.loss_softmax_mult": ("2", _losses, ["model.parametrization=u-mup"]),
+    "model.factory": ("examples.library_decoder:build", _losses, []),
     "precision.dtype": ("fp32", _losses, []),
     "precision.fp8.activation_format": ("E4M3FN", _casts, []),
     "precision.fp8.weight_format": ("E4M3FN", _casts, []),

@@ -125,7 +125,10 @@ def make_optimizer(
                             "model=")
         # Adam's decay is an L2 term Adam normalises; the decoupled decays are made
         # independent of the learning rate (see ipu_unit_scaling.optim).
-        params = param_groups(model, lr, decay, training.optimizer != "adam", parameters)
+        # A given model (training.given_model) types its parameters as uu modules do.
+        umup_rules = getattr(model, "umup_rules", None)
+        rules = umup_rules() if callable(umup_rules) else None
+        params = param_groups(model, lr, decay, training.optimizer != "adam", parameters, rules)
     if backend in ("ipu", "ipu_model"):
         from .poptorch.poptorch_training import make_ipu_optimizer
 

@@ -71,7 +71,12 @@ def split_stages(model: nn.Module, layers_per_stage: Sequence[int]) -> List[Stag
 
 def stages(model: nn.Module, config: Config) -> List[Stage]:
     """The stage split ``config.ipu.layers_per_ipu`` gives ``model``: the stages every backend
-    shows, and those the ``distributed`` backend trains on separate processes."""
+    shows, and those the ``distributed`` backend trains on separate processes. On one IPU a
+    model without the GPT's ``layers`` list (a given model) is one stage."""
+    if config.ipu.ipus_per_replica == 1 and not isinstance(getattr(model, "layers", None),
+                                                           nn.ModuleList):
+        return [Stage(index=0, modules=tuple(name for name, _ in model.named_children()),
+                      layers=())]
     counts = resolve_layers_per_ipu(
         config.ipu.layers_per_ipu, len(getattr(model, "layers", ())), config.ipu.ipus_per_replica
     )

@@ -88,6 +88,11 @@ class CausalLM(Task):
     name = CAUSAL_LM
     model_name = "GPT"
 
+    def check(self, config: Config, backend: str) -> None:
+        from ..training.given_model import check_given_model
+
+        check_given_model(config, backend)
+
     def build_model(self, config: Config) -> nn.Module:
         from ..training.precision import build_model
 
@@ -140,6 +145,9 @@ class MaskedLM(Task):
                                                     "unit-scaled; it has no u-μP form"))
         if model.bias:
             errors.append(("model.bias", "the BERT-style encoder is bias-free"))
+        if model.factory is not None:
+            errors.append(("model.factory", "the masked LM trains the BERT-style encoder; a "
+                                            "given model trains as a causal LM"))
         if not 1 <= self.min_len <= model.seq_len:
             errors.append(("model.seq_len", f"got {model.seq_len}; the masked LM's min_len "
                                             f"({self.min_len}) must be in [1, seq_len]"))

@@ -61,6 +61,7 @@ from ..fp8 import NonFiniteAmaxError
 from ..parametrization.mup_optimizers import set_learning_rate
 from ..training.data import CharTokenizer, Corpus, DataError, load_corpus, unigram_cross_entropy
 from ..training.finetune import check_same_model, encode_with, extend_model_state, extend_tokenizer
+from ..training.given_model import KEYS_EARLIER_RUNS_LACK
 from ..training.memory import check_memory
 from ..training.precision import (
     MODEL_KINDS,
@@ -263,7 +264,8 @@ def load_run_config(
             raise RunError(f"{refuse} is empty")
         if not isinstance(raw, dict):
             raise RunError(f"{refuse} is damaged (not a mapping)")
-        missing = _missing_keys(raw, Config().to_dict())
+        missing = [key for key in _missing_keys(raw, Config().to_dict())
+                   if key not in KEYS_EARLIER_RUNS_LACK]
         if missing:
             shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
             raise RunError(f"{refuse} is incomplete (no {shown})")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from ..modules.layers import GPT, TORCH_OPS, UNIT_OPS
 from ..parametrization.umup import UmupHyperparameters, umup_decoder
@@ -37,6 +38,9 @@ class GPTConfig:
     attn_softmax_mult: float = 1.0
     ffn_act_mult: float = 1.0
     loss_softmax_mult: float = 1.0
+    # "package.module:function" building the model in place of this GPT from these settings
+    # (ipu_unit_scaling.training.given_model); None trains the GPT.
+    factory: Optional[str] = None
 
     def umup_hyperparameters(self) -> UmupHyperparameters:
         return UmupHyperparameters(

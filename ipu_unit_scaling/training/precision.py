@@ -15,7 +15,8 @@ from torch import Tensor, nn
 
 from .. import ops as U
 from ..models.gpt import build_gpt
-from .run_config import REGIMES, UMUP_MULTIPLIERS, Config
+from ..modules.layers import LinearReadout
+from .run_config import REGIMES, UMUP_MULTIPLIERS, Config, ConfigError
 
 __all__ = ["REGIME_SETTINGS", "MODEL_KINDS", "COMPARE_EVAL_POINTS", "regime_config",
            "set_model_kind", "model_kind", "round_to_half",
@@ -48,6 +49,10 @@ def regime_config(config: Config, regime: str) -> Config:
     evaluation interval that gives every curve at least ten points."""
     if regime not in REGIME_SETTINGS:
         raise ValueError(f"unknown regime {regime!r}; allowed: {', '.join(REGIMES)}")
+    if config.model.factory is not None:
+        raise ConfigError([("model.factory", (
+            "compare trains the GPT plain, unit-scaled and in u-μP; a given model has one form: "
+            "train it with 'train', once per --set precision.dtype=fp32/fp16/fp8"))])
     model, dtype, scaling = REGIME_SETTINGS[regime]
     result = copy.deepcopy(config)
     set_model_kind(result, model)
@@ -106,6 +111,7 @@ class FP16Linear(nn.Linear):
 
     constraint: Optional[Any]
     unit_scaled: bool = False
+    readout: bool = False  # a uu.LinearReadout: U.linear_readout's 1 / fan_in output scale
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> FP16Linear:
@@ -117,12 +123,15 @@ class FP16Linear(nn.Linear):
         # The test simulate_fp8 uses: a linear with a constraint attribute is unit-scaled.
         new.unit_scaled = hasattr(linear, "constraint")
         new.constraint = getattr(linear, "constraint", None)
+        new.readout = isinstance(linear, LinearReadout)
         return new
 
     def forward(self, input: Tensor) -> Tensor:
         weight = round_to_half(self.weight)
         bias = None if self.bias is None else round_to_half(self.bias)
-        if self.unit_scaled:
+        if self.readout:
+            output = U.linear_readout(round_to_half(input), weight, bias, self.constraint)
+        elif self.unit_scaled:
             output = U.linear(round_to_half(input), weight, bias, self.constraint)
         else:
             output = F.linear(round_to_half(input), weight, bias)
@@ -139,8 +148,15 @@ def simulate_fp16(model: nn.Module) -> nn.Module:
 
 
 def build_model(config: Config) -> nn.Module:
-    """The example GPT that ``config.model`` describes, in ``config.precision``."""
-    model: nn.Module = build_gpt(config.model)
+    """The example GPT that ``config.model`` describes (or the model its ``factory`` builds,
+    :mod:`.given_model`), in ``config.precision``."""
+    model: nn.Module
+    if config.model.factory is not None:
+        from .given_model import build_given_model
+
+        model = build_given_model(config.model)
+    else:
+        model = build_gpt(config.model)
     if config.precision.dtype == "fp8":
         from ..fp8 import simulate_fp8
 
