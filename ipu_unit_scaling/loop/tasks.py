@@ -16,7 +16,7 @@ Tasks:
 
 - :class:`CausalLM` (``causal-lm``): the character-level GPT predicting each next character;
   what every run trains unless told otherwise;
-- :class:`MaskedLM` (``masked-lm``): the BERT-style encoder (:mod:`.mlm`) predicting masked
+- :class:`MaskedLM` (``masked-lm``): the BERT-style encoder (:mod:`.masked_lm`) predicting masked
   characters of padded sequences, scored by loss and accuracy over the masked positions.
 
 A run of a task other than the causal LM records it in ``task.json`` (name and settings), so
@@ -116,7 +116,7 @@ class CausalLM(Task):
 
 @dataclass(frozen=True)
 class MaskedLM(Task):
-    """The BERT-style encoder of :mod:`.mlm`, trained with masked-LM.
+    """The BERT-style encoder of :mod:`.masked_lm`, trained with masked-LM.
 
     The model's shape is the config's (``model.hidden_size``, ``depth``, ``heads``,
     ``mlp_expansion``, ``seq_len``, ``attn_tau``, ``mlp_tau``, ``dropout``), plain or
@@ -161,18 +161,18 @@ class MaskedLM(Task):
             raise ConfigError(errors)
 
     def build_model(self, config: Config) -> nn.Module:
-        from ..apps.mlm import encoder_from_config
+        from .masked_lm import encoder_from_config
 
         return encoder_from_config(config)
 
     def train_batch(self, tokens: Tensor, config: Config, generator: torch.Generator) -> Batch:
-        from ..apps.mlm import masked_batch
+        from .masked_lm import masked_batch
 
         return masked_batch(tokens, config.model.vocab_size, config.samples_per_call,
                             config.model.seq_len, self.min_len, self.mask_prob, generator)
 
     def validation_batches(self, tokens: Tensor, config: Config) -> List[Batch]:
-        from ..apps.mlm import masked_batch
+        from .masked_lm import masked_batch
 
         generator = torch.Generator().manual_seed(config.training.seed + 10_000)
         return [masked_batch(tokens, config.model.vocab_size, config.training.batch_size,
@@ -180,7 +180,7 @@ class MaskedLM(Task):
                 for _ in range(config.training.eval_batches)]
 
     def evaluate(self, model: nn.Module, batches: List[Batch]) -> Dict[str, float]:
-        from ..apps.mlm import evaluate
+        from .masked_lm import evaluate
 
         loss, accuracy = evaluate(model, batches)
         return {"loss": loss, "accuracy": accuracy}
