@@ -16,6 +16,7 @@ import torch
 import ipu_unit_scaling.training.plots
 from ipu_unit_scaling.apps import cli
 from ipu_unit_scaling.backends import BackendError, build_training_model, make_optimizer
+from ipu_unit_scaling.loop import run_session
 from ipu_unit_scaling.loop import training_loop as train_module
 from ipu_unit_scaling.loop.training_loop import build_model, read_metrics, regime_config, train
 from ipu_unit_scaling.training.data import DataError
@@ -68,10 +69,10 @@ def _log_lines(tmp_path: Path, monkeypatch: Any, overrides: List[str]) -> List[s
 def _checkpoints_written(tmp_path: Path, monkeypatch: Any, overrides: List[str]) -> List[int]:
     saves: List[int] = []
     real = train_module.save_checkpoint
-    monkeypatch.setattr(train_module, "save_checkpoint",
+    monkeypatch.setattr(run_session, "save_checkpoint",
                         lambda path, state: (saves.append(state["step"]), real(path, state)))
     _losses(tmp_path, monkeypatch, overrides)
-    monkeypatch.setattr(train_module, "save_checkpoint", real)
+    monkeypatch.setattr(run_session, "save_checkpoint", real)
     return saves
 
 

@@ -323,11 +323,12 @@ def test_the_training_loop_checkpoints_and_resumes_the_popxl_training_model_on_t
     """train() with the PopXL training model in place of the backend's wrapper: 10 steps in one
     go equal 5 steps, a checkpoint (weights and Adam state) and 5 resumed steps."""
     import ipu_unit_scaling.loop.training_loop as train_module
+    from ipu_unit_scaling.loop import run_session
 
     def build(model, optimizer, config, backend=None):
         return PopXLTrainingModel(model, optimizer, config, xl=reference, device="ipu_model")
 
-    monkeypatch.setattr(train_module, "build_training_model", build)
+    monkeypatch.setattr(run_session, "build_training_model", build)
     monkeypatch.setattr(train_module, "select_backend", lambda name="auto", config=None: "popxl")
 
     def config(steps):

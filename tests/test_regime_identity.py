@@ -30,6 +30,7 @@ from ipu_unit_scaling import functional as U
 from ipu_unit_scaling.apps import mlm
 from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.fp8 import FP8Linear, FP8UnitScaledLinear
+from ipu_unit_scaling.loop import run_session
 from ipu_unit_scaling.loop import training_loop as train
 from ipu_unit_scaling.loop.tasks import CausalLM, MaskedLM
 from ipu_unit_scaling.parametrization import umup as umup_rules
@@ -172,9 +173,9 @@ def gpt_builds(monkeypatch) -> List[Dict[str, Any]]:
                          learning_rate=config.training.learning_rate)
         return optimizer
 
-    real_build_model, real_make_optimizer = CausalLM.build_model, train.make_optimizer
+    real_build_model, real_make_optimizer = CausalLM.build_model, run_session.make_optimizer
     monkeypatch.setattr(CausalLM, "build_model", build_model)
-    monkeypatch.setattr(train, "make_optimizer", make_optimizer)
+    monkeypatch.setattr(run_session, "make_optimizer", make_optimizer)
     return built
 
 

@@ -13,6 +13,7 @@ import torch
 import ipu_unit_scaling.loop.training_loop as train_module
 import ipu_unit_scaling.training.run_directory as rundir
 from ipu_unit_scaling.apps.cli import main
+from ipu_unit_scaling.loop import run_session
 from ipu_unit_scaling.loop.training_loop import read_metrics
 from ipu_unit_scaling.training.run_directory import (
     MetricsLog,
@@ -477,7 +478,7 @@ def test_compare_resumes_a_regime_killed_after_a_checkpoint(capsys, tmp_path, da
         if state["step"] == 2 and path.parent.name == "unit-fp8":
             raise Killed
 
-    monkeypatch.setattr(train_module, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(run_session, "save_checkpoint", save_then_die)
     run_dir = tmp_path / "compare"
     with pytest.raises(Killed):
         main(compare_args(run_dir, data, *settings))

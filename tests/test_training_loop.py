@@ -19,6 +19,7 @@ import torch
 import ipu_unit_scaling.loop.training_loop as train_module
 from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.apps.pretrained import evaluate_run, open_run
+from ipu_unit_scaling.loop import run_opening
 from ipu_unit_scaling.loop.training_loop import divergence_bound, load_checkpoint, read_metrics
 from ipu_unit_scaling.training.run_config import load_config, scheduled_learning_rate
 
@@ -332,7 +333,7 @@ def test_sigterm_before_the_training_loop_stops_the_command_like_ctrl_c(capsys, 
         os.kill(os.getpid(), signal.SIGTERM)
         return "memory checked"
 
-    monkeypatch.setattr(train_module, "check_memory", terminated_while_loading)
+    monkeypatch.setattr(run_opening, "check_memory", terminated_while_loading)
     escaped: List[int] = []
 
     def handler(signum, frame):

@@ -1,0 +1,391 @@
+"""Opening a run directory for the loop: a new run, a resumed one or a fine-tuning one, with the
+checks that a resume continues the same run (its config, tokenizer, checkpoint and schedule).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..training.data import CharTokenizer, Corpus, DataError, load_corpus
+from ..training.finetune import check_same_model, encode_with, extend_model_state, extend_tokenizer
+from ..training.given_model import KEYS_EARLIER_RUNS_LACK
+from ..training.memory import check_memory
+from ..training.run_config import (
+    Config,
+    ConfigError,
+    TrainingConfig,
+    config_from_dict,
+    read_yaml_file,
+    scheduled_learning_rate,
+    validate,
+)
+from ..training.run_directory import (
+    CHECKPOINT_FILE,
+    CONFIG_FILE,
+    METRIC_FIELDS,
+    METRICS_FILE,
+    SCALE_REPORT_FILE,
+    SUMMARY_FILE,
+    TASK_FILE,
+    TENSORBOARD_DIR,
+    TOKENIZER_FILE,
+    RunError,
+    atomic_write,
+    keep_report_rows_up_to,
+    leftovers,
+    load_checkpoint,
+    metrics_up_to,
+    read_json,
+)
+from .tasks import CAUSAL_LM, CausalLM, Task, read_task
+
+# ------------------------------------------------------------------------ opening a run
+
+# Backends whose activations live in IPU memory, not the host's (the IPU Model and the
+# emulator simulate on the host).
+_ON_IPU = ("ipu", "popxl")
+
+
+@dataclass
+class _Run:
+    """A run directory opened for training: settings, data and the checkpoint to resume."""
+
+    run_dir: Path
+    config: Config
+    corpus: Corpus
+    backend: str
+    state: Optional[Dict[str, Any]]
+    notes: List[str]  # said once before the first step
+    # Fine-tuning: the pretrained weights to start from, its tokenizer's characters and its
+    # directory (kept in every checkpoint, so that a resume checks the extended tokenizer).
+    weights: Optional[Dict[str, Any]] = None
+    base_chars: List[str] = field(default_factory=list)
+    init_from: Optional[str] = None
+    task: Task = field(default_factory=CausalLM)
+    # The pretrained checkpoint's step and training loss, checked against its run's log once
+    # its weights are known to fit.
+    init_checkpoint: Dict[str, Any] = field(default_factory=dict)
+
+
+def load_run_config(
+    run_dir: Path, overrides: Sequence[str] = (), action: str = "resume"
+) -> Config:
+    """The resolved config saved in ``run_dir``, with ``section.key=value`` overrides.
+
+    A missing, empty, damaged or incomplete ``config.yaml`` is a RunError naming it: a resume
+    must never fall back to defaults for settings the run did not save. ``action`` says in the
+    message what could not be done ("resume", "evaluate", ...).
+    """
+    from ..training.run_config import apply_override
+
+    path = Path(run_dir) / CONFIG_FILE
+    refuse = f"cannot {action} {run_dir}: {CONFIG_FILE}"
+    if not path.is_file():
+        raise RunError(f"{refuse} is missing")
+    try:
+        raw = read_yaml_file(path, "run config")
+        if raw is None:
+            raise RunError(f"{refuse} is empty")
+        if not isinstance(raw, dict):
+            raise RunError(f"{refuse} is damaged (not a mapping)")
+        missing = [key for key in _missing_keys(raw, Config().to_dict())
+                   if key not in KEYS_EARLIER_RUNS_LACK]
+        if missing:
+            shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+            raise RunError(f"{refuse} is incomplete (no {shown})")
+        validate(config_from_dict(raw))
+    except ConfigError as error:
+        problems = "; ".join(f"{p}: {m}" if p else m for p, m in error.errors)
+        raise RunError(f"{refuse} is damaged: {' '.join(problems.split())}") from None
+    if action != "resume":
+        task = read_task(run_dir, action)
+        if task.name != CAUSAL_LM:
+            raise RunError(f"cannot {action} {run_dir}: it trained a {task.name} "
+                           f"{task.model_name} ({TASK_FILE}); {action} takes causal-LM runs")
+    for override in overrides:
+        apply_override(raw, override)
+    config = config_from_dict(raw)
+    validate(config)
+    return config
+
+
+def _missing_keys(raw: Dict[str, Any], full: Dict[str, Any], prefix: str = "") -> List[str]:
+    missing = []
+    for key, value in full.items():
+        if key not in raw:
+            missing.append(prefix + key)
+        # (learning_rates is a value: a partial mapping of it is complete)
+        elif isinstance(value, dict) and isinstance(raw[key], dict) and key != "learning_rates":
+            missing += _missing_keys(raw[key], value, prefix + key + ".")
+    return missing
+
+
+def resolved_config(config: Config, corpus: Corpus) -> Config:
+    """``config`` as a run on ``corpus`` saves it: the vocabulary is the corpus's characters."""
+    vocab = corpus.tokenizer.vocab_size
+    if vocab > config.model.vocab_size:
+        raise DataError(
+            f"{corpus.source} has {vocab} distinct characters but model.vocab_size is "
+            f"{config.model.vocab_size}; raise model.vocab_size"
+        )
+    config = copy.deepcopy(config)
+    config.model.vocab_size = vocab
+    return config
+
+
+def _open_new(config: Config, run_dir: Path, backend: str, task: Task,
+              init_from: Optional[Path] = None) -> _Run:
+    """A fresh run of ``task`` in an empty directory, or in one left by a run that never saved
+    a checkpoint (which is started afresh: nothing of it could be continued); with
+    ``init_from``, a fine-tuning run starting from that run's checkpoint."""
+    old = leftovers(run_dir)
+    if any(path.name == CHECKPOINT_FILE for path in old):
+        raise RunError(
+            f"run directory {run_dir} holds the checkpoint of an earlier run; continue it with "
+            f"--resume {run_dir} or choose another --run-dir"
+        )
+    saved = _checkpoint_evidence(run_dir)
+    if saved:
+        raise RunError(f"run directory {run_dir} holds an earlier run whose {CHECKPOINT_FILE} "
+                       f"is missing ({saved}); nothing was changed: choose another --run-dir")
+    if init_from is None:
+        corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
+        run = _Run(run_dir, resolved_config(config, corpus), corpus, backend, None, [],
+                   task=task)
+    else:
+        if task.name != CAUSAL_LM:
+            raise RunError(f"fine-tuning trains the causal LM, not a {task.name}")
+        run = _fine_tuning(config, run_dir, backend, Path(init_from))
+    run.notes.insert(0, check_memory(run.config, host_activations=backend not in _ON_IPU))
+    if old:
+        run.notes.append(f"{run_dir} held a run that never saved a checkpoint; starting afresh")
+    _remove(old)
+    _write_settings(run_dir, run.config, run.corpus, task)
+    return run
+
+
+def _fine_tuning(config: Config, run_dir: Path, backend: str, init_from: Path) -> _Run:
+    """A new run of ``config`` on its data, from the weights of the run in ``init_from``, with
+    the rules of :mod:`.finetune` (the same model, the tokenizer extended)."""
+    action = "fine-tune from"
+    if not (init_from / CHECKPOINT_FILE).is_file():
+        raise RunError(f"cannot {action} {init_from}: it holds no {CHECKPOINT_FILE}")
+    check_same_model(load_run_config(init_from, (), action), config, str(init_from))
+    state = load_checkpoint(init_from / CHECKPOINT_FILE)
+    base = read_tokenizer(init_from, action, state)
+    if base.vocab_size != config.model.vocab_size:
+        raise RunError(f"cannot {action} {init_from}: its {TOKENIZER_FILE} does not fit its "
+                       f"model ({base.vocab_size} characters, model.vocab_size "
+                       f"{config.model.vocab_size})")
+    text = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
+    tokenizer, added = extend_tokenizer(base, text.tokenizer.chars)
+    config = copy.deepcopy(config)
+    config.model.vocab_size = tokenizer.vocab_size
+    if added:
+        shown = "".join(added[:20]) + ("..." if len(added) > 20 else "")
+        note = (f"{len(added)} new characters ({shown!r}) extend its {base.vocab_size}; their "
+                "embedding and head rows start as the mean of the pretrained rows")
+    else:
+        note = f"its {base.vocab_size} characters cover the new text"
+    return _Run(
+        run_dir, config, encode_with(text, tokenizer), backend, None,
+        [f"fine-tuning {init_from} (step {int(state['step'])}): {note}"],
+        weights=extend_model_state(state["model"], tokenizer.vocab_size),
+        base_chars=list(base.chars), init_from=str(init_from),
+        init_checkpoint={key: state.get(key) for key in ("step", "last_train_loss")},
+    )
+
+
+def _checkpoint_evidence(run_dir: Path) -> str:
+    """Why the run in ``run_dir`` is known to have saved a checkpoint, or "" if it never did.
+
+    Every checkpoint is followed by a ``summary.json`` naming its step, and a run that never
+    saved one leaves no summary or one whose ``checkpoint_step`` is null. Anything else (a
+    summary of an earlier version, or one that cannot be read) counts as a checkpointed run:
+    starting afresh would overwrite it.
+    """
+    path = run_dir / SUMMARY_FILE
+    if not path.exists():
+        return ""
+    summary = read_json(path)
+    if summary is None:
+        return f"its {SUMMARY_FILE} cannot be read to tell whether it ever saved one"
+    if "checkpoint_step" in summary and summary["checkpoint_step"] is None:
+        return ""
+    status, steps = summary.get("status", "unknown"), summary.get("steps", "?")
+    step = summary.get("checkpoint_step")
+    saved = f"checkpoint at step {step}" if step is not None else "checkpointed"
+    return f"its {SUMMARY_FILE} records a {status} run of {steps} steps, {saved}"
+
+
+def _open_resumed(config: Config, run_dir: Path, backend: str, task: Task) -> _Run:
+    """The run of ``task`` in ``run_dir`` at its checkpoint, every artefact checked before
+    anything runs."""
+    checkpoint_path = run_dir / CHECKPOINT_FILE
+    if not checkpoint_path.exists():
+        saved = _checkpoint_evidence(run_dir)
+        if saved:
+            raise RunError(f"cannot resume {run_dir}: {CHECKPOINT_FILE} is missing, but "
+                           f"{saved}; nothing was changed: restore the checkpoint, or train "
+                           "again in another --run-dir")
+        # Stopped before its first checkpoint: nothing to continue, so from step 0.
+        run = _open_new(config, run_dir, backend, task)
+        run.notes[1:] = [f"{run_dir} has no checkpoint: the run never saved one; training "
+                         "from step 0 with its saved config"]
+        return run
+    state = load_checkpoint(checkpoint_path)
+    saved_tokenizer = read_tokenizer(run_dir, "resume", state)
+    trained = state.get("task", {"name": CAUSAL_LM})  # (earlier versions trained only that)
+    if trained != task.settings():
+        raise RunError(f"cannot resume {run_dir}: its {CHECKPOINT_FILE} trained {trained}, its "
+                       f"{TASK_FILE} says {task.settings()} (no {TASK_FILE}: the causal LM)")
+    corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
+    if state.get("data_sha256") != corpus.sha256:
+        raise RunError(f"cannot resume {run_dir}: {corpus.source} is not the text it trained on")
+    # The tokenizer rule: a pretrained run's characters (none for a run from scratch), then
+    # the text's characters it lacks, in sorted order.
+    base_chars = state.get("base_chars") or []
+    try:
+        expected, _ = extend_tokenizer(CharTokenizer(base_chars), corpus.tokenizer.chars)
+    except (TypeError, ValueError):
+        raise RunError(f"cannot resume {run_dir}: {CHECKPOINT_FILE} is damaged") from None
+    if saved_tokenizer.chars != expected.chars:
+        raise RunError(f"cannot resume {run_dir}: {TOKENIZER_FILE} does not match its data")
+    corpus = encode_with(corpus, saved_tokenizer)
+    config = resolved_config(config, corpus)
+    step, steps = int(state["step"]), config.training.steps
+    if step > steps:
+        raise RunError(
+            f"cannot resume {run_dir}: its checkpoint is at step {step}, beyond "
+            f"training.steps = {steps}; set training.steps higher to train longer"
+        )
+    iterations = config.ipu.device_iterations
+    if (steps - step) % iterations:
+        raise RunError(
+            f"cannot resume {run_dir} at step {step}: the {steps - step} remaining steps are "
+            f"not a multiple of ipu.device_iterations ({iterations})"
+        )
+    notes = [check_memory(config, host_activations=backend not in _ON_IPU)]
+    schedule_note = _schedule_change(state, run_dir, config.training, step)
+    if schedule_note:
+        notes.append(schedule_note)
+    # The directory is rewritten (metrics cut back to the checkpoint, the settings of this
+    # resume) only once the checkpoint has loaded into this config's model: a refused resume
+    # changes nothing.
+    return _Run(run_dir, config, corpus, backend, state, notes, base_chars=list(base_chars),
+                init_from=state.get("init_from"), task=task)
+
+
+def _rewrite_for_resume(run: _Run, step: int) -> None:
+    atomic_write(run.run_dir / METRICS_FILE,
+                 metrics_up_to(run.run_dir, step, METRIC_FIELDS + run.task.metric_columns))
+    keep_report_rows_up_to(run.run_dir / SCALE_REPORT_FILE, step)
+    _write_settings(run.run_dir, run.config, run.corpus, run.task)
+
+
+# The settings the learning rate of a step is a function of (with the step).
+SCHEDULE_KEYS = ("steps", "warmup_steps", "learning_rate", "schedule")
+
+
+def _schedule_settings(training: TrainingConfig) -> Dict[str, Any]:
+    return {key: getattr(training, key) for key in SCHEDULE_KEYS}
+
+
+def _schedule_change(state: Dict[str, Any], run_dir: Path, training: TrainingConfig,
+                     step: int) -> str:
+    """What a resume at ``step`` does to the learning rate when the schedule's settings differ
+    from those the checkpoint trained under ("" when they do not, or cannot be known).
+
+    The learning rate is a function of the step and these settings, so the resumed run follows
+    the new schedule as if it had been planned from the start; the note gives the jump.
+    """
+    old = state.get("schedule")
+    if not isinstance(old, dict):  # a checkpoint of an earlier version: the saved config's
+        try:
+            raw = read_yaml_file(run_dir / CONFIG_FILE, "run config")
+            old = raw.get("training") if isinstance(raw, dict) else None
+        except ConfigError:
+            old = None
+    if not isinstance(old, dict):
+        return ""
+    try:
+        before = config_from_dict({"training": {key: old[key] for key in SCHEDULE_KEYS}})
+    except (ConfigError, KeyError):
+        return ""
+    changed = [key for key in SCHEDULE_KEYS if getattr(before.training, key) !=
+               getattr(training, key)]
+    was = scheduled_learning_rate(before.training, step)
+    now = scheduled_learning_rate(training, step)
+    if not changed or was == now:
+        return ""
+    changes = ", ".join(f"training.{key} {getattr(before.training, key)!r} -> "
+                        f"{getattr(training, key)!r}" for key in changed)
+    note = (f"the learning-rate schedule is not the one the checkpoint trained under "
+            f"({changes}): from step {step + 1} the learning rate follows the new one, "
+            f"{now:.3g} where the old one gives {was:.3g}, as if the run had been planned "
+            "this way from its start (the learning rate is a function of the step and these "
+            "settings)")
+    if step >= before.training.steps and before.training.schedule == "cosine":
+        note += ("; the old schedule had ended, its learning rate decayed to 0, so the "
+                 "weights move again and the loss may rise before it falls")
+    return note
+
+
+def read_tokenizer(run_dir: Path, action: str = "resume",
+                   checkpoint: Optional[Dict[str, Any]] = None) -> CharTokenizer:
+    """The run's saved tokenizer; RunError (`"cannot <action> ..."`) if missing or damaged, or
+    if it is not the one ``checkpoint`` (the run's loaded checkpoint) was trained with."""
+    from ..training.run_directory import check_tokenizer
+
+    path = Path(run_dir) / TOKENIZER_FILE
+    if not path.is_file():
+        raise RunError(f"cannot {action} {run_dir}: {TOKENIZER_FILE} is missing")
+    try:
+        tokenizer = CharTokenizer.load(path)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        raise RunError(f"cannot {action} {run_dir}: {TOKENIZER_FILE} is damaged") from None
+    if checkpoint is not None:
+        check_tokenizer(run_dir, tokenizer.chars, checkpoint, action)
+    return tokenizer
+
+
+def check_reused_tokenizer(run_dir: Path, chars: Sequence[str]) -> None:
+    """A finished run is reused only as intact as a resume would find it: its tokenizer holds
+    ``chars``, those its text gives (an edited one would be refused by every later reader)."""
+    if read_tokenizer(run_dir, "reuse").chars != list(chars):
+        raise RunError(f"cannot reuse {run_dir}: {TOKENIZER_FILE} does not match its data "
+                       "(the file was edited, or comes from another run); restore it, or "
+                       "choose another --run-dir")
+
+
+def _write_settings(run_dir: Path, config: Config, corpus: Corpus, task: Task) -> None:
+    import json
+
+    import yaml
+
+    # The task (a causal LM's run has no task.json), then the config: a run killed before its
+    # config is in place can only start afresh, one killed after it can be resumed (from step
+    # 0 until a checkpoint exists; the vocabulary is the data's) and knows what it trains.
+    if task.name != CAUSAL_LM:
+        atomic_write(run_dir / TASK_FILE, json.dumps(task.settings()).encode())
+    text = yaml.safe_dump(config.to_dict(), sort_keys=False, allow_unicode=True)
+    atomic_write(run_dir / CONFIG_FILE, text.encode("utf-8"))
+    tokenizer = {"kind": "char", "chars": corpus.tokenizer.chars}
+    atomic_write(run_dir / TOKENIZER_FILE, json.dumps(tokenizer, ensure_ascii=False).encode())
+
+
+def _remove(paths: Sequence[Path]) -> None:
+    import shutil
+
+    for path in paths:
+        try:
+            if path.name == TENSORBOARD_DIR and path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as error:
+            raise RunError(f"cannot remove {path}: {error.strerror or error}") from None

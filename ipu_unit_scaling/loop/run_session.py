@@ -1,0 +1,296 @@
+"""One training session of the loop: the model, optimizer, batches, metrics and checkpoints of
+an opened run, advanced step by step by :func:`.training_loop.train`.
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..backends import build_training_model, make_optimizer
+from ..backends.distributed import (
+    writes_run_files,
+)
+from ..fp8 import NonFiniteAmaxError
+from ..training.data import unigram_cross_entropy
+from ..training.precision import (
+    model_kind,
+)
+from ..training.run_directory import (
+    CHECKPOINT_FILE,
+    CONFIG_FILE,
+    METRIC_FIELDS,
+    METRICS_FILE,
+    MetricsLog,
+    RunError,
+    UnwrittenMetricsLog,
+    check_checkpoint_logged,
+    save_checkpoint,
+    state_mismatch,
+)
+from ..training.tensorboard_log import TensorBoardLog
+from .run_opening import _rewrite_for_resume, _Run, _schedule_settings
+from .run_outcomes import (
+    DIVERGENCE_MARGIN,
+    RunSummary,
+    TrainingDiverged,
+    _exact,
+    divergence_bound,
+    write_summary,
+)
+
+# ------------------------------------------------------------------------------ a session
+
+
+class _Session:
+    """The model, optimizer, data streams and progress of one run, and its checkpoints."""
+
+    def __init__(self, run: _Run) -> None:
+        config, training = run.config, run.config.training
+        self.run, self.config, self.training, self.task = run, config, training, run.task
+        self.checkpoint_path = run.run_dir / CHECKPOINT_FILE
+        torch.manual_seed(training.seed)
+        self.model = self.task.build_model(config)
+        self.optimizer = make_optimizer(self.model, config, run.backend)
+        # The task draws the training batches from it: its state is the data position.
+        self.batch_generator = torch.Generator().manual_seed(training.seed)
+        # The same validation batches at every evaluation (and in `evaluate`).
+        self.val_batches = self.task.validation_batches(run.corpus.val, config)
+        self.step = 0
+        self.val_curve: List[Tuple[int, float]] = []
+        # The task's other validation metrics at the last evaluation.
+        self.val_metrics: Dict[str, float] = {}
+        self.last_train: Optional[float] = None
+        self.train_seconds = 0.0
+        self.trained_tokens = 0
+        self.last_checkpoint: Optional[Path] = None
+        self.saved_step: Optional[int] = None
+        self.seconds = 0.0
+        self.elapsed_before = 0.0  # wall-clock seconds of the run before this process
+        vocab = run.corpus.tokenizer.vocab_size
+        self.unigram = unigram_cross_entropy(run.corpus.train, run.corpus.val, vocab)
+        self.loss_bound = divergence_bound(vocab)
+        if run.state is not None:
+            self._restore(run.state)
+            # (once its weights are known to fit: a checkpoint of another model is said to be)
+            check_checkpoint_logged(run.run_dir, run.state, "resume")
+            _rewrite_for_resume(run, self.step)
+        elif run.weights is not None:
+            try:
+                self.model.load_state_dict(run.weights)
+            except RuntimeError as error:
+                raise RunError(f"cannot fine-tune from {run.init_from}: its {CHECKPOINT_FILE} "
+                               f"does not fit its {CONFIG_FILE}: {state_mismatch(error)}") from None
+            check_checkpoint_logged(Path(str(run.init_from)), run.init_checkpoint,
+                                    "fine-tune from")
+        self.wrapper = build_training_model(self.model, self.optimizer, config, run.backend)
+        # Until the first call, the host holds the only weights (PopTorch refuses to copy
+        # from a model it has not compiled yet).
+        self.weights_on_device = False
+        # Of a distributed run, rank 0 alone writes the run's files.
+        self.writes = writes_run_files()
+        self.metrics = MetricsLog(run.run_dir / METRICS_FILE, fresh=run.state is None,
+                                  fields=METRIC_FIELDS + self.task.metric_columns) \
+            if self.writes else UnwrittenMetricsLog()
+        self.tensorboard = TensorBoardLog(run.run_dir if self.writes else None, self.step)
+        if self.tensorboard.problem:
+            run.notes.append(self.tensorboard.problem)
+        # Elapsed time counts on from the checkpoint's: a resumed run's figures are the run's.
+        self.started = time.perf_counter() - self.elapsed_before
+
+    def _restore(self, state: Dict[str, Any]) -> None:
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            torch.set_rng_state(state["torch_rng"])
+            self.batch_generator.set_state(state["batch_rng"])
+            self.step = int(state["step"])
+            self.val_curve = [(int(s), float(v)) for s, v in state.get("val_curve", [])]
+            self.val_metrics = {str(k): float(v) for k, v in state.get("val_metrics", {}).items()}
+            last = state.get("last_train_loss")
+            self.last_train = None if last is None else float(last)
+            self.train_seconds = float(state.get("train_seconds", 0.0))
+            self.trained_tokens = int(state.get("trained_tokens", 0))
+            # (a checkpoint of an earlier version: its training time, the best it knows)
+            self.elapsed_before = float(state.get("elapsed_s", self.train_seconds))
+        except (RuntimeError, ValueError, KeyError, TypeError) as error:
+            raise RunError(f"checkpoint does not fit this config: {state_mismatch(error)}") \
+                from None
+        self.last_checkpoint = self.checkpoint_path
+        self.saved_step = self.step
+
+    def good_checkpoint(self) -> str:
+        return str(self.last_checkpoint or "none")
+
+    def train_call(self, inputs: Tensor, labels: Tensor) -> List[float]:
+        """One call of the training model: ``device_iterations`` optimizer steps."""
+        tick = time.perf_counter()
+        try:
+            _, losses = self.wrapper(inputs, labels)
+            self.weights_on_device = True
+        except NonFiniteAmaxError as error:
+            raise TrainingDiverged(
+                f"loss became nan at step {self.step + 1} (an FP8 cast met a non-finite "
+                f"value); last good checkpoint: {self.good_checkpoint()}",
+                self.step + 1, self.last_checkpoint,
+            ) from error
+        self.seconds = time.perf_counter() - tick
+        self.train_seconds += self.seconds
+        self.trained_tokens += inputs.numel()
+        iterations = self.config.ipu.device_iterations
+        return losses.detach().float().view(iterations, -1).mean(1).tolist()
+
+    def _weights_to_host(self) -> None:
+        if self.weights_on_device:
+            self.wrapper.copy_weights_to_host()
+
+    def evaluate(self) -> float:
+        """The validation loss at this step, recorded in the validation curve (the task's
+        other metrics in ``val_metrics``)."""
+        metrics = self._validation_metrics()
+        loss = metrics.pop("loss")
+        self.val_curve.append((self.step, loss))
+        self.val_metrics = metrics
+        return loss
+
+    def _validation_loss(self) -> float:
+        return self._validation_metrics()["loss"]
+
+    def _validation_metrics(self) -> Dict[str, float]:
+        self._weights_to_host()
+        model = self.model
+        model.eval()
+        try:
+            with torch.no_grad():
+                return self.task.evaluate(model, self.val_batches)
+        finally:
+            model.train()
+
+    def _diverged(self, loss: float) -> bool:
+        return not loss <= self.loss_bound  # NaN included
+
+    def _divergence(self, what: str, loss: float, step: int) -> TrainingDiverged:
+        if math.isfinite(loss):
+            why = (f", more than {DIVERGENCE_MARGIN:g} nats above the uniform baseline ln V = "
+                   f"{self.loss_bound - DIVERGENCE_MARGIN:.4f} (divergence)")
+            shown = f"{loss:.6g}"
+        else:
+            why, shown = "", str(loss)
+        return TrainingDiverged(
+            f"{what} became {shown} at step {step}{why}; last good checkpoint: "
+            f"{self.good_checkpoint()}", step, self.last_checkpoint,
+        )
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Of the last call."""
+        tokens = self.config.samples_per_call * self.config.model.seq_len
+        return tokens / self.seconds if self.seconds else 0.0
+
+    def log_step(self, lr: float, loss: float, val_loss: Optional[float]) -> None:
+        """The step's row of metrics.csv (and its scalars for TensorBoard), with the task's
+        other validation metrics on evaluation steps; raises TrainingDiverged past the
+        divergence bound."""
+        evaluated = self.val_metrics if val_loss is not None else {}
+        self.metrics.write({
+            "step": self.step, "lr": _exact(lr), "train_loss": _exact(loss),
+            "val_loss": _exact(val_loss), "tokens_per_s": f"{self.tokens_per_s:.1f}",
+            "elapsed_s": f"{self.elapsed:.3f}",
+            **{f"val_{name}": _exact(value) for name, value in evaluated.items()},
+        })
+        self.tensorboard.log(self.step, {
+            "train/loss": loss, "train/lr": lr, "train/tokens_per_s": self.tokens_per_s,
+            "val/loss": val_loss, **{f"val/{name}": value for name, value in evaluated.items()},
+        })
+        if self._diverged(loss):
+            raise self._divergence("loss", loss, self.step)
+        self.last_train = loss
+        if val_loss is not None and self._diverged(val_loss):
+            raise self._divergence("validation loss", val_loss, self.step)
+
+    @property
+    def elapsed(self) -> float:
+        """Wall-clock seconds of the run so far, over every process that trained it."""
+        return time.perf_counter() - self.started
+
+    def save(self, final: bool = False) -> None:
+        """Checkpoint the current step, if its weights are good; rows logged so far are made
+        durable first. Unless ``final`` (the caller writes the summary), ``summary.json``
+        then records the run's progress and the checkpoint's step.
+
+        Good means finite, with a validation loss within the divergence bound: the training
+        loss of a step is that of the weights before its update, so only the validation loss
+        (taken at this step anyway on evaluation steps) vouches for the weights saved.
+        """
+        self._weights_to_host()
+        if not all(bool(torch.isfinite(p).all()) for p in self.model.parameters()):
+            raise TrainingDiverged(
+                f"weights became non-finite at step {self.step}; last good checkpoint: "
+                f"{self.good_checkpoint()}", self.step, self.last_checkpoint,
+            )
+        evaluated = self.val_curve and self.val_curve[-1][0] == self.step
+        val_loss = self.val_curve[-1][1] if evaluated else self._validation_loss()
+        if self._diverged(val_loss):
+            raise self._divergence("validation loss of the weights to checkpoint",
+                                   val_loss, self.step)
+        self.metrics.sync()
+        if self.writes:
+            save_checkpoint(self.checkpoint_path, self._checkpoint(val_loss))
+        self.last_checkpoint = self.checkpoint_path
+        self.saved_step = self.step
+        if not final and self.writes:
+            write_summary(self.summary(
+                "unfinished", f"checkpoint at step {self.step}; if its process is gone, "
+                f"continue with: ipu-unit-scaling train --resume {self.run.run_dir}"))
+
+    def _checkpoint(self, val_loss: float) -> Dict[str, Any]:
+        from ..training.run_directory import tokenizer_sha256
+
+        return {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "batch_rng": self.batch_generator.get_state(),
+            "data_sha256": self.run.corpus.sha256,
+            "val_curve": [list(p) for p in self.val_curve],
+            "last_train_loss": self.last_train,
+            "train_seconds": self.train_seconds,
+            "trained_tokens": self.trained_tokens,
+            "elapsed_s": self.elapsed,
+            "schedule": _schedule_settings(self.training),
+            "val_loss": val_loss,
+            "base_chars": self.run.base_chars,
+            "init_from": self.run.init_from,
+            "tokenizer_sha256": tokenizer_sha256(self.run.corpus.tokenizer.chars),
+            "task": self.task.settings(),
+            "val_metrics": self.val_metrics,
+        }
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.tensorboard.close()
+        self.wrapper.destroy()
+
+    def summary(self, status: str, message: str) -> RunSummary:
+        run = self.run
+        finite = [v for _, v in self.val_curve if math.isfinite(v)]
+        unigram = self.unigram
+        return RunSummary(
+            run_dir=str(run.run_dir), status=status, steps=self.step,
+            final_train_loss=self.last_train,
+            final_val_loss=self.val_curve[-1][1] if self.val_curve else None,
+            best_val_loss=min(finite) if finite else None,
+            unigram_baseline=unigram, uniform_baseline=math.log(run.corpus.tokenizer.vocab_size),
+            tokens_per_s=self.trained_tokens / self.train_seconds if self.train_seconds else 0.0,
+            elapsed_s=self.elapsed, backend=run.backend,
+            data=run.corpus.source, message=message, val_curve=self.val_curve,
+            data_sha256=run.corpus.sha256, init_from=run.init_from,
+            checkpoint_step=self.saved_step, task=self.task.name,
+            model=model_kind(self.config), learning_rate=self.training.learning_rate,
+            final_val_metrics=dict(self.val_metrics),
+        )
