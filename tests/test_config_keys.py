@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import ipu_unit_scaling.training.plots
-from ipu_unit_scaling.apps import cli
+from ipu_unit_scaling.apps import cli, compare
 from ipu_unit_scaling.backends import BackendError, build_training_model, make_optimizer
 from ipu_unit_scaling.loop import run_session
 from ipu_unit_scaling.loop import training_loop as train_module
@@ -132,7 +132,7 @@ def _compare_regimes(tmp_path: Path, monkeypatch: Any, overrides: List[str]) -> 
         seen["regimes"] = list(regimes)
         raise cli.UsageError("stop here")
 
-    monkeypatch.setattr(cli, "run_compare", fake_compare)
+    monkeypatch.setattr(compare, "run_compare", fake_compare)
     cli.main(["compare", "--config", "tiny", "--run-dir", str(tmp_path / "c"), "--set",
               *BASE, *DATA, *overrides])
     return seen["regimes"]

@@ -20,7 +20,7 @@ from typing import Callable, List, NamedTuple, Optional
 import pytest
 
 import ipu_unit_scaling.training.plots
-from ipu_unit_scaling.apps import cli
+from ipu_unit_scaling.apps import commands
 from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.training.data import load_corpus, read_text_file
 from ipu_unit_scaling.training.run_directory import MetricsLog, make_unique_run_dir
@@ -450,7 +450,7 @@ def test_a_refused_start_keeps_a_directory_it_did_not_create(tmp_path, capsys):
 def test_default_run_directories_of_the_same_second_differ(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(ipu_unit_scaling.training.plots, "plot_run", lambda *args, **kwargs: None)
-    monkeypatch.setattr(cli.time, "strftime", lambda *args: "20250101-000000")
+    monkeypatch.setattr(commands.time, "strftime", lambda *args: "20250101-000000")
     argv = ["train", "--config", "tiny", "--data", data(tmp_path), "--quiet", "--set", *SMALL]
     assert main(argv) == 0
     assert main(argv) == 0, capsys.readouterr().err

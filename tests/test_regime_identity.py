@@ -31,7 +31,6 @@ from ipu_unit_scaling.apps import mlm
 from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.fp8 import FP8Linear, FP8UnitScaledLinear
 from ipu_unit_scaling.loop import run_session
-from ipu_unit_scaling.loop import training_loop as train
 from ipu_unit_scaling.loop.tasks import CausalLM, MaskedLM
 from ipu_unit_scaling.parametrization import umup as umup_rules
 from ipu_unit_scaling.training.precision import REGIME_SETTINGS, FP16Linear

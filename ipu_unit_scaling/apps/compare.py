@@ -1,0 +1,227 @@
+"""``ipu-unit-scaling compare``: the precision regimes of one model trained side by side (over
+seeds, or the masked-LM encoder with ``--model bert``), and their table.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..training.run_config import (
+    Config,
+    setting_differences,
+)
+from .commands import (
+    MODEL_NAMES,
+    UsageError,
+    _continued_by_running_again,
+    _fmt,
+    _load,
+    _overrides,
+    _read_baseline,
+    _run_directory,
+    _runs_root,
+)
+
+
+def run_compare(
+    config: Config, regimes: Sequence[str], run_dir: Path, quiet: bool = False,
+) -> List[Dict[str, Any]]:
+    """Train every regime into ``run_dir/<regime>``; returns one result row per regime.
+
+    A regime already in ``run_dir`` is reused (finished) or resumed (unfinished) only when its
+    saved settings are those it would run with now; otherwise nothing runs and a RunError
+    names the keys that differ.
+    """
+    from ..training.data import load_corpus
+    from ..training.run_directory import RunLock, make_run_dir, remove_temporaries
+
+    make_run_dir(run_dir)
+    with RunLock(run_dir):
+        remove_temporaries(run_dir)
+        corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
+        plans = [(regime, *_regime_plan(config, regime, run_dir / regime, corpus))
+                 for regime in regimes]
+        return _run_regimes(plans, run_dir, quiet)
+
+
+def _regime_plan(config: Config, regime: str, regime_dir: Path, corpus: Any) -> Any:
+    """The regime's resolved config, and whether to ``start``, ``resume`` or ``reuse`` it."""
+    from ..loop.training_loop import (
+        check_reused_tokenizer,
+        load_run_config,
+        regime_config,
+        resolved_config,
+    )
+    from ..training.run_directory import CHECKPOINT_FILE, SUMMARY_FILE, RunError, read_json
+
+    cfg = resolved_config(regime_config(config, regime), corpus)
+    has_checkpoint = (regime_dir / CHECKPOINT_FILE).exists()
+    summary = read_json(regime_dir / SUMMARY_FILE)
+    if not has_checkpoint and summary is None:
+        return cfg, "start"  # new, or killed before anything worth keeping
+    differences = setting_differences(load_run_config(regime_dir).to_dict(), cfg.to_dict())
+    if summary is not None and summary.get("data_sha256") != corpus.sha256:
+        differences.append(f"data: {corpus.source} is not the text it trained on")
+    if differences:
+        shown = ", ".join(differences[:4]) + (", ..." if len(differences) > 4 else "")
+        raise RunError(
+            f"{regime_dir} was trained with other settings ({shown}); rerun with the same "
+            "settings or choose another --run-dir"
+        )
+    status = summary.get("status") if summary else None
+    if status == "diverged" or (status == "completed" and
+                                summary.get("steps") == cfg.training.steps):  # type: ignore
+        check_reused_tokenizer(regime_dir, corpus.tokenizer.chars)
+        return cfg, "reuse"
+    return cfg, "resume" if has_checkpoint else "start"
+
+
+def _run_regimes(plans: Sequence[Any], run_dir: Path, quiet: bool) -> List[Dict[str, Any]]:
+    from ..loop.training_loop import TrainingDiverged, model_kind, train
+    from ..training.plots import plot_compare
+    from ..training.run_directory import SUMMARY_FILE, atomic_write, read_json
+
+    rows: List[Dict[str, Any]] = []
+    curves: Dict[str, List[Any]] = {}
+    baseline = None
+    for regime, cfg, action in plans:
+        regime_dir = run_dir / regime
+        if action == "reuse":
+            if not quiet:
+                print(f"{regime}: reusing the finished run in {regime_dir}")
+        else:
+            try:
+                train(cfg, regime_dir, resume=action == "resume", quiet=quiet, desc=regime)
+            except TrainingDiverged as error:
+                if not quiet:
+                    print(f"{regime}: {error}")
+        data = read_json(regime_dir / SUMMARY_FILE) or {}
+        baseline = data.get("unigram_baseline", baseline)
+        curves[regime] = [tuple(p) for p in data.get("val_curve", [])]
+        rows.append({
+            "regime": regime,
+            "model": MODEL_NAMES[model_kind(cfg)],
+            "precision": _precision_name(cfg),
+            "learning_rate": cfg.training.learning_rate,
+            "status": data.get("status", "missing"),
+            "steps": data.get("steps"),
+            "final_val_loss": data.get("final_val_loss") if data.get("status") == "completed"
+            else None,
+            "elapsed_s": data.get("elapsed_s"),
+            "message": data.get("message", ""),
+        })
+    reference = next((r["final_val_loss"] for r in rows if r["regime"] == "fp32"), None)
+    for row in rows:
+        loss = row["final_val_loss"]
+        row["gap_to_fp32_percent"] = (
+            100.0 * (loss - reference) / reference if loss is not None and reference else None
+        )
+    table = format_compare_table(rows, baseline)
+    atomic_write(run_dir / "compare.md", (table + "\n").encode("utf-8"))
+    atomic_write(run_dir / "compare.json", json.dumps(
+        {"unigram_baseline": baseline, "regimes": rows}, indent=2).encode("utf-8"))
+    plot_compare(curves, run_dir / "compare.png", baseline)
+    return rows
+
+
+def _precision_name(config: Config) -> str:
+    dtype = config.precision.dtype
+    if dtype != "fp8":
+        return dtype
+    return f"fp8 {config.precision.fp8.scaling}"
+
+
+def format_compare_table(rows: Sequence[Dict[str, Any]], baseline: Optional[float]) -> str:
+    """A Markdown table: regime, model, precision, lr, final validation loss, gap to fp32."""
+    lines = [
+        "| regime | model | precision | learning rate | final val loss | gap to fp32 | time |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if row["status"] == "completed":
+            loss = _fmt(row["final_val_loss"])
+        else:
+            loss = f"{row['status']} at step {row['steps']}"
+        gap = row.get("gap_to_fp32_percent")
+        gap_text = "-" if gap is None else f"{gap:+.1f}%"
+        seconds = row.get("elapsed_s")
+        time_text = "-" if seconds is None else f"{seconds:.0f} s"
+        lines.append(
+            f"| {row['regime']} | {row['model']} | {row['precision']} | "
+            f"{row['learning_rate']:g} | {loss} | {gap_text} | {time_text} |"
+        )
+    if baseline is not None:
+        lines.append("")
+        lines.append(f"Unigram baseline (validation): {baseline:.4f} nats per character.")
+    return "\n".join(lines)
+
+
+def _cmd_compare_bert(args: argparse.Namespace) -> int:
+    from .mlm import MLM_REGIMES, MLMConfig, check_mlm_regimes, format_mlm_table, run_mlm_compare
+
+    if args.config:
+        raise UsageError("--model bert takes its settings from --set mlm.<key>=VALUE, not "
+                         "--config")
+    overrides = _overrides(args)
+    if args.data:
+        overrides.append(f"mlm.data={json.dumps(str(args.data))}")
+    regimes = list(args.regimes or MLM_REGIMES)
+    try:
+        config = MLMConfig().with_overrides(overrides)
+        check_mlm_regimes(regimes)
+    except ValueError as error:
+        raise UsageError(str(error)) from error
+    seeds = list(range(args.seeds if args.seeds is not None else 3))
+    if len(set(regimes)) != len(regimes):
+        raise UsageError("--regimes lists each regime once")
+    with _run_directory(args.run_dir, "runs", "compare-bert") as run_dir, \
+            _continued_by_running_again("compare", run_dir):
+        rows = run_mlm_compare(config, regimes, seeds, run_dir, quiet=args.quiet)
+    print(format_mlm_table(rows, seeds))
+    print(f"curves: {run_dir / 'compare.png'}; table: {run_dir / 'compare.md'}")
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    if args.model == "bert":
+        return _cmd_compare_bert(args)
+    config = _load(args)
+    seeds = args.seeds or 1
+    regimes = list(args.regimes or config.compare.regimes)
+    if len(set(regimes)) != len(regimes):
+        raise UsageError(f"--regimes lists a regime twice: {' '.join(regimes)}")
+    with _run_directory(args.run_dir, _runs_root(config), "compare") as run_dir, \
+            _continued_by_running_again("compare", run_dir):
+        if seeds == 1:
+            rows = run_compare(config, regimes, run_dir, quiet=args.quiet)
+            table = format_compare_table(rows, _read_baseline(run_dir))
+        else:
+            table = run_compare_seeds(config, regimes, run_dir, seeds, quiet=args.quiet)
+    print(table)
+    print(f"curves: {run_dir / 'compare.png'}; table: {run_dir / 'compare.md'}")
+    return 0
+
+
+def run_compare_seeds(config: Config, regimes: Sequence[str], run_dir: Path, seeds: int,
+                      quiet: bool = False) -> str:
+    """``compare`` once per seed (``run_dir/seed-<seed>``), then the mean ± std table; returns
+    it (also in ``compare.md``, with ``compare.json`` and ``compare.png``)."""
+    from ..training.run_directory import RunLock, make_run_dir
+    from .experiments import write_seed_results
+
+    per_seed: Dict[int, List[Dict[str, Any]]] = {}
+    seed_dirs: Dict[int, Path] = {}
+    make_run_dir(run_dir)
+    with RunLock(run_dir):
+        for offset in range(seeds):
+            seeded = copy.deepcopy(config)
+            seed = seeded.training.seed = config.training.seed + offset
+            seed_dirs[seed] = run_dir / f"seed-{seed}"
+            if not quiet:
+                print(f"compare: seed {seed} ({offset + 1} of {seeds})")
+            per_seed[seed] = run_compare(seeded, regimes, seed_dirs[seed], quiet=quiet)
+        _, table = write_seed_results(run_dir, per_seed, seed_dirs)
+    return table
