@@ -1,0 +1,360 @@
+"""Reading run configs: YAML files (with ``extends``, and YAML 1.1's ambiguous spellings refused),
+``--set KEY=VALUE`` overrides, and typed config sections built from the values read, each
+problem a :class:`ConfigError` naming its key. The schema and its rules are
+:mod:`.run_config`'s.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import reprlib
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Dict, List, Sequence, Tuple, Union
+
+import yaml
+
+from ..fp8.fp8_config import FP8ConfigError
+
+
+def _configs_dir() -> Path:
+    """`configs/` of a source checkout, else the copy a non-editable install puts in its prefix."""
+    checkout = Path(__file__).resolve().parents[2] / "configs"
+    installed = Path(sys.prefix) / "share" / "ipu-unit-scaling" / "configs"
+    return checkout if checkout.is_dir() or not installed.is_dir() else installed
+
+
+CONFIGS_DIR = _configs_dir()
+
+
+class ConfigError(ValueError):
+    """A config that cannot run. ``errors`` lists (key path, message) pairs."""
+
+    def __init__(self, errors: Sequence[Tuple[str, str]]):
+        self.errors = list(errors)
+        lines = [f"{path}: {message}" if path else message for path, message in self.errors]
+        super().__init__("invalid config:\n  " + "\n  ".join(lines))
+
+
+# The model and FP8 sections are the library's own config classes: one definition each.
+def read_yaml_file(path: Path, what: str = "config file") -> Any:
+    """The YAML document in ``path``; any way it cannot be read is a one-line ConfigError."""
+    try:
+        data = path.read_bytes()
+    except (OSError, ValueError) as error:
+        reason = getattr(error, "strerror", None) or str(error)
+        raise ConfigError([("", f"cannot read {what} {str(path)!r}: {reason}")]) from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError([("", (
+            f"{what} {str(path)!r} is not UTF-8 text (invalid byte 0x{data[error.start]:02x} "
+            f"at offset {error.start})"
+        ))]) from None
+    return parse_yaml(text, f"{what} {str(path)!r}")
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """``yaml.safe_load`` whose failures are ConfigErrors naming the line and column; values
+    YAML 1.1 reads differently from YAML 1.2 (``010``, ``1:00``, ``yes``) are refused."""
+    try:
+        return yaml.load(text, Loader=_DecimalLoader)
+    except AmbiguousValue as error:
+        raise ConfigError([("", f"{where}, line {error.line}, column {error.column}: "
+                                f"{error.reason}")]) from None
+    except yaml.YAMLError as error:
+        raise ConfigError([("", f"{where} is not valid YAML: {_yaml_problem(error)}")]) from None
+    except RecursionError:
+        raise ConfigError([("", f"{where} is nested too deeply to read")]) from None
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    def at(mark: Any) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    problem = getattr(error, "problem", None) or str(error)
+    text = " ".join(str(problem).split())
+    mark = getattr(error, "problem_mark", None)
+    if mark is not None:
+        text = f"{at(mark)}: {text}"
+    context, context_mark = getattr(error, "context", None), getattr(error, "context_mark", None)
+    if context and context_mark is not None:
+        text += f" ({' '.join(str(context).split())} started at {at(context_mark)})"
+    return text
+
+
+def _resolve_path(path: Union[str, Path]) -> Path:
+    candidate = Path(path)
+    named = CONFIGS_DIR / (candidate.name if candidate.suffix else candidate.name + ".yaml")
+    if _is_file(candidate):
+        return candidate
+    if str(path) and candidate.parent == Path(".") and _is_file(named):
+        return named
+    if str(path) and _exists(candidate):
+        raise ConfigError([("", f"config file {str(path)!r} is not a regular file")])
+    raise ConfigError([("", f"config file {str(path)!r} not found (nor {named})")])
+
+
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except (OSError, ValueError):  # a NUL byte or an unusable name: not a file we can read
+        return False
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
+
+
+def _read_with_extends(path: Path, seen: Tuple[Path, ...]) -> Dict[str, Any]:
+    path = path.resolve()
+    if path in seen:
+        chain = " -> ".join(str(p) for p in seen + (path,))
+        raise ConfigError([("extends", f"cycle: {chain}")])
+    data = read_yaml_file(path)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([("", f"{path} must hold a mapping, got {type(data).__name__}")])
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    if not isinstance(parent, str) or not parent:
+        raise ConfigError([("extends", f"got {_short(parent)}; expected a file path")])
+    parent_path = path.parent / parent
+    if not _is_file(parent_path):
+        raise ConfigError([("extends", f"{_short(parent)} not found next to {path}")])
+    return _deep_merge(_read_with_extends(parent_path, seen + (path,)), data)
+
+
+def _deep_merge(base: Dict[str, Any], update: Dict[str, Any]) -> Dict[str, Any]:
+    # Recursion is bounded by what the YAML parser could nest in the first place.
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+class AmbiguousValue(yaml.YAMLError):
+    """A scalar YAML 1.1 reads otherwise than YAML 1.2 and a person do (see the module notes)."""
+
+    def __init__(self, reason: str, mark: Any) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.line = mark.line + 1 if mark is not None else 1
+        self.column = mark.column + 1 if mark is not None else 1
+
+
+_BOOLEAN_WORDS = {"yes": "true", "on": "true", "no": "false", "off": "false"}
+
+
+class _DecimalLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses octal-looking, base-60 and yes/no/on/off scalars,
+    tagged implicitly or explicitly (``!!int 010``); quoted, they are strings as usual."""
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> Any:  # type: ignore[override]
+        text = str(node.value)
+        digits = text.lstrip("+-").replace("_", "")
+        if ":" in digits:
+            raise _base_60(text, node)
+        if len(digits) > 1 and digits[0] == "0" and digits[1] not in "xXbB":
+            decimal = str(int(digits))
+            raise AmbiguousValue(
+                f"{text} is ambiguous: YAML 1.1 reads a leading 0 as octal, YAML 1.2 as "
+                f"decimal; write {text[0] if text[0] in '+-' else ''}{decimal} for the number, "
+                f"or quote it ('{text}') for text", node.start_mark)
+        return super().construct_yaml_int(node)
+
+    def construct_yaml_float(self, node: yaml.ScalarNode) -> Any:  # type: ignore[override]
+        if ":" in str(node.value):
+            raise _base_60(str(node.value), node)
+        return super().construct_yaml_float(node)
+
+    def construct_yaml_bool(self, node: yaml.ScalarNode) -> Any:  # type: ignore[override]
+        text = str(node.value)
+        meaning = _BOOLEAN_WORDS.get(text.lower())
+        if meaning is not None:
+            raise AmbiguousValue(
+                f"{text} is ambiguous: YAML 1.1 reads it as {meaning}, YAML 1.2 as text; "
+                f"write {meaning}, or quote it ('{text}') for text", node.start_mark)
+        return super().construct_yaml_bool(node)
+
+
+def _base_60(text: str, node: yaml.ScalarNode) -> AmbiguousValue:
+    return AmbiguousValue(
+        f"{text} is ambiguous: YAML 1.1 reads it as a base-60 number, YAML 1.2 as text; write "
+        f"the number in decimal, or quote it ('{text}') for text", node.start_mark)
+
+
+_DecimalLoader.add_constructor("tag:yaml.org,2002:int", _DecimalLoader.construct_yaml_int)
+_DecimalLoader.add_constructor("tag:yaml.org,2002:float", _DecimalLoader.construct_yaml_float)
+_DecimalLoader.add_constructor("tag:yaml.org,2002:bool", _DecimalLoader.construct_yaml_bool)
+
+
+def parse_override_value(key: str, text: str) -> Any:
+    """The value of a ``key=text`` override, read as YAML by :func:`parse_yaml`'s rules; an
+    empty text is refused (an unset shell variable should not silently mean null)."""
+    if not text.strip():
+        raise ConfigError([(key, "the value is empty; write null to unset it, or '' for an "
+                                 "empty string")])
+    try:
+        return yaml.load(text, Loader=_DecimalLoader)
+    except AmbiguousValue as error:
+        raise ConfigError([(key, error.reason)]) from None
+    except yaml.YAMLError:
+        return parse_yaml(text, f"the value of {key}")  # to word the error as for files
+    except RecursionError:
+        raise ConfigError([(key, "the value is nested too deeply to read")]) from None
+
+
+def apply_override(raw: Dict[str, Any], override: str) -> None:
+    """Apply one ``section.key=value`` override to a raw mapping; the value is YAML, read by
+    :func:`parse_override_value` (numbers in decimal, ambiguous spellings refused)."""
+    key, sep, text = override.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError([("", f"override {_short(override)} must look like section.key=value")])
+    value = parse_override_value(key, text)
+    parts = key.split(".")
+    node = raw
+    for depth, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError([(".".join(parts[: depth + 1]), "is not a section")])
+        node = child
+    node[parts[-1]] = value
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlevel = 2
+_REPR.maxlist = _REPR.maxdict = 4
+
+
+def _short(value: Any) -> str:
+    """``repr`` cut to a readable length, even for hostile values (deep, huge, cyclic)."""
+    try:
+        return _REPR.repr(value)
+    except RecursionError:
+        return f"<{type(value).__name__}>"
+
+
+def _build(cls: Any, raw: Any, path: str, errors: List[Tuple[str, str]]) -> Any:
+    """Instantiate dataclass ``cls`` from mapping ``raw``; records errors instead of raising."""
+    if not isinstance(raw, dict):
+        errors.append((path, f"got {_short(raw)}; expected a mapping of {_field_names(cls)}"))
+        return cls()
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: Dict[str, Any] = {}
+    for key, value in raw.items():
+        key_path = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            guess = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {guess[0]!r}?" if guess else ""
+            errors.append((key_path, f"unknown key{hint} (allowed: {', '.join(names)})"))
+            continue
+        hint_type = hints[key]
+        if dataclasses.is_dataclass(hint_type):
+            kwargs[key] = _build(hint_type, value, key_path, errors)
+            continue
+        if _origin(hint_type) is dict and isinstance(value, dict):
+            default = getattr(cls(), key)
+            value_type = getattr(hint_type, "__args__", (Any, Any))[1]
+            # A partial mapping updates the defaults; its values convert like any field's.
+            value = {**default, **{k: _coerce(v, value_type) for k, v in value.items()}}
+        else:
+            value = _coerce(value, hint_type)
+        if not _matches(value, hint_type):
+            errors.append((key_path, _type_error(value, hint_type)))
+            continue
+        kwargs[key] = value
+    try:
+        return cls(**kwargs)
+    except FP8ConfigError as error:  # a section that checks its own rules
+        errors.extend((f"{path}.{name}", message) for name, message in error.problems)
+        return cls()
+
+
+def _type_error(value: Any, hint: Any) -> str:
+    return f"got {_short(value)} ({type(value).__name__}); expected {_describe(hint)}"
+
+
+def _field_names(cls: Any) -> str:
+    return ", ".join(f.name for f in dataclasses.fields(cls))
+
+
+def _origin(hint: Any) -> Any:
+    return getattr(hint, "__origin__", None)
+
+
+def _coerce(value: Any, hint: Any) -> Any:
+    """Friendly conversions only: YAML reads ``1e-3`` as a string, and ints are valid floats."""
+    if hint is float and isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return value
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if _origin(hint) is Union:
+        for option in hint.__args__:
+            converted = _coerce(value, option)
+            if _matches(converted, option):
+                return converted
+    if _origin(hint) is list and isinstance(value, list):
+        (item,) = hint.__args__
+        return [_coerce(v, item) for v in value]
+    if _origin(hint) is dict and isinstance(value, dict):
+        return {k: _coerce(v, hint.__args__[1]) for k, v in value.items()}
+    return value
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, float) and math.isfinite(value)
+    if hint is str:
+        return isinstance(value, str)
+    origin = _origin(hint)
+    if origin is Union:
+        return any(_matches(value, option) for option in hint.__args__)
+    if origin is list:
+        return isinstance(value, list) and all(_matches(v, hint.__args__[0]) for v in value)
+    if origin is dict:
+        key_hint, value_hint = hint.__args__
+        return isinstance(value, dict) and all(
+            _matches(k, key_hint) and _matches(v, value_hint) for k, v in value.items()
+        )
+    return isinstance(hint, type) and isinstance(value, hint)
+
+
+def _describe(hint: Any) -> str:
+    names = {bool: "a bool", int: "an int", float: "a finite float", str: "a string"}
+    if hint in names:
+        return names[hint]
+    if hint is type(None):
+        return "null"
+    origin = _origin(hint)
+    if origin is Union:
+        return " or ".join(_describe(option) for option in hint.__args__)
+    if origin is list:
+        return f"a list of {_describe(hint.__args__[0]).split(' ', 1)[-1]}s"
+    if origin is dict:
+        return f"a mapping of names to {_describe(hint.__args__[1]).split(' ', 1)[-1]}s"
+    return getattr(hint, "__name__", str(hint))
