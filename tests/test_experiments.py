@@ -9,12 +9,11 @@ from pathlib import Path
 import pytest
 
 from ipu_unit_scaling.apps.cli import main
-from ipu_unit_scaling.apps.experiments import (
+from ipu_unit_scaling.apps.experiments import aggregate_seeds, mean_curves
+from ipu_unit_scaling.apps.sweep import (
     SweepPoint,
-    aggregate_seeds,
     default_exponents,
     format_sweep_tables,
-    mean_curves,
     transfer_summary,
 )
 from ipu_unit_scaling.training.run_config import load_config

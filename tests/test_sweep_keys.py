@@ -7,7 +7,7 @@ import pytest
 import yaml
 
 from ipu_unit_scaling.apps.cli import main
-from ipu_unit_scaling.apps.experiments import (
+from ipu_unit_scaling.apps.sweep import (
     SweepPoint,
     format_sweep_tables,
     kinds_using,

@@ -199,7 +199,7 @@ def _fine_tuning_config(args: argparse.Namespace) -> Config:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from .experiments import default_exponents, run_sweep, sweep_report
+    from .sweep import default_exponents, run_sweep, sweep_report
 
     config = _load(args)
     key, values = _sweep_key(args, config)
@@ -232,7 +232,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 def _sweep_key(args: argparse.Namespace, config: Config) -> Tuple[Optional[str], List[Any]]:
     """``--key`` and its parsed ``--values`` (None, [] for a learning-rate sweep); fills in
     ``args.models`` where it was left out."""
-    from .experiments import kinds_using, parse_sweep_values
+    from .sweep import kinds_using, parse_sweep_values
 
     if args.key is None:
         if args.values:
