@@ -43,29 +43,31 @@ from .modules.depth_blocks import (
     TransformerLayer,
     TransformerStack,
 )
-from .modules.layers import (
-    GELU,
+from .modules.gpt_blocks import (
     GPT,
     TORCH_OPS,
     UNIT_OPS,
+    FeedForward,
+    GatedMLP,
+    Ops,
+    SelfAttention,
+    TransformerBlock,
+    unit_attention,
+)
+from .modules.layers import (
+    GELU,
     AttentionProjection,
     Conv1d,
     CrossEntropyLoss,
     Dropout,
     Embedding,
-    FeedForward,
-    GatedMLP,
     LayerNorm,
     Linear,
     LinearReadout,
-    Ops,
     ReLU,
     RMSNorm,
-    SelfAttention,
     SiLU,
     Softmax,
-    TransformerBlock,
-    unit_attention,
 )
 from .modules.mup_parameter import MupType, Parameter
 from .ops.op_helpers import transformer_residual_scaling_rule

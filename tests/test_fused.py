@@ -206,7 +206,7 @@ def test_fused_modules_match_the_op_by_op_forms(monkeypatch, bias):
     """uu.GPT, TransformerLayer and MLP with their one-Function eager forms
     against the same model computed op by op (the forms switched off)."""
     import ipu_unit_scaling as uu
-    from ipu_unit_scaling.modules import layers as modules
+    from ipu_unit_scaling.modules import gpt_blocks as modules
 
     torch.manual_seed(0)
     model = uu.GPT(vocab_size=48, hidden_size=32, depth=2, heads=4, seq_len=12,

@@ -11,9 +11,9 @@ from typing import Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from .. import modules as uu
 from ..fp8 import NonFiniteAmaxError
 from ..models.encoder import BertStyleEncoder
-from ..modules import layers as uu
 from ..training.run_config import Config
 
 __all__ = ["ENCODER_OPS", "mask_tokens", "masked_batch", "encoder_from_config", "evaluate"]

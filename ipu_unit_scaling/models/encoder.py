@@ -15,7 +15,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from ..modules.layers import UNIT_OPS, FeedForward, Ops, SelfAttention, layer_norm_module
+from ..modules.gpt_blocks import UNIT_OPS, FeedForward, Ops, SelfAttention, layer_norm_module
 
 __all__ = ["EncoderLayer", "BertStyleEncoder"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..modules.layers import GPT, TORCH_OPS, UNIT_OPS
+from ..modules.gpt_blocks import GPT, TORCH_OPS, UNIT_OPS
 from ..parametrization.umup import UmupHyperparameters, umup_decoder
 
 PARAMETRIZATIONS = ("unit", "u-mup")

@@ -53,7 +53,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..modules.layers import GPT, UNIT_OPS, Linear
+from ..modules.gpt_blocks import GPT, UNIT_OPS
+from ..modules.layers import Linear
 from ..ops import activation_ops, unit_ops
 from ..ops import ipu_lowering as lowering
 from ..ops.scale_constraints import ConstraintArg, apply_constraint

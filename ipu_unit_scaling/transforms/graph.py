@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from ..modules import layers as uu
+from .. import modules as uu
 from ..ops.scale_constraints import SharedInputGmean
 from . import export as E
 from . import replacements as R

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .. import modules as uu
 from .. import ops as U
-from ..modules import layers as uu
 from ..ops import loss_ops, unit_ops
 from ..ops.scaling_primitive import scale_bwd
 

@@ -50,7 +50,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from ..modules import layers as uu
+from .. import modules as uu
 from . import export as E
 from . import replacements as R
 from .compose import apply_transform, transforms_of, without_transforms

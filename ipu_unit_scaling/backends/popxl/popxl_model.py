@@ -35,7 +35,7 @@ from torch import nn
 
 from ... import ops as U
 from ...fp8.fp8_config import FP8Config
-from ...modules.layers import GPT, UNIT_OPS
+from ...modules.gpt_blocks import GPT, UNIT_OPS
 from ...ops import activation_ops, unit_ops
 from ...ops.scale_constraints import ConstraintArg, apply_constraint
 from ...training.run_config import ConfigError
