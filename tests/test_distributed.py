@@ -24,7 +24,8 @@ import torch
 from ipu_unit_scaling.backends import BACKEND_ENV, BackendError, select_backend
 from ipu_unit_scaling.backends.distributed import check_launch
 from ipu_unit_scaling.training.run_config import load_config, scheduled_learning_rate
-from ipu_unit_scaling.training.run_directory import RunLock, load_checkpoint, read_metrics
+from ipu_unit_scaling.training.run_directory import RunLock
+from ipu_unit_scaling.training.run_records import load_checkpoint, read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 12

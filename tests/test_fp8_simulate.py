@@ -100,8 +100,8 @@ def test_simulate_fp8_attention_option():
 def test_unit_scaled_linear_keeps_its_scales():
     """With operands already on the FP8 grids, static FP8 is exact: it must equal U.linear."""
     from ipu_unit_scaling import functional as U
-    from ipu_unit_scaling.fp8 import F143, F152, FP8UnitScaledLinear, quantise
     from ipu_unit_scaling import modules as uu
+    from ipu_unit_scaling.fp8 import F143, F152, FP8UnitScaledLinear, quantise
 
     g = torch.Generator().manual_seed(5)
     layer = uu.Linear(32, 24, bias=True, constraint=None)
@@ -128,8 +128,8 @@ def test_unit_scaled_linear_keeps_its_scales():
 
 
 def test_unit_scaled_decoder_with_fp8_attention():
-    from ipu_unit_scaling.fp8 import FP8UnitScaledLinear
     from ipu_unit_scaling import modules as uu
+    from ipu_unit_scaling.fp8 import FP8UnitScaledLinear
 
     torch.manual_seed(2)
     model = uu.GPT(vocab_size=64, hidden_size=32, depth=1, heads=2, seq_len=16)

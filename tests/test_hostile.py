@@ -23,7 +23,8 @@ import ipu_unit_scaling.training.plots
 from ipu_unit_scaling.apps import commands
 from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.training.data import load_corpus, read_text_file
-from ipu_unit_scaling.training.run_directory import MetricsLog, make_unique_run_dir
+from ipu_unit_scaling.training.run_directory import make_unique_run_dir
+from ipu_unit_scaling.training.run_records import MetricsLog
 
 ROOT = Path(__file__).resolve().parent.parent
 TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(60))
@@ -341,7 +342,7 @@ CASES = [
 
 
 def _checkpoint(tmp: Path) -> str:
-    from ipu_unit_scaling.training.run_directory import save_checkpoint
+    from ipu_unit_scaling.training.run_records import save_checkpoint
 
     path = tmp / "checkpoint.pt"
     save_checkpoint(path, {"step": 1, "model": {}})

@@ -248,7 +248,7 @@ def _terminate_at_row(monkeypatch, directory_name: str, step: int) -> None:
     """SIGTERM to this process once ``directory_name``'s run has logged ``step``."""
     import signal
 
-    from ipu_unit_scaling import rundir
+    from ipu_unit_scaling.training import run_records as rundir
 
     real_write = rundir.MetricsLog.write
 

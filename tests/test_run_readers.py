@@ -25,9 +25,8 @@ from ipu_unit_scaling.training.data import (
     embedded_corpus,
 )
 from ipu_unit_scaling.training.inference import encode_known, text_batches
-from ipu_unit_scaling.training.run_directory import (
-    RunError,
-    RunLock,
+from ipu_unit_scaling.training.run_directory import RunError, RunLock
+from ipu_unit_scaling.training.run_records import (
     checkpoint_sha256,
     load_checkpoint,
     save_checkpoint,

@@ -16,13 +16,15 @@ from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.loop import run_session
 from ipu_unit_scaling.loop.training_loop import read_metrics
 from ipu_unit_scaling.training.run_directory import (
-    MetricsLog,
     RunError,
     RunLock,
     atomic_write,
+    remove_temporaries,
+)
+from ipu_unit_scaling.training.run_records import (
+    MetricsLog,
     load_checkpoint,
     metrics_up_to,
-    remove_temporaries,
     save_checkpoint,
 )
 

@@ -50,12 +50,10 @@ from ..training.run_directory import (
     RunError,
     RunLock,
     atomic_write,
-    check_checkpoint_logged,
-    checkpoint_sha256,
-    load_checkpoint,
     not_a_directory,
     state_mismatch,
 )
+from ..training.run_records import check_checkpoint_logged, checkpoint_sha256, load_checkpoint
 
 __all__ = [
     "TrainedRun", "open_run", "EvaluationRow", "Evaluation", "evaluate_run",

@@ -33,12 +33,10 @@ from ..training.run_directory import (
     TOKENIZER_FILE,
     RunError,
     atomic_write,
-    keep_report_rows_up_to,
     leftovers,
-    load_checkpoint,
-    metrics_up_to,
     read_json,
 )
+from ..training.run_records import keep_report_rows_up_to, load_checkpoint, metrics_up_to
 from .tasks import CAUSAL_LM, CausalLM, Task, read_task
 
 # ------------------------------------------------------------------------ opening a run
@@ -337,7 +335,7 @@ def read_tokenizer(run_dir: Path, action: str = "resume",
                    checkpoint: Optional[Dict[str, Any]] = None) -> CharTokenizer:
     """The run's saved tokenizer; RunError (`"cannot <action> ..."`) if missing or damaged, or
     if it is not the one ``checkpoint`` (the run's loaded checkpoint) was trained with."""
-    from ..training.run_directory import check_tokenizer
+    from ..training.run_records import check_tokenizer
 
     path = Path(run_dir) / TOKENIZER_FILE
     if not path.is_file():

@@ -25,12 +25,14 @@ from ..training.run_directory import (
     CONFIG_FILE,
     METRIC_FIELDS,
     METRICS_FILE,
-    MetricsLog,
     RunError,
+    state_mismatch,
+)
+from ..training.run_records import (
+    MetricsLog,
     UnwrittenMetricsLog,
     check_checkpoint_logged,
     save_checkpoint,
-    state_mismatch,
 )
 from ..training.tensorboard_log import TensorBoardLog
 from .run_opening import _rewrite_for_resume, _Run, _schedule_settings
@@ -248,7 +250,7 @@ class _Session:
                 f"continue with: ipu-unit-scaling train --resume {self.run.run_dir}"))
 
     def _checkpoint(self, val_loss: float) -> Dict[str, Any]:
-        from ..training.run_directory import tokenizer_sha256
+        from ..training.run_records import tokenizer_sha256
 
         return {
             "step": self.step,

@@ -78,13 +78,11 @@ from ..training.run_directory import (
     TOKENIZER_FILE,
     RunError,
     RunLock,
-    load_checkpoint,
     make_run_dir,
     not_a_directory,
-    read_metrics,
     remove_temporaries,
-    save_checkpoint,
 )
+from ..training.run_records import load_checkpoint, read_metrics, save_checkpoint
 from .run_opening import (
     _open_new,
     _open_resumed,
