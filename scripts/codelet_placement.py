@@ -2,7 +2,7 @@
 
     python scripts/codelet_placement.py [--rows 1024] [--cols 4096] [--graphs 60]
 
-Builds the host model of the graph (``ipu_unit_scaling.fp8.codelet_emulator.graph_model``, driven
+Builds the host model of the graph (``ipu_unit_scaling.fp8.codelet_graph.graph_model``, driven
 by the
 C++ placement plan of ``codelets/placement.hpp``) and of the earlier graph
 (``flat_graph_model``) for a float16 ``rows x cols`` input of ``Fp8Quantise`` on a 1472-tile
@@ -18,7 +18,7 @@ from typing import List
 
 import torch
 
-from ipu_unit_scaling.fp8 import F143, cast_to_fp8_reference
+from ipu_unit_scaling.fp8 import F143, cast_to_fp8_reference, codelet_graph
 from ipu_unit_scaling.fp8 import codelet_emulator as emulator
 
 HEADER = ("| layout of x | graph | busiest tile | vertices | edges | remote edges | bytes in "
@@ -26,14 +26,14 @@ HEADER = ("| layout of x | graph | busiest tile | vertices | edges | remote edge
           "|---|---|---|---|---|---|---|---|---|")
 
 
-def row(layout: str, graph: str, *models: emulator.GraphModel) -> str:
-    busiest = emulator.busiest_tile(*models)
+def row(layout: str, graph: str, *models: codelet_graph.GraphModel) -> str:
+    busiest = codelet_graph.busiest_tile(*models)
     return (f"| {layout} | {graph} | {busiest.tile} | {busiest.vertices} | {busiest.edges} | "
             f"{busiest.remote_edges} | {busiest.bytes_in:,} | "
-            f"{emulator.exchanged_elements(*models):,} | {most_cast(models[0]):,} |")
+            f"{codelet_graph.exchanged_elements(*models):,} | {most_cast(models[0]):,} |")
 
 
-def most_cast(model: emulator.GraphModel) -> int:
+def most_cast(model: codelet_graph.GraphModel) -> int:
     """The largest input of a CastToFp8 vertex: the tile whose cast takes longest."""
     return max(sum(e.elements for e in v.edges if e.field == "in")
                for v in model.vertices if v.compute_set == "CastToFp8")
@@ -53,8 +53,8 @@ def main() -> int:
     single: List[str] = [HEADER]
     shared: List[str] = [HEADER]
     for name, mapping in layouts.items():
-        before = emulator.flat_graph_model(mapping)
-        after = [emulator.graph_model(mapping, rotation=r) for r in range(args.graphs)]
+        before = codelet_graph.flat_graph_model(mapping)
+        after = [codelet_graph.graph_model(mapping, rotation=r) for r in range(args.graphs)]
         single += [row(name, "before", before), row(name, "after", after[0])]
         shared += [row(name, "before", *[before] * args.graphs), row(name, "after", *after)]
     print(f"One Fp8Quantise graph, float16 {args.rows} x {args.cols}, 1472 tiles:\n")

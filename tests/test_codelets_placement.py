@@ -17,7 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from ipu_unit_scaling.fp8 import F143, F152, NonFiniteAmaxError, cast_to_fp8_reference
+from ipu_unit_scaling.fp8 import (
+    F143,
+    F152,
+    NonFiniteAmaxError,
+    cast_to_fp8_reference,
+    codelet_graph,
+)
 from ipu_unit_scaling.fp8 import codelet_emulator as emulator
 from ipu_unit_scaling.fp8 import host_library as _host
 
@@ -278,12 +284,12 @@ def element_tiles(mapping: emulator.TileMapping, numel: int) -> np.ndarray:
 @pytest.mark.parametrize("quantise", [True, False], ids=["Fp8Quantise", "Fp8AmaxCast"])
 def test_vertices_follow_the_mapping_and_the_tree_bounds_every_tile(ipu_layouts, layout,
                                                                    quantise):
-    model = emulator.graph_model(ipu_layouts[layout], quantise=quantise)
-    assert emulator.exchanged_elements(model) == 0 and model.copies == []
+    model = codelet_graph.graph_model(ipu_layouts[layout], quantise=quantise)
+    assert codelet_graph.exchanged_elements(model) == 0 and model.copies == []
     for vertex in model.vertices:
         assert all(e.tile == vertex.tile for e in vertex.edges if e.data)
     bound = fan_in(1472)
-    loads = emulator.tile_loads(model)
+    loads = codelet_graph.tile_loads(model)
     # Group inputs (<= F - 1 remote), root inputs (<= F - 1 remote), the scale per cast.
     assert max(load.remote_edges for load in loads) <= 2 * (bound - 1) + 1 + quantise
     assert max(load.vertices for load in loads) <= 4 + quantise
@@ -296,8 +302,8 @@ def test_vertices_follow_the_mapping_and_the_tree_bounds_every_tile(ipu_layouts,
 @pytest.mark.parametrize("tiles", [368, 1472])
 def test_the_earlier_graph_gathers_every_tile_on_tile_zero(tiles):
     mapping = emulator.flat_mapping(1024 * 4096, tiles)
-    before = emulator.tile_loads(emulator.flat_graph_model(mapping))[0]
-    after = emulator.busiest_tile(emulator.graph_model(mapping))
+    before = codelet_graph.tile_loads(codelet_graph.flat_graph_model(mapping))[0]
+    after = codelet_graph.busiest_tile(codelet_graph.graph_model(mapping))
     assert before.remote_edges == tiles - 1  # one exchanged piece per other tile
     assert before.bytes_in == (tiles - 1) * 6 * 4
     assert after.remote_edges <= 2 * (fan_in(tiles) - 1)
@@ -305,21 +311,21 @@ def test_the_earlier_graph_gathers_every_tile_on_tile_zero(tiles):
 
 def test_the_earlier_graph_moves_every_element_off_its_matmul_tile(ipu_layouts):
     numel = 1024 * 4096
-    model = emulator.flat_graph_model(ipu_layouts["matmul"])
+    model = codelet_graph.flat_graph_model(ipu_layouts["matmul"])
     off_tile = element_tiles(ipu_layouts["matmul"], numel) != element_tiles(
         ipu_layouts["flat"], numel)
-    assert emulator.exchanged_elements(model) == int(off_tile.sum()) > 0.9 * numel
-    flat_model = emulator.flat_graph_model(ipu_layouts["flat"])
-    assert flat_model.copies == [] and emulator.exchanged_elements(flat_model) == 0
+    assert codelet_graph.exchanged_elements(model) == int(off_tile.sum()) > 0.9 * numel
+    flat_model = codelet_graph.flat_graph_model(ipu_layouts["flat"])
+    assert flat_model.copies == [] and codelet_graph.exchanged_elements(flat_model) == 0
 
 
 def test_row_segment_layouts_use_the_regions_vertices():
     mapping = emulator.block_mapping(1024, 4096, 16, 92, contiguous_blocks=False)
-    model = emulator.graph_model(mapping)
+    model = codelet_graph.graph_model(mapping)
     tile_vertices = [v for v in model.vertices if v.codelet.endswith("Regions")]
     assert len(tile_vertices) == 3 * 1472  # PartialAmax, CastToFp8, CastFromFp8
     assert all(len([e for e in v.edges if e.field == "in"]) == 64 for v in tile_vertices)
-    assert emulator.exchanged_elements(model) == 0
+    assert codelet_graph.exchanged_elements(model) == 0
 
 
 # --- the C++ graph construction uses this plan ---------------------------------------------
@@ -332,9 +338,9 @@ def test_the_custom_op_builds_from_the_shared_plan():
     assert "ius::planAmaxTree(" in code and "getSortedContiguousRegions(" in code
     assert "splitRange" not in code and "addCopy" not in code and "Copy(" not in code
     assert "CanCreate" not in code and "CanUnwind" in code
-    model_codelets = {v.codelet for v in emulator.graph_model(
+    model_codelets = {v.codelet for v in codelet_graph.graph_model(
         emulator.block_mapping(64, 64, 2, 2, tiles=4, contiguous_blocks=False)).vertices}
-    model_codelets |= {v.codelet for v in emulator.graph_model(
+    model_codelets |= {v.codelet for v in codelet_graph.graph_model(
         emulator.flat_mapping(1000, 4)).vertices}
     assert model_codelets == {"PartialAmax", "PartialAmaxRegions", "MaxPartials", "ScalingBias",
                               "CastToFp8", "CastToFp8Regions", "CastFromFp8",

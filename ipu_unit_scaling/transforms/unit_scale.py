@@ -1,6 +1,10 @@
 """`unit_scale(model)`: a unit-scaled copy of an existing PyTorch model.
 
-The model is traced with torch.fx (see `tracing.ConcreteTracer`); where fx fails and example
+(Over 600 lines because the graph rewrite is one pass, `_Converter`, whose rules for modules,
+functions, residuals and attention read against each other; the rules with no state of their
+own already live in `replacements`, `graph` and `export`.)
+
+The model is traced with torch.fx (see `fx_tracing.ConcreteTracer`); where fx fails and example
 inputs were given, with `torch.export` (see `export`), which sees concrete shapes. The graph is
 then rewritten:
 
