@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
-from ipu_unit_scaling.scale import scale
 
 from ipu_unit_scaling import GPT
 from ipu_unit_scaling.ipu import ipu_tracing, trace_like_poptorch
 from ipu_unit_scaling.ops.scaled_identity import composite_scales
+from ipu_unit_scaling.scale import scale
 
 from .measure import time_interleaved
 from .variants import OURS, TORCH, Shape, build_model, make_batch
@@ -51,8 +51,7 @@ class TracedOpCounts:
 def _scales_dropped() -> Iterator[None]:
     """Scales keep their eager form (a custom autograd Function) while tracing: what PopTorch
     made of an eager unit-scaled model."""
-    # The package exports the function `scale`, which hides the module of the same name.
-    scale_module = sys.modules["ipu_unit_scaling.scale"]
+    scale_module = sys.modules["ipu_unit_scaling.ops.scaling_primitive"]
     original = scale_module.is_ipu_tracing
     scale_module.is_ipu_tracing = lambda: False  # type: ignore[attr-defined]
     try:

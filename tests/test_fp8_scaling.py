@@ -179,9 +179,9 @@ def install_fake_host(monkeypatch, available: bool):
     host.fused_cast_available = lambda: available  # type: ignore[attr-defined]
     host.fused_cast_to_fp8 = fused_cast_to_fp8  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "ipu_unit_scaling.fp8.host_library", host)
-    import ipu_unit_scaling
+    import ipu_unit_scaling.fp8
 
-    monkeypatch.setattr(ipu_unit_scaling, "_host", host, raising=False)
+    monkeypatch.setattr(ipu_unit_scaling.fp8, "host_library", host, raising=False)
     return calls
 
 

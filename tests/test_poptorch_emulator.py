@@ -223,7 +223,8 @@ def test_without_the_traced_forms_the_gradients_are_wrong():
     _, eager = _loss_and_gradients(lambda: model(ids, labels), model)
     with pytest.MonkeyPatch.context() as patch:
         # The scales keep their eager form (a custom autograd Function) while tracing.
-        patch.setattr(sys.modules["ipu_unit_scaling.scale"], "is_ipu_tracing", lambda: False)
+        primitive = sys.modules["ipu_unit_scaling.ops.scaling_primitive"]
+        patch.setattr(primitive, "is_ipu_tracing", lambda: False)
         trace = trace_like_poptorch(model, ids, labels)
     _, traced = _loss_and_gradients(lambda: trace(ids, labels), model)
     errors = [_relative_error(t, e) for e, t in zip(eager, traced)]
