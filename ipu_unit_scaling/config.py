@@ -37,6 +37,7 @@ import yaml
 
 from .fp8.config import FP8Config, FP8ConfigError
 from .models import GPTConfig
+from .umup_rules import ATTENTION_SCALINGS, HIDDEN_CONSTRAINTS
 
 BACKEND_NAMES = ("auto", "ipu", "ipu_model", "emulator", "cpu", "popxl", "distributed")
 DTYPES = ("fp32", "fp16", "fp8")
@@ -47,6 +48,9 @@ PARAMETRIZATIONS = ("unit", "u-mup")
 # u-μP's principled hyperparameters (model keys); all default to 1.
 UMUP_MULTIPLIERS = ("residual_mult", "residual_attn_ratio", "attn_softmax_mult", "ffn_act_mult",
                     "loss_softmax_mult")
+# u-μP's rules with a choice (model keys) and their choices; the first is the default.
+UMUP_RULE_CHOICES = {"umup_hidden_constraint": HIDDEN_CONSTRAINTS,
+                     "umup_attention_scaling": ATTENTION_SCALINGS}
 REGIMES = (
     "fp32",
     "fp16",
@@ -645,6 +649,11 @@ def _check_parametrization(model: ModelConfig, error: Any, choice: Any) -> None:
         if not 0 < value <= MAX_TAU:
             error(f"model.{name}", f"got {value!r}; allowed: 0 < x <= {MAX_TAU:g}")
         elif value != 1.0 and model.parametrization != "u-mup":
+            error(f"model.{name}", f"got {value!r}; only model.parametrization: u-mup uses it")
+    for name, choices in UMUP_RULE_CHOICES.items():
+        value = getattr(model, name)
+        choice(f"model.{name}", value, choices)
+        if value != choices[0] and model.parametrization != "u-mup":
             error(f"model.{name}", f"got {value!r}; only model.parametrization: u-mup uses it")
     if model.parametrization != "u-mup":
         return

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from .modules import GPT, TORCH_OPS, UNIT_OPS
 from .umup import UmupHyperparameters, umup_decoder
+from .umup_rules import UmupRules
 
 PARAMETRIZATIONS = ("unit", "u-mup")
 
@@ -36,6 +37,14 @@ class GPTConfig:
     attn_softmax_mult: float = 1.0
     ffn_act_mult: float = 1.0
     loss_softmax_mult: float = 1.0
+    # u-μP's two rules with a choice (ipu_unit_scaling.umup_rules); the defaults are the
+    # u-μP paper's and the unit-scaling library's.
+    umup_hidden_constraint: str = "to_output_scale"
+    umup_attention_scaling: str = "constant"
+
+    def umup_rules(self) -> UmupRules:
+        return UmupRules(hidden_constraint=self.umup_hidden_constraint,
+                         attention_scaling=self.umup_attention_scaling)
 
     def umup_hyperparameters(self) -> UmupHyperparameters:
         return UmupHyperparameters(
@@ -58,7 +67,7 @@ def build_gpt(config: GPTConfig) -> GPT:
             vocab_size=config.vocab_size, hidden_size=config.hidden_size, depth=config.depth,
             heads=config.heads, seq_len=config.seq_len, mlp_expansion=config.mlp_expansion,
             dropout_p=config.dropout, bias=config.bias,
-            hyperparameters=config.umup_hyperparameters(),
+            hyperparameters=config.umup_hyperparameters(), rules=config.umup_rules(),
         )
     return GPT(
         vocab_size=config.vocab_size,

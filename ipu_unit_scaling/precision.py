@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import functional as U
-from .config import REGIMES, UMUP_MULTIPLIERS, Config
+from .config import REGIMES, UMUP_MULTIPLIERS, UMUP_RULE_CHOICES, Config
 from .models import build_gpt
 
 __all__ = ["REGIME_SETTINGS", "MODEL_KINDS", "COMPARE_EVAL_POINTS", "regime_config",
@@ -70,7 +70,8 @@ def set_model_kind(config: Config, kind: str) -> None:
     model, defaults = config.model, type(config.model)()
     model.unit_scaled = kind != "plain"
     model.parametrization = "u-mup" if kind == "u-mup" else "unit"
-    reset = ("attn_tau", "mlp_tau") if kind == "u-mup" else UMUP_MULTIPLIERS
+    reset = (("attn_tau", "mlp_tau") if kind == "u-mup"
+             else (*UMUP_MULTIPLIERS, *UMUP_RULE_CHOICES))
     for name in reset:
         setattr(model, name, getattr(defaults, name))
 

@@ -57,6 +57,7 @@ from . import functional as U
 from . import lowering
 from .constraints import ConstraintArg, apply_constraint
 from .modules import GPT, UNIT_OPS, Linear
+from .umup_rules import UmupRules, attention_op, hidden_linear
 
 __all__ = [
     "WEIGHT_TYPES",
@@ -274,13 +275,19 @@ def umup_decoder(
     dropout_p: float = 0.0,
     bias: bool = False,
     hyperparameters: UmupHyperparameters = UmupHyperparameters(),
+    rules: Optional[UmupRules] = None,
 ) -> GPT:
     """``uu.GPT`` in u-μP: the unit-scaled GPT with per-layer residual taus,
     1/head_dim attention, ``gelu(ffn_act_mult x)``, and a ``1/fan_in`` readout whose logits the
     loss softmax sees times ``loss_softmax_mult``. Train it with :mod:`ipu_unit_scaling.optim`,
-    which reads the weight types from :func:`weight_rules`."""
+    which reads the weight types from :func:`weight_rules`. ``rules`` picks the hidden
+    linears' constraint and attention's output scale (:mod:`ipu_unit_scaling.umup_rules`;
+    default: the library's)."""
     hp = hyperparameters
-    ops = dataclasses.replace(UNIT_OPS, gelu=ScaledGELU(hp.ffn_act_mult))
+    rules = rules or UmupRules()
+    ops = dataclasses.replace(UNIT_OPS, gelu=ScaledGELU(hp.ffn_act_mult),
+                              Linear=hidden_linear(rules),
+                              scaled_dot_product_attention=attention_op(rules))
     return GPT(
         vocab_size=vocab_size, hidden_size=hidden_size, depth=depth, heads=heads,
         seq_len=seq_len, mlp_expansion=mlp_expansion, dropout_p=dropout_p, bias=bias, ops=ops,
