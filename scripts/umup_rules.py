@@ -1,7 +1,8 @@
 """Side-by-side of u-μP's two rules with a choice (ipu_unit_scaling.umup_rules).
 
-    python scripts/umup_rules.py [--steps 250] [--seeds 3] [--run-root runs/umup-rules]
-                                 [--out docs/results/umup-rules/results.md]
+    python scripts/umup_rules.py [--steps 250] [--seeds 3] [--residual-mults 1 0.25]
+        [--learning-rates 1] [--constraints to_output_scale gmean] [--attention constant per-row]
+        [--run-root runs/umup-rules] [--out docs/results/umup-rules/results.md]
 
 Trains the u-μP GPT of the default config (width 128, depth 2) in fp32 with each combination of
 the hidden linears' constraint and attention's output scale, at each residual_mult and learning
@@ -52,6 +53,8 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--residual-mults", type=float, nargs="+", default=[1.0, 0.25])
     parser.add_argument("--learning-rates", type=float, nargs="+", default=[1.0])
+    parser.add_argument("--constraints", nargs="+", choices=CONSTRAINTS, default=CONSTRAINTS)
+    parser.add_argument("--attention", nargs="+", choices=ATTENTION, default=ATTENTION)
     parser.add_argument("--run-root", type=Path, default=Path("runs/umup-rules"))
     parser.add_argument("--out", type=Path, default=Path("docs/results/umup-rules/results.md"))
     args = parser.parse_args()
@@ -60,8 +63,8 @@ def main() -> int:
     commands: List[str] = []
     for residual_mult in args.residual_mults:
         for learning_rate in args.learning_rates:
-            for constraint in CONSTRAINTS:
-                for attention in ATTENTION:
+            for constraint in args.constraints:
+                for attention in args.attention:
                     run_dir = args.run_root / (f"res{residual_mult:g}-lr{learning_rate:g}-"
                                                f"{constraint}-{attention}")
                     argv = command(run_dir, args.steps, args.seeds, residual_mult,

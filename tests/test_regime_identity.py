@@ -34,6 +34,7 @@ from ipu_unit_scaling.config import REGIMES
 from ipu_unit_scaling.fp8 import FP8Linear, FP8UnitScaledLinear
 from ipu_unit_scaling.precision import REGIME_SETTINGS, FP16Linear
 from ipu_unit_scaling.tasks import CausalLM, MaskedLM
+from ipu_unit_scaling.umup_rules import constant_scale_attention
 
 # The tiny config on one stage, one step, no evaluation between: the fastest run that builds
 # its model as a real run does.
@@ -95,7 +96,9 @@ def assert_unit_scaled(model: nn.Module) -> None:
     assert tables
     for table in tables:
         assert table.residual_add is U.residual_add
-        assert table.scaled_dot_product_attention is uu.unit_attention
+        # unit scaling's per-row attention, or u-μP's one constant (assert_umup tells which)
+        assert table.scaled_dot_product_attention in (uu.unit_attention,
+                                                      constant_scale_attention)
         assert table.cross_entropy is U.cross_entropy
         assert type(table.LayerNorm(8)) is uu.LayerNorm and table.Embedding is uu.Embedding
     for name, linear in _linears(model):
@@ -110,6 +113,8 @@ def assert_umup(model: nn.Module, kind: str) -> None:
     umup = kind == "u-mup"
     gelus = [table.gelu for table in _ops_tables(model)]
     assert all(isinstance(g, umup_rules.ScaledGELU) == umup for g in gelus)
+    attention = constant_scale_attention if umup else uu.unit_attention
+    assert all(t.scaled_dot_product_attention is attention for t in _ops_tables(model))
     attention_scales = {m.attention_scale for m in model.modules()
                         if isinstance(m, uu.SelfAttention)}
     logit_scale = getattr(model, "logit_scale", 1.0)
