@@ -37,9 +37,8 @@ class GPTConfig:
     attn_softmax_mult: float = 1.0
     ffn_act_mult: float = 1.0
     loss_softmax_mult: float = 1.0
-    # u-μP's two rules with a choice (ipu_unit_scaling.umup_rules); the defaults are the
-    # u-μP paper's and the unit-scaling library's.
-    umup_hidden_constraint: str = "to_output_scale"
+    # u-μP's two rules with a choice (ipu_unit_scaling.umup_rules and its measurement).
+    umup_hidden_constraint: str = "gmean"
     umup_attention_scaling: str = "constant"
 
     def umup_rules(self) -> UmupRules:

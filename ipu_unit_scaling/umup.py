@@ -22,6 +22,10 @@ them (``unit_scaling/optim.py``, ``_modules.py`` and ``core/functional.py`` ther
 
   and every tensor inside the residual blocks of a stack of ``L`` blocks also has its learning
   rate multiplied by ``1 / sqrt(L)`` (depth-μP, Yang et al. 2023, arXiv 2310.02244).
+  :func:`umup_decoder`'s hidden linears tie both passes by unit scaling's geometric mean by
+  default, which multiplies the forward ``1 / sqrt(fan_in)`` by ``(fan_in / fan_out) ** 1/4``
+  (measured better here; ``"to_output_scale"`` gives the table's; see
+  :mod:`ipu_unit_scaling.umup_rules`).
   The embedding rule is the paper's own change to μP, which keeps the embedding's rate
   constant in width. The readout's ``1 / fan_in`` is unit scaling's
   ``1 / sqrt(fan_in)`` times a further ``1 / sqrt(fan_in)`` in the forward pass only: its input
@@ -33,7 +37,8 @@ them (``unit_scaling/optim.py``, ``_modules.py`` and ``core/functional.py`` ther
   together weigh ``residual_mult**2`` times the embedding on average, attention against MLP
   ``residual_attn_ratio**2`` (the paper's appendix G). See :func:`residual_taus`.
 - **Attention** logits are ``attn_softmax_mult * q.k / head_dim`` (μP's ``1/d``, not
-  ``1/sqrt(d)``).
+  ``1/sqrt(d)``); one constant factor brings the output to unit scale on average over the rows
+  (the library's rule; :mod:`ipu_unit_scaling.umup_rules`).
 - **Nonlinearity**: the MLP computes ``gelu(ffn_act_mult * x)``, unit-scaled (:class:`ScaledGELU`).
 - **Loss**: the softmax of the cross-entropy sees ``loss_softmax_mult`` times the readout output.
 - **Weight decay** is independent of the learning rate (Wortsman et al. 2024, arXiv 2309.14322):

@@ -1,20 +1,20 @@
 """Two u-μP rules that come in two forms: the hidden linears' constraint and attention's output
-scale. Each default is the published ``unit-scaling`` library's rule (the u-μP paper's), the
-other form is unit scaling's; ``docs/results/umup-rules/`` has the side-by-side that chose them.
+scale. ``docs/results/umup-rules/`` has the side-by-side that chose each default: attention
+follows the u-μP paper and the published ``unit-scaling`` library; the hidden linears keep
+unit scaling's geometric mean, which measured better than the library's rule.
 
-- **Hidden linears** (every linear in the residual blocks) multiply their output by
-  ``1/sqrt(fan_in)`` in both forms, the u-μP paper's hidden-weight multiplier. They differ in
-  the input gradient's scale:
+- **Hidden linears** (every linear in the residual blocks):
 
-  - ``"to_output_scale"`` (default): ``1/sqrt(fan_in)`` too, the library's ``Linear`` default,
-    which its attention's projections use. One scale in both passes: the linear's Jacobian,
-    so the gradient reaching the residual stream is the true gradient of the scaled forward
-    pass.
-  - ``"gmean"``: both passes take ``(fan_in * fan_out) ** -1/4``, the geometric mean of the
-    forward's ``1/sqrt(fan_in)`` and the backward's ``1/sqrt(fan_out)`` (unit scaling's
-    constraint, as :data:`ipu_unit_scaling.modules.UNIT_OPS` uses it). The forward multiplier
-    then differs from the paper's: by ``(fan_in / fan_out) ** 1/4``, 0.71 for the MLP's
-    up-projection at expansion 4 and 1.41 for its down-projection.
+  - ``"gmean"`` (default): both passes take ``(fan_in * fan_out) ** -1/4``, the geometric mean
+    of unit scaling's forward ``1/sqrt(fan_in)`` and backward ``1/sqrt(fan_out)``
+    (:data:`ipu_unit_scaling.modules.UNIT_OPS`'s constraint). The forward multiplier then
+    differs from the paper's hidden ``1/sqrt(fan_in)`` by ``(fan_in / fan_out) ** 1/4``: 0.76
+    for the fused query-key-value projection, 0.71 for the MLP's up-projection and 1.41 for
+    its down-projection at expansion 4, 1 for square weights.
+  - ``"to_output_scale"``: ``1/sqrt(fan_in)`` in both passes, the paper's forward multiplier
+    and the library's ``Linear`` default (which its attention projections use; its SwiGLU MLP
+    leaves the backward at ``1/sqrt(fan_out)``). One scale in both passes: the gradient
+    reaching the residual stream is the true gradient of the scaled forward pass.
 
 - **Attention's output** (q, k, v unit, logits ``scale * q.k``, logit std ``s = scale *
   sqrt(head_dim)``) is a p-weighted mean of values, below unit variance:
@@ -25,13 +25,14 @@ other form is unit scaling's; ``docs/results/umup-rules/`` has the side-by-side 
     attention over ``L`` keys, ``sqrt(1 / L)`` otherwise (one key: 1, the value itself). It
     interpolates in log space between uniform attention (``alpha = 0``, small logits) and
     one-hot attention (``alpha = 1``, factor 1). About 5.07 for causal attention over 128 keys
-    of head size 32 at u-μP's ``1/head_dim`` logits.
+    of head size 32 at u-μP's ``1/head_dim`` logits. Unit on average over the rows, not row by
+    row: causal attention's first rows, which see few keys, come out larger than unit.
   - ``"per-row"``: row ``i`` of ``m`` visible keys gets ``sqrt((1 - dropout_p) / E[sum p**2])``
     (:func:`ipu_unit_scaling.functional.scaled_dot_product_attention`): every row unit, so
-    causal attention's first rows, which see few keys, get far smaller factors than its last.
+    causal attention's first rows get far smaller factors than its last (1 at the first row).
 
 Both forms scale the output in the forward pass and q, k and v's gradients by the same
-factor, the library's choice too.
+factor, as the library does.
 """
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ __all__ = [
     "attention_op",
 ]
 
-HIDDEN_CONSTRAINTS = ("to_output_scale", "gmean")
+HIDDEN_CONSTRAINTS = ("gmean", "to_output_scale")
 ATTENTION_SCALINGS = ("constant", "per-row")
 
 
@@ -65,7 +66,7 @@ ATTENTION_SCALINGS = ("constant", "per-row")
 class UmupRules:
     """Which form of each rule a u-μP model uses (see the module docstring)."""
 
-    hidden_constraint: str = "to_output_scale"
+    hidden_constraint: str = "gmean"
     attention_scaling: str = "constant"
 
     def __post_init__(self) -> None:

@@ -171,7 +171,7 @@ KEYS: Dict[str, Any] = {
     "model.attn_softmax_mult": ("4", _losses, ["model.parametrization=u-mup"]),
     "model.ffn_act_mult": ("2", _losses, ["model.parametrization=u-mup"]),
     "model.loss_softmax_mult": ("2", _losses, ["model.parametrization=u-mup"]),
-    "model.umup_hidden_constraint": ("gmean", _losses, ["model.parametrization=u-mup"]),
+    "model.umup_hidden_constraint": ("to_output_scale", _losses, ["model.parametrization=u-mup"]),
     "model.umup_attention_scaling": ("per-row", _losses, ["model.parametrization=u-mup"]),
     "precision.dtype": ("fp32", _losses, []),
     "precision.fp8.activation_format": ("E4M3FN", _casts, []),

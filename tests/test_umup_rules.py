@@ -52,7 +52,7 @@ def expected_linear_scales(constraint: str, fan_in: int, fan_out: int):
 @pytest.mark.parametrize("constraint", ["to_output_scale", "gmean", None])
 def test_hidden_linears_scale_both_passes_as_the_rule_says(constraint):
     rules = None if constraint is None else UmupRules(hidden_constraint=constraint)
-    constraint = constraint or "to_output_scale"  # the default is the library's
+    constraint = constraint or "gmean"  # the measured default
     batch = 6
     for name, linear in hidden_linears(gpt(rules)).items():
         linear = linear.double()
@@ -74,12 +74,16 @@ def test_hidden_linears_scale_both_passes_as_the_rule_says(constraint):
                                    rtol=1e-12, atol=1e-13, msg=name)
 
 
-def test_default_hidden_forward_is_the_papers_one_over_sqrt_fan_in():
-    # The MLP's projections are where the constraints part: (fan_in/fan_out)**1/4 = 0.71 / 1.41.
-    up = hidden_linears(gpt())["up"].double()
-    x = torch.randn(4, WIDTH, dtype=torch.float64)
-    ratio = (up(x) / (x @ up.weight.detach().T)).mean().item()
-    assert ratio == pytest.approx(WIDTH**-0.5, rel=1e-9)
+@pytest.mark.parametrize("constraint, power", [("to_output_scale", 0.0), ("gmean", 0.25)])
+def test_hidden_forward_is_the_papers_times_fan_ratio_power(constraint, power):
+    # The paper's hidden multiplier 1/sqrt(fan_in), times (fan_in/fan_out)**1/4 under gmean:
+    # 0.71 for the MLP's up-projection, 1.41 for its down-projection.
+    linears = hidden_linears(gpt(UmupRules(hidden_constraint=constraint)))
+    for name, ratio in (("up", 1 / 4), ("down", 4.0)):
+        linear = linears[name].double()
+        x = torch.randn(4, linear.in_features, dtype=torch.float64)
+        gain = (linear(x) / (x @ linear.weight.detach().T)).mean().item()
+        assert gain == pytest.approx(linear.in_features**-0.5 * ratio**power, rel=1e-9), name
 
 
 # ------------------------------------------------------------------------------ attention
@@ -184,18 +188,20 @@ def test_rules_are_model_keys_only_u_mup_takes():
     from ipu_unit_scaling.precision import set_model_kind
     from ipu_unit_scaling.train import build_model
 
-    config = load_config("umup", ["precision.dtype=fp32", "model.umup_hidden_constraint=gmean",
+    config = load_config("umup", ["precision.dtype=fp32",
+                                  "model.umup_hidden_constraint=to_output_scale",
                                   "model.umup_attention_scaling=per-row"])
     model = build_model(config)
-    assert model.layers[0].mlp.up.constraint == "gmean"
+    assert model.layers[0].mlp.up.constraint == "to_output_scale"
     assert model.layers[0].attn.attention is not constant_scale_attention
-    assert build_model(load_config("umup", ["precision.dtype=fp32"])).layers[0].attn.attention \
-        is constant_scale_attention
+    default = build_model(load_config("umup", ["precision.dtype=fp32"])).layers[0]
+    assert default.attn.attention is constant_scale_attention
+    assert default.mlp.up.constraint == "gmean"
     set_model_kind(config, "unit")  # the u-μP keys go back to their defaults
     assert (config.model.umup_hidden_constraint, config.model.umup_attention_scaling) == (
-        "to_output_scale", "constant")
+        "gmean", "constant")
     cases = {
-        "model.umup_hidden_constraint": ["model.umup_hidden_constraint=gmean"],  # unit scaling
+        "model.umup_hidden_constraint": ["model.umup_hidden_constraint=to_output_scale"],
         "model.umup_attention_scaling": ["model.parametrization=u-mup",
                                          "model.umup_attention_scaling=per_row"],
     }
