@@ -481,10 +481,7 @@ def test_umup_gpt_traces_with_supported_ops_and_matches_eager(precision):
     eager_loss, eager = _loss_and_gradients(lambda: model(ids, labels), model)
     trace = trace_like_poptorch(model, ids, labels)
     traced_loss, traced = _loss_and_gradients(lambda: trace(ids, labels), model)
-    # FP16 without loss scaling: eager's fused linears and the traced composition differ in
-    # float32 rounding, which float16's roundings of the results amplify (up to 6e-4 here;
-    # with the fused forms off, eager equals the trace exactly).
-    tolerance = {"fp32": 1e-5, "fp16": 2e-3}.get(precision, 1e-4)
+    tolerance = 1e-5 if precision == "fp32" else 1e-4
     assert _relative_error(traced_loss, eager_loss) < tolerance
     for (name, _), e, t in zip(model.named_parameters(), eager, traced):
         assert _relative_error(t, e) < tolerance, name
