@@ -113,8 +113,9 @@ def assert_umup(model: nn.Module, kind: str) -> None:
     umup = kind == "u-mup"
     gelus = [table.gelu for table in _ops_tables(model)]
     assert all(isinstance(g, umup_rules.ScaledGELU) == umup for g in gelus)
-    attention = constant_scale_attention if umup else uu.unit_attention
-    assert all(t.scaled_dot_product_attention is attention for t in _ops_tables(model))
+    if kind != "plain":
+        attention = constant_scale_attention if umup else uu.unit_attention
+        assert all(t.scaled_dot_product_attention is attention for t in _ops_tables(model))
     attention_scales = {m.attention_scale for m in model.modules()
                         if isinstance(m, uu.SelfAttention)}
     logit_scale = getattr(model, "logit_scale", 1.0)
