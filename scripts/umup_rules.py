@@ -47,6 +47,14 @@ def mean_std(values: Sequence[float]) -> str:
     return f"{statistics.mean(values):.4f} ± {spread:.4f}"
 
 
+def _constraint_key(constraint: str, attention: str) -> Tuple[str, str]:
+    return constraint, attention
+
+
+def _attention_key(attention: str, constraint: str) -> Tuple[str, str]:
+    return constraint, attention
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=250)
@@ -88,7 +96,25 @@ def main() -> int:
     for (residual_mult, learning_rate, constraint, attention), values in results.items():
         lines.append(f"| {residual_mult:g} | {learning_rate:g} | {constraint} | {attention} | "
                      f"{mean_std(values)} | {', '.join(f'{v:.4f}' for v in values)} |")
-    lines += ["", "Commands (one per row, in order):", "", "```"] + commands + ["```", ""]
+    lines += ["", "Paired differences (same seed, same data; mean ± sample std over seeds; "
+              "negative: the first form has the lower loss):", "",
+              "| residual_mult | learning rate | other rule | difference | val loss difference |",
+              "|---|---|---|---|---|"]
+    for residual_mult in args.residual_mults:
+        for learning_rate in args.learning_rates:
+            for first, second, others, rule_of in (
+                    ("gmean", "to_output_scale", args.attention, _constraint_key),
+                    ("constant", "per-row", args.constraints, _attention_key)):
+                for other in others:
+                    a = results.get((residual_mult, learning_rate, *rule_of(first, other)))
+                    b = results.get((residual_mult, learning_rate, *rule_of(second, other)))
+                    if a is None or b is None:
+                        continue
+                    lines.append(f"| {residual_mult:g} | {learning_rate:g} | {other} | "
+                                 f"{first} - {second} | "
+                                 f"{mean_std([x - y for x, y in zip(a, b)])} |")
+    lines += ["", "Commands (one per row of the first table, in order):", "", "```"] + commands
+    lines += ["```", ""]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines))
     print("\n".join(lines))
