@@ -173,6 +173,8 @@ KEYS: Dict[str, Any] = {
     "model.ffn_act_mult": ("2", _losses, ["model.parametrization=u-mup"]),
     "model.loss_softmax_mult": ("2", _losses, ["model.parametrization=u-mup"]),
     "model.factory": ("examples.library_decoder:build", _losses, []),
+    "model.umup_hidden_constraint": ("to_output_scale", _losses, ["model.parametrization=u-mup"]),
+    "model.umup_attention_scaling": ("per-row", _losses, ["model.parametrization=u-mup"]),
     "precision.dtype": ("fp32", _losses, []),
     "precision.fp8.activation_format": ("E4M3FN", _casts, []),
     "precision.fp8.weight_format": ("E4M3FN", _casts, []),

@@ -33,6 +33,7 @@ from ipu_unit_scaling.fp8 import FP8Linear, FP8UnitScaledLinear
 from ipu_unit_scaling.loop import run_session
 from ipu_unit_scaling.loop.tasks import CausalLM, MaskedLM
 from ipu_unit_scaling.parametrization import umup as umup_rules
+from ipu_unit_scaling.parametrization.umup_rules import constant_scale_attention
 from ipu_unit_scaling.training.precision import REGIME_SETTINGS, FP16Linear
 from ipu_unit_scaling.training.run_config import REGIMES
 
@@ -96,7 +97,9 @@ def assert_unit_scaled(model: nn.Module) -> None:
     assert tables
     for table in tables:
         assert table.residual_add is U.residual_add
-        assert table.scaled_dot_product_attention is uu.unit_attention
+        # unit scaling's per-row attention, or u-μP's one constant (assert_umup tells which)
+        assert table.scaled_dot_product_attention in (uu.unit_attention,
+                                                      constant_scale_attention)
         assert table.cross_entropy is U.cross_entropy
         assert type(table.LayerNorm(8)) is uu.LayerNorm and table.Embedding is uu.Embedding
     for name, linear in _linears(model):
@@ -111,6 +114,9 @@ def assert_umup(model: nn.Module, kind: str) -> None:
     umup = kind == "u-mup"
     gelus = [table.gelu for table in _ops_tables(model)]
     assert all(isinstance(g, umup_rules.ScaledGELU) == umup for g in gelus)
+    if kind != "plain":
+        attention = constant_scale_attention if umup else uu.unit_attention
+        assert all(t.scaled_dot_product_attention is attention for t in _ops_tables(model))
     attention_scales = {m.attention_scale for m in model.modules()
                         if isinstance(m, uu.SelfAttention)}
     logit_scale = getattr(model, "logit_scale", 1.0)

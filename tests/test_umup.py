@@ -109,7 +109,8 @@ def test_the_gpt_uses_the_taus_and_its_residual_stream_stays_unit():
 
 @pytest.mark.parametrize("mult", [1.0, 4.0])
 def test_attention_logits_are_scaled_by_mult_over_head_dim(mult):
-    # u-μP's attention: softmax(alpha_attn q.k / d_head) (μP's 1/d), unit-scaled per row.
+    # u-μP's attention: softmax(alpha_attn q.k / d_head) (μP's 1/d), times an output factor
+    # (one per row at most; tests/test_umup_rules.py checks the factors).
     width, heads = 64, 4
     head_dim = width // heads
     model = gpt(width=width, heads=heads, attn_softmax_mult=mult)
@@ -120,14 +121,13 @@ def test_attention_logits_are_scaled_by_mult_over_head_dim(mult):
     mhsa.register_forward_hook(lambda module, args, out: seen.update(out=out))
     qkv = mhsa.qkv(x).view(2, SEQ, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
     query, key, value = qkv.unbind(0)
-    attended = U.scaled_dot_product_attention(query, key, value, is_causal=True,
-                                              scale=mult / head_dim)
+    attended = mhsa.attention(query, key, value, is_causal=True, scale=mult / head_dim)
 
     def per_row_mismatch(logit_scale: float) -> float:
         """How far the output is from softmax(scale q.k) v times one best factor per row."""
         logits = query @ key.transpose(-2, -1) * logit_scale
         logits = logits.masked_fill(torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1), -math.inf)
-        explicit = torch.softmax(logits, dim=-1) @ value  # before unit scaling's row scale
+        explicit = torch.softmax(logits, dim=-1) @ value  # before the output factor
         factor = (attended * explicit).sum(-1, keepdim=True) / explicit.pow(2).sum(-1, True)
         assert bool((factor > 0).all())
         return ((attended - factor * explicit).norm() / attended.norm()).item()

@@ -10,13 +10,13 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from ..training.data import CharTokenizer, Corpus, DataError, load_corpus
 from ..training.finetune import check_same_model, encode_with, extend_model_state, extend_tokenizer
-from ..training.given_model import KEYS_EARLIER_RUNS_LACK
 from ..training.memory import check_memory
 from ..training.run_config import (
     Config,
     ConfigError,
     TrainingConfig,
     config_from_dict,
+    earlier_run_settings,
     read_yaml_file,
     scheduled_learning_rate,
     validate,
@@ -88,8 +88,8 @@ def load_run_config(
             raise RunError(f"{refuse} is empty")
         if not isinstance(raw, dict):
             raise RunError(f"{refuse} is damaged (not a mapping)")
-        missing = [key for key in _missing_keys(raw, Config().to_dict())
-                   if key not in KEYS_EARLIER_RUNS_LACK]
+        earlier_run_settings(raw)
+        missing = _missing_keys(raw, Config().to_dict())
         if missing:
             shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
             raise RunError(f"{refuse} is incomplete (no {shown})")

@@ -6,6 +6,7 @@ from typing import Optional
 
 from ..modules.gpt_blocks import GPT, TORCH_OPS, UNIT_OPS
 from ..parametrization.umup import UmupHyperparameters, umup_decoder
+from ..parametrization.umup_rules import UmupRules
 
 PARAMETRIZATIONS = ("unit", "u-mup")
 
@@ -41,6 +42,13 @@ class GPTConfig:
     # "package.module:function" building the model in place of this GPT from these settings
     # (ipu_unit_scaling.training.given_model); None trains the GPT.
     factory: Optional[str] = None
+    # u-μP's two rules with a choice (parametrization.umup_rules, and its measurement).
+    umup_hidden_constraint: str = "gmean"
+    umup_attention_scaling: str = "constant"
+
+    def umup_rules(self) -> UmupRules:
+        return UmupRules(hidden_constraint=self.umup_hidden_constraint,
+                         attention_scaling=self.umup_attention_scaling)
 
     def umup_hyperparameters(self) -> UmupHyperparameters:
         return UmupHyperparameters(
@@ -63,7 +71,7 @@ def build_gpt(config: GPTConfig) -> GPT:
             vocab_size=config.vocab_size, hidden_size=config.hidden_size, depth=config.depth,
             heads=config.heads, seq_len=config.seq_len, mlp_expansion=config.mlp_expansion,
             dropout_p=config.dropout, bias=config.bias,
-            hyperparameters=config.umup_hyperparameters(),
+            hyperparameters=config.umup_hyperparameters(), rules=config.umup_rules(),
         )
     return GPT(
         vocab_size=config.vocab_size,

@@ -22,6 +22,10 @@ them (``unit_scaling/optim.py``, ``_modules.py`` and ``core/functional.py`` ther
 
   and every tensor inside the residual blocks of a stack of ``L`` blocks also has its learning
   rate multiplied by ``1 / sqrt(L)`` (depth-μP, Yang et al. 2023, arXiv 2310.02244).
+  :func:`umup_decoder`'s hidden linears tie both passes by unit scaling's geometric mean by
+  default, which multiplies the forward ``1 / sqrt(fan_in)`` by ``(fan_in / fan_out) ** 1/4``
+  (measured better here; ``"to_output_scale"`` gives the table's; see
+  :mod:`ipu_unit_scaling.parametrization.umup_rules`).
   The embedding rule is the paper's own change to μP, which keeps the embedding's rate
   constant in width. The readout's ``1 / fan_in`` is unit scaling's
   ``1 / sqrt(fan_in)`` times a further ``1 / sqrt(fan_in)`` in the forward pass only: its input
@@ -33,7 +37,8 @@ them (``unit_scaling/optim.py``, ``_modules.py`` and ``core/functional.py`` ther
   together weigh ``residual_mult**2`` times the embedding on average, attention against MLP
   ``residual_attn_ratio**2`` (the paper's appendix G). See :func:`residual_taus`.
 - **Attention** logits are ``attn_softmax_mult * q.k / head_dim`` (μP's ``1/d``, not
-  ``1/sqrt(d)``).
+  ``1/sqrt(d)``); one constant factor brings the output to unit scale on average over the rows
+  (the library's rule; :mod:`ipu_unit_scaling.parametrization.umup_rules`).
 - **Nonlinearity**: the MLP computes ``gelu(ffn_act_mult * x)``, unit-scaled (:class:`ScaledGELU`).
 - **Loss**: the softmax of the cross-entropy sees ``loss_softmax_mult`` times the readout output.
 - **Weight decay** is independent of the learning rate (Wortsman et al. 2024, arXiv 2309.14322):
@@ -58,6 +63,7 @@ from ..modules.layers import Linear
 from ..ops import activation_ops, unit_ops
 from ..ops import ipu_lowering as lowering
 from ..ops.scale_constraints import ConstraintArg, apply_constraint
+from .umup_rules import UmupRules, attention_op, hidden_linear
 
 __all__ = [
     "WEIGHT_TYPES",
@@ -276,13 +282,19 @@ def umup_decoder(
     dropout_p: float = 0.0,
     bias: bool = False,
     hyperparameters: UmupHyperparameters = UmupHyperparameters(),
+    rules: Optional[UmupRules] = None,
 ) -> GPT:
     """``uu.GPT`` in u-μP: the unit-scaled GPT with per-layer residual taus,
     1/head_dim attention, ``gelu(ffn_act_mult x)``, and a ``1/fan_in`` readout whose logits the
     loss softmax sees times ``loss_softmax_mult``. Train it with :mod:`ipu_unit_scaling.optim`,
-    which reads the weight types from :func:`weight_rules`."""
+    which reads the weight types from :func:`weight_rules`. ``rules`` picks the hidden
+    linears' constraint and attention's output scale (:mod:`.umup_rules`;
+    default: the library's)."""
     hp = hyperparameters
-    ops = dataclasses.replace(UNIT_OPS, gelu=ScaledGELU(hp.ffn_act_mult))
+    rules = rules or UmupRules()
+    ops = dataclasses.replace(UNIT_OPS, gelu=ScaledGELU(hp.ffn_act_mult),
+                              Linear=hidden_linear(rules),
+                              scaled_dot_product_attention=attention_op(rules))
     return GPT(
         vocab_size=vocab_size, hidden_size=hidden_size, depth=depth, heads=heads,
         seq_len=seq_len, mlp_expansion=mlp_expansion, dropout_p=dropout_p, bias=bias, ops=ops,

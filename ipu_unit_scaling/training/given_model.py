@@ -47,13 +47,10 @@ from ..modules.mup_parameter import has_parameter_data
 from ..parametrization.umup import WeightRule
 from .run_config import Config, ConfigError
 
-__all__ = ["FACTORY_KEY", "KEYS_EARLIER_RUNS_LACK", "GivenLanguageModel", "load_factory",
+__all__ = ["FACTORY_KEY", "GivenLanguageModel", "load_factory",
            "check_given_model", "build_given_model"]
 
 FACTORY_KEY = "model.factory"
-# Keys added after runs were saved without them; their absence means their default (a run
-# without model.factory trained the GPT), so such runs still resume and evaluate.
-KEYS_EARLIER_RUNS_LACK = (FACTORY_KEY,)
 SUPPORTED_BACKENDS = ("cpu", "emulator", "ipu", "ipu_model")
 
 # unit_scaling's parameter types -> this package's (an embedding table is a "weight" there).

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from .. import ops as U
 from ..models.gpt import build_gpt
 from ..modules.layers import LinearReadout
-from .run_config import REGIMES, UMUP_MULTIPLIERS, Config, ConfigError
+from .run_config import REGIMES, UMUP_MULTIPLIERS, UMUP_RULE_CHOICES, Config, ConfigError
 
 __all__ = ["REGIME_SETTINGS", "MODEL_KINDS", "COMPARE_EVAL_POINTS", "regime_config",
            "set_model_kind", "model_kind", "round_to_half",
@@ -75,7 +75,8 @@ def set_model_kind(config: Config, kind: str) -> None:
     model, defaults = config.model, type(config.model)()
     model.unit_scaled = kind != "plain"
     model.parametrization = "u-mup" if kind == "u-mup" else "unit"
-    reset = ("attn_tau", "mlp_tau") if kind == "u-mup" else UMUP_MULTIPLIERS
+    reset = (("attn_tau", "mlp_tau") if kind == "u-mup"
+             else (*UMUP_MULTIPLIERS, *UMUP_RULE_CHOICES))
     for name in reset:
         setattr(model, name, getattr(defaults, name))
 

@@ -33,6 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..fp8.fp8_config import FP8Config
 from ..models.gpt import GPTConfig
+from ..parametrization.umup_rules import ATTENTION_SCALINGS, HIDDEN_CONSTRAINTS
 from .config_files import (  # noqa: F401  (the config's readers, exported with its schema)
     CONFIGS_DIR,
     AmbiguousValue,
@@ -58,6 +59,9 @@ PARAMETRIZATIONS = ("unit", "u-mup")
 # u-μP's principled hyperparameters (model keys); all default to 1.
 UMUP_MULTIPLIERS = ("residual_mult", "residual_attn_ratio", "attn_softmax_mult", "ffn_act_mult",
                     "loss_softmax_mult")
+# u-μP's rules with a choice (model keys) and their choices; the first is the default.
+UMUP_RULE_CHOICES = {"umup_hidden_constraint": HIDDEN_CONSTRAINTS,
+                     "umup_attention_scaling": ATTENTION_SCALINGS}
 REGIMES = (
     "fp32",
     "fp16",
@@ -316,6 +320,11 @@ def _check_parametrization(model: ModelConfig, error: Any, choice: Any) -> None:
             error(f"model.{name}", f"got {value!r}; allowed: 0 < x <= {MAX_TAU:g}")
         elif value != 1.0 and model.parametrization != "u-mup":
             error(f"model.{name}", f"got {value!r}; only model.parametrization: u-mup uses it")
+    for name, choices in UMUP_RULE_CHOICES.items():
+        value = getattr(model, name)
+        choice(f"model.{name}", value, choices)
+        if value != choices[0] and model.parametrization != "u-mup":
+            error(f"model.{name}", f"got {value!r}; only model.parametrization: u-mup uses it")
     if model.parametrization != "u-mup":
         return
     if not model.unit_scaled:
@@ -444,6 +453,23 @@ def resolve_layers_per_ipu(layers_per_ipu: Sequence[int], depth: int, ipus: int)
     for rank, index in enumerate(flexible):
         counts[index] = share + (1 if rank >= len(flexible) - extra else 0)
     return counts
+
+
+def earlier_run_settings(raw: Dict[str, Any]) -> List[str]:
+    """Fill, in a saved run config ``raw``, the keys added since runs were saved without them,
+    each with the value such a run trained with (not today's default, where that changed: a
+    u-μP run saved before ``model.umup_attention_scaling`` scaled attention per row). Returns
+    the keys filled."""
+    model = raw.get("model")
+    if not isinstance(model, dict):
+        return []
+    umup = model.get("parametrization") == "u-mup"
+    earlier = {"factory": None, "umup_hidden_constraint": "gmean",
+               "umup_attention_scaling": "per-row" if umup else "constant"}
+    filled = [key for key in earlier if key not in model]
+    for key in filled:
+        model[key] = earlier[key]
+    return [f"model.{key}" for key in filled]
 
 
 def with_steps(config: Config, steps: int) -> Config:
