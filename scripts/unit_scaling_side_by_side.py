@@ -236,7 +236,7 @@ def _functional_cases() -> List[Case]:
             cases.append(Case(
                 f"U.matmul {'x'.join(map(str, left))} @ {'x'.join(map(str, right))} "
                 f"constraint={constraint}",
-                lambda g, l=left, r=right: {"left": normal(g, *l), "right": normal(g, *r)},
+                lambda g, lt=left, rt=right: {"left": normal(g, *lt), "right": normal(g, *rt)},
                 lambda a, t, _, c=constraint: a.U.matmul(t["left"], t["right"], constraint=c),
                 documented=documented))
     for name in ("gelu", "silu"):
@@ -354,7 +354,10 @@ LOSS_OPS = TRANSFORMER_OPS + ("cross_entropy",)
 
 def _module_cases() -> List[Case]:
     hidden, heads, vocab = 64, 4, 128
-    tokens: Callable[[torch.Generator], Dict[str, Tensor]] = lambda g: {"ids": ids(g, vocab, 4, 32)}
+
+    def tokens(generator: torch.Generator) -> Dict[str, Tensor]:
+        return {"ids": ids(generator, vocab, 4, 32)}
+
     return [
         _module_case("uu.Linear 64->96", lambda a: a.uu.Linear(64, 96), _x(4, 32, 64)),
         _module_case("uu.Linear 64->96 bias", lambda a: a.uu.Linear(64, 96, bias=True),
@@ -468,7 +471,7 @@ def relative_difference(ours: Tensor, library: Tensor) -> float:
 
 
 def constant_factor(ours: Tensor, library: Tensor) -> Tuple[float, float]:
-    """The least-squares ``c`` in ``ours ~ c * library`` and the relative difference left after it."""
+    """The least-squares ``c`` in ``ours ~ c * library``, and the relative difference left."""
     ours, library = ours.double().flatten(), library.double().flatten()
     norm = library.dot(library).item()
     factor = ours.dot(library).item() / norm if norm > 0 else 1.0
@@ -599,14 +602,14 @@ def format_report(outcomes: Sequence[Outcome], curves: Optional[Curves]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    default_wheel = os.environ.get(WHEEL_VARIABLE)
-    parser.add_argument("--wheel", type=Path, default=Path(default_wheel) if default_wheel else None,
+    given = os.environ.get(WHEEL_VARIABLE)
+    parser.add_argument("--wheel", type=Path, default=Path(given) if given else None,
                         help="the unit_scaling wheel or a directory it is installed in "
                              f"(default: ${WHEEL_VARIABLE}, else pip download)")
     parser.add_argument("--no-download", action="store_true",
                         help="never run pip download; report the library as unavailable instead")
     parser.add_argument("--require", action="store_true",
-                        help="exit 2 when the library cannot be loaded (default: print why, exit 0)")
+                        help="exit 2 when the library cannot be loaded (default: say why, exit 0)")
     parser.add_argument("--steps", type=int, default=8, help="training steps (0: none)")
     parser.add_argument("--out", type=Path, help="also write the report to this file")
     args = parser.parse_args(argv)
