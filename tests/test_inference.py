@@ -301,3 +301,19 @@ def test_poptorch_inference_model_evaluates_and_samples_like_the_emulator(runs):
         assert ipu_row.loss == pytest.approx(emulated_row.loss, rel=tolerance)
     text = sample_run(run, "def ", 10, seed=0, precision="fp8-amax", backend=backend)
     assert len(text) == 10 and set(text) <= set(run.tokenizer.chars)
+
+
+def test_mean_loss_builds_no_autograd_graph():
+    """Validation and evaluate hold one batch's activations at a time: no graph is recorded,
+    whatever the caller's grad mode."""
+    weight = torch.ones(3, requires_grad=True)
+    modes: List[bool] = []
+
+    def run(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        modes.append(torch.is_grad_enabled())
+        return (inputs.float() * weight).mean()
+
+    batches = [(torch.ones(2, 3), torch.zeros(2, 3)) for _ in range(2)]
+    assert torch.is_grad_enabled()
+    assert mean_loss(run, batches) == pytest.approx(1.0)
+    assert modes == [False, False] and weight.grad is None

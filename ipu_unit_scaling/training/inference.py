@@ -144,17 +144,19 @@ def mean_loss(run: Runner, batches: Sequence[Batch],
     This is the training loop's validation rule: the mean of the batch losses (weighted by
     tokens only when batches differ in size), and NaN when an FP8 cast meets a non-finite
     value, as the loss would then be. ``run`` may return one loss per device iteration (an
-    IPU inference model): their mean is the batch's loss.
+    IPU inference model): their mean is the batch's loss. No autograd graph is built: a
+    validation pass holds one batch's activations at a time, not every batch's.
     """
     losses: List[float] = []
     tokens: List[int] = []
     try:
-        for inputs, labels in batches:
-            loss = run(inputs, labels)
-            losses.append(float(loss if loss.numel() == 1 else loss.float().mean()))
-            tokens.append(labels.numel())
-            if on_batch is not None:
-                on_batch()
+        with torch.no_grad():
+            for inputs, labels in batches:
+                loss = run(inputs, labels)
+                losses.append(float(loss if loss.numel() == 1 else loss.float().mean()))
+                tokens.append(labels.numel())
+                if on_batch is not None:
+                    on_batch()
     except NonFiniteAmaxError:  # FP8 casts refuse non-finite tensors: the loss is lost too
         return math.nan
     if len(set(tokens)) <= 1:  # the plain mean, bit for bit what training has always logged
