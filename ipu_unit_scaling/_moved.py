@@ -74,12 +74,18 @@ MOVED: Dict[str, str] = {
 class _AliasLoader(importlib.abc.Loader):
     def __init__(self, target: str) -> None:
         self.target = target
+        self.target_spec: Optional[importlib.machinery.ModuleSpec] = None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        return importlib.import_module(self.target)
+        module = importlib.import_module(self.target)
+        self.target_spec = module.__spec__
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
-        """The module ran when it was imported under its new name."""
+        """The module ran when it was imported under its new name. The import system has just
+        given it the alias's spec; it gets its own back, or its later relative imports would
+        resolve against the old path's package."""
+        module.__spec__ = self.target_spec
 
 
 class MovedModuleFinder(importlib.abc.MetaPathFinder):

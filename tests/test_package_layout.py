@@ -156,3 +156,17 @@ def test_old_paths_work_in_a_fresh_interpreter():
             "assert old is new and emulator.__name__.endswith('fp8.codelet_emulator')\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_an_old_path_leaves_the_module_its_own_spec():
+    """Importing through an old path must not rename the module: its spec still names its
+    new path, so its relative imports (and pickles of what it defines) resolve there."""
+    code = ("import warnings\n"
+            "warnings.simplefilter('error')\n"
+            "import ipu_unit_scaling.scale as facade, ipu_unit_scaling.scaled_identity as old\n"
+            "assert old.__spec__.name == 'ipu_unit_scaling.ops.scaled_identity', old.__spec__\n"
+            "assert old.__spec__.parent == old.__package__\n"
+            "import ipu_unit_scaling.train as loop\n"
+            "assert loop.__spec__.name == 'ipu_unit_scaling.loop.training_loop'\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

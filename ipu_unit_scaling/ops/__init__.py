@@ -11,50 +11,12 @@ Nothing here imports from a layer above.
 """
 from __future__ import annotations
 
-from .activation_ops import dropout, gelu, relu, softmax
-from .attention_ops import (
-    attention_query_key_grad_scale,
-    attention_value_bias_grad_scale,
-    scaled_dot_product_attention,
-)
-from .llm_ops import rms_norm, silu, silu_glu
-from .loss_ops import cross_entropy, mse_loss
-from .unit_ops import (
-    add,
-    conv1d,
-    embedding,
-    layer_norm,
-    linear,
-    linear_readout,
-    linear_scales,
-    matmul,
-    residual_add,
-    residual_apply,
-    residual_split,
-)
+from . import activation_ops, attention_ops, llm_ops, loss_ops, unit_ops
+from .activation_ops import *  # noqa: F403
+from .attention_ops import *  # noqa: F403
+from .llm_ops import *  # noqa: F403
+from .loss_ops import *  # noqa: F403
+from .unit_ops import *  # noqa: F403
 
-__all__ = [
-    "linear",
-    "linear_scales",
-    "linear_readout",
-    "conv1d",
-    "matmul",
-    "gelu",
-    "relu",
-    "softmax",
-    "dropout",
-    "layer_norm",
-    "embedding",
-    "add",
-    "residual_split",
-    "residual_add",
-    "residual_apply",
-    "scaled_dot_product_attention",
-    "attention_value_bias_grad_scale",
-    "attention_query_key_grad_scale",
-    "cross_entropy",
-    "mse_loss",
-    "rms_norm",
-    "silu",
-    "silu_glu",
-]
+__all__ = [*unit_ops.__all__, *activation_ops.__all__, *attention_ops.__all__,
+           *loss_ops.__all__, *llm_ops.__all__]

@@ -21,7 +21,7 @@ from .scaling_primitive import scale_bwd
 from .trace_switch import is_ipu_tracing
 from .unit_ops import _scaled_call
 
-__all__ = ["rms_norm", "silu", "silu_glu", "SILU_MOMENTS"]
+__all__ = ["rms_norm", "silu", "silu_glu"]
 
 
 def _silu_moments(mult: float = 1.0) -> Tuple[float, float, float]:
