@@ -5,3 +5,4 @@ from __future__ import annotations
 
 from .ops.torch_arguments import *  # noqa: F403
 from .ops.torch_arguments import __all__  # noqa: F401
+from .ops.torch_arguments import _validate  # noqa: F401  (unit-scaling's tests import it)
