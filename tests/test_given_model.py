@@ -239,3 +239,25 @@ def test_given_model_on_the_ipu_model_matches_the_emulator(step_losses):
     on_ipu_model = step_losses(config, "ipu_model", 3)
     assert torch.isfinite(on_ipu_model).all()
     assert torch.allclose(on_ipu_model, emulated, rtol=1e-4, atol=0)
+
+
+def test_sweep_of_a_given_model_refuses_plain_and_sweeps_its_two_rate_rules(tmp_path, text_file):
+    """A given model is the same model in every kind: plain would train it again under a name
+    that says it is not unit-scaled."""
+    common = ["--config", "tiny", "--widths", "32", "--quiet", "--set", f"data.path={text_file}",
+              "training.steps=2", *ONE_STAGE, f"model.factory={FACTORY}"]
+    refused = _command("sweep", "--models", "plain", "unit", "--run-dir",
+                       str(tmp_path / "refused"), *common)
+    assert refused.returncode == 2
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--models plain: model.factory" in lines[0], lines
+    run_dir = tmp_path / "sweep"
+    swept = _command("sweep", "--run-dir", str(run_dir), "--log2-lr", "unit=-6:-6",
+                     "u-mup=-1:-1", *common)
+    assert swept.returncode == 0, swept.stderr
+    assert sorted(path.name for path in run_dir.iterdir() if path.is_dir()) == ["u-mup", "unit"]
+    for kind, parametrization in (("unit", "unit"), ("u-mup", "u-mup")):
+        (point,) = [path for path in (run_dir / kind).rglob("config.yaml")]
+        saved = load_run_config(point.parent)
+        assert saved.model.factory == FACTORY and saved.model.hidden_size == 32
+        assert saved.model.parametrization == parametrization

@@ -202,7 +202,10 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from .sweep import default_exponents, run_sweep, sweep_report
 
     config = _load(args)
+    chosen = args.models
     key, values = _sweep_key(args, config)
+    if config.model.factory is not None:
+        _given_model_kinds(args, chosen)
     exponents = {kind: default_exponents(config, kind, args.span or 2) for kind in args.models}
     for item in args.log2_lr:
         kind, _, bounds = item.partition("=")
@@ -251,6 +254,21 @@ def _sweep_key(args: argparse.Namespace, config: Config) -> Tuple[Optional[str],
             print(f"sweep: {args.key} acts in {' and '.join(args.models)} only; sweeping "
                   f"{'it' if len(args.models) == 1 else 'them'}")
     return args.key, values
+
+
+def _given_model_kinds(args: argparse.Namespace, chosen: Optional[List[str]]) -> None:
+    """A given model (``model.factory``) has one form, so ``plain`` would train it again under
+    another name; ``unit`` and ``u-mup`` differ in the optimizer's rates (one rate, or u-μP's
+    per-tensor rates from each parameter's ``mup_type``)."""
+    if chosen and "plain" in chosen:
+        raise UsageError("--models plain: model.factory builds one model whatever the kind; "
+                         "sweep it as unit (one learning rate) or u-mup (u-μP's per-tensor "
+                         "rates)")
+    if "plain" in args.models:
+        args.models = [kind for kind in args.models if kind != "plain"]
+        if not args.quiet:
+            print(f"sweep: model.factory gives one model; sweeping it as "
+                  f"{' and '.join(args.models)}")
 
 
 def _read_baseline(run_dir: Path) -> Optional[float]:
