@@ -12,8 +12,14 @@ import pytest
 import ipu_unit_scaling.training.memory as memory
 from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.loop.training_loop import build_model
-from ipu_unit_scaling.training.memory import estimate_step_memory, format_bytes, parameter_count
-from ipu_unit_scaling.training.run_config import load_config
+from ipu_unit_scaling.training.memory import (
+    check_memory,
+    estimate_step_memory,
+    format_bytes,
+    parameter_count,
+)
+from ipu_unit_scaling.training.run_config import Config, load_config
+from ipu_unit_scaling.training.run_directory import RunError
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1"]
@@ -120,3 +126,16 @@ def test_a_data_file_too_big_to_encode_is_refused_before_it_is_read(capsys, tmp_
     assert status == 2 and err.count("\n") == 1
     assert "has 64.0 MiB; reading and encoding it needs about 1.3 GiB, more than the 1.0 GiB" \
         in err
+
+
+def test_a_given_model_is_not_judged_by_the_gpt_of_its_settings(monkeypatch):
+    """The estimate counts the package's GPT; a model from model.factory is not that GPT, so
+    it is neither refused nor described by it."""
+    monkeypatch.setattr(memory, "machine_memory", lambda: 2**30)
+    config = Config()
+    config.model.hidden_size, config.model.heads = 2**20, 1  # a GPT this wide fits nowhere
+    with pytest.raises(RunError):
+        check_memory(config)
+    config.model.factory = "examples.library_decoder:build"
+    assert check_memory(config) == ("memory for one step: not estimated for a given model "
+                                    "(examples.library_decoder:build)")

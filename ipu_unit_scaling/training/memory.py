@@ -86,6 +86,8 @@ def check_memory(config: Config, host_activations: bool = True) -> str:
     counted against the host."""
     from .run_directory import RunError
 
+    if config.model.factory is not None:  # the estimate counts the package's GPT
+        return f"memory for one step: not estimated for a given model ({config.model.factory})"
     estimate = estimate_step_memory(config)
     needed = estimate.total if host_activations else estimate.total - estimate.activations
     available = machine_memory()
