@@ -1,10 +1,12 @@
-"""u-μP's two rules with a choice (parametrization.umup_rules), each against its formula.
+"""u-μP's rules with a choice (parametrization.umup_rules), each against its formula.
 
 The expected scales are written out here in float64 from the u-μP paper (arXiv 2407.17465,
 hidden weights' ``1/sqrt(fan_in)``) and from the published ``unit-scaling`` 0.3.5 library's
 documented rules (``functional.linear`` with ``constraint="to_output_scale"``;
 ``functional.scaled_dot_product_attention``'s log-interpolated output scale), not computed by
-the package.
+the package. The GELU's scales come from its moments under N(0, 1), integrated here on a
+float64 grid (the package uses Gauss-Hermite quadrature), tied by the constraint as the
+library's ``scale_elementwise`` ties them.
 """
 from __future__ import annotations
 
@@ -180,6 +182,61 @@ def test_the_gpt_uses_the_chosen_attention_rule():
             assert bool((factors[:, -1] > 2).all())
 
 
+# ------------------------------------------------------------------------------ GELU
+
+
+def gelu_moments(mult: float):
+    """(std of gelu(mult z), rms of d/dz gelu(mult z)) for z ~ N(0, 1), by the trapezoidal rule
+    on a float64 grid; gelu(x) = x Phi(x), gelu'(x) = Phi(x) + x phi(x)."""
+    z = torch.linspace(-14.0, 14.0, 400_001, dtype=torch.float64)
+    density = torch.exp(-z**2 / 2) / math.sqrt(2 * math.pi)
+    x = mult * z
+    cdf = 0.5 * (1 + torch.erf(x / math.sqrt(2)))
+    value = x * cdf
+    slope = mult * (cdf + x * torch.exp(-x**2 / 2) / math.sqrt(2 * math.pi))
+
+    def mean(f):
+        return torch.trapezoid(f * density, z).item()
+
+    return math.sqrt(mean(value**2) - mean(value) ** 2), math.sqrt(mean(slope**2))
+
+
+def expected_gelu_scales(constraint: str, mult: float):
+    """(forward, input-gradient) multipliers: 1/std and 1/rms, both the forward's under
+    to_output_scale, both their geometric mean under gmean."""
+    output_std, grad_rms = gelu_moments(mult)
+    if constraint == "to_output_scale":
+        return 1 / output_std, 1 / output_std
+    return (output_std * grad_rms) ** -0.5, (output_std * grad_rms) ** -0.5
+
+
+@pytest.mark.parametrize("mult", [1.0, 2.0])
+@pytest.mark.parametrize("constraint", ["to_output_scale", "gmean", None])
+def test_gelu_scales_both_passes_as_the_rule_says(constraint, mult):
+    rules = None if constraint is None else UmupRules(gelu_constraint=constraint)
+    constraint = constraint or "gmean"  # the measured default
+    forward, backward = expected_gelu_scales(constraint, mult)
+    gelu = gpt(rules, ffn_act_mult=mult).layers[0].mlp.gelu
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 256, dtype=torch.float64, generator=generator, requires_grad=True)
+    grad = torch.randn(4, 256, dtype=torch.float64, generator=generator)
+    out = gelu(x)
+    out.backward(grad)
+    plain = x.detach().requires_grad_()
+    reference = torch.nn.functional.gelu(mult * plain)
+    reference.backward(grad)
+    torch.testing.assert_close(out.detach(), reference.detach() * forward, rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(x.grad, plain.grad * backward, rtol=1e-7, atol=1e-9)
+
+
+def test_the_gelu_rules_differ_by_what_the_tie_moves():
+    # At mult 1 the two rules' backward scales are 1/std and 1/sqrt(std * rms): the test above
+    # separates them only if these differ by far more than its tolerance.
+    to_output, _ = expected_gelu_scales("to_output_scale", 1.0)
+    gmean, _ = expected_gelu_scales("gmean", 1.0)
+    assert abs(to_output / gmean - 1) > 0.05
+
+
 # ------------------------------------------------------------------------------ config
 
 
@@ -190,20 +247,24 @@ def test_rules_are_model_keys_only_u_mup_takes():
 
     config = load_config("umup", ["precision.dtype=fp32",
                                   "model.umup_hidden_constraint=to_output_scale",
-                                  "model.umup_attention_scaling=per-row"])
+                                  "model.umup_attention_scaling=per-row",
+                                  "model.umup_gelu_constraint=to_output_scale"])
     model = build_model(config)
     assert model.layers[0].mlp.up.constraint == "to_output_scale"
+    assert model.layers[0].mlp.gelu.constraint == "to_output_scale"
     assert model.layers[0].attn.attention is not constant_scale_attention
     default = build_model(load_config("umup", ["precision.dtype=fp32"])).layers[0]
     assert default.attn.attention is constant_scale_attention
     assert default.mlp.up.constraint == "gmean"
+    assert default.mlp.gelu.constraint == "gmean"
     set_model_kind(config, "unit")  # the u-μP keys go back to their defaults
-    assert (config.model.umup_hidden_constraint, config.model.umup_attention_scaling) == (
-        "gmean", "constant")
+    assert (config.model.umup_hidden_constraint, config.model.umup_attention_scaling,
+            config.model.umup_gelu_constraint) == ("gmean", "constant", "gmean")
     cases = {
         "model.umup_hidden_constraint": ["model.umup_hidden_constraint=to_output_scale"],
         "model.umup_attention_scaling": ["model.parametrization=u-mup",
                                          "model.umup_attention_scaling=per_row"],
+        "model.umup_gelu_constraint": ["model.umup_gelu_constraint=to_output_scale"],
     }
     for key, overrides in cases.items():
         with pytest.raises(ConfigError) as error:
@@ -211,6 +272,8 @@ def test_rules_are_model_keys_only_u_mup_takes():
         assert [path for path, _ in error.value.errors] == [key], overrides
     with pytest.raises(ValueError, match="hidden_constraint 'hmean'"):
         UmupRules(hidden_constraint="hmean")
+    with pytest.raises(ValueError, match="gelu_constraint 'none'"):
+        UmupRules(gelu_constraint="none")
 
 
 @pytest.mark.parametrize("parametrization, attention", [("u-mup", "per-row"),
@@ -227,9 +290,11 @@ def test_a_run_saved_before_the_rule_keys_loads_with_the_rules_it_trained_with(
     config = Config()
     config.model.parametrization = parametrization
     raw = config.to_dict()
-    for key in ("umup_hidden_constraint", "umup_attention_scaling", "factory"):
+    for key in ("umup_hidden_constraint", "umup_attention_scaling", "umup_gelu_constraint",
+                "factory"):
         del raw["model"][key]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
     loaded = load_run_config(tmp_path, action="resume")
     assert loaded.model.umup_attention_scaling == attention
     assert loaded.model.umup_hidden_constraint == "gmean" and loaded.model.factory is None
+    assert loaded.model.umup_gelu_constraint == "gmean"

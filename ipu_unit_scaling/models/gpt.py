@@ -42,13 +42,15 @@ class GPTConfig:
     # "package.module:function" building the model in place of this GPT from these settings
     # (ipu_unit_scaling.training.given_model); None trains the GPT.
     factory: Optional[str] = None
-    # u-μP's two rules with a choice (parametrization.umup_rules, and its measurement).
+    # u-μP's rules with a choice (parametrization.umup_rules, and its measurement).
     umup_hidden_constraint: str = "gmean"
     umup_attention_scaling: str = "constant"
+    umup_gelu_constraint: str = "gmean"
 
     def umup_rules(self) -> UmupRules:
         return UmupRules(hidden_constraint=self.umup_hidden_constraint,
-                         attention_scaling=self.umup_attention_scaling)
+                         attention_scaling=self.umup_attention_scaling,
+                         gelu_constraint=self.umup_gelu_constraint)
 
     def umup_hyperparameters(self) -> UmupHyperparameters:
         return UmupHyperparameters(

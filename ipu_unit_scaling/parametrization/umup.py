@@ -159,6 +159,7 @@ class ScaledGELU:
             raise ValueError(f"mult={mult!r} must be positive")
         self.mult = mult
         self.approximate = approximate
+        self.constraint = constraint
         # Scales of torch's GELU and of the one an IPU runs (see U.gelu), by U.gelu's
         # quadrature.
         self.scales = {
@@ -176,7 +177,8 @@ class ScaledGELU:
         return F.gelu(x * self.mult if self.mult != 1.0 else x, approximate=self.approximate)
 
     def __repr__(self) -> str:
-        return f"ScaledGELU(mult={self.mult}, approximate={self.approximate!r})"
+        return (f"ScaledGELU(mult={self.mult}, approximate={self.approximate!r}, "
+                f"constraint={self.constraint!r})")
 
 
 # ---------------------------------------------------------------------------- weight types
@@ -292,7 +294,8 @@ def umup_decoder(
     default: the library's)."""
     hp = hyperparameters
     rules = rules or UmupRules()
-    ops = dataclasses.replace(UNIT_OPS, gelu=ScaledGELU(hp.ffn_act_mult),
+    gelu = ScaledGELU(hp.ffn_act_mult, constraint=rules.gelu_constraint)
+    ops = dataclasses.replace(UNIT_OPS, gelu=gelu,
                               Linear=hidden_linear(rules),
                               scaled_dot_product_attention=attention_op(rules))
     return GPT(

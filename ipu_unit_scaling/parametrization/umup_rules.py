@@ -52,6 +52,7 @@ from ..ops.trace_switch import is_ipu_tracing
 __all__ = [
     "HIDDEN_CONSTRAINTS",
     "ATTENTION_SCALINGS",
+    "GELU_CONSTRAINTS",
     "UmupRules",
     "constant_attention_scale",
     "constant_scale_attention",
@@ -61,6 +62,7 @@ __all__ = [
 
 HIDDEN_CONSTRAINTS = ("gmean", "to_output_scale")
 ATTENTION_SCALINGS = ("constant", "per-row")
+GELU_CONSTRAINTS = ("gmean", "to_output_scale")
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class UmupRules:
 
     hidden_constraint: str = "gmean"
     attention_scaling: str = "constant"
+    gelu_constraint: str = "gmean"
 
     def __post_init__(self) -> None:
         if self.hidden_constraint not in HIDDEN_CONSTRAINTS:
@@ -77,6 +80,9 @@ class UmupRules:
         if self.attention_scaling not in ATTENTION_SCALINGS:
             raise ValueError(f"attention_scaling {self.attention_scaling!r} is not one of "
                              f"{', '.join(ATTENTION_SCALINGS)}")
+        if self.gelu_constraint not in GELU_CONSTRAINTS:
+            raise ValueError(f"gelu_constraint {self.gelu_constraint!r} is not one of "
+                             f"{', '.join(GELU_CONSTRAINTS)}")
 
 
 def constant_attention_scale(key_len: int, logit_std: float, is_causal: bool,

@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..fp8.fp8_config import FP8Config
 from ..models.gpt import GPTConfig
-from ..parametrization.umup_rules import ATTENTION_SCALINGS, HIDDEN_CONSTRAINTS
+from ..parametrization.umup_rules import ATTENTION_SCALINGS, GELU_CONSTRAINTS, HIDDEN_CONSTRAINTS
 from .config_files import (  # noqa: F401  (the config's readers, exported with its schema)
     CONFIGS_DIR,
     AmbiguousValue,
@@ -61,7 +61,8 @@ UMUP_MULTIPLIERS = ("residual_mult", "residual_attn_ratio", "attn_softmax_mult",
                     "loss_softmax_mult")
 # u-μP's rules with a choice (model keys) and their choices; the first is the default.
 UMUP_RULE_CHOICES = {"umup_hidden_constraint": HIDDEN_CONSTRAINTS,
-                     "umup_attention_scaling": ATTENTION_SCALINGS}
+                     "umup_attention_scaling": ATTENTION_SCALINGS,
+                     "umup_gelu_constraint": GELU_CONSTRAINTS}
 REGIMES = (
     "fp32",
     "fp16",
@@ -465,7 +466,8 @@ def earlier_run_settings(raw: Dict[str, Any]) -> List[str]:
         return []
     umup = model.get("parametrization") == "u-mup"
     earlier = {"factory": None, "umup_hidden_constraint": "gmean",
-               "umup_attention_scaling": "per-row" if umup else "constant"}
+               "umup_attention_scaling": "per-row" if umup else "constant",
+               "umup_gelu_constraint": "gmean"}
     filled = [key for key in earlier if key not in model]
     for key in filled:
         model[key] = earlier[key]
