@@ -5,9 +5,9 @@
         [--gelu gmean] [--run-root runs/umup-rules] [--out docs/results/umup-rules/results.md]
 
 Trains the u-μP GPT of the default config (width 128, depth 2) in fp32 with each combination of
-the hidden linears' constraint, attention's output scale and the GELU's constraint (a run
-directory and table column name the GELU's only when more than one is asked or it is not the
-default), at each residual_mult and learning
+the hidden linears' constraint, attention's output scale and the GELU's constraint (run
+directories name the GELU's unless only gmean, the form of runs made before it had a choice,
+is asked), at each residual_mult and learning
 rate asked, with `ipu-unit-scaling compare --regimes umup-fp32 --seeds N` (one run directory
 per combination, reused when rerun), then writes a Markdown table of the final validation
 losses (mean ± sample std over seeds) with the exact commands.
@@ -25,7 +25,7 @@ from typing import Dict, List, Sequence, Tuple
 
 CONSTRAINTS = ("to_output_scale", "gmean")
 ATTENTION = ("constant", "per-row")
-GELU = ("gmean", "to_output_scale")
+GELU = ("to_output_scale", "gmean")
 Key = Tuple[float, float, str, str, str]
 
 
@@ -75,18 +75,18 @@ def main() -> int:
     parser.add_argument("--run-root", type=Path, default=Path("runs/umup-rules"))
     parser.add_argument("--out", type=Path, default=Path("docs/results/umup-rules/results.md"))
     args = parser.parse_args()
+    # Runs made before the GELU's rule had a choice used gmean and keep their directory names.
+    legacy_names = args.gelu == ["gmean"]
 
     results: Dict[Key, List[float]] = {}
     commands: List[str] = []
-    # Runs made before the GELU's rule had a choice keep their directory names.
-    name_gelu = args.gelu != list(GELU[:1])
     for residual_mult in args.residual_mults:
         for learning_rate in args.learning_rates:
             for constraint in args.constraints:
                 for attention in args.attention:
                     for gelu in args.gelu:
                         name = f"res{residual_mult:g}-lr{learning_rate:g}-{constraint}-{attention}"
-                        run_dir = args.run_root / (f"{name}-gelu_{gelu}" if name_gelu else name)
+                        run_dir = args.run_root / (name if legacy_names else f"{name}-gelu_{gelu}")
                         argv = command(run_dir, args.steps, args.seeds, residual_mult,
                                        learning_rate, constraint, attention, gelu)
                         commands.append(shlex.join(argv))

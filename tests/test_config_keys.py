@@ -175,7 +175,7 @@ KEYS: Dict[str, Any] = {
     "model.factory": ("examples.library_decoder:build", _losses, []),
     "model.umup_hidden_constraint": ("to_output_scale", _losses, ["model.parametrization=u-mup"]),
     "model.umup_attention_scaling": ("per-row", _losses, ["model.parametrization=u-mup"]),
-    "model.umup_gelu_constraint": ("to_output_scale", _losses, ["model.parametrization=u-mup"]),
+    "model.umup_gelu_constraint": ("gmean", _losses, ["model.parametrization=u-mup"]),
     "precision.dtype": ("fp32", _losses, []),
     "precision.fp8.activation_format": ("E4M3FN", _casts, []),
     "precision.fp8.weight_format": ("E4M3FN", _casts, []),

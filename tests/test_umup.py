@@ -181,8 +181,10 @@ def test_scaled_gelu_is_unit_for_any_mult(mult):
 
 def test_scaled_gelu_at_mult_one_is_the_unit_scaled_gelu():
     x = torch.randn(64, 32, requires_grad=True)
-    torch.testing.assert_close(ScaledGELU(1.0)(x), U.gelu(x, constraint="gmean"), rtol=1e-6,
-                               atol=1e-6)
+    for constraint in ("to_output_scale", "gmean"):
+        torch.testing.assert_close(ScaledGELU(1.0, constraint=constraint)(x),
+                                   U.gelu(x, constraint=constraint), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ScaledGELU(1.0)(x), U.gelu(x), rtol=1e-6, atol=1e-6)
     assert model_gelu(gpt(ffn_act_mult=3.0)).mult == 3.0
 
 

@@ -214,7 +214,7 @@ def expected_gelu_scales(constraint: str, mult: float):
 @pytest.mark.parametrize("constraint", ["to_output_scale", "gmean", None])
 def test_gelu_scales_both_passes_as_the_rule_says(constraint, mult):
     rules = None if constraint is None else UmupRules(gelu_constraint=constraint)
-    constraint = constraint or "gmean"  # the measured default
+    constraint = constraint or "to_output_scale"  # the library's, kept by the measurement
     forward, backward = expected_gelu_scales(constraint, mult)
     gelu = gpt(rules, ffn_act_mult=mult).layers[0].mlp.gelu
     generator = torch.Generator().manual_seed(5)
@@ -248,23 +248,23 @@ def test_rules_are_model_keys_only_u_mup_takes():
     config = load_config("umup", ["precision.dtype=fp32",
                                   "model.umup_hidden_constraint=to_output_scale",
                                   "model.umup_attention_scaling=per-row",
-                                  "model.umup_gelu_constraint=to_output_scale"])
+                                  "model.umup_gelu_constraint=gmean"])
     model = build_model(config)
     assert model.layers[0].mlp.up.constraint == "to_output_scale"
-    assert model.layers[0].mlp.gelu.constraint == "to_output_scale"
+    assert model.layers[0].mlp.gelu.constraint == "gmean"
     assert model.layers[0].attn.attention is not constant_scale_attention
     default = build_model(load_config("umup", ["precision.dtype=fp32"])).layers[0]
     assert default.attn.attention is constant_scale_attention
     assert default.mlp.up.constraint == "gmean"
-    assert default.mlp.gelu.constraint == "gmean"
+    assert default.mlp.gelu.constraint == "to_output_scale"
     set_model_kind(config, "unit")  # the u-μP keys go back to their defaults
     assert (config.model.umup_hidden_constraint, config.model.umup_attention_scaling,
-            config.model.umup_gelu_constraint) == ("gmean", "constant", "gmean")
+            config.model.umup_gelu_constraint) == ("gmean", "constant", "to_output_scale")
     cases = {
         "model.umup_hidden_constraint": ["model.umup_hidden_constraint=to_output_scale"],
         "model.umup_attention_scaling": ["model.parametrization=u-mup",
                                          "model.umup_attention_scaling=per_row"],
-        "model.umup_gelu_constraint": ["model.umup_gelu_constraint=to_output_scale"],
+        "model.umup_gelu_constraint": ["model.umup_gelu_constraint=gmean"],
     }
     for key, overrides in cases.items():
         with pytest.raises(ConfigError) as error:
@@ -276,12 +276,13 @@ def test_rules_are_model_keys_only_u_mup_takes():
         UmupRules(gelu_constraint="none")
 
 
-@pytest.mark.parametrize("parametrization, attention", [("u-mup", "per-row"),
-                                                       ("unit", "constant")])
+@pytest.mark.parametrize("parametrization, attention, gelu", [
+    ("u-mup", "per-row", "gmean"), ("unit", "constant", "to_output_scale")])
 def test_a_run_saved_before_the_rule_keys_loads_with_the_rules_it_trained_with(
-        tmp_path, parametrization, attention):
-    """A u-μP run saved before these keys scaled attention per row: resuming or evaluating it
-    must not switch it to today's default."""
+        tmp_path, parametrization, attention, gelu):
+    """A u-μP run saved before these keys scaled attention per row and tied its GELU's scales
+    by gmean: resuming or evaluating it must not switch it to today's defaults. A unit-scaled
+    run (which has no u-μP GELU) gets the defaults, which are all it may hold."""
     import yaml
 
     from ipu_unit_scaling.loop.run_opening import load_run_config
@@ -297,4 +298,4 @@ def test_a_run_saved_before_the_rule_keys_loads_with_the_rules_it_trained_with(
     loaded = load_run_config(tmp_path, action="resume")
     assert loaded.model.umup_attention_scaling == attention
     assert loaded.model.umup_hidden_constraint == "gmean" and loaded.model.factory is None
-    assert loaded.model.umup_gelu_constraint == "gmean"
+    assert loaded.model.umup_gelu_constraint == gelu

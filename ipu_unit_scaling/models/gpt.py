@@ -45,7 +45,7 @@ class GPTConfig:
     # u-μP's rules with a choice (parametrization.umup_rules, and its measurement).
     umup_hidden_constraint: str = "gmean"
     umup_attention_scaling: str = "constant"
-    umup_gelu_constraint: str = "gmean"
+    umup_gelu_constraint: str = "to_output_scale"
 
     def umup_rules(self) -> UmupRules:
         return UmupRules(hidden_constraint=self.umup_hidden_constraint,

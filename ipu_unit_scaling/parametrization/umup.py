@@ -147,14 +147,15 @@ class ScaledGELU:
     """Unit-scaled ``gelu(mult * x)``: u-μP's ``ffn_act_mult`` shapes the nonlinearity.
 
     Rule: output scale ``1/std(gelu(mult z))``, grad-input scale ``1/rms(d/dz gelu(mult z))``
-    for z ~ N(0, 1), computed once by Gauss-Hermite quadrature and tied by ``constraint``; at
+    for z ~ N(0, 1), computed once by Gauss-Hermite quadrature and tied by ``constraint``
+    (``model.umup_gelu_constraint``; the default is ``U.gelu``'s and the library's); at
     ``mult=1`` it is ``U.gelu``. (The published library fits an interpolation in ``mult``; the
     quadrature is exact for normal inputs.) A callable object, so that the scales are computed
     when the model is built and a compiled or traced forward sees constants.
     """
 
     def __init__(self, mult: float = 1.0, approximate: str = "none",
-                 constraint: ConstraintArg = "gmean") -> None:
+                 constraint: ConstraintArg = "to_output_scale") -> None:
         if not mult > 0:
             raise ValueError(f"mult={mult!r} must be positive")
         self.mult = mult

@@ -1,7 +1,8 @@
-"""Two u-μP rules that come in two forms: the hidden linears' constraint and attention's output
-scale. ``docs/results/umup-rules/`` has the side-by-side that chose each default: attention
-follows the u-μP paper and the published ``unit-scaling`` library; the hidden linears keep
-unit scaling's geometric mean, which measured better than the library's rule.
+"""Three u-μP rules that come in two forms: the hidden linears' constraint, attention's output
+scale and the GELU's constraint. ``docs/results/umup-rules/`` has the side-by-sides that chose
+each default: attention and the GELU follow the u-μP paper and the published ``unit-scaling``
+library; the hidden linears keep unit scaling's geometric mean, which measured better than the
+library's rule.
 
 - **Hidden linears** (every linear in the residual blocks):
 
@@ -33,6 +34,15 @@ unit scaling's geometric mean, which measured better than the library's rule.
 
 Both forms scale the output in the forward pass and q, k and v's gradients by the same
 factor, as the library does.
+
+- **The MLP's GELU** (:class:`~ipu_unit_scaling.parametrization.umup.ScaledGELU`, output scale
+  ``1/std(gelu(mult z))`` and input-gradient scale ``1/rms(d/dz gelu(mult z))`` for z ~ N(0,
+  1), tied):
+
+  - ``"to_output_scale"`` (default): the output scale in both passes, the library's ``gelu``
+    default (1.70 at ``ffn_act_mult`` 1, where the exact gradient scale is 1.48).
+  - ``"gmean"``: their geometric mean in both passes (1.59 at ``ffn_act_mult`` 1), unit
+    scaling's tie. The two measured equal (``docs/results/umup-rules/gelu.md``).
 """
 from __future__ import annotations
 
@@ -62,7 +72,7 @@ __all__ = [
 
 HIDDEN_CONSTRAINTS = ("gmean", "to_output_scale")
 ATTENTION_SCALINGS = ("constant", "per-row")
-GELU_CONSTRAINTS = ("gmean", "to_output_scale")
+GELU_CONSTRAINTS = ("to_output_scale", "gmean")
 
 
 @dataclass(frozen=True)
@@ -71,7 +81,7 @@ class UmupRules:
 
     hidden_constraint: str = "gmean"
     attention_scaling: str = "constant"
-    gelu_constraint: str = "gmean"
+    gelu_constraint: str = "to_output_scale"
 
     def __post_init__(self) -> None:
         if self.hidden_constraint not in HIDDEN_CONSTRAINTS:

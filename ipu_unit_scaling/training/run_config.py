@@ -459,7 +459,8 @@ def resolve_layers_per_ipu(layers_per_ipu: Sequence[int], depth: int, ipus: int)
 def earlier_run_settings(raw: Dict[str, Any]) -> List[str]:
     """Fill, in a saved run config ``raw``, the keys added since runs were saved without them,
     each with the value such a run trained with (not today's default, where that changed: a
-    u-μP run saved before ``model.umup_attention_scaling`` scaled attention per row). Returns
+    u-μP run saved before ``model.umup_attention_scaling`` scaled attention per row, one saved
+    before ``model.umup_gelu_constraint`` tied its GELU's scales by gmean). Returns
     the keys filled."""
     model = raw.get("model")
     if not isinstance(model, dict):
@@ -467,7 +468,7 @@ def earlier_run_settings(raw: Dict[str, Any]) -> List[str]:
     umup = model.get("parametrization") == "u-mup"
     earlier = {"factory": None, "umup_hidden_constraint": "gmean",
                "umup_attention_scaling": "per-row" if umup else "constant",
-               "umup_gelu_constraint": "gmean"}
+               "umup_gelu_constraint": "gmean" if umup else "to_output_scale"}
     filled = [key for key in earlier if key not in model]
     for key in filled:
         model[key] = earlier[key]
