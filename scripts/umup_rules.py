@@ -2,7 +2,8 @@
 
     python scripts/umup_rules.py [--steps 250] [--seeds 3] [--residual-mults 1 0.25]
         [--learning-rates 1] [--constraints to_output_scale gmean] [--attention constant per-row]
-        [--gelu gmean] [--run-root runs/umup-rules] [--out docs/results/umup-rules/results.md]
+        [--gelu to_output_scale gmean] [--run-root runs/umup-rules]
+        [--out docs/results/umup-rules/results.md]
 
 Trains the u-μP GPT of the default config (width 128, depth 2) in fp32 with each combination of
 the hidden linears' constraint, attention's output scale and the GELU's constraint (run
