@@ -41,7 +41,7 @@ from ..training.inference import (
     text_batches,
     validation_batches,
 )
-from ..training.precision import build_model
+from ..training.precision import build_model, model_label
 from ..training.run_config import Config
 from ..training.run_directory import (
     CHECKPOINT_FILE,
@@ -168,7 +168,7 @@ class EvaluationRow:
 class Evaluation:
     run_dir: str
     step: int
-    model: str  # "unit-scaled" or "plain"
+    model: str  # "unit-scaled GPT", "plain GPT", "u-μP GPT" or a given model's factory
     trained_precision: str
     data: str
     tokens: int
@@ -235,7 +235,7 @@ def evaluate_run(
             row.gap_to_fp32_percent = 100.0 * (row.loss - reference) / reference
     return Evaluation(
         run_dir=str(run.run_dir), step=run.step,
-        model="unit-scaled" if config.model.unit_scaled else "plain",
+        model=model_label(config),
         trained_precision=run.precision, data=description, tokens=tokens, backend=backend,
         rows=rows, checkpoint_sha256=run.checkpoint_sha256,
     )
@@ -267,7 +267,7 @@ def format_evaluation(evaluation: Evaluation) -> str:
               if evaluation.checkpoint_sha256 else "")
     lines = [
         f"Checkpoint {evaluation.run_dir} (step {evaluation.step}{digest}, {evaluation.model} "
-        f"GPT trained in {evaluation.trained_precision}); {evaluation.data}; "
+        f"trained in {evaluation.trained_precision}); {evaluation.data}; "
         f"{evaluation.tokens} predicted characters; backend {evaluation.backend}.",
         "",
         "| precision | loss (nats/char) | gap to fp32 |",

@@ -58,6 +58,7 @@ from ..training.precision import (
     FP16Linear,
     build_model,
     model_kind,
+    model_label,
     regime_config,
     round_to_half,
     set_model_kind,
@@ -334,8 +335,7 @@ def _finish(session: _Session, status: str, message: str, say: Callable[[str], N
     if not session.writes:
         return summary
     write_summary(summary)
-    model_name = {"unit": "unit-scaled", "u-mup": "u-μP"}.get(model_kind(config), "plain")
-    title = f"{model_name} {session.task.model_name}, {config.precision.dtype}"
+    title = f"{model_label(config, session.task.model_name)}, {config.precision.dtype}"
     try:
         plot_run(run_dir / METRICS_FILE, run_dir / PLOT_FILE, summary.unigram_baseline, title)
     except (ImportError, RuntimeError) as error:

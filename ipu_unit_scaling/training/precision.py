@@ -19,7 +19,7 @@ from ..modules.layers import LinearReadout
 from .run_config import REGIMES, UMUP_MULTIPLIERS, UMUP_RULE_CHOICES, Config, ConfigError
 
 __all__ = ["REGIME_SETTINGS", "MODEL_KINDS", "COMPARE_EVAL_POINTS", "regime_config",
-           "set_model_kind", "model_kind", "round_to_half",
+           "set_model_kind", "model_kind", "model_label", "round_to_half",
            "FP16Linear", "simulate_fp16", "build_model"]
 
 # regime -> (model: plain, unit or u-mup; precision dtype; FP8 scaling)
@@ -86,6 +86,17 @@ def model_kind(config: Config) -> str:
     if not config.model.unit_scaled:
         return "plain"
     return "u-mup" if config.model.parametrization == "u-mup" else "unit"
+
+
+def model_label(config: Config, noun: str = "GPT") -> str:
+    """How figures and headers name a run's model: ``unit-scaled GPT``, ``u-μP GPT``,
+    ``plain GPT`` (``noun`` names the task's model), or a given model by its factory
+    (``my_model:build (model.factory)``), whose build the other keys do not describe."""
+    factory = getattr(config.model, "factory", None)
+    if factory:
+        return f"{factory} (model.factory)"
+    kind = {"unit": "unit-scaled", "u-mup": "u-μP"}.get(model_kind(config), "plain")
+    return f"{kind} {noun}"
 
 
 def round_to_half(x: Tensor) -> Tensor:
