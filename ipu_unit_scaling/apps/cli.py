@@ -208,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "model.residual_mult, each model at its default learning rate")
     sweep.add_argument("--values", nargs="+", metavar="VALUE",
                        help="the --key values, read as --set reads them, e.g. 0.25 0.5 1 2")
+    sweep.add_argument("--keep-checkpoints", action="store_true",
+                       help="keep each finished point's checkpoint.pt (by default a point keeps "
+                            "its config, metrics, summary and figure, and its checkpoint only "
+                            "until it finishes)")
 
     analyse = commands.add_parser(
         "analyse", help="compare tensor scales of the plain and unit-scaled model",

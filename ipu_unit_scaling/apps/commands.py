@@ -226,7 +226,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     with _run_directory(args.run_dir, _runs_root(config), "sweep") as run_dir, \
             _continued_by_running_again("sweep", run_dir):
         points = run_sweep(config, args.models, args.widths, depths, exponents, run_dir,
-                           quiet=args.quiet, key=key, values=values)
+                           quiet=args.quiet, key=key, values=values,
+                           keep_checkpoints=args.keep_checkpoints)
     print(sweep_report(config, points))
     print(f"transfer plot: {run_dir / 'sweep.png'}; table: {run_dir / 'sweep.md'}")
     return 0

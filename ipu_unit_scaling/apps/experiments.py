@@ -68,6 +68,7 @@ class SeedSummary:
     gap_mean: Optional[float]  # percent, the mean of the per-seed gaps to fp32
     gap_std: Optional[float]
     elapsed_s: float
+    untuned: bool = False  # a u-μP regime at u-μP's default hyperparameters (compare.untuned)
 
     @property
     def failed(self) -> int:
@@ -102,6 +103,7 @@ def aggregate_seeds(
             learning_rate=rows[0]["learning_rate"], seeds=seeds, losses=losses, mean=mean,
             std=std, gap_mean=gap_mean, gap_std=gap_std,
             elapsed_s=sum(row.get("elapsed_s") or 0.0 for row in rows),
+            untuned=bool(rows[0].get("untuned")),
         ))
     return summaries
 
@@ -116,6 +118,8 @@ def _pm(mean: Optional[float], std: Optional[float], digits: int, suffix: str = 
 
 def format_seed_table(summaries: Sequence[SeedSummary], baseline: Optional[float]) -> str:
     """Markdown: mean ± std of the final validation loss and of the paired gap to fp32."""
+    from .compare import UNTUNED_MARK, UNTUNED_NOTE
+
     seeds = summaries[0].seeds if summaries else []
     lines = [
         f"| regime | model | precision | learning rate | final val loss (mean ± std, "
@@ -125,8 +129,9 @@ def format_seed_table(summaries: Sequence[SeedSummary], baseline: Optional[float
     for s in summaries:
         per_seed = ", ".join("diverged" if loss is None else f"{loss:.4f}" for loss in s.losses)
         failed = f" ({s.failed} of {len(s.losses)} did not finish)" if s.failed else ""
+        regime = f"{s.regime} {UNTUNED_MARK}" if s.untuned else s.regime
         lines.append(
-            f"| {s.regime} | {s.model} | {s.precision} | {s.learning_rate:g} | "
+            f"| {regime} | {s.model} | {s.precision} | {s.learning_rate:g} | "
             f"{_pm(s.mean, s.std, 4)}{failed} | {_pm(s.gap_mean, s.gap_std, 2, '%', True)} | "
             f"{per_seed} | {s.elapsed_s:.0f} s |"
         )
@@ -135,6 +140,9 @@ def format_seed_table(summaries: Sequence[SeedSummary], baseline: Optional[float
                  "over seeds; each gap is taken seed by seed against that seed's fp32 run.")
     if baseline is not None:
         lines.append(f"Unigram baseline (validation): {baseline:.4f} nats per character.")
+    if any(s.untuned for s in summaries):
+        lines.append("")
+        lines.append(UNTUNED_NOTE)
     return "\n".join(lines)
 
 
@@ -157,29 +165,14 @@ def mean_curves(
 
 
 def plot_seed_curves(curves: Mapping[str, Sequence[Tuple[int, float, float]]], out: Path,
-                     baseline: Optional[float], seeds: int) -> Path:
+                     baseline: Optional[float], seeds: int,
+                     labels: Optional[Mapping[str, str]] = None) -> Path:
     """Mean validation curve of each regime with a +-1 std band over seeds."""
-    from ..training.plots import _pyplot
+    from ..training.plots import plot_compare
 
-    plt = _pyplot()
-    figure, axes = plt.subplots(figsize=(8, 5))
-    for regime, points in curves.items():
-        steps = [p[0] for p in points]
-        mean = [p[1] for p in points]
-        std = [p[2] for p in points]
-        style = "--" if regime.startswith("unit-") else ":" if regime.startswith("umup-") else "-"
-        (line,) = axes.plot(steps, mean, style, marker="o", markersize=3, label=regime)
-        axes.fill_between(steps, [m - s for m, s in zip(mean, std)],
-                          [m + s for m, s in zip(mean, std)], color=line.get_color(), alpha=0.2)
-    if baseline is not None:
-        axes.axhline(baseline, color="gray", linestyle=":", label=f"unigram {baseline:.3f}")
-    axes.set_xlabel("step")
-    axes.set_ylabel("validation cross-entropy (nats per character)")
-    axes.set_title(f"Validation loss by regime: mean ± std over {seeds} seeds")
-    axes.legend(fontsize=8)
-    axes.grid(alpha=0.3)
-    _save(plt, figure, out)
-    return out
+    return plot_compare(curves, out, baseline,
+                        title=f"Validation loss by regime: mean ± std over {seeds} seeds",
+                        labels=labels)
 
 
 def _save(plt: Any, figure: Any, out: Path) -> None:
@@ -214,7 +207,11 @@ def write_seed_results(run_dir: Path, per_seed: Mapping[int, Sequence[Mapping[st
     payload = {"unigram_baseline": baseline, "seeds": sorted(per_seed),
                "regimes": [vars(s) for s in summaries]}
     _write_text(run_dir / "compare.json", json.dumps(payload, indent=2))
-    plot_seed_curves(mean_curves(curves), run_dir / "compare.png", baseline, len(per_seed))
+    from .compare import UNTUNED_MARK
+
+    plot_seed_curves(mean_curves(curves), run_dir / "compare.png", baseline, len(per_seed),
+                     labels={s.regime: f"{s.regime} {UNTUNED_MARK}" for s in summaries
+                             if s.untuned})
     return summaries, table
 
 

@@ -411,12 +411,17 @@ def _write_comparison(config: MLMConfig, regimes: Sequence[str], seeds: Sequence
         indent=2).encode("utf-8"))
     try:
         from ..training.plots import plot_compare
+        from .experiments import mean_curves
 
-        curves = {f"{r}-seed{s}" if len(seeds) > 1 else r:
-                  [(p[0], p[1]) for p in runs[r, s].get("val_curve", [])]
-                  for r in regimes for s in seeds}
-        plot_compare(curves, run_dir / "compare.png", None,
-                     title="Validation masked-LM loss by regime and seed")
+        # The mean over seeds of each regime, with a band of +-1 std (seeds that reached a step).
+        curves = mean_curves({seed: {regime: [(p[0], p[1])
+                                              for p in runs[regime, seed].get("val_curve", [])]
+                                     for regime in regimes} for seed in seeds})
+        plural = f"mean ± std over {len(seeds)} seeds" if len(seeds) > 1 else f"seed {seeds[0]}"
+        plot_compare({regime: curves.get(regime, []) for regime in regimes},
+                     run_dir / "compare.png", None,
+                     title=f"Validation masked-LM loss by regime: {plural}",
+                     ylabel="validation MLM loss (nats per masked character)")
     except RuntimeError:  # matplotlib missing: the table is the result
         pass
     return rows

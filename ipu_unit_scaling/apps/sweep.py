@@ -215,6 +215,7 @@ def run_sweep(
     log: Callable[[str], None] = print,
     key: Optional[str] = None,
     values: Sequence[Any] = (),
+    keep_checkpoints: bool = False,
 ) -> List[SweepPoint]:
     """Train every (kind, depth, width, learning rate) into ``run_dir`` and write ``sweep.md``,
     ``sweep.json`` and ``sweep.png``. Finished points found in ``run_dir`` are reused,
@@ -222,7 +223,12 @@ def run_sweep(
 
     With ``key``, the axis is that config key's ``values`` (from :func:`parse_sweep_values`)
     instead of the learning rate, each kind at its default learning rate; a kind that does not
-    use the key is refused (ConfigError), as is any point whose config does not validate."""
+    use the key is refused (ConfigError), as is any point whose config does not validate.
+
+    A point that finishes (completed or diverged) keeps its config, metrics, summary and figure
+    but not its ``checkpoint.pt``, which the sweep's results do not need (a 50-step sweep of
+    45 points would keep hundreds of MB), unless ``keep_checkpoints``; an unfinished point
+    keeps it, to be resumed."""
     from ..training.data import load_corpus
     from ..training.run_config import validate
     from ..training.run_directory import RunLock, make_run_dir
@@ -243,7 +249,8 @@ def run_sweep(
     make_run_dir(run_dir)
     with RunLock(run_dir):  # one sweep at a time in a directory
         corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
-        points = _train_points(config, plan, run_dir, quiet, log, corpus, key)
+        points = _train_points(config, plan, run_dir, quiet, log, corpus, key,
+                               keep_checkpoints)
         defaults = sweep_defaults(config, kinds, key)
         learning_rates = sweep_defaults(config, kinds)
         _write_text(run_dir / "sweep.md", sweep_report(config, points) + "\n")
@@ -269,11 +276,14 @@ def sweep_report(config: Config, points: Sequence[SweepPoint]) -> str:
 
 def _train_points(config: Config, plan: Sequence[Tuple[str, int, int, Any]], run_dir: Path,
                   quiet: bool, log: Callable[[str], None], corpus: Corpus,
-                  key: Optional[str] = None) -> List[SweepPoint]:
+                  key: Optional[str] = None, keep_checkpoints: bool = False
+                  ) -> List[SweepPoint]:
     from ..loop.training_loop import TrainingDiverged, check_reused_tokenizer, train
-    from ..training.run_directory import RunError
+    from ..training.run_directory import CHECKPOINT_FILE, RunError
+    from .progress import RunCounter
 
     points: List[SweepPoint] = []
+    counter = RunCounter("sweep", len(plan), quiet, say=log)
     for index, (kind, depth, width, coordinate) in enumerate(plan, 1):
         directory = _point_dir(run_dir, kind, width, depth, coordinate, key)
         summary = _read_json(directory / "summary.json")
@@ -287,7 +297,9 @@ def _train_points(config: Config, plan: Sequence[Tuple[str, int, int, Any]], run
             raise RunError(f"{directory} was trained with other settings (data: {corpus.source} "
                            "is not the text it trained on); rerun with the same settings or "
                            "choose another --run-dir")
-        if summary.get("status") in ("completed", "diverged"):
+        trained = summary.get("status") not in ("completed", "diverged")
+        counter.start(index, name)
+        if not trained:
             check_reused_tokenizer(directory, corpus.tokenizer.chars)
         else:
             resume = (directory / "checkpoint.pt").is_file()
@@ -296,14 +308,20 @@ def _train_points(config: Config, plan: Sequence[Tuple[str, int, int, Any]], run
             except TrainingDiverged:
                 pass
             summary = _read_json(directory / "summary.json")
+            if summary.get("status") in ("completed", "diverged") and not keep_checkpoints:
+                # The results need the summary and metrics; the weights stay only if asked.
+                try:
+                    (directory / CHECKPOINT_FILE).unlink()
+                except FileNotFoundError:
+                    pass
         status = summary.get("status", "missing")
         loss = summary.get("final_val_loss") if status == "completed" else None
         points.append(SweepPoint(kind, width, depth, coordinate if key is None else None,
                                  status, loss, float(summary.get("elapsed_s") or 0.0),
                                  key, None if key is None else coordinate))
-        if not quiet:
-            shown = f"{loss:.4f}" if loss is not None else status
-            log(f"sweep [{index}/{len(plan)}] {name}: final validation loss {shown}")
+        shown = f"{loss:.4f}" if loss is not None else status
+        counter.finish(index, name, f"final validation loss {shown}"
+                       + ("" if trained else " (reused)"), trained=trained)
     return points
 def _flat(tree: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
     flat: Dict[str, Any] = {}
@@ -477,7 +495,7 @@ def plot_sweep(points: Sequence[SweepPoint], defaults: Mapping[str, Any], out: P
 
     plt = _pyplot()
     panels = list(dict.fromkeys((p.kind, p.depth) for p in points))
-    figure, axes_list = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2),
+    figure, axes_list = plt.subplots(1, len(panels), figsize=(5 * len(panels), 5.0),
                                      squeeze=False)
     for axes, (kind, depth) in zip(axes_list[0], panels):
         mine = [p for p in points if p.kind == kind and p.depth == depth]
@@ -516,7 +534,8 @@ def plot_sweep(points: Sequence[SweepPoint], defaults: Mapping[str, Any], out: P
         axes.set_ylim(bottom=low - 0.02, top=min(high, low + 0.6) + 0.02)
         axes.set_ylabel("final validation loss (nats per character)")
         axes.set_title(f"{kind}, depth {depth}")
-        axes.legend(fontsize=8)
+        # Below the panel, never over a curve.
+        axes.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
         axes.grid(alpha=0.3)
     _save(plt, figure, out)
     return out

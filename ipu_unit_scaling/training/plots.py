@@ -5,11 +5,11 @@ import csv
 import io
 import math
 from pathlib import Path
-from typing import Any, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .run_directory import atomic_write
 
-__all__ = ["plot_run", "plot_compare"]
+__all__ = ["plot_run", "plot_compare", "curve_styles"]
 
 
 def _pyplot() -> Any:
@@ -59,33 +59,126 @@ def plot_run(metrics_csv: Path, out: Path, baseline: Optional[float], title: str
     return Path(out)
 
 
+# One look per regime: the colour says the precision, the line style (and marker) the model.
+# Twelve regimes, twelve looks; names that are not regimes take the looks left over.
+_PRECISION_COLOURS = {("fp32", ""): "tab:blue", ("fp16", ""): "tab:orange",
+                      ("fp8", "static"): "tab:green", ("fp8", "amax"): "tab:red"}
+_KIND_LINES = {"plain": ("-", "o"), "unit": ("--", "s"), "u-mup": (":", "^")}
+_SPARE_COLOURS = ("tab:purple", "tab:brown", "tab:pink", "tab:gray", "tab:olive", "tab:cyan",
+                  "tab:blue", "tab:orange", "tab:green", "tab:red")
+_SPARE_LINES = (("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"))
+
+
+def curve_styles(names: Sequence[str]) -> Dict[str, Dict[str, str]]:
+    """A distinct matplotlib style (``color``, ``linestyle``, ``marker``) for each name.
+
+    A comparison regime (``fp32``, ``unit-fp8``, ``umup-fp8-amax``, ...) is coloured by its
+    precision and drawn in its model's line style, so that the same regime looks the same in
+    every figure; other names get the pairs of colour and line style no name has yet.
+    """
+    from .precision import REGIME_SETTINGS
+
+    styles: Dict[str, Dict[str, str]] = {}
+    used = set()
+    for name in names:
+        if name in REGIME_SETTINGS:
+            kind, dtype, scaling = REGIME_SETTINGS[name]
+            colour = _PRECISION_COLOURS[(dtype, scaling if dtype == "fp8" else "")]
+            linestyle, marker = _KIND_LINES[kind]
+            styles[name] = {"color": colour, "linestyle": linestyle, "marker": marker}
+            used.add((colour, linestyle))
+    spare = [(colour, line) for line in _SPARE_LINES for colour in _SPARE_COLOURS]
+    for name in names:
+        if name in styles:
+            continue
+        colour, (linestyle, marker) = next(
+            (c, l) for c, l in spare if (c, l[0]) not in used)  # noqa: E741
+        used.add((colour, linestyle))
+        styles[name] = {"color": colour, "linestyle": linestyle, "marker": marker}
+    return styles
+
+
+Curve = Sequence[Tuple[Any, ...]]  # (step, loss) or (step, mean, std) points
+
+
 def plot_compare(
-    curves: Mapping[str, Sequence[Tuple[int, float]]], out: Path, baseline: Optional[float],
-    title: str = "Validation loss by regime",
+    curves: Mapping[str, Curve], out: Path, baseline: Optional[float],
+    title: str = "Validation loss by regime", labels: Optional[Mapping[str, str]] = None,
+    ylabel: str = "validation cross-entropy (nats per character)",
 ) -> Path:
-    """One validation-loss curve per regime; a diverged regime shows up to its last finite point."""
+    """One validation-loss curve per regime, each in its own :func:`curve_styles` look, the
+    legend beside the plot; a diverged regime shows up to its last finite point.
+
+    A point may be ``(step, loss)`` or ``(step, mean, std)``: a mean over seeds, drawn with a
+    band of +-1 std. When no regime has more than one point (runs evaluated only at their end),
+    each regime is one marker at its final loss, with a +-1 std bar, side by side.
+    ``labels`` replaces a regime's name in the legend (e.g. to add a note to it).
+    """
     plt = _pyplot()
-    figure, axes = plt.subplots(figsize=(8, 5))
-    for regime, points in curves.items():
-        finite = _finite(points)
-        style = "--" if regime.startswith("unit-") else "-"
-        if finite:
-            steps, losses = zip(*finite)
-            axes.plot(steps, losses, style, marker="o", markersize=3, label=regime)
-        else:
-            axes.plot([], [], style, label=f"{regime} (no finite loss)")
+    labels = dict(labels or {})
+    styles = curve_styles(list(curves))
+    finite = {regime: [p for p in points if math.isfinite(p[1])]
+              for regime, points in curves.items()}
+    figure, axes = plt.subplots(figsize=(10, 5))
+    single = all(len(points) <= 1 for points in finite.values())
+    if single:
+        _plot_final_points(axes, finite, styles, labels)
+    else:
+        for regime, points in finite.items():
+            style = styles[regime]
+            label = labels.get(regime, regime)
+            if not points:
+                axes.plot([], [], linestyle=style["linestyle"], color=style["color"],
+                          label=f"{label} (no finite loss)")
+                continue
+            steps = [p[0] for p in points]
+            losses = [p[1] for p in points]
+            axes.plot(steps, losses, markersize=3, label=label, **style)
+            spread = [p[2] if len(p) > 2 else 0.0 for p in points]
+            if any(spread):
+                axes.fill_between(steps, [m - s for m, s in zip(losses, spread)],
+                                  [m + s for m, s in zip(losses, spread)],
+                                  color=style["color"], alpha=0.15, linewidth=0)
+        axes.set_xlabel("step")
     if baseline is not None:
-        axes.axhline(baseline, color="gray", linestyle=":", label=f"unigram {baseline:.3f}")
-    axes.set_xlabel("step")
-    axes.set_ylabel("validation cross-entropy (nats per character)")
+        axes.axhline(baseline, color="gray", linestyle=(0, (1, 3)),
+                     label=f"unigram {baseline:.3f}")
+    axes.set_ylabel(ylabel)
     _short_tick_labels(axes)
     axes.set_title(title)
-    axes.legend(fontsize=8)
+    # Beside the plot, never over a curve.
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     axes.grid(alpha=0.3)
-    # Fixed margins: tight_layout costs more than drawing the figure.
-    figure.subplots_adjust(left=0.11, right=0.97, bottom=0.12, top=0.92)
+    # Fixed margins (tight_layout costs more than drawing the figure); the right for the legend.
+    figure.subplots_adjust(left=0.09, right=0.75, bottom=0.25 if single else 0.12, top=0.92)
     _save(plt, figure, Path(out))
     return Path(out)
+
+
+def _plot_final_points(axes: Any, finite: Mapping[str, Curve],
+                       styles: Mapping[str, Mapping[str, str]],
+                       labels: Mapping[str, str]) -> None:
+    """Each regime's only point as a marker (with its +-1 std bar) at its own x position."""
+    names = list(finite)
+    steps = sorted({p[0] for points in finite.values() for p in points})
+    for index, regime in enumerate(names):
+        style = styles[regime]
+        label = labels.get(regime, regime)
+        if not finite[regime]:
+            axes.plot([], [], linestyle="none", marker=style["marker"], color=style["color"],
+                      label=f"{label} (no finite loss)")
+            continue
+        point = finite[regime][0]
+        spread = point[2] if len(point) > 2 else 0.0
+        axes.errorbar([index], [point[1]], yerr=[spread] if spread else None,
+                      marker=style["marker"], markersize=8, color=style["color"],
+                      linestyle="none", capsize=4, label=label)
+    axes.set_xticks(range(len(names)))
+    axes.set_xticklabels([labels.get(n, n) for n in names], rotation=30, ha="right",
+                         fontsize=8)
+    axes.set_xlim(-0.6, len(names) - 0.4)
+    shown = ", ".join(str(s) for s in steps)
+    axes.set_xlabel(f"regime (one evaluation per run, at step {shown})")
 
 
 def _short_tick_labels(axes: Any) -> None:
