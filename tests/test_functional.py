@@ -288,6 +288,38 @@ def test_attention_output_matches_torch_up_to_row_scale():
     assert (ratio > 0).all()
 
 
+@pytest.mark.parametrize("masking", ["none", "causal", "mask"])
+def test_float64_attention_row_scales_stay_float64(masking):
+    """A float64 model's attention is float64 end to end: the output and the value gradient are
+    torch's float64 attention times row scales computed in float64 from the key counts. The
+    tolerance is float64's unit roundoff 2**-53 = 1.1e-16 times a bound of 1e4 on the ops in
+    between (the closed form's exp/pow, softmax over 16 keys, 8-term dot products): 1e-12. Row
+    scales counted in float32 (as before) are off by float32's 2**-24 = 6e-8 relative and fail."""
+    from ipu_unit_scaling.ops.activation_ops import _expected_softmax_square_sum
+
+    seq, head_dim = 16, 8
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 2, seq, head_dim, generator=gen, dtype=torch.float64,
+                           requires_grad=True) for _ in range(3))
+    grad = torch.randn(2, 2, seq, head_dim, generator=gen, dtype=torch.float64)
+    mask = torch.rand(seq, seq, generator=gen) < 0.5
+    mask |= torch.eye(seq, dtype=torch.bool)
+    arguments = {"none": {}, "causal": {"is_causal": True}, "mask": {"attn_mask": mask}}[masking]
+    visible = {"none": torch.full((seq, 1), float(seq), dtype=torch.float64),
+               "causal": torch.arange(1.0, seq + 1, dtype=torch.float64).unsqueeze(-1),
+               "mask": mask.sum(-1, keepdim=True).to(torch.float64)}[masking]
+    row_scale = _expected_softmax_square_sum(visible) ** -0.5
+    ours = U.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5, **arguments)
+    assert ours.dtype == torch.float64
+    (ours_grad_v,) = torch.autograd.grad(ours, v, grad)
+    ref = F.scaled_dot_product_attention(q, k, v, **arguments)
+    (ref_grad_v,) = torch.autograd.grad(ref, v, grad * row_scale)
+    torch.testing.assert_close(ours, ref * row_scale, rtol=1e-12, atol=1e-12)
+    # (the value gradient has its own backward scale: compare up to one factor)
+    factor = (ours_grad_v / ref_grad_v).flatten()[0]
+    torch.testing.assert_close(ours_grad_v, ref_grad_v * factor, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("rows,classes", [(4096, 65), (512, 1000), (2048, 17)])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_cross_entropy_value_matches_torch_and_grad_is_unit(rows, classes, reduction):

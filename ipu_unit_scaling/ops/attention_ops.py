@@ -26,18 +26,22 @@ __all__ = [
 
 
 def _visible_keys(
-    query_len: int, key_len: int, attn_mask: Optional[Tensor], is_causal: bool, device: torch.device
+    query_len: int, key_len: int, attn_mask: Optional[Tensor], is_causal: bool, device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> Union[float, Tensor]:
-    """How many keys each query row attends to (at least 1): a float, or a (..., rows, 1) tensor."""
+    """How many keys each query row attends to (at least 1): a float, or a (..., rows, 1) tensor
+    of `dtype` widened to float32 at least (a float64 model's row scales are float64 end to end;
+    16-bit models' are computed in float32 and rounded once)."""
+    dtype = torch.promote_types(dtype, torch.float32)
     if attn_mask is not None:
         if attn_mask.dtype != torch.bool:
             raise ValueError(
                 "attn_mask must be a boolean mask for the unit-scaled attention: an additive "
                 "float mask changes the softmax's scale by an amount it cannot know"
             )
-        return attn_mask.sum(dim=-1, keepdim=True).clamp(min=1).to(torch.float32)
+        return attn_mask.sum(dim=-1, keepdim=True).clamp(min=1).to(dtype)
     if is_causal:
-        rows = torch.arange(1, query_len + 1, device=device, dtype=torch.float32)
+        rows = torch.arange(1, query_len + 1, device=device, dtype=dtype)
         return rows.clamp(min=1, max=max(1, key_len)).unsqueeze(-1)
     return float(max(1, key_len))
 
@@ -176,7 +180,7 @@ def _row_scale(query_len: int, key_len: int, attn_mask: Optional[Tensor], is_cau
                device: torch.device) -> Union[float, Tensor]:
     """sqrt((1 - dropout_p) / E[sum p**2]) for each query row: a float, or a (..., rows, 1)
     tensor."""
-    visible = _visible_keys(query_len, key_len, attn_mask, is_causal, device)
+    visible = _visible_keys(query_len, key_len, attn_mask, is_causal, device, dtype)
     square_sum = _expected_softmax_square_sum(visible, logit_std, max(1, key_len))
     row_scale = ((1 - dropout_p) / square_sum) ** 0.5
     return row_scale.to(dtype) if isinstance(row_scale, Tensor) else row_scale
