@@ -120,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser(
         "train", help="train one model (default: unit-scaled GPT in FP8 on the embedded corpus)",
         description="Train the config's GPT. Writes config.yaml, tokenizer.json, metrics.csv, "
-                    "summary.json, loss.png and checkpoint.pt into the run directory; prints "
+                    "summary.json, loss.png and checkpoint.pt into the run directory, and "
+                    "tensorboard/ (TensorBoard event files) where TensorBoard is installed "
+                    "(pip install tensorboard); prints "
                     "the final validation loss next to the corpus's unigram baseline. Ctrl-C "
                     "or SIGTERM saves a checkpoint and exits 130 or 143; a loss that is "
                     "non-finite or more than 10 nats above the uniform baseline stops the run "

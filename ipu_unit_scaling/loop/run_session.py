@@ -99,8 +99,8 @@ class _Session:
                                   fields=METRIC_FIELDS + self.task.metric_columns) \
             if self.writes else UnwrittenMetricsLog()
         self.tensorboard = TensorBoardLog(run.run_dir if self.writes else None, self.step)
-        if self.tensorboard.problem:
-            run.notes.append(self.tensorboard.problem)
+        if self.tensorboard.note:  # where its scalars go, or why they are not written
+            run.notes.append(self.tensorboard.note)
         # Elapsed time counts on from the checkpoint's: a resumed run's figures are the run's.
         self.started = time.perf_counter() - self.elapsed_before
 

@@ -23,23 +23,32 @@ __all__ = ["TensorBoardLog"]
 class TensorBoardLog:
     """Scalars of one run for TensorBoard, or nothing when TensorBoard does not import.
 
-    ``problem`` says why an installed TensorBoard could not be used ("" otherwise). A
-    ``run_dir`` of None (a distributed run's ranks other than 0) writes nothing.
+    ``note`` says, for the run to print, where the scalars go, or why they are not written
+    (TensorBoard not installed, or installed but broken); ``problem`` is that reason ("" when
+    they are written). A ``run_dir`` of None (a distributed run's ranks other than 0) writes
+    nothing and says nothing.
     """
 
     def __init__(self, run_dir: Optional[Path], step: int) -> None:
         self.writer: Optional[Any] = None
         self.problem = ""
+        self.note = ""
         if run_dir is None:
             return
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:  # not installed: metrics.csv is the record
+            self.problem = self.note = (
+                f"{TENSORBOARD_DIR}/ not written: TensorBoard is not installed (pip install "
+                "tensorboard, or the package's [tensorboard] extra); metrics.csv holds the "
+                "same scalars")
             return
         except Exception as error:  # installed but broken (a protobuf it cannot use, ...)
-            self.problem = f"{TENSORBOARD_DIR}/ not written: {' '.join(str(error).split())}"
+            self.problem = self.note = (f"{TENSORBOARD_DIR}/ not written: "
+                                        f"{' '.join(str(error).split())}")
             return
         log_dir = Path(run_dir) / TENSORBOARD_DIR
+        self.note = f"TensorBoard scalars in {log_dir}/ (tensorboard --logdir {log_dir})"
         if step:
             _wait_for_a_later_name(log_dir)
         # A fresh run starts from an empty directory; a resumed one hides steps > ``step``.
