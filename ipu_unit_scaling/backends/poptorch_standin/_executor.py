@@ -1,0 +1,457 @@
+"""``poptorch.PoplarExecutor``: what ``trainingModel`` and ``inferenceModel`` return.
+
+The executor keeps a device copy of the model (PopTorch's weights on the IPU): the copy is
+made when the model compiles, trained by each call, and copied back into the user's model
+when PopTorch would (``copyWeightsToHost``, implicitly before the trained model's parameters,
+buffers or ``forward`` are read, on ``detachFromDevice`` and ``destroy``). A call takes
+``deviceIterations x replicationFactor x gradientAccumulation`` micro-batches on the leading
+dimension of every input (PopART's order: device iteration, then accumulation, then replica),
+runs one optimizer step per device iteration on gradients reduced over accumulation and
+replicas (mean or sum: ``accumulationAndReplicationReductionType``) and returns what the output
+mode asks for: All (every micro-batch, concatenated; scalars stacked), Final (the last
+iteration's), Sum (summed over iterations), EveryN (every N-th iteration's). Defaults: Final
+for training, All for inference.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from . import _impl, enums
+from ._args import Args, ArgsParser
+from ._tracing import CompiledGraph, compile_graph
+from .options import Options, PipelinedExecution, ShardedExecution
+from .poptorch_core import _validateOptions
+
+__all__ = ["PoplarExecutor", "NO_EXECUTABLE_ERR"]
+
+NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
+
+
+def _join(values: List[Any]) -> Any:
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(values) if first.dim() == 0 else torch.cat(values)
+    return first
+
+
+def _sum(values: List[Any]) -> Any:
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        total = values[0].clone()
+        for value in values[1:]:
+            total = total + value
+        return total.to(first.dtype)
+    return first
+
+
+def _combine(outputs: List[Any], how: Any) -> Any:
+    """Combine each leaf of the per-micro-batch output structures with ``how``."""
+    first = outputs[0]
+    if isinstance(first, torch.Tensor) or first is None:
+        return how(outputs) if first is not None else None
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(_combine(list(p), how) for p in zip(*outputs)))
+    if isinstance(first, (tuple, list)):
+        return type(first)(_combine(list(p), how) for p in zip(*outputs))
+    if isinstance(first, dict):
+        joined = type(first)() if type(first) is not dict else {}
+        for key in first:
+            joined[key] = _combine([o[key] for o in outputs], how)
+        return joined
+    return first
+
+
+def _device_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` as its own class (a wrapped model's weights are synced)."""
+    wrapper = type(model)
+    if _impl.isWrapped(model):
+        model.copyWeightsToHostIfNeeded()
+        model.__class__ = wrapper.__bases__[0]
+    try:
+        return copy.deepcopy(model)
+    finally:
+        model.__class__ = wrapper
+
+
+class PoplarExecutor:
+    """A PopTorch model: compiled on its first call (or :meth:`compile`), then run."""
+
+    def __init__(self, model: torch.nn.Module, options: Optional[Options], training: bool,
+                 optimizer: Optional[torch.optim.Optimizer] = None,
+                 user_model: Optional[torch.nn.Module] = None):
+        if options is not None:
+            if not isinstance(options, Options):
+                raise _impl.createPoptorchError(
+                    f"Invalid type: 'options' is of type {type(options)} "
+                    "(Expected poptorch.Options)")
+            options._freeze()
+            options = options.clone()
+        else:
+            options = Options()
+        self._user_model = user_model or model
+        self._model = model
+        self._training = training
+        if training:
+            if options.defaultOutputMode():
+                options.outputMode(enums.OutputMode.Final)
+            if not optimizer:
+                from . import optim
+
+                optimizer = optim.SGD(self._user_model.parameters(), lr=0.01)
+        else:
+            if options.defaultOutputMode():
+                options.outputMode(enums.OutputMode.All)
+            if options.Training.gradient_accumulation != 1:
+                message = ("You must set poptorch.Options().Training.gradientAccumulation to 1 "
+                           "or leave it as its default value (1) when running a "
+                           "poptorch.inferenceModel().")
+                strategy = options._execution_strategy
+                if isinstance(strategy, PipelinedExecution) and not isinstance(
+                        strategy, ShardedExecution):
+                    message += (" Use poptorch.Options().deviceIterations to process a "
+                                "sufficient number of batches each run for pipelined "
+                                "execution instead.")
+                raise _impl.createPoptorchError(message)
+            assert not optimizer, "Optimizer should be None for inference"
+        self._options = options
+        self._options._freeze()
+        self._args_parser = ArgsParser(model)
+        self._optimizer = optimizer
+        self._device_optimizer: Optional[torch.optim.Optimizer] = None
+        self._graph: Optional[CompiledGraph] = None
+        self._device_model: Optional[torch.nn.Module] = None
+        self._executable_inputs: Optional[Args] = None
+        self._is_attached = False
+        self._dirty_host_weights = False
+        self._host_weights_version = 0
+        self._anchor_memory: Dict[str, torch.Tensor] = {}
+        self.per_replica_params: Dict[str, Any] = {}
+        if training:
+            self.setOptimizer(optimizer)
+            _impl.wrap_trained_model(self._user_model, self.copyWeightsToHostIfNeeded,
+                                     lambda: self._host_weights_version, self.destroy)
+
+    # ------------------------------------------------------------------ attributes
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._user_model
+
+    @property
+    def options(self) -> Options:
+        return self._options
+
+    @property
+    def training(self) -> bool:
+        return self._training
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("_user_model", "_model"):
+            raise AttributeError(name)
+        return getattr(self._user_model, name)
+
+    def __repr__(self) -> str:
+        return repr(self._user_model)
+
+    def getAnchoredTensor(self, short_name: str) -> torch.Tensor:
+        assert short_name in self._anchor_memory, f"No tensor with name {short_name} found."
+        return self._anchor_memory[short_name]
+
+    def isCompiled(self) -> bool:
+        return self._graph is not None
+
+    def isAttachedToDevice(self) -> bool:
+        return self.isCompiled() and self._is_attached
+
+    def _require_compiled(self) -> None:
+        if not self.isCompiled():
+            raise _impl.createPoptorchError(NO_EXECUTABLE_ERR)
+
+    # ------------------------------------------------------------------ weights
+    def _weights(self, model: torch.nn.Module) -> List[torch.Tensor]:
+        return [*model.parameters(), *model.buffers()]
+
+    def copyWeightsToHostIfNeeded(self) -> bool:
+        if self._dirty_host_weights:
+            self.copyWeightsToHost()
+            return True
+        return False
+
+    def copyWeightsToHost(self) -> None:
+        """Copy the device's weights and buffers into the user's model."""
+        self._require_compiled()
+        self._dirty_host_weights = False
+        assert self._device_model is not None
+        with torch.no_grad():
+            for host, device in zip(self._weights(self._model),
+                                    self._weights(self._device_model)):
+                if host.shape == device.shape:
+                    host.copy_(device)
+                else:
+                    host.data = device.detach().clone()
+        self._host_weights_version += 1
+
+    def copyWeightsToDevice(self) -> None:
+        """Copy the user's model's weights and buffers to the device."""
+        self._require_compiled()
+        self._dirty_host_weights = False
+        assert self._device_model is not None
+        with torch.no_grad():
+            for host, device in zip(self._weights(self._model),
+                                    self._weights(self._device_model)):
+                device.copy_(host)
+
+    def copyNamedBuffersToDevice(self) -> None:
+        self._require_compiled()
+        names = self._options._Popart.options.get("updatableNamedBuffers")
+        if not names:
+            raise _impl.createPoptorchError(
+                "No named buffers marked as updatable via updatableNamedBuffers option")
+        assert self._device_model is not None
+        host = dict(self._model.named_buffers())
+        device = dict(self._device_model.named_buffers())
+        with torch.no_grad():
+            for name in names:
+                device[name].copy_(host[name])
+
+    def load_state_dict(self, state_dict: Dict[str, Any], strict: bool = True) -> Any:
+        out = self._user_model.load_state_dict(state_dict, strict)
+        if self.isAttachedToDevice():
+            self.copyWeightsToDevice()
+        return out
+
+    # ------------------------------------------------------------------ optimizer
+    def _map_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """``optimizer`` as the device runs it (:func:`.optim.to_ipu_optimizer`), over the
+        device copy's parameters; the state of the previous device optimizer carries over."""
+        from . import optim
+
+        assert self._device_model is not None
+        mapping = {id(h): d for h, d in zip(self._model.parameters(),
+                                            self._device_model.parameters())}
+        device = optim.to_ipu_optimizer(optimizer, previous=self._device_optimizer)
+        for group in device.param_groups:
+            group["params"] = [mapping.get(id(p), p) for p in group["params"]]
+        return device
+
+    def _apply_optimizer_options(self, optimizer: Any) -> None:
+        """PopTorch's reduction strategy for a float16 accumulator (Running), set while the
+        model is not compiled and refused afterwards."""
+        from . import optim
+
+        if optimizer is None or not optim.requires_running_mean_reduction(optimizer):
+            return
+        running = enums.MeanReductionStrategy.Running
+        training = self._options.Training
+        if not self.isCompiled():
+            self._options._unfreeze()
+            training.setMeanAccumulationAndReplicationReductionStrategy(running)
+            self._options._freeze()
+        elif training.meanAccumulationAndReplicationReductionStrategy != running:
+            raise ValueError(
+                "Invalid optimizer: the new optimizer would require changing options.Training."
+                "meanAccumulationAndReplicationReductionStrategy to "
+                "poptorch.MeanReductionStrategy.Running but the executable is already compiled.")
+
+    def setOptimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Set the optimizer (a new one, or the same one with changed hyperparameters): it
+        reaches the device now; later changes to it only through another ``setOptimizer``."""
+        from . import optim
+
+        optim.check_ipu_optimizer(optimizer)
+        self._apply_optimizer_options(optimizer)
+        self._optimizer = optimizer
+        if self._device_optimizer is not None:
+            self._device_optimizer = self._map_optimizer(optimizer)
+
+    # ------------------------------------------------------------------ compiling
+    def _micro_batches(self) -> int:
+        opts = self._options
+        groups = opts.replication_factor // opts.input_group_size
+        return opts.device_iterations * groups * opts.Training.gradient_accumulation
+
+    def _narrow(self, tensor: torch.Tensor) -> torch.Tensor:
+        parts = self._micro_batches()
+        rows = tensor.shape[0] if tensor.dim() else 1
+        opts = self._options
+        assert rows % parts == 0, (
+            f"Invalid batch dimension: In the input {tensor.shape}, the batch dimension "
+            f"({rows}) must be a multiple of Options.deviceIterations("
+            f"{opts.device_iterations}) * (Options.replicationFactor("
+            f"{opts.replication_factor}) / Options.inputReplicaGrouping.input_group_size("
+            f"{opts.input_group_size})) * Options.Training.gradientAccumulation("
+            f"{opts.Training.gradient_accumulation}) = {parts} because it is used to calculate "
+            "the batch size which will be executed on the device in any given iteration. For "
+            "a full explanation see the batching semantics page of the documentation.")
+        return tensor if tensor.dim() == 0 else tensor.narrow(0, 0, rows // parts)
+
+    def _compile(self, inputs: Args) -> None:
+        _validateOptions(self._options.toDict())
+        self._executable_inputs = inputs
+        template = inputs.map(lambda t: t)
+        example = [self._narrow(t).detach() for t in inputs.tensors()]
+        self._device_model = _device_copy(self._model)
+        self._graph = compile_graph(self._device_model, template, example, self._options,
+                                    self._training)
+        if self._training and self._optimizer is not None:
+            self._device_optimizer = self._map_optimizer(self._optimizer)
+        self._is_attached = True
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        inputs = self._args_parser(args, kwargs)
+        if not self.isCompiled():
+            self._compile(inputs)
+
+    # ------------------------------------------------------------------ running
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        assert self._options.connection_type != enums.ConnectionType.Never, (
+            "Trying to run a model on an offline device (ConnectionType.Never): use "
+            "model.compile(inputs) instead of model(inputs)")
+        inputs = self._args_parser(args, kwargs)
+        if not self.isCompiled():
+            self._compile(inputs)
+        if not self._is_attached:
+            self.attachToDevice()
+        if not self._training:
+            sync = getattr(self._user_model, "copyWeightsToHostIfNeeded", None)
+            if callable(sync):
+                sync()
+                version = self._user_model._host_weights_version
+                if version != self._host_weights_version:
+                    self.copyWeightsToDevice()
+                    self._host_weights_version = version
+        assert self._executable_inputs is not None
+        self._executable_inputs.validate(inputs)
+        tensors = [t.detach() for t in inputs.tensors()]
+        parts = self._micro_batches()
+        chunks = [list(t.chunk(parts)) if t.dim() else [t] * parts for t in tensors]
+        micro = [[c[i] for c in chunks] for i in range(parts)]
+        outputs = self._train(micro) if self._training else self._infer(micro)
+        if self._training:
+            self._dirty_host_weights = True
+        return self._select(outputs)
+
+    def _infer(self, micro: List[List[torch.Tensor]]) -> List[Any]:
+        assert self._graph is not None
+        with torch.no_grad():
+            return [self._graph(*batch) for batch in micro]
+
+    def _train(self, micro: List[List[torch.Tensor]]) -> List[Any]:
+        assert self._graph is not None and self._device_model is not None
+        opts = self._options
+        per_step = len(micro) // opts.device_iterations
+        optimizer = self._device_optimizer
+        scale = float(getattr(optimizer, "loss_scaling", None) or 1.0)
+        if opts.Training.meanAccumulationAndReplicationReductionStrategy == (
+                enums.MeanReductionStrategy.Running):
+            pass  # the same mean, accumulated as a running mean on the IPU
+        if opts.Training.accumulation_and_replication_reduction_type == enums.ReductionType.Mean:
+            scale /= per_step
+        parameters = [p for p in self._device_model.parameters() if p.requires_grad]
+        outputs = []
+        for step in range(opts.device_iterations):
+            for parameter in parameters:
+                parameter.grad = None
+            for batch in micro[step * per_step:(step + 1) * per_step]:
+                out, loss = self._graph(*batch)
+                if loss.requires_grad:
+                    total = loss if loss.dim() == 0 else loss.sum()
+                    (total.float() * scale).backward()
+                outputs.append(out)
+            if optimizer is not None:
+                type(optimizer).step(optimizer)
+        return [_detach(o) for o in outputs]
+
+    def _select(self, outputs: List[Any]) -> Any:
+        opts = self._options
+        mode = enums.OutputMode(opts.output_mode)
+        replicas = opts.replication_factor // opts.input_group_size
+        per_iteration = len(outputs) // opts.device_iterations
+        if mode == enums.OutputMode.All:
+            return _combine(outputs, _join)
+        if mode == enums.OutputMode.Final:
+            last = outputs[-replicas:]
+            return last[0] if replicas == 1 else _combine(last, _join)
+        if mode == enums.OutputMode.Sum:
+            by_replica = [_combine(outputs[r::replicas], _sum) for r in range(replicas)]
+            return by_replica[0] if replicas == 1 else _combine(by_replica, _join)
+        period = opts.output_return_period
+        chosen = [o for i in range(period - 1, opts.device_iterations, period)
+                  for o in outputs[i * per_iteration:(i + 1) * per_iteration]]
+        return _combine(chosen, _join) if chosen else None
+
+    # ------------------------------------------------------------------ device
+    def detachFromDevice(self) -> None:
+        self._require_compiled()
+        if not self._is_attached:
+            raise _impl.createPoptorchError("Device is not attached")
+        if self._training:
+            self.copyWeightsToHostIfNeeded()
+        self._is_attached = False
+
+    def attachToDevice(self) -> None:
+        self._require_compiled()
+        assert self._options.connection_type != enums.ConnectionType.Never, (
+            "Trying to attach to an offline device (ConnectionType.Never)")
+        if self._is_attached:
+            raise _impl.createPoptorchError("Device is already attached")
+        self._is_attached = True
+        self.copyWeightsToDevice()
+
+    def destroy(self) -> None:
+        """Release the executable: the next call compiles again; a trained model's weights
+        are copied back first."""
+        if not self.isCompiled():
+            return
+        if self._training:
+            self.copyWeightsToHostIfNeeded()
+        self._graph = None
+        self._device_model = None
+        self._device_optimizer = None
+        self._executable_inputs = None
+        self._is_attached = False
+
+    def save(self, filename: str, export_model: bool = True, save_rng_state: bool = True
+             ) -> None:
+        from ._saving import save_executor
+
+        save_executor(self, filename, export_model)
+
+    def compileAndExport(self, filename: str, *args: Any, export_model: bool = True,
+                         **kwargs: Any) -> None:
+        self.compile(*args, **kwargs)
+        self.save(filename, export_model)
+
+    def loadExecutable(self, filename: str) -> None:
+        from ._saving import read
+
+        inputs = read(filename)["inputs"]
+        if inputs is not None and not self.isCompiled():
+            self._compile(inputs)
+
+    def cycleCount(self) -> int:
+        raise _impl.createPoptorchError(
+            "Cycle count logging is disabled. Please set option logCycleCount to True to "
+            "enable.") if not self._options._Popart.options.get(
+                "instrumentWithHardwareCycleCounter") else _impl.createPoptorchError(
+                    "Cycle counts are only available on IPU hardware")
+
+    def getPerfCounters(self) -> Dict[str, Any]:
+        return {"input": [], "input_complete": [], "output": [], "output_complete": []}
+
+
+def _detach(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_detach(v) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detach(v) for v in value)
+    if isinstance(value, dict):
+        out = type(value)() if type(value) is not dict else {}
+        for key, item in value.items():
+            out[key] = _detach(item)
+        return out
+    return value

@@ -1,0 +1,118 @@
+"""``poptorch._impl``: the IPU context flag, PopTorch's Python errors and the wrapping of a
+trained model (its class is swapped for a subclass that copies the weights back from the
+"device" before they are read, as PopTorch does)."""
+from __future__ import annotations
+
+import copy
+import copyreg
+import weakref
+from typing import Any, Callable, Dict, List
+
+import torch
+
+from . import _state
+from .poptorch_core import Error
+
+__all__ = ["isRunningOnIpu", "setIpuContext", "createPoptorchError", "isDispatchTracing",
+           "isWrapped", "unwrapIfWrapped", "wrap_trained_model", "unwrapModelIfNecessary",
+           "_restoreWrapperIfNecessary"]
+
+
+def createPoptorchError(message: str) -> Error:
+    kind = "poptorch_py_error"
+    error = Error(f"'{kind}': {message}")
+    error.type = kind
+    error.message = message
+    return error
+
+
+def isRunningOnIpu() -> bool:
+    """True while a PopTorch model traces or runs its ``forward`` (never on the host)."""
+    return _state.ON_IPU
+
+
+def setIpuContext(value: bool) -> None:
+    _state.ON_IPU = value
+
+
+def isDispatchTracing() -> bool:
+    return _state.ON_IPU
+
+
+_wrapper_types: List[type] = []
+_unwrapped: weakref.WeakKeyDictionary[Any, type] = weakref.WeakKeyDictionary()
+
+
+def isWrapped(obj: Any) -> bool:
+    return isinstance(obj, tuple(_wrapper_types))
+
+
+def unwrapIfWrapped(obj: Any) -> Any:
+    if isWrapped(obj):
+        obj.__class__ = obj.__class__.__bases__[0]
+    return obj
+
+
+def _restoreWrapperIfNecessary(obj: Any) -> Any:
+    wrapper = _unwrapped.get(obj)
+    if wrapper is not None:
+        obj.__class__ = wrapper
+    return obj
+
+
+def unwrapModelIfNecessary(model: torch.nn.Module) -> None:
+    if isWrapped(model):
+        wrapper = type(model)
+        model.__class__ = wrapper.__bases__[0]
+        try:
+            _unwrapped[model] = wrapper
+        except TypeError:
+            pass
+
+
+def _pickle_unwrapped(obj: Any) -> Any:
+    """A wrapped model pickles as its own class (loadable without PopTorch)."""
+    wrapper = type(obj)
+    obj.__class__ = wrapper.__bases__[0]
+    try:
+        clone = copy.copy(obj)
+    finally:
+        obj.__class__ = wrapper
+    return copy.copy, (clone,)
+
+
+def wrap_trained_model(model: torch.nn.Module, sync: Callable[[], bool],
+                       version: Callable[[], Any], destroy: Callable[[], None]) -> None:
+    """Swap ``model``'s class for a subclass whose reads of parameters, buffers and forward
+    first call ``sync`` (the executor's ``copyWeightsToHostIfNeeded``)."""
+    base = type(model)
+
+    class PoptorchModel(base):  # type: ignore[misc, valid-type]
+        def copyWeightsToHostIfNeeded(self) -> bool:
+            return sync()
+
+        def destroy(self) -> None:
+            destroy()
+
+        def __getattribute__(self, name: str) -> Any:
+            if name == "_host_weights_version":
+                return version()
+            if name in ("_buffers", "_parameters", "forward"):
+                sync()
+            return object.__getattribute__(self, name)
+
+        def __getattr__(self, name: str) -> Any:
+            value = super().__getattr__(name)
+            if isinstance(value, torch.nn.Parameter):
+                sync()
+            return value
+
+        def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+            sync()
+            return base.state_dict(self, *args, **kwargs)
+
+    PoptorchModel.__name__ = base.__name__
+    PoptorchModel.__qualname__ = base.__qualname__
+    _wrapper_types.append(PoptorchModel)
+    copyreg.pickle(PoptorchModel, _pickle_unwrapped)
+    model.__class__ = PoptorchModel

@@ -1,0 +1,98 @@
+"""Where the stand-in's numerics follow an IPU option rather than eager torch.
+
+- ``Precision.setPartialsType(torch.half)``: a float16 matmul accumulates its partial sums in
+  float16. The stand-in sums the products of the reduced dimension one at a time, rounding
+  each running sum to float16 (each product is exact in float32); with float partials (the
+  default) matmuls run as torch runs them.
+- ``useIpuModel(True)``: the IPU Model runs popnn's C++ GELU codelet, whose gradient is the
+  exact derivative of the tanh-form forward (``NonLinearity.hpp``); hardware runs the assembly
+  codelet's formula, which the emulator's lowering computes (:func:`~ipu_unit_scaling.ops.
+  ipu_lowering.popart_gelu`). Without ``useIpuModel`` the hardware form runs.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from ...ops.ipu_lowering import popart_gelu
+
+__all__ = ["apply", "half_partials_matmul", "ipu_model_gelu"]
+
+
+def half_partials_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` (float16, ``[..., m, k] @ [..., k, n]``) with float16 partial sums."""
+    total: Optional[torch.Tensor] = None
+    for index in range(a.shape[-1]):
+        term = (a[..., index:index + 1].float() * b[..., index:index + 1, :].float())
+        total = term.half() if total is None else (total.float() + term).half()
+    assert total is not None
+    return total
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return half_partials_matmul(a, b)
+
+
+def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: Any = 1,
+           alpha: Any = 1) -> torch.Tensor:
+    return (beta * bias.float() + alpha * half_partials_matmul(a, b).float()).half()
+
+
+class _HalfMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return half_partials_matmul(a, b)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        a, b = ctx.saved_tensors
+        return (half_partials_matmul(grad, b.transpose(-1, -2)),
+                half_partials_matmul(a.transpose(-1, -2), grad))
+
+
+def _mm_autograd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return _HalfMatmul.apply(a, b)
+
+
+def _addmm_autograd(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: Any = 1,
+                    alpha: Any = 1) -> torch.Tensor:
+    product = _HalfMatmul.apply(a, b)
+    return (beta * bias + alpha * product).half()
+
+
+def ipu_model_gelu(x: torch.Tensor) -> torch.Tensor:
+    """The IPU Model's GELU: the tanh form and its exact derivative."""
+    return F.gelu(x, approximate="tanh")
+
+
+def _is_half(node: Any) -> bool:
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return getattr(value, "dtype", None) == torch.float16
+
+
+def apply(graph: fx.GraphModule, half_partials: bool, ipu_model: bool) -> None:
+    changed = False
+    for node in graph.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if ipu_model and node.target is popart_gelu:
+            node.target = ipu_model_gelu
+            changed = True
+        packet = getattr(node.target, "overloadpacket", None)
+        if half_partials and packet in (torch.ops.aten.mm, torch.ops.aten.bmm) and all(
+                _is_half(a) for a in node.args[:2]):
+            node.target = _mm_autograd
+            changed = True
+        elif half_partials and packet is torch.ops.aten.addmm and all(
+                _is_half(a) for a in node.args[1:3]):
+            node.target = _addmm_autograd
+            node.args = tuple(node.args) + tuple(
+                node.kwargs.get(k, 1) for k in ("beta", "alpha"))
+            node.kwargs = {}
+            changed = True
+    if changed:
+        graph.recompile()

@@ -1,0 +1,195 @@
+"""How the stand-in compiles a model: the emulator's trace, then PopTorch's graph rules.
+
+:func:`compile_graph` traces one micro-batch of the model with
+:func:`~ipu_unit_scaling.backends.poptorch_emulator.trace_like_poptorch` (fake tensors under
+``ipu_tracing``: host reads, moves to the CPU, float8 tensors and ops PopTorch has no handler
+for are refused; ``autograd.Function`` backwards are not used: gradients come from the traced
+forward graph, as PopART's autodiff computes them), with ``poptorch.isRunningOnIpu()`` true and
+the blocks the model begins recorded. Then, as PopTorch does after tracing:
+
+- a training graph must hold exactly one final loss once dead code is removed: a
+  ``poptorch.identity_loss`` or a torch loss function (``F.mse_loss``, ``nn.CrossEntropyLoss``,
+  ...) whose result no other loss consumes ("Couldn't find a loss in graph!", "Multiple
+  independent losses found ...": ``RemoveSurplusIdentityLosses.cpp``);
+- under ``PipelinedExecution``, a new pipeline stage begins at every change of IPU in
+  execution order (``CompilerImpl::numPipelineStages``), so a head tied back to IPU 0 adds a
+  stage; training needs ``gradientAccumulation`` >= ``2 x stages - 1`` and inference
+  ``deviceIterations`` >= stages (``Compiler.cpp``);
+- numerics (:mod:`._numerics`): half partials for half matmuls, the IPU Model's GELU gradient.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from ..poptorch.compile_checks import PopTorchError
+from ..poptorch_emulator import PopTorchTrace, trace_like_poptorch
+from . import _numerics, _state
+from ._args import Args
+from ._graph_ops import LOSS_OPS, identity_loss_op, torch_loss_op
+from ._impl import createPoptorchError
+from .poptorch_core import Error
+
+__all__ = ["CompiledGraph", "compile_graph", "pipeline_stages", "check_pipeline"]
+
+_LOSS_FUNCTIONS = frozenset(getattr(F, name) for name in (
+    "l1_loss", "mse_loss", "nll_loss", "cross_entropy", "binary_cross_entropy",
+    "binary_cross_entropy_with_logits", "smooth_l1_loss", "huber_loss", "kl_div",
+    "soft_margin_loss", "multilabel_soft_margin_loss", "multilabel_margin_loss",
+    "cosine_embedding_loss", "margin_ranking_loss", "hinge_embedding_loss",
+    "poisson_nll_loss", "gaussian_nll_loss", "triplet_margin_loss", "ctc_loss",
+    "multi_margin_loss", "triplet_margin_with_distance_loss") if hasattr(F, name))
+
+
+class _MarkLosses(TorchFunctionMode):
+    """Marks the result of each torch loss function with ``poptorch::torch_loss``."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in _LOSS_FUNCTIONS and isinstance(out, torch.Tensor) and (
+                out.is_floating_point()):
+            return torch_loss_op(out)
+        return out
+
+
+class _Call(torch.nn.Module):
+    """The user's model called with one call's arguments, tensors given flat."""
+
+    def __init__(self, model: torch.nn.Module, template: Args, training: bool):
+        super().__init__()
+        self.model = model
+        self.template = template
+        self.training_graph = training
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        args, kwargs = self.template.with_tensors(list(tensors))
+        if self.training_graph:
+            with _MarkLosses():
+                return self.model(*args, **kwargs)
+        return self.model(*args, **kwargs)
+
+
+class CompiledGraph:
+    """One micro-batch's graph: call it with the flat input tensors; a training graph returns
+    ``(outputs, loss)``."""
+
+    def __init__(self, trace: PopTorchTrace, training: bool, blocks: List[Tuple[Any, ...]]):
+        self.trace = trace
+        self.training = training
+        self.blocks = blocks
+
+    def __call__(self, *tensors: torch.Tensor) -> Any:
+        previous, _state.ON_IPU = _state.ON_IPU, True
+        try:
+            return self.trace(*tensors)
+        finally:
+            _state.ON_IPU = previous
+
+
+def _live_nodes(graph: torch.fx.Graph) -> set:
+    output = next(n for n in graph.nodes if n.op == "output")
+    live, stack = set(), [output]
+    while stack:
+        node = stack.pop()
+        if node in live:
+            continue
+        live.add(node)
+        stack.extend(node.all_input_nodes)
+    return live
+
+
+def _feeds_a_loss(node: torch.fx.Node) -> bool:
+    seen, stack = set(), list(node.users)
+    while stack:
+        user = stack.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if user.op == "call_function" and user.target in LOSS_OPS:
+            return True
+        stack.extend(user.users)
+    return False
+
+
+def _attach_final_loss(trace: PopTorchTrace) -> None:
+    graph = trace.graph.graph
+    live = _live_nodes(graph)
+    losses = [n for n in graph.nodes if n.op == "call_function" and n.target in LOSS_OPS
+              and n in live]
+    if not losses:
+        raise createPoptorchError("Couldn't find a loss in graph!")
+    final = [n for n in losses if not _feeds_a_loss(n)]
+    if len(final) != 1:
+        raise createPoptorchError(
+            "Multiple independent losses found in graph. Graph must have one final loss. "
+            "Wrap final graph loss in poptorch.identity_loss.")
+    output = next(n for n in graph.nodes if n.op == "output")
+    output.args = ((output.args[0], final[0]),)
+    trace.graph.recompile()
+
+
+def pipeline_stages(blocks: List[Tuple[Any, ...]]) -> int:
+    """Forward pipeline stages: one, plus one at every change of IPU between consecutive
+    blocks in execution order."""
+    ipus = [block[3] for block in blocks]
+    return 1 + sum(1 for a, b in zip(ipus, ipus[1:]) if a != b)
+
+
+def check_pipeline(options: Any, training: bool, forward_stages: int) -> None:
+    """PopTorch's compile-time checks of a pipelined model (``Compiler.cpp``)."""
+    from ._strategies import PipelinedExecution, ShardedExecution
+
+    strategy = options._execution_strategy
+    if not isinstance(strategy, PipelinedExecution) or isinstance(strategy, ShardedExecution):
+        return
+    if training:
+        stages = 2 * forward_stages - 1
+        if options.Training.gradient_accumulation < stages:
+            raise Error(
+                "poptorch.Options().Training.gradientAccumulation must be greater than or "
+                f"equal to the number of pipeline stages ({stages}) when using "
+                f"poptorch.PipelinedExecution. Please note that a model with {forward_stages} "
+                "pipeline stages in PopTorch will have an additional "
+                f"{forward_stages - 1} stages when training.")
+    elif options.device_iterations < forward_stages:
+        raise Error(
+            "poptorch.Options().deviceIterations must be greater than or equal to the number "
+            f"of pipeline stages ({forward_stages}) when using PopTorch.PipelinedExecution.")
+
+
+def compile_graph(model: torch.nn.Module, template: Args, example: List[torch.Tensor],
+                  options: Any, training: bool) -> CompiledGraph:
+    """Trace ``model`` on one micro-batch and apply PopTorch's graph rules (module doc)."""
+    strategy = options._execution_strategy
+    popart = options._Popart.options
+    _state.BLOCKS = []
+    strategy.onStartTracing()
+    previous, _state.ON_IPU = _state.ON_IPU, True
+    try:
+        trace = trace_like_poptorch(
+            _Call(model, template, training), *example,
+            stochastic_rounding=bool(popart.get("enableStochasticRounding", False)))
+    except PopTorchError as error:
+        raise Error(str(error)) from None
+    finally:
+        _state.ON_IPU = previous
+        strategy.onEndTracing()
+    blocks, _state.BLOCKS = list(_state.BLOCKS), []
+    unsupported = {op: where for op, where in trace.report.unsupported.items()
+                   if not op.startswith("poptorch::")}
+    if unsupported:
+        trace.report.unsupported = unsupported
+        raise Error(str(trace.report))
+    if training:
+        _attach_final_loss(trace)
+    check_pipeline(options, training, pipeline_stages(blocks))
+    _numerics.apply(trace.graph, half_partials=popart.get("partialsTypeMatMuls") == "half",
+                    ipu_model=bool(options._values.get("use_model", False)))
+    return CompiledGraph(trace, training, blocks)
+
+
+__all__ += ["identity_loss_op"]
