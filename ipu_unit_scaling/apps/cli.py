@@ -226,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     analyse.add_argument("--run-dir", metavar="DIR", type=Path,
                          help="where to write the figure and table (default: runs/analyse-...)")
     _add_inference_commands(commands)
+    commands.add_parser(  # dispatched in main() before parsing: see apps/emulate.py
+        "emulate", help="run an unchanged PopTorch program on the CPU, `import poptorch` "
+        "resolved to the stand-in: emulate SCRIPT [ARGS...] | emulate -m MODULE [ARGS...]")
     return parser
 
 
@@ -346,6 +349,10 @@ class _ReaderMayLeave:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["emulate"]:  # the program's own arguments follow: no parsing here
+        from .emulate import main as emulate
+
+        return emulate(argv[1:])
     _escape_what_the_terminal_cannot_show()
     streams = sys.stdout, sys.stderr
     sys.stdout, sys.stderr = _ReaderMayLeave(sys.stdout), _ReaderMayLeave(sys.stderr)

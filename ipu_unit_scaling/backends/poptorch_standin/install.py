@@ -13,6 +13,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
+import types
 from typing import Any, List, Optional, Sequence
 
 __all__ = ["install", "uninstall", "real_module_available", "StandInError", "STANDINS"]
@@ -44,12 +45,24 @@ def real_module_available(name: str) -> bool:
     return False
 
 
+def _resolve(name: str) -> Any:
+    """The module ``name``, or a module-valued attribute of its parent (``popxl.ops``)."""
+    try:
+        if importlib.util.find_spec(name) is not None:
+            return importlib.import_module(name)
+    except ImportError:
+        pass
+    parent, _, attribute = name.rpartition(".")
+    value = getattr(_resolve(parent), attribute, None) if parent else None
+    return value if isinstance(value, types.ModuleType) else None
+
+
 class _Loader(importlib.abc.Loader):
     def __init__(self, target: str):
         self.target = target
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
-        return importlib.import_module(self.target)
+        return _resolve(self.target)
 
     def exec_module(self, module: Any) -> None:
         pass
@@ -66,7 +79,7 @@ class _StandInFinder(importlib.abc.MetaPathFinder):
             return None
         base = STANDINS[top]
         module_name = f"{base}.{rest}" if rest else base
-        if rest and importlib.util.find_spec(module_name) is None:
+        if rest and _resolve(module_name) is None:
             return None
         return importlib.machinery.ModuleSpec(fullname, _Loader(module_name),
                                               is_package=not rest)
