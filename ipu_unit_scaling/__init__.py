@@ -8,7 +8,8 @@ a subset of this one: code written for it runs with only its import changed.
 Package map, from the bottom layer up (a module imports only from its own layer or below):
 
     ops/              U: the scaling primitive, constraints, the unit-scaled ops, their fused
-                      eager forms, and ipu_tracing(), the switch to their PopTorch forms
+                      eager forms, ipu_tracing(), the switch to their PopTorch forms, and
+                      rules(), the switch to unit-scaling 0.3.5's rules
     modules/          uu: the unit-scaled torch.nn mirror and unit-scaling's u-μP blocks
     fp8/              FP8 formats, the AMAX scaling rule, casts, FP8 linear, simulate_fp8,
                       the host build of the codelets and their tile-by-tile emulator
@@ -71,6 +72,7 @@ from .modules.layers import (
 )
 from .modules.mup_parameter import MupType, Parameter
 from .ops.op_helpers import transformer_residual_scaling_rule
+from .ops.rule_switch import RULES, active_rules, rules
 from .ops.scaling_primitive import scale, scale_bwd, scale_fwd
 
 __version__ = "0.1.0"
@@ -90,6 +92,10 @@ __all__ = [
     "Parameter",
     "MupType",
     "transformer_residual_scaling_rule",
+    # which rules the ops follow: this package's or unit-scaling 0.3.5's
+    "rules",
+    "active_rules",
+    "RULES",
     # leaf modules
     "Linear",
     "LinearReadout",

@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -103,6 +103,11 @@ class Outcome:
     worst: str
     verdict: str
     note: str = ""
+    # Ours under ``rules("unit-scaling")`` against the library: the difference, its tensor, and
+    # "equal" or "UNEXPECTED" (None: not run, the package has no switch).
+    switched_difference: float = 0.0
+    switched_worst: str = ""
+    switched_verdict: Optional[str] = None
 
 
 @dataclass
@@ -110,6 +115,7 @@ class Curves:
     library: List[float] = field(default_factory=list)
     ours: List[float] = field(default_factory=list)
     library_with_our_ops: List[float] = field(default_factory=list)
+    ours_under_library_rules: List[float] = field(default_factory=list)
 
 
 # --- loading the library -----------------------------------------------------------------------
@@ -491,6 +497,16 @@ def library_using_our_ops(library: Api, ours: Api, names: Sequence[str]) -> Iter
             setattr(library.U, name, op)
 
 
+LIBRARY_RULES = "unit-scaling"  # the name of the library's rules in ``uu.rules``
+
+
+def under_library_rules(api: Api):
+    """``api.uu.rules("unit-scaling")``: our package following the library's rules (a no-op
+    context when the package has no such switch)."""
+    switch = getattr(api.uu, "rules", None)
+    return switch(LIBRARY_RULES) if switch is not None else nullcontext()
+
+
 def compare(case: Case, ours: Api, library: Api, seed: int = 0) -> Outcome:
     inputs = case.inputs(torch.Generator().manual_seed(seed))
     library_module: Optional[nn.Module] = None
@@ -506,6 +522,10 @@ def compare(case: Case, ours: Api, library: Api, seed: int = 0) -> Outcome:
                     parameter.add_(0.5 * normal(generator, *parameter.shape).to(case.dtype))
         theirs = _evaluate(library, case, inputs, library_module, seed)
         mine = _evaluate(ours, case, inputs, library_module, seed)
+        switched: Optional[Dict[str, Tensor]] = None
+        if getattr(ours.uu, "rules", None) is not None:
+            with under_library_rules(ours):
+                switched = _evaluate(ours, case, inputs, library_module, seed)
         if case.explained_by:
             with library_using_our_ops(library, ours, case.explained_by):
                 theirs_with_ours = _evaluate(library, case, inputs, library_module, seed)
@@ -538,7 +558,16 @@ def compare(case: Case, ours: Api, library: Api, seed: int = 0) -> Outcome:
                 verdict = "UNEXPECTED"
     else:
         verdict = "UNEXPECTED"
-    return Outcome(case.name, difference, worst, verdict, note)
+    outcome = Outcome(case.name, difference, worst, verdict, note)
+    if switched is not None:
+        # Under the switch every case must be equal: each kept rule follows the library's.
+        switched_differences = {name: relative_difference(switched[name], theirs[name])
+                                if name in switched else float("inf") for name in theirs}
+        outcome.switched_worst = max(switched_differences, key=switched_differences.__getitem__)
+        outcome.switched_difference = switched_differences[outcome.switched_worst]
+        outcome.switched_verdict = ("equal" if outcome.switched_difference <= tolerance
+                                    and set(switched) == set(theirs) else "UNEXPECTED")
+    return outcome
 
 
 # --- the example decoder, trained by both ------------------------------------------------------
@@ -559,11 +588,18 @@ def train_side_by_side(ours: Api, library: Api, steps: int = 8, seed: int = 0,
     batches = [(torch.randint(0, vocab, (batch[0], 1), generator=generator)
                 + torch.arange(batch[1])) % vocab for _ in range(steps)]
     curves = Curves()
-    runs = [(library, library_model, curves.library, ()), (ours, our_model, curves.ours, ()),
-            (library, patched_model, curves.library_with_our_ops, LOSS_OPS)]
-    for api, model, losses, our_ops in runs:
+    switched_model = ours.uu.TransformerDecoder(hidden, vocab, layers=layers, heads=heads)
+    switched_model.load_state_dict(library_model.state_dict())
+    runs = [(library, library_model, curves.library, (), False),
+            (ours, our_model, curves.ours, (), False),
+            (library, patched_model, curves.library_with_our_ops, LOSS_OPS, False),
+            (ours, switched_model, curves.ours_under_library_rules, (), True)]
+    for api, model, losses, our_ops, switch in runs:
+        if switch and getattr(ours.uu, "rules", None) is None:
+            continue
         optimizer = api.uu.optim.AdamW(model.parameters(), lr=lr)
-        with library_using_our_ops(library, ours, our_ops):
+        with library_using_our_ops(library, ours, our_ops), \
+                (under_library_rules(ours) if switch else nullcontext()):
             for input_ids in batches:
                 optimizer.zero_grad()
                 loss = model.loss(input_ids)
@@ -573,30 +609,72 @@ def train_side_by_side(ours: Api, library: Api, steps: int = 8, seed: int = 0,
     return curves
 
 
+# Float32 unit roundoff, and a bound on the roundings that reach one step's loss: each step's
+# forward and backward chain about 40 ops, the longest a sum of 256 terms (a sequence of 32 times
+# the batch of 8), so 1024 bounds the roundings per value; each earlier step's parameters carry
+# their own, hence the (step + 1).
+FLOAT32_UNIT_ROUNDOFF = 2.0**-24
+ROUNDINGS_PER_STEP = 1024
+
+
+def curves_follow(curves: Curves) -> bool:
+    """Whether ours under the library's rules trains as the library does, step by step, to
+    float32 rounding."""
+    return all(abs(follows - theirs) <= abs(theirs) * FLOAT32_UNIT_ROUNDOFF * ROUNDINGS_PER_STEP
+               * (step + 1) for step, (follows, theirs)
+               in enumerate(zip(curves.ours_under_library_rules, curves.library)))
+
+
 # --- report ------------------------------------------------------------------------------------
 
 def format_report(outcomes: Sequence[Outcome], curves: Optional[Curves]) -> str:
-    lines = ["| case | max relative difference (tensor) | verdict |", "|---|---|---|"]
+    switched = any(outcome.switched_verdict is not None for outcome in outcomes)
+    header = "| case | max relative difference (tensor) | verdict |"
+    rule = "|---|---|---|"
+    if switched:
+        header += f' under uu.rules("{LIBRARY_RULES}") |'
+        rule += "---|"
+    lines = [header, rule]
     for outcome in outcomes:
         verdict = outcome.verdict + (f": {outcome.note}" if outcome.note else "")
         where = f" ({outcome.worst})" if outcome.worst else ""
-        lines.append(f"| {outcome.name} | {outcome.difference:.1e}{where} | {verdict} |")
+        row = f"| {outcome.name} | {outcome.difference:.1e}{where} | {verdict} |"
+        if switched:
+            row += (f" {outcome.switched_verdict}, {outcome.switched_difference:.1e}"
+                    f" ({outcome.switched_worst}) |")
+        lines.append(row)
     counts = {verdict: sum(o.verdict == verdict for o in outcomes)
               for verdict in ("equal", "documented", "UNEXPECTED")}
-    lines += ["", f"unit-scaling {VERSION} side by side: {len(outcomes)} cases, "
-              f"{counts['equal']} equal, {counts['documented']} documented differences, "
-              f"{counts['UNEXPECTED']} UNEXPECTED"]
+    summary = (f"unit-scaling {VERSION} side by side: {len(outcomes)} cases, "
+               f"{counts['equal']} equal, {counts['documented']} documented differences, "
+               f"{counts['UNEXPECTED']} UNEXPECTED")
+    if switched:
+        equal = sum(o.switched_verdict == "equal" for o in outcomes)
+        summary += (f'; under uu.rules("{LIBRARY_RULES}"): {equal} equal, '
+                    f"{len(outcomes) - equal} UNEXPECTED")
+    lines += ["", summary]
     if curves is not None:
         ops = ", ".join(f"U.{name}" for name in LOSS_OPS)
         lines += ["", "TransformerDecoder(64, vocab 128, 2 layers, 4 heads), each package's "
                   "uu.optim.AdamW, lr 0.05, batches 8x32, float32, the library's initial weights "
-                  f"in all three; the last column is the library's decoder running our {ops}:", "",
-                  "| step | unit-scaling | ipu_unit_scaling | difference | unit-scaling, our ops |"
-                  " ipu_unit_scaling minus that |", "|---|---|---|---|---|---|"]
+                  f"in all; 'unit-scaling, our ops' is the library's decoder running our {ops}"
+                  + (f'; the last two columns are ours under uu.rules("{LIBRARY_RULES}")'
+                     if curves.ours_under_library_rules else "") + ":", ""]
+        header = ("| step | unit-scaling | ipu_unit_scaling | difference | unit-scaling, our ops |"
+                  " ipu_unit_scaling minus that |")
+        rule = "|---|---|---|---|---|---|"
+        if curves.ours_under_library_rules:
+            header += " ipu_unit_scaling, library's rules | minus unit-scaling |"
+            rule += "---|---|"
+        lines += [header, rule]
         for step, (theirs, mine, patched) in enumerate(
                 zip(curves.library, curves.ours, curves.library_with_our_ops)):
-            lines.append(f"| {step} | {theirs:.6f} | {mine:.6f} | {mine - theirs:+.6f} | "
-                         f"{patched:.6f} | {mine - patched:+.1e} |")
+            row = (f"| {step} | {theirs:.6f} | {mine:.6f} | {mine - theirs:+.6f} | "
+                   f"{patched:.6f} | {mine - patched:+.1e} |")
+            if curves.ours_under_library_rules:
+                follows = curves.ours_under_library_rules[step]
+                row += f" {follows:.6f} | {follows - theirs:+.1e} |"
+            lines.append(row)
     return "\n".join(lines) + "\n"
 
 
@@ -629,7 +707,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(report, encoding="utf-8")
-    return 1 if any(outcome.verdict == "UNEXPECTED" for outcome in outcomes) else 0
+    failed = any(outcome.verdict == "UNEXPECTED" or outcome.switched_verdict == "UNEXPECTED"
+                 for outcome in outcomes)
+    if curves is not None and curves.ours_under_library_rules:
+        failed = failed or not curves_follow(curves)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops as U
-from ..ops import loss_ops
+from ..ops import loss_ops, rule_switch
 from ..ops.scale_constraints import ConstraintArg
 from ..ops.scaling_primitive import scale_bwd
 from ..ops.torch_arguments import unsupported
@@ -91,7 +91,8 @@ class Linear(nn.Linear):
     `attention_projection` (an `AttentionProjection`, set by `unit_scale` on a linear that only
     feeds an attention call's queries, keys or values): its weight and bias gradients are also
     scaled by the rule's `weight_grad_scale` and `bias_grad_scale`, for a key length read from
-    the input's second-to-last dimension (the positions, as in (batch, keys, features)).
+    the input's second-to-last dimension (the positions, as in (batch, keys, features)); not
+    under `rules("unit-scaling")`, whose linears have no such rule.
     """
 
     def __init__(
@@ -124,7 +125,7 @@ class Linear(nn.Linear):
         bias: Optional[Tensor] = self.bias
         # Absent from instances pickled before it.
         rule = getattr(self, "attention_projection", None)
-        if rule is not None and input.dim() >= 2:
+        if rule is not None and input.dim() >= 2 and not rule_switch.library_rules():
             key_len = input.shape[-2]
             weight_scale = rule.weight_grad_scale(key_len)
             if weight_scale != 1.0:

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from . import fused_ops as fused
 from . import ipu_lowering as lowering
+from . import rule_switch
 from .scale_constraints import ConstraintArg, apply_constraint
 from .softmax_moments import softmax_moments
 from .trace_switch import is_ipu_tracing
@@ -115,17 +116,27 @@ def gelu(
     IPU runs: PopTorch lowers both `approximate` values to PopART's tanh approximation, whose
     gradient is popnn's (see `ipu_unit_scaling.ops.ipu_lowering`). `gelu(input, "tanh")` (the
     approximation given second, as earlier versions took it) is still understood.
+    Under `rules("unit-scaling")` the scales are unit-scaling 0.3.5's interpolations in mult
+    (`rule_switch.activation_scales`).
     """
     if isinstance(mult, str):
         approximate = mult
     multiplier = _positive_mult(1.0 if isinstance(mult, str) else mult)
-    if fused.eager_forms():
+    if rule_switch.library_rules():
+        # unit-scaling's gelu(mult x) / mult: its output scale over mult, and mult's factor in
+        # the derivative taken back out of the gradient scale.
+        output_scale, grad_scale = apply_constraint(
+            constraint, *rule_switch.activation_scales("gelu", multiplier))
+        output_scale, grad_scale = output_scale / multiplier, grad_scale / multiplier
+    elif fused.eager_forms():
         output_scale, grad_scale = fused.cached_scales(
             ("gelu", approximate, multiplier, constraint), _gelu_scales, approximate,
             constraint, multiplier)
+    else:
+        output_scale, grad_scale = _gelu_scales(_gelu_form(approximate), constraint, multiplier)
+    if fused.eager_forms():
         return fused.gelu(input if multiplier == 1.0 else input * multiplier, approximate,
                           output_scale, grad_scale)
-    output_scale, grad_scale = _gelu_scales(_gelu_form(approximate), constraint, multiplier)
     # The derivative of gelu(mult x) carries mult: the scaled call sees gelu at mult x.
     return _scaled_call(
         lambda x: F.gelu(x if multiplier == 1.0 else x * multiplier, approximate=approximate),
@@ -193,10 +204,18 @@ def softmax(
 
     The output's std is made unit, not its root mean square: p's mean 1/n is kept (scaled, it
     is `1/(n std(p))`, 0.76 for n = 4096 at mult 1 and near 4 at mult 1/4, where the
-    probabilities are nearly flat).
+    probabilities are nearly flat). Under `rules("unit-scaling")`, unit-scaling 0.3.5's
+    interpolation between the flat and one-hot limits (`rule_switch.softmax_scales`).
     """
     mult = _positive_mult(mult)
     n = input.shape[dim]
+    if rule_switch.library_rules():
+        output_scale, grad_scale = apply_constraint(constraint,
+                                                    *rule_switch.softmax_scales(n, mult))
+        return _scaled_call(
+            lambda x: F.softmax(x if mult == 1.0 else x * mult, dim=dim, dtype=dtype), (input,),
+            output_scale, (grad_scale,),
+        )
     mean_square = _expected_softmax_square_sum(n, mult) / n
     out_std = math.sqrt(max(mean_square - 1.0 / n**2, 1e-12))
     output_scale, grad_scale = apply_constraint(
@@ -211,11 +230,15 @@ def dropout(input: Tensor, p: float = 0.5, training: bool = True, inplace: bool 
     """Unit-scaled `F.dropout`.
 
     Rule: torch scales kept values by 1/(1-p), giving variance 1/(1-p); a further sqrt(1-p)
-    makes the output and its gradient unit (the same factor both ways, so no constraint).
+    makes the output and its gradient unit (the same factor both ways, so no constraint). In
+    eval mode it is the identity; under `rules("unit-scaling")` it multiplies by sqrt(1-p) there
+    too, as unit-scaling 0.3.5 does.
     """
     _reject("inplace", inplace, False, "the scaled output is a new tensor")
     if not 0.0 <= p < 1.0:
         raise ValueError(f"p={p!r} must be in [0, 1)")
+    if rule_switch.library_rules() and (not training or p == 0.0):
+        return input * rule_switch.dropout_scale(p) if p else input
     if not training or p == 0.0:
         return input
     # Dropout's backward uses its mask, not its output, so the fresh output can be scaled in place.

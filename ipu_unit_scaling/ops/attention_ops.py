@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import fused_ops as fused
+from . import rule_switch
 from .activation_ops import _expected_softmax_square_sum, _positive_mult
 from .softmax_moments import query_key_gradient_variance
 from .trace_switch import is_ipu_tracing
@@ -124,13 +125,24 @@ def scaled_dot_product_attention(
     and value paths against the query path in every gradient upstream of the projections
     (activations, not cut edges), and sqrt(G) (1.4 to 2.8 for G = 2 to 8) is far inside the
     gradient format's range.
+
+    Under `rules("unit-scaling")`, unit-scaling 0.3.5's rule: one scale for every row (the
+    output, and the query, key and value gradients), interpolated between the flat and one-hot
+    limits, with `log(m) / m` for causal attention (`rule_switch.attention_scale`); any mask is
+    then accepted, and the scale is that of unmasked attention.
     """
     if scale is None:
-        scale = _positive_mult(mult) / max(1, query.shape[-1])
+        # (unit-scaling divides by the values' head size)
+        head_dim = value.shape[-1] if rule_switch.library_rules() else query.shape[-1]
+        scale = _positive_mult(mult) / max(1, head_dim)
     elif mult != 1.0:
         raise ValueError(f"mult={mult!r} and scale={scale!r}: give one of them, not both")
     if enable_gqa:
         key, value = _repeat_kv_heads(query, key), _repeat_kv_heads(query, value)
+    if rule_switch.library_rules():
+        out = _attention(query, key, value, attn_mask, dropout_p, is_causal, scale)[0]
+        return out * rule_switch.attention_scale(value.shape[-2], value.shape[-1],
+                                                 scale * value.shape[-1], is_causal, dropout_p)
     out, row_scale = attention_before_row_scale(query, key, value, attn_mask, dropout_p,
                                                 is_causal, scale)
     return out * row_scale
@@ -151,6 +163,20 @@ def attention_before_row_scale(
 
     For callers that can apply the row scale later, where it costs less (see `uu.SelfAttention`).
     """
+    out, logit_std = _attention(query, key, value, attn_mask, dropout_p, is_causal, scale)
+    if attn_mask is None and fused.eager_forms():
+        row_scale = _cached_row_scale(query.shape[-2], key.shape[-2], is_causal, logit_std,
+                                      dropout_p, out.dtype, out.device)
+    else:
+        row_scale = _row_scale(query.shape[-2], key.shape[-2], attn_mask, is_causal, logit_std,
+                               dropout_p, out.dtype, out.device)
+    return out, row_scale
+
+
+def _attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Tensor],
+               dropout_p: float, is_causal: bool, scale: Optional[float]) -> Tuple[Tensor, float]:
+    """(the unscaled attention output for logits `scale * q.k`, the logits' std for unit q
+    and k), from the fused op or, under `ipu_tracing()`, ops PopTorch has."""
     if attn_mask is not None and is_causal:
         raise ValueError("attn_mask and is_causal=True cannot both be given")
     head_dim = query.shape[-1]
@@ -166,13 +192,7 @@ def attention_before_row_scale(
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal
         )
-    if attn_mask is None and fused.eager_forms():
-        row_scale = _cached_row_scale(query.shape[-2], key.shape[-2], is_causal, logit_std,
-                                      dropout_p, out.dtype, out.device)
-    else:
-        row_scale = _row_scale(query.shape[-2], key.shape[-2], attn_mask, is_causal, logit_std,
-                               dropout_p, out.dtype, out.device)
-    return out, row_scale
+    return out, logit_std
 
 
 def _row_scale(query_len: int, key_len: int, attn_mask: Optional[Tensor], is_causal: bool,

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import rule_switch
 from .scale_constraints import ConstraintArg, apply_constraint
 from .scaling_primitive import scale_bwd
 from .trace_switch import is_ipu_tracing
@@ -65,7 +66,8 @@ def silu(input: Tensor, mult: Union[float, bool] = 1.0,
     (about 1/0.616) for z ~ N(0, 1), by quadrature; tied by `constraint`. As with GELU, the
     output keeps the activation's nonzero mean (about 0.21 before scaling): the std, not the
     rms, is unit. `silu(input, True)` (inplace given second, as earlier versions took it) is
-    still understood, and refused as any in-place request is.
+    still understood, and refused as any in-place request is. Under `rules("unit-scaling")` the
+    scales are unit-scaling 0.3.5's interpolations in mult (`rule_switch.activation_scales`).
     """
     if isinstance(mult, bool):
         inplace = mult
@@ -74,7 +76,11 @@ def silu(input: Tensor, mult: Union[float, bool] = 1.0,
                          "output is a new tensor")
     multiplier = 1.0 if isinstance(mult, bool) else float(mult)
     out_std, _, slope_rms = _moments(multiplier)
-    output_scale, grad_scale = apply_constraint(constraint, 1 / out_std, 1 / slope_rms)
+    if rule_switch.library_rules():
+        output_scale, grad_scale = apply_constraint(
+            constraint, *rule_switch.activation_scales("silu", multiplier))
+    else:
+        output_scale, grad_scale = apply_constraint(constraint, 1 / out_std, 1 / slope_rms)
     return _scaled_call(lambda x: _silu(x, multiplier), (input,), output_scale, (grad_scale,),
                         scale_in_place=True)
 
@@ -89,16 +95,22 @@ def silu_glu(input: Tensor, gate: Tensor, mult: Union[float, ConstraintArg] = 1.
     grad * f(g), again of rms rms(f); the gradient of g is grad * u * f'(g), of rms rms(f')
     (about 0.616). Output scale 1/rms(f), grad scales 1/rms(f) (input) and 1/rms(f') (gate), all
     three tied by `constraint`: both inputs are activations (the up and gate projections).
-    A constraint given third (as earlier versions took it) is still understood.
+    A constraint given third (as earlier versions took it) is still understood. Under
+    `rules("unit-scaling")` one scale, unit-scaling 0.3.5's interpolation in mult
+    (`rule_switch.silu_glu_scale`), serves the output and both gradients.
     """
     if isinstance(mult, (int, float)):
         gate_mult = float(mult)
     else:
         gate_mult, constraint = 1.0, mult
     _, out_rms, slope_rms = _moments(gate_mult)
-    output_scale, input_scale, gate_scale = apply_constraint(
-        constraint, 1 / out_rms, 1 / out_rms, 1 / slope_rms
-    )
+    if rule_switch.library_rules():
+        # unit-scaling's one scale for the output and both gradients (no constraint to apply).
+        output_scale = input_scale = gate_scale = rule_switch.silu_glu_scale(gate_mult)
+    else:
+        output_scale, input_scale, gate_scale = apply_constraint(
+            constraint, 1 / out_rms, 1 / out_rms, 1 / slope_rms
+        )
     if input.shape != gate.shape:
         raise ValueError(f"input shape {tuple(input.shape)} != gate shape {tuple(gate.shape)}")
     return _scaled_call(lambda u, g: u * _silu(g, gate_mult), (input, gate), output_scale,
@@ -125,7 +137,9 @@ def rms_norm(
     `layer_norm`); the weight gradient sums over the rows, so its grad scale is
     `batch_size**-0.5`. `eps=None` is torch's default, the input dtype's machine epsilon.
     Torch before 2.4 has no `F.rms_norm`, and PopTorch no handler for it: there, and under
-    `ipu_tracing()`, the same formula is built from pow, mean, rsqrt and mul.
+    `ipu_tracing()`, the same formula is built from pow, mean, rsqrt and mul. Under
+    `rules("unit-scaling")`, unit-scaling 0.3.5's form: `x / rms(x)` with the RMS computed in
+    float32 whatever the input's type (and `eps=None` adds nothing).
     """
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     if tuple(input.shape[input.dim() - len(shape):]) != shape:
@@ -134,6 +148,14 @@ def rms_norm(
     batch_size = max(1, input.numel() // max(1, math.prod(shape)))
     if weight is not None:
         weight = scale_bwd(weight, batch_size**-0.5)
+    if rule_switch.library_rules():
+        # unit-scaling's form: divided by the RMS, which is computed in float32 (for a float64
+        # input too) and cast back to the input's type.
+        squares = input.float().pow(2).mean(tuple(range(-1, -1 - len(shape), -1)), keepdim=True)
+        if eps:
+            squares = squares + eps
+        out = input / squares.sqrt().to(input.dtype)
+        return out * weight if weight is not None else out
     fused = getattr(F, "rms_norm", None)
     if fused is not None and not is_ipu_tracing():
         return fused(input, shape, weight, eps)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import fused_ops as fused
+from . import rule_switch
 from .scale_constraints import ConstraintArg, apply_constraint
 from .scaling_primitive import scale, scale_bwd, scale_fwd
 from .trace_switch import is_ipu_tracing
@@ -103,10 +104,19 @@ def linear(
     Rule: output scale `fan_in**-0.5` (sum over inputs), grad-input scale `fan_out**-0.5` (sum over
     outputs), tied by `constraint`; weight and bias grad scale `batch_size**-0.5`, where
     batch_size is the number of rows the weight gradient sums over. `scale_power` replaces the
-    three exponents 0.5 (`linear_readout` uses 1 for the output).
+    three exponents 0.5 (`linear_readout` uses 1 for the output). The bias is added after the
+    output scale, at unit scale; under `rules("unit-scaling")` it is added before it, as
+    unit-scaling 0.3.5 adds it (times the output scale).
     """
     fan_out, fan_in = weight.shape
     batch_size = max(1, input.numel() // max(1, fan_in))
+    if bias is not None and rule_switch.library_rules():
+        # unit-scaling's rule: the bias is added inside the matmul, times the output scale.
+        output_scale, grad_input_scale, grad_weight_scale = linear_scales(
+            fan_in, fan_out, batch_size, constraint, scale_power)
+        return scale_fwd(F.linear(scale_bwd(input, grad_input_scale),
+                                  scale_bwd(weight, grad_weight_scale),
+                                  scale_bwd(bias, grad_weight_scale)), output_scale)
     if fused.eager_forms():
         # Every scale goes into a GEMM's alpha: no scaled weight copy, one autograd node.
         scales = fused.cached_scales(
@@ -163,7 +173,9 @@ def conv1d(
     stride` outputs on average: grad-input scale that count to the power -0.5; tied by
     `constraint`. The weight and bias gradients sum over every output position of every batch
     item: grad scale that count to the power -0.5. Zero padding is not counted (positions near
-    the ends sum fewer products). `scale_power` replaces the three exponents 0.5.
+    the ends sum fewer products). `scale_power` replaces the three exponents 0.5. The bias is
+    added at unit scale after the output scale (before it, as unit-scaling 0.3.5 does, under
+    `rules("unit-scaling")`).
     """
     if not isinstance(padding, int):
         raise ValueError(f"padding={padding!r}: the unit-scaled conv1d takes an integer padding")
@@ -178,6 +190,12 @@ def conv1d(
         (stride * groups / max(1, out_channels * kernel_size)) ** input_power,
     )
     grad_weight_scale = positions**-weight_power
+    if bias is not None and rule_switch.library_rules():
+        # unit-scaling's rule: the bias inside the convolution, times the output scale.
+        return scale_fwd(F.conv1d(scale_bwd(input, grad_input_scale),
+                                  scale_bwd(weight, grad_weight_scale),
+                                  scale_bwd(bias, grad_weight_scale),
+                                  stride, padding, dilation, groups), output_scale)
     # As in `linear`'s PopTorch form: the output scale folded into the weight.
     weight = scale(weight, output_scale, grad_weight_scale)
     input = scale_bwd(input, grad_input_scale / output_scale)
@@ -203,12 +221,16 @@ def matmul(left: Tensor, right: Tensor, constraint: ConstraintArg = "to_output_s
     Rule: output scale `k**-0.5` for inner size k; each input's grad scale is
     `count**-0.5`, where count is the number of terms its gradient sums over: k times the
     output elements per input element (n for the left input, m times broadcast batch for the
-    right). All three tied by `constraint`.
+    right). All three tied by `constraint`. Under `rules("unit-scaling")` the counts are
+    unit-scaling 0.3.5's: the right input's columns and the left input's rows (a broadcast batch
+    is not counted).
     """
     out_numel = _matmul_output_numel(left.shape, right.shape)
     inner = max(1, left.shape[-1])
     left_count = max(1, out_numel * inner // max(1, left.numel()))
     right_count = max(1, out_numel * inner // max(1, right.numel()))
+    if left.dim() >= 2 and right.dim() >= 2 and rule_switch.library_rules():
+        left_count, right_count = rule_switch.matmul_grad_counts(left.shape, right.shape)
     output_scale, left_scale, right_scale = apply_constraint(
         constraint, inner**-0.5, left_count**-0.5, right_count**-0.5
     )
@@ -260,7 +282,9 @@ def embedding(
     Rule: the lookup of unit weights is unit; each weight row's gradient sums over the
     positions that look it up, on average lookups/num_embeddings of them, so the weight grad
     scale is sqrt(num_embeddings / lookups). `max_norm` renormalises the looked-up rows in
-    place, as torch does (their scale is then the caller's choice).
+    place, as torch does (their scale is then the caller's choice); under
+    `rules("unit-scaling")` it renormalises the looked-up rows only, leaving the weight as it
+    is, as unit-scaling 0.3.5 does.
     """
     _reject("scale_grad_by_freq", scale_grad_by_freq, False, "it replaces the unit grad scale")
     _reject("sparse", sparse, False, "sparse gradients are not scaled")
@@ -268,6 +292,11 @@ def embedding(
     grad_scale = math.sqrt(weight.shape[0] / lookups)
     if max_norm is None and fused.eager_forms():
         return fused.embedding(input, weight, padding_idx, grad_scale)
+    if max_norm is not None and rule_switch.library_rules():
+        # unit-scaling 0.3.5 renormalises a copy of the weight: the looked-up rows change, the
+        # parameter does not.
+        return F.embedding(input, scale_bwd(weight, grad_scale).clone(), padding_idx, max_norm,
+                           norm_type)
     if max_norm is not None:
         # torch renormalises the weight in place, before the lookup records it.
         with torch.no_grad():
@@ -298,7 +327,9 @@ def add(
     An input broadcast across the output has its gradient summed over the copies; that sum is
     scaled by `copies**-0.5` on its own, outside the constraint, as for a weight.
     `add(input, other, alpha, constraint)` (alpha third, as earlier versions took it) is still
-    understood.
+    understood. Under `rules("unit-scaling")`, unit-scaling 0.3.5's rule: output scale 1/sqrt(2)
+    (1 when either input is a single value), each gradient scale `copies**-0.5`, all three tied
+    by the constraint; no alpha.
     """
     rule: ConstraintArg
     if isinstance(constraint, (int, float)) and not isinstance(constraint, bool):
@@ -315,6 +346,8 @@ def add(
         raise ValueError("alpha=0 is not supported by the unit-scaled add: use the input itself")
     if not isinstance(input, Tensor) or not isinstance(other, Tensor):
         return torch.add(input, other, alpha=alpha)  # type: ignore[arg-type]
+    if rule_switch.library_rules():
+        return _library_add(input, other, rule, alpha)
     if input.numel() == 1 and other.numel() != 1:
         output_scale = 1 / abs(alpha)
     elif other.numel() == 1 and input.numel() != 1:
@@ -331,6 +364,20 @@ def add(
         lambda a, b: torch.add(a, b, alpha=alpha), (input, other), output_scale,
         (input_scale, other_scale), scale_in_place=True,
     )
+
+
+def _library_add(input: Tensor, other: Tensor, rule: ConstraintArg, alpha: float) -> Tensor:
+    """unit-scaling 0.3.5's add: the broadcast counts inside the constraint, a single value
+    leaves the scale at 1, no alpha."""
+    if alpha != 1.0:
+        raise ValueError(f"alpha={alpha!r}: unit-scaling's add has no alpha "
+                         "(rules('unit-scaling'))")
+    out_numel = math.prod(torch.broadcast_shapes(input.shape, other.shape))
+    output_scale, input_scale, other_scale = apply_constraint(rule, *rule_switch.add_scales(
+        _broadcast_count(input, out_numel), _broadcast_count(other, out_numel),
+        input.numel() == 1 or other.numel() == 1))
+    return scale_fwd(torch.add(scale_bwd(input, input_scale), scale_bwd(other, other_scale)),
+                     output_scale)
 
 
 def _residual_weights(tau: float) -> Tuple[float, float]:
