@@ -243,6 +243,12 @@ class Optimizer:
         return g * (1.0 / ls) if ls != 1.0 else g.clone()
 
 
+def _sqrt(t: torch.Tensor) -> torch.Tensor:
+    """Square root in ``t``'s dtype (float16 through float32, which rounds it correctly: torch
+    2.0.1 has no float16 sqrt on the CPU)."""
+    return t.float().sqrt().to(t.dtype)
+
+
 def _update_weight(p: torch.Tensor, update: torch.Tensor, scale: float) -> None:
     """``p += scale * update``, computed in float32 and rounded once to the weight's dtype."""
     p.copy_((p.float() + scale * update.float()).to(p.dtype))
@@ -308,17 +314,17 @@ class _AdamBase(Optimizer):
         # Moments, each in its own dtype.
         m.mul_(beta1).add_(g.to(m.dtype), alpha=1.0 - beta1)
         g2 = g.to(v.dtype)
-        v.mul_(beta2).addcmul_(g2, g2, value=1.0 - beta2)
+        v.mul_(beta2).add_(g2 * g2, alpha=1.0 - beta2)
         state["step"] += 1.0
         t = float(state["step"])
         if self._bias_corrected():
             c1 = torch.tensor(1.0 - beta1 ** t, dtype=torch.float32).to(m.dtype)
             c2 = torch.tensor(1.0 - beta2 ** t, dtype=torch.float32).to(v.dtype)
             m_hat = m / c1
-            v_hat = (v / c2).sqrt()
+            v_hat = _sqrt(v / c2)
         else:
             m_hat = m.clone()
-            v_hat = v.sqrt()
+            v_hat = _sqrt(v)
         eps_t = torch.tensor(eps, dtype=torch.float32).to(v.dtype)
         upd = m_hat.to(v.dtype) / (v_hat + eps_t)
         if not self._l2_decay and wd != 0.0:
@@ -428,8 +434,9 @@ class SGD(Optimizer, torch.optim.SGD):
                      "dampeningScaleFactor" + k: (1.0 - dm) * vs / ls,
                      "scaledMomentum" + k: mm}
             if group.get("nesterov", False):
-                names["nesterovGradScaleFactor" + k] = vs / ls
-                names["nesterovDampeningScaleFactor" + k] = wd * vs
+                names["nesterovGradScaleFactor" + k] = vs
+                names["sgdWeightDecay"] = wd
+                names["sgdMomentum"] = mm
         return {n: self._scalar(p, n, v) for n, v in names.items()}
 
     def _velocity(self, p: torch.Tensor, group: Dict[str, Any]) -> torch.Tensor:
@@ -476,9 +483,10 @@ class SGD(Optimizer, torch.optim.SGD):
             # v += (1-dm) vs / ls * g
             v.add_((s["dampeningScaleFactor" + k] * g.float()).to(v.dtype))
             if group.get("nesterov", False):
-                u = (s["nesterovGradScaleFactor" + k] * g.float()
-                     + s["nesterovDampeningScaleFactor" + k] * p.float()
-                     + s["scaledMomentum" + k] * v.float())
+                # SGD1Nesterov: u = ngsf * (g / ls + wd * w) + mm * v
+                u = (s["nesterovGradScaleFactor" + k]
+                     * (g.float() / self._loss_scaling() + s["sgdWeightDecay"] * p.float())
+                     + s["sgdMomentum"] * v.float())
             else:
                 u = v
             updaters.append(u)
@@ -670,7 +678,7 @@ class RMSprop(Optimizer, torch.optim.RMSprop):
                 g = g + wd * p.to(g.dtype)
             sq = state["square_avg"]
             g1 = g.to(sq.dtype)
-            sq.mul_(alpha).addcmul_(g1, g1, value=1.0 - alpha)
+            sq.mul_(alpha).add_(g1 * g1, alpha=1.0 - alpha)
             denom_sq = sq
             if group["centered"]:
                 ga = state["grad_avg"]
@@ -678,9 +686,9 @@ class RMSprop(Optimizer, torch.optim.RMSprop):
                 denom_sq = sq - ga.to(sq.dtype) ** 2
             eps_t = torch.tensor(eps, dtype=torch.float32).to(sq.dtype)
             if self.use_tf_variant:
-                x = g1 / (denom_sq + eps_t).sqrt()
+                x = g1 / _sqrt(denom_sq + eps_t)
             else:
-                x = g1 / (denom_sq.sqrt() + eps_t)
+                x = g1 / (_sqrt(denom_sq) + eps_t)
             state["step"] += 1.0
             if self._with_momentum(group):
                 buf = state["momentum_buffer"]
