@@ -53,7 +53,12 @@ from ..training.run_directory import (
     not_a_directory,
     state_mismatch,
 )
-from ..training.run_records import check_checkpoint_logged, checkpoint_sha256, load_checkpoint
+from ..training.run_records import (
+    check_checkpoint_logged,
+    check_recorded_settings,
+    checkpoint_sha256,
+    load_checkpoint,
+)
 
 __all__ = [
     "TrainedRun", "open_run", "EvaluationRow", "Evaluation", "evaluate_run",
@@ -123,6 +128,7 @@ def open_run(run_dir: Path, action: str = "evaluate") -> TrainedRun:
                            "trained run, or one stopped before its first checkpoint)")
         config = load_run_config(run_dir, (), action)
         checkpoint = load_checkpoint(run_dir / CHECKPOINT_FILE)
+        check_recorded_settings(run_dir, config, checkpoint, action)
         digest = checkpoint_sha256(run_dir / CHECKPOINT_FILE)
         tokenizer = read_tokenizer(run_dir, action, checkpoint)
     step = checkpoint["step"]

@@ -41,7 +41,8 @@ from ..training.run_config import Config
 
 __all__ = [
     "launched_world_size", "join_launched_world", "writes_run_files",
-    "opened_by_rank_zero", "agreed_stop", "check_launch", "DistributedTrainingModel",
+    "opened_by_rank_zero", "done_by_rank_zero", "agreed_stop", "check_launch",
+    "DistributedTrainingModel",
 ]
 
 T = TypeVar("T")
@@ -195,6 +196,27 @@ def opened_by_rank_zero(open_run: Callable[[], ContextManager[T]]) -> Iterator[T
             raise
         _broadcast_from_rank_zero(opened)
         yield opened
+
+
+def done_by_rank_zero(work: Callable[[], None]) -> None:
+    """``work()`` (reading or writing the run directory) on rank 0 alone; the exception that
+    stopped it, if any, is raised on every rank. Without a world of several processes, just
+    ``work()``."""
+    rank, size = _world()
+    if size == 1:
+        work()
+        return
+    failure: Optional[_Failure] = None
+    if rank == 0:
+        try:
+            work()
+        except BaseException as error:
+            failure = _Failure(error)
+            _broadcast_from_rank_zero(failure)
+            raise
+    received = _broadcast_from_rank_zero(failure)
+    if rank != 0 and isinstance(received, _Failure):
+        raise received.error()
 
 
 def agreed_stop(signum: Optional[int]) -> Optional[int]:

@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from ..training.data import CharTokenizer, Corpus, DataError, load_corpus
 from ..training.finetune import check_same_model, encode_with, extend_model_state, extend_tokenizer
 from ..training.memory import check_memory
+from ..training.resume_policy import resume_refusal
 from ..training.run_config import (
     Config,
     ConfigError,
@@ -24,6 +25,7 @@ from ..training.run_config import (
 from ..training.run_directory import (
     CHECKPOINT_FILE,
     CONFIG_FILE,
+    INIT_FROM_FILE,
     METRIC_FIELDS,
     METRICS_FILE,
     SCALE_REPORT_FILE,
@@ -36,7 +38,12 @@ from ..training.run_directory import (
     leftovers,
     read_json,
 )
-from ..training.run_records import keep_report_rows_up_to, load_checkpoint, metrics_up_to
+from ..training.run_records import (
+    check_recorded_settings,
+    keep_report_rows_up_to,
+    load_checkpoint,
+    metrics_up_to,
+)
 from .tasks import CAUSAL_LM, CausalLM, Task, read_task
 
 # ------------------------------------------------------------------------ opening a run
@@ -80,8 +87,9 @@ def load_run_config(
 
     path = Path(run_dir) / CONFIG_FILE
     refuse = f"cannot {action} {run_dir}: {CONFIG_FILE}"
-    if not path.is_file():
-        raise RunError(f"{refuse} is missing")
+    problem = file_problem(path)
+    if problem:
+        raise RunError(f"{refuse} {problem}")
     try:
         raw = read_yaml_file(path, "run config")
         if raw is None:
@@ -107,6 +115,31 @@ def load_run_config(
     config = config_from_dict(raw)
     validate(config)
     return config
+
+
+def file_problem(path: Path) -> str:
+    """Why ``path`` cannot be read as a run's file ("is missing", "is a FIFO, not a regular
+    file", ...), or "" when it is a regular file (after symbolic links). Nothing is opened:
+    a FIFO or a device is never read."""
+    import os
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return ("is a broken symbolic link" if os.path.islink(path) else "is missing")
+    except OSError as error:
+        return f"cannot be read ({error.strerror or error})"
+    except ValueError:
+        return "is not a usable path"
+    if stat.S_ISREG(mode):
+        return ""
+    for test, kind in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return f"is {kind}, not a regular file"
+    return "is not a regular file"
 
 
 def _missing_keys(raw: Dict[str, Any], full: Dict[str, Any], prefix: str = "") -> List[str]:
@@ -160,7 +193,7 @@ def _open_new(config: Config, run_dir: Path, backend: str, task: Task,
     if old:
         run.notes.append(f"{run_dir} held a run that never saved a checkpoint; starting afresh")
     _remove(old)
-    _write_settings(run_dir, run.config, run.corpus, task)
+    _write_settings(run_dir, run.config, run.corpus, task, run.init_from)
     return run
 
 
@@ -170,8 +203,10 @@ def _fine_tuning(config: Config, run_dir: Path, backend: str, init_from: Path) -
     action = "fine-tune from"
     if not (init_from / CHECKPOINT_FILE).is_file():
         raise RunError(f"cannot {action} {init_from}: it holds no {CHECKPOINT_FILE}")
-    check_same_model(load_run_config(init_from, (), action), config, str(init_from))
+    pretrained = load_run_config(init_from, (), action)
+    check_same_model(pretrained, config, str(init_from))
     state = load_checkpoint(init_from / CHECKPOINT_FILE)
+    check_recorded_settings(init_from, pretrained, state, action)
     base = read_tokenizer(init_from, action, state)
     if base.vocab_size != config.model.vocab_size:
         raise RunError(f"cannot {action} {init_from}: its {TOKENIZER_FILE} does not fit its "
@@ -228,12 +263,26 @@ def _open_resumed(config: Config, run_dir: Path, backend: str, task: Task) -> _R
             raise RunError(f"cannot resume {run_dir}: {CHECKPOINT_FILE} is missing, but "
                            f"{saved}; nothing was changed: restore the checkpoint, or train "
                            "again in another --run-dir")
-        # Stopped before its first checkpoint: nothing to continue, so from step 0.
-        run = _open_new(config, run_dir, backend, task)
-        run.notes[1:] = [f"{run_dir} has no checkpoint: the run never saved one; training "
-                         "from step 0 with its saved config"]
+        # Stopped before its first checkpoint: nothing to continue, so from step 0 (a
+        # fine-tuning run from its pretrained weights again).
+        init_from = _recorded_start(run_dir)
+        if init_from is not None:
+            pretrained = load_run_config(init_from, (), "fine-tune from")
+            config = copy.deepcopy(config)
+            config.model.vocab_size = pretrained.model.vocab_size
+        run = _open_new(config, run_dir, backend, task,
+                        None if init_from is None else Path(init_from))
+        restart = (f"{run_dir} has no checkpoint: the run never saved one; training from step 0 "
+                   "with its saved config")
+        # (a fine-tuning run keeps the note of what it fine-tunes; the rest is said above)
+        run.notes[1:] = [restart] + (run.notes[1:2] if init_from is not None else [])
         return run
+    problem = file_problem(checkpoint_path)
+    if problem:
+        raise RunError(f"cannot resume {run_dir}: {CHECKPOINT_FILE} {problem}")
     state = load_checkpoint(checkpoint_path)
+    saved = load_run_config(run_dir)
+    check_recorded_settings(run_dir, saved, state, "resume")
     saved_tokenizer = read_tokenizer(run_dir, "resume", state)
     trained = state.get("task", {"name": CAUSAL_LM})  # (earlier versions trained only that)
     if trained != task.settings():
@@ -259,6 +308,9 @@ def _open_resumed(config: Config, run_dir: Path, backend: str, task: Task) -> _R
             f"cannot resume {run_dir}: its checkpoint is at step {step}, beyond "
             f"training.steps = {steps}; set training.steps higher to train longer"
         )
+    refusal = resume_refusal(saved.to_dict(), config.to_dict(), trains=step < steps)
+    if refusal:
+        raise RunError(f"cannot resume {run_dir}: {refusal}")
     iterations = config.ipu.device_iterations
     if (steps - step) % iterations:
         raise RunError(
@@ -276,11 +328,23 @@ def _open_resumed(config: Config, run_dir: Path, backend: str, task: Task) -> _R
                 init_from=state.get("init_from"), task=task)
 
 
+def _recorded_start(run_dir: Path) -> Optional[str]:
+    """The run a fine-tuning run in ``run_dir`` started from (its INIT_FROM_FILE), or None."""
+    path = run_dir / INIT_FROM_FILE
+    if not path.exists() and not path.is_symlink():
+        return None
+    recorded = read_json(path)
+    init_from = recorded.get("init_from") if recorded else None
+    if not isinstance(init_from, str) or not init_from:
+        raise RunError(f"cannot resume {run_dir}: {INIT_FROM_FILE} is damaged")
+    return init_from
+
+
 def _rewrite_for_resume(run: _Run, step: int) -> None:
     atomic_write(run.run_dir / METRICS_FILE,
                  metrics_up_to(run.run_dir, step, METRIC_FIELDS + run.task.metric_columns))
     keep_report_rows_up_to(run.run_dir / SCALE_REPORT_FILE, step)
-    _write_settings(run.run_dir, run.config, run.corpus, run.task)
+    _write_settings(run.run_dir, run.config, run.corpus, run.task, run.init_from)
 
 
 # The settings the learning rate of a step is a function of (with the step).
@@ -338,8 +402,9 @@ def read_tokenizer(run_dir: Path, action: str = "resume",
     from ..training.run_records import check_tokenizer
 
     path = Path(run_dir) / TOKENIZER_FILE
-    if not path.is_file():
-        raise RunError(f"cannot {action} {run_dir}: {TOKENIZER_FILE} is missing")
+    problem = file_problem(path)
+    if problem:
+        raise RunError(f"cannot {action} {run_dir}: {TOKENIZER_FILE} {problem}")
     try:
         tokenizer = CharTokenizer.load(path)
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
@@ -358,16 +423,21 @@ def check_reused_tokenizer(run_dir: Path, chars: Sequence[str]) -> None:
                        "choose another --run-dir")
 
 
-def _write_settings(run_dir: Path, config: Config, corpus: Corpus, task: Task) -> None:
+def _write_settings(run_dir: Path, config: Config, corpus: Corpus, task: Task,
+                    init_from: Optional[str] = None) -> None:
     import json
 
     import yaml
 
-    # The task (a causal LM's run has no task.json), then the config: a run killed before its
-    # config is in place can only start afresh, one killed after it can be resumed (from step
-    # 0 until a checkpoint exists; the vocabulary is the data's) and knows what it trains.
+    # The task (a causal LM's run has no task.json) and the start of a fine-tuning run, then
+    # the config: a run killed before its config is in place can only start afresh, one
+    # killed after it can be resumed (from step 0 until a checkpoint exists; the vocabulary is
+    # the data's, or the extended one of the run it fine-tunes) and knows what it trains.
     if task.name != CAUSAL_LM:
         atomic_write(run_dir / TASK_FILE, json.dumps(task.settings()).encode())
+    if init_from is not None:
+        atomic_write(run_dir / INIT_FROM_FILE,
+                     json.dumps({"init_from": init_from}, ensure_ascii=False).encode("utf-8"))
     text = yaml.safe_dump(config.to_dict(), sort_keys=False, allow_unicode=True)
     atomic_write(run_dir / CONFIG_FILE, text.encode("utf-8"))
     tokenizer = {"kind": "char", "chars": corpus.tokenizer.chars}

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ..backends import build_training_model, make_optimizer
 from ..backends.distributed import (
+    done_by_rank_zero,
     writes_run_files,
 )
 from ..fp8 import NonFiniteAmaxError
@@ -32,6 +33,7 @@ from ..training.run_records import (
     MetricsLog,
     UnwrittenMetricsLog,
     check_checkpoint_logged,
+    recorded_settings,
     save_checkpoint,
 )
 from ..training.tensorboard_log import TensorBoardLog
@@ -76,19 +78,23 @@ class _Session:
         vocab = run.corpus.tokenizer.vocab_size
         self.unigram = unigram_cross_entropy(run.corpus.train, run.corpus.val, vocab)
         self.loss_bound = divergence_bound(vocab)
+        # Whether this process trains a step: a resume at training.steps trains none, and
+        # then rewrites nothing of the run's record.
+        self.trains = run.state is None or int(run.state.get("step", 0)) < training.steps
+        # Of a distributed run, rank 0 alone reads and writes the run directory (the other
+        # ranks raise what stopped it).
         if run.state is not None:
             self._restore(run.state)
             # (once its weights are known to fit: a checkpoint of another model is said to be)
-            check_checkpoint_logged(run.run_dir, run.state, "resume")
-            _rewrite_for_resume(run, self.step)
+            done_by_rank_zero(lambda: self._rewrite_for_resume(run))
         elif run.weights is not None:
             try:
                 self.model.load_state_dict(run.weights)
             except RuntimeError as error:
                 raise RunError(f"cannot fine-tune from {run.init_from}: its {CHECKPOINT_FILE} "
                                f"does not fit its {CONFIG_FILE}: {state_mismatch(error)}") from None
-            check_checkpoint_logged(Path(str(run.init_from)), run.init_checkpoint,
-                                    "fine-tune from")
+            done_by_rank_zero(lambda: check_checkpoint_logged(
+                Path(str(run.init_from)), run.init_checkpoint, "fine-tune from"))
         self.wrapper = build_training_model(self.model, self.optimizer, config, run.backend)
         # Until the first call, the host holds the only weights (PopTorch refuses to copy
         # from a model it has not compiled yet).
@@ -103,6 +109,11 @@ class _Session:
             run.notes.append(self.tensorboard.note)
         # Elapsed time counts on from the checkpoint's: a resumed run's figures are the run's.
         self.started = time.perf_counter() - self.elapsed_before
+
+    def _rewrite_for_resume(self, run: _Run) -> None:
+        check_checkpoint_logged(run.run_dir, run.state or {}, "resume")
+        if self.trains:
+            _rewrite_for_resume(run, self.step)
 
     def _restore(self, state: Dict[str, Any]) -> None:
         try:
@@ -271,6 +282,8 @@ class _Session:
             "tokenizer_sha256": tokenizer_sha256(self.run.corpus.tokenizer.chars),
             "task": self.task.settings(),
             "val_metrics": self.val_metrics,
+            # (what config.yaml must still say for every reader of the run)
+            "settings": recorded_settings(self.config),
         }
 
     def close(self) -> None:

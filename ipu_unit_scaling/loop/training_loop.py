@@ -81,6 +81,7 @@ from ..training.run_directory import (
     RunLock,
     make_run_dir,
     not_a_directory,
+    read_json,
     remove_temporaries,
 )
 from ..training.run_records import load_checkpoint, read_metrics, save_checkpoint
@@ -332,6 +333,9 @@ def _finish(session: _Session, status: str, message: str, say: Callable[[str], N
 
     summary = session.summary(status, message)
     run_dir, config = session.run.run_dir, session.config
+    recorded = _recorded_already(session, summary)
+    if recorded is not None:
+        return recorded
     if not session.writes:
         return summary
     write_summary(summary)
@@ -341,6 +345,28 @@ def _finish(session: _Session, status: str, message: str, say: Callable[[str], N
     except (ImportError, RuntimeError) as error:
         say(f"{PLOT_FILE} not written: {error}")
     return summary
+
+
+def _recorded_already(session: _Session, summary: RunSummary) -> Optional[RunSummary]:
+    """The run's recorded summary where a resume that trained nothing finds its record
+    complete: a summary of the run completed at its checkpoint's step (then neither it nor the
+    figure is rewritten); else None."""
+    import dataclasses
+
+    if session.trains or summary.status != "completed" or not session.writes:
+        return None
+    recorded = read_json(session.run.run_dir / SUMMARY_FILE)
+    if not recorded or recorded.get("status") != "completed" or \
+            recorded.get("steps") != summary.steps or \
+            recorded.get("checkpoint_step") != summary.checkpoint_step:
+        return None
+    names = {f.name for f in dataclasses.fields(RunSummary)}
+    try:
+        kept = RunSummary(**{k: v for k, v in recorded.items() if k in names})
+    except TypeError:  # a summary missing fields: rewritten whole
+        return None
+    kept.val_curve = [tuple(point) for point in kept.val_curve]  # type: ignore[misc]
+    return kept
 
 
 def _progress_bar(total: int, initial: int, enabled: bool, desc: str) -> Any:

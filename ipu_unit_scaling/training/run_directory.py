@@ -43,7 +43,8 @@ __all__ = [
     "EVALUATION_FILES", "METRIC_FIELDS", "leftovers", "error_naming", "not_a_directory",
     "state_mismatch",
     "atomic_write", "remove_temporaries", "RunLock", "make_run_dir", "make_unique_run_dir",
-    "remove_refused_start", "read_json",
+    "remove_refused_start", "read_json", "read_regular_file", "NotARegularFile",
+    "INIT_FROM_FILE",
 ]
 
 CONFIG_FILE = "config.yaml"
@@ -55,9 +56,12 @@ SUMMARY_FILE = "summary.json"
 PLOT_FILE = "loss.png"
 SCALE_REPORT_FILE = "scale_report.csv"
 TENSORBOARD_DIR = "tensorboard"  # the run's scalars as TensorBoard event files, a directory
+# A fine-tuning run's start (the run it fine-tunes), written before its config: a run killed
+# before its first checkpoint resumes as the fine-tune it was.
+INIT_FROM_FILE = "init_from.json"
 LOCK_FILE = ".lock"
-ARTEFACTS = (CONFIG_FILE, TOKENIZER_FILE, TASK_FILE, METRICS_FILE, CHECKPOINT_FILE,
-             SUMMARY_FILE, PLOT_FILE, SCALE_REPORT_FILE)
+ARTEFACTS = (CONFIG_FILE, TOKENIZER_FILE, TASK_FILE, INIT_FROM_FILE, METRICS_FILE,
+             CHECKPOINT_FILE, SUMMARY_FILE, PLOT_FILE, SCALE_REPORT_FILE)
 COMPARE_FILES = ("compare.md", "compare.json", "compare.png")
 EVALUATION_FILES = ("evaluate.md", "evaluate.json")  # what `evaluate` adds to a trained run
 METRIC_FIELDS = ("step", "lr", "train_loss", "val_loss", "tokens_per_s", "elapsed_s")
@@ -268,7 +272,7 @@ def _make_directories(run_dir: Path) -> List[Path]:
 
 
 # What a start writes into a run directory before its first step: nothing a later run can use.
-_START_FILES = (LOCK_FILE, CONFIG_FILE, TOKENIZER_FILE)
+_START_FILES = (LOCK_FILE, CONFIG_FILE, TOKENIZER_FILE, TASK_FILE, INIT_FROM_FILE)
 
 
 def remove_refused_start(created: Sequence[Path]) -> None:
@@ -367,6 +371,11 @@ class RunLock:
                     raise RunError(self._busy(holder)) from None
                 raise RunError(f"cannot lock run directory {self.run_dir}: "
                                f"{_reason(error)}") from None
+            if not self._still_the_lock_file(fd):
+                # Its holder ended and removed it between our open and our lock: take the
+                # lock file there is now (a new one if none is).
+                os.close(fd)
+                return self.acquire()
         if not self.shared:
             try:
                 os.ftruncate(fd, 0)
@@ -411,6 +420,8 @@ class RunLock:
                 "or choose another --run-dir")
 
     def release(self) -> None:
+        """Drop the lock and remove the lock file, unless another reader still holds it: a
+        run directory at rest holds no ``.lock``."""
         if self._fd is None:
             return
         if not self.shared:
@@ -418,8 +429,27 @@ class RunLock:
                 os.ftruncate(self._fd, 0)
             except OSError:
                 pass
+        if fcntl is not None:
+            try:
+                if self.shared:  # the last reader out removes it
+                    fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                if self._still_the_lock_file(self._fd):
+                    # Removed while held: whoever opened it meanwhile sees that it was
+                    # replaced (acquire) and takes the new one.
+                    os.unlink(self.run_dir / LOCK_FILE)
+            except OSError:
+                pass  # held by another reader, or not ours to remove: it stays
         os.close(self._fd)  # closing drops the flock
         self._fd = None
+
+    def _still_the_lock_file(self, fd: int) -> bool:
+        """Whether ``fd`` is the file at ``run_dir/.lock`` (not one removed since it was
+        opened)."""
+        try:
+            here, held = os.stat(self.run_dir / LOCK_FILE), os.fstat(fd)
+        except OSError:
+            return False
+        return (here.st_dev, here.st_ino) == (held.st_dev, held.st_ino)
 
 
 def _holder_text() -> str:
@@ -445,11 +475,46 @@ def _read_holder(fd: int) -> str:
     return "another process (one reading it, or a run starting)"
 
 
-def read_json(path: Path) -> Optional[Dict[str, Any]]:
-    """A JSON object from ``path``, or None when it is missing or not one."""
+class NotARegularFile(OSError):
+    """A run's file that is a FIFO, a device or a directory: reading it could block for ever
+    or never end (a FIFO, ``/dev/zero``), so it is never read."""
+
+
+_KINDS = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISDIR, "a directory"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def read_regular_file(path: Path) -> bytes:
+    """The bytes of ``path``, which must be a regular file (after symbolic links): a FIFO, a
+    device or a directory raises :class:`NotARegularFile` without blocking or reading it
+    (opened non-blocking, checked with ``fstat`` on the very file opened). Other failures
+    raise OSError as ``open`` does."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+    fd = os.open(path, flags)
     try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+            raise NotARegularFile(errno.EINVAL, f"it is {kind}, not a regular file", str(path))
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        chunks = []
+        while True:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_json(path: Path) -> Optional[Dict[str, Any]]:
+    """A JSON object from ``path``, or None when it is missing, not a regular file or not
+    one."""
+    try:
+        data = json.loads(read_regular_file(path).decode("utf-8"))
     except (OSError, ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) else None

@@ -24,12 +24,14 @@ from .run_directory import (
     _reason,
     atomic_write,
     error_naming,
+    read_regular_file,
 )
 
 __all__ = [
     "save_checkpoint", "load_checkpoint", "checkpoint_sha256", "tokenizer_sha256",
     "check_tokenizer", "MetricsLog", "UnwrittenMetricsLog", "read_metrics",
     "check_checkpoint_logged", "metrics_up_to", "keep_report_rows_up_to",
+    "RECORDED_SECTIONS", "recorded_settings", "check_recorded_settings",
 ]
 
 
@@ -51,7 +53,7 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
     """The state saved by :func:`save_checkpoint`; RunError if missing, damaged or foreign."""
     path = Path(path)
     try:
-        data = path.read_bytes()
+        data = read_regular_file(path)
     except FileNotFoundError:
         raise RunError(f"no checkpoint at {path}") from None
     except OSError as error:
@@ -124,6 +126,44 @@ def check_tokenizer(run_dir: Path, chars: Sequence[str], checkpoint: Dict[str, A
 
 
 
+# The config sections a checkpoint records: what its weights are (the model) and the
+# arithmetic they were trained in. Every reader checks them against config.yaml.
+RECORDED_SECTIONS = ("model", "precision")
+
+
+def recorded_settings(config: Any) -> Dict[str, Any]:
+    """What a checkpoint records of ``config`` (a run Config): its :data:`RECORDED_SECTIONS`."""
+    settings = config.to_dict()
+    return {section: settings[section] for section in RECORDED_SECTIONS}
+
+
+def check_recorded_settings(run_dir: Path, config: Any, checkpoint: Dict[str, Any],
+                            action: str) -> None:
+    """RunError (`"cannot <action> ..."`) unless ``config`` (the run's config.yaml) holds the
+    model and precision settings ``checkpoint`` records: a hand-edited config.yaml that keeps
+    every weight's shape (``model.attn_tau``, ``model.unit_scaled``, ...) would otherwise load
+    the weights into another model. Checkpoints of versions that recorded none pass."""
+    recorded = checkpoint.get("settings")
+    if recorded is None:
+        return
+    from .resume_policy import flat_settings
+
+    if not isinstance(recorded, dict):
+        raise RunError(f"cannot {action} {run_dir}: its {CHECKPOINT_FILE} is damaged "
+                       "(settings)")
+    saved = flat_settings({key: recorded.get(key) for key in RECORDED_SECTIONS})
+    now = flat_settings(recorded_settings(config))
+    differ = [key for key in now if key in saved and saved[key] != now[key]]
+    differ += [key for key in saved if key not in now]
+    if differ:
+        key = differ[0]
+        more = f" (and {len(differ) - 1} more)" if len(differ) > 1 else ""
+        raise RunError(f"cannot {action} {run_dir}: its {CHECKPOINT_FILE} is not a checkpoint "
+                       f"of this run: it was trained with {key} = {saved[key]!r}, where "
+                       f"config.yaml says {now.get(key)!r}{more} (config.yaml was edited, or "
+                       "the checkpoint comes from another run); restore the file")
+
+
 # ------------------------------------------------------------------------------ metrics
 
 
@@ -184,8 +224,8 @@ def _csv_line(values: Sequence[Any]) -> bytes:
 
 def read_metrics(run_dir: Path) -> List[Dict[str, str]]:
     """The rows of a run's metrics.csv, as strings."""
-    with open(Path(run_dir) / METRICS_FILE, newline="", encoding="utf-8") as handle:
-        return list(csv.DictReader(handle))
+    text = read_regular_file(Path(run_dir) / METRICS_FILE).decode("utf-8")
+    return list(csv.DictReader(io.StringIO(text, newline="")))
 
 
 def check_checkpoint_logged(run_dir: Path, checkpoint: Dict[str, Any], action: str) -> None:
@@ -196,15 +236,15 @@ def check_checkpoint_logged(run_dir: Path, checkpoint: Dict[str, Any], action: s
     nor is a checkpoint that records no training loss (one saved before the first step)."""
     step, loss = checkpoint.get("step"), checkpoint.get("last_train_loss")
     path = Path(run_dir) / METRICS_FILE
-    if not isinstance(step, int) or not isinstance(loss, float) or not path.is_file():
+    if not isinstance(step, int) or not isinstance(loss, float) or not os.path.lexists(path):
         return
     column = METRIC_FIELDS.index("train_loss")
     logged = None
     try:
-        with open(path, newline="", encoding="utf-8", errors="replace") as handle:
-            for row in csv.reader(handle):
-                if len(row) > column and row[0] == str(step):
-                    logged = row[column]
+        text = read_regular_file(path).decode("utf-8", "replace")
+        for row in csv.reader(io.StringIO(text, newline="")):
+            if len(row) > column and row[0] == str(step):
+                logged = row[column]
     except (OSError, csv.Error) as error:
         raise RunError(f"cannot {action} {run_dir}: cannot read {METRICS_FILE}: "
                        f"{getattr(error, 'strerror', None) or error}") from None
@@ -232,11 +272,12 @@ def metrics_up_to(run_dir: Path, step: int, fields: Sequence[str] = METRIC_FIELD
     """
     path = Path(run_dir) / METRICS_FILE
     try:
-        data = path.read_bytes()
+        data = read_regular_file(path)
     except FileNotFoundError:
         raise RunError(f"cannot resume {run_dir}: {METRICS_FILE} is missing") from None
     except OSError as error:
-        raise RunError(f"cannot read {path}: {_reason(error)}") from None
+        raise RunError(f"cannot resume {run_dir}: cannot read {METRICS_FILE}: "
+                       f"{_reason(error)}") from None
     damaged = RunError(
         f"cannot resume {run_dir}: {METRICS_FILE} is damaged (it must hold one complete row "
         f"for each of steps 1 to {step} of the checkpoint)"
@@ -266,7 +307,7 @@ def metrics_up_to(run_dir: Path, step: int, fields: Sequence[str] = METRIC_FIELD
 def keep_report_rows_up_to(path: Path, step: int) -> None:
     """Drop rows after ``step`` from a CSV whose first column is the step (the scale report)."""
     try:
-        lines = path.read_bytes().decode("utf-8", "replace").split("\n")
+        lines = read_regular_file(path).decode("utf-8", "replace").split("\n")
     except FileNotFoundError:
         return
     except OSError as error:
