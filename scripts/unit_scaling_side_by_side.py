@@ -63,9 +63,11 @@ BIAS = "linear/conv1d: bias added at unit scale after the output scale (library:
 CROSS_ENTROPY = ("cross_entropy: input grad scale for unit-normal logits' softmax "
                  "(library: for a uniform softmax)")
 MODULES = "the op differences above, in the module's ops"
+ADD = ("add: a broadcast input's gradient counts its copies after the constraint; a single "
+       "value leaves the other input's scale (library: both inside the constraint)")
 FLOAT64_RMS = "rms_norm: float64 input normalised in float64 (library: its RMS in float32)"
 # Differences that only rescale: each compared tensor is the library's times one constant.
-SCALE_ONLY = {SOFTMAX, BROADCAST, DROPOUT_EVAL, ACTIVATION, CROSS_ENTROPY}
+SCALE_ONLY = {SOFTMAX, BROADCAST, DROPOUT_EVAL, ACTIVATION, CROSS_ENTROPY, ADD}
 
 
 class LibraryUnavailable(Exception):
@@ -313,6 +315,21 @@ def _functional_cases() -> List[Case]:
         "U.add constraint=to_output_scale",
         lambda g: {"x": normal(g, 8, 32), "y": normal(g, 8, 32)},
         lambda a, t, _: a.U.add(t["x"], t["y"])))
+    for constraint in ("to_output_scale", None):
+        cases.append(Case(
+            f"U.add 8x32 + 32 (broadcast) constraint={constraint}",
+            lambda g: {"x": normal(g, 8, 32), "y": normal(g, 32)},
+            lambda a, t, _, c=constraint: a.U.add(t["x"], t["y"], constraint=c),
+            documented=ADD if constraint else None))
+    cases.append(Case(
+        "U.add 8x32 + one-element tensor",
+        lambda g: {"x": normal(g, 8, 32), "y": normal(g, 1)},
+        lambda a, t, _: a.U.add(t["x"], t["y"]), documented=ADD))
+    cases.append(Case(
+        "U.cross_entropy classes=50 batch=64, 16 targets ignored",
+        lambda g: {"x": normal(g, 64, 50),
+                   "target": torch.where(torch.arange(64) % 4 == 0, -100, ids(g, 50, 64))},
+        lambda a, t, _: a.U.cross_entropy(t["x"], t["target"]), documented=CROSS_ENTROPY))
     for classes, batch, mult in [(10, 64, 1.0), (1000, 32, 1.0), (1000, 32, 0.5)]:
         cases.append(Case(
             f"U.cross_entropy classes={classes} batch={batch} mult={mult}",
@@ -419,8 +436,122 @@ def _module_cases() -> List[Case]:
     ]
 
 
+# Two models written only with the API both packages share (each built from ``api``): the
+# library's example u-μP decoder (the model of its examples/demo.ipynb: pre-norm layers, a fused
+# query-key-value linear, causal attention, SwiGLU, residual weights from
+# ``transformer_residual_scaling_rule``, a readout), and a model of the other shared rules
+# (GELU and SiLU-GLU with ``mult``, layer and RMS norm, embedding, residual split and add,
+# ``LinearReadout``, cross entropy).
+
+def _demo_decoder(api: Api, width: int = 64, head_size: int = 16, depth: int = 2,
+                  vocab: int = 128, expansion: int = 2) -> nn.Module:
+    uu, U = api.uu, api.U
+    rule = uu.transformer_residual_scaling_rule()
+
+    class Layer(nn.Module):
+        def __init__(self, index: int) -> None:
+            super().__init__()
+            self.attn_norm, self.mlp_norm = uu.LayerNorm(width), uu.LayerNorm(width)
+            self.attn_qkv = uu.Linear(width, 3 * width)
+            self.attn_out = uu.Linear(width, width)
+            self.mlp_up = uu.Linear(width, expansion * width)
+            self.mlp_gate = uu.Linear(width, expansion * width)
+            self.mlp_down = uu.Linear(expansion * width, width)
+            self.attn_tau = rule(2 * index, 2 * depth)
+            self.mlp_tau = rule(2 * index + 1, 2 * depth)
+
+        def forward(self, x: Tensor) -> Tensor:
+            branch, skip = U.residual_split(x, self.attn_tau)
+            batch, length, _ = branch.shape
+            q, k, v = (self.attn_qkv(self.attn_norm(branch))
+                       .view(batch, length, 3, width // head_size, head_size)
+                       .permute(2, 0, 3, 1, 4))
+            mixed = U.scaled_dot_product_attention(q, k, v, is_causal=True)
+            branch = self.attn_out(mixed.transpose(1, 2).reshape(batch, length, width))
+            x = U.residual_add(branch, skip, self.attn_tau)
+            branch, skip = U.residual_split(x, self.mlp_tau)
+            branch = self.mlp_norm(branch)
+            branch = self.mlp_down(U.silu_glu(self.mlp_up(branch), self.mlp_gate(branch)))
+            return U.residual_add(branch, skip, self.mlp_tau)
+
+    class Decoder(nn.Sequential):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = uu.Embedding(vocab, width)
+            self.layers = uu.DepthSequential(*(Layer(i) for i in range(depth)))
+            self.final_norm = uu.LayerNorm(width)
+            self.projection = uu.LinearReadout(width, vocab)
+
+        def loss(self, input_ids: Tensor) -> Tensor:
+            logits = self(input_ids).float()
+            return U.cross_entropy(logits[..., :-1, :].flatten(end_dim=-2),
+                                   input_ids[..., 1:].flatten())
+
+    return Decoder()
+
+
+def _shared_rules_model(api: Api, width: int = 32, vocab: int = 50, depth: int = 2,
+                        gelu_mult: float = 0.75, glu_mult: float = 1.5) -> nn.Module:
+    uu, U = api.uu, api.U
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm_1 = uu.RMSNorm(width, elementwise_affine=True)
+            self.up = uu.Linear(width, 2 * width)
+            self.act = uu.GELU(mult=gelu_mult)
+            self.down = uu.Linear(2 * width, width)
+            self.norm_2 = uu.LayerNorm(width, elementwise_affine=True)
+            self.value = uu.Linear(width, 2 * width)
+            self.gate = uu.Linear(width, 2 * width)
+            self.out = uu.Linear(2 * width, width)
+
+        def forward(self, x: Tensor) -> Tensor:
+            branch, skip = U.residual_split(x, 0.5)
+            x = U.residual_add(self.down(self.act(self.up(self.norm_1(branch)))), skip, 0.5)
+            branch, skip = U.residual_split(x, 0.4)
+            branch = self.norm_2(branch)
+            glu = U.silu_glu(self.value(branch), self.gate(branch), mult=glu_mult)
+            return U.residual_add(self.out(glu), skip, 0.4)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = uu.Embedding(vocab, width)
+            self.blocks = uu.DepthSequential(*(Block() for _ in range(depth)))
+            self.readout = uu.LinearReadout(width, vocab)
+
+        def loss(self, input_ids: Tensor) -> Tensor:
+            logits = self.readout(self.blocks(self.embedding(input_ids)))
+            return U.cross_entropy(logits[..., :-1, :].flatten(end_dim=-2),
+                                   input_ids[..., 1:].flatten())
+
+    return Model()
+
+
+def _model_cases() -> List[Case]:
+    def tokens(vocab: int) -> Callable[[torch.Generator], Dict[str, Tensor]]:
+        return lambda g: {"ids": ids(g, vocab, 4, 32)}
+
+    def loss(module: nn.Module, tensors: Dict[str, Tensor]) -> object:
+        return module.loss(tensors["ids"])  # type: ignore[operator]
+
+    cases = []
+    for dtype in (torch.float64, torch.float32):
+        suffix = " float32" if dtype == torch.float32 else ""
+        cases.append(_module_case(
+            f"the library's example u-μP decoder (demo.ipynb's model): loss{suffix}",
+            _demo_decoder, tokens(128), call=loss, dtype=dtype,
+            explained_by=("scaled_dot_product_attention", "silu_glu", "cross_entropy")))
+        cases.append(_module_case(
+            f"a model of the other shared rules (GELU, SiLU-GLU with mult, norms): loss{suffix}",
+            _shared_rules_model, tokens(50), call=loss, dtype=dtype,
+            explained_by=("gelu", "silu_glu", "rms_norm", "cross_entropy")))
+    return cases
+
+
 def all_cases() -> List[Case]:
-    return _functional_cases() + _module_cases()
+    return _functional_cases() + _module_cases() + _model_cases()
 
 
 # --- running and comparing ---------------------------------------------------------------------
