@@ -150,7 +150,7 @@ BROKEN = [
     (["training.learning_rate=fast"], "training.learning_rate", "expected a finite float"),
     (["training.warmup_steps=-1"], "training.warmup_steps", ">= 0"),
     (["training.seed=-1"], "training.seed", "0 .. 2**63 - 1"),
-    (["training.seed=18446744073709551616"], "training.seed", "0 .. 2**63 - 1"),
+    (["training.seed=18446744073709551616"], "training.seed", "-2**63 .. 2**63 - 1"),
     (["ipu.device_iterations=2"], "training.steps", "multiple of ipu.device_iterations"),
     (["data.path=''"], "data.path", "expected a file path"),
     (["training.grad_clip=-1"], "training.grad_clip", "> 0 or null"),

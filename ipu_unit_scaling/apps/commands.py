@@ -10,7 +10,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 from ..training.run_config import (
     CONFIGS_DIR,
@@ -211,13 +211,16 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         kind, _, bounds = item.partition("=")
         low, _, high = bounds.partition(":")
         try:
-            grid = list(range(int(low), int(high) + 1))
+            grid = range(int(low), int(high) + 1)  # a range: no list of a huge span is made
         except ValueError:
-            grid = []
+            grid = range(0)
         if kind not in args.models or not grid:
             raise UsageError(f"--log2-lr {item!r}: expected MODEL=LO:HI with MODEL one of "
                              f"{', '.join(args.models)} and integers LO <= HI")
-        exponents[kind] = grid
+        exponents[kind] = list(_in_learning_rate_range(f"--log2-lr {item}", grid))
+    for kind in args.models:
+        _in_learning_rate_range(f"--span {args.span or 2} around {kind}'s default",
+                                exponents[kind])
     depths = args.depths or [config.model.depth]
     for width in args.widths:
         if width % config.model.heads:
@@ -231,6 +234,21 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     print(sweep_report(config, points))
     print(f"transfer plot: {run_dir / 'sweep.png'}; table: {run_dir / 'sweep.md'}")
     return 0
+
+
+def _in_learning_rate_range(what: str, grid: Sequence[int]) -> Sequence[int]:
+    """``grid``, the log2 learning rates of a sweep, unless a rate is one no run takes."""
+    from ..training.run_config import (
+        LEARNING_RATE_RANGE,
+        MAX_LEARNING_RATE,
+        MIN_LEARNING_RATE,
+    )
+
+    low, high = math.log2(MIN_LEARNING_RATE), math.log2(MAX_LEARNING_RATE)
+    if grid and not low <= grid[0] <= grid[-1] <= high:  # grid is in increasing order
+        raise UsageError(f"{what}: learning rates 2^{grid[0]} .. 2^{grid[-1]}; allowed: "
+                         f"{LEARNING_RATE_RANGE} (float32 numbers in the optimizer step)")
+    return grid
 
 
 def _sweep_key(args: argparse.Namespace, config: Config) -> Tuple[Optional[str], List[Any]]:

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import json
 import math
+import reprlib
 import statistics
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -37,7 +39,13 @@ from ..loop.masked_lm import (
     masked_batch,
 )
 from ..training.precision import REGIME_SETTINGS
-from ..training.run_config import BACKEND_NAMES, Config, setting_differences
+from ..training.run_config import (
+    BACKEND_NAMES,
+    MAX_TAU,
+    Config,
+    learning_rate_in_range,
+    setting_differences,
+)
 
 __all__ = [
     "MLMConfig", "MLMBatches", "mask_tokens", "masked_batch", "build_encoder",
@@ -65,6 +73,12 @@ def encoder_kind(regime: str) -> str:
 
 def check_mlm_regimes(regimes: Sequence[str]) -> None:
     """ValueError naming the regimes the encoder cannot run (unknown ones, u-μP)."""
+    unknown = [regime for regime in regimes if regime not in REGIME_SETTINGS]
+    if unknown:
+        guess = difflib.get_close_matches(unknown[0], MLM_ALLOWED_REGIMES, n=1)
+        hint = f"; did you mean {guess[0]!r}?" if guess else ""
+        raise ValueError(f"{reprlib.repr(unknown[0])} is not a regime{hint} (--model bert's "
+                         f"regimes: {', '.join(MLM_ALLOWED_REGIMES)})")
     refused = [regime for regime in regimes if regime not in MLM_ALLOWED_REGIMES]
     if refused:
         raise ValueError(f"--model bert cannot run {', '.join(refused)} (the BERT-style encoder "
@@ -129,46 +143,81 @@ class MLMConfig:
             problems.append(f"data must be a file path, or null for the embedded corpus, got "
                             f"{self.data!r}")
         for regime, rate in self.learning_rates.items():
-            if not (math.isfinite(rate) and rate > 0):
-                problems.append(f"learning_rates.{regime} must be a finite number > 0, got "
-                                f"{rate}")
+            learning_rate_in_range(f"learning_rates.{regime}", rate,
+                                   lambda path, message: problems.append(f"{path}: {message}"))
+        for regime in MLM_ALLOWED_REGIMES:
+            if regime not in self.learning_rates:
+                problems.append(f"learning_rates has no rate for {regime}")
+        for name in ("attn_tau", "mlp_tau"):
+            if not getattr(self, name) <= MAX_TAU:
+                problems.append(f"{name} must be at most {MAX_TAU:g}, got {getattr(self, name)}")
         if self.backend not in BACKEND_NAMES:
             problems.append(f"backend must be one of {', '.join(BACKEND_NAMES)}, got "
                             f"{self.backend!r}")
+        if not problems:  # the training loop's own rules, on the run of one regime
+            from ..training.run_config import ConfigError
+
+            try:
+                run_config(self, MLM_ALLOWED_REGIMES[0], 0, 2)
+            except ConfigError as error:
+                problems += [f"as a training run, {path}: {message}"
+                             for path, message in error.errors]
         if problems:
-            raise ValueError("invalid mlm config: " + "; ".join(problems))
+            raise ValueError("invalid mlm config: " + " ".join("; ".join(problems).split()))
 
     def with_overrides(self, overrides: Sequence[str]) -> MLMConfig:
-        """A copy with ``mlm.<field>=<value>`` (or ``<field>=<value>``) overrides applied."""
+        """A copy with ``mlm.<field>=<value>`` (or ``<field>=<value>``) overrides applied;
+        ``mlm.learning_rates.<regime>=<rate>``, or a mapping of regimes to rates, updates the
+        rates of those regimes. A bad key or value is a ValueError in one line."""
         from ..training.run_config import parse_override_value
 
         result = copy.deepcopy(self)
-        known = {f.name for f in fields(self)}
+        known = [f.name for f in fields(self)]
         for item in overrides:
             key, sep, text = item.partition("=")
-            key = key[len("mlm."):] if key.startswith("mlm.") else key
-            if not sep or key.split(".")[0] not in known:
-                raise ValueError(f"{item!r}: not an mlm setting; known: {', '.join(sorted(known))}")
-            value = parse_override_value(item.partition("=")[0], text)
-            if key.startswith("learning_rates."):
-                regime = key.split(".", 1)[1]
-                check_mlm_regimes([regime])
-                result.learning_rates[regime] = _number(item, value, float)
+            key = key.strip()
+            name = key[len("mlm."):] if key.startswith("mlm.") else key
+            field_name, dot, rest = name.partition(".")
+            if not sep or field_name not in known:
+                guess = difflib.get_close_matches(field_name, known, n=1)
+                hint = f"; did you mean {guess[0]!r}?" if guess else ""
+                raise ValueError(f"{_shown(item)}: not an mlm setting{hint} (known: "
+                                 f"{', '.join(sorted(known))})")
+            if dot and field_name != "learning_rates":
+                raise ValueError(f"{_shown(item)}: mlm.{field_name} is a single value, not a "
+                                 f"section (write mlm.{field_name}=VALUE)")
+            value = parse_override_value(key, text)
+            if field_name == "learning_rates":
+                rates = {rest: value} if dot else value
+                if not isinstance(rates, dict):
+                    raise ValueError(f"{_shown(item)}: expected a mapping of regimes to "
+                                     f"learning rates, e.g. {{fp32: 0.002}}")
+                check_mlm_regimes([str(regime) for regime in rates])
+                for regime, rate in rates.items():
+                    result.learning_rates[str(regime)] = _number(
+                        f"mlm.learning_rates.{regime}={rate}", rate, float)
             else:
-                current = getattr(result, key)
+                current = getattr(result, field_name)
                 if isinstance(current, (int, float)):
                     value = _number(item, value, type(current))
                 elif current is not None and not isinstance(value, type(current)):
-                    raise ValueError(f"{item!r}: expected {type(current).__name__}")
-                setattr(result, key, value)
+                    raise ValueError(f"{_shown(item)}: expected {type(current).__name__}")
+                setattr(result, field_name, value)
         result.validate()
         return result
+
+
+def _shown(item: str) -> str:
+    """An override as an error shows it: quoted, cut to a readable length."""
+    return repr(item if len(item) <= 80 else f"{item[:40]}...{item[-20:]}")
 
 
 def _number(item: str, value: Any, kind: type) -> Any:
     """``value`` as an int or a float setting: YAML's true is no number, and a float setting
     takes an int (1 for 1.0) and what YAML reads as text (``1e-3``), but an int setting takes
-    no float."""
+    no float. An int is one of 64 bits; a float is finite in float32, where it is used."""
+    from ..training.config_files import FLOAT32_MAX, INT_MAX, INT_MIN, INT_RANGE
+
     if kind is float and isinstance(value, str):
         try:
             value = float(value)
@@ -177,11 +226,19 @@ def _number(item: str, value: Any, kind: type) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (
             kind is int and not isinstance(value, int)):
         expected = "an int" if kind is int else "a number"
-        raise ValueError(f"{item!r}: expected {expected}, got {value!r}")
+        raise ValueError(f"{_shown(item)}: expected {expected}, got {reprlib.repr(value)}")
+    if kind is int and not INT_MIN <= value <= INT_MAX:
+        raise ValueError(f"{_shown(item)}: integers are {INT_RANGE}")
     try:
-        return kind(value)
+        number = kind(value)
     except OverflowError:  # an int beyond every float
-        raise ValueError(f"{item!r}: {value} is beyond every float") from None
+        number = math.inf
+    if kind is float and math.isfinite(number) and abs(number) > FLOAT32_MAX:
+        number = math.inf
+    if kind is float and not math.isfinite(number):
+        raise ValueError(f"{_shown(item)}: expected a finite number of float32's range "
+                         f"(magnitude at most {FLOAT32_MAX:.4g})")
+    return number
 
 
 # ---------------------------------------------------------------- data

@@ -144,7 +144,9 @@ def _deep_merge(base: Dict[str, Any], update: Dict[str, Any]) -> Dict[str, Any]:
 
 
 class AmbiguousValue(yaml.YAMLError):
-    """A scalar YAML 1.1 reads otherwise than YAML 1.2 and a person do (see the module notes)."""
+    """A scalar YAML 1.1 reads otherwise than YAML 1.2 and a person do (see the module notes),
+    or another spelling a config refuses where it is read: an integer of more digits than
+    any setting takes, a key written twice in one mapping."""
 
     def __init__(self, reason: str, mark: Any) -> None:
         super().__init__(reason)
@@ -155,16 +157,34 @@ class AmbiguousValue(yaml.YAMLError):
 
 _BOOLEAN_WORDS = {"yes": "true", "on": "true", "no": "false", "off": "false"}
 
+# Integers a config holds are 64-bit, as torch's; a longer spelling is refused as it is read
+# (Python itself refuses to read decimal integers of more than 4300 digits).
+INT_MIN, INT_MAX = -(2**63), 2**63 - 1
+INT_RANGE = "-2**63 .. 2**63 - 1"
+# Floats a config holds become float32 numbers (a learning rate in an optimizer step, say):
+# a larger magnitude overflows there.
+FLOAT32_MAX = 3.4028234663852886e38
+_MAX_INT_DIGITS = 40
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
 
 class _DecimalLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that refuses octal-looking, base-60 and yes/no/on/off scalars,
     tagged implicitly or explicitly (``!!int 010``); quoted, they are strings as usual."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        _refuse_duplicate_keys(node)  # before merge keys (<<) are flattened into the mappings
+        return super().construct_document(node)
 
     def construct_yaml_int(self, node: yaml.ScalarNode) -> Any:  # type: ignore[override]
         text = str(node.value)
         digits = text.lstrip("+-").replace("_", "")
         if ":" in digits:
             raise _base_60(text, node)
+        if len(digits) > _MAX_INT_DIGITS:
+            raise AmbiguousValue(
+                f"{_cut(text)} ({len(digits)} digits) is too large: integers in a config are "
+                f"{INT_RANGE}", node.start_mark)
         if len(digits) > 1 and digits[0] == "0" and digits[1] not in "xXbB":
             decimal = str(int(digits))
             raise AmbiguousValue(
@@ -186,6 +206,38 @@ class _DecimalLoader(yaml.SafeLoader):
                 f"{text} is ambiguous: YAML 1.1 reads it as {meaning}, YAML 1.2 as text; "
                 f"write {meaning}, or quote it ('{text}') for text", node.start_mark)
         return super().construct_yaml_bool(node)
+
+
+def _cut(text: str, most: int = 24) -> str:
+    return text if len(text) <= most else f"{text[:10]}...{text[-10:]}"
+
+
+def _refuse_duplicate_keys(root: yaml.Node) -> None:
+    """AmbiguousValue at the second of two equal keys of one mapping (YAML would keep the
+    last silently, so a section written twice would lose the first). Keys that a merge key
+    (``<<: *base``) brings in may be overridden, as usual."""
+    seen_nodes = set()
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen_nodes:  # an alias: the node is checked once
+            continue
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            first: Dict[Tuple[str, str], Any] = {}
+            for key, value in node.value:
+                stack.append(value)
+                if key.tag == _MERGE_TAG or not isinstance(key, yaml.ScalarNode):
+                    stack.append(key)
+                    continue
+                earlier = first.setdefault((key.tag, key.value), key.start_mark)
+                if earlier is not key.start_mark:
+                    raise AmbiguousValue(
+                        f"duplicate key {_cut(str(key.value))!r} (first at line "
+                        f"{earlier.line + 1}); YAML would keep only the last, so write each key "
+                        "once (merge the two)", key.start_mark)
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(node.value)
 
 
 def _base_60(text: str, node: yaml.ScalarNode) -> AmbiguousValue:
@@ -245,6 +297,10 @@ def _short(value: Any) -> str:
         return _REPR.repr(value)
     except RecursionError:
         return f"<{type(value).__name__}>"
+    except ValueError:  # repr refuses an int of more than 4300 digits
+        if isinstance(value, int):
+            return f"an integer of {value.bit_length()} bits"
+        return f"<{type(value).__name__}>"
 
 
 def _build(cls: Any, raw: Any, path: str, errors: List[Tuple[str, str]]) -> Any:
@@ -274,6 +330,14 @@ def _build(cls: Any, raw: Any, path: str, errors: List[Tuple[str, str]]) -> Any:
         else:
             value = _coerce(value, hint_type)
         if not _matches(value, hint_type):
+            if _origin(hint_type) is dict and isinstance(value, dict):
+                # Each entry by its own key path (compare.learning_rates.fp32: ...).
+                key_hint, value_hint = hint_type.__args__
+                errors.extend((f"{key_path}.{k}", _type_error(v, value_hint))
+                              for k, v in value.items()
+                              if _matches(k, key_hint) and not _matches(v, value_hint))
+                if all(_matches(k, key_hint) for k in value):
+                    continue
             errors.append((key_path, _type_error(value, hint_type)))
             continue
         kwargs[key] = value
@@ -285,7 +349,40 @@ def _build(cls: Any, raw: Any, path: str, errors: List[Tuple[str, str]]) -> Any:
 
 
 def _type_error(value: Any, hint: Any) -> str:
-    return f"got {_short(value)} ({type(value).__name__}); expected {_describe(hint)}"
+    return _out_of_range(value, hint) or \
+        f"got {_short(value)} ({type(value).__name__}); expected {_describe(hint)}"
+
+
+def _out_of_range(value: Any, hint: Any) -> str:
+    """Why a number of the type ``hint`` takes does not match it: out of range ("" when the
+    type itself is wrong)."""
+    if isinstance(value, list):
+        items = [option.__args__[0] for option in getattr(hint, "__args__", ())
+                 if _origin(option) is list] if _origin(hint) is Union else \
+            [hint.__args__[0]] if _origin(hint) is list else []
+        for item_hint in items:
+            for item in value:
+                problem = _out_of_range(item, item_hint)
+                if problem:
+                    return problem
+        return ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return ""
+    if isinstance(value, int) and _accepts(hint, int):
+        return f"got {_short(value)}; integers in a config are {INT_RANGE}"
+    if _accepts(hint, float) and not (isinstance(value, float) and not math.isfinite(value)):
+        return (f"got {_short(value)}; beyond float32's range (magnitude at most "
+                f"{FLOAT32_MAX:.4g}), where the number is used")
+    return ""
+
+
+def _accepts(hint: Any, kind: type) -> bool:
+    """Whether ``hint`` is ``kind`` or a union holding it."""
+    if hint is kind:
+        return True
+    if _origin(hint) is Union:
+        return any(_accepts(option, kind) for option in hint.__args__)
+    return False
 
 
 def _field_names(cls: Any) -> str:
@@ -304,12 +401,17 @@ def _coerce(value: Any, hint: Any) -> Any:
         except ValueError:
             return value
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int beyond every float: refused as it is
+            return value
     if _origin(hint) is Union:
-        for option in hint.__args__:
-            converted = _coerce(value, option)
+        conversions = [_coerce(value, option) for option in hint.__args__]
+        for option, converted in zip(hint.__args__, conversions):
             if _matches(converted, option):
                 return converted
+        # None fits: the first conversion, so that its error is about the number it became.
+        return next((c for c in conversions if c is not value), value)
     if _origin(hint) is list and isinstance(value, list):
         (item,) = hint.__args__
         return [_coerce(v, item) for v in value]
@@ -326,9 +428,10 @@ def _matches(value: Any, hint: Any) -> bool:
     if hint is bool:
         return isinstance(value, bool)
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return isinstance(value, int) and not isinstance(value, bool) and \
+            INT_MIN <= value <= INT_MAX
     if hint is float:
-        return isinstance(value, float) and math.isfinite(value)
+        return isinstance(value, float) and math.isfinite(value) and abs(value) <= FLOAT32_MAX
     if hint is str:
         return isinstance(value, str)
     origin = _origin(hint)

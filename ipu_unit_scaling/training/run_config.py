@@ -79,6 +79,13 @@ REGIMES = (
 )
 MAX_SEED = 2**63 - 1
 MAX_TAU = 1e6
+# A learning rate meets float32 numbers in the optimizer step, multiplied by more than itself
+# (Adam divides it by 1 - beta1 = 0.1 at the first step, u-μP multiplies it by per-tensor
+# scales, AdamW by the weight decay): bounds well inside float32's range, which none of these
+# products can leave, and below which a rate is 0 in float32.
+MIN_LEARNING_RATE, MAX_LEARNING_RATE = 2.0**-64, 2.0**64
+MAX_WEIGHT_DECAY = 2.0**32
+LEARNING_RATE_RANGE = "2**-64 <= x <= 2**64"
 
 
 ModelConfig = GPTConfig
@@ -304,10 +311,18 @@ def _check_rules(config: Config, errors: List[Tuple[str, str]]) -> None:
         error("compare.regimes", f"got {config.compare.regimes}; each regime at most once")
     for regime, rate in config.compare.learning_rates.items():
         choice(f"compare.learning_rates.{regime}", regime, REGIMES)
-        if not rate > 0:
-            error(f"compare.learning_rates.{regime}", f"got {rate!r}; must be > 0")
+        learning_rate_in_range(f"compare.learning_rates.{regime}", rate, error)
 
     choice("backend", config.backend, BACKEND_NAMES)
+
+
+def learning_rate_in_range(path: str, rate: float, error: Any) -> None:
+    """``error(path, message)`` unless ``rate`` is a learning rate a run can take."""
+    if not rate > 0:
+        error(path, f"got {rate!r}; must be > 0")
+    elif not MIN_LEARNING_RATE <= rate <= MAX_LEARNING_RATE:
+        error(path, f"got {rate!r}; allowed: {LEARNING_RATE_RANGE} (float32 numbers in the "
+                    "optimizer step)")
 
 
 def _check_parametrization(model: ModelConfig, error: Any, choice: Any) -> None:
@@ -401,9 +416,10 @@ def _check_training(config: Config, error: Any, choice: Any, at_least: Any) -> N
     at_least("training.steps", training.steps, 1)
     choice("training.optimizer", training.optimizer, OPTIMIZERS)
     choice("training.schedule", training.schedule, SCHEDULES)
-    if not training.learning_rate > 0:
-        error("training.learning_rate", f"got {training.learning_rate!r}; must be > 0")
-    at_least("training.weight_decay", training.weight_decay, 0.0)
+    learning_rate_in_range("training.learning_rate", training.learning_rate, error)
+    if not 0.0 <= training.weight_decay <= MAX_WEIGHT_DECAY:
+        error("training.weight_decay", f"got {training.weight_decay!r}; allowed: "
+                                       "0 <= x <= 2**32")
     at_least("training.warmup_steps", training.warmup_steps, 0)
     if ipu.device_iterations >= 1 and training.steps % ipu.device_iterations:
         # Each call of the training model runs device_iterations steps; a last, shorter call
