@@ -125,6 +125,27 @@ def test_a_module_difference_must_come_from_its_named_ops(script: Any) -> None:
     assert outcome.verdict == "documented", outcome
 
 
+def test_under_the_switch_every_case_must_be_equal(script: Any) -> None:
+    # Ours under uu.rules("unit-scaling") against a stand-in library that is ours under the
+    # switch: equal. A stand-in whose softmax is rescaled: its documented difference is allowed
+    # without the switch, but under it the case is UNEXPECTED.
+    ours = script.load_ours()
+    softmax = _case(script, "U.softmax n=16 mult=1.0 constraint=None")
+
+    def switched_softmax(x, dim, **kw):
+        with ours.uu.rules("unit-scaling"):
+            return ours.U.softmax(x, dim, **kw)
+
+    outcome = script.compare(softmax, ours, _with_op(script, "softmax", switched_softmax))
+    assert outcome.verdict == "documented" and outcome.switched_verdict == "equal", outcome
+    assert outcome.switched_difference == 0.0
+    outcome = script.compare(softmax, ours, _with_op(
+        script, "softmax", lambda x, dim, **kw: 1.1 * switched_softmax(x, dim, **kw)))
+    assert outcome.verdict == "documented" and outcome.switched_verdict == "UNEXPECTED"
+    assert outcome.switched_difference == pytest.approx(0.1 / 1.1, rel=1e-9)
+    assert "UNEXPECTED" in script.format_report([outcome], None).splitlines()[-1]
+
+
 def test_missing_wheel_is_a_reason_not_a_crash(script: Any) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         with pytest.raises(script.LibraryUnavailable):
@@ -150,3 +171,9 @@ def test_against_the_library() -> None:
     assert sum(o.verdict == "equal" for o in outcomes) >= 40
     # The decoders differ only by the ops named, so training with those swapped in matches.
     assert curves.ours == pytest.approx(curves.library_with_our_ops, rel=1e-5)
+    # Under uu.rules("unit-scaling") every case, the library's example decoder and the model of
+    # the other shared rules among them, equals the library, and so does training.
+    not_equal = [o for o in outcomes if o.switched_verdict != "equal"]
+    assert not not_equal, not_equal
+    assert any("example u-μP decoder" in o.name for o in outcomes)
+    assert len(curves.ours_under_library_rules) == 3 and script.curves_follow(curves)
