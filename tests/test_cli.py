@@ -251,6 +251,9 @@ def test_scale_report_and_analyse_write_their_files(capsys, tmp_path):
     status, out, _ = run(capsys, "analyse", "--config", "tiny", "--run-dir", tmp_path / "scales")
     assert status == 0 and "unit-scaled" in out and "plain" in out
     assert (tmp_path / "scales" / "scales.png").read_bytes()[:4] == b"\x89PNG"
+    table = (tmp_path / "scales" / "scales.txt").read_text()  # the table it printed
+    assert table.split()[:2] == ["model", "op"] and table.strip() in out
+    assert str(tmp_path / "scales" / "scales.txt") in out
 
 
 def test_compare_bert_trains_every_regime_and_seed(tmp_path, capsys):

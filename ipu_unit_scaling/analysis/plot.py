@@ -106,7 +106,8 @@ def analyse(
     batch_size: Optional[int] = None,
     seed: int = 0,
 ) -> Tuple[str, Path]:
-    """Track the config's GPT at initialisation; write `scales.png`, return (table, png path).
+    """Track the config's GPT at initialisation; write `scales.png` and the table of the
+    tensors nearest the formats' edges, `scales.txt`; return (table, png path).
 
     `config` is a `GPTConfig` or a run config (`ipu_unit_scaling.training.run_config.Config`): its
     `model`
@@ -132,4 +133,8 @@ def analyse(
         model = build_gpt(dataclasses.replace(gpt, unit_scaled=unit_scaled))
         records[name] = track_scales(model, input_ids, labels)
     png = plot_scales(records, Path(out_dir) / "scales.png")
-    return worst_table(records), png
+    table = worst_table(records)
+    from ..training.run_directory import atomic_write
+
+    atomic_write(Path(out_dir) / "scales.txt", (table + "\n").encode("utf-8"))
+    return table, png

@@ -9,20 +9,17 @@ the other commands then go on without their log.
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any, List, NoReturn, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, NoReturn, Optional, Sequence, Tuple
 
 from .. import __version__
-from ..training.run_config import (
-    MAX_SEED,
-    REGIMES,
-    ConfigError,
-)
+from ..training.config_names import MAX_SEED, REGIMES
 from .commands import (
     DEBUG_ENV,
     EXIT_DIVERGED,
@@ -34,17 +31,23 @@ from .commands import (
     PRECISIONS,
     PROG,
     REGIME_HELP,
-    UsageError,
-    _cmd_analyse,
-    _cmd_evaluate,
-    _cmd_sample,
-    _cmd_sweep,
-    _cmd_train,
     _one_line,
 )
-from .compare import _cmd_compare, format_compare_table, run_compare, run_compare_seeds
+
+if TYPE_CHECKING:
+    from .compare import format_compare_table, run_compare, run_compare_seeds
 
 __all__ = ["main", "build_parser", "run_compare", "run_compare_seeds", "format_compare_table"]
+
+
+def __getattr__(name: str) -> Any:
+    """``run_compare``, ``run_compare_seeds`` and ``format_compare_table`` (from
+    :mod:`.compare`), imported when first used: ``--version`` and ``--help`` load no torch."""
+    if name in ("run_compare", "run_compare_seeds", "format_compare_table"):
+        from . import compare
+
+        return getattr(compare, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 class _Parser(argparse.ArgumentParser):
     """argparse, with its errors on one line (argparse prints the usage too)."""
@@ -218,7 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     analyse = commands.add_parser(
         "analyse", help="compare tensor scales of the plain and unit-scaled model",
         description="Measure the scales of activations, weights and gradients of the config's "
-                    "GPT built plainly and unit-scaled, and write a figure and a table.",
+                    "GPT built plainly and unit-scaled, and write a figure (scales.png) and a "
+                    "table of the tensors nearest the edges of FP16's and FP8's ranges "
+                    "(scales.txt), which it also prints.",
     )
     analyse.add_argument("--config", metavar="FILE", help="YAML config (default: the default run)")
     analyse.add_argument("--set", metavar="KEY=VALUE", nargs="+", action="append", default=[],
@@ -305,8 +310,14 @@ def _temperature(text: str) -> float:
     return value
 
 
-COMMANDS = {"train": _cmd_train, "compare": _cmd_compare, "sweep": _cmd_sweep,
-            "analyse": _cmd_analyse, "evaluate": _cmd_evaluate, "sample": _cmd_sample}
+# Each command, and the module of apps/ that runs it (imported when the command runs).
+COMMANDS = {"train": "commands", "compare": "compare", "sweep": "commands",
+            "analyse": "commands", "evaluate": "commands", "sample": "commands"}
+
+
+def _command(name: str) -> Callable[[argparse.Namespace], int]:
+    module = importlib.import_module(f".{COMMANDS[name]}", __package__)
+    return getattr(module, f"_cmd_{name}")  # type: ignore[no-any-return]
 
 
 class _ReaderMayLeave:
@@ -383,8 +394,10 @@ def _run(argv: List[str]) -> int:
         TrainingInterrupted,
         raise_stop_signal,
     )
+    from ..training.config_files import ConfigError
     from ..training.data import DataError
     from ..training.inference import SamplingError
+    from .commands import UsageError
 
     rank, world = _torchrun_rank_and_size()
     if world > 1 and args.command != "train":
@@ -397,7 +410,7 @@ def _run(argv: List[str]) -> int:
     # rank 0 says them.
     speaks = rank == 0
     try:
-        return COMMANDS[args.command](args)
+        return _command(args.command)(args)
     except (ConfigError, DataError, RunError, BackendError, UsageError) as error:
         return _fail(_one_line(error), speaks)
     except (TrainingDiverged, SamplingError) as error:

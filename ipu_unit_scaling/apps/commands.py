@@ -312,7 +312,7 @@ def _cmd_analyse(args: argparse.Namespace) -> int:
     with _run_directory(args.run_dir, _runs_root(config), "analyse") as run_dir:
         table, figure = analyse(config, run_dir)
     print(table)
-    print(f"figure: {figure}")
+    print(f"figure: {figure}; table: {figure.with_name('scales.txt')}")
     return 0
 
 
