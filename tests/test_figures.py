@@ -6,6 +6,8 @@ import math
 import sys
 from typing import Any, Dict, List
 
+import pytest
+
 from ipu_unit_scaling.training.plots import curve_styles, plot_compare
 from ipu_unit_scaling.training.precision import REGIME_SETTINGS, regime_config
 from ipu_unit_scaling.training.run_config import Config
@@ -182,3 +184,31 @@ def test_a_given_model_is_named_by_its_factory():
     config.model.factory = "my_model:build"
     assert model_label(config) == "my_model:build (model.factory)"
     assert "GPT" not in model_label(config)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_sweep_keeps_a_finished_points_checkpoint_only_when_asked(tmp_path, monkeypatch, keep):
+    import json
+    from types import SimpleNamespace
+
+    import ipu_unit_scaling.loop.training_loop as loop
+    from ipu_unit_scaling.apps.sweep import _train_points
+
+    def fake_train(cfg, directory, **kwargs):  # a point that finishes, or one still running
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "checkpoint.pt").write_bytes(b"weights")
+        status = "stopped" if "w64" in str(directory) else "completed"
+        (directory / "summary.json").write_text(json.dumps(
+            {"status": status, "final_val_loss": 2.0, "elapsed_s": 1.0}))
+
+    monkeypatch.setattr(loop, "train", fake_train)
+    lines: List[str] = []
+    plan = [("unit", 2, 32, -4), ("unit", 2, 64, -4)]
+    corpus = SimpleNamespace(sha256="", source="", tokenizer=SimpleNamespace(chars=[]))
+    points = _train_points(Config(), plan, tmp_path, False, lines.append, corpus,
+                           keep_checkpoints=keep)
+    assert [p.status for p in points] == ["completed", "stopped"]
+    assert (tmp_path / "unit" / "w32-d2" / "log2lr-4" / "checkpoint.pt").exists() == keep
+    assert (tmp_path / "unit" / "w64-d2" / "log2lr-4" / "checkpoint.pt").exists()  # to resume
+    assert (tmp_path / "unit" / "w32-d2" / "log2lr-4" / "summary.json").exists()
+    assert lines[0].startswith("sweep [1/2] unit w32 d2 lr 2^-4: final validation loss 2.0000")

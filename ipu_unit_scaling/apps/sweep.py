@@ -321,7 +321,7 @@ def _train_points(config: Config, plan: Sequence[Tuple[str, int, int, Any]], run
                                  key, None if key is None else coordinate))
         shown = f"{loss:.4f}" if loss is not None else status
         counter.finish(index, name, f"final validation loss {shown}"
-                       + ("" if trained else " (reused)"), trained=trained)
+                       + ("" if trained else ", reused"), trained=trained)
     return points
 def _flat(tree: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
     flat: Dict[str, Any] = {}
