@@ -776,8 +776,9 @@ def check_ipu_optimizer(optimizer: Any) -> None:
     cls = _standin_class(optimizer)
     bases = type(optimizer).__bases__
     plain = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop)
+    own = (SGD, Adam, AdamW, RMSprop, LAMB)  # PopTorch's own classes are not subclasses
     if torch.optim.Optimizer not in bases and Optimizer not in bases and \
-            type(optimizer) not in plain:
+            type(optimizer) not in plain + own:
         logger.warning(
             "Optimizer `%s` subclassed from classes in poptorch.optim or torch.optim are unlikely "
             "to behave as intended. Poptorch does not run Python optimizer code directly; but "
