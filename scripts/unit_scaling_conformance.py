@@ -1,6 +1,7 @@
 """Run unit-scaling 0.3.5's own test suite against ipu_unit_scaling.
 
-    python scripts/unit_scaling_conformance.py [--wheel PATH] [--keep DIR] [-- PYTEST_ARGS...]
+    python scripts/unit_scaling_conformance.py [--wheel PATH] [--keep DIR] [--rules NAME]
+                                               [-- PYTEST_ARGS...]
 
 The tests ship inside the library's wheel (``unit_scaling/tests/``). This script fetches the wheel
 with ``pip download`` (or takes ``--wheel``), extracts only the tests into a temporary package,
@@ -14,6 +15,10 @@ Import mapping (names only, no code of the library is used):
   ``ipu_unit_scaling.X``;
 - relative imports that leave the tests package are made absolute in the same way;
 - the library's private ``_modules`` is our package root, which re-exports the modules (``uu``).
+
+``--rules unit-scaling`` runs every test inside ``ipu_unit_scaling.rules("unit-scaling")``
+(an autouse fixture added to the tests' conftest): the library's tests of its own rules then
+hold here too.
 
 Tests that need the network (Hugging Face tokenizers and datasets) are skipped with that reason.
 Exit status: 0 when at least ``--min-passed`` tests passed (default 0), 1 otherwise.
@@ -75,9 +80,22 @@ def rewrite_imports(source: str, package: str) -> str:
     return "".join(lines)
 
 
-def extract_tests(wheel: Path, into: Path) -> Path:
+RULES_FIXTURE = """
+
+import ipu_unit_scaling as _ipu_unit_scaling
+
+
+@pytest.fixture(autouse=True)
+def _ipu_unit_scaling_rules():
+    with _ipu_unit_scaling.rules({rules!r}):
+        yield
+"""
+
+
+def extract_tests(wheel: Path, into: Path, rules: Optional[str] = None) -> Path:
     """Copy the wheel's ``unit_scaling/tests`` into ``into/unit_scaling_tests`` with imports
-    rewritten; returns that package's directory."""
+    rewritten; returns that package's directory. With ``rules``, every test runs inside
+    ``ipu_unit_scaling.rules(rules)``."""
     root = into / "unit_scaling_tests"
     prefix = f"{LIBRARY}/tests/"
     with zipfile.ZipFile(wheel) as archive:
@@ -93,6 +111,12 @@ def extract_tests(wheel: Path, into: Path) -> Path:
             target = root / relative
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(rewrite_imports(text, package), encoding="utf-8")
+    if rules is not None:
+        conftest = root / "conftest.py"
+        text = conftest.read_text(encoding="utf-8") if conftest.exists() else ""
+        if not re.search(r"^import pytest$", text, re.MULTILINE):
+            text = "import pytest\n" + text
+        conftest.write_text(text + RULES_FIXTURE.format(rules=rules), encoding="utf-8")
     return root
 
 
@@ -123,6 +147,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--keep", type=Path, help="extract the tests here and keep them")
     parser.add_argument("--min-passed", type=int, default=0,
                         help="exit 1 when fewer tests pass")
+    parser.add_argument("--rules", choices=("ipu-unit-scaling", "unit-scaling"),
+                        help="run every test inside ipu_unit_scaling.rules(NAME)")
     parser.add_argument("--verbose", action="store_true", help="print pytest's whole output")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
@@ -131,7 +157,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         work = args.keep or Path(scratch)
         work.mkdir(parents=True, exist_ok=True)
         wheel = args.wheel or download_wheel(Path(scratch))
-        tests = extract_tests(wheel, work)
+        tests = extract_tests(wheel, work, args.rules)
         command: List[str] = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                               "--rootdir", str(work), "-o", "addopts=", str(tests),
                               *args.pytest_args]
@@ -144,8 +170,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                   if line.startswith(("FAILED ", "ERROR ")))
     counts = count_outcomes(result.stdout)
     total = sum(counts.values())
-    print(f"unit-scaling {VERSION} conformance: {counts['passed']} of its {total} tests pass "
-          f"here ({counts['failed'] + counts['error']} fail, {counts['skipped']} skipped)")
+    under = f' under rules("{args.rules}")' if args.rules else ""
+    print(f"unit-scaling {VERSION} conformance{under}: {counts['passed']} of its {total} tests "
+          f"pass here ({counts['failed'] + counts['error']} fail, {counts['skipped']} skipped)")
     return 0 if counts["passed"] >= args.min_passed else 1
 
 

@@ -53,14 +53,11 @@ def cross_entropy(
 
     Under `rules("unit-scaling")`, unit-scaling 0.3.5's rule: the input gradient scaled by
     `V / sqrt(V - 1)` (for a uniform softmax), and with reduction="mean" the summed loss divided
-    by the number of rows, ignored ones included, in the forward pass only; class weights are
-    then passed to torch, as the library passes them.
+    by the number of rows, ignored ones included, in the forward pass only.
     """
     _reject("size_average", size_average, None, "use reduction")
     _reject("reduce", reduce, None, "use reduction")
     _reject("label_smoothing", label_smoothing, 0.0, "the gradient scale assumes one-hot targets")
-    if weight is not None and rule_switch.library_rules():
-        return _library_cross_entropy(input, target, weight, ignore_index, reduction, 0.0, mult)
     return _cross_entropy(input, target, weight, ignore_index, reduction, 0.0, mult)
 
 
@@ -68,10 +65,10 @@ def _cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor], igno
                    reduction: str, label_smoothing: float, mult: float = 1.0) -> Tensor:
     """`cross_entropy`, with a label smoothing if given (the one-hot rule's gradient scale,
     for `unit_scale`'s conversions of models that smooth their labels)."""
-    if rule_switch.library_rules():
-        return _library_cross_entropy(input, target, weight, ignore_index, reduction,
-                                      label_smoothing, mult)
     _reject("weight", weight, None, "class weights change the gradient's scale per row")
+    if rule_switch.library_rules():
+        return _library_cross_entropy(input, target, ignore_index, reduction, label_smoothing,
+                                      mult)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction={reduction!r} must be one of 'mean', 'sum', 'none'")
     classes = input.shape[1] if input.dim() > 1 else input.shape[0]
@@ -92,20 +89,19 @@ def _cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor], igno
     return _scale_bwd_by_tensor(loss, torch.sqrt(counted * rows))
 
 
-def _library_cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor],
-                           ignore_index: int, reduction: str, label_smoothing: float,
-                           mult: float) -> Tensor:
+def _library_cross_entropy(input: Tensor, target: Tensor, ignore_index: int, reduction: str,
+                           label_smoothing: float, mult: float) -> Tensor:
     """unit-scaling 0.3.5's cross entropy: input gradient scale `V / sqrt(V - 1)` for V
     classes, the summed loss divided by the number of rows for "mean" (ignored targets counted
-    among the rows), and that division in the forward pass only. Class weights pass to torch,
-    as there. Inputs of more than two dimensions (the library takes one or two) have their
-    classes in dimension 1, as torch has them."""
+    among the rows), and that division in the forward pass only. Inputs of more than two
+    dimensions (the library takes one or two) have their classes in dimension 1, as in torch.
+    """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction={reduction!r} must be one of 'mean', 'sum', 'none'")
     classes = input.shape[1] if input.dim() > 1 else input.shape[0]
     rows = max(1, input.numel() // max(1, classes))
     input = scale_fwd(scale_bwd(input, rule_switch.cross_entropy_grad_scale(classes)), mult)
-    loss = F.cross_entropy(input, target, weight, ignore_index=ignore_index,
+    loss = F.cross_entropy(input, target, ignore_index=ignore_index,
                            reduction="sum" if reduction == "mean" else reduction,
                            label_smoothing=label_smoothing)
     return scale_fwd(loss, 1 / rows) if reduction == "mean" else loss
