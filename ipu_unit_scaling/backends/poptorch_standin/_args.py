@@ -43,6 +43,17 @@ def flatten(value: Any) -> List[torch.Tensor]:
     return []
 
 
+def flatten_like(value: Any, template: Any) -> List[torch.Tensor]:
+    """The tensors of ``value`` in the order of ``template``'s structure (dict keys in the
+    template's order, as PopTorch packs inputs by the compiled call's structure)."""
+    if isinstance(value, dict) and isinstance(template, dict) and set(value) == set(template):
+        return [t for key in template for t in flatten_like(value[key], template[key])]
+    if isinstance(value, (tuple, list)) and isinstance(template, (tuple, list)) and len(
+            value) == len(template):
+        return [t for v, c in zip(value, template) for t in flatten_like(v, c)]
+    return flatten(value)
+
+
 def rebuild(value: Any, tensors: List[torch.Tensor]) -> Any:
     """``value`` with its tensors replaced, in order, by ``tensors`` (consumed)."""
     if isinstance(value, torch.Tensor):
@@ -85,6 +96,9 @@ class Args:
 
     def tensors(self) -> List[torch.Tensor]:
         return flatten(self.args) + flatten(self.kwargs)
+
+    def tensors_like(self, template: Args) -> List[torch.Tensor]:
+        return flatten_like(self.args, template.args) + flatten_like(self.kwargs, template.kwargs)
 
     def with_tensors(self, tensors: List[torch.Tensor]) -> Tuple[List[Any], Dict[str, Any]]:
         pool = list(tensors)

@@ -1,8 +1,8 @@
 """``poptorch.PoplarExecutor``: what ``trainingModel`` and ``inferenceModel`` return.
 
-The executor keeps a device copy of the model (PopTorch's weights on the IPU): the copy is
-made when the model compiles, trained by each call, and copied back into the user's model
-when PopTorch would (``copyWeightsToHost``, implicitly before the trained model's parameters,
+The executor keeps the device's copy of the model's parameters and buffers (PopTorch's
+weights on the IPU): made when the model compiles, trained by each call, and copied back into
+the user's model when PopTorch would (``copyWeightsToHost``, implicitly before the trained model's parameters,
 buffers or ``forward`` are read, on ``detachFromDevice`` and ``destroy``). A call takes
 ``deviceIterations x replicationFactor x gradientAccumulation`` micro-batches on the leading
 dimension of every input (PopART's order: device iteration, then accumulation, then replica),
@@ -14,7 +14,6 @@ for training, All for inference.
 """
 from __future__ import annotations
 
-import copy
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -32,6 +31,8 @@ NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
 
 def _join(values: List[Any]) -> Any:
     first = values[0]
+    if len(values) == 1:
+        return first
     if isinstance(first, torch.Tensor):
         return torch.stack(values) if first.dim() == 0 else torch.cat(values)
     return first
@@ -62,18 +63,6 @@ def _combine(outputs: List[Any], how: Any) -> Any:
             joined[key] = _combine([o[key] for o in outputs], how)
         return joined
     return first
-
-
-def _device_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A deep copy of ``model`` as its own class (a wrapped model's weights are synced)."""
-    wrapper = type(model)
-    if _impl.isWrapped(model):
-        model.copyWeightsToHostIfNeeded()
-        model.__class__ = wrapper.__bases__[0]
-    try:
-        return copy.deepcopy(model)
-    finally:
-        model.__class__ = wrapper
 
 
 class PoplarExecutor:
@@ -122,7 +111,8 @@ class PoplarExecutor:
         self._optimizer = optimizer
         self._device_optimizer: Optional[torch.optim.Optimizer] = None
         self._graph: Optional[CompiledGraph] = None
-        self._device_model: Optional[torch.nn.Module] = None
+        self._device_parameters: List[torch.Tensor] = []
+        self._device_buffers: List[torch.Tensor] = []
         self._executable_inputs: Optional[Args] = None
         self._is_attached = False
         self._dirty_host_weights = False
@@ -153,7 +143,9 @@ class PoplarExecutor:
         return getattr(self._user_model, name)
 
     def __repr__(self) -> str:
-        return repr(self._user_model)
+        from . import module_repr
+
+        return module_repr(self._user_model)
 
     def getAnchoredTensor(self, short_name: str) -> torch.Tensor:
         assert short_name in self._anchor_memory, f"No tensor with name {short_name} found."
@@ -170,8 +162,11 @@ class PoplarExecutor:
             raise _impl.createPoptorchError(NO_EXECUTABLE_ERR)
 
     # ------------------------------------------------------------------ weights
-    def _weights(self, model: torch.nn.Module) -> List[torch.Tensor]:
-        return [*model.parameters(), *model.buffers()]
+    def _pairs(self) -> List[Any]:
+        """(host tensor, device tensor) for every parameter and buffer of the graph."""
+        assert self._graph is not None
+        return list(zip(self._graph.parameters + self._graph.buffers,
+                        self._device_parameters + self._device_buffers))
 
     def copyWeightsToHostIfNeeded(self) -> bool:
         if self._dirty_host_weights:
@@ -183,11 +178,9 @@ class PoplarExecutor:
         """Copy the device's weights and buffers into the user's model."""
         self._require_compiled()
         self._dirty_host_weights = False
-        assert self._device_model is not None
         with torch.no_grad():
-            for host, device in zip(self._weights(self._model),
-                                    self._weights(self._device_model)):
-                if host.shape == device.shape:
+            for host, device in self._pairs():
+                if host.shape == device.shape and host.dtype == device.dtype:
                     host.copy_(device)
                 else:
                     host.data = device.detach().clone()
@@ -197,10 +190,8 @@ class PoplarExecutor:
         """Copy the user's model's weights and buffers to the device."""
         self._require_compiled()
         self._dirty_host_weights = False
-        assert self._device_model is not None
         with torch.no_grad():
-            for host, device in zip(self._weights(self._model),
-                                    self._weights(self._device_model)):
+            for host, device in self._pairs():
                 device.copy_(host)
 
     def copyNamedBuffersToDevice(self) -> None:
@@ -209,9 +200,11 @@ class PoplarExecutor:
         if not names:
             raise _impl.createPoptorchError(
                 "No named buffers marked as updatable via updatableNamedBuffers option")
-        assert self._device_model is not None
+        assert self._graph is not None
+        prefix = "model."
+        device = {n[len(prefix):]: d for n, d in zip(self._graph.trace.buffer_names,
+                                                     self._device_buffers)}
         host = dict(self._model.named_buffers())
-        device = dict(self._device_model.named_buffers())
         with torch.no_grad():
             for name in names:
                 device[name].copy_(host[name])
@@ -228,9 +221,8 @@ class PoplarExecutor:
         device copy's parameters; the state of the previous device optimizer carries over."""
         from . import optim
 
-        assert self._device_model is not None
-        mapping = {id(h): d for h, d in zip(self._model.parameters(),
-                                            self._device_model.parameters())}
+        assert self._graph is not None
+        mapping = {id(h): d for h, d in zip(self._graph.parameters, self._device_parameters)}
         device = optim.to_ipu_optimizer(optimizer, previous=self._device_optimizer)
         for group in device.param_groups:
             group["params"] = [mapping.get(id(p), p) for p in group["params"]]
@@ -292,9 +284,11 @@ class PoplarExecutor:
         self._executable_inputs = inputs
         template = inputs.map(lambda t: t)
         example = [self._narrow(t).detach() for t in inputs.tensors()]
-        self._device_model = _device_copy(self._model)
-        self._graph = compile_graph(self._device_model, template, example, self._options,
+        self._graph = compile_graph(self._model, template, example, self._options,
                                     self._training)
+        self._device_parameters = [
+            p.detach().clone().requires_grad_(p.requires_grad) for p in self._graph.parameters]
+        self._device_buffers = [b.detach().clone() for b in self._graph.buffers]
         if self._training and self._optimizer is not None:
             self._device_optimizer = self._map_optimizer(self._optimizer)
         self._is_attached = True
@@ -324,7 +318,7 @@ class PoplarExecutor:
                     self._host_weights_version = version
         assert self._executable_inputs is not None
         self._executable_inputs.validate(inputs)
-        tensors = [t.detach() for t in inputs.tensors()]
+        tensors = [t.detach() for t in inputs.tensors_like(self._executable_inputs)]
         parts = self._micro_batches()
         chunks = [list(t.chunk(parts)) if t.dim() else [t] * parts for t in tensors]
         micro = [[c[i] for c in chunks] for i in range(parts)]
@@ -336,10 +330,11 @@ class PoplarExecutor:
     def _infer(self, micro: List[List[torch.Tensor]]) -> List[Any]:
         assert self._graph is not None
         with torch.no_grad():
-            return [self._graph(*batch) for batch in micro]
+            return [self._graph(self._device_parameters, self._device_buffers, *batch)
+                    for batch in micro]
 
     def _train(self, micro: List[List[torch.Tensor]]) -> List[Any]:
-        assert self._graph is not None and self._device_model is not None
+        assert self._graph is not None
         opts = self._options
         per_step = len(micro) // opts.device_iterations
         optimizer = self._device_optimizer
@@ -349,22 +344,27 @@ class PoplarExecutor:
             pass  # the same mean, accumulated as a running mean on the IPU
         if opts.Training.accumulation_and_replication_reduction_type == enums.ReductionType.Mean:
             scale /= per_step
-        parameters = [p for p in self._device_model.parameters() if p.requires_grad]
+        parameters = [p for p in self._device_parameters if p.requires_grad]
         outputs = []
         for step in range(opts.device_iterations):
             for parameter in parameters:
                 parameter.grad = None
             for batch in micro[step * per_step:(step + 1) * per_step]:
-                out, loss = self._graph(*batch)
+                out, loss = self._graph(self._device_parameters, self._device_buffers, *batch)
                 if loss.requires_grad:
                     total = loss if loss.dim() == 0 else loss.sum()
                     (total.float() * scale).backward()
                 outputs.append(out)
             if optimizer is not None:
                 type(optimizer).step(optimizer)
-        return [_detach(o) for o in outputs]
+        return [[t.detach() for t in out] for out in outputs]
 
     def _select(self, outputs: List[Any]) -> Any:
+        assert self._graph is not None
+        chosen = self._choose(outputs)
+        return None if chosen is None else self._graph.rebuild(chosen)
+
+    def _choose(self, outputs: List[Any]) -> Any:
         opts = self._options
         mode = enums.OutputMode(opts.output_mode)
         replicas = opts.replication_factor // opts.input_group_size
@@ -408,7 +408,7 @@ class PoplarExecutor:
         if self._training:
             self.copyWeightsToHostIfNeeded()
         self._graph = None
-        self._device_model = None
+        self._device_parameters, self._device_buffers = [], []
         self._device_optimizer = None
         self._executable_inputs = None
         self._is_attached = False
@@ -440,18 +440,3 @@ class PoplarExecutor:
 
     def getPerfCounters(self) -> Dict[str, Any]:
         return {"input": [], "input_complete": [], "output": [], "output_complete": []}
-
-
-def _detach(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_detach(v) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_detach(v) for v in value)
-    if isinstance(value, dict):
-        out = type(value)() if type(value) is not dict else {}
-        for key, item in value.items():
-            out[key] = _detach(item)
-        return out
-    return value

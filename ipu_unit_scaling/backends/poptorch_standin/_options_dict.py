@@ -102,6 +102,9 @@ class OptionsDict:
 
     # -- attributes
     def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("__"):  # __class__: a subclass may replace the class (popdist)
+            object.__setattr__(self, name, value)
+            return
         self.checkIsFrozen(name)
         if name.startswith("_"):
             if "_values" in self.__dict__ and name not in self.__dict__:

@@ -9,3 +9,5 @@ ON_IPU = False
 STAGE_MANAGER: Optional[Any] = None
 # Blocks begun while tracing, in execution order: (block id, stage, phase, ipu).
 BLOCKS: List[Tuple[str, int, int, int]] = []
+# True between the end of a ``poptorch.Block`` and the start of the next one, while tracing.
+BLOCK_ENDED = False

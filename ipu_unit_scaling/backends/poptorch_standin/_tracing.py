@@ -24,12 +24,13 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 from ..poptorch.compile_checks import PopTorchError
 from ..poptorch_emulator import PopTorchTrace, trace_like_poptorch
 from . import _numerics, _state
-from ._args import Args
-from ._graph_ops import LOSS_OPS, identity_loss_op, torch_loss_op
+from ._args import Args, flatten, rebuild
+from ._graph_ops import LOSS_OPS, torch_loss_op
 from ._impl import createPoptorchError
 from .poptorch_core import Error
 
@@ -44,50 +45,73 @@ _LOSS_FUNCTIONS = frozenset(getattr(F, name) for name in (
     "multi_margin_loss", "triplet_margin_with_distance_loss") if hasattr(F, name))
 
 
-class _MarkLosses(TorchFunctionMode):
-    """Marks the result of each torch loss function with ``poptorch::torch_loss``."""
+class _TraceMode(TorchFunctionMode):
+    """While tracing: marks the result of each torch loss function with
+    ``poptorch::torch_loss`` (training), and refuses ops outside any block once a
+    ``poptorch.Block`` has ended ("No active Block", as PopTorch)."""
+
+    def __init__(self, training: bool):
+        super().__init__()
+        self.training = training
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func in _LOSS_FUNCTIONS and isinstance(out, torch.Tensor) and (
+        if _state.BLOCK_ENDED and isinstance(out, torch.Tensor) and getattr(
+                func, "__name__", "") not in ("__get__", "__set__"):
+            raise Error("No active Block: once a poptorch.Block has ended, every op must be "
+                        "inside a Block")
+        if self.training and func in _LOSS_FUNCTIONS and isinstance(out, torch.Tensor) and (
                 out.is_floating_point()):
             return torch_loss_op(out)
         return out
 
 
 class _Call(torch.nn.Module):
-    """The user's model called with one call's arguments, tensors given flat."""
+    """The user's model called with one call's arguments, tensors given flat; returns its
+    outputs' tensors flat (their structure is kept in ``output_template``)."""
 
     def __init__(self, model: torch.nn.Module, template: Args, training: bool):
         super().__init__()
         self.model = model
         self.template = template
         self.training_graph = training
+        self.output_template: Any = None
 
     def forward(self, *tensors: torch.Tensor) -> Any:
         args, kwargs = self.template.with_tensors(list(tensors))
-        if self.training_graph:
-            with _MarkLosses():
-                return self.model(*args, **kwargs)
-        return self.model(*args, **kwargs)
+        with _TraceMode(self.training_graph):
+            out = self.model(*args, **kwargs)
+        self.output_template = out
+        return flatten(out)
 
 
 class CompiledGraph:
-    """One micro-batch's graph: call it with the flat input tensors; a training graph returns
-    ``(outputs, loss)``."""
+    """One micro-batch's graph: ``graph(parameters, buffers, *inputs)`` returns the output
+    tensors flat (and, for training, the final loss: ``(outputs, loss)``);
+    ``rebuild(tensors)`` gives them the model's output structure."""
 
-    def __init__(self, trace: PopTorchTrace, training: bool, blocks: List[Tuple[Any, ...]]):
+    def __init__(self, trace: PopTorchTrace, training: bool, blocks: List[Tuple[Any, ...]],
+                 module: _Call):
         self.trace = trace
         self.training = training
         self.blocks = blocks
+        self.output_template = module.output_template
+        named_parameters = dict(module.named_parameters())
+        named_buffers = dict(module.named_buffers())
+        self.parameters = [named_parameters[n] for n in trace.parameter_names]
+        self.buffers = [named_buffers[n] for n in trace.buffer_names]
 
-    def __call__(self, *tensors: torch.Tensor) -> Any:
+    def __call__(self, parameters: List[torch.Tensor], buffers: List[torch.Tensor],
+                 *tensors: torch.Tensor) -> Any:
         previous, _state.ON_IPU = _state.ON_IPU, True
         try:
-            return self.trace(*tensors)
+            return self.trace.graph(parameters, buffers, *tensors)
         finally:
             _state.ON_IPU = previous
+
+    def rebuild(self, tensors: List[torch.Tensor]) -> Any:
+        return rebuild(self.output_template, list(tensors))
 
 
 def _live_nodes(graph: torch.fx.Graph) -> set:
@@ -128,7 +152,14 @@ def _attach_final_loss(trace: PopTorchTrace) -> None:
             "Multiple independent losses found in graph. Graph must have one final loss. "
             "Wrap final graph loss in poptorch.identity_loss.")
     output = next(n for n in graph.nodes if n.op == "output")
-    output.args = ((output.args[0], final[0]),)
+    outputs = list(output.args[0])  # the model's output tensors, flat (see _Call)
+    info = getattr(graph._codegen, "pytree_info", None)
+    if info is not None and info.out_spec is not None:  # the graph returns a pytree
+        output.args = (outputs + [final[0]],)
+        spec = tree_flatten((list(range(len(outputs))), 0))[1]
+        graph._codegen.pytree_info = info._replace(out_spec=spec)
+    else:
+        output.args = ((outputs, final[0]),)
     trace.graph.recompile()
 
 
@@ -167,16 +198,19 @@ def compile_graph(model: torch.nn.Module, template: Args, example: List[torch.Te
     strategy = options._execution_strategy
     popart = options._Popart.options
     _state.BLOCKS = []
+    _state.BLOCK_ENDED = False
     strategy.onStartTracing()
+    module = _Call(model, template, training)
     previous, _state.ON_IPU = _state.ON_IPU, True
     try:
         trace = trace_like_poptorch(
-            _Call(model, template, training), *example,
+            module, *example,
             stochastic_rounding=bool(popart.get("enableStochasticRounding", False)))
     except PopTorchError as error:
         raise Error(str(error)) from None
     finally:
         _state.ON_IPU = previous
+        _state.BLOCK_ENDED = False
         strategy.onEndTracing()
     blocks, _state.BLOCKS = list(_state.BLOCKS), []
     unsupported = {op: where for op, where in trace.report.unsupported.items()
@@ -189,7 +223,5 @@ def compile_graph(model: torch.nn.Module, template: Args, example: List[torch.Te
     check_pipeline(options, training, pipeline_stages(blocks))
     _numerics.apply(trace.graph, half_partials=popart.get("partialsTypeMatMuls") == "half",
                     ipu_model=bool(options._values.get("use_model", False)))
-    return CompiledGraph(trace, training, blocks)
+    return CompiledGraph(trace, training, blocks, module)
 
-
-__all__ += ["identity_loss_op"]

@@ -181,6 +181,7 @@ class Block(torch.nn.Module):
     def start(user_id: Optional[str] = None, ipu_id: Optional[int] = None) -> None:
         if _state.STAGE_MANAGER is not None:
             _state.STAGE_MANAGER.beginStage(user_id, ipu_id)
+            _state.BLOCK_ENDED = False
 
     def __init__(self, user_id: Optional[str] = None, ipu_id: Optional[int] = None) -> None:
         super().__init__()
@@ -193,7 +194,8 @@ class Block(torch.nn.Module):
         Block.start(self._user_id, self._ipu_id)
 
     def __exit__(self, *exc: Any) -> None:
-        pass
+        if _state.STAGE_MANAGER is not None:
+            _state.BLOCK_ENDED = True
 
 
 class _BeginBlockFunction(torch.nn.Module):
@@ -207,6 +209,7 @@ class _BeginBlockFunction(torch.nn.Module):
             if self._user_id is None:
                 self._user_id = _state.STAGE_MANAGER.nextAutoId()
             _state.STAGE_MANAGER.beginStage(self._user_id, self._ipu_id)
+            _state.BLOCK_ENDED = False
         return self._function(*args, **kwargs)
 
 
@@ -219,6 +222,7 @@ class _BlockHook:
             if self._user_id is None:
                 self._user_id = _state.STAGE_MANAGER.nextAutoId()
             _state.STAGE_MANAGER.beginStage(self._user_id, self._ipu_id)
+            _state.BLOCK_ENDED = False
 
     def __repr__(self) -> str:
         return f"BeginBlock(user_id={self._user_id}, ipu_id={self._ipu_id})"

@@ -57,7 +57,10 @@ def _throwTestError(error: TestErrorType) -> None:
 
 
 def isCompilingWithDispatcher() -> bool:
-    return True
+    """True while a model is being traced."""
+    from . import _state
+
+    return _state.ON_IPU
 
 
 def ipuHardwareVersion() -> int:
