@@ -488,3 +488,35 @@ def test_state_dict_carries_ipu_keys_and_lr_scheduler_works() -> None:
     sd["ipu_state"], sd["ipu_param"] = {}, {}
     opt.load_state_dict(sd)
     assert opt.has_state() and opt.ipu_state_is_dirty
+
+
+def test_state_dict_protocol_reads_and_writes_the_device() -> None:
+    """PopTorch's protocol: empty before compiling, read back after the device ran, a loaded
+    state written (merged) before the next run, a replaced optimizer keeps its last copy."""
+    lin = torch.nn.Linear(2, 2)
+    named = {"lin." + n: p for n, p in lin.named_parameters()}
+    user = popt.Adam(lin.parameters(), lr=0.1)
+    device: List[popt.Optimizer] = []
+    popt.attach_ipu_state(user, lambda: device[0] if device else None, lambda: named)
+    empty = user.state_dict()
+    assert empty["ipu_state"] is None and empty["ipu_param"] is None
+    device.append(popt.to_ipu_optimizer(user))  # compile
+    popt.sync_ipu_state(user, device[0], named)
+    s0 = user.state_dict()
+    assert torch.equal(s0["ipu_state"]["Accl1___lin.weight"], torch.zeros(2, 2))
+    for p in lin.parameters():  # one run
+        p.grad = torch.ones_like(p)
+    popt.sync_ipu_state(user, device[0], named)
+    device[0].step()
+    s1 = user.state_dict()
+    assert float(s1["ipu_state"]["Accl1___lin.weight"].abs().min()) > 0  # (1-b1)*1 = 0.1
+    assert user.state_dict() is not s1 and user.host_state_is_dirty is False  # cached
+    s1["ipu_state"]["Accl2___lin.bias"] = torch.full((2,), 3.0)
+    user.load_state_dict(s1)
+    popt.sync_ipu_state(user, device[0], named)  # before the next run
+    assert torch.equal(device[0].state[named["lin.bias"]]["exp_avg_sq"], torch.full((2,), 3.0))
+    popt.detach_ipu_state(user)
+    assert user.state_dict()["ipu_state"]["Accl2___lin.bias"][0] == 3.0
+    plain = torch.optim.SGD(lin.parameters(), lr=0.1)
+    popt.attach_ipu_state(plain, lambda: device[0], lambda: named)
+    assert "ipu_state" not in plain.state_dict()  # torch optimizers are left alone

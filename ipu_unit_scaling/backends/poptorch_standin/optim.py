@@ -57,7 +57,9 @@ param groups over the same parameters, so later changes to the user's optimizer 
 through ``setOptimizer``, as on the IPU. ``ipu_state_dict`` and ``load_ipu_state_dict`` give and set
 the ``{"ipu_state", "ipu_param"}`` dictionaries PopTorch reads from and writes to the device, with
 PopART's tensor names (``Accl1___lin.weight``, ``learningRate___specific___lin.bias``,
-``lossScaling_FLOAT``...).
+``lossScaling_FLOAT``...), and ``attach_ipu_state`` / ``sync_ipu_state`` / ``detach_ipu_state`` give
+a PopTorch optimizer PopTorch's ``state_dict()`` protocol (read back from the device when it has run
+since, written to it before the next run after ``load_state_dict``).
 
 Calling ``step()`` of a PopTorch optimizer directly (on the host, outside a ``trainingModel``) also
 divides by ``loss_scaling``, where PopTorch would run torch's rule on the unscaled gradient.
@@ -89,6 +91,9 @@ __all__ = [
     "requires_running_mean_reduction",
     "ipu_state_dict",
     "load_ipu_state_dict",
+    "attach_ipu_state",
+    "detach_ipu_state",
+    "sync_ipu_state",
 ]
 
 logger = logging.getLogger("poptorch::python")
@@ -1000,3 +1005,60 @@ def load_ipu_state_dict(opt: Optimizer, state: Dict[str, Any],
     if "lossScaling_FLOAT" in ipu_param:
         overrides[(0, "lossScaling")] = torch.as_tensor(ipu_param["lossScaling_FLOAT"],
                                                         dtype=torch.float32).reshape(())
+
+
+# ---- PopTorch's optimizer state_dict protocol (PoplarExecutor: setOptimizer, compile, run) ----
+
+def attach_ipu_state(optimizer: Any, device_optimizer: Callable[[], Optional[Optimizer]],
+                     named_parameters: Callable[[], Dict[str, torch.Tensor]]) -> None:
+    """What PopTorch's ``setOptimizer`` does to one of its optimizers: ``state_dict()`` then
+    returns the device's ``ipu_state`` / ``ipu_param``, read back when the device has run since
+    the last read (``host_state_is_dirty``), else the cached copy (empty before compiling).
+    ``device_optimizer()`` gives the executor's device optimizer (None before compiling),
+    ``named_parameters()`` its parameters under the user model's names. Plain torch optimizers
+    are left alone, as PopTorch leaves them."""
+    if not isinstance(optimizer, Optimizer):
+        return
+
+    def state_dict() -> Dict[str, Any]:
+        dev = device_optimizer()
+        if dev is not None and optimizer.host_state_is_dirty:
+            assert not optimizer.ipu_state_is_dirty, (
+                "Both host and ipu states cannot be dirty at the same time.")
+            optimizer.set_state_dict({
+                **ipu_state_dict(dev, named_parameters()),
+                **torch.optim.Optimizer.state_dict(optimizer)})  # type: ignore[arg-type]
+            optimizer.ipu_state_is_dirty = False
+            optimizer.host_state_is_dirty = False
+        else:
+            logger.debug("Using cached optimiser state dict")
+        return optimizer.get_state_dict()
+
+    optimizer.__dict__["state_dict"] = state_dict
+
+
+def detach_ipu_state(optimizer: Any) -> None:
+    """An optimizer replaced by ``setOptimizer``: read its state back one last time, then its
+    ``state_dict()`` returns that copy (PopTorch's ``state_dict = get_state_dict``)."""
+    if not isinstance(optimizer, Optimizer):
+        return
+    reader = optimizer.__dict__.get("state_dict")
+    if reader is not None:
+        reader()
+    optimizer.__dict__["state_dict"] = optimizer.get_state_dict
+
+
+def sync_ipu_state(optimizer: Any, device: Optional[Optimizer],
+                   named_parameters: Dict[str, torch.Tensor]) -> None:
+    """Call after compiling and before each run: a state loaded with ``load_state_dict`` (or
+    present in a new optimizer) is written to the device, merged with what is there; the host
+    copy then counts as stale, to be read back by the next ``state_dict()``."""
+    if not isinstance(optimizer, Optimizer) or device is None:
+        return
+    if optimizer.ipu_state_is_dirty:
+        assert not optimizer.host_state_is_dirty, (
+            "Both host and ipu states cannot be dirty at the same time.")
+        if optimizer.has_state():
+            load_ipu_state_dict(device, optimizer._state_dict, named_parameters)
+        optimizer.ipu_state_is_dirty = False
+    optimizer.host_state_is_dirty = True
