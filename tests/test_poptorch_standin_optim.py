@@ -520,3 +520,19 @@ def test_state_dict_protocol_reads_and_writes_the_device() -> None:
     plain = torch.optim.SGD(lin.parameters(), lr=0.1)
     popt.attach_ipu_state(plain, lambda: device[0], lambda: named)
     assert "ipu_state" not in plain.state_dict()  # torch optimizers are left alone
+
+
+def test_popart_optimizer_ops() -> None:
+    lin = torch.nn.Linear(2, 2)
+    named = dict(lin.named_parameters())
+
+    def types(opt: popt.Optimizer) -> List[str]:
+        return [op["type"] for op in popt.popart_optimizer_ops(opt, named)]
+
+    assert types(popt.SGD(lin.parameters(), lr=0.1)).count("SGD0VarUpdate") == 2
+    adamw = types(popt.to_ipu_optimizer(torch.optim.AdamW(lin.parameters())))
+    assert adamw.count("AdamUpdater") == 2 and adamw.count("AdamVarUpdate") == 2
+    assert "SGD0VarUpdate" not in adamw
+    sgd2 = types(popt.SGD(lin.parameters(), lr=0.1, momentum=0.9))
+    assert sgd2.count("SGD2VarUpdate") == 2 and "SGD0VarUpdate" not in sgd2
+    assert types(popt.LAMB(lin.parameters())).count("LambSquare") == 4

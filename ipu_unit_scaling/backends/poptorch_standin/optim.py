@@ -94,6 +94,7 @@ __all__ = [
     "attach_ipu_state",
     "detach_ipu_state",
     "sync_ipu_state",
+    "popart_optimizer_ops",
 ]
 
 logger = logging.getLogger("poptorch::python")
@@ -1062,3 +1063,35 @@ def sync_ipu_state(optimizer: Any, device: Optional[Optimizer],
             load_ipu_state_dict(device, optimizer._state_dict, named_parameters)
         optimizer.ipu_state_is_dirty = False
     optimizer.host_state_is_dirty = True
+
+
+def popart_optimizer_ops(opt: Optimizer, named_parameters: Dict[str, torch.Tensor]
+                         ) -> List[Dict[str, Any]]:
+    """The optimizer ops PopART's decomposition patterns put in the IR for each weight
+    (``{"type": ..., "name": ...}``, in order), for the executor's ``_debugGetPopartIR``:
+    ``SGD0VarUpdate``; ``SGD2PartialAcclUpdate``, ``Accumulate``, ``SGD2VarUpdate`` (separate);
+    ``Accumulate``, ``SGD1VarUpdate``, ``SGD1AcclUpdate`` (combined); ``Accumulate`` x2,
+    ``AdamUpdater``, ``LambSquare`` x2 (LAMB), ``AdamVarUpdate``; ``Accumulate``,
+    ``RMSPropUpdater``, ``ScaledVarUpdate`` (RMSprop)."""
+    ops: List[Dict[str, Any]] = []
+    for name, _p, group in _named(opt, named_parameters):
+        types: List[str] = []
+        if isinstance(opt, SGD):
+            nesterov = ["SGD1Nesterov"] if group.get("nesterov", False) else []
+            if not opt._with_velocity(group):
+                types = ["SGD0VarUpdate"]
+            elif opt.use_combined_accum:
+                types = ["Accumulate"] + nesterov + ["SGD1VarUpdate", "SGD1AcclUpdate"]
+            else:
+                types = ["SGD2PartialAcclUpdate", "Accumulate"] + nesterov + ["SGD2VarUpdate"]
+        elif isinstance(opt, RMSprop):
+            types = ["Accumulate"] + (["Accumulate"] if group["centered"] else [])
+            types += ["RMSPropUpdater"]
+            types += ["Accumulate"] if opt._with_momentum(group) else []
+            types += ["ScaledVarUpdate"]
+        else:
+            types = ["Accumulate", "Accumulate", "AdamUpdater"]
+            types += ["LambSquare", "LambSquare"] if isinstance(opt, LAMB) else []
+            types += ["AdamVarUpdate"]
+        ops.extend({"type": t, "name": f"{t}___{name}"} for t in types)
+    return ops
