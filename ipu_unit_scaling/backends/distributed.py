@@ -42,7 +42,7 @@ from ..training.run_config import Config
 __all__ = [
     "launched_world_size", "join_launched_world", "writes_run_files",
     "opened_by_rank_zero", "done_by_rank_zero", "agreed_stop", "check_launch",
-    "DistributedTrainingModel",
+    "DistributedTrainingModel", "hand_failure_to_rank_zero", "failure_of_another_rank",
 ]
 
 T = TypeVar("T")
@@ -93,7 +93,13 @@ def join_launched_world() -> None:
 
 
 def leave_launched_world(status: int) -> None:
-    """End a process that joined torchrun's world at once, with ``status``, its output flushed.
+    """End a process that joined torchrun's world at once, its output flushed: rank 0 with
+    ``status``, the other ranks with 0.
+
+    Rank 0 speaks for the run: it says why a run stopped (what another rank met is handed to
+    it, :func:`hand_failure_to_rank_zero`) and its status is the run's. A rank that ended
+    with a failure of its own would make torchrun stop rank 0 at once (SIGTERM), before rank 0
+    has written the summary or said why, and report a second failure.
 
     The gloo process group keeps threads that abort the process ("terminate called without an
     active exception", SIGABRT) when the interpreter's teardown destroys them first, now and
@@ -104,7 +110,57 @@ def leave_launched_world(status: int) -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(status)
+    os._exit(status if dist.get_rank() == 0 else 0)
+
+
+# Where a rank other than 0 leaves rank 0 the error that stopped it (in the store of the
+# process group, which torchrun's agent or rank 0 holds).
+_FAILURE_KEY = "ipu-unit-scaling/failure"
+
+
+def _store() -> Any:
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # (a private function: without it, no hand-over)
+        return None
+
+
+def hand_failure_to_rank_zero(error: BaseException) -> None:
+    """On a rank other than 0, leave ``error`` (what stopped this rank) for rank 0 to report
+    (:func:`failure_of_another_rank`); nothing on rank 0 or without a world."""
+    rank, size = _world()
+    if size == 1 or rank == 0:
+        return
+    import pickle
+
+    store = _store()
+    if store is None:
+        return
+    try:
+        store.set(_FAILURE_KEY, pickle.dumps(_Failure(error)))
+    except Exception:  # (the store is gone: rank 0 is too)
+        pass
+
+
+def failure_of_another_rank(wait_s: float = 3.0) -> Optional[BaseException]:
+    """On rank 0, the error another rank stopped with (handed over by
+    :func:`hand_failure_to_rank_zero`), waiting up to ``wait_s`` for it; None if there is
+    none, or not on rank 0 of a world."""
+    import datetime
+    import pickle
+
+    rank, size = _world()
+    store = _store() if size > 1 and rank == 0 else None
+    if store is None:
+        return None
+    try:
+        store.wait([_FAILURE_KEY], datetime.timedelta(seconds=wait_s))
+        failure = pickle.loads(store.get(_FAILURE_KEY))
+    except Exception:
+        return None
+    return failure.error() if isinstance(failure, _Failure) else None
 
 
 def _has_pipelining() -> bool:

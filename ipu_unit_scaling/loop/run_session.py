@@ -14,6 +14,7 @@ from torch import Tensor
 from ..backends import build_training_model, make_optimizer
 from ..backends.distributed import (
     done_by_rank_zero,
+    failure_of_another_rank,
     writes_run_files,
 )
 from ..fp8 import NonFiniteAmaxError
@@ -48,6 +49,18 @@ from .run_outcomes import (
 )
 
 # ------------------------------------------------------------------------------ a session
+
+
+def _caused_by(error: BaseException, kind: type) -> bool:
+    """Whether ``error`` or an exception it was raised from or during is a ``kind``."""
+    seen = set()
+    current: Optional[BaseException] = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, kind):
+            return True
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return False
 
 
 class _Session:
@@ -145,12 +158,21 @@ class _Session:
         try:
             _, losses = self.wrapper(inputs, labels)
             self.weights_on_device = True
-        except NonFiniteAmaxError as error:
-            raise TrainingDiverged(
-                f"loss became nan at step {self.step + 1} (an FP8 cast met a non-finite "
-                f"value); last good checkpoint: {self.good_checkpoint()}",
-                self.step + 1, self.last_checkpoint,
-            ) from error
+        except Exception as error:
+            # (a pipeline stage's failure comes wrapped in the schedule's RuntimeError)
+            if _caused_by(error, NonFiniteAmaxError):
+                raise TrainingDiverged(
+                    f"loss became nan at step {self.step + 1} (an FP8 cast met a non-finite "
+                    f"value); last good checkpoint: {self.good_checkpoint()}",
+                    self.step + 1, self.last_checkpoint,
+                ) from error
+            # Under torchrun, a stage on another rank that diverged leaves this one a broken
+            # connection: rank 0 takes over its cause, and records the run as diverged.
+            relayed = failure_of_another_rank() if self.run.backend == "distributed" else None
+            if isinstance(relayed, TrainingDiverged):
+                raise TrainingDiverged(str(relayed), relayed.step, self.last_checkpoint) \
+                    from None
+            raise
         self.seconds = time.perf_counter() - tick
         self.train_seconds += self.seconds
         self.trained_tokens += inputs.numel()

@@ -40,17 +40,20 @@ import math
 import signal
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence, Tuple
 
 from ..backends import select_backend
 from ..backends.distributed import (
     agreed_stop,
+    failure_of_another_rank,
+    hand_failure_to_rank_zero,
     join_launched_world,
     launched_world_size,
     opened_by_rank_zero,
     writes_run_files,
 )
 from ..parametrization.mup_optimizers import set_learning_rate
+from ..training.config_files import ConfigError
 from ..training.finetune import check_same_model
 from ..training.precision import (
     MODEL_KINDS,
@@ -175,9 +178,44 @@ def train(
         raise RunError("a scale report is recorded by one process; train without torchrun")
     # Under torchrun, rank 0 opens the run and hands it to the others (backends.distributed).
     join_launched_world()
-    with opened_by_rank_zero(
-            lambda: _opened(config, run_dir, resume, overrides, init_from, task)) as run:
-        return _train(run, quiet or not writes_run_files(), progress, scale_report, desc, log)
+    try:
+        with opened_by_rank_zero(
+                lambda: _opened(config, run_dir, resume, overrides, init_from, task)) as run:
+            return _train(run, quiet or not writes_run_files(), progress, scale_report, desc,
+                          log)
+    except BaseException as error:
+        reported = _reported_by_rank_zero(error)
+        if reported is error:
+            raise
+        raise reported from None
+
+
+# What every rank of a distributed run meets alike, and says through rank 0 by itself.
+def _told_alike() -> Tuple[type, ...]:
+    from ..backends import BackendError
+    from ..training.data import DataError
+
+    return (RunError, ConfigError, DataError, BackendError, TrainingDiverged,
+            TrainingInterrupted, KeyboardInterrupt)
+
+
+def _reported_by_rank_zero(error: BaseException) -> BaseException:
+    """Under torchrun, what a rank raises for ``error``: rank 0 says why the run stopped, once.
+
+    A rank other than 0 hands its own failure to rank 0 and raises one the command does not
+    print there (rank 0 prints what all meet alike). Rank 0, stopped by a failure that is not
+    one all meet alike (a connection another rank closed), raises the other rank's instead.
+    """
+    if launched_world_size() <= 1 or isinstance(error, SystemExit):
+        return error
+    if not writes_run_files():
+        hand_failure_to_rank_zero(error)
+        if isinstance(error, _told_alike()):
+            return error
+        return RunError(f"stopped by {type(error).__name__}: {error}")
+    if isinstance(error, _told_alike()):
+        return error
+    return failure_of_another_rank() or error
 
 
 @contextmanager
