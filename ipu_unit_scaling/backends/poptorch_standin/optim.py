@@ -141,7 +141,7 @@ def _explicit(args: Dict[str, Any]) -> List[str]:
 def _parent_kwargs(parent: type, args: Dict[str, Any], child_only: List[str]) -> Dict[str, Any]:
     """The arguments to forward to the torch parent: set, not PopTorch-only, and known to the
     installed torch (PopTorch's signatures follow torch 2.0.1's)."""
-    accepted = inspect.signature(parent.__init__).parameters
+    accepted = inspect.signature(parent).parameters
     return {k: v for k, v in args.items()
             if k not in ("self", "params") and k not in child_only and v is not None
             and k in accepted}
@@ -161,6 +161,9 @@ class Optimizer:
     _group_vars: List[str] = []
     loss_scaling: float = 1.0
     max_grad_norm: float = float("inf")
+    accum_type: torch.dtype = torch.float32
+    first_order_momentum_accum_type: torch.dtype = torch.float32
+    second_order_momentum_accum_type: torch.dtype = torch.float32
 
     def __init__(self) -> None:
         self._state_dict: Dict[str, Any] = {"ipu_state": None, "ipu_param": None}
@@ -836,7 +839,7 @@ _GLOBAL_ATTRS = ("loss_scaling", "accum_type", "velocity_accum_type",
                  "max_weight_norm")
 
 
-def to_ipu_optimizer(optimizer: Any, previous: Optional[Optimizer] = None) -> Optimizer:
+def to_ipu_optimizer(optimizer: Any, previous: Optional[torch.optim.Optimizer] = None) -> Any:
     """The device-side optimizer for a PopTorch or plain torch optimizer (see the module's
     docstring). Its param groups are copies over the same parameters; with ``previous`` (the
     device optimizer before ``setOptimizer``) of the same class, the optimizer state carries over
@@ -861,7 +864,7 @@ def to_ipu_optimizer(optimizer: Any, previous: Optional[Optimizer] = None) -> Op
     return dev
 
 
-def from_torch_optimizer(optimizer: torch.optim.Optimizer) -> Optimizer:
+def from_torch_optimizer(optimizer: torch.optim.Optimizer) -> Any:
     """The stand-in optimizer equivalent to a plain ``torch.optim.SGD``, ``Adam``, ``AdamW`` or
     ``RMSprop`` (PopTorch's defaults for what torch lacks: no loss scaling, float32 accumulators,
     separate SGD variant). Its attributes count as constants where they equal torch's defaults,
