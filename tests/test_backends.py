@@ -1,15 +1,16 @@
-"""Backend choice and the config -> poptorch.Options mapping, checked without PopTorch."""
+"""Backend choice and the config -> poptorch.Options mapping, checked on the PopTorch
+stand-in (no hand-written poptorch)."""
 from __future__ import annotations
 
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
 
 from ipu_unit_scaling import backends
 from ipu_unit_scaling.backends import BACKEND_ENV, BackendError, select_backend
+from ipu_unit_scaling.backends.poptorch import poptorch_module
 from ipu_unit_scaling.backends.poptorch.poptorch_options import (
     New,
     OptionCall,
@@ -20,22 +21,35 @@ from ipu_unit_scaling.backends.poptorch.poptorch_options import (
 from ipu_unit_scaling.training.run_config import load_config
 
 
-def fake_poptorch(hardware: bool) -> types.SimpleNamespace:
-    return types.SimpleNamespace(ipuHardwareIsAvailable=lambda num_ipus=1: hardware)
+@pytest.fixture
+def standin():
+    """The PopTorch stand-in, as the emulator backend passes it (not installed as poptorch)."""
+    return poptorch_module("emulator")
 
 
-@pytest.mark.parametrize("found,expected", [
-    (None, "cpu"), (fake_poptorch(False), "ipu_model"), (fake_poptorch(True), "ipu"),
+def _found(kind, standin, monkeypatch):
+    """What ``import poptorch`` finds: nothing, PopTorch without IPUs, or with IPUs."""
+    if kind == "none":
+        return None
+    monkeypatch.setattr(standin, "ipuHardwareIsAvailable",
+                        lambda num_ipus=1: kind == "hardware")
+    return standin
+
+
+@pytest.mark.parametrize("kind,expected", [
+    ("none", "cpu"), ("no-hardware", "ipu_model"), ("hardware", "ipu"),
 ])
-def test_auto_prefers_hardware_then_ipu_model_then_cpu(monkeypatch, found, expected):
+def test_auto_prefers_hardware_then_ipu_model_then_cpu(monkeypatch, standin, kind, expected):
     monkeypatch.delenv(BACKEND_ENV, raising=False)
+    found = _found(kind, standin, monkeypatch)
     monkeypatch.setattr(backends, "_import_poptorch", lambda: found)
     assert select_backend("auto") == expected
     assert select_backend("cpu") == "cpu"
 
 
-def test_environment_variable_overrides(monkeypatch):
-    monkeypatch.setattr(backends, "_import_poptorch", lambda: fake_poptorch(True))
+def test_environment_variable_overrides(monkeypatch, standin):
+    found = _found("hardware", standin, monkeypatch)
+    monkeypatch.setattr(backends, "_import_poptorch", lambda: found)
     monkeypatch.setenv(BACKEND_ENV, "cpu")
     assert select_backend("ipu") == "cpu"
     monkeypatch.setenv(BACKEND_ENV, "tpu")
@@ -96,43 +110,33 @@ def test_single_ipu_options_are_not_pipelined():
     assert calls["useIpuModel"] == (True,)
 
 
-class Recorder:
-    """Stands in for poptorch.Options: records each call made through attribute chains."""
-
-    def __init__(self, log, prefix=""):
-        self._log, self._prefix = log, prefix
-
-    def __getattr__(self, name):
-        return Recorder(self._log, f"{self._prefix}.{name}" if self._prefix else name)
-
-    def __call__(self, *args):
-        self._log.append((self._prefix, args))
-        return self
-
-
-def test_calls_apply_through_getattr_chains_with_resolved_arguments():
-    class PipelinedExecution:
-        def __init__(self, auto_stage):
-            self.auto_stage = auto_stage
-
-    poptorch = types.SimpleNamespace(
-        ReductionType=types.SimpleNamespace(Mean="MEAN"),
-        OutputMode=types.SimpleNamespace(All="ALL"),
-        AutoStage=types.SimpleNamespace(AutoIncrement="AUTO"),
-        PipelinedExecution=PipelinedExecution,
-    )
-    log: list = []
-    root = Recorder(log)
+def test_calls_apply_through_getattr_chains_with_resolved_arguments(standin):
     calls = option_calls(load_config("ipu-4"))
-    apply_option_calls(root, calls, poptorch)
-    made = dict(log)
-    assert made["Training.gradientAccumulation"] == (16,)
-    assert made["Training.accumulationAndReplicationReductionType"] == ("MEAN",)
-    assert made["outputMode"] == ("ALL",)
-    assert made["Precision.setPartialsType"] == (torch.float,)
-    (strategy,) = made["setExecutionStrategy"]
-    assert isinstance(strategy, PipelinedExecution) and strategy.auto_stage == "AUTO"
-    assert len(log) == len(calls)
+    options = apply_option_calls(standin.Options(), calls, standin)
+    assert isinstance(options, standin.Options)
+    assert options.device_iterations == 4 and options.replication_factor == 2
+    assert options.Training.gradient_accumulation == 16
+    assert options.Training.accumulation_and_replication_reduction_type == (
+        standin.ReductionType.Mean)
+    assert standin.OutputMode(options.output_mode) == standin.OutputMode.All
+    assert options.available_memory_proportion == {0: 0.2, 1: 0.4, 2: 0.4, 3: 0.4}
+    popart = options._Popart.options
+    assert popart["partialsTypeMatMuls"] == "float"  # torch.float, resolved from Ref
+    assert popart["enableStochasticRounding"] is False
+    assert popart["cachePath"] == "./exe_cache" and popart["enableEngineCaching"] is True
+    strategy = options._execution_strategy
+    assert type(strategy) is standin.PipelinedExecution
+    assert strategy._stages_manager._auto_stage == standin.AutoStage.AutoIncrement
+    assert options.toDict()["execution_mode"] == 0  # pipelined, as PopTorch's backend reads
+
+
+def test_half_partials_and_the_ipu_model_reach_the_options(standin):
+    config = load_config(None, ["ipu.partials_type=half", "ipu.stochastic_rounding=true"])
+    options = apply_option_calls(standin.Options(), option_calls(config, use_ipu_model=True),
+                                 standin)
+    assert options._Popart.options["partialsTypeMatMuls"] == "half"
+    assert options._Popart.options["enableStochasticRounding"] is True
+    assert options.use_model is True
 
 
 def test_popxl_backend_needs_popxl(monkeypatch):

@@ -9,8 +9,6 @@ from __future__ import annotations
 import math
 import re
 import shutil
-import sys
-import types
 from fractions import Fraction
 from pathlib import Path
 from typing import List, Optional
@@ -20,6 +18,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from ipu_unit_scaling.backends.poptorch import STANDIN_MODULE, poptorch_module
 from ipu_unit_scaling.backends.poptorch import fp8_custom_op as custom_op
 from ipu_unit_scaling.backends.popxl import codelets as popxl_codelets
 from ipu_unit_scaling.fp8 import F143, F152, fp8_quantise, fp8_quantise_gradient
@@ -336,28 +335,31 @@ def test_arguments_are_checked_with_clear_errors():
         op(x, "E5M2")  # the op checks too, for direct callers
 
 
-class FakePopTorch(types.ModuleType):
-    def __init__(self) -> None:
-        super().__init__("poptorch")
-        self.calls: list = []
-
-    def custom_op(self, inputs, name, domain, domain_version, example_outputs, attributes):
-        self.calls.append((name, domain, domain_version, attributes))
-        return [torch.zeros_like(example_outputs[0])]
-
-
 def test_poptorch_implementation_calls_the_popart_ops(monkeypatch):
-    fake = FakePopTorch()
-    monkeypatch.setitem(sys.modules, "poptorch", fake)
+    # The IPU backend's implementation, its poptorch.custom_op calls going to the PopTorch
+    # stand-in, which runs them as the package's torch.library ops; recorded on the way.
+    standin = poptorch_module("emulator")
+    calls: list = []
+    run = standin.custom_op
+
+    def recorded(inputs, name, domain, domain_version, example_outputs, attributes):
+        calls.append((name, domain, domain_version, attributes))
+        return run(inputs, name, domain, domain_version, example_outputs=example_outputs,
+                   attributes=attributes)
+
+    monkeypatch.setattr(standin, "custom_op", recorded)
     loaded = []
     monkeypatch.setattr(custom_op, "load_custom_op_library", loaded.append)
-    implementation = custom_op.PopTorchFP8CustomOps()
-    x = torch.randn(2, 3, dtype=torch.float16)
+    implementation = custom_op.PopTorchFP8CustomOps(poptorch=STANDIN_MODULE)
+    x = torch.randn(2, 3, dtype=torch.float16, requires_grad=True)
     with ipu_tracing(custom_ops=implementation):
         y = fp8_quantise(x, "F143", margin=1, log2_scale=4)
         z = fp8_quantise_gradient(x)
     assert y.shape == z.shape == (2, 3) and y.dtype == z.dtype == torch.float16
-    assert fake.calls == [
+    # What the PopART ops compute: F143 codes at 2**4, decoded; the identity forward.
+    assert torch.equal(y, op(x.detach(), "F143", 1, True, 4))
+    assert torch.equal(z, x.detach())
+    assert calls == [
         ("Fp8Quantise", "ai.graphcore.unit_scaling", 1,
          {"format": "F143", "margin": 1, "saturate": 1, "has_log2_scale": 1, "log2_scale": 4}),
         ("Fp8GradientQuantise", "ai.graphcore.unit_scaling", 1,

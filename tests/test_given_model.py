@@ -18,7 +18,9 @@ from torch import nn
 
 from ipu_unit_scaling.backends import build_training_model, make_optimizer
 from ipu_unit_scaling.backends.cpu import TrainingModule
-from ipu_unit_scaling.backends.poptorch_emulator import TracedTrainingModule
+from ipu_unit_scaling.backends.poptorch import poptorch_module
+from ipu_unit_scaling.backends.poptorch.poptorch_training import IPUTrainingModel
+from ipu_unit_scaling.backends.poptorch_emulator import trace_like_poptorch
 from ipu_unit_scaling.loop.tasks import MaskedLM
 from ipu_unit_scaling.loop.training_loop import (
     build_model,
@@ -88,7 +90,8 @@ def test_library_decoder_trains_on_the_emulator_with_eager_gradients():
     inputs, labels = sequences[:, :-1], sequences[:, 1:]
     parameters = list(model.parameters())
     with torch_numerics():
-        traced_logits, traced_loss = TracedTrainingModule(TrainingModule(model))(inputs, labels)
+        trace = trace_like_poptorch(TrainingModule(model), inputs, labels)
+        traced_logits, traced_loss = trace(inputs, labels)
         traced = torch.autograd.grad(traced_loss, parameters)
     eager_logits, eager_loss = TrainingModule(model)(inputs, labels)
     eager = torch.autograd.grad(eager_loss, parameters)
@@ -99,13 +102,15 @@ def test_library_decoder_trains_on_the_emulator_with_eager_gradients():
 
     wrapper = build_training_model(model, make_optimizer(model, config, "emulator"), config,
                                    "emulator")
-    assert isinstance(wrapper.model, TracedTrainingModule)  # the emulator's traced graph
+    # The IPU backend's training model, on the PopTorch stand-in.
+    assert isinstance(wrapper, IPUTrainingModel)
+    assert isinstance(wrapper.executor, poptorch_module("emulator").PoplarExecutor)
     losses: List[float] = []
     for _ in range(20):
         sequences = _sequences(generator, config.samples_per_call)
         _, loss = wrapper(sequences[:, :-1], sequences[:, 1:])
         losses.append(float(loss.mean()))
-    assert wrapper.model._traces  # each step ran the trace, not the eager model
+    assert wrapper.executor.isCompiled()  # each step ran the compiled trace
     assert losses[0] == pytest.approx(math.log(VOCAB), rel=0.1)  # unit logits: near chance
     assert sum(losses[-5:]) / 5 < 0.5 * losses[0], losses
 

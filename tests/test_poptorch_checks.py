@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import sys
-import types
 from typing import Any, List, Tuple
 
 import pytest
@@ -18,6 +16,7 @@ import torch
 from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.apps.pretrained import evaluate_run, open_run, sample_run
 from ipu_unit_scaling.backends import build_inference_model, build_training_model
+from ipu_unit_scaling.backends.poptorch import poptorch_module
 from ipu_unit_scaling.backends.poptorch.compile_checks import (
     CompileOptions,
     PopTorchError,
@@ -183,90 +182,75 @@ def test_a_pipelined_run_trains_evaluates_and_samples_on_the_emulator(tmp_path, 
 # ------------------------------------------------------------------------ the IPU backend
 
 
-class _Recorder:
-    """Stands in for poptorch.Options: records each call made through attribute chains."""
-
-    def __init__(self, log: List[Tuple[str, Tuple[Any, ...]]], prefix: str = ""):
-        self._log, self._prefix = log, prefix
-
-    def __getattr__(self, name: str) -> _Recorder:
-        return _Recorder(self._log, f"{self._prefix}.{name}" if self._prefix else name)
-
-    def __call__(self, *args: Any) -> _Recorder:
-        self._log.append((self._prefix, args))
-        return self
+def _blocks(model: torch.nn.Module) -> List[Tuple[str, str]]:
+    """The PopTorch blocks the model's modules begin, as ``poptorch.module_repr`` shows them."""
+    return [(name, repr(hook)) for name, module in model.named_modules()
+            for hook in module._forward_pre_hooks.values()
+            if repr(hook).startswith("BeginBlock(")]
 
 
-class _Strategy:
-    def __init__(self, *args: Any):
-        self.args = args
+@pytest.fixture
+def standin_models(monkeypatch):
+    """The PopTorch stand-in, with the executors its ``trainingModel``/``inferenceModel``
+    return recorded on their way out."""
+    standin = poptorch_module("emulator")
+    made: List[Any] = []
+    for name in ("trainingModel", "inferenceModel"):
+        build = getattr(standin, name)
+
+        def recorded(*args: Any, build: Any = build, **kwargs: Any) -> Any:
+            made.append(build(*args, **kwargs))
+            return made[-1]
+
+        monkeypatch.setattr(standin, name, recorded)
+    return standin, made
 
 
-class _ShardedExecution(_Strategy):
-    pass
-
-
-class _PipelinedExecution(_Strategy):
-    pass
-
-
-def _fake_poptorch(log: List[Tuple[str, Tuple[Any, ...]]], executors: List[Any]) -> Any:
-    class Executor:
-        def __init__(self, module: torch.nn.Module, options: Any):
-            self.module, self.options, self.destroyed = module, options, False
-            executors.append(self)
-
-        def __call__(self, *inputs: torch.Tensor) -> Any:
-            return self.module(*inputs)
-
-        def destroy(self) -> None:
-            self.destroyed = True
-
-    return types.SimpleNamespace(
-        Options=lambda: _Recorder(log), OutputMode=types.SimpleNamespace(All="ALL"),
-        AutoStage=types.SimpleNamespace(AutoIncrement="AUTO"),
-        ShardedExecution=_ShardedExecution, PipelinedExecution=_PipelinedExecution,
-        BeginBlock=lambda module, name, ipu: log.append(("BeginBlock", (name, ipu))),
-        removeBlocks=lambda model: None, isRunningOnIpu=lambda: False,
-        inferenceModel=Executor)
-
-
-def test_ipu_inference_model_compiles_sharded_and_again_for_new_shapes(monkeypatch):
+def test_ipu_inference_model_compiles_sharded_and_again_for_new_shapes(standin_models):
     from ipu_unit_scaling.backends.poptorch.poptorch_training import IPUInferenceModel
 
-    log: List[Tuple[str, Tuple[Any, ...]]] = []
-    executors: List[Any] = []
-    monkeypatch.setitem(sys.modules, "poptorch", _fake_poptorch(log, executors))
+    standin, executors = standin_models
     config = load_config("tiny", ["precision.dtype=fp32"])  # no custom op library to load
     model = tiny_model(config)
-    runner = IPUInferenceModel(model, config, use_ipu_model=True)
-    made = dict(log)
-    (strategy,) = made["setExecutionStrategy"]
-    assert isinstance(strategy, _ShardedExecution) and strategy.args == ("AUTO",)
-    assert made["deviceIterations"] == (1,) and "Training.gradientAccumulation" not in made
+    runner = IPUInferenceModel(model, config, use_ipu_model=True, poptorch=standin)
+    options = runner.options
+    strategy = options._execution_strategy
+    assert type(strategy) is standin.ShardedExecution
+    assert strategy._stages_manager._auto_stage == standin.AutoStage.AutoIncrement
+    assert options.device_iterations == 1 and options.Training.gradient_accumulation == 1
+    assert options.use_model is True
+    # One block per IPU of the split, on every module the split places there.
+    assert sorted(_blocks(model)) == sorted(
+        (name, f"BeginBlock(user_id=ipu{stage.index}, ipu_id={stage.index})")
+        for stage in runner.stages for name in stage.modules)
+    assert {stage.index for stage in runner.stages} == {0, 1}
     ids = torch.randint(0, config.model.vocab_size, (2, config.model.seq_len))
-    runner(ids)
-    runner(ids)
-    assert len(executors) == 1
-    runner(ids[:1])  # PopTorch refuses new shapes on a compiled model: compile again
-    assert len(executors) == 2 and executors[0].destroyed and not executors[1].destroyed
+    with torch_numerics():
+        first = runner(ids)
+        runner(ids)
+        assert len(executors) == 1 and isinstance(executors[0], standin.PoplarExecutor)
+        assert executors[0].isCompiled()
+        runner(ids[:1])  # PopTorch refuses new shapes on a compiled model: compile again
+    assert len(executors) == 2 and not executors[0].isCompiled() and executors[1].isCompiled()
+    with torch.no_grad():
+        torch.testing.assert_close(first, model(ids), rtol=1e-5, atol=1e-6)
+    runner.destroy()
+    assert not _blocks(model)  # destroy takes the blocks off
 
 
-def test_ipu_backend_refuses_before_asking_poptorch_for_a_model(monkeypatch):
+def test_ipu_backend_refuses_before_asking_poptorch_for_a_model(standin_models):
     from ipu_unit_scaling.backends.poptorch.poptorch_training import (
         IPUInferenceModel,
         IPUTrainingModel,
     )
 
-    log: List[Tuple[str, Tuple[Any, ...]]] = []
-    executors: List[Any] = []
-    monkeypatch.setitem(sys.modules, "poptorch", _fake_poptorch(log, executors))
+    standin, executors = standin_models
     config = load_config("tiny", ["ipu.replication_factor=64", "training.batch_size=256",
                                   "precision.dtype=fp32"])
     model = tiny_model(config)
     with pytest.raises(PopTorchError, match="128 IPUs"):
-        IPUInferenceModel(model, config, use_ipu_model=False)
+        IPUInferenceModel(model, config, use_ipu_model=False, poptorch=standin)
     with pytest.raises(PopTorchError, match="128 IPUs"):
         IPUTrainingModel(model, torch.optim.SGD(model.parameters(), lr=0.1), config,
-                         use_ipu_model=False)
-    assert not executors and not log  # no block, no option, no model
+                         use_ipu_model=False, poptorch=standin)
+    assert not executors and not _blocks(model)  # no block, no model

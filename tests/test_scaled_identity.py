@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import math
 import re
-import sys
-import types
 import warnings
 from pathlib import Path
 
@@ -15,6 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ipu_unit_scaling import GPT
 from ipu_unit_scaling.backends import poptorch_ops
+from ipu_unit_scaling.backends.poptorch import STANDIN_MODULE, poptorch_module
 from ipu_unit_scaling.backends.poptorch import fp8_custom_op as custom_op
 from ipu_unit_scaling.ipu import check_poptorch, ipu_tracing, trace_like_poptorch
 from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
@@ -173,51 +172,73 @@ def test_traced_gpt_op_count_is_within_a_tenth_of_the_gpt_with_plain_multiplies(
 # ------------------------------------------------------------------------------ PopTorch
 
 
-class FakePopTorch(types.ModuleType):
-    def __init__(self) -> None:
-        super().__init__("poptorch")
-        self.calls: list = []
+@pytest.fixture
+def standin_calls(monkeypatch):
+    """The PopTorch stand-in's ``custom_op`` calls, recorded on their way to it (the stand-in
+    computes them: the package's ``torch.library`` ops)."""
+    standin = poptorch_module("emulator")
+    calls: list = []
+    run = standin.custom_op
 
-    def custom_op(self, inputs, name, domain, domain_version, example_outputs, attributes):
-        self.calls.append((name, domain, domain_version, attributes))
-        return [example_outputs[0] * attributes["fwd_scale"]]
+    def recorded(inputs, name, domain, domain_version, example_outputs, attributes):
+        calls.append((name, domain, domain_version, attributes))
+        return run(inputs, name, domain, domain_version, example_outputs=example_outputs,
+                   attributes=attributes)
+
+    monkeypatch.setattr(standin, "custom_op", recorded)
+    return calls
 
 
-def test_poptorch_implementation_calls_scaled_identity_with_float_attributes(monkeypatch,
-                                                                            tmp_path):
-    fake = FakePopTorch()
-    monkeypatch.setitem(sys.modules, "poptorch", fake)
+def test_poptorch_implementation_calls_scaled_identity_with_float_attributes(
+        monkeypatch, tmp_path, standin_calls):
     library = tmp_path / "libfp8_custom_ops.so"
     library.touch()
     loaded = []
     monkeypatch.setattr(custom_op, "load_custom_op_library", loaded.append)
-    implementation = custom_op.PopTorchFP8CustomOps(library)
-    x = torch.randn(2, 3, dtype=torch.float16)
+    # As on the SDK (the library must be loaded), the calls going to the stand-in.
+    implementation = custom_op.PopTorchFP8CustomOps(library, poptorch=STANDIN_MODULE)
+    x = torch.randn(2, 3, dtype=torch.float16, requires_grad=True)
     with ipu_tracing(custom_ops=implementation):
         y = scale(x, 2, 0.5)
         plain = scale(x, 3.0, 3.0)  # the same scale both ways is a plain multiply
-    assert y.dtype == torch.float16 and torch.equal(y, x * 2.0)
-    assert torch.equal(plain, x * 3.0)
-    assert fake.calls == [("ScaledIdentity", "ai.graphcore.unit_scaling", 1,
-                           {"fwd_scale": 2.0, "bwd_scale": 0.5})]
-    assert all(type(v) is float for v in fake.calls[0][3].values())
+    assert y.dtype == torch.float16 and torch.equal(y, x.detach() * 2.0)
+    assert torch.equal(plain, x.detach() * 3.0)
+    (dx,) = torch.autograd.grad(y, x, torch.ones_like(y))  # the op's grad: bwd_scale * dy
+    assert torch.equal(dx, torch.full_like(dx, 0.5))
+    assert standin_calls == [("ScaledIdentity", "ai.graphcore.unit_scaling", 1,
+                              {"fwd_scale": 2.0, "bwd_scale": 0.5})]
+    assert all(type(v) is float for v in standin_calls[0][3].values())
     assert loaded == [library]
 
 
-def test_poptorch_implementation_without_the_library_warns_once_and_composes(monkeypatch,
-                                                                             tmp_path):
-    fake = FakePopTorch()
-    monkeypatch.setitem(sys.modules, "poptorch", fake)
-    implementation = custom_op.PopTorchFP8CustomOps(tmp_path / "missing.so")
+def test_poptorch_implementation_without_the_library_warns_once_and_composes(tmp_path,
+                                                                             standin_calls):
+    implementation = custom_op.PopTorchFP8CustomOps(tmp_path / "missing.so",
+                                                     poptorch=STANDIN_MODULE)
     x = torch.randn(5, requires_grad=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with ipu_tracing(custom_ops=implementation):
             y = scale(x, 0.5, 4.0)
             scale(x, 0.25, 2.0)
-    assert fake.calls == []
+    assert standin_calls == []
     messages = [str(w.message) for w in caught]
     assert len(caught) == 1 and "missing.so does not exist" in messages[0], messages
+    (dx,) = torch.autograd.grad(y, x, torch.ones(5))
+    assert torch.equal(y, x.detach() * 0.5) and torch.equal(dx, torch.full((5,), 4.0))
+
+
+def test_on_the_standin_scales_are_one_op_without_the_library(tmp_path, standin_calls):
+    # The stand-in runs the package's ops itself: no PopART library, no composite form.
+    implementation = custom_op.PopTorchFP8CustomOps(tmp_path / "missing.so",
+                                                    poptorch=STANDIN_MODULE,
+                                                    needs_library=False)
+    x = torch.randn(5, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with ipu_tracing(custom_ops=implementation):
+            y = scale(x, 0.5, 4.0)
+    assert [call[0] for call in standin_calls] == ["ScaledIdentity"]
     (dx,) = torch.autograd.grad(y, x, torch.ones(5))
     assert torch.equal(y, x.detach() * 0.5) and torch.equal(dx, torch.full((5,), 4.0))
 

@@ -6,8 +6,12 @@
 reduction, one loss per micro-batch). The backends:
 
 - ``ipu``: PopTorch on IPU hardware; ``ipu_model``: PopTorch on the IPU Model (no hardware);
-- ``emulator``: PopTorch's semantics without the SDK: the model is traced forward under
-  ``ipu_tracing()`` and its gradients come from the traced graph, as PopART's autodiff takes them;
+- ``emulator``: the same IPU backend code (:mod:`.poptorch`: options, pipeline blocks,
+  ``poptorch.trainingModel``, ``poptorch.optim``, the FP8 custom ops) run against the PopTorch
+  stand-in (:mod:`.poptorch_standin`) instead of the SDK's poptorch, on the CPU: the model is
+  traced forward as PopTorch traces it, its gradients come from the traced graph as PopART's
+  autodiff takes them, and the stand-in applies the options' batching, output mode and
+  compile checks. It computes what ``ipu`` computes on hardware (not the IPU Model);
 - ``cpu``: eager PyTorch;
 - ``popxl``: the unit-scaled GPT written in PopXL, with real FP8 matmuls (:mod:`..popxl`);
 - ``distributed``: processes started by torchrun, one per stage and replica of the config's
@@ -15,8 +19,9 @@ reduction, one loss per micro-batch). The backends:
 
 ``auto`` picks ``distributed`` under torchrun with more than one process, else ``ipu`` when
 PopTorch imports and IPU hardware is present, else ``ipu_model`` when PopTorch imports, else
-``cpu``. ``IPU_UNIT_SCALING_BACKEND`` overrides the configured name. Only ``backends.ipu``
-ever imports poptorch, and only on demand.
+``cpu``. ``IPU_UNIT_SCALING_BACKEND`` overrides the configured name. Only the IPU backend
+(:mod:`.poptorch`) ever imports poptorch, and only on demand; the ``emulator`` backend passes it
+the stand-in as its poptorch module, without installing it as ``poptorch`` in the process.
 """
 from __future__ import annotations
 
@@ -39,6 +44,9 @@ __all__ = [
 ]
 
 BACKEND_ENV = "IPU_UNIT_SCALING_BACKEND"
+# The backends that run the IPU backend code (.poptorch): on the SDK's poptorch, or on the
+# stand-in (emulator).
+IPU_BACKENDS = ("ipu", "ipu_model", "emulator")
 
 
 def _import_poptorch() -> Optional[Any]:
@@ -129,10 +137,11 @@ def make_optimizer(
         umup_rules = getattr(model, "umup_rules", None)
         rules = umup_rules() if callable(umup_rules) else None
         params = param_groups(model, lr, decay, training.optimizer != "adam", parameters, rules)
-    if backend in ("ipu", "ipu_model"):
+    if backend in IPU_BACKENDS:
+        from .poptorch import poptorch_module
         from .poptorch.poptorch_training import make_ipu_optimizer
 
-        return make_ipu_optimizer(params, config)
+        return make_ipu_optimizer(params, config, poptorch_module(backend))
     if training.optimizer == "sgd":
         return torch.optim.SGD(params, lr=lr, weight_decay=decay)
     if training.optimizer == "adam":
@@ -154,16 +163,11 @@ def build_training_model(
     changing learning rates), ``copy_weights_to_host()`` and ``destroy()``.
     """
     backend = backend or select_backend(config.backend)
-    if backend in ("cpu", "emulator"):
+    if backend == "cpu":
         split = stages(model, config)
-        module: nn.Module = TrainingModule(model)
-        if backend == "emulator":
-            from .poptorch_emulator import emulated_training_module
-
-            module = emulated_training_module(model, config, split)
         ipu = config.ipu
         return CPUTrainingModel(
-            module,
+            TrainingModule(model),
             optimizer,
             device_iterations=ipu.device_iterations,
             gradient_accumulation=ipu.gradient_accumulation,
@@ -171,10 +175,12 @@ def build_training_model(
             max_grad_norm=config.training.grad_clip,
             split=split,
         )
-    if backend in ("ipu", "ipu_model"):
+    if backend in IPU_BACKENDS:
+        from .poptorch import poptorch_module
         from .poptorch.poptorch_training import IPUTrainingModel
 
-        return IPUTrainingModel(model, optimizer, config, use_ipu_model=backend == "ipu_model")
+        return IPUTrainingModel(model, optimizer, config, use_ipu_model=backend == "ipu_model",
+                                poptorch=poptorch_module(backend))
     if backend == "popxl":
         from .popxl import PopXLTrainingModel
 
@@ -204,20 +210,17 @@ def build_inference_model(model: nn.Module, config: Config,
     in eval mode without gradients, on the backend.
 
     ``ipu``/``ipu_model`` build a ``poptorch.inferenceModel`` traced under ``ipu_tracing()``
-    (the same rules as training); ``emulator`` runs the graph PopTorch would trace (one trace per
-    input signature) under the same options and compile checks; ``cpu`` (and ``popxl``, whose
-    programs are for training, and ``distributed``, whose ranks evaluate alike) run eager
-    PyTorch, the code path of training's evaluation.
+    (the same rules as training), and ``emulator`` the same on the PopTorch stand-in; ``cpu``
+    (and ``popxl``, whose programs are for training, and ``distributed``, whose ranks evaluate
+    alike) run eager PyTorch, the code path of training's evaluation.
     """
     backend = backend or select_backend(config.backend)
-    if backend in ("ipu", "ipu_model"):
+    if backend in IPU_BACKENDS:
+        from .poptorch import poptorch_module
         from .poptorch.poptorch_training import IPUInferenceModel
 
-        return IPUInferenceModel(model, config, use_ipu_model=backend == "ipu_model")
-    if backend == "emulator":
-        from .poptorch_emulator import EmulatedInferenceModel
-
-        return EmulatedInferenceModel(model, config)
+        return IPUInferenceModel(model, config, use_ipu_model=backend == "ipu_model",
+                                 poptorch=poptorch_module(backend))
     if backend in ("cpu", "popxl", "distributed"):
         return _EvalWrapper(model, model)
     raise BackendError(f"backend {backend!r} cannot build an inference model")

@@ -2,7 +2,7 @@
 
 PopTorch compiles a model in steps that decide what it computes:
 
-1. it checks its options against the model's pipeline (:mod:`.ipu.checks`);
+1. it checks its options against the model's pipeline (:mod:`.poptorch.compile_checks`);
 2. it runs the forward pass once, recording the ATen ops that reach its dispatcher (after
    PyTorch's own decompositions); ``.item()`` and other reads of a tensor on the host are
    refused, so are moves to the CPU, and float8 tensors cannot cross;
@@ -13,14 +13,14 @@ PopTorch compiles a model in steps that decide what it computes:
    (``poptorch.custom_op``) is one op, differentiated by its grad op;
 5. the optimizer runs on the device with ``trainingModel``'s batching semantics.
 
-This module does the same on the host. :func:`trace_like_poptorch` traces a module with fake
+This module does steps 2-4 on the host. :func:`trace_like_poptorch` traces a module with fake
 tensors under :func:`ipu_unit_scaling.ipu_tracing` and the IPU backend's rewrites
-(:mod:`.ipu.rewrites`), checks every op against PopTorch's rules and returns a
+(:mod:`.poptorch.rewrites`), checks every op against PopTorch's rules and returns a
 :class:`PopTorchTrace`: the recorded graph, run with the module's live parameters, so autograd
 of the graph plays PopART's autodiff. :func:`check_poptorch` is the check to run before
-spending IPU time. The ``emulator`` backend trains through :func:`emulated_training_module`
-with the CPU backend's batching semantics, and evaluates and samples through
-:class:`EmulatedInferenceModel`; both refuse the options PopTorch would refuse.
+spending IPU time. The PopTorch stand-in (:mod:`.poptorch_standin`) compiles every model with
+this trace, and adds steps 1 and 5: the ``emulator`` backend is the IPU backend
+(:mod:`.poptorch`) run on that stand-in.
 
 (:mod:`ipu_unit_scaling.fp8.codelet_emulator` is a different emulator: the FP8 codelets run tile by
 tile.)
@@ -41,17 +41,13 @@ from torch.utils._pytree import tree_flatten
 
 from ..ops.ipu_lowering import lower_graph
 from ..ops.trace_switch import ipu_tracing
-from ..training.run_config import Config
 from . import poptorch_ops
-from .cpu import TrainingModule
-from .poptorch.compile_checks import PopTorchError, check_config_compiles, check_inputs
+from .poptorch.compile_checks import PopTorchError
 from .poptorch.rewrites import PopTorchRewrites
 from .poptorch_ops import ARGUMENT_RULES, HOST_READ_OPS, base_name, is_supported
-from .stages import Stage, stages
 
 __all__ = [
     "PopTorchError", "PopTorchReport", "PopTorchTrace", "trace_like_poptorch", "check_poptorch",
-    "TracedTrainingModule", "EmulatedInferenceModel", "emulated_training_module",
 ]
 
 
@@ -425,87 +421,3 @@ def check_poptorch(model: nn.Module, *inputs: Any, strict: bool = True) -> PopTo
     if strict and not report.ok:
         raise PopTorchError(str(report))
     return report
-
-
-class TracedTrainingModule(nn.Module):
-    """Runs the wrapped module through :func:`trace_like_poptorch` (one trace per input
-    signature and train/eval mode), so its gradients are those PopART would compute;
-    ``stochastic_rounding`` as in :func:`trace_like_poptorch`."""
-
-    def __init__(self, module: nn.Module, stochastic_rounding: bool = False):
-        super().__init__()
-        self.module = module
-        self.stochastic_rounding = stochastic_rounding
-        self._traces: Dict[Tuple[Any, ...], PopTorchTrace] = {}
-
-    def _signature(self, inputs: Sequence[Any]) -> Tuple[Any, ...]:
-        shapes = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
-                       for x in inputs)
-        return shapes + (self.module.training,)
-
-    def forward(self, *inputs: Any) -> Any:
-        key = self._signature(inputs)
-        trace = self._traces.get(key)
-        if trace is None:
-            trace = trace_like_poptorch(self.module, *inputs,
-                                        stochastic_rounding=self.stochastic_rounding)
-            if not trace.report.ok:
-                raise PopTorchError(str(trace.report))
-            self._traces[key] = trace
-        return trace(*inputs)
-
-
-def _join_outputs(outputs: List[Any]) -> Any:
-    """One call's outputs as ``poptorch.OutputMode.All`` returns them: per micro-batch results
-    concatenated on dim 0, scalars stacked."""
-    first = outputs[0]
-    if isinstance(first, torch.Tensor):
-        return torch.stack(outputs) if first.dim() == 0 else torch.cat(outputs)
-    if isinstance(first, (tuple, list)):
-        return type(first)(_join_outputs(list(parts)) for parts in zip(*outputs))
-    return first
-
-
-def _split_rows(value: Any, parts: int) -> List[Any]:
-    if isinstance(value, torch.Tensor) and value.dim():
-        return list(value.chunk(parts))
-    return [value] * parts
-
-
-class EmulatedInferenceModel:
-    """``poptorch.inferenceModel`` as the IPU backend builds it, on the host.
-
-    Built from the same options as :class:`~.ipu.training.IPUInferenceModel` and refused at
-    construction if PopTorch would refuse to compile them (:mod:`.ipu.checks`). A call takes a
-    multiple of ``rows_per_call`` rows, runs each micro-batch through the graph PopTorch would
-    trace (in eval mode, without gradients) and returns what ``OutputMode.All`` returns.
-    """
-
-    def __init__(self, model: nn.Module, config: Config):
-        split = stages(model, config) if config.ipu.ipus_per_replica > 1 else []
-        self.compile_options = check_config_compiles(config, split, training=False)
-        self.rows_per_call = self.compile_options.rows_per_call
-        self.stages = split
-        self.model = model
-        self.runner = TracedTrainingModule(model, config.ipu.stochastic_rounding)
-
-    def __call__(self, *inputs: Any) -> Any:
-        check_inputs(self.compile_options, inputs)
-        self.model.eval()
-        parts = self.rows_per_call
-        with torch.no_grad():
-            if parts == 1:
-                return self.runner(*inputs)
-            micro_batches = zip(*(_split_rows(x, parts) for x in inputs))
-            return _join_outputs([self.runner(*micro) for micro in micro_batches])
-
-    def destroy(self) -> None:
-        """Nothing to release off the IPU."""
-
-
-def emulated_training_module(model: nn.Module, config: Config,
-                             split: Sequence[Stage]) -> TracedTrainingModule:
-    """The traced ``(output, loss)`` module the emulator backend trains, once the options the
-    IPU backend would build for ``config`` pass PopTorch's compile checks."""
-    check_config_compiles(config, split, training=True)
-    return TracedTrainingModule(TrainingModule(model), config.ipu.stochastic_rounding)

@@ -165,19 +165,28 @@ class PopTorchFP8CustomOps:
     checked by the callers (:func:`ipu_unit_scaling.fp8.fp8_quantise`), as for the
     ``torch.library`` ops.
 
+    ``poptorch`` names the module to call (:func:`ipu_unit_scaling.backends.poptorch.
+    poptorch_module`); ``needs_library`` is False for the PopTorch stand-in, which runs these
+    ops as the package's ``torch.library`` ops and loads no PopART library.
+
     Unit scaling needs no FP8, so a model may train on an IPU without the library built: then
     :meth:`scaled_identity` gives the composite form (six graph ops instead of one; the same
     gradients, and the same values for finite inputs) and warns once.
     """
 
-    def __init__(self, library_path: Optional[Path] = None):
+    def __init__(self, library_path: Optional[Path] = None, poptorch: str = "poptorch",
+                 needs_library: bool = True):
         self.library_path = library_path
+        self.poptorch = poptorch  # the name of the poptorch module to call
+        self.needs_library = needs_library
         self._warned_composite = False
 
     def _custom_op(self, x: torch.Tensor, name: str, attributes: Dict[str, Any]) -> torch.Tensor:
-        import poptorch
+        import importlib
 
-        load_custom_op_library(self.library_path)
+        poptorch = importlib.import_module(self.poptorch)
+        if self.needs_library:
+            load_custom_op_library(self.library_path)
         # The output has x's shape and dtype; PopTorch only reads the example's metadata.
         outputs = poptorch.custom_op([x], name, DOMAIN, DOMAIN_VERSION, example_outputs=[x],
                                      attributes=attributes)
@@ -197,7 +206,7 @@ class PopTorchFP8CustomOps:
                         ) -> torch.Tensor:
         """``ScaledIdentity``: ``fwd_scale * x``, whose grad op gives ``bwd_scale * dy``."""
         library = Path(self.library_path) if self.library_path else custom_op_library_path()
-        if not library.exists():
+        if self.needs_library and not library.exists():
             from ...ops.scaled_identity import composite_scale
 
             if not self._warned_composite:

@@ -114,9 +114,13 @@ def apply_option_calls(options: Any, calls: List[OptionCall], poptorch: Any) -> 
     return options
 
 
-def build_options(config: Config, use_ipu_model: bool = False, inference: bool = False) -> Any:
-    """A real ``poptorch.Options`` for ``config``; needs PopTorch."""
-    import poptorch
+def build_options(config: Config, use_ipu_model: bool = False, inference: bool = False,
+                  poptorch: Any = None) -> Any:
+    """``poptorch.Options`` for ``config``, of the ``poptorch`` module given (the SDK's or the
+    stand-in, :func:`ipu_unit_scaling.backends.poptorch.poptorch_module`); by default
+    ``import poptorch``."""
+    if poptorch is None:
+        import poptorch
 
     calls = option_calls(config, use_ipu_model, inference)
     return apply_option_calls(poptorch.Options(), calls, poptorch)

@@ -1,10 +1,13 @@
 """``poptorch.trainingModel`` built from a config: options, pipeline annotation, optimizer.
 
-PopTorch is imported inside the functions only, so this module imports anywhere.
+Every function takes the ``poptorch`` module to run against (:func:`.poptorch_module`: the
+SDK's, or the stand-in for the ``emulator`` backend); none imports it, so this module imports
+anywhere.
 """
 from __future__ import annotations
 
 import contextlib
+from types import ModuleType
 from typing import Any, Iterator, Optional, Sequence, Tuple
 
 import torch
@@ -14,6 +17,7 @@ from ...ops.trace_switch import FP8CustomOps, ipu_tracing
 from ...training.run_config import Config
 from ..cpu import TrainingModule
 from ..stages import Stage, stages
+from . import is_standin, poptorch_by_name
 from .compile_checks import check_config_compiles, check_inputs
 from .fp8_custom_op import PopTorchFP8CustomOps, load_custom_op_library
 from .poptorch_options import build_options
@@ -39,13 +43,14 @@ class IPUTrainingModule(TrainingModule):
     PopART differentiates, and FP8 casts are the PopART custom ops.
     """
 
-    def __init__(self, model: nn.Module, fp8_ops: Optional[FP8CustomOps] = None):
+    def __init__(self, model: nn.Module, fp8_ops: Optional[FP8CustomOps] = None,
+                 poptorch: str = "poptorch"):
         super().__init__(model)
         self.fp8_ops = fp8_ops
+        self.poptorch_name = poptorch  # a name: PopTorch deep-copies this module
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        import poptorch
-
+        poptorch = poptorch_by_name(self.poptorch_name)
         with _poptorch_forms(self.fp8_ops, poptorch.isRunningOnIpu()):
             logits, loss = super().forward(inputs, labels)
         # The model's loss is already a mean; "none" tells PopTorch to take it as is.
@@ -63,7 +68,8 @@ def annotate_pipeline(model: nn.Module, split: Sequence[Stage], poptorch: Any) -
             poptorch.BeginBlock(model.get_submodule(name), f"ipu{stage.index}", stage.index)
 
 
-def make_ipu_optimizer(parameters: Any, config: Config) -> torch.optim.Optimizer:
+def make_ipu_optimizer(parameters: Any, config: Config, poptorch: ModuleType
+                       ) -> torch.optim.Optimizer:
     """The PopTorch optimizer for ``config.training`` (gradient clipping runs on the IPU).
 
     ``parameters`` may be parameter groups, each with its own ``lr`` and ``weight_decay`` (u-μP's,
@@ -73,8 +79,6 @@ def make_ipu_optimizer(parameters: Any, config: Config) -> torch.optim.Optimizer
     The groups' ``lr_scale`` key is for the host's schedule; PopTorch ignores keys it does not
     use.
     """
-    import poptorch
-
     training = config.training
     classes = {
         "sgd": poptorch.optim.SGD,
@@ -89,26 +93,36 @@ def make_ipu_optimizer(parameters: Any, config: Config) -> torch.optim.Optimizer
     )
 
 
+def _fp8_ops(config: Config, poptorch: ModuleType) -> PopTorchFP8CustomOps:
+    """The custom ops through ``poptorch.custom_op``; the SDK's PopART needs the library
+    loaded (a missing one fails here, not mid-compilation), the stand-in runs the package's
+    ``torch.library`` ops in its place."""
+    standin = is_standin(poptorch)
+    if config.precision.dtype == "fp8" and not standin:
+        load_custom_op_library()
+    return PopTorchFP8CustomOps(poptorch=poptorch.__name__, needs_library=not standin)
+
+
 class IPUTrainingModel:
-    """A compiled-on-first-call ``poptorch.trainingModel`` with the fallback's interface."""
+    """A compiled-on-first-call ``poptorch.trainingModel`` with the fallback's interface.
 
-    def __init__(self, model: nn.Module, optimizer: Any, config: Config, use_ipu_model: bool):
-        import poptorch
+    ``poptorch`` is the module to run against (:func:`.poptorch_module`).
+    """
 
+    def __init__(self, model: nn.Module, optimizer: Any, config: Config, use_ipu_model: bool,
+                 poptorch: ModuleType):
+        self.poptorch = poptorch
         self.model = model
         self.stages = stages(model, config)
         # PopTorch's own compile checks, before an IPU is asked for.
         check_config_compiles(config, self.stages, training=True, use_ipu_model=use_ipu_model)
         if config.ipu.ipus_per_replica > 1:
             annotate_pipeline(model, self.stages, poptorch)
-        self.options = build_options(config, use_ipu_model)
+        self.options = build_options(config, use_ipu_model, poptorch=poptorch)
         self.optimizer = optimizer
-        fp8_ops = PopTorchFP8CustomOps()
-        if config.precision.dtype == "fp8":
-            load_custom_op_library()  # a missing library fails here, not mid-compilation
-        self.executor = poptorch.trainingModel(
-            IPUTrainingModule(model, fp8_ops), options=self.options, optimizer=optimizer
-        )
+        module = IPUTrainingModule(model, _fp8_ops(config, poptorch), poptorch.__name__)
+        self.executor = poptorch.trainingModel(module, options=self.options,
+                                               optimizer=optimizer)
 
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> Any:
         return self.executor(inputs, labels)
@@ -122,23 +136,22 @@ class IPUTrainingModel:
 
     def destroy(self) -> None:
         """Release the device and take the pipeline annotations off the model."""
-        import poptorch
-
         self.executor.destroy()
-        poptorch.removeBlocks(self.model)
+        self.poptorch.removeBlocks(self.model)
 
 
 class IPUInferenceModule(nn.Module):
     """The model in eval mode, traced under ``ipu_tracing()`` when PopTorch traces it."""
 
-    def __init__(self, model: nn.Module, fp8_ops: Optional[FP8CustomOps] = None):
+    def __init__(self, model: nn.Module, fp8_ops: Optional[FP8CustomOps] = None,
+                 poptorch: str = "poptorch"):
         super().__init__()
         self.model = model
         self.fp8_ops = fp8_ops
+        self.poptorch_name = poptorch  # as in IPUTrainingModule
 
     def forward(self, *inputs: torch.Tensor) -> Any:
-        import poptorch
-
+        poptorch = poptorch_by_name(self.poptorch_name)
         with _poptorch_forms(self.fp8_ops, poptorch.isRunningOnIpu()):
             return self.model(*inputs)
 
@@ -152,9 +165,9 @@ class IPUInferenceModel:
     input shapes of the first call and refuses others; a call with new shapes compiles again.
     """
 
-    def __init__(self, model: nn.Module, config: Config, use_ipu_model: bool):
-        import poptorch
-
+    def __init__(self, model: nn.Module, config: Config, use_ipu_model: bool,
+                 poptorch: ModuleType):
+        self.poptorch = poptorch
         self.model = model
         self.stages = stages(model, config)
         self.compile_options = check_config_compiles(config, self.stages, training=False,
@@ -162,16 +175,14 @@ class IPUInferenceModel:
         self.rows_per_call = self.compile_options.rows_per_call
         if config.ipu.ipus_per_replica > 1:
             annotate_pipeline(model, self.stages, poptorch)
-        if config.precision.dtype == "fp8":
-            load_custom_op_library()
+        self.fp8_ops = _fp8_ops(config, poptorch)
         model.eval()
-        self.options = build_options(config, use_ipu_model, inference=True)
+        self.options = build_options(config, use_ipu_model, inference=True, poptorch=poptorch)
         self.executor: Any = None
         self._signature: Optional[Tuple[Any, ...]] = None
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
-        import poptorch
-
+        poptorch = self.poptorch
         check_inputs(self.compile_options, inputs)
         signature = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
                           for x in inputs)
@@ -179,13 +190,12 @@ class IPUInferenceModel:
             if self.executor is not None:
                 self.executor.destroy()
             self.executor = poptorch.inferenceModel(
-                IPUInferenceModule(self.model, PopTorchFP8CustomOps()), options=self.options)
+                IPUInferenceModule(self.model, self.fp8_ops, poptorch.__name__),
+                options=self.options)
             self._signature = signature
         return self.executor(*inputs)
 
     def destroy(self) -> None:
-        import poptorch
-
         if self.executor is not None:
             self.executor.destroy()
-        poptorch.removeBlocks(self.model)
+        self.poptorch.removeBlocks(self.model)
