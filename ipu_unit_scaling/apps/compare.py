@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -33,22 +34,37 @@ def run_compare(
 
     A regime already in ``run_dir`` is reused (finished) or resumed (unfinished) only when its
     saved settings are those it would run with now; otherwise nothing runs and a RunError
-    names the keys that differ.
+    names the keys that differ. ``run_dir`` must be empty or a compare directory; the finished
+    regimes it holds beyond ``regimes`` (of the same settings) stay in its table.
     """
     from ..training.data import load_corpus
-    from ..training.run_directory import RunLock, make_run_dir, remove_temporaries
+    from ..training.run_config import REGIMES
+    from ..training.run_directory import (
+        COMPARE_FILES,
+        RunLock,
+        check_own_kind,
+        make_run_dir,
+        remove_temporaries,
+    )
 
     make_run_dir(run_dir)
     with RunLock(run_dir):
         remove_temporaries(run_dir)
+        check_own_kind(run_dir, "compare", COMPARE_FILES, lambda name: name in REGIMES)
         corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
         plans = [(regime, *_regime_plan(config, regime, run_dir / regime, corpus))
                  for regime in regimes]
+        for regime in REGIMES:  # an earlier compare's other finished regimes stay in the table
+            if regime not in regimes and (run_dir / regime).is_dir():
+                cfg, action = _regime_plan(config, regime, run_dir / regime, corpus)
+                if action == "reuse":
+                    plans.append((regime, cfg, action))
         return _run_regimes(plans, run_dir, quiet)
 
 
 def _regime_plan(config: Config, regime: str, regime_dir: Path, corpus: Any) -> Any:
     """The regime's resolved config, and whether to ``start``, ``resume`` or ``reuse`` it."""
+    from ..loop.run_opening import file_problem
     from ..loop.training_loop import (
         check_reused_tokenizer,
         load_run_config,
@@ -58,10 +74,19 @@ def _regime_plan(config: Config, regime: str, regime_dir: Path, corpus: Any) -> 
     from ..training.run_directory import CHECKPOINT_FILE, SUMMARY_FILE, RunError, read_json
 
     cfg = resolved_config(regime_config(config, regime), corpus)
-    has_checkpoint = (regime_dir / CHECKPOINT_FILE).exists()
+    checkpoint = regime_dir / CHECKPOINT_FILE
+    has_checkpoint = checkpoint.exists() or checkpoint.is_symlink()
     summary = read_json(regime_dir / SUMMARY_FILE)
     if not has_checkpoint and summary is None:
         return cfg, "start"  # new, or killed before anything worth keeping
+    # As train --resume: a run that saved a checkpoint is not reused nor restarted without it.
+    problem = file_problem(checkpoint) if has_checkpoint else ""
+    if not has_checkpoint and summary and summary.get("checkpoint_step") is not None:
+        problem = (f"is missing, but its {SUMMARY_FILE} records a {summary.get('status')} run "
+                   f"with a checkpoint at step {summary.get('checkpoint_step')}")
+    if problem:
+        raise RunError(f"cannot reuse {regime_dir}: {CHECKPOINT_FILE} {problem}; nothing was "
+                       "changed: restore the checkpoint, or choose another --run-dir")
     differences = setting_differences(load_run_config(regime_dir).to_dict(), cfg.to_dict())
     if summary is not None and summary.get("data_sha256") != corpus.sha256:
         differences.append(f"data: {corpus.source} is not the text it trained on")
@@ -246,13 +271,15 @@ def run_compare_seeds(config: Config, regimes: Sequence[str], run_dir: Path, see
                       quiet: bool = False) -> str:
     """``compare`` once per seed (``run_dir/seed-<seed>``), then the mean ± std table; returns
     it (also in ``compare.md``, with ``compare.json`` and ``compare.png``)."""
-    from ..training.run_directory import RunLock, make_run_dir
+    from ..training.run_directory import COMPARE_FILES, RunLock, check_own_kind, make_run_dir
     from .experiments import write_seed_results
 
     per_seed: Dict[int, List[Dict[str, Any]]] = {}
     seed_dirs: Dict[int, Path] = {}
     make_run_dir(run_dir)
     with RunLock(run_dir):
+        check_own_kind(run_dir, "compare", COMPARE_FILES,
+                       lambda name: re.fullmatch(r"seed-[0-9]+", name))
         for offset in range(seeds):
             seeded = copy.deepcopy(config)
             seed = seeded.training.seed = config.training.seed + offset

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -47,6 +48,7 @@ from ..training.run_directory import (
     CHECKPOINT_FILE,
     CONFIG_FILE,
     EVALUATION_FILES,
+    LOCK_FILE,
     RunError,
     RunLock,
     atomic_write,
@@ -308,10 +310,18 @@ def format_evaluation(evaluation: Evaluation) -> str:
 
 
 def write_evaluation(evaluation: Evaluation, directory: Path) -> List[Path]:
-    """``evaluate.md`` and ``evaluate.json`` in ``directory``; returns their paths."""
+    """``evaluate.md`` and ``evaluate.json`` in ``directory``; returns their paths. A run
+    directory another run is writing is refused (RunError), as ``evaluate`` refuses to read
+    one: the directory is locked, shared, while the results are written (a directory no run
+    ever locked has no lock file, and gets none)."""
+    import contextlib
+
     markdown, data = (Path(directory) / name for name in EVALUATION_FILES)
-    atomic_write(markdown, (format_evaluation(evaluation) + "\n").encode("utf-8"))
-    atomic_write(data, (json.dumps(asdict(evaluation), indent=2) + "\n").encode("utf-8"))
+    locked = os.path.lexists(Path(directory) / LOCK_FILE)
+    with RunLock(directory, shared=True, action="write the evaluation into") if locked \
+            else contextlib.nullcontext():
+        atomic_write(markdown, (format_evaluation(evaluation) + "\n").encode("utf-8"))
+        atomic_write(data, (json.dumps(asdict(evaluation), indent=2) + "\n").encode("utf-8"))
     return [markdown, data]
 
 

@@ -248,6 +248,7 @@ def run_sweep(
         validate(_sweep_point_config(config, kind, width, depth, coordinate, key))
     make_run_dir(run_dir)
     with RunLock(run_dir):  # one sweep at a time in a directory
+        _check_sweep_dir(run_dir, key)
         corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
         points = _train_points(config, plan, run_dir, quiet, log, corpus, key,
                                keep_checkpoints)
@@ -264,6 +265,29 @@ def run_sweep(
         _write_text(run_dir / "sweep.json", json.dumps(payload, indent=2))
         plot_sweep(points, defaults, run_dir / "sweep.png")
     return points
+
+
+SWEEP_FILES = ("sweep.md", "sweep.json", "sweep.png")
+
+
+def _check_sweep_dir(run_dir: Path, key: Optional[str]) -> None:
+    """RunError unless ``run_dir`` is empty or a sweep of the same axis (``key``, None for the
+    learning rate): its results would be overwritten by another sweep's."""
+    from ..training.precision import MODEL_KINDS
+    from ..training.run_directory import RunError, check_own_kind, read_json
+
+    check_own_kind(run_dir, "sweep", SWEEP_FILES, lambda name: name in MODEL_KINDS)
+    earlier = read_json(run_dir / "sweep.json")
+    if (run_dir / "sweep.json").exists() and earlier is None:
+        raise RunError(f"run directory {run_dir}: its sweep.json cannot be read to tell which "
+                       "sweep it holds; nothing was changed: choose another --run-dir")
+    if earlier is not None and earlier.get("key") != key:
+        def axis(name: Optional[str]) -> str:
+            return f"--key {name}" if name else "the learning rate"
+
+        raise RunError(f"run directory {run_dir} holds a sweep of {axis(earlier.get('key'))}; "
+                       f"a sweep of {axis(key)} would overwrite its sweep.md, sweep.json and "
+                       "sweep.png: nothing was changed: choose another --run-dir")
 
 
 def sweep_report(config: Config, points: Sequence[SweepPoint]) -> str:

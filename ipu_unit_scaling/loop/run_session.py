@@ -117,7 +117,8 @@ class _Session:
         self.metrics = MetricsLog(run.run_dir / METRICS_FILE, fresh=run.state is None,
                                   fields=METRIC_FIELDS + self.task.metric_columns) \
             if self.writes else UnwrittenMetricsLog()
-        self.tensorboard = TensorBoardLog(run.run_dir if self.writes else None, self.step)
+        self.tensorboard = TensorBoardLog(run.run_dir if self.writes and self.trains else None,
+                                          self.step)
         if self.tensorboard.note:  # where its scalars go, or why they are not written
             run.notes.append(self.tensorboard.note)
         # Elapsed time counts on from the checkpoint's: a resumed run's figures are the run's.

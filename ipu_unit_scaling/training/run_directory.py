@@ -44,6 +44,7 @@ __all__ = [
     "state_mismatch",
     "atomic_write", "remove_temporaries", "RunLock", "make_run_dir", "make_unique_run_dir",
     "remove_refused_start", "read_json", "read_regular_file", "NotARegularFile",
+    "check_own_kind",
     "INIT_FROM_FILE",
 ]
 
@@ -335,6 +336,28 @@ def leftovers(run_dir: Path) -> List[Path]:
     return found
 
 
+def check_own_kind(run_dir: Path, command: str, files: Sequence[str],
+                   directory: Any) -> None:
+    """RunError unless ``run_dir`` is empty or holds only what ``command`` (compare, sweep)
+    writes there: the ``files`` of its results, directories whose names ``directory(name)``
+    accepts (its runs), the lock and temporary files. A train run, or a folder of notes, is
+    not taken for one (``--run-dir`` of these commands is theirs)."""
+    for entry in _entries(run_dir):
+        name = entry.name
+        if name == LOCK_FILE or _is_temporary(name):
+            continue
+        if entry.is_symlink():
+            ok = False
+        elif entry.is_dir():
+            ok = bool(directory(name))
+        else:
+            ok = name in files and entry.is_file()
+        if not ok:
+            what = "a run of train" if name in ARTEFACTS else "not one of its results"
+            raise RunError(f"run directory {run_dir} is not a {command} directory: it holds "
+                           f"{name} ({what}); nothing was changed: choose another --run-dir")
+
+
 class RunLock:
     """An advisory lock on a run directory: exclusive for a run that writes it (held from its
     start to its end), shared with ``shared=True`` for commands that only read it.
@@ -391,7 +414,19 @@ class RunLock:
             return os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as error:
             raise RunError(f"cannot write to run directory {self.run_dir}: "
-                           f"{_reason(error)}") from None
+                           f"{self._broken_link() or _reason(error)}") from None
+
+    def _broken_link(self) -> str:
+        """Why the lock file cannot be opened when it is a symbolic link to nowhere (opening
+        it says only "no such file"), else ""."""
+        path = self.run_dir / LOCK_FILE
+        try:
+            if os.path.islink(path) and not os.path.exists(path):
+                return (f"its {LOCK_FILE} is a broken symbolic link (to {os.readlink(path)}); "
+                        "no run holds it: remove it")
+        except (OSError, ValueError):
+            pass
+        return ""
 
     def _open_reading(self) -> Optional[int]:
         problem = not_a_directory(self.run_dir)
@@ -410,7 +445,8 @@ class RunLock:
                     return None  # a directory nobody here can write: no writer to wait for
                 raise RunError(f"cannot {self.action} {self.run_dir}: cannot open its "
                                f"{LOCK_FILE}: {_reason(error)}") from None
-        raise RunError(f"cannot {self.action} {self.run_dir}: no such directory")
+        raise RunError(f"cannot {self.action} {self.run_dir}: "
+                       f"{self._broken_link() or 'no such directory'}")
 
     def _busy(self, holder: str) -> str:
         if self.shared:
