@@ -201,6 +201,27 @@ def test_a_fine_tuning_run_stopped_before_its_first_step_resumes_fine_tuning(
     assert resumed.val_curve == whole.val_curve
 
 
+def test_a_fine_tuning_run_killed_before_its_first_checkpoint_resumes_fine_tuning(
+        pretrained, new_text, tmp_path, monkeypatch):
+    config = fine_tuning_config(pretrained, new_text, "training.steps=2")
+    whole = train(config, tmp_path / "whole", quiet=True, init_from=pretrained)
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # stands for a kill once the settings are written
+
+    with monkeypatch.context() as patch:
+        patch.setattr(train_module, "_Session", killed)
+        with pytest.raises(KeyboardInterrupt):
+            train(config, tmp_path / "part", quiet=True, init_from=pretrained)
+    assert not (tmp_path / "part" / "checkpoint.pt").exists()
+    resumed = train(None, tmp_path / "part", resume=True, quiet=True)
+    assert resumed.init_from == str(pretrained)
+    assert load_run_config(tmp_path / "part").model.vocab_size == \
+        load_run_config(tmp_path / "whole").model.vocab_size
+    assert resumed.val_curve == whole.val_curve  # the fine-tune's, from its step 0
+    assert resumed.final_train_loss == whole.final_train_loss
+
+
 def test_fine_tuning_refuses_another_model_and_a_missing_run(pretrained, new_text, tmp_path):
     with pytest.raises(ConfigError, match="model.depth: got 3, but fine-tuning keeps"):
         train(fine_tuning_config(pretrained, new_text, "model.depth=3"), tmp_path / "a",
