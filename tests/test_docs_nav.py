@@ -41,12 +41,16 @@ def test_every_page_in_the_navigation_has_a_title():
 
 
 def test_api_pages_render_modules_that_have_members():
+    # A module whose public names are all submodules shows nothing unless its page asks for
+    # its submodules (the `ipu_unit_scaling.core` page was one line).
     for page in sorted((ROOT / "docs" / "api").glob("*.md")):
-        for target in re.findall(r"^::: (\S+)", page.read_text(encoding="utf-8"), re.M):
+        text = page.read_text(encoding="utf-8")
+        for target in re.findall(r"^::: (\S+)", text, re.M):
             try:
                 imported = importlib.import_module(target)
             except ImportError:
                 continue  # an object in a module, not a module
             members = [name for name in getattr(imported, "__all__", ["?"])
                        if not isinstance(getattr(imported, name, None), type(re))]
-            assert members, f"{page.name}: {target} has only submodules, which it does not show"
+            assert members or "show_submodules: true" in text, \
+                f"{page.name}: {target} has only submodules, which it does not show"

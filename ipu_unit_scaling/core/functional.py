@@ -1,5 +1,5 @@
 """Helpers for writing unit-scaled ops (unit-scaling's ``unit_scaling.core.functional`` path;
-written in :mod:`ipu_unit_scaling.ops.op_helpers`).
+written in `ipu_unit_scaling.ops.op_helpers`).
 """
 from __future__ import annotations
 
