@@ -165,10 +165,10 @@ def _run_regimes(plans: Sequence[Any], run_dir: Path, quiet: bool) -> List[Dict[
 UNTUNED_MARK = "(untuned defaults)"
 UNTUNED_NOTE = (
     "u-μP regimes marked (untuned defaults) ran with u-μP's default hyperparameters "
-    "(learning rate 1, every multiplier 1), not values tuned for this model: the recorded "
-    "sweeps (docs/results/residual-mult-sweep, docs/results/lr-sweep) found "
-    "model.residual_mult 0.125 and learning rate 0.5 better here. Their gap is not u-μP's "
-    "verdict; see docs/guide/compare.md."
+    "(learning rate 1, every multiplier 1), not values tuned for the model: on the default "
+    "model (width 128, depth 2, 500 steps) the recorded sweeps (docs/results/"
+    "residual-mult-sweep, docs/results/lr-sweep) found model.residual_mult 0.125 and "
+    "learning rate 0.5 better. Their gap is not u-μP's verdict; see docs/guide/compare.md."
 )
 
 
