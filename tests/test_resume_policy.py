@@ -301,3 +301,16 @@ def test_evaluate_out_refuses_a_directory_a_run_is_writing(capsys, trained, tmp_
                              "--out", busy)
     assert status == 2 and one_line_error(err) and "is in use by" in err, err
     assert not (busy / "evaluate.md").exists()
+
+
+def test_compare_refuses_to_reuse_a_regime_whose_checkpoint_is_another_models(
+        capsys, data, tmp_path):
+    run_dir = tmp_path / "compare"
+    assert run(capsys, *compare_args(run_dir, data, "fp32", "unit-fp32"))[0] == 0
+    # Same shapes, another model: the unit-scaled regime's checkpoint in the plain one's place.
+    shutil.copy(run_dir / "unit-fp32" / "checkpoint.pt", run_dir / "fp32" / "checkpoint.pt")
+    before = files_in(run_dir)
+    status, _, err = run(capsys, *compare_args(run_dir, data, "fp32"))
+    assert status == 2 and one_line_error(err), err
+    assert "cannot reuse" in err and "trained with model.unit_scaled = True" in err
+    assert files_in(run_dir) == before

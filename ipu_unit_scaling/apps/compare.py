@@ -100,6 +100,11 @@ def _regime_plan(config: Config, regime: str, regime_dir: Path, corpus: Any) -> 
     if status == "diverged" or (status == "completed" and
                                 summary.get("steps") == cfg.training.steps):  # type: ignore
         check_reused_tokenizer(regime_dir, corpus.tokenizer.chars)
+        if has_checkpoint:  # its config.yaml is the one the checkpoint was trained with
+            from ..training.run_records import check_recorded_settings, load_checkpoint
+
+            check_recorded_settings(regime_dir, load_run_config(regime_dir),
+                                    load_checkpoint(checkpoint), "reuse")
         return cfg, "reuse"
     return cfg, "resume" if has_checkpoint else "start"
 
