@@ -27,8 +27,8 @@ __all__ = [
 
 
 def _visible_keys(
-    query_len: int, key_len: int, attn_mask: Optional[Tensor], is_causal: bool, device: torch.device,
-    dtype: torch.dtype = torch.float32,
+    query_len: int, key_len: int, attn_mask: Optional[Tensor], is_causal: bool,
+    device: torch.device, dtype: torch.dtype = torch.float32,
 ) -> Union[float, Tensor]:
     """How many keys each query row attends to (at least 1): a float, or a (..., rows, 1) tensor
     of `dtype` widened to float32 at least (a float64 model's row scales are float64 end to end;
