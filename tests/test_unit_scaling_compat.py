@@ -143,6 +143,26 @@ def test_library_model_traces_like_poptorch_with_eager_gradients(make):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
 
 
+def test_library_rules_trace_like_poptorch_with_eager_gradients():
+    # Inside uu.rules("unit-scaling") the ops' PopTorch forms follow the library's rules too:
+    # the traced loss and gradients are the eager ones under the switch, and not ours.
+    torch.manual_seed(0)
+    wrapped = LossOf(LibraryStyleDecoder())
+    ids = arithmetic_sequences(torch.Generator().manual_seed(2))
+    parameters = list(wrapped.parameters())
+    with uu.rules("unit-scaling"):
+        traced_loss = trace_like_poptorch(wrapped, ids)(ids)
+        eager_loss = wrapped(ids)
+        traced = torch.autograd.grad(traced_loss, parameters)
+        eager = torch.autograd.grad(eager_loss, parameters)
+    ours = torch.autograd.grad(wrapped(ids), parameters)
+    # As in the test above: float32 rounding of a traced graph whose ops run in another order.
+    torch.testing.assert_close(traced_loss, eager_loss, rtol=1e-6, atol=0)
+    for got, want in zip(traced, eager):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item())
+    assert max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(ours, eager)) > 1e-2
+
+
 # ---------------------------------------------------------------- signatures and defaults
 
 
