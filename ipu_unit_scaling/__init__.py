@@ -31,49 +31,112 @@ the layers still import (``_moved.py``).
 """
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any, List
+
 from . import _moved  # noqa: F401  (keeps the old import paths of moved modules working)
 
 # isort: split
-from . import constraints, core, formats, functional, optim, parameter
-from .modules.depth_blocks import (
-    MHSA,
-    MLP,
-    DepthModuleList,
-    DepthSequential,
-    TransformerDecoder,
-    TransformerLayer,
-    TransformerStack,
-)
-from .modules.gpt_blocks import (
-    GPT,
-    TORCH_OPS,
-    UNIT_OPS,
-    FeedForward,
-    GatedMLP,
-    Ops,
-    SelfAttention,
-    TransformerBlock,
-    unit_attention,
-)
-from .modules.layers import (
-    GELU,
-    AttentionProjection,
-    Conv1d,
-    CrossEntropyLoss,
-    Dropout,
-    Embedding,
-    LayerNorm,
-    Linear,
-    LinearReadout,
-    ReLU,
-    RMSNorm,
-    SiLU,
-    Softmax,
-)
-from .modules.mup_parameter import MupType, Parameter
-from .ops.op_helpers import transformer_residual_scaling_rule
-from .ops.rule_switch import RULES, active_rules, rules
-from .ops.scaling_primitive import scale, scale_bwd, scale_fwd
+# The names below are imported when first used (PEP 562), so that importing the package, or
+# running `ipu-unit-scaling --version` and `--help`, does not load torch and every layer.
+if TYPE_CHECKING:
+    from . import constraints, core, formats, functional, optim, parameter
+    from .modules.depth_blocks import (
+        MHSA,
+        MLP,
+        DepthModuleList,
+        DepthSequential,
+        TransformerDecoder,
+        TransformerLayer,
+        TransformerStack,
+    )
+    from .modules.gpt_blocks import (
+        GPT,
+        TORCH_OPS,
+        UNIT_OPS,
+        FeedForward,
+        GatedMLP,
+        Ops,
+        SelfAttention,
+        TransformerBlock,
+        unit_attention,
+    )
+    from .modules.layers import (
+        GELU,
+        AttentionProjection,
+        Conv1d,
+        CrossEntropyLoss,
+        Dropout,
+        Embedding,
+        LayerNorm,
+        Linear,
+        LinearReadout,
+        ReLU,
+        RMSNorm,
+        SiLU,
+        Softmax,
+    )
+    from .modules.mup_parameter import MupType, Parameter
+    from .ops.op_helpers import transformer_residual_scaling_rule
+    from .ops.rule_switch import RULES, active_rules, rules
+    from .ops.scaling_primitive import scale, scale_bwd, scale_fwd
+
+_SUBMODULES = ("constraints", "core", "formats", "functional", "optim", "parameter")
+_LAZY = {
+    "MHSA": ".modules.depth_blocks",
+    "MLP": ".modules.depth_blocks",
+    "DepthModuleList": ".modules.depth_blocks",
+    "DepthSequential": ".modules.depth_blocks",
+    "TransformerDecoder": ".modules.depth_blocks",
+    "TransformerLayer": ".modules.depth_blocks",
+    "TransformerStack": ".modules.depth_blocks",
+    "GPT": ".modules.gpt_blocks",
+    "TORCH_OPS": ".modules.gpt_blocks",
+    "UNIT_OPS": ".modules.gpt_blocks",
+    "FeedForward": ".modules.gpt_blocks",
+    "GatedMLP": ".modules.gpt_blocks",
+    "Ops": ".modules.gpt_blocks",
+    "SelfAttention": ".modules.gpt_blocks",
+    "TransformerBlock": ".modules.gpt_blocks",
+    "unit_attention": ".modules.gpt_blocks",
+    "GELU": ".modules.layers",
+    "AttentionProjection": ".modules.layers",
+    "Conv1d": ".modules.layers",
+    "CrossEntropyLoss": ".modules.layers",
+    "Dropout": ".modules.layers",
+    "Embedding": ".modules.layers",
+    "LayerNorm": ".modules.layers",
+    "Linear": ".modules.layers",
+    "LinearReadout": ".modules.layers",
+    "ReLU": ".modules.layers",
+    "RMSNorm": ".modules.layers",
+    "SiLU": ".modules.layers",
+    "Softmax": ".modules.layers",
+    "MupType": ".modules.mup_parameter",
+    "Parameter": ".modules.mup_parameter",
+    "transformer_residual_scaling_rule": ".ops.op_helpers",
+    "RULES": ".ops.rule_switch",
+    "active_rules": ".ops.rule_switch",
+    "rules": ".ops.rule_switch",
+    "scale": ".ops.scaling_primitive",
+    "scale_bwd": ".ops.scaling_primitive",
+    "scale_fwd": ".ops.scaling_primitive",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    globals()[name] = value  # found here from now on
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(_SUBMODULES) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 

@@ -9,6 +9,8 @@ the other commands then go on without their log.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import importlib
 import math
 import os
@@ -16,11 +18,37 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, List, NoReturn, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, NoReturn, Optional, Sequence, Tuple
 
-from .. import __version__
-from ..training.config_names import MAX_SEED, REGIMES
-from .commands import (
+
+def _held_from_the_start() -> List[int]:
+    """Where this process is the command itself (its console script, ``python -m
+    ipu_unit_scaling``), Ctrl-C waits from here until the command's imports are done (see
+    :func:`_ctrl_c_held`), instead of cutting an import with a traceback; the list collects
+    the signals that came. Imported by other code, nothing changes."""
+    held: List[int] = []
+    program = sys.argv[0] if sys.argv and isinstance(sys.argv[0], str) else ""
+    if (os.path.basename(program) == "ipu-unit-scaling"
+            or program.endswith(os.path.join("ipu_unit_scaling", "__main__.py"))) \
+            and threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _EarlyHandler(held))
+    return held
+
+
+class _EarlyHandler:
+    def __init__(self, held: List[int]) -> None:
+        self.held = held
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.held.append(signum)
+
+
+_HELD_FROM_THE_START = _held_from_the_start()
+
+from .. import __version__  # noqa: E402  (after the handler: these imports may be cut)
+from ..training.config_names import MAX_SEED, REGIMES  # noqa: E402
+from .commands import (  # noqa: E402
     DEBUG_ENV,
     EXIT_DIVERGED,
     EXIT_INTERRUPTED,
@@ -323,29 +351,39 @@ def _command(name: str) -> Callable[[argparse.Namespace], int]:
 class _ReaderMayLeave:
     """stdout or stderr, whose reader may go away (``... | head``): from then on what is
     written is dropped (``left`` says so), so that a run goes on to its end and its files
-    instead of dying of its log."""
+    instead of dying of its log. A stream that cannot be written (closed, ``>&-``; full,
+    ``>/dev/full``) is dropped the same way; ``failed`` then says why (an OSError naming
+    ``name``), for the command to report at its end."""
 
-    def __init__(self, stream: Any) -> None:
-        self._stream = stream
+    def __init__(self, stream: Any, name: str) -> None:
+        self.name = name
         self.left = False
+        self.failed: Optional[OSError] = None
+        if stream is None:  # the shell closed it: Python gives no stream at all
+            stream = open(os.devnull, "w")
+            self.left = True
+            self.failed = OSError(errno.EBADF, "it is closed", name)
+        self._stream = stream
 
     def write(self, text: str) -> int:
         if not self.left:
             try:
                 return int(self._stream.write(text))
-            except BrokenPipeError:
-                self._leave()
+            except OSError as error:
+                self._leave(error)
         return len(text)
 
     def flush(self) -> None:
         if not self.left:
             try:
                 self._stream.flush()
-            except BrokenPipeError:
-                self._leave()
+            except OSError as error:
+                self._leave(error)
 
-    def _leave(self) -> None:
+    def _leave(self, error: OSError) -> None:
         self.left = True
+        if not isinstance(error, BrokenPipeError):
+            self.failed = OSError(error.errno, error.strerror or str(error), self.name)
         try:  # the interpreter flushes the stream once more at exit: into the null device
             null = os.open(os.devnull, os.O_WRONLY)
             os.dup2(null, self._stream.fileno())
@@ -363,19 +401,68 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv[:1] == ["emulate"]:  # the program's own arguments follow: no parsing here
         from .emulate import main as emulate
 
-        return emulate(argv[1:])
+        with _ctrl_c_held() as held:
+            pass  # the program takes Ctrl-C as it would alone
+        return EXIT_INTERRUPTED if held else emulate(argv[1:])
+    _keep_standard_descriptors_taken()
     _escape_what_the_terminal_cannot_show()
     streams = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = _ReaderMayLeave(sys.stdout), _ReaderMayLeave(sys.stderr)
+    out = _ReaderMayLeave(sys.stdout, "standard output")
+    sys.stdout, sys.stderr = out, _ReaderMayLeave(sys.stderr, "standard error")
     try:
-        return _run(argv)
+        try:
+            status = _run(argv)
+        except KeyboardInterrupt:  # Ctrl-C before a command handles it (in its imports, say)
+            print(f"{PROG}: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        out.flush()
+        if out.failed is not None and status == 0:
+            # What the command printed is lost: its result, where the command's files went.
+            return _fail(f"cannot write {out.name}: {out.failed.strerror} (the command ran; "
+                         "what it printed was dropped)")
+        return status
     finally:
         sys.stdout, sys.stderr = streams
 
 
+@contextlib.contextmanager
+def _ctrl_c_held() -> Iterator[List[int]]:
+    """Ctrl-C (SIGINT) waits until the block ends; the list yielded then holds the signal if
+    one came. Off the main thread, where no handler can be set, nothing is held."""
+    held: List[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
+    if isinstance(previous, _EarlyHandler):  # held since the process started: Ctrl-C stops
+        held += previous.held                 # the command as usual from now on
+        previous = signal.default_int_handler
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _keep_standard_descriptors_taken() -> None:
+    """A descriptor 0, 1 or 2 that the shell closed (``>&-``) is opened on the null device:
+    else the next file a run opens would get its number, and whatever writes to standard
+    output (a library's C code, a child process) would write into it."""
+    for descriptor in (0, 1, 2):
+        try:
+            os.fstat(descriptor)
+        except OSError:
+            try:
+                null = os.open(os.devnull, os.O_RDWR)
+                if null != descriptor:
+                    os.dup2(null, descriptor)
+                    os.close(null)
+            except OSError:
+                pass
+
+
 def _run(argv: List[str]) -> int:
     if not argv:
-        *others, last = COMMANDS
+        *others, last = [*COMMANDS, "emulate"]
         print(f"{PROG}: error: no command; use '{PROG} train' to train the default config, or "
               f"see '{PROG} --help' for {', '.join(others)} and {last}", file=sys.stderr)
         return EXIT_USAGE
@@ -383,21 +470,27 @@ def _run(argv: List[str]) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as stop:  # --help (0), or one line on bad arguments (2)
         return stop.code if isinstance(stop.code, int) else EXIT_USAGE
-    if getattr(args, "threads", None):
-        import torch
+    with _ctrl_c_held() as held:  # an import cut by Ctrl-C can leave a library half-loaded
+        if getattr(args, "threads", None):
+            import torch
 
-        torch.set_num_threads(args.threads)
-    from ..backends import BackendError
-    from ..loop.training_loop import (
-        RunError,
-        TrainingDiverged,
-        TrainingInterrupted,
-        raise_stop_signal,
-    )
-    from ..training.config_files import ConfigError
-    from ..training.data import DataError
-    from ..training.inference import SamplingError
-    from .commands import UsageError
+            torch.set_num_threads(args.threads)
+        from ..backends import BackendError
+        from ..loop.training_loop import (
+            RunError,
+            TrainingDiverged,
+            TrainingInterrupted,
+            raise_stop_signal,
+        )
+        from ..training.config_files import ConfigError
+        from ..training.data import DataError
+        from ..training.inference import SamplingError
+        from .commands import UsageError
+
+        run_command = _command(args.command)
+    if held:
+        print(f"{PROG}: interrupted before {args.command} started", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
     rank, world = _torchrun_rank_and_size()
     if world > 1 and args.command != "train":
@@ -410,7 +503,7 @@ def _run(argv: List[str]) -> int:
     # rank 0 says them.
     speaks = rank == 0
     try:
-        return _command(args.command)(args)
+        return run_command(args)
     except (ConfigError, DataError, RunError, BackendError, UsageError) as error:
         return _fail(_one_line(error), speaks)
     except (TrainingDiverged, SamplingError) as error:
@@ -442,9 +535,10 @@ def _run(argv: List[str]) -> int:
 def command() -> NoReturn:
     """The ``ipu-unit-scaling`` console script and ``python -m ipu_unit_scaling``."""
     status = main()
-    from ..backends.distributed import leave_launched_world
+    if "torch.distributed" in sys.modules:  # else no world was joined (--version, --help)
+        from ..backends.distributed import leave_launched_world
 
-    leave_launched_world(status)
+        leave_launched_world(status)
     sys.exit(status)
 
 

@@ -10,14 +10,12 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Sequence, Tuple
 
-from ..training.run_config import (
-    CONFIGS_DIR,
-    Config,
-    ConfigError,
-    load_config,
-)
+from ..training.config_files import CONFIGS_DIR, ConfigError
+
+if TYPE_CHECKING:  # the schema imports torch: loaded when a command runs, not for --help
+    from ..training.run_config import Config
 
 MODEL_KINDS = ("plain", "unit", "u-mup")  # as ipu_unit_scaling.loop.training_loop.MODEL_KINDS
 
@@ -66,6 +64,8 @@ def _config_path(args: argparse.Namespace) -> Optional[str]:
 
 
 def _load(args: argparse.Namespace) -> Config:
+    from ..training.run_config import load_config
+
     config = load_config(_config_path(args), _overrides(args))
     data = getattr(args, "data", None)
     if data is not None:
@@ -300,6 +300,7 @@ def _read_baseline(run_dir: Path) -> Optional[float]:
 
 def _cmd_analyse(args: argparse.Namespace) -> int:
     from ..training.memory import check_memory
+    from ..training.run_config import load_config
 
     config = load_config(_config_path(args), _overrides(args))
     try:
@@ -415,6 +416,10 @@ def _cmd_sample(args: argparse.Namespace) -> int:
             sys.stdout.write(text)
             sys.stdout.flush()
             if getattr(sys.stdout, "left", False):  # `sample ... | head`: nobody reads on
+                failed = getattr(sys.stdout, "failed", None)
+                if failed is not None:  # closed (>&-) or full (>/dev/full): the text is lost
+                    raise OSError(failed.errno, f"cannot write {failed.filename}: "
+                                                f"{failed.strerror}")
                 raise BrokenPipeError(errno.EPIPE, "the reader of the output has gone")
 
         show(prompt)

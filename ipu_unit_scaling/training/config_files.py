@@ -16,8 +16,6 @@ from typing import Any, Dict, List, Sequence, Tuple, Union
 
 import yaml
 
-from ..fp8.fp8_config import FP8ConfigError
-
 
 def _configs_dir() -> Path:
     """`configs/` of a source checkout, else the copy a non-editable install puts in its prefix."""
@@ -341,6 +339,8 @@ def _build(cls: Any, raw: Any, path: str, errors: List[Tuple[str, str]]) -> Any:
             errors.append((key_path, _type_error(value, hint_type)))
             continue
         kwargs[key] = value
+    from ..fp8.fp8_config import FP8ConfigError  # here: reading a file needs no torch
+
     try:
         return cls(**kwargs)
     except FP8ConfigError as error:  # a section that checks its own rules

@@ -69,6 +69,19 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
+def _exited(error: SystemExit) -> str:
+    """How user code that called ``sys.exit`` is named: its code when a number or short text,
+    else the type of what it passed (a config object's repr would fill the line)."""
+    code = error.code
+    if code is None or isinstance(code, int):
+        shown = "" if code is None else str(code)
+    elif isinstance(code, str) and len(code) <= 40 and "\n" not in code:
+        shown = repr(code)
+    else:
+        shown = f"<{type(code).__name__}>"
+    return f"called sys.exit({shown})"
+
+
 def load_factory(path: str) -> Callable[[GPTConfig], Any]:
     """The callable ``path`` (``package.module:function``, the function part may be dotted)
     names; ConfigError saying what is wrong otherwise."""
@@ -88,6 +101,8 @@ def load_factory(path: str) -> Callable[[GPTConfig], Any]:
         raise _refuse(f"importing {module_name!r} failed: {_first_line(error)}") from None
     except Exception as error:  # the module's own code failed: say how, in one line
         raise _refuse(f"importing {module_name!r} failed: {_first_line(error)}") from None
+    except SystemExit as error:
+        raise _refuse(f"importing {module_name!r} {_exited(error)}") from None
     for part in attribute.split("."):
         if not hasattr(target, part):
             raise _refuse(f"{module_name!r} has no {attribute!r}")
@@ -174,6 +189,8 @@ def build_given_model(settings: GPTConfig) -> GivenLanguageModel:
         model = factory(copy.deepcopy(settings))
     except Exception as error:  # the user's code: one line, naming where it came from
         raise _refuse(f"{path} raised {_first_line(error)}") from None
+    except SystemExit as error:  # not the command's exit: its status 1 means divergence
+        raise _refuse(f"{path} {_exited(error)} instead of returning a model") from None
     if not isinstance(model, nn.Module):
         raise _refuse(f"{path} returned {type(model).__name__}, not a torch.nn.Module")
     given = GivenLanguageModel(model, path)
@@ -193,6 +210,9 @@ def _check_logits(given: GivenLanguageModel, settings: GPTConfig) -> None:
     except Exception as error:
         raise _refuse(f"the model of {given.factory} fails on ids [1, {settings.seq_len}]: "
                       f"{_first_line(error)}") from None
+    except SystemExit as error:
+        raise _refuse(f"the model of {given.factory} {_exited(error)} on ids "
+                      f"[1, {settings.seq_len}]") from None
     finally:
         given.train(was_training)
     if logits.shape[-1] != settings.vocab_size:

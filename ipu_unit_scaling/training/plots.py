@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import csv
+import errno
 import io
 import math
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .run_directory import atomic_write
+from .run_directory import RunError, atomic_write
 
 __all__ = ["plot_run", "plot_compare", "curve_styles"]
 
@@ -194,4 +195,12 @@ def _save(plt: Any, figure: Any, out: Path) -> None:
         figure.savefig(buffer, dpi=100, format="png")
     finally:
         plt.close(figure)
-    atomic_write(out, buffer.getvalue())
+    try:
+        if out.is_dir():  # os.replace would name its temporary file, not the figure
+            raise IsADirectoryError(errno.EISDIR, "it is a directory", str(out))
+        atomic_write(out, buffer.getvalue())
+    except OSError as error:
+        reason = "it is a directory" if isinstance(error, IsADirectoryError) else \
+            error.strerror or str(error)
+        raise RunError(f"{out.name} not written: cannot replace {out}: {reason} (the other "
+                       f"files in {out.parent} are written)") from None

@@ -49,6 +49,7 @@ from .config_files import (  # noqa: F401  (the config's readers, exported with 
     parse_yaml,
     read_yaml_file,
 )
+from .config_names import MAX_SEED, REGIMES
 
 BACKEND_NAMES = ("auto", "ipu", "ipu_model", "emulator", "cpu", "popxl", "distributed")
 DTYPES = ("fp32", "fp16", "fp8")
@@ -63,21 +64,6 @@ UMUP_MULTIPLIERS = ("residual_mult", "residual_attn_ratio", "attn_softmax_mult",
 UMUP_RULE_CHOICES = {"umup_hidden_constraint": HIDDEN_CONSTRAINTS,
                      "umup_attention_scaling": ATTENTION_SCALINGS,
                      "umup_gelu_constraint": GELU_CONSTRAINTS}
-REGIMES = (
-    "fp32",
-    "fp16",
-    "fp8-naive",
-    "fp8-amax",
-    "unit-fp32",
-    "unit-fp16",
-    "unit-fp8",
-    "unit-fp8-amax",
-    "umup-fp32",
-    "umup-fp16",
-    "umup-fp8",
-    "umup-fp8-amax",
-)
-MAX_SEED = 2**63 - 1
 MAX_TAU = 1e6
 # A learning rate meets float32 numbers in the optimizer step, multiplied by more than itself
 # (Adam divides it by 1 - beta1 = 0.1 at the first step, u-μP multiplies it by per-tensor

@@ -1,0 +1,20 @@
+"""Names and limits of the run config that the command line shows before anything heavy is
+imported (its ``--help`` lists the regimes): :mod:`.run_config` holds the schema and
+re-exports these."""
+from __future__ import annotations
+
+REGIMES = (
+    "fp32",
+    "fp16",
+    "fp8-naive",
+    "fp8-amax",
+    "unit-fp32",
+    "unit-fp16",
+    "unit-fp8",
+    "unit-fp8-amax",
+    "umup-fp32",
+    "umup-fp16",
+    "umup-fp8",
+    "umup-fp8-amax",
+)
+MAX_SEED = 2**63 - 1
