@@ -1,0 +1,149 @@
+"""The command under hostile conditions of its own process: a closed or full standard output,
+Ctrl-C while it starts, a model factory that exits, a figure that cannot be written, a broken
+lock link; and a start that loads nothing heavy for ``--version`` and ``--help``. Each ends in
+one line on stderr and a meaningful exit status."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ipu_unit_scaling.apps import cli
+from ipu_unit_scaling.apps.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "matplotlib", "ipu_unit_scaling.loop.training_loop",
+         "ipu_unit_scaling.training.run_config")
+# A given model's config: the tiny GPT on one IPU, so the factory is what is refused.
+ONE_STAGE = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1"]
+
+
+def _command(*arguments: str, **options):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "ipu_unit_scaling", *arguments], env=env,
+                          text=True, capture_output=options.pop("capture", True), **options)
+
+
+def _one_line(err: str) -> str:
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("arguments", [["--version"], ["--help"], ["train", "--help"],
+                                       ["compare", "--help"]])
+def test_version_and_help_load_neither_torch_nor_the_loop(arguments):
+    code = ("import sys\nfrom ipu_unit_scaling.apps.cli import main\n"
+            f"status = main({arguments!r})\n"
+            f"heavy = [name for name in {HEAVY!r} if name in sys.modules]\n"
+            "print('HEAVY', status, heavy)\n")
+    result = subprocess.run([sys.executable, "-c", code], env={**os.environ,
+                            "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, check=True)
+    assert result.stdout.splitlines()[-1] == "HEAVY 0 []", result.stdout[-500:]
+
+
+def test_the_package_root_loads_its_names_when_used():
+    code = ("import sys, ipu_unit_scaling as uu\n"
+            "assert 'torch' not in sys.modules\n"
+            "assert 'Linear' in dir(uu) and 'functional' in dir(uu)\n"
+            "layer = uu.Linear(4, 3)\n"
+            "from ipu_unit_scaling import scale, functional, rules\n"
+            "assert callable(scale) and functional.gelu is uu.functional.gelu\n"
+            "missing = [name for name in uu.__all__ if not hasattr(uu, name)]\n"
+            "assert not missing, missing\n"
+            "try:\n    uu.no_such_name\nexcept AttributeError:\n    print('OK')\n")
+    result = subprocess.run([sys.executable, "-c", code], env={**os.environ,
+                            "PYTHONPATH": str(ROOT)}, capture_output=True, text=True)
+    assert result.stdout.strip() == "OK", result.stderr[-2000:]
+
+
+def test_a_closed_standard_output_is_said_in_one_line():
+    result = _command("--version", capture=False, stderr=subprocess.PIPE,
+                      preexec_fn=lambda: os.close(1))
+    assert result.returncode == 2
+    assert "cannot write standard output: it is closed" in _one_line(result.stderr)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_standard_output_is_named():
+    with open("/dev/full", "w") as full:
+        result = _command("--version", capture=False, stdout=full, stderr=subprocess.PIPE)
+    assert result.returncode == 2
+    assert "cannot write standard output: No space left on device" in _one_line(result.stderr)
+
+
+def test_ctrl_c_while_the_command_loads_is_one_line(tmp_path, monkeypatch, capsys):
+    loaded = cli._command
+
+    def interrupted_while_loading(name):
+        os.kill(os.getpid(), signal.SIGINT)  # held until the imports are done
+        return loaded(name)
+
+    monkeypatch.setattr(cli, "_command", interrupted_while_loading)
+    assert main(["compare", "--config", "tiny", "--run-dir", str(tmp_path / "run")]) == 130
+    assert "interrupted before compare started" in _one_line(capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()
+    # Ctrl-C works as usual again once the command runs.
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_anywhere_in_main_is_one_line(monkeypatch, capsys):
+    def stopped(name):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_command", stopped)
+    assert main(["train", "--config", "tiny"]) == 130
+    assert _one_line(capsys.readouterr().err) == "ipu-unit-scaling: interrupted\n"
+
+
+@pytest.mark.parametrize("source, words", [
+    (None, "sys:exit called sys.exit(<GPTConfig>) instead of returning a model"),
+    ("import sys\nsys.exit(3)\n", "importing 'exits_here' called sys.exit(3)"),
+    ("def build(settings):\n    return 5\n", "returned int, not a torch.nn.Module"),
+])
+def test_a_factory_that_exits_or_returns_no_module_is_refused(tmp_path, monkeypatch, capsys,
+                                                              source, words):
+    factory = "sys:exit"
+    if source is not None:
+        (tmp_path / "exits_here.py").write_text(source)
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.syspath_prepend(str(tmp_path))
+        factory = "exits_here:build"
+    run_dir = tmp_path / "run"
+    assert main(["train", "--config", "tiny", "--set", f"model.factory={factory}", *ONE_STAGE,
+                 "--run-dir", str(run_dir), "--quiet"]) == 2
+    assert words in _one_line(capsys.readouterr().err)
+    assert not run_dir.exists()
+
+
+def test_a_figure_that_cannot_be_written_names_itself(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    steps = ["--set", "training.steps=2", "training.eval_interval=0"]
+    assert main(["train", "--config", "tiny", *steps, "--run-dir", str(run_dir),
+                 "--quiet"]) == 0
+    (run_dir / "loss.png").unlink()
+    (run_dir / "loss.png").mkdir()
+    capsys.readouterr()
+    assert main(["train", "--resume", str(run_dir), "--set", "training.steps=3",
+                 "--quiet"]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert f"loss.png not written: cannot replace {run_dir / 'loss.png'}: it is a directory" \
+        in err and ".tmp" not in err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert (summary["status"], summary["steps"]) == ("completed", 3)  # the run itself is whole
+
+
+@pytest.mark.parametrize("command", [["evaluate"], ["sample", "--tokens", "2"]])
+def test_a_broken_lock_link_is_named(tmp_path, capsys, command):
+    run_dir = tmp_path / "run"
+    assert main(["train", "--config", "tiny", "--set", "training.steps=1",
+                 "training.eval_interval=0", "--run-dir", str(run_dir), "--quiet"]) == 0
+    os.symlink(tmp_path / "gone" / "lock", run_dir / ".lock")
+    capsys.readouterr()
+    assert main([command[0], str(run_dir), *command[1:]]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert "its .lock is a broken symbolic link" in err and "no such directory" not in err
