@@ -19,8 +19,9 @@ The ops that change are ``U.linear`` / ``U.linear_readout`` / ``U.conv1d`` with 
 ``U.rms_norm`` and ``U.embedding`` with ``max_norm``, and the modules built on them; the
 extra query/key gradient scale that ``unit_scale`` gives attention projections is off. The
 formulas are below, one function per rule. Ops the library does not have (``U.relu``, ...),
-and this package's own GPT blocks (``uu.GPT`` and its parts, fused for speed), keep this
-package's rules.
+this package's own GPT blocks (``uu.GPT`` and its parts, fused for speed), the conversion
+``unit_scale`` (its constraints) and the FP8 linears of ``simulate_fp8`` keep this package's
+rules.
 
 Scope: like ``torch.no_grad``, the setting belongs to the thread that enters it (and to what
 that thread calls); other threads, including ones started inside the block, keep their own
