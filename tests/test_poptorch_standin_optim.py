@@ -474,6 +474,16 @@ def test_ipu_state_dict_names_and_values() -> None:
     assert torch.equal(s2["ipu_state"]["Accl1___lin.weight"], torch.full((3, 3), 0.25))
     assert float(s2["ipu_param"]["learningRate___specific___lin.weight"]) == 0.125
     assert float(s2["ipu_param"]["learningRate___specific___lin.bias"]) == pytest.approx(0.05)
+    # setOptimizer with an unchanged optimizer sends nothing: the written value stays;
+    # a changed one overwrites it
+    user = popt.Adam(lin.parameters(), lr=0.05, weight_decay=0.025)
+    same = popt.to_ipu_optimizer(user, previous=adam)
+    assert float(popt.ipu_state_dict(same, named)["ipu_param"][
+        "learningRate___specific___lin.weight"]) == 0.125
+    user.param_groups[0]["lr"] = 0.5
+    changed = popt.to_ipu_optimizer(user, previous=same)
+    assert float(popt.ipu_state_dict(changed, named)["ipu_param"][
+        "learningRate___specific___lin.weight"]) == 0.5
 
 
 def test_state_dict_carries_ipu_keys_and_lr_scheduler_works() -> None:

@@ -861,7 +861,18 @@ def to_ipu_optimizer(optimizer: Any, previous: Optional[torch.optim.Optimizer] =
         dev = from_torch_optimizer(optimizer)
     if previous is not None and type(previous) is type(dev):
         dev.state = previous.state  # type: ignore[attr-defined]
+        if _snapshot(previous) == _snapshot(dev):
+            # PopTorch sends nothing when the optimizer is unchanged: values written with
+            # load_ipu_state_dict stay on the device.
+            dev.__dict__["_ipu_param_overrides"] = previous._overrides()  # type: ignore
     return dev
+
+
+def _snapshot(opt: Any) -> Tuple[Any, ...]:
+    groups = [sorted((k, repr(v)) for k, v in g.items() if k != "params")
+              for g in opt.param_groups]
+    attrs = [(a, repr(getattr(opt, a, None))) for a in _GLOBAL_ATTRS]
+    return (type(opt).__name__, repr(groups), tuple(attrs))
 
 
 def from_torch_optimizer(optimizer: torch.optim.Optimizer) -> Any:
