@@ -147,3 +147,28 @@ def test_a_broken_lock_link_is_named(tmp_path, capsys, command):
     assert main([command[0], str(run_dir), *command[1:]]) == 2
     err = _one_line(capsys.readouterr().err)
     assert "its .lock is a broken symbolic link" in err and "no such directory" not in err
+
+
+@pytest.mark.parametrize("fails", ["pwrite", "open"])
+def test_a_full_disk_at_the_start_leaves_nothing_behind(tmp_path, monkeypatch, capsys, fails):
+    """The disk fills as the run takes its lock: the holder's name cannot be written (or, with
+    no room for a new file, the lock file cannot be made). What the command created goes."""
+    import errno
+
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if fails == "pwrite":
+        def pwrite(fd, data, offset):
+            raise full
+        monkeypatch.setattr(os, "pwrite", pwrite)
+    else:
+        real_open = os.open
+
+        def open_(path, flags, *args, **kwargs):
+            if str(path).endswith(".lock") and flags & os.O_CREAT:
+                raise full
+            return real_open(path, flags, *args, **kwargs)
+        monkeypatch.setattr(os, "open", open_)
+    made = tmp_path / "new"
+    assert main(["train", "--config", "tiny", "--run-dir", str(made / "run"), "--quiet"]) == 2
+    assert "No space left on device" in _one_line(capsys.readouterr().err)
+    assert list(tmp_path.iterdir()) == []

@@ -285,12 +285,15 @@ def remove_refused_start(created: Sequence[Path]) -> None:
         return
     run_dir = Path(created[-1])
     try:
-        with RunLock(run_dir):
+        with RunLock(run_dir, names_holder=False):  # a full disk takes no holder's name
             if not _only_start_files(run_dir):
                 return
             _remove_start_files(run_dir)
     except (RunError, OSError):
-        return
+        try:  # no lock file could be made there (a full disk): only an empty one goes
+            run_dir.rmdir()
+        except OSError:
+            return
     for directory in reversed(created[:-1]):
         try:
             Path(directory).rmdir()
@@ -367,9 +370,12 @@ class RunLock:
     there means no run is writing it).
     """
 
-    def __init__(self, run_dir: Path, shared: bool = False, action: str = "read") -> None:
+    def __init__(self, run_dir: Path, shared: bool = False, action: str = "read",
+                 names_holder: bool = True) -> None:
         self.run_dir = Path(run_dir)
         self.shared = shared
+        # False: a writer that records no holder (a clean-up, which must work on a full disk)
+        self.names_holder = names_holder
         self.action = action  # what a refused reader could not do ("evaluate", "sample")
         self._fd: Optional[int] = None
 
@@ -399,7 +405,7 @@ class RunLock:
                 # lock file there is now (a new one if none is).
                 os.close(fd)
                 return self.acquire()
-        if not self.shared:
+        if not self.shared and self.names_holder:
             try:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, _holder_text().encode("utf-8"), 0)
