@@ -172,3 +172,30 @@ def test_a_full_disk_at_the_start_leaves_nothing_behind(tmp_path, monkeypatch, c
     assert main(["train", "--config", "tiny", "--run-dir", str(made / "run"), "--quiet"]) == 2
     assert "No space left on device" in _one_line(capsys.readouterr().err)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_relative_data_path_is_saved_absolute(tmp_path, monkeypatch, capsys):
+    from ipu_unit_scaling.training.run_config import setting_differences
+
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    here.mkdir()
+    elsewhere.mkdir()
+    (here / "book.txt").write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    monkeypatch.chdir(here)
+    run_dir = tmp_path / "run"
+    assert main(["train", "--config", "tiny", "--data", "book.txt", "--set", "training.steps=1",
+                 "training.eval_interval=0", "--run-dir", str(run_dir), "--quiet"]) == 0
+    assert f"path: {here / 'book.txt'}" in (run_dir / "config.yaml").read_text()
+    monkeypatch.chdir(elsewhere)  # read from another directory
+    assert main(["evaluate", str(run_dir), "--precision", "fp32", "--quiet"]) == 0
+    assert main(["train", "--resume", str(run_dir), "--set", "training.steps=2",
+                 "--quiet"]) == 0
+    # A resume that names the text relative to where it is given saves it absolute too.
+    assert main(["train", "--resume", str(run_dir), "--set", "training.steps=3",
+                 "data.path=../here/book.txt", "--quiet"]) == 0
+    assert f"path: {here / 'book.txt'}" in (run_dir / "config.yaml").read_text()
+    # A run saved with a relative path names the same file as its absolute path.
+    monkeypatch.chdir(here)
+    assert setting_differences({"data": {"path": "book.txt"}},
+                               {"data": {"path": str(here / "book.txt")}}) == []
+    assert setting_differences({"data": {"path": "book.txt"}}, {"data": {"path": "other"}})

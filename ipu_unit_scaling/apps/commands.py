@@ -64,7 +64,7 @@ def _config_path(args: argparse.Namespace) -> Optional[str]:
 
 
 def _load(args: argparse.Namespace) -> Config:
-    from ..training.run_config import load_config
+    from ..training.run_config import absolute_path, load_config
 
     config = load_config(_config_path(args), _overrides(args))
     data = getattr(args, "data", None)
@@ -72,6 +72,7 @@ def _load(args: argparse.Namespace) -> Config:
         if not data.strip():
             raise UsageError("--data needs a file name (leave it out for the embedded corpus)")
         config.data.path = data
+    config.data.path = absolute_path(config.data.path)  # saved so: readable from anywhere
     return config
 
 
@@ -140,6 +141,7 @@ def _fmt(value: Optional[float], digits: int = 4) -> str:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from ..loop.training_loop import train
+    from ..training.run_config import absolute_path_override
 
     if args.scale_report:
         try:
@@ -156,6 +158,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
                              "and start; change settings with --set")
         config = None  # the run's own, read under its lock
         directory = contextlib.nullcontext(args.resume)
+        args.overrides = [[absolute_path_override(item) for item in _overrides(args)]]
     elif args.init_from is not None:
         config = _fine_tuning_config(args)
         directory = _run_directory(args.run_dir, _runs_root(config), "finetune")
@@ -181,6 +184,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 def _fine_tuning_config(args: argparse.Namespace) -> Config:
     """The pretrained run's config with --set and --data: the config of ``--init-from``."""
     from ..loop.training_loop import load_run_config
+    from ..training.run_config import absolute_path
     from ..training.run_directory import RunError, not_a_directory
 
     if args.config is not None:
@@ -195,6 +199,7 @@ def _fine_tuning_config(args: argparse.Namespace) -> Config:
             raise UsageError("--data needs a file name (leave it out for the pretrained "
                              "run's data)")
         config.data.path = args.data
+    config.data.path = absolute_path(config.data.path)
     return config
 
 

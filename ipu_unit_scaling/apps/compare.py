@@ -227,6 +227,7 @@ def format_compare_table(rows: Sequence[Dict[str, Any]], baseline: Optional[floa
 
 
 def _cmd_compare_bert(args: argparse.Namespace) -> int:
+    from ..training.run_config import absolute_path
     from .mlm import MLM_REGIMES, MLMConfig, check_mlm_regimes, format_mlm_table, run_mlm_compare
 
     if args.config:
@@ -238,6 +239,7 @@ def _cmd_compare_bert(args: argparse.Namespace) -> int:
     regimes = list(args.regimes or MLM_REGIMES)
     try:
         config = MLMConfig().with_overrides(overrides)
+        config.data = absolute_path(config.data)  # saved so: readable from anywhere
         check_mlm_regimes(regimes)
     except ValueError as error:
         raise UsageError(str(error)) from error

@@ -25,7 +25,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import json
 import math
+import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -517,6 +519,34 @@ def setting_differences(saved: Dict[str, Any], wanted: Dict[str, Any],
         old, new = saved.get(key), wanted.get(key)
         if isinstance(old, dict) and isinstance(new, dict) and not prefix:
             found += setting_differences(old, new, key + ".")
+        elif f"{prefix}{key}" == "data.path" and absolute_path(old) == absolute_path(new):
+            continue  # the same file, named from the working directory or absolutely
         elif old != new:
             found.append(f"{prefix}{key}: {old!r} -> {new!r}")
     return found
+
+
+def absolute_path(path: Any) -> Any:
+    """A ``data.path`` given relative to the working directory, made absolute (other values
+    as they are): a run saves its text's path so, to be resumed, evaluated or sampled from
+    any directory."""
+    if not isinstance(path, str) or not path.strip():
+        return path
+    try:
+        return os.path.abspath(path)
+    except (OSError, ValueError):  # a NUL byte: refused where the file is opened
+        return path
+
+
+def absolute_path_override(override: str) -> str:
+    """A ``data.path=VALUE`` override with a relative path made absolute (as
+    :func:`absolute_path`); every other override as it is."""
+    key, sep, text = override.partition("=")
+    if not sep or key.strip() != "data.path":
+        return override
+    try:
+        value = parse_override_value(key.strip(), text)
+    except ConfigError:
+        return override  # refused with its reason where it is applied
+    absolute = absolute_path(value)
+    return override if absolute == value else f"data.path={json.dumps(absolute)}"
