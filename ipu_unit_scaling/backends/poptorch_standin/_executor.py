@@ -121,6 +121,10 @@ class PoplarExecutor:
         self.per_replica_params: Dict[str, Any] = {}
         if training:
             self.setOptimizer(optimizer)
+            self._wrap()
+
+    def _wrap(self) -> None:
+        if not _impl.isWrapped(self._user_model):
             _impl.wrap_trained_model(self._user_model, self.copyWeightsToHostIfNeeded,
                                      lambda: self._host_weights_version, self.destroy)
 
@@ -281,6 +285,8 @@ class PoplarExecutor:
 
     def _compile(self, inputs: Args) -> None:
         _validateOptions(self._options.toDict())
+        if self._training:
+            self._wrap()
         self._executable_inputs = inputs
         template = inputs.map(lambda t: t)
         example = [self._narrow(t).detach() for t in inputs.tensors()]
@@ -410,6 +416,8 @@ class PoplarExecutor:
         self._graph = None
         self._device_parameters, self._device_buffers = [], []
         self._device_optimizer = None
+        if self._training:
+            _impl.unwrap_model(self._user_model)
         self._executable_inputs = None
         self._is_attached = False
 

@@ -81,11 +81,40 @@ def _pickle_unwrapped(obj: Any) -> Any:
     return copy.copy, (clone,)
 
 
+def _tensor_reduce(tensor: torch.Tensor) -> Any:
+    """A wrapped parameter or buffer pickles as a plain one."""
+    data = torch.Tensor._make_subclass(torch.Tensor, tensor.detach(), False)
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter, (data.clone(), tensor.requires_grad)
+    return torch.Tensor.clone, (data,)
+
+
 def wrap_trained_model(model: torch.nn.Module, sync: Callable[[], bool],
                        version: Callable[[], Any], destroy: Callable[[], None]) -> None:
-    """Swap ``model``'s class for a subclass whose reads of parameters, buffers and forward
-    first call ``sync`` (the executor's ``copyWeightsToHostIfNeeded``)."""
+    """Swap the classes of ``model``, its parameters and its buffers for subclasses whose
+    reads first call ``sync`` (the executor's ``copyWeightsToHostIfNeeded``), as PopTorch
+    does, so that the trained weights reach the host when the host reads them."""
     base = type(model)
+
+    class PoptorchParameter(torch.nn.Parameter):
+        def __getattribute__(self, name: str) -> Any:
+            sync()
+            return object.__getattribute__(self, name)
+
+        @classmethod
+        def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    class PoptorchBuffer(torch.Tensor):
+        def __getattribute__(self, name: str) -> Any:
+            sync()
+            return super().__getattribute__(name)
+
+        @classmethod
+        def __torch_function__(cls, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            return super().__torch_function__(func, types, args, kwargs or {})
 
     class PoptorchModel(base):  # type: ignore[misc, valid-type]
         def copyWeightsToHostIfNeeded(self) -> bool:
@@ -107,12 +136,29 @@ def wrap_trained_model(model: torch.nn.Module, sync: Callable[[], bool],
                 sync()
             return value
 
-        def state_dict(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        def state_dict(self, *args: Any, **kwargs: Any) -> Any:
             sync()
             return base.state_dict(self, *args, **kwargs)
 
     PoptorchModel.__name__ = base.__name__
     PoptorchModel.__qualname__ = base.__qualname__
-    _wrapper_types.append(PoptorchModel)
+    for kind in (PoptorchModel, PoptorchParameter, PoptorchBuffer):
+        _wrapper_types.append(kind)
     copyreg.pickle(PoptorchModel, _pickle_unwrapped)
+    copyreg.pickle(PoptorchParameter, _tensor_reduce)
+    copyreg.pickle(PoptorchBuffer, _tensor_reduce)
+    for parameter in model.parameters():
+        if type(parameter) is torch.nn.Parameter:
+            parameter.__class__ = PoptorchParameter
+    for buffer in model.buffers():
+        if type(buffer) is torch.Tensor:
+            buffer.__class__ = PoptorchBuffer
     model.__class__ = PoptorchModel
+
+
+def unwrap_model(model: torch.nn.Module) -> None:
+    """Undo :func:`wrap_trained_model` (``destroy()``)."""
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if isWrapped(tensor):
+            tensor.__class__ = type(tensor).__bases__[0]
+    unwrapModelIfNecessary(model)
