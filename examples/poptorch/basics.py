@@ -8,8 +8,8 @@ Runs on an IPU with the Poplar SDK, or on a CPU with the package's PopTorch stan
 Prints one line per epoch (mean loss) and the shapes the model returned, as
 ``key: value`` lines.
 """
-import torch
 import poptorch
+import torch
 
 
 class Classifier(torch.nn.Module):

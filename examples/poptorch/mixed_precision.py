@@ -6,8 +6,8 @@ loss_scaling=1024)``, in the style of Graphcore's mixed-precision tutorial (synt
 PopTorch keeps Adam's first and second moments in float32 unless told otherwise, so the
 second moment does not underflow in float16 and ``eps`` stays non-zero.
 """
-import torch
 import poptorch
+import torch
 
 
 class HalfNet(torch.nn.Module):

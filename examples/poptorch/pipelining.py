@@ -8,8 +8,8 @@ accumulation of at least 3; with less, the model is refused when it compiles.
 """
 import argparse
 
-import torch
 import poptorch
+import torch
 
 
 class TwoStages(torch.nn.Module):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import copyreg
 import weakref
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, List
 
 import torch
 
