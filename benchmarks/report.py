@@ -240,8 +240,10 @@ def markdown(results: Results, settings: Settings, command: str) -> str:
             "allocated once. A kernel's bound is the copy bandwidth measured in the same run "
             "(`copy_`, 8 bytes per element) divided by the bytes it must move per element: 4 for "
             "the amax, 5 for a cast to codes, 8 for a quantise to float32 values. Fractions are "
-            "medians of per-round ratios (wall clock), with quartiles. `portable` is the "
-            "compiler-vectorised loop used where a CPU has no AVX2; `block` is the fused "
+            "medians of per-round ratios (wall clock), with quartiles. `AVX-512` and `AVX2` are "
+            "the host library's intrinsics kernels (it runs the widest the CPU has), "
+            "`portable` the compiler-vectorised loop used where a CPU has neither; `block` is "
+            "the fused "
             "amax + cast's block size in elements (default 32768).",
             "",
         ]

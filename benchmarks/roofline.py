@@ -8,7 +8,7 @@ writes 4 per element), divided by the bytes the kernel must move per element: 4 
 (read), 5 for a cast to FP8 codes (read 4, write 1), 8 for a quantise to float32 values. Each
 round times the copy and every kernel in turn (wall clock: the kernels use several threads),
 and a kernel's fraction of its bound is taken within the round; the table gives the median and
-quartiles over rounds. Also measured: the portable loops against the AVX2 kernels, and the
+quartiles over rounds. Also measured: the AVX-512 and AVX2 kernels and the portable loops, and the
 fused amax + cast at several block sizes (the block is cast from cache while the next streams
 in).
 """
@@ -88,12 +88,15 @@ def _with_tuning(step: Callable[[], object], block: int = -1,
         try:
             return step()
         finally:
-            _host.fused_tuning(_DEFAULT_BLOCK, 1)
+            _host.fused_tuning(_DEFAULT_BLOCK, _WIDEST)
 
     return tuned
 
 
 _DEFAULT_BLOCK = 1 << 15
+# The host library's SIMD levels (fused_tuning's simd): its default allows the widest.
+_SIMD_NAMES = {0: "portable", 1: "AVX2", 2: "AVX-512"}
+_WIDEST = 2
 
 
 def _rows(steps: Dict[str, Callable[[], object]], kernel_of: Dict[str, str],
@@ -120,7 +123,8 @@ def measure(n: int = 16 << 20, threads: Sequence[int] = (), rounds: int = 7,
             min_run_time: float = 0.2, blocks: Sequence[int] = (1 << 13, 1 << 14, 1 << 15,
                                                                   1 << 16, 1 << 17, 1 << 18),
             ) -> List[RooflineRow]:
-    """Every kernel at each thread count (default 1 and all cores), AVX2 and portable, and the
+    """Every kernel at each thread count (default 1 and all cores), with the widest SIMD
+    kernels the CPU has (AVX-512 or AVX2), the narrower ones and the portable loops, and the
     amax + cast at each block size on all cores. Needs the host library."""
     from ipu_unit_scaling.fp8 import host_library as _host
 
@@ -139,11 +143,13 @@ def measure(n: int = 16 << 20, threads: Sequence[int] = (), rounds: int = 7,
             for kernel, step in kernels.items():
                 steps[kernel] = step
                 kernel_of[kernel] = kernel
-                variant_of[kernel] = "AVX2" if simd and kernel != COPY else "-"
-                if simd and kernel != COPY:
-                    name = f"{kernel} portable"
-                    steps[name] = _with_tuning(step, simd=0)
-                    kernel_of[name], variant_of[name] = kernel, "portable"
+                variant_of[kernel] = _SIMD_NAMES[simd] if kernel != COPY else "-"
+                if kernel == COPY:
+                    continue
+                for level in range(simd - 1, -1, -1):  # the narrower kernels, side by side
+                    name = f"{kernel} {_SIMD_NAMES[level]}"
+                    steps[name] = _with_tuning(step, simd=level)
+                    kernel_of[name], variant_of[name] = kernel, _SIMD_NAMES[level]
             if count == threads[-1]:
                 for block in blocks:
                     name = f"{AMAX_CAST} block {block}"
@@ -152,7 +158,7 @@ def measure(n: int = 16 << 20, threads: Sequence[int] = (), rounds: int = 7,
             rows += _rows(steps, kernel_of, variant_of, count, n, rounds, min_run_time)
     finally:
         torch.set_num_threads(saved_threads)
-        _host.fused_tuning(_DEFAULT_BLOCK, 1)
+        _host.fused_tuning(_DEFAULT_BLOCK, _WIDEST)
     return rows
 
 

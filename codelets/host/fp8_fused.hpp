@@ -10,8 +10,8 @@
 // that scale only falls as the amax grows, so a block is redone only if its
 // scale is above the final one, which for most data is rare.
 //
-// float32 runs the AVX2 kernels of fp8_simd.hpp where the CPU has AVX2, else
-// fp8_fast.hpp's portable loops; float16 runs the vertex code (fp8_arith.hpp).
+// float32 runs the AVX-512 kernels of fp8_simd.hpp where the CPU has AVX-512F,
+// its AVX2 kernels where it has AVX2, else fp8_fast.hpp's portable loops; float16 runs the vertex code (fp8_arith.hpp).
 // All give the vertices' results bit for bit.
 #pragma once
 
@@ -45,7 +45,8 @@ enum DType : int { kFloat32 = 0, kFloat16 = 1 };
 // Tuning knobs, process-wide (the roofline benchmark sweeps them).
 struct Tuning {
   std::atomic<Index> blockElements{Index(1) << 15};  // 128 KiB of float32: in L2 with the next
-  std::atomic<int> simd{1};                          // 0: portable loops even with AVX2
+  // Widest SIMD kernels allowed: 2 AVX-512 (where the CPU has it), 1 AVX2, 0 portable loops.
+  std::atomic<int> simd{2};
 };
 
 inline Tuning& tuning() {
@@ -56,14 +57,26 @@ inline Tuning& tuning() {
 // Below this many elements a second thread costs more than it saves.
 constexpr Index kMinElementsPerThread = Index(1) << 16;
 
-inline bool avx2() {
+inline bool avx512() {
 #ifdef IUS_HAVE_AVX2_KERNELS
-  static const bool supported = __builtin_cpu_supports("avx2");
-  return supported && tuning().simd.load(std::memory_order_relaxed) != 0;
+  static const bool supported = __builtin_cpu_supports("avx512f");
+  return supported && tuning().simd.load(std::memory_order_relaxed) >= 2;
 #else
   return false;
 #endif
 }
+
+inline bool avx2() {
+#ifdef IUS_HAVE_AVX2_KERNELS
+  static const bool supported = __builtin_cpu_supports("avx2");
+  return supported && tuning().simd.load(std::memory_order_relaxed) >= 1;
+#else
+  return false;
+#endif
+}
+
+// The SIMD level in use: 2 AVX-512, 1 AVX2, 0 the portable loops.
+inline int simdLevel() { return avx512() ? 2 : (avx2() ? 1 : 0); }
 
 // ---------------------------------------------------------------- element loops
 
@@ -75,6 +88,7 @@ IUS_HOT inline unsigned amaxHalf(const half* x, Index count) { return amaxKeyOfS
 
 inline unsigned amaxFloat(const float* x, Index count) {
 #ifdef IUS_HAVE_AVX2_KERNELS
+  if (avx512()) return simd512::amaxKey(x, count);
   if (avx2()) return simd::amaxKey(x, count);
 #endif
   return amaxFloatPortable(x, count);
@@ -107,6 +121,7 @@ struct CastKernel {
     const float scale = powerOfTwo(log2Scale);
     if constexpr (std::is_same<T, float>::value) {
 #ifdef IUS_HAVE_AVX2_KERNELS
+      if (avx512()) return simd512::encode<E, Saturate>(in + begin, count, scale, codes + begin);
       if (avx2()) return simd::encode<E, Saturate>(in + begin, count, scale, codes + begin);
 #endif
       encodeFloatPortable<E, Saturate>(in + begin, count, scale, codes + begin);
@@ -127,6 +142,10 @@ struct CastKernel {
                         Index nextCount) const {
 #ifdef IUS_HAVE_AVX2_KERNELS
     if constexpr (std::is_same<T, float>::value) {
+      if (avx512()) {
+        return simd512::encodeAndAmax<E, Saturate>(in + begin, codes + begin, count,
+                                                   powerOfTwo(log2Scale), in + next, nextCount);
+      }
       if (avx2()) {
         return simd::encodeAndAmax<E, Saturate>(in + begin, codes + begin, count,
                                                 powerOfTwo(log2Scale), in + next, nextCount);
@@ -146,6 +165,7 @@ struct QuantiseKernel {
   void apply(Index begin, Index count, int log2Scale) const {
     const float scale = powerOfTwo(log2Scale), inverse = powerOfTwo(-log2Scale);
 #ifdef IUS_HAVE_AVX2_KERNELS
+    if (avx512()) return simd512::quantise<E, Saturate>(in + begin, count, scale, inverse, out + begin);
     if (avx2()) return simd::quantise<E, Saturate>(in + begin, count, scale, inverse, out + begin);
 #endif
     quantiseFloatPortable<E, Saturate>(in + begin, count, scale, inverse, out + begin);
@@ -156,6 +176,11 @@ struct QuantiseKernel {
   unsigned applyAndAmax(Index begin, Index count, int log2Scale, Index next,
                         Index nextCount) const {
 #ifdef IUS_HAVE_AVX2_KERNELS
+    if (avx512()) {
+      return simd512::quantiseAndAmax<E, Saturate>(in + begin, out + begin, count,
+                                                   powerOfTwo(log2Scale), powerOfTwo(-log2Scale),
+                                                   in + next, nextCount);
+    }
     if (avx2()) {
       return simd::quantiseAndAmax<E, Saturate>(in + begin, out + begin, count,
                                                 powerOfTwo(log2Scale), powerOfTwo(-log2Scale),

@@ -366,21 +366,22 @@ IUS_EXPORT int ius_fused_quantise(const float* in, Index count, int exponentBits
   });
 }
 
-// Tuning for benchmarks: the fused block size in elements (>= 1024) and
-// whether the AVX2 kernels may be used. Returns 1 when AVX2 kernels are in use
-// afterwards, 0 when the portable loops are; negative values leave a knob as
-// it is.
+// Tuning for benchmarks: the fused block size in elements (>= 1024) and the
+// widest SIMD kernels that may be used (2 AVX-512, 1 AVX2, 0 the portable
+// loops). Returns the level in use afterwards (2, 1 or 0: the widest allowed
+// that the CPU has); negative values leave a knob as it is.
 IUS_EXPORT int ius_fused_tuning(Index blockElements, int simd) {
   auto& tuning = ius::fused::tuning();
   if (blockElements >= 1024) tuning.blockElements.store(blockElements);
   if (simd >= 0) tuning.simd.store(simd);
-  return ius::fused::avx2() ? 1 : 0;
+  return ius::fused::simdLevel();
 }
 
 // Checks the fast path's rounding against the vertex functions for `count`
 // float32 bit patterns start, start + stride, ... (wrapping): codes and
 // quantised values, both formats, both overflow policies, scales 2^log2Scale,
-// in the portable loops and (where the CPU has it) the AVX2 kernels. Returns
+// in the portable loops and (where the CPU has them) the AVX2 and AVX-512
+// kernels. Returns
 // the number of mismatches; stride 1 from 0 with count 2^32 is every pattern.
 IUS_EXPORT std::int64_t ius_fast_selftest(std::uint32_t start, std::uint32_t stride,
                                           std::int64_t count, int log2Scale) {
@@ -395,9 +396,9 @@ IUS_EXPORT std::int64_t ius_fast_selftest(std::uint32_t start, std::uint32_t str
   for (Index done = 0; done < count; done += kChunk) {
     const Index n = count - done < kChunk ? count - done : kChunk;
     for (Index i = 0; i < n; ++i, pattern += stride) x[i] = ius::floatFromBits(pattern);
-    for (int useSimd = 0; useSimd < 2; ++useSimd) {
+    for (int useSimd = 0; useSimd < 3; ++useSimd) {
       tuning.simd.store(useSimd);
-      if (useSimd && !ius::fused::avx2()) break;
+      if (ius::fused::simdLevel() != useSimd) break;
       for (int bits = 4; bits <= 5; ++bits) {
         for (int saturate = 0; saturate < 2; ++saturate) {
           mismatches += ius::fused::withFormat(bits, saturate != 0, [&](auto e, auto sat) {

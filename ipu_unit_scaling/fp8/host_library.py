@@ -315,16 +315,18 @@ def fused_amax(x: torch.Tensor) -> float:
     return amax.value
 
 
-def fused_tuning(block_elements: int = -1, simd: int = -1) -> bool:
-    """Set the fused kernels' block size (elements, at least 1024) and whether they may use
-    AVX2 (1) or only the portable loops (0); -1 leaves a knob as it is. Returns whether the
-    AVX2 kernels are in use. Process-wide; for benchmarks."""
-    return bool(library().ius_fused_tuning(int(block_elements), int(simd)))
+def fused_tuning(block_elements: int = -1, simd: int = -1) -> int:
+    """Set the fused kernels' block size (elements, at least 1024) and the widest SIMD kernels
+    they may use: 2 AVX-512 (the default), 1 AVX2, 0 only the portable loops; -1 leaves a knob
+    as it is. Returns the level in use (the widest allowed that the CPU has: 2, 1 or 0; true
+    when SIMD kernels are in use). Process-wide; for benchmarks."""
+    return int(library().ius_fused_tuning(int(block_elements), int(simd)))
 
 
 def fast_selftest(start: int, stride: int, count: int, log2_scale: int = 0) -> int:
-    """Mismatches between the fast path's rounding (portable loops and AVX2 kernels, codes and
-    values, F143 and F152, both overflow policies) and the vertex functions, over ``count``
+    """Mismatches between the fast path's rounding (portable loops, AVX2 and AVX-512 kernels,
+    codes and values, F143 and F152, both overflow policies) and the vertex functions, over
+    ``count``
     float32 bit patterns ``start, start + stride, ...`` (mod 2**32) at scale ``2**log2_scale``.
     ``fast_selftest(0, 1, 2**32)`` checks every pattern (minutes)."""
     return int(library().ius_fast_selftest(start % 2**32, stride % 2**32, count, log2_scale))
