@@ -325,6 +325,12 @@ def _functional_cases() -> List[Case]:
         "U.add 8x32 + one-element tensor",
         lambda g: {"x": normal(g, 8, 32), "y": normal(g, 1)},
         lambda a, t, _: a.U.add(t["x"], t["y"]), documented=ADD))
+    for dtype in (torch.float64, torch.float32):
+        cases.append(Case(
+            f"core.functional.rms 4x16x64{' float32' if dtype == torch.float32 else ''}",
+            _x(4, 16, 64), lambda a, t, _: a.uu.core.functional.rms(t["x"], dims=(-1,),
+                                                                    keepdim=True, eps=1e-5),
+            documented=FLOAT64_RMS if dtype == torch.float64 else None, dtype=dtype))
     cases.append(Case(
         "U.cross_entropy classes=50 batch=64, 16 targets ignored",
         lambda g: {"x": normal(g, 64, 50),

@@ -202,6 +202,11 @@ def test_rms_norm_of_float64_follows_the_library() -> None:
            library)
 
 
+def test_core_rms_of_float64_follows_the_library() -> None:
+    _check({"x": (16, 64)}, lambda x: uu.core.functional.rms(x, dims=(-1,), keepdim=True),
+           lambda x: x.float().pow(2).mean(-1, keepdim=True).sqrt().to(x.dtype))
+
+
 def test_embedding_max_norm_leaves_the_weight_under_the_library_rules() -> None:
     weight = torch.randn(10, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     weight.mul_(3)

@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import rule_switch
 from .scale_constraints import ConstraintArg, apply_constraint
 from .scaling_primitive import scale_bwd, scale_fwd
 
@@ -43,8 +44,11 @@ def logarithmic_interpolation(alpha: float, lower: float, upper: float) -> float
 
 def rms(x: Tensor, dims: Optional[Tuple[int, ...]] = None, keepdim: bool = False,
         eps: float = 0.0) -> Tensor:
-    """`sqrt(mean(x**2) + eps)` over `dims` (all by default), computed in float32 or wider."""
-    squares = (x if x.dtype == torch.float64 else x.float()).pow(2)
+    """`sqrt(mean(x**2) + eps)` over `dims` (all by default), computed in float32 or wider
+    (float64 stays float64; under `rules("unit-scaling")` it is computed in float32, as
+    unit-scaling 0.3.5 computes it)."""
+    wide = x.dtype == torch.float64 and not rule_switch.library_rules()
+    squares = (x if wide else x.float()).pow(2)
     mean_square = squares.mean() if dims is None else squares.mean(dims, keepdim=keepdim)
     if eps:
         mean_square = mean_square + eps

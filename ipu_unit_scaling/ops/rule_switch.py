@@ -37,7 +37,7 @@ import math
 import threading
 from typing import Iterator, List, Sequence, Tuple
 
-from .op_helpers import logarithmic_interpolation
+from . import op_helpers
 
 __all__ = ["rules", "active_rules", "RULES"]
 
@@ -108,6 +108,11 @@ def library_rules() -> bool:
 # Each is written from unit-scaling 0.3.5's documented rule for the op; the tests check them
 # against the same formulas written out independently, in float64.
 
+def _interpolate(alpha: float, lower: float, upper: float) -> float:
+    # Looked up when called: op_helpers imports this module (for `rms`).
+    return op_helpers.logarithmic_interpolation(alpha, lower, upper)
+
+
 _TO_MULT_SQ = 0.25  # gelu's and silu's output-scale model: alpha = sigmoid(log(4 mult**2))
 
 
@@ -117,22 +122,22 @@ def activation_scales(op: str, mult: float) -> Tuple[float, float]:
     limits sqrt(2 / (1 - 1/pi)) (the output) and sqrt(2) (the gradient)."""
     output_alpha = 1 / (1 + _TO_MULT_SQ / mult**2)
     grad_alpha = output_alpha if op == "gelu" else 1 / (1 + 1 / mult**2)
-    output_scale = logarithmic_interpolation(output_alpha, 2.0, (2 / (1 - 1 / math.pi)) ** 0.5)
-    grad_scale = logarithmic_interpolation(grad_alpha, 2.0, 2**0.5)
+    output_scale = _interpolate(output_alpha, 2.0, (2 / (1 - 1 / math.pi)) ** 0.5)
+    grad_scale = _interpolate(grad_alpha, 2.0, 2**0.5)
     return output_scale, grad_scale
 
 
 def silu_glu_scale(mult: float) -> float:
     """The one scale of ``silu_glu`` (output, and both input gradients)."""
-    return logarithmic_interpolation(1 / (1 + 1 / mult**2), 2.0, 2**0.5)
+    return _interpolate(1 / (1 + 1 / mult**2), 2.0, 2**0.5)
 
 
 def softmax_scales(n: int, mult: float) -> Tuple[float, float]:
     """(output scale, grad-input scale) of a softmax of ``mult * x`` over n: between the flat
     limits (n, n / mult) and the one-hot limits (sqrt(n), sqrt(n / mult))."""
     alpha = 1 / (1 + 4 / mult**2)
-    return (logarithmic_interpolation(alpha, n, n**0.5),
-            logarithmic_interpolation(alpha, n / mult, (n / mult) ** 0.5))
+    return (_interpolate(alpha, n, n**0.5),
+            _interpolate(alpha, n / mult, (n / mult) ** 0.5))
 
 
 def attention_scale(key_len: int, head_dim: int, mult: float, is_causal: bool,
@@ -140,7 +145,7 @@ def attention_scale(key_len: int, head_dim: int, mult: float, is_causal: bool,
     """The one scale of attention (its output in the forward pass, query, key and value
     gradients in the backward pass), for logits ``mult * q.k / head_dim``."""
     lower = ((math.log(key_len) if is_causal else 1.0) / key_len) ** 0.5
-    spread = logarithmic_interpolation(1 / (1 + 4 * head_dim / mult**2), lower, 1.0)
+    spread = _interpolate(1 / (1 + 4 * head_dim / mult**2), lower, 1.0)
     return (1 - dropout_p) ** 0.5 / spread
 
 
