@@ -546,3 +546,34 @@ def test_popart_optimizer_ops() -> None:
     sgd2 = types(popt.SGD(lin.parameters(), lr=0.1, momentum=0.9))
     assert sgd2.count("SGD2VarUpdate") == 2 and "SGD0VarUpdate" not in sgd2
     assert types(popt.LAMB(lin.parameters())).count("LambSquare") == 4
+
+
+def test_replacing_the_optimizer_of_a_compiled_model() -> None:
+    """PopART's validReplacement: explicit arguments are variables and may change; a constant
+    (an argument left to its default) may not, nor the optimizer's kind or clipping."""
+    ps = _params()
+    first = popt.to_ipu_optimizer(popt.SGD(ps, lr=0.1, loss_scaling=2.0))
+    ok = popt.SGD(ps, lr=0.5, loss_scaling=4.0)  # lr and loss_scaling are variables
+    popt.to_ipu_optimizer(ok, previous=first)
+    constant = popt.SGD(ps, lr=0.1, loss_scaling=2.0)
+    constant.param_groups[0]["weight_decay"] = 0.1  # weight_decay was left constant
+    with pytest.raises(RuntimeError, match="Problem with weight decays.*Values are constant "
+                                           "but do not match"):
+        popt.to_ipu_optimizer(constant, previous=first)
+    with pytest.raises(RuntimeError, match="Can not replace a constant value with a non constant"):
+        popt.to_ipu_optimizer(popt.SGD(ps, lr=0.1, loss_scaling=2.0, weight_decay=0.0),
+                              previous=first)
+    with pytest.raises(RuntimeError, match="Can not replace optimizer of type SGD with new "
+                                           "optimizer of type Adam"):
+        popt.to_ipu_optimizer(popt.Adam(ps, lr=0.1, loss_scaling=2.0), previous=first)
+    with pytest.raises(RuntimeError, match="Clip norm settings do not match"):
+        popt.to_ipu_optimizer(popt.SGD(ps, lr=0.1, loss_scaling=2.0, max_grad_norm=1.0),
+                              previous=first)
+    with pytest.raises(RuntimeError, match="Weight decay modes do not match"):
+        popt.to_ipu_optimizer(torch.optim.AdamW(ps),
+                              previous=popt.to_ipu_optimizer(torch.optim.Adam(ps)))
+    # a torch optimizer: constant where it equals torch's default, lr always variable
+    adam = popt.to_ipu_optimizer(torch.optim.Adam(ps, lr=0.1))
+    popt.to_ipu_optimizer(torch.optim.Adam(ps, lr=0.01), previous=adam)
+    with pytest.raises(RuntimeError, match="Problem with eps"):
+        popt.to_ipu_optimizer(torch.optim.Adam(ps, lr=0.1, eps=1e-6), previous=adam)

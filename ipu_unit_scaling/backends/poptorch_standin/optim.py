@@ -95,6 +95,7 @@ __all__ = [
     "detach_ipu_state",
     "sync_ipu_state",
     "popart_optimizer_ops",
+    "check_replacement",
 ]
 
 logger = logging.getLogger("poptorch::python")
@@ -859,6 +860,8 @@ def to_ipu_optimizer(optimizer: Any, previous: Optional[torch.optim.Optimizer] =
         dev.variable_attrs = copy.deepcopy(optimizer.variable_attrs)  # type: ignore
     else:
         dev = from_torch_optimizer(optimizer)
+    if previous is not None:
+        check_replacement(previous, dev)
     if previous is not None and type(previous) is type(dev):
         dev.state = previous.state  # type: ignore[attr-defined]
         if _snapshot(previous) == _snapshot(dev):
@@ -1109,3 +1112,151 @@ def popart_optimizer_ops(opt: Optimizer, named_parameters: Dict[str, torch.Tenso
             types += ["AdamVarUpdate"]
         ops.extend({"type": t, "name": f"{t}___{name}"} for t in types)
     return ops
+
+
+# ---- PopART's check when setOptimizer replaces the optimizer of a compiled model ------------
+
+def _popart_error(message: str) -> Exception:
+    try:
+        from .poptorch_core import Error
+    except ImportError:  # pragma: no cover - the stand-in always has it
+        return RuntimeError(message)
+    err = Error(message)
+    err.type = "popart_exception"
+    return err
+
+
+def _popart_kind(opt: Any) -> Tuple[str, str, str]:
+    """(PopART optimizer type, Adam mode, weight decay mode)."""
+    if isinstance(opt, SGD):
+        return ("SGD", "", "")
+    if isinstance(opt, RMSprop):
+        return ("Adaptive", "", "L2Regularization")
+    if isinstance(opt, LAMB):
+        return ("Adam", "Lamb" if opt.bias_correction else "LambNoBias", "Decay")
+    return ("Adam", "Adam", "L2Regularization" if isinstance(opt, Adam) else "Decay")
+
+
+def _const_rule(opt: Any, attr: str, value: Any) -> bool:
+    """PopTorch's constness of an attribute (``_optimizer_attributes``): the optimizer's
+    ``variable_attrs`` if it has them (PopTorch's optimizers), else by value (torch's)."""
+    va = getattr(opt, "variable_attrs", None)
+    if va is not None:
+        return bool(va.isConstant(attr))
+    if attr == "lr":
+        return False
+    if attr in ("betas", "alpha", "nesterov"):
+        return True
+    defaults = {"weight_decay": 1e-2 if isinstance(opt, AdamW) else 0.0, "momentum": 0.0,
+                "velocity_scaling": 1.0, "eps": 1e-8, "max_weight_norm": _FP16_MAX,
+                "loss_scaling": 1.0}
+    return bool(value == defaults[attr])
+
+
+def _replacement_values(opt: Any) -> Dict[str, Dict[Any, Tuple[float, bool]]]:
+    """PopART's OptimizerValueMaps: label -> {"default" or weight: (value, is_const)}, a weight
+    by its position among the optimizer's parameters (the executor maps the new optimizer's
+    parameters to the device's after this check)."""
+    if isinstance(opt, SGD):
+        attrs = [("learning rates", "lr", None), ("weight decays", "weight_decay", None),
+                 ("momentums", "momentum", None), ("nesterov", "nesterov", None)]
+        if opt.use_combined_accum:
+            attrs.append(("velocity scalings", "velocity_scaling", None))
+    elif isinstance(opt, RMSprop):
+        attrs = [("learning rates", "lr", None), ("weight decays", "weight_decay", None),
+                 ("alphas", "alpha", None), ("momentums", "momentum", None),
+                 ("eps", "eps", None)]
+    else:
+        attrs = [("learning rates", "lr", None), ("weight decays", "weight_decay", None),
+                 ("beta1s", "betas", 0), ("beta2s", "betas", 1), ("eps", "eps", None)]
+        if isinstance(opt, LAMB):
+            attrs.append(("mwn", "max_weight_norm", None))
+    out: Dict[str, Dict[Any, Tuple[float, bool]]] = {}
+    sources: List[Tuple[Any, Dict[str, Any]]] = [("default", opt.defaults)]
+    sources += [(i, g) for i, (g, _p) in enumerate(
+        (g, p) for g in opt.param_groups for p in g["params"])]
+    for label, attr, index in attrs:
+        values: Dict[Any, Tuple[float, bool]] = {}
+        for key, group in sources:
+            value = group.get(attr, 1.0 if attr == "velocity_scaling" else None)
+            if value is None:
+                continue
+            const = _const_rule(opt, attr, value)
+            values[key] = (float(value[index] if index is not None else value), const)
+        out[label] = values
+    ls = float(opt.loss_scaling)
+    out["loss scaling"] = {"default": (ls, _const_rule(opt, "loss_scaling", ls))}
+    return out
+
+
+def _replace_value(old: Tuple[float, bool], new: Tuple[float, bool]) -> None:
+    if old[1] != new[1]:
+        raise ValueError("Can not replace a constant value with a non constant value.")
+    if old[1] and old[0] != new[0]:
+        raise ValueError("Values are constant but do not match.")
+
+
+def check_replacement(previous: Any, new: Any) -> None:
+    """Refuse, as PopART's ``Optimizer::validReplacement`` does, a new optimizer for a compiled
+    model that changes a constant attribute, makes a constant variable (or the reverse), changes
+    the optimizer's kind, its gradient clipping, or whether SGD keeps a velocity."""
+    old_kind, new_kind = _popart_kind(previous), _popart_kind(new)
+    old_norm = float(getattr(previous, "max_grad_norm", float("inf")))
+    new_norm = float(getattr(new, "max_grad_norm", float("inf")))
+    if math.isinf(old_norm) != math.isinf(new_norm):
+        raise _popart_error("Clip norm settings do not match.")
+    if not math.isinf(old_norm) and old_norm != new_norm:
+        raise _popart_error("Clip norm settings at index 0 do not match.")
+    if old_kind[0] != new_kind[0]:
+        raise _popart_error(f"Can not replace optimizer of type {old_kind[0]} with new "
+                            f"optimizer of type {new_kind[0]}")
+    if old_kind[1] != new_kind[1]:
+        raise _popart_error("Adam modes do not match")
+    if old_kind[2] != new_kind[2]:
+        raise _popart_error("Weight decay modes do not match")
+    old_vals, new_vals = _replacement_values(previous), _replacement_values(new)
+    for label in ["loss scaling"] + [k for k in old_vals if k != "loss scaling"]:
+        before, after = old_vals[label], new_vals.get(label, {})
+        try:
+            if "default" in before and "default" in after:
+                try:
+                    _replace_value(before["default"], after["default"])
+                except ValueError as err:
+                    if label == "loss scaling":
+                        raise
+                    raise ValueError(
+                        f"Default value is not a valid replacement. {err}") from err
+            specific_before = {k: v for k, v in before.items() if k != "default"}
+            specific_after = {k: v for k, v in after.items() if k != "default"}
+            if len(specific_before) != len(specific_after):
+                raise ValueError("Replacement OptimizerValueMap has a different number of "
+                                 "specific tensors.")
+            for key, value in specific_before.items():
+                if key not in specific_after:
+                    raise ValueError("Could not find tensor in replacement OptimizerValueMap.")
+                try:
+                    _replace_value(value, specific_after[key])
+                except ValueError as err:
+                    raise ValueError(f"OptimizerValue for tensor {key} is not a valid "
+                                     f"replacement.{err}") from err
+        except ValueError as err:
+            raise _popart_error(f"Problem with {label}. {err}") from None
+    if isinstance(previous, SGD) and isinstance(new, SGD):
+        def has_velocity(opt: SGD) -> bool:
+            return not _const_rule(opt, "momentum", opt.defaults["momentum"]) or \
+                opt.defaults["momentum"] != 0.0
+        if has_velocity(previous) != has_velocity(new):
+            raise _popart_error("this does not require a velocity tensor, but other does.")
+        if has_velocity(previous):
+            if previous.use_combined_accum != new.use_combined_accum:
+                names = {True: "Combined", False: "Separate"}
+                raise _popart_error(
+                    f"this has SGDAccumulatorAndMomentum {names[previous.use_combined_accum]}, "
+                    f"but other has {names[new.use_combined_accum]}")
+            if not previous.use_combined_accum:
+                for attr, popart in (("accum_type", "sgdAccumType"),
+                                     ("velocity_accum_type", "sgd2Accl1Type")):
+                    if getattr(previous, attr) != getattr(new, attr):
+                        raise _popart_error(
+                            f"this has SGDAccumulatorAndMomentum::Separate and {popart} "
+                            f"{getattr(previous, attr)}, but other has {getattr(new, attr)}")
