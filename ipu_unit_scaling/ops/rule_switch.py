@@ -16,7 +16,8 @@ The ops that change are ``U.linear`` / ``U.linear_readout`` / ``U.conv1d`` with 
 ``U.matmul`` with a broadcast input, ``U.add`` with a broadcast input or a single value,
 ``U.gelu``, ``U.silu``, ``U.silu_glu``, ``U.softmax``, ``U.dropout``,
 ``U.scaled_dot_product_attention``, ``U.cross_entropy`` (and ``uu.CrossEntropyLoss``),
-``U.rms_norm`` and ``U.embedding`` with ``max_norm``, and the modules built on them; the
+``U.rms_norm``, ``core.functional.rms`` and ``U.embedding`` with ``max_norm``, and the
+modules built on them; the
 extra query/key gradient scale that ``unit_scale`` gives attention projections is off. The
 formulas are below, one function per rule. Ops the library does not have (``U.relu``, ...),
 this package's own GPT blocks (``uu.GPT`` and its parts, fused for speed), the conversion
@@ -28,7 +29,9 @@ that thread calls); other threads, including ones started inside the block, keep
 (this package's rules until they enter the switch themselves). Uses nest: the innermost
 applies, and leaving a block restores the setting outside it, also when it is left by an
 exception. A scale is fixed when the forward pass runs, so a backward pass run later, or on
-another thread, gives the gradients of the rules its forward pass ran under.
+another thread, gives the gradients of the rules its forward pass ran under. Under
+``torch.compile`` the compiled code is guarded on whether any thread is inside the switch, so
+compile and call a function on the thread that holds the setting.
 """
 from __future__ import annotations
 
