@@ -1157,6 +1157,7 @@ def _replacement_values(opt: Any) -> Dict[str, Dict[Any, Tuple[float, bool]]]:
     """PopART's OptimizerValueMaps: label -> {"default" or weight: (value, is_const)}, a weight
     by its position among the optimizer's parameters (the executor maps the new optimizer's
     parameters to the device's after this check)."""
+    attrs: List[Tuple[str, str, Optional[int]]]
     if isinstance(opt, SGD):
         attrs = [("learning rates", "lr", None), ("weight decays", "weight_decay", None),
                  ("momentums", "momentum", None), ("nesterov", "nesterov", None)]
