@@ -17,7 +17,7 @@ Where PopTorch hands the optimizer to PopART, which runs it on the IPU, the stan
 * Optimizer state is kept in the accumulator types, float32 by default even for float16
   weights. If ``accum_type`` is float16 and both momentum types are float32, the gradient is cast
   to float32 before it is unscaled (PopART's ``gradCast``); otherwise it is unscaled in its own
-  dtype.
+  dtype (so float16 weights with the default float32 ``accum_type`` unscale in float16).
 * ``Adam`` applies weight decay as L2 regularisation (added to the gradient); ``AdamW`` and ``LAMB``
   decay the weight (``u = m/(sqrt(v)+eps) + wd*w``). PopTorch c2a8b17 maps
   ``AdamW(bias_correction=False)`` to PopART's bias-corrected Adam mode (only ``LAMB`` honours
@@ -60,6 +60,15 @@ PopART's tensor names (``Accl1___lin.weight``, ``learningRate___specific___lin.b
 ``lossScaling_FLOAT``...), and ``attach_ipu_state`` / ``sync_ipu_state`` / ``detach_ipu_state`` give
 a PopTorch optimizer PopTorch's ``state_dict()`` protocol (read back from the device when it has run
 since, written to it before the next run after ``load_state_dict``).
+
+``check_replacement`` (called by ``to_ipu_optimizer`` with ``previous``) refuses what PopART's
+``validReplacement`` refuses when ``setOptimizer`` replaces a compiled model's optimizer: a constant
+attribute changed or made variable, another optimizer kind, other clipping. ``popart_optimizer_ops``
+lists the optimizer ops PopART's IR holds per weight (``SGD0VarUpdate``, ``AdamUpdater``...).
+
+Not modelled: the gradient accumulator's dtype over micro-batches (``accum_type`` with gradient
+accumulation: the executor sums micro-batch gradients in the weight's dtype), the running mean
+reduction's rounding, automatic loss scaling and replica sharding of the optimizer state.
 
 Calling ``step()`` of a PopTorch optimizer directly (on the host, outside a ``trainingModel``) also
 divides by ``loss_scaling``, where PopTorch would run torch's rule on the unscaled gradient.
