@@ -230,6 +230,52 @@ def test_fused_modules_match_the_op_by_op_forms(monkeypatch, bias):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("row_scale", ["tensor", "float"])
+def test_linear_with_a_row_scale_is_the_linear_times_it_bit_for_bit(row_scale):
+    """The attention row scale folded into the output projection's node: the same products
+    as a multiply after it, in both passes."""
+    scale = attention_ops._row_scale(6, 6, None, True, 1.0, 0.0, torch.float32,
+                                     torch.device("cpu")) if row_scale == "tensor" else 3.5
+    results = []
+    for folded in (True, False):
+        x = randn(2, 6, 8).requires_grad_()
+        w = randn(5, 8, seed=1).requires_grad_()
+        if folded:
+            out = fused.linear(x, w, None, 0.3, 0.7, 0.2, scale)
+        else:
+            out = fused.linear(x, w, None, 0.3, 0.7, 0.2) * scale
+        out.backward(randn(2, 6, 5, seed=2))
+        results.append([out.detach(), x.grad, w.grad])
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
+def test_gpt_joins_each_layer_into_the_next_norm_bit_for_bit(monkeypatch):
+    """uu.GPT leaves each layer's last residual join to the next layer's first norm (the final
+    norm's for the last): the same values and gradients as the layers one by one."""
+    import ipu_unit_scaling as uu
+    from ipu_unit_scaling.modules import gpt_blocks as modules
+
+    torch.manual_seed(0)
+    model = uu.GPT(vocab_size=48, hidden_size=32, depth=3, heads=4, seq_len=12)
+    ids = torch.randint(0, 48, (3, 11))
+    assert model._fusable_stack(model.embed(ids))
+    results = []
+    for stacked in (True, False):
+        if not stacked:
+            monkeypatch.setattr(modules.GPT, "_fusable_stack", lambda self, x: False)
+        model.zero_grad()
+        loss = model(ids, ids)
+        loss.backward()
+        results.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+    monkeypatch.undo()
+    handle = model.layers[1].register_forward_hook(lambda module, args, out: None)
+    assert not model._fusable_stack(model.embed(ids))  # a hooked layer sees its own output
+    handle.remove()
+
+
 def test_hooks_turn_the_fused_forms_off():
     import ipu_unit_scaling as uu
 

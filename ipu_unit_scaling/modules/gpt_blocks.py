@@ -210,7 +210,19 @@ class SelfAttention(nn.Module):
             out, row_scale = attention_ops.attention_before_row_scale(
                 query, key, value, dropout_p=dropout_p, is_causal=self.is_causal,
                 scale=self.attention_scale)
-            return self.proj(out.transpose(1, 2).reshape(batch, seq, hidden)) * row_scale
+            out = out.transpose(1, 2).reshape(batch, seq, hidden)
+            proj = cast(Linear, self.proj)
+            if fused.eager_forms() and getattr(proj, "attention_projection", None) is None:
+                # The projection and the row scale in one node: U.linear's eager form (same
+                # scales, same cache key), its output times the row scale in place.
+                fan_out, fan_in = proj.weight.shape
+                rows = max(1, out.numel() // max(1, fan_in))
+                power = unit_ops._UNIT_POWER
+                scales = fused.cached_scales(
+                    ("linear", fan_in, fan_out, rows, tuple(power), proj.constraint),
+                    unit_ops.linear_scales, fan_in, fan_out, rows, proj.constraint, power)
+                return fused.linear(out, proj.weight, None, *scales, row_scale)
+            return self.proj(out) * row_scale
         scale = {} if self.attention_scale is None else {"scale": self.attention_scale}
         out = self.attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                              is_causal=self.is_causal, **scale)
@@ -340,22 +352,34 @@ class TransformerBlock(nn.Module):
                 and input.numel() > 0 and fused.eager_forms())
 
     def _fused(self, input: Tensor) -> Tensor:
+        branch, stream, _, _ = self._fused_unjoined(input, None)
+        return U.residual_add(branch, stream, self.mlp_tau)
+
+    def _fused_unjoined(self, input: Tensor, pending: Optional[Tuple[Tensor, float, float]]
+                        ) -> Tuple[Tensor, Tensor, float, float]:
+        """The fused block but for its last residual join: (branch, stream, branch weight,
+        skip weight), the block's output being `skip weight * stream + branch weight *
+        branch`. A `GPT` leaves that join to the next block's first `residual_norm` (or to the
+        final norm's), which makes it anyway: one node per layer fewer. `pending` is the
+        previous block's (branch, branch weight, skip weight), joined into `input` (its
+        stream) first; None: `input` is the stream."""
         ops = self.ops
         attn_branch, attn_skip = unit_ops._residual_weights(self.attn_tau)
         mlp_branch, mlp_skip = unit_ops._residual_weights(self.mlp_tau)
         # The norms' parameter gradients sum over every row (see U.layer_norm).
         param_scale = (input.numel() // input.shape[-1]) ** -0.5
         norm = cast(LayerNorm, self.attn_norm)
+        previous, branch_weight, skip_weight = pending if pending is not None else (None, 1.0, 1.0)
         normed, stream = fused_blocks.residual_norm(
-            input, None, 1.0, 1.0, attn_branch, attn_skip, norm.weight, norm.bias, norm.eps,
-            param_scale)
+            input, previous, branch_weight, skip_weight, attn_branch, attn_skip, norm.weight,
+            norm.bias, norm.eps, param_scale)
         branch = ops.dropout(self.attn(normed), self.dropout_p, self.training)
         norm = cast(LayerNorm, self.mlp_norm)
         normed, stream = fused_blocks.residual_norm(
             stream, branch, attn_branch, attn_skip, mlp_branch, mlp_skip, norm.weight,
             norm.bias, norm.eps, param_scale)
         branch = ops.dropout(self.mlp(normed), self.dropout_p, self.training)
-        return U.residual_add(branch, stream, self.mlp_tau)
+        return branch, stream, mlp_branch, mlp_skip
 
 
 class GPT(nn.Module):
@@ -442,6 +466,32 @@ class GPT(nn.Module):
     def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
         return self.ops.cross_entropy(logits.flatten(0, -2), labels.flatten())
 
+    def _fusable_stack(self, hidden: Tensor) -> bool:
+        """Whether each layer's last residual join moves into the next layer's first norm
+        (the final norm's for the last layer): layers that take their fused form and that
+        nothing observes, and an unobserved unit-scaled final norm."""
+        norm = self.final_norm
+        return (len(self.layers) > 0 and type(norm) is LayerNorm
+                and norm.normalized_shape == hidden.shape[-1:] and not _observed(norm)
+                and all(type(layer) is TransformerBlock and not _observed(layer)
+                        and layer._fusable(hidden) for layer in self.layers))
+
+    def _fused_stack(self, hidden: Tensor) -> Tensor:
+        """The layers and the final norm, each layer's last join made by the next norm (see
+        `TransformerBlock._fused_unjoined`): the same values and gradients as layer by layer."""
+        pending: Optional[Tuple[Tensor, float, float]] = None
+        for layer in self.layers:
+            branch, hidden, branch_weight, skip_weight = cast(
+                TransformerBlock, layer)._fused_unjoined(hidden, pending)
+            pending = (branch, branch_weight, skip_weight)
+        assert pending is not None
+        norm = cast(LayerNorm, self.final_norm)
+        branch, branch_weight, skip_weight = pending
+        normed, _ = fused_blocks.residual_norm(
+            hidden, branch, branch_weight, skip_weight, 1.0, 1.0, norm.weight, norm.bias,
+            norm.eps, (hidden.numel() // hidden.shape[-1]) ** -0.5)
+        return normed
+
     def forward(
         self, input_ids: Tensor, labels: Optional[Tensor] = None, return_logits: bool = False
     ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
@@ -450,9 +500,13 @@ class GPT(nn.Module):
                 f"sequence length {input_ids.shape[-1]} exceeds the model's seq_len={self.seq_len}"
             )
         hidden = self.embed(input_ids)
-        for layer in self.layers:
-            hidden = layer(hidden)
-        logits = self.head(self.final_norm(hidden))
+        if self._fusable_stack(hidden):
+            normed = self._fused_stack(hidden)
+        else:
+            for layer in self.layers:
+                hidden = layer(hidden)
+            normed = self.final_norm(hidden)
+        logits = self.head(normed)
         if self.logit_scale != 1.0:
             logits = scale_fwd(logits, self.logit_scale)
         if labels is None:

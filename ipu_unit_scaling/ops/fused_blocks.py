@@ -75,8 +75,9 @@ class _ResidualNorm(torch.autograd.Function):
                 grad_w = grad_w.mul_(param_grad_scale)
             if grad_b is not None:
                 grad_b = grad_b.mul_(param_grad_scale)
-            if grad_stream is None:
-                grad_stream = grad_branch.mul_(next_branch_weight)
+            if grad_stream is None:  # (a weight of 1, as before a final norm: no pass)
+                grad_stream = (grad_branch if next_branch_weight == 1.0
+                               else grad_branch.mul_(next_branch_weight))
             else:
                 grad_stream = torch.add(grad_stream, grad_branch, alpha=next_branch_weight)
             # Python holds a local until the function returns; autograd's own nodes free a

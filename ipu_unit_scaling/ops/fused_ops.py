@@ -14,7 +14,7 @@ inside a GEMM, or to the product instead of the weight, rounds differently in th
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -110,21 +110,30 @@ class _Linear(torch.autograd.Function):
     and a non-empty weight; gradients: input ``grad_input_scale * g @ weight``, weight
     ``grad_weight_scale * g.T @ x``, bias ``grad_weight_scale * sum(g)``.
 
+    With ``row_scale`` (a float, or a tensor that broadcasts over the output), the output is
+    then multiplied by it in place, and the incoming gradient by it first: the same products
+    as a ``* row_scale`` after the Function, without its autograd node and its copy of the
+    output (the attention row scale after the output projection, `uu.SelfAttention`).
+
     Kept lean: at small widths the Python around the GEMMs is a visible share of a step.
     """
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Optional[Tensor], output_scale: float,
-                grad_input_scale: float, grad_weight_scale: float) -> Tensor:
+                grad_input_scale: float, grad_weight_scale: float,
+                row_scale: Union[None, float, Tensor] = None) -> Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.scales = (grad_input_scale, grad_weight_scale, bias is not None)
-        return _linear_forward(x, weight, bias, output_scale)
+        ctx.scales = (grad_input_scale, grad_weight_scale, bias is not None, row_scale)
+        out = _linear_forward(x, weight, bias, output_scale)
+        return out if row_scale is None else out.mul_(row_scale)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
         x, weight = ctx.saved_tensors
-        grad_input_scale, grad_weight_scale, has_bias = ctx.scales
+        grad_input_scale, grad_weight_scale, has_bias, row_scale = ctx.scales
         needs = ctx.needs_input_grad
+        if row_scale is not None:
+            grad = grad * row_scale
         grad_rows = grad.reshape(-1, grad.shape[-1])
         zero = _zero(grad)
         grad_x = grad_w = grad_b = None
@@ -136,7 +145,7 @@ class _Linear(torch.autograd.Function):
                                  alpha=grad_weight_scale)
         if has_bias and needs[2]:
             grad_b = grad_rows.sum(0).mul_(grad_weight_scale)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 _linear_apply = applier(_Linear)
@@ -152,16 +161,21 @@ def _linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], output_scale: float,
-           grad_input_scale: float, grad_weight_scale: float) -> Tensor:
-    """The unit-scaled linear with its three scales (see :class:`_Linear`)."""
+           grad_input_scale: float, grad_weight_scale: float,
+           row_scale: Union[None, float, Tensor] = None) -> Tensor:
+    """The unit-scaled linear with its three scales, its output then times ``row_scale`` if
+    given (see :class:`_Linear`)."""
     if x.dim() < 2 or not x.numel() or not weight.numel():
         # Shapes the GEMM form does not take (a vector; empty tensors, which reshape(-1, 0)
         # cannot flatten): torch's linear, scaled like the PopTorch form.
-        return _composed_linear(x, weight, bias, output_scale, grad_input_scale,
-                                grad_weight_scale)
+        out = _composed_linear(x, weight, bias, output_scale, grad_input_scale,
+                               grad_weight_scale)
+        return out if row_scale is None else out * row_scale
     if not torch.is_grad_enabled():
-        return _linear_forward(x, weight, bias, output_scale)
-    return _linear_apply(x, weight, bias, output_scale, grad_input_scale, grad_weight_scale)
+        out = _linear_forward(x, weight, bias, output_scale)
+        return out if row_scale is None else out.mul_(row_scale)
+    return _linear_apply(x, weight, bias, output_scale, grad_input_scale, grad_weight_scale,
+                         row_scale)
 
 
 def _composed_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], output_scale: float,
