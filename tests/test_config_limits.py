@@ -22,9 +22,10 @@ def _one_line_error(capsys) -> str:
     ("training.learning_rate=1e39", "beyond float32's range"),
     ("training.learning_rate=1e300", "beyond float32's range"),
     # float32 holds 3.4e38, but Adam's first step divides the rate by 0.1: refused by range.
-    ("training.learning_rate=3.4e38", "2**-64 <= x <= 2**64"),
-    ("training.learning_rate=1e-300", "2**-64 <= x <= 2**64"),  # 0 in float32
-    ("training.weight_decay=1e30", "0 <= x <= 2**32"),
+    ("training.learning_rate=1e31", "2**-100 <= x <= 2**100"),
+    ("training.learning_rate=3.4e38", "2**-100 <= x <= 2**100"),
+    ("training.learning_rate=1e-300", "2**-100 <= x <= 2**100"),  # 0 in float32
+    ("training.weight_decay=1e30", "0 <= x <= 2**20"),
     ("training.grad_clip=1e39", "beyond float32's range"),
     ("compare.learning_rates={fp32: 1e39}", "compare.learning_rates.fp32: got 1e+39"),
     ("compare.learning_rates={fp16: 3e38}", "compare.learning_rates.fp16: got 3e+38"),
@@ -46,6 +47,7 @@ def test_numbers_a_run_cannot_hold_are_refused_in_one_line(override, words):
     ["train", "--set", f"training.steps={HUGE}"],
     ["sweep", "--models", "unit", "--widths", "32", "--log2-lr", "unit=1000:1001"],
     ["sweep", "--models", "unit", "--widths", "32", "--log2-lr", "unit=-1000:0"],
+    ["sweep", "--models", "unit", "--widths", "32", "--log2-lr", "unit=0:101"],
     ["sweep", "--models", "unit", "--widths", "32", "--log2-lr", "unit=0:" + "9" * 30],
     ["sweep", "--models", "unit", "--widths", "32", "--span", "100"],
 ])
@@ -86,7 +88,7 @@ def test_merge_keys_may_still_override_what_they_bring(tmp_path):
     ("mlm.learning_rates={fp3: 1.0}", "did you mean 'fp32'"),
     ("mlm.learning_rates=5", "expected a mapping of regimes to learning rates"),
     ("mlm.learning_rates.fp32=1e39", "float32's range"),
-    ("mlm.learning_rates.fp32=1e30", "2**-64 <= x <= 2**64"),
+    ("mlm.learning_rates.fp32=1e31", "2**-100 <= x <= 2**100"),
     ("mlm.data.x=1", "mlm.data is a single value, not a section"),
     ("mlm.stesp=3", "did you mean 'steps'"),
     (f"mlm.steps={HUGE}", "is too large"),
@@ -99,3 +101,16 @@ def test_bert_settings_are_refused_as_cleanly(tmp_path, capsys, override, words)
                  "--quiet"]) == 2
     assert words in _one_line_error(capsys)
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_the_largest_learning_rate_and_weight_decay_diverge_cleanly(tmp_path, capsys, optimizer):
+    """The bounds are ones the optimizer step can take: 2**100 with a weight decay of 2**20
+    blows the weights up (exit 1, the divergence's own line), never float32's overflow."""
+    status = main(["train", "--config", "tiny", "--set", "training.steps=3",
+                   "training.warmup_steps=0", f"training.optimizer={optimizer}",
+                   f"training.learning_rate={2.0**100!r}", f"training.weight_decay={2.0**20!r}",
+                   "model.parametrization=u-mup", "--run-dir", str(tmp_path / "run"),
+                   "--quiet"])
+    err = capsys.readouterr().err
+    assert status in (0, 1) and "internal error" not in err and "overflow" not in err, err

@@ -67,13 +67,14 @@ UMUP_RULE_CHOICES = {"umup_hidden_constraint": HIDDEN_CONSTRAINTS,
                      "umup_attention_scaling": ATTENTION_SCALINGS,
                      "umup_gelu_constraint": GELU_CONSTRAINTS}
 MAX_TAU = 1e6
-# A learning rate meets float32 numbers in the optimizer step, multiplied by more than itself
-# (Adam divides it by 1 - beta1 = 0.1 at the first step, u-μP multiplies it by per-tensor
-# scales, AdamW by the weight decay): bounds well inside float32's range, which none of these
-# products can leave, and below which a rate is 0 in float32.
-MIN_LEARNING_RATE, MAX_LEARNING_RATE = 2.0**-64, 2.0**64
-MAX_WEIGHT_DECAY = 2.0**32
-LEARNING_RATE_RANGE = "2**-64 <= x <= 2**64"
+# A learning rate meets float32 numbers in the optimizer step, multiplied by more than itself:
+# Adam divides it by 1 - beta1 = 0.1 at the first step, u-μP multiplies it by per-tensor
+# scales (below 2**20 at any width a CPU or an IPU trains), AdamW by the weight decay. With a
+# rate of at most 2**100 and a weight decay of at most 2**20 none of these leaves float32's
+# range (2**128); below 2**-100 a rate scaled down by u-μP comes near float32's smallest.
+MIN_LEARNING_RATE, MAX_LEARNING_RATE = 2.0**-100, 2.0**100
+MAX_WEIGHT_DECAY = 2.0**20
+LEARNING_RATE_RANGE = "2**-100 <= x <= 2**100"
 
 
 ModelConfig = GPTConfig
@@ -407,7 +408,7 @@ def _check_training(config: Config, error: Any, choice: Any, at_least: Any) -> N
     learning_rate_in_range("training.learning_rate", training.learning_rate, error)
     if not 0.0 <= training.weight_decay <= MAX_WEIGHT_DECAY:
         error("training.weight_decay", f"got {training.weight_decay!r}; allowed: "
-                                       "0 <= x <= 2**32")
+                                       "0 <= x <= 2**20")
     at_least("training.warmup_steps", training.warmup_steps, 0)
     if ipu.device_iterations >= 1 and training.steps % ipu.device_iterations:
         # Each call of the training model runs device_iterations steps; a last, shorter call
