@@ -9,6 +9,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
+from . import recorded_runs
 from .suite import Results, Row, Settings
 from .variants import published_version
 
@@ -99,7 +100,17 @@ def machine_info(settings: Settings) -> List[str]:
         f"Python {platform.python_version()}, torch {torch.__version__}, "
         f"unit-scaling {published_version() or 'not installed'}",
         f"OS: {platform.platform()}",
+        f"Load average (1, 5, 15 min) when the report was written: {_load()} (other programs "
+        "share the cores; the step ratios count this process's CPU time only, the cast rows "
+        "are wall clock)",
     ]
+
+
+def _load() -> str:
+    try:
+        return ", ".join(f"{value:.1f}" for value in os.getloadavg())
+    except OSError:
+        return "not available"
 
 
 def _cpu_model() -> str:
@@ -254,6 +265,7 @@ def markdown(results: Results, settings: Settings, command: str) -> str:
         lines += _markdown_table(
             header, [[_cell(row.get(key)) for key in header] for row in results.cast_rows]
         )
+    lines += [""] + recorded_runs.markdown_lines()
     lines += ["", "## What is compared", ""]
     lines += [f"- {line}" for line in COMPARISON_NOTES]
     if results.notes:
