@@ -212,9 +212,9 @@ def format_compare_table(rows: Sequence[Dict[str, Any]], baseline: Optional[floa
         gap_text = "-" if gap is None else f"{gap:+.1f}%"
         seconds = row.get("elapsed_s")
         time_text = "-" if seconds is None else f"{seconds:.0f} s"
-        regime = f"{row['regime']} {UNTUNED_MARK}" if row.get("untuned") else row["regime"]
+        model = f"{row['model']} {UNTUNED_MARK}" if row.get("untuned") else row["model"]
         lines.append(
-            f"| {regime} | {row['model']} | {row['precision']} | "
+            f"| {row['regime']} | {model} | {row['precision']} | "
             f"{row['learning_rate']:g} | {loss} | {gap_text} | {time_text} |"
         )
     if baseline is not None:

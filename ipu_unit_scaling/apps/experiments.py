@@ -129,9 +129,9 @@ def format_seed_table(summaries: Sequence[SeedSummary], baseline: Optional[float
     for s in summaries:
         per_seed = ", ".join("diverged" if loss is None else f"{loss:.4f}" for loss in s.losses)
         failed = f" ({s.failed} of {len(s.losses)} did not finish)" if s.failed else ""
-        regime = f"{s.regime} {UNTUNED_MARK}" if s.untuned else s.regime
+        model = f"{s.model} {UNTUNED_MARK}" if s.untuned else s.model
         lines.append(
-            f"| {regime} | {s.model} | {s.precision} | {s.learning_rate:g} | "
+            f"| {s.regime} | {model} | {s.precision} | {s.learning_rate:g} | "
             f"{_pm(s.mean, s.std, 4)}{failed} | {_pm(s.gap_mean, s.gap_std, 2, '%', True)} | "
             f"{per_seed} | {s.elapsed_s:.0f} s |"
         )
