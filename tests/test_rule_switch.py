@@ -267,6 +267,27 @@ def _ours_softmax(x: Tensor) -> Tensor:
         return U.softmax(x, -1)
 
 
+def test_a_block_left_out_of_order_removes_its_own_setting() -> None:
+    # A generator suspended inside the switch, closed while another block is open: leaving it
+    # removes its own setting, not the open block's.
+    def suspended():
+        with uu.rules(LIBRARY):
+            yield uu.active_rules()
+
+    generator = suspended()
+    assert next(generator) == LIBRARY
+    with uu.rules("ipu-unit-scaling"):
+        generator.close()
+        assert uu.active_rules() == "ipu-unit-scaling"
+    with uu.rules(LIBRARY):
+        generator = suspended()
+        next(generator)
+    generator.close()
+    assert uu.active_rules() == "ipu-unit-scaling"
+    x = torch.randn(4, 16, dtype=torch.float64)
+    assert torch.equal(U.softmax(x, -1), _ours_softmax(x))
+
+
 def test_a_decorated_function_runs_under_the_library_rules() -> None:
     @uu.rules(LIBRARY)
     def inside() -> str:

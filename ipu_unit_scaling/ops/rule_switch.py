@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from typing import Iterator, List, Sequence, Tuple
+from typing import Callable, Iterator, List, Sequence, Tuple
 
 from . import op_helpers
 
@@ -49,9 +49,18 @@ LIBRARY_RULES = "unit-scaling"
 RULES: Tuple[str, ...] = (PACKAGE_RULES, LIBRARY_RULES)
 
 
+class _Entry:
+    """One use of the switch: the rules it names, on the stack of the thread that entered."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
 class _ThreadRules(threading.local):
     def __init__(self) -> None:
-        self.stack: List[str] = []
+        self.stack: List[_Entry] = []
 
 
 _thread = _ThreadRules()
@@ -62,8 +71,12 @@ _library_threads = [0]
 _count_lock = threading.Lock()
 
 
+def _name(stack: List[_Entry]) -> str:
+    return stack[-1].name if stack else PACKAGE_RULES
+
+
 def _top() -> str:
-    return _thread.stack[-1] if _thread.stack else PACKAGE_RULES
+    return _name(_thread.stack)
 
 
 def _check(name: str) -> str:
@@ -78,21 +91,22 @@ def rules(name: str) -> Iterator[None]:
     unit-scaling 0.3.5 library's formulas, for its models' numbers) or ``"ipu-unit-scaling"``
     (this package's, the default). Per thread; nested blocks stack; also a decorator."""
     _check(name)
-    before = _top()
-    _thread.stack.append(name)
-    _count(before, name)
+    stack = _thread.stack  # the entering thread's, also if the block is left elsewhere
+    entry = _Entry(name)
+    _change(stack, lambda: stack.append(entry))
     try:
         yield
     finally:
-        _thread.stack.pop()
-        _count(name, _top())
+        # This block's own entry, wherever it now is: a generator suspended inside a block may
+        # be closed while later blocks are open.
+        _change(stack, lambda: stack.pop(max(i for i, e in enumerate(stack) if e is entry)))
 
 
-def _count(before: str, after: str) -> None:
-    change = (after == LIBRARY_RULES) - (before == LIBRARY_RULES)
-    if change:
-        with _count_lock:
-            _library_threads[0] += change
+def _change(stack: List[_Entry], edit: Callable[[], object]) -> None:
+    with _count_lock:
+        before = _name(stack)
+        edit()
+        _library_threads[0] += (_name(stack) == LIBRARY_RULES) - (before == LIBRARY_RULES)
 
 
 def active_rules() -> str:
