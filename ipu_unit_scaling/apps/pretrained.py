@@ -130,7 +130,6 @@ def open_run(run_dir: Path, action: str = "evaluate") -> TrainedRun:
                            "trained run, or one stopped before its first checkpoint)")
         config = load_run_config(run_dir, (), action)
         checkpoint = load_checkpoint(run_dir / CHECKPOINT_FILE)
-        check_recorded_settings(run_dir, config, checkpoint, action)
         digest = checkpoint_sha256(run_dir / CHECKPOINT_FILE)
         tokenizer = read_tokenizer(run_dir, action, checkpoint)
     step = checkpoint["step"]
@@ -142,6 +141,8 @@ def open_run(run_dir: Path, action: str = "evaluate") -> TrainedRun:
                        f"characters but its model {config.model.vocab_size}")
     run = TrainedRun(run_dir, config, tokenizer, checkpoint, digest)
     run.model(run.precision)  # a checkpoint of another model is refused now, not mid-way
+    # (one of this model's shapes, but trained with other settings than config.yaml's)
+    check_recorded_settings(run_dir, config, checkpoint, action)
     check_checkpoint_logged(run_dir, checkpoint, action)  # one of another run of this model
     return run
 

@@ -39,6 +39,7 @@ from ..training.run_directory import (
     read_json,
 )
 from ..training.run_records import (
+    check_checkpoint_logged,
     check_recorded_settings,
     keep_report_rows_up_to,
     load_checkpoint,
@@ -72,6 +73,9 @@ class _Run:
     # The pretrained checkpoint's step and training loss, checked against its run's log once
     # its weights are known to fit.
     init_checkpoint: Dict[str, Any] = field(default_factory=dict)
+    # Of a resume: why its checkpoint was not trained with its config.yaml ("" if it was), said
+    # where the weights fit but the optimizer state does not.
+    settings_problem: str = ""
 
 
 def load_run_config(
@@ -203,10 +207,8 @@ def _fine_tuning(config: Config, run_dir: Path, backend: str, init_from: Path) -
     action = "fine-tune from"
     if not (init_from / CHECKPOINT_FILE).is_file():
         raise RunError(f"cannot {action} {init_from}: it holds no {CHECKPOINT_FILE}")
-    pretrained = load_run_config(init_from, (), action)
-    check_same_model(pretrained, config, str(init_from))
+    check_same_model(load_run_config(init_from, (), action), config, str(init_from))
     state = load_checkpoint(init_from / CHECKPOINT_FILE)
-    check_recorded_settings(init_from, pretrained, state, action)
     base = read_tokenizer(init_from, action, state)
     if base.vocab_size != config.model.vocab_size:
         raise RunError(f"cannot {action} {init_from}: its {TOKENIZER_FILE} does not fit its "
@@ -227,7 +229,8 @@ def _fine_tuning(config: Config, run_dir: Path, backend: str, init_from: Path) -
         [f"fine-tuning {init_from} (step {int(state['step'])}): {note}"],
         weights=extend_model_state(state["model"], tokenizer.vocab_size),
         base_chars=list(base.chars), init_from=str(init_from),
-        init_checkpoint={key: state.get(key) for key in ("step", "last_train_loss")},
+        init_checkpoint={key: state.get(key) for key in ("step", "last_train_loss",
+                                                         "settings")},
     )
 
 
@@ -282,7 +285,6 @@ def _open_resumed(config: Config, run_dir: Path, backend: str, task: Task) -> _R
         raise RunError(f"cannot resume {run_dir}: {CHECKPOINT_FILE} {problem}")
     state = load_checkpoint(checkpoint_path)
     saved = load_run_config(run_dir)
-    check_recorded_settings(run_dir, saved, state, "resume")
     saved_tokenizer = read_tokenizer(run_dir, "resume", state)
     trained = state.get("task", {"name": CAUSAL_LM})  # (earlier versions trained only that)
     if trained != task.settings():
@@ -324,8 +326,13 @@ def _open_resumed(config: Config, run_dir: Path, backend: str, task: Task) -> _R
     # The directory is rewritten (metrics cut back to the checkpoint, the settings of this
     # resume) only once the checkpoint has loaded into this config's model: a refused resume
     # changes nothing.
+    try:
+        check_recorded_settings(run_dir, saved, state, "resume")
+        problem = ""
+    except RunError as error:
+        problem = str(error)
     return _Run(run_dir, config, corpus, backend, state, notes, base_chars=list(base_chars),
-                init_from=state.get("init_from"), task=task)
+                init_from=state.get("init_from"), task=task, settings_problem=problem)
 
 
 def _recorded_start(run_dir: Path) -> Optional[str]:
@@ -338,6 +345,21 @@ def _recorded_start(run_dir: Path) -> Optional[str]:
     if not isinstance(init_from, str) or not init_from:
         raise RunError(f"cannot resume {run_dir}: {INIT_FROM_FILE} is damaged")
     return init_from
+
+
+def check_start(run: _Run) -> None:
+    """Once the checkpoint's weights are known to fit the model (a checkpoint of another
+    model is said to be, first): RunError unless the checkpoint a resumed or fine-tuning run
+    starts from was trained with its run's config.yaml and is one its run saved."""
+    if run.state is not None:
+        check_recorded_settings(run.run_dir, load_run_config(run.run_dir), run.state, "resume")
+        check_checkpoint_logged(run.run_dir, run.state, "resume")
+    elif run.init_from is not None:
+        action = "fine-tune from"
+        source = Path(run.init_from)
+        check_recorded_settings(source, load_run_config(source, (), action),
+                                run.init_checkpoint, action)
+        check_checkpoint_logged(source, run.init_checkpoint, action)
 
 
 def _rewrite_for_resume(run: _Run, step: int) -> None:

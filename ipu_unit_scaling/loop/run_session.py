@@ -33,12 +33,11 @@ from ..training.run_directory import (
 from ..training.run_records import (
     MetricsLog,
     UnwrittenMetricsLog,
-    check_checkpoint_logged,
     recorded_settings,
     save_checkpoint,
 )
 from ..training.tensorboard_log import TensorBoardLog
-from .run_opening import _rewrite_for_resume, _Run, _schedule_settings
+from .run_opening import _rewrite_for_resume, _Run, _schedule_settings, check_start
 from .run_outcomes import (
     DIVERGENCE_MARGIN,
     RunSummary,
@@ -106,8 +105,7 @@ class _Session:
             except RuntimeError as error:
                 raise RunError(f"cannot fine-tune from {run.init_from}: its {CHECKPOINT_FILE} "
                                f"does not fit its {CONFIG_FILE}: {state_mismatch(error)}") from None
-            done_by_rank_zero(lambda: check_checkpoint_logged(
-                Path(str(run.init_from)), run.init_checkpoint, "fine-tune from"))
+            done_by_rank_zero(lambda: check_start(run))
         self.wrapper = build_training_model(self.model, self.optimizer, config, run.backend)
         # Until the first call, the host holds the only weights (PopTorch refuses to copy
         # from a model it has not compiled yet).
@@ -125,13 +123,17 @@ class _Session:
         self.started = time.perf_counter() - self.elapsed_before
 
     def _rewrite_for_resume(self, run: _Run) -> None:
-        check_checkpoint_logged(run.run_dir, run.state or {}, "resume")
+        check_start(run)
         if self.trains:
             _rewrite_for_resume(run, self.step)
 
     def _restore(self, state: Dict[str, Any]) -> None:
         try:
             self.model.load_state_dict(state["model"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as error:
+            raise RunError(f"checkpoint does not fit this config: {state_mismatch(error)}") \
+                from None
+        try:
             self.optimizer.load_state_dict(state["optimizer"])
             torch.set_rng_state(state["torch_rng"])
             self.batch_generator.set_state(state["batch_rng"])
@@ -145,8 +147,9 @@ class _Session:
             # (a checkpoint of an earlier version: its training time, the best it knows)
             self.elapsed_before = float(state.get("elapsed_s", self.train_seconds))
         except (RuntimeError, ValueError, KeyError, TypeError) as error:
-            raise RunError(f"checkpoint does not fit this config: {state_mismatch(error)}") \
-                from None
+            # (weights that fit, of a model with other parameter groups: say which setting)
+            raise RunError(self.run.settings_problem or "checkpoint does not fit this config: "
+                           f"{state_mismatch(error)}") from None
         self.last_checkpoint = self.checkpoint_path
         self.saved_step = self.step
 

@@ -37,6 +37,7 @@ run alike: at the next step boundary, with a checkpoint; a second one stops it a
 from __future__ import annotations
 
 import math
+import os
 import signal
 from contextlib import contextmanager
 from pathlib import Path
@@ -372,11 +373,14 @@ def _finish(session: _Session, status: str, message: str, say: Callable[[str], N
     summary = session.summary(status, message)
     run_dir, config = session.run.run_dir, session.config
     recorded = _recorded_already(session, summary)
-    if recorded is not None:
-        return recorded
     if not session.writes:
         return summary
-    write_summary(summary)
+    if recorded is not None:
+        summary = recorded
+        if os.path.isfile(run_dir / PLOT_FILE):
+            return summary
+    else:
+        write_summary(summary)
     title = f"{model_label(config, session.task.model_name)}, {config.precision.dtype}"
     try:
         plot_run(run_dir / METRICS_FILE, run_dir / PLOT_FILE, summary.unigram_baseline, title)
@@ -387,8 +391,8 @@ def _finish(session: _Session, status: str, message: str, say: Callable[[str], N
 
 def _recorded_already(session: _Session, summary: RunSummary) -> Optional[RunSummary]:
     """The run's recorded summary where a resume that trained nothing finds its record
-    complete: a summary of the run completed at its checkpoint's step (then neither it nor the
-    figure is rewritten); else None."""
+    complete: a summary of the run completed at its checkpoint's step (then it is not
+    rewritten, nor the figure unless it is missing); else None."""
     import dataclasses
 
     if session.trains or summary.status != "completed" or not session.writes:

@@ -128,7 +128,9 @@ def resume_refusal(saved: Dict[str, Any], requested: Dict[str, Any], trains: boo
         more = f" (and {len(kept) - 1} more kept key(s))" if len(kept) > 1 else ""
         return (f"a resume keeps {key} ({why}), but it was asked to change: {change(key)}"
                 f"{more}; nothing was changed: train a new run in another --run-dir")
-    if not trains:
+    # (compare.* is read by compare, which resumes its regimes with its own values of it)
+    changed = [key for key in changed if not key.startswith("compare.")]
+    if not trains and changed:
         shown = ", ".join(change(key) for key in changed[:3])
         return (f"it has trained all its {before.get('training.steps')} steps, so a resume "
                 f"trains nothing and keeps its record ({shown}); nothing was changed: raise "
