@@ -22,8 +22,9 @@ attribute, a factory that raises, returns something other than an ``nn.Module``,
 whose output is not ``[batch, seq, vocab_size]`` logits (checked by one forward pass of a
 ``[1, seq_len]`` batch, in eval mode, without gradients, before training).
 
-Backends: ``cpu`` and ``emulator`` (the traced graph and PopART-style gradients); ``ipu`` and
-``ipu_model`` with one IPU per replica (the path the emulator checks). Refused: ``popxl``
+Backends: ``cpu`` and ``emulator`` (the IPU backend on the PopTorch stand-in: the traced graph
+and PopART-style gradients); ``ipu`` and ``ipu_model`` with one IPU per replica (the same code
+on the SDK's PopTorch). Refused: ``popxl``
 (it trains the GPT it writes in PopXL), ``distributed`` (its stages and replicas split the
 GPT's layer list), a pipeline (``ipu.ipus_per_replica`` above 1: the stage split places the
 GPT's layers), the masked-LM task (it trains the package's encoder) and ``compare`` (its

@@ -18,7 +18,7 @@ from ...training.run_config import Config
 from ..cpu import TrainingModule
 from ..stages import Stage, stages
 from . import is_standin, poptorch_by_name
-from .compile_checks import check_config_compiles, check_inputs
+from .compile_checks import PopTorchError, check_config_compiles, check_inputs
 from .fp8_custom_op import PopTorchFP8CustomOps, load_custom_op_library
 from .poptorch_options import build_options
 from .rewrites import PopTorchRewrites
@@ -33,6 +33,19 @@ def _poptorch_forms(fp8_ops: Optional[FP8CustomOps], tracing: bool) -> Iterator[
         return
     with ipu_tracing(fp8_ops), PopTorchRewrites():
         yield
+
+
+def _run(executor: Any, poptorch: ModuleType, *inputs: Any) -> Any:
+    """Call ``executor``; what PopTorch refuses while compiling (its ``poptorch.Error``: an op
+    it cannot trace, a loss rule, a pipeline check) is a :class:`PopTorchError`, which the
+    command line reports in one line."""
+    if executor.isCompiled():
+        return executor(*inputs)
+    try:
+        return executor(*inputs)
+    except poptorch.Error as error:
+        raise PopTorchError(f"PopTorch refused the model while compiling it: {error}") \
+            from error
 
 
 class IPUTrainingModule(TrainingModule):
@@ -125,7 +138,7 @@ class IPUTrainingModel:
                                                optimizer=optimizer)
 
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> Any:
-        return self.executor(inputs, labels)
+        return _run(self.executor, self.poptorch, inputs, labels)
 
     def update_optimizer(self) -> None:
         """Send changed learning rates (or other hyperparameters) to the device."""
@@ -193,7 +206,7 @@ class IPUInferenceModel:
                 IPUInferenceModule(self.model, self.fp8_ops, poptorch.__name__),
                 options=self.options)
             self._signature = signature
-        return self.executor(*inputs)
+        return _run(self.executor, poptorch, *inputs)
 
     def destroy(self) -> None:
         if self.executor is not None:
