@@ -114,3 +114,14 @@ def test_the_largest_learning_rate_and_weight_decay_diverge_cleanly(tmp_path, ca
                    "--quiet"])
     err = capsys.readouterr().err
     assert status in (0, 1) and "internal error" not in err and "overflow" not in err, err
+
+
+@pytest.mark.parametrize("override", [
+    "ipu.layers_per_ipu=[" + ",".join(["1"] * 10000) + "]",
+    "compare.regimes=[" + ",".join(["fp32"] * 10000) + "]",
+    "ipu.available_memory_proportion=[" + ",".join(["0.5"] * 10000) + "]",
+])
+def test_a_long_list_is_shown_cut(override):
+    with pytest.raises(ConfigError) as info:
+        load_config("tiny", [override])
+    assert len(str(info.value)) < 400 and "..." in str(info.value), str(info.value)[:400]

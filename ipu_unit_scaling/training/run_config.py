@@ -297,7 +297,7 @@ def _check_rules(config: Config, errors: List[Tuple[str, str]]) -> None:
     if not config.compare.regimes:
         error("compare.regimes", "got []; name at least one regime")
     if len(set(config.compare.regimes)) != len(config.compare.regimes):
-        error("compare.regimes", f"got {config.compare.regimes}; each regime at most once")
+        error("compare.regimes", f"got {_short(config.compare.regimes)}; each regime at most once")
     for regime, rate in config.compare.learning_rates.items():
         choice(f"compare.learning_rates.{regime}", regime, REGIMES)
         learning_rate_in_range(f"compare.learning_rates.{regime}", rate, error)
@@ -382,7 +382,7 @@ def _check_ipu(config: Config, error: Any) -> None:
         if isinstance(proportion, list) and len(values) != ipu.ipus_per_replica:
             error(
                 "ipu.available_memory_proportion",
-                f"got {proportion} ({len(values)} values); expected one, or one per IPU "
+                f"got {_short(proportion)} ({len(values)} values); expected one, or one per IPU "
                 f"(ipu.ipus_per_replica = {ipu.ipus_per_replica})",
             )
         for value in values:
@@ -438,21 +438,21 @@ def resolve_layers_per_ipu(layers_per_ipu: Sequence[int], depth: int, ipus: int)
     counts = list(layers_per_ipu)
     if len(counts) != ipus:
         raise ValueError(
-            f"got {counts} ({len(counts)} entries); expected one entry per IPU "
+            f"got {_short(counts)} ({len(counts)} entries); expected one entry per IPU "
             f"(ipu.ipus_per_replica = {ipus})"
         )
     if any(c < -1 for c in counts):
-        raise ValueError(f"got {counts}; entries must be >= 0, or -1 for 'share the rest'")
+        raise ValueError(f"got {_short(counts)}; entries must be >= 0, or -1 for 'share the rest'")
     fixed = sum(c for c in counts if c >= 0)
     flexible = [i for i, c in enumerate(counts) if c == -1]
     if not flexible:
         if fixed != depth:
-            raise ValueError(f"{counts} places {fixed} layers but model.depth is {depth}")
+            raise ValueError(f"{_short(counts)} places {fixed} layers but model.depth is {depth}")
         return counts
     rest = depth - fixed
     if rest < len(flexible):
         raise ValueError(
-            f"{counts} leaves {rest} of model.depth = {depth} layers for {len(flexible)} "
+            f"{_short(counts)} leaves {rest} of model.depth = {depth} layers for {len(flexible)} "
             "'-1' entries; each needs at least one"
         )
     share, extra = divmod(rest, len(flexible))
