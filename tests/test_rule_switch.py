@@ -288,6 +288,20 @@ def test_a_block_left_out_of_order_removes_its_own_setting() -> None:
     assert torch.equal(U.softmax(x, -1), _ours_softmax(x))
 
 
+@pytest.mark.skipif(tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 1),
+                    reason="the graph transforms' TorchDynamo traces into modules from torch 2.1")
+def test_compiled_code_follows_the_switch_in_and_out() -> None:
+    compiled = torch.compile(lambda x: U.softmax(x, -1, constraint=None), backend="eager")
+    x = torch.randn(4, 16, dtype=torch.float64)
+    ours = U.softmax(x, -1, constraint=None)
+    torch.testing.assert_close(compiled(x), ours, rtol=TOLERANCE, atol=0)
+    with uu.rules(LIBRARY):
+        library = U.softmax(x, -1, constraint=None)
+        torch.testing.assert_close(compiled(x), library, rtol=TOLERANCE, atol=0)
+    torch.testing.assert_close(compiled(x), ours, rtol=TOLERANCE, atol=0)
+    assert not torch.allclose(ours, library)
+
+
 def test_a_decorated_function_runs_under_the_library_rules() -> None:
     @uu.rules(LIBRARY)
     def inside() -> str:
