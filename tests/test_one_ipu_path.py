@@ -217,3 +217,38 @@ def test_train_with_backend_emulator_runs_the_ipu_backend_on_the_standin(tmp_pat
     losses = [float(row["train_loss"]) for row in read_metrics(run_dir)]
     assert len(losses) == 3 and all(loss == loss for loss in losses)
     assert losses[-1] < losses[0]
+
+
+def test_the_configs_ipu_settings_reach_the_standins_compile():
+    """Replication, half partials and hardware's GELU on the emulator; the IPU Model's GELU
+    gradient when the same code asks for ``useIpuModel``."""
+    from ipu_unit_scaling.backends.poptorch_standin._numerics import ipu_model_gelu
+    from ipu_unit_scaling.ops.ipu_lowering import popart_gelu
+
+    standin = poptorch_module("emulator")
+    config = tiny(*FP32, "ipu.replication_factor=2", "ipu.partials_type=half",
+                  "training.batch_size=16")
+    gelus = {}
+    for ipu_model in (False, True):
+        torch.manual_seed(0)
+        model = build_model(config)
+        optimizer = make_optimizer(model, config, "emulator")
+        if ipu_model:
+            wrapper: Any = IPUTrainingModel(model, optimizer, config, use_ipu_model=True,
+                                            poptorch=standin)
+        else:
+            wrapper = build_training_model(model, optimizer, config, "emulator")
+        options = wrapper.executor.options
+        assert options.replication_factor == 2 and options.device_iterations == 2
+        assert options._Popart.options["partialsTypeMatMuls"] == "half"
+        assert options._values.get("use_model", False) is ipu_model
+        ids = torch.randint(0, config.model.vocab_size,
+                            (config.samples_per_call, config.model.seq_len + 1))
+        _, loss = wrapper(ids[:, :-1], ids[:, 1:])
+        # One loss per micro-batch: 2 iterations x 4 accumulated x 2 replicas.
+        assert loss.shape == (2 * 4 * 2,)
+        graph = wrapper.executor._graph.trace.graph.graph
+        gelus[ipu_model] = {n.target for n in graph.nodes
+                            if n.target in (popart_gelu, ipu_model_gelu)}
+        wrapper.destroy()
+    assert gelus == {False: {popart_gelu}, True: {ipu_model_gelu}}
