@@ -10,6 +10,7 @@ follows each method path with getattr, so the mapping can be read and tested wit
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
@@ -120,7 +121,6 @@ def build_options(config: Config, use_ipu_model: bool = False, inference: bool =
     stand-in, :func:`ipu_unit_scaling.backends.poptorch.poptorch_module`); by default
     ``import poptorch``."""
     if poptorch is None:
-        import poptorch
-
+        poptorch = importlib.import_module("poptorch")
     calls = option_calls(config, use_ipu_model, inference)
     return apply_option_calls(poptorch.Options(), calls, poptorch)
