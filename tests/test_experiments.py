@@ -109,6 +109,9 @@ def test_compare_with_seeds_on_the_tiny_config(capsys, tmp_path):
                          "--regimes", "fp32", "umup-fp8", "--seeds", "2",
                          "--set", *FAST, "training.steps=3")
     assert status == 0 and out.count("reusing the finished run") == 4
+    # One count over every seed's regimes.
+    assert "compare [1/4] fp32 seed 0: reusing" in out
+    assert "compare [4/4] umup-fp8 seed 1: final validation loss" in out
 
 
 def test_sweep_on_the_tiny_config(capsys, tmp_path):

@@ -29,8 +29,12 @@ from .commands import (
 
 def run_compare(
     config: Config, regimes: Sequence[str], run_dir: Path, quiet: bool = False,
+    counter: Optional[Any] = None, label: str = "",
 ) -> List[Dict[str, Any]]:
     """Train every regime into ``run_dir/<regime>``; returns one result row per regime.
+
+    ``counter`` (a :class:`~.progress.RunCounter`) counts the regimes of a larger whole (the
+    seeds of ``compare --seeds``), whose progress lines name each regime followed by ``label``.
 
     A regime already in ``run_dir`` is reused (finished) or resumed (unfinished) only when its
     saved settings are those it would run with now; otherwise nothing runs and a RunError
@@ -59,7 +63,9 @@ def run_compare(
                 cfg, action = _regime_plan(config, regime, run_dir / regime, corpus)
                 if action == "reuse":
                     plans.append((regime, cfg, action))
-        return _run_regimes(plans, run_dir, quiet)
+        if counter is not None:
+            counter.total += len(plans) - len(regimes)
+        return _run_regimes(plans, run_dir, quiet, counter, label)
 
 
 def _regime_plan(config: Config, regime: str, regime_dir: Path, corpus: Any) -> Any:
@@ -109,7 +115,8 @@ def _regime_plan(config: Config, regime: str, regime_dir: Path, corpus: Any) -> 
     return cfg, "resume" if has_checkpoint else "start"
 
 
-def _run_regimes(plans: Sequence[Any], run_dir: Path, quiet: bool) -> List[Dict[str, Any]]:
+def _run_regimes(plans: Sequence[Any], run_dir: Path, quiet: bool,
+                 counter: Optional[Any] = None, label: str = "") -> List[Dict[str, Any]]:
     from ..loop.training_loop import TrainingDiverged, model_kind, train
     from ..training.plots import plot_compare
     from ..training.run_directory import SUMMARY_FILE, atomic_write, read_json
@@ -118,11 +125,12 @@ def _run_regimes(plans: Sequence[Any], run_dir: Path, quiet: bool) -> List[Dict[
     rows: List[Dict[str, Any]] = []
     curves: Dict[str, List[Any]] = {}
     baseline = None
-    counter = RunCounter("compare", len(plans), quiet)
-    for index, (regime, cfg, action) in enumerate(plans, 1):
+    counter = counter or RunCounter("compare", len(plans), quiet)
+    for regime, cfg, action in plans:
         regime_dir = run_dir / regime
-        counter.start(index, regime, {"reuse": f"reusing the finished run in {regime_dir}",
-                                      "resume": "resuming", "start": "training"}[action])
+        index, name = counter.done + 1, regime + label
+        counter.start(index, name, {"reuse": f"reusing the finished run in {regime_dir}",
+                                    "resume": "resuming", "start": "training"}[action])
         if action != "reuse":
             try:
                 train(cfg, regime_dir, resume=action == "resume", quiet=quiet, desc=regime)
@@ -131,7 +139,7 @@ def _run_regimes(plans: Sequence[Any], run_dir: Path, quiet: bool) -> List[Dict[
                     print(f"{regime}: {error}")
         data = read_json(regime_dir / SUMMARY_FILE) or {}
         loss = data.get("final_val_loss")
-        counter.finish(index, regime, f"final validation loss {loss:.4f}"
+        counter.finish(index, name, f"final validation loss {loss:.4f}"
                        if data.get("status") == "completed" and loss is not None
                        else str(data.get("status", "missing")), trained=action != "reuse")
         baseline = data.get("unigram_baseline", baseline)
@@ -280,9 +288,11 @@ def run_compare_seeds(config: Config, regimes: Sequence[str], run_dir: Path, see
     it (also in ``compare.md``, with ``compare.json`` and ``compare.png``)."""
     from ..training.run_directory import COMPARE_FILES, RunLock, check_own_kind, make_run_dir
     from .experiments import write_seed_results
+    from .progress import RunCounter
 
     per_seed: Dict[int, List[Dict[str, Any]]] = {}
     seed_dirs: Dict[int, Path] = {}
+    counter = RunCounter("compare", seeds * len(regimes), quiet)  # every seed's regimes
     make_run_dir(run_dir)
     with RunLock(run_dir):
         check_own_kind(run_dir, "compare", COMPARE_FILES,
@@ -293,6 +303,7 @@ def run_compare_seeds(config: Config, regimes: Sequence[str], run_dir: Path, see
             seed_dirs[seed] = run_dir / f"seed-{seed}"
             if not quiet:
                 print(f"compare: seed {seed} ({offset + 1} of {seeds})")
-            per_seed[seed] = run_compare(seeded, regimes, seed_dirs[seed], quiet=quiet)
+            per_seed[seed] = run_compare(seeded, regimes, seed_dirs[seed], quiet=quiet,
+                                         counter=counter, label=f" seed {seed}")
         _, table = write_seed_results(run_dir, per_seed, seed_dirs)
     return table

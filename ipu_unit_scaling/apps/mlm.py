@@ -352,6 +352,7 @@ def run_mlm_compare(config: MLMConfig, regimes: Sequence[str], seeds: Sequence[i
         read_json,
         remove_temporaries,
     )
+    from .progress import RunCounter
 
     check_mlm_regimes(regimes)
     say = (lambda text: None) if quiet else print
@@ -365,18 +366,25 @@ def run_mlm_compare(config: MLMConfig, regimes: Sequence[str], seeds: Sequence[i
                                       corpus.tokenizer.chars))
                  for regime in regimes for seed in seeds]
         runs: Dict[Tuple[str, int], Dict[str, Any]] = {}
-        for regime, seed, action in plans:
+        counter = RunCounter("compare", len(plans), quiet)
+        for index, (regime, seed, action) in enumerate(plans, 1):
             directory = run_dir / f"{regime}-seed{seed}"
-            if action == "reuse":
-                say(f"{regime} seed {seed}: reusing the finished run in {directory}")
-                runs[regime, seed] = read_json(directory / SUMMARY_FILE) or {}
-                continue
+            name = f"{regime} seed {seed}"
             if action == "replace":
-                say(f"{regime} seed {seed}: {directory} holds a run of an earlier version, "
-                    "without a checkpoint; training it again")
+                say(f"{name}: {directory} holds a run of an earlier version, without a "
+                    "checkpoint; training it again")
                 _remove_files(directory, (SUMMARY_FILE, METRICS_FILE))
-            runs[regime, seed] = train_mlm(config, regime, seed, directory,
-                                           resume=action == "resume", quiet=quiet)
+            counter.start(index, name, {"reuse": f"reusing the finished run in {directory}",
+                                        "resume": "resuming"}.get(action, "training"))
+            if action == "reuse":
+                runs[regime, seed] = read_json(directory / SUMMARY_FILE) or {}
+            else:
+                runs[regime, seed] = train_mlm(config, regime, seed, directory,
+                                               resume=action == "resume", quiet=quiet)
+            run, loss = runs[regime, seed], runs[regime, seed].get("final_val_loss")
+            counter.finish(index, name, f"final MLM loss {loss:.4f}"
+                           if run.get("status") == "completed" and loss is not None
+                           else str(run.get("status", "missing")), trained=action != "reuse")
         return _write_comparison(config, regimes, seeds, run_dir, runs)
 
 

@@ -35,6 +35,7 @@ class RunCounter:
         self.began = clock()
         self.trained_s = 0.0
         self.trained = 0
+        self.done = 0  # runs finished, reused ones included
         self._started: Optional[float] = None
 
     def left(self, done: int) -> Optional[str]:
@@ -59,6 +60,7 @@ class RunCounter:
             self.trained_s += self.clock() - self._started
             self.trained += 1
         self._started = None
+        self.done += 1
         if not self.quiet:
             left = self.left(index)
             elapsed = duration_text(self.clock() - self.began)
