@@ -270,7 +270,7 @@ def _open_resumed(config: Config, run_dir: Path, backend: str, task: Task) -> _R
         # fine-tuning run from its pretrained weights again).
         init_from = _recorded_start(run_dir)
         if init_from is not None:
-            pretrained = load_run_config(init_from, (), "fine-tune from")
+            pretrained = load_run_config(Path(init_from), (), "fine-tune from")
             config = copy.deepcopy(config)
             config.model.vocab_size = pretrained.model.vocab_size
         run = _open_new(config, run_dir, backend, task,
@@ -284,7 +284,7 @@ def _open_resumed(config: Config, run_dir: Path, backend: str, task: Task) -> _R
     if problem:
         raise RunError(f"cannot resume {run_dir}: {CHECKPOINT_FILE} {problem}")
     state = load_checkpoint(checkpoint_path)
-    saved = load_run_config(run_dir)
+    saved_config = load_run_config(run_dir)
     saved_tokenizer = read_tokenizer(run_dir, "resume", state)
     trained = state.get("task", {"name": CAUSAL_LM})  # (earlier versions trained only that)
     if trained != task.settings():
@@ -310,7 +310,7 @@ def _open_resumed(config: Config, run_dir: Path, backend: str, task: Task) -> _R
             f"cannot resume {run_dir}: its checkpoint is at step {step}, beyond "
             f"training.steps = {steps}; set training.steps higher to train longer"
         )
-    refusal = resume_refusal(saved.to_dict(), config.to_dict(), trains=step < steps)
+    refusal = resume_refusal(saved_config.to_dict(), config.to_dict(), trains=step < steps)
     if refusal:
         raise RunError(f"cannot resume {run_dir}: {refusal}")
     iterations = config.ipu.device_iterations
@@ -327,7 +327,7 @@ def _open_resumed(config: Config, run_dir: Path, backend: str, task: Task) -> _R
     # resume) only once the checkpoint has loaded into this config's model: a refused resume
     # changes nothing.
     try:
-        check_recorded_settings(run_dir, saved, state, "resume")
+        check_recorded_settings(run_dir, saved_config, state, "resume")
         problem = ""
     except RunError as error:
         problem = str(error)
