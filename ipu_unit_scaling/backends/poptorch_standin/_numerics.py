@@ -2,8 +2,10 @@
 
 - ``Precision.setPartialsType(torch.half)``: a float16 matmul accumulates its partial sums in
   float16. The stand-in sums the products of the reduced dimension one at a time, rounding
-  each running sum to float16 (each product is exact in float32); with float partials (the
-  default) matmuls run as torch runs them.
+  each running sum to float16 (each product is exact in float32). With float partials (the
+  default) a float16 matmul accumulates in float32 and rounds once to float16: the stand-in
+  computes it in float32 and casts the result (torch's own float16 matmul on a CPU does the
+  same arithmetic, much more slowly).
 - ``useIpuModel(True)``: the IPU Model runs popnn's C++ GELU codelet, whose gradient is the
   exact derivative of the tanh-form forward (``NonLinearity.hpp``); hardware runs the assembly
   codelet's formula, which the emulator's lowering computes (:func:`~ipu_unit_scaling.ops.
@@ -32,13 +34,13 @@ def half_partials_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return total
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return half_partials_matmul(a, b)
+def _float_partials_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(a.float(), b.float()).half()
 
 
-def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: Any = 1,
-           alpha: Any = 1) -> torch.Tensor:
-    return (beta * bias.float() + alpha * half_partials_matmul(a, b).float()).half()
+def _float_partials_addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: Any = 1,
+                          alpha: Any = 1) -> torch.Tensor:
+    return torch.addmm(bias.float(), a.float(), b.float(), beta=beta, alpha=alpha).half()
 
 
 class _HalfMatmul(torch.autograd.Function):
@@ -83,15 +85,15 @@ def apply(graph: fx.GraphModule, half_partials: bool, ipu_model: bool) -> None:
             node.target = ipu_model_gelu
             changed = True
         packet = getattr(node.target, "overloadpacket", None)
-        if half_partials and packet in (torch.ops.aten.mm, torch.ops.aten.bmm) and all(
+        if packet in (torch.ops.aten.mm, torch.ops.aten.bmm) and all(
                 _is_half(a) for a in node.args[:2]):
-            node.target = _mm_autograd
+            node.target = _mm_autograd if half_partials else _float_partials_mm
             changed = True
-        elif half_partials and packet is torch.ops.aten.addmm and all(
-                _is_half(a) for a in node.args[1:3]):
-            node.target = _addmm_autograd
-            node.args = tuple(node.args) + tuple(
-                node.kwargs.get(k, 1) for k in ("beta", "alpha"))
+        elif packet is torch.ops.aten.addmm and all(_is_half(a) for a in node.args[:3]):
+            node.target = _addmm_autograd if half_partials else _float_partials_addmm
+            node.args = tuple(node.args[:3]) + tuple(
+                node.kwargs.get(k, node.args[i] if len(node.args) > i else 1)
+                for i, k in ((3, "beta"), (4, "alpha")))
             node.kwargs = {}
             changed = True
     if changed:
