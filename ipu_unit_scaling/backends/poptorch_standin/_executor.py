@@ -5,12 +5,12 @@ weights on the IPU): made when the model compiles, trained by each call, and cop
 the user's model when PopTorch would (``copyWeightsToHost``, implicitly before the trained
 model's parameters, buffers or ``forward`` are read, on ``detachFromDevice`` and
 ``destroy``). A call takes ``deviceIterations x replicationFactor x gradientAccumulation``
-micro-batches on the leading dimension of every input (PopART's order: device iteration, then
-accumulation, then replica), runs one optimizer step per device iteration on gradients reduced over accumulation and
-replicas (mean or sum: ``accumulationAndReplicationReductionType``) and returns what the output
-mode asks for: All (every micro-batch, concatenated; scalars stacked), Final (the last
-iteration's), Sum (summed over iterations), EveryN (every N-th iteration's). Defaults: Final
-for training, All for inference.
+micro-batches on the leading dimension of every input (PopART's order: device iteration,
+then accumulation, then replica), runs one optimizer step per device iteration on gradients
+reduced over accumulation and replicas (mean or sum:
+``accumulationAndReplicationReductionType``) and returns what the output mode asks for: All
+(every micro-batch, concatenated; scalars stacked), Final (the last iteration's), Sum (summed
+over iterations), EveryN (every N-th iteration's). Defaults: Final for training, All for inference.
 """
 from __future__ import annotations
 
