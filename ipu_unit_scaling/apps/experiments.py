@@ -43,11 +43,10 @@ def _mean_std(values: Sequence[float]) -> Tuple[Optional[float], Optional[float]
 
 
 def _read_json(path: Path) -> Dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    from ..training.run_directory import read_json
+
+    # (a FIFO or a device in a point's place is never read: it reads as no summary)
+    return read_json(path) or {}
 
 
 # ----------------------------------------------------------------------- compare over seeds
