@@ -33,7 +33,7 @@ def _visible_keys(
     """How many keys each query row attends to (at least 1): a float, or a (..., rows, 1) tensor
     of `dtype` widened to float32 at least (a float64 model's row scales are float64 end to end;
     16-bit models' are computed in float32 and rounded once)."""
-    dtype = torch.promote_types(dtype, torch.float32)
+    dtype = torch.float64 if dtype == torch.float64 else torch.float32
     if attn_mask is not None:
         if attn_mask.dtype != torch.bool:
             raise ValueError(
