@@ -228,12 +228,13 @@ def _refuse_duplicate_keys(root: yaml.Node) -> None:
                 if key.tag == _MERGE_TAG or not isinstance(key, yaml.ScalarNode):
                     stack.append(key)
                     continue
-                earlier = first.setdefault((key.tag, key.value), key.start_mark)
-                if earlier is not key.start_mark:
+                earlier = first.setdefault((key.tag, key.value), key)
+                if earlier is not key:
+                    mark = earlier.start_mark
+                    where = f" (first at line {mark.line + 1})" if mark is not None else ""
                     raise AmbiguousValue(
-                        f"duplicate key {_cut(str(key.value))!r} (first at line "
-                        f"{earlier.line + 1}); YAML would keep only the last, so write each key "
-                        "once (merge the two)", key.start_mark)
+                        f"duplicate key {_cut(str(key.value))!r}{where}; YAML would keep only "
+                        "the last, so write each key once (merge the two)", key.start_mark)
         elif isinstance(node, yaml.SequenceNode):
             stack.extend(node.value)
 
