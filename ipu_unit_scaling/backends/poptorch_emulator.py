@@ -362,6 +362,16 @@ def _functional_call(module: nn.Module, state: Dict[str, torch.Tensor],
     return functional_call(module, state, inputs)
 
 
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a plain tensor (an alias) if it is of a subclass, such as the parameters
+    PopTorch wraps once it has trained a model: the trace only reads its metadata, and torch
+    2.0.1's fake tensors do not convert subclasses."""
+    if type(tensor) in (torch.Tensor, nn.Parameter):
+        return tensor
+    with torch._C.DisableTorchFunction():
+        return torch.Tensor._make_subclass(torch.Tensor, tensor.detach(), tensor.requires_grad)
+
+
 def trace_like_poptorch(module: nn.Module, *inputs: Any,
                         stochastic_rounding: bool = False) -> PopTorchTrace:
     """Trace ``module(*inputs)`` the way PopTorch does (see the module docstring).
@@ -388,8 +398,8 @@ def trace_like_poptorch(module: nn.Module, *inputs: Any,
                 PopTorchRewrites():
             return _functional_call(module, state, args)
 
-    parameters = [p for _, p in module.named_parameters()]
-    buffers = [b for _, b in module.named_buffers()]
+    parameters = [_plain(p) for _, p in module.named_parameters()]
+    buffers = [_plain(b) for _, b in module.named_buffers()]
     try:
         graph = _make_fx()(forward, tracing_mode="fake")(parameters, buffers, *inputs)
     except PopTorchError:
