@@ -284,6 +284,11 @@ class PoplarExecutor:
         return tensor if tensor.dim() == 0 else tensor.narrow(0, 0, rows // parts)
 
     def _compile(self, inputs: Args) -> None:
+        for tensor in inputs.tensors():
+            if tensor.numel() == 0:
+                raise _impl.createPoptorchError(
+                    "Zero-sized tensors are unsupported (Got shape "
+                    f"[{', '.join(str(d) for d in tensor.shape)}])")
         _validateOptions(self._options.toDict())
         if self._training:
             self._wrap()
@@ -368,7 +373,12 @@ class PoplarExecutor:
     def _select(self, outputs: List[Any]) -> Any:
         assert self._graph is not None
         chosen = self._choose(outputs)
-        return None if chosen is None else self._graph.rebuild(chosen)
+        if chosen is None:
+            return None
+        for tensor in chosen:
+            if isinstance(tensor, torch.Tensor):
+                tensor.backward = _no_backward  # type: ignore[method-assign]
+        return self._graph.rebuild(chosen)
 
     def _choose(self, outputs: List[Any]) -> Any:
         opts = self._options
@@ -448,3 +458,11 @@ class PoplarExecutor:
 
     def getPerfCounters(self) -> Dict[str, Any]:
         return {"input": [], "input_complete": [], "output": [], "output_complete": []}
+
+
+def _no_backward(*args: Any, **kwargs: Any) -> None:
+    raise _impl.createPoptorchError(
+        "backward() cannot be called explicitly on outputs of a PopTorch model. If you're "
+        "using a trainingModel, the backwards pass is performed automatically when invoking "
+        "the model. If you're using an inferenceModel, you should use a trainingModel "
+        "instead.")

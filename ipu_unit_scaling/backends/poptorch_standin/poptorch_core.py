@@ -43,17 +43,32 @@ class TestErrorType(enum.IntEnum):
     PoplarLinkError = 7
 
 
+_TEST_ERRORS = {
+    TestErrorType.Poptorch: (Error, "poptorch_cpp_error", "test error"),
+    TestErrorType.Popart: (Error, "popart_exception", "test error"),
+    TestErrorType.PopartInternal: (Error, "popart_internal_exception", "test error"),
+    TestErrorType.Poplibs: (Error, "poplibs_exception", "test error"),
+    TestErrorType.PoplarUnrecoverable: (UnrecoverableError,
+                                        "poplar_unrecoverable_runtime_error", "test error"),
+    TestErrorType.PoplarUnknown: (Error, "poplar_unknown_runtime_error", "test error"),
+    TestErrorType.PoplarRecoverableFullReset: (RecoverableError,
+                                               "poplar_recoverable_runtime_error",
+                                               "test error"),
+    TestErrorType.PoplarLinkError: (Error, "poplar_link_error",
+                                    "test error: link error: -lfoo not found"),
+}
+
+
 def _throwTestError(error: TestErrorType) -> None:
-    """Raise the error PopTorch raises for ``error`` (used by PopTorch's own tests)."""
-    if error == TestErrorType.PoplarUnrecoverable:
-        raise UnrecoverableError("poplar_unrecoverable_error: test error")
-    if error == TestErrorType.PoplarRecoverableFullReset:
-        failure = RecoverableError("poplar_recoverable_runtime_error: test error")
+    """Raise the error PopTorch's C++ raises for ``error`` (PopTorch's own tests call it):
+    its type, message and the location (a two-frame backtrace)."""
+    kind, name, message = _TEST_ERRORS[TestErrorType(error)]
+    location = "throwTestError::topLevel\nthrowTestError::bottomLevel"
+    failure = kind(f"In {location}: {name}: {message}")
+    failure.type, failure.message, failure.location = name, message, location
+    if kind is RecoverableError:
         failure.recovery_action = "FULL_RESET"
-        raise failure
-    if error == TestErrorType.PoplarLinkError:
-        raise Error("poplar_link_error: test error")
-    raise Error(f"{error.name}: test error")
+    raise failure
 
 
 def isCompilingWithDispatcher() -> bool:
