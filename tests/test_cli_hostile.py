@@ -199,3 +199,15 @@ def test_a_relative_data_path_is_saved_absolute(tmp_path, monkeypatch, capsys):
     assert setting_differences({"data": {"path": "book.txt"}},
                                {"data": {"path": str(here / "book.txt")}}) == []
     assert setting_differences({"data": {"path": "book.txt"}}, {"data": {"path": "other"}})
+
+
+def test_evaluate_refuses_an_out_that_is_a_file_before_evaluating(tmp_path, capsys):
+    run_dir, out = tmp_path / "run", tmp_path / "afile"
+    assert main(["train", "--config", "tiny", "--set", "training.steps=1",
+                 "training.eval_interval=0", "--run-dir", str(run_dir), "--quiet"]) == 0
+    out.write_text("notes")
+    capsys.readouterr()
+    assert main(["evaluate", str(run_dir), "--out", str(out)]) == 2
+    err = _one_line(capsys.readouterr().err)  # no progress line: nothing was evaluated
+    assert f"--out {out}: not a directory" in err
+    assert out.read_text() == "notes"

@@ -330,6 +330,12 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         raise UsageError(f"--precision lists a precision twice: {' '.join(precisions)}")
     if args.data is not None and not args.data.strip():
         raise UsageError("--data needs a file name (leave it out for the run's validation data)")
+    if args.out is not None:  # before the evaluation, which may take minutes
+        from ..training.run_directory import not_a_directory
+
+        problem = not_a_directory(args.out)
+        if problem and problem != "no such directory":  # a new one is made
+            raise UsageError(f"--out {args.out}: {problem}")
     # Shared with other readers; a run writing the directory refuses it, and is refused by it
     # until the results are written, so they name the checkpoint that is there.
     with RunLock(args.run_dir, shared=True, action="evaluate"):
