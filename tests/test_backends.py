@@ -145,7 +145,7 @@ def test_popxl_backend_needs_popxl(monkeypatch):
         select_backend("popxl")
 
 
-def test_inference_model_on_cpu_and_emulator_gives_the_eval_logits():
+def test_inference_model_on_cpu_and_emulator_gives_the_eval_logits(standin):
     from ipu_unit_scaling import GPT
     from ipu_unit_scaling.backends import build_inference_model
     from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
@@ -161,6 +161,12 @@ def test_inference_model_on_cpu_and_emulator_gives_the_eval_logits():
     expected = model(ids)
     assert torch.equal(cpu, expected) and not cpu.requires_grad
     model.train()
+    runner = build_inference_model(model, config, backend="emulator")
     with torch_numerics():  # GELU as torch defines it (an IPU runs PopART's; test_lowering.py)
-        emulated = build_inference_model(model, config, backend="emulator")(ids)
+        emulated = runner(ids)
     assert torch.allclose(emulated, expected, rtol=1e-5, atol=1e-6)
+    # The IPU backend's inference model, run by the stand-in's poptorch.inferenceModel.
+    from ipu_unit_scaling.backends.poptorch.poptorch_training import IPUInferenceModel
+
+    assert isinstance(runner, IPUInferenceModel)
+    assert isinstance(runner.executor, standin.PoplarExecutor) and not runner.executor.training
