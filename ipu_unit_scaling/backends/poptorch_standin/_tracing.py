@@ -45,6 +45,30 @@ _LOSS_FUNCTIONS = frozenset(getattr(F, name) for name in (
     "multi_margin_loss", "triplet_margin_with_distance_loss") if hasattr(F, name))
 
 
+# Ops whose weights take the activation's dtype when the two differ (PopTorch: a float16
+# activation with float32 weights computes in float16, and the other way round in float32).
+_WEIGHTED = frozenset(getattr(F, name) for name in (
+    "linear", "bilinear", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+    "conv_transpose3d", "layer_norm", "group_norm", "batch_norm", "instance_norm", "prelu")
+    if hasattr(F, name))
+_HALF_FLOAT = (torch.float16, torch.float32)
+
+
+def _on_host(value: Any) -> Any:
+    """``device="ipu"`` (what PopTorch programs ask for while tracing) as the host's CPU."""
+    if isinstance(value, str) and value.split(":")[0] == "ipu":
+        return "cpu"
+    if isinstance(value, torch.device) and value.type == "ipu":
+        return torch.device("cpu")
+    return value
+
+
+def _like_activation(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor) and value.dtype in _HALF_FLOAT and value.dtype != dtype:
+        return value.to(dtype)
+    return value
+
+
 class _TraceMode(TorchFunctionMode):
     """While tracing: marks the result of each torch loss function with
     ``poptorch::torch_loss`` (training), and refuses ops outside any block once a
@@ -56,7 +80,16 @@ class _TraceMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _on_host(kwargs["device"])
+        args = tuple(_on_host(a) for a in args)
+        if func in _WEIGHTED and args and isinstance(args[0], torch.Tensor) and (
+                args[0].dtype in _HALF_FLOAT):
+            dtype = args[0].dtype
+            args = (args[0],) + tuple(_like_activation(a, dtype) for a in args[1:])
+            kwargs = {k: _like_activation(v, dtype) for k, v in kwargs.items()}
+        out = func(*args, **kwargs)
         if _state.BLOCK_ENDED and isinstance(out, torch.Tensor) and getattr(
                 func, "__name__", "") not in ("__get__", "__set__"):
             raise Error("No active Block: once a poptorch.Block has ended, every op must be "
@@ -202,6 +235,10 @@ def compile_graph(model: torch.nn.Module, template: Args, example: List[torch.Te
     strategy.onStartTracing()
     module = _Call(model, template, training)
     previous, _state.ON_IPU = _state.ON_IPU, True
+    # As PopTorch: torch.distributions' argument checks read values on the host; off while
+    # tracing.
+    validate = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
     try:
         trace = trace_like_poptorch(
             module, *example,
@@ -209,6 +246,7 @@ def compile_graph(model: torch.nn.Module, template: Args, example: List[torch.Te
     except PopTorchError as error:
         raise Error(str(error)) from None
     finally:
+        torch.distributions.Distribution.set_default_validate_args(validate)
         _state.ON_IPU = previous
         _state.BLOCK_ENDED = False
         strategy.onEndTracing()
