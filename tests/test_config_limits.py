@@ -33,6 +33,8 @@ def _one_line_error(capsys) -> str:
                                "-2**63 .. 2**63 - 1"),
     ("training.steps=9223372036854775808", "integers in a config are -2**63 .. 2**63 - 1"),
     ("training.steps=0x" + "f" * 100, "is too large"),
+    # A non-UTF-8 byte of the command line (os.fsdecode's surrogate escape).
+    ("data.path=x\udcffy.txt", "data.path: the value is not UTF-8 text (byte 0xff)"),
 ])
 def test_numbers_a_run_cannot_hold_are_refused_in_one_line(override, words):
     with pytest.raises(ConfigError) as info:

@@ -256,6 +256,11 @@ def parse_override_value(key: str, text: str) -> Any:
     if not text.strip():
         raise ConfigError([(key, "the value is empty; write null to unset it, or '' for an "
                                  "empty string")])
+    undecodable = [ch for ch in text if "\udc80" <= ch <= "\udcff"]  # bytes not UTF-8
+    if undecodable:
+        byte = ord(undecodable[0]) - 0xDC00
+        raise ConfigError([(key, f"the value is not UTF-8 text (byte 0x{byte:02x}); a config "
+                                 "takes UTF-8 paths and names")])
     try:
         return yaml.load(text, Loader=_DecimalLoader)
     except AmbiguousValue as error:
