@@ -14,6 +14,8 @@ over iterations), EveryN (every N-th iteration's). Defaults: Final for training,
 """
 from __future__ import annotations
 
+import datetime
+import time
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -118,6 +120,7 @@ class PoplarExecutor:
         self._dirty_host_weights = False
         self._host_weights_version = 0
         self._anchor_memory: Dict[str, torch.Tensor] = {}
+        self._compilation_time = datetime.timedelta(0)
         self.per_replica_params: Dict[str, Any] = {}
         if training:
             self.setOptimizer(optimizer)
@@ -290,8 +293,15 @@ class PoplarExecutor:
                     "Zero-sized tensors are unsupported (Got shape "
                     f"[{', '.join(str(d) for d in tensor.shape)}])")
         _validateOptions(self._options.toDict())
+        names = self._options._Popart.options.get("updatableNamedBuffers") or []
+        known = dict(self._model.named_buffers())
+        for name in names:
+            if name not in known:
+                raise _impl.createPoptorchError(
+                    f"updatableNamedBuffers: the model has no buffer {name}")
         if self._training:
             self._wrap()
+        started = time.time()
         self._executable_inputs = inputs
         template = inputs.map(lambda t: t)
         example = [self._narrow(t).detach() for t in inputs.tensors()]
@@ -300,6 +310,7 @@ class PoplarExecutor:
         self._device_parameters = [
             p.detach().clone().requires_grad_(p.requires_grad) for p in self._graph.parameters]
         self._device_buffers = [b.detach().clone() for b in self._graph.buffers]
+        self._compilation_time = datetime.timedelta(seconds=time.time() - started)
         if self._training and self._optimizer is not None:
             self._device_optimizer = self._map_optimizer(self._optimizer)
         self._is_attached = True
@@ -317,6 +328,9 @@ class PoplarExecutor:
         inputs = self._args_parser(args, kwargs)
         if not self.isCompiled():
             self._compile(inputs)
+        if self._options._Popart.options.get("instrumentWithHardwareCycleCounter"):
+            raise _impl.createPoptorchError(
+                "Cycle count logging is only supported on actual IPU hardware.")
         if not self._is_attached:
             self.attachToDevice()
         if not self._training:
@@ -448,6 +462,16 @@ class PoplarExecutor:
         inputs = read(filename)["inputs"]
         if inputs is not None and not self.isCompiled():
             self._compile(inputs)
+
+    def compilationTime(self) -> datetime.timedelta:
+        """How long the last compilation took (the stand-in's trace: no Poplar compile)."""
+        if not self.isCompiled():
+            raise _impl.createPoptorchError(
+                "Please compile the model before obtaining compilation time.")
+        if not self._options._show_compilation_progress_bar:
+            raise _impl.createPoptorchError(
+                "Please set showCompilationProgressBar option to obtain compilation time.")
+        return self._compilation_time
 
     def cycleCount(self) -> int:
         raise _impl.createPoptorchError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from typing import Any, Callable, Optional
 
 import torch
@@ -15,6 +16,8 @@ _MAGIC = "poptorch-standin-executable"
 
 
 def save_executor(executor: Any, filename: str, export_model: bool = True) -> None:
+    if os.path.isdir(filename):
+        filename = os.path.join(filename, "model.poptorch")
     model = None
     if export_model:
         executor.copyWeightsToHostIfNeeded() if executor.isCompiled() else None

@@ -11,3 +11,5 @@ STAGE_MANAGER: Optional[Any] = None
 BLOCKS: List[Tuple[str, int, int, int]] = []
 # True between the end of a ``poptorch.Block`` and the start of the next one, while tracing.
 BLOCK_ENDED = False
+# True while a training model is traced.
+TRAINING = False

@@ -113,8 +113,20 @@ class _Call(torch.nn.Module):
 
     def forward(self, *tensors: torch.Tensor) -> Any:
         args, kwargs = self.template.with_tensors(list(tensors))
+        before = dict(self.model.named_buffers())
         with _TraceMode(self.training_graph):
             out = self.model(*args, **kwargs)
+        after = dict(self.model.named_buffers())
+        for name, buffer in before.items():
+            if name not in after:
+                raise createPoptorchError(
+                    f"Buffer {name} is removed from the model when calling the forward method.")
+            if after[name] is not buffer:
+                raise createPoptorchError(
+                    f"Buffer {name} is reassigned within the model when calling the forward "
+                    "method. This is not supported. Consider using "
+                    f"self.{name}.copy_(src) to copy data from a source tensor, where src is "
+                    "the name of the source tensor.")
         self.output_template = out
         return flatten(out)
 
@@ -196,6 +208,23 @@ def _attach_final_loss(trace: PopTorchTrace) -> None:
     trace.graph.recompile()
 
 
+def _writes_buffers(trace: PopTorchTrace) -> bool:
+    """Whether the graph writes any buffer in place (BatchNorm's running statistics...)."""
+    graph = trace.graph.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    first = len(trace.parameter_names)
+    buffers = set(placeholders[first:first + len(trace.buffer_names)])
+    for node in graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None:
+            continue
+        for value, argument in zip(node.args, schema.arguments):
+            if value in buffers and argument.alias_info is not None and (
+                    argument.alias_info.is_write):
+                return True
+    return False
+
+
 def pipeline_stages(blocks: List[Tuple[Any, ...]]) -> int:
     """Forward pipeline stages: one, plus one at every change of IPU between consecutive
     blocks in execution order."""
@@ -232,6 +261,7 @@ def compile_graph(model: torch.nn.Module, template: Args, example: List[torch.Te
     popart = options._Popart.options
     _state.BLOCKS = []
     _state.BLOCK_ENDED = False
+    _state.TRAINING = training
     strategy.onStartTracing()
     module = _Call(model, template, training)
     previous, _state.ON_IPU = _state.ON_IPU, True
@@ -249,6 +279,7 @@ def compile_graph(model: torch.nn.Module, template: Args, example: List[torch.Te
         torch.distributions.Distribution.set_default_validate_args(validate)
         _state.ON_IPU = previous
         _state.BLOCK_ENDED = False
+        _state.TRAINING = False
         strategy.onEndTracing()
     blocks, _state.BLOCKS = list(_state.BLOCKS), []
     unsupported = {op: where for op, where in trace.report.unsupported.items()
@@ -258,6 +289,12 @@ def compile_graph(model: torch.nn.Module, template: Args, example: List[torch.Te
         raise Error(str(trace.report))
     if training:
         _attach_final_loss(trace)
+        if options.replication_factor > 1 and options.broadcast_buffers and (
+                _writes_buffers(trace)):
+            raise createPoptorchError(
+                "PopTorch does not support broadcasting buffers. If your model is able to "
+                "tolerate buffers becoming out of sync between replicas, you can disable "
+                "buffer broadcasting using poptorch.Options.broadcastBuffers(False).")
     check_pipeline(options, training, pipeline_stages(blocks))
     _numerics.apply(trace.graph, half_partials=popart.get("partialsTypeMatMuls") == "half",
                     ipu_model=bool(options._values.get("use_model", False)))

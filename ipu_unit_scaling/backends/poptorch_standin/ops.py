@@ -57,6 +57,8 @@ def for_loop(count: int, body: Callable[..., Any], inputs: List[torch.Tensor]
             raise ValueError("poptorch.for_loop expects input tensors (inputs) to be a list of "
                              f"tensors. (Object contained in list at index {index} is not "
                              "torch.tensor)")
+    if _state.TRAINING and _state.ON_IPU:
+        raise createPoptorchError("poptorch.for_loop() is only supported in inference")
     values: List[torch.Tensor] = [t.clone() for t in inputs]
     for _ in range(count):
         outputs = body(*values)
