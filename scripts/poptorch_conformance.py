@@ -8,8 +8,8 @@ TESTS_DIR is a copy of graphcore/poptorch's ``tests/`` directory (its ``conftest
 table of passed / failed / errors / skipped per file and the fraction of the tests that ran
 (passed + failed + errors) that passed; a file that cannot be collected counts as one error,
 and a file that times out counts its unfinished tests as failed. Tests that check PopTorch's
-log output are left out (``scripts/poptorch_log_filter.py``) unless ``--with-log-tests``. Exit status 1 if the fraction
-is below ``--min-fraction``.
+log output are left out (``scripts/poptorch_log_filter.py``) unless ``--with-log-tests``.
+Exit status 1 if the fraction is below ``--min-fraction``.
 """
 from __future__ import annotations
 
