@@ -40,8 +40,6 @@ import math
 import threading
 from typing import Callable, Iterator, List, Sequence, Tuple
 
-from . import op_helpers
-
 __all__ = ["rules", "active_rules", "RULES"]
 
 PACKAGE_RULES = "ipu-unit-scaling"
@@ -126,8 +124,9 @@ def library_rules() -> bool:
 # against the same formulas written out independently, in float64.
 
 def _interpolate(alpha: float, lower: float, upper: float) -> float:
-    # Looked up when called: op_helpers imports this module (for `rms`).
-    return op_helpers.logarithmic_interpolation(alpha, lower, upper)
+    # op_helpers.logarithmic_interpolation's formula; op_helpers imports this module (for
+    # `rms`), so this one stays free of it.
+    return math.exp(alpha * math.log(upper) + (1 - alpha) * math.log(lower))
 
 
 _TO_MULT_SQ = 0.25  # gelu's and silu's output-scale model: alpha = sigmoid(log(4 mult**2))
