@@ -19,7 +19,8 @@ Package map, from the bottom layer up (a module imports only from its own layer 
     training/         the run config, data, run directories, memory estimate, precision
                       regimes, validation and plots
     analysis/         scale tracking and reports over a model's ops
-    backends/         cpu, emulator (PopTorch's semantics), poptorch (IPUs), popxl, distributed
+    backends/         cpu, poptorch (IPUs; the emulator runs it on the PopTorch stand-in),
+                      popxl, distributed
     loop/             the one training loop and its tasks (causal LM, masked LM)
     apps/             the ipu-unit-scaling command: train, compare, sweep, evaluate, sample, ...
 
