@@ -1,5 +1,8 @@
 """``poptorch.optim`` for the PopTorch stand-in: PopTorch's optimizers with PopART's update rules.
 
+Over 600 lines because it is one module in PopTorch (``poptorch.optim``): five optimizers with
+PopTorch's argument checks, PopART's update rules and its device-state names.
+
 The classes keep PopTorch's constructor arguments, defaults and checks (``loss_scaling``,
 ``accum_type``, ``velocity_accum_type``, ``first_order_momentum_accum_type``,
 ``second_order_momentum_accum_type``, ``velocity_scaling``, ``use_combined_accum``,
