@@ -372,8 +372,8 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
         return torch.Tensor._make_subclass(torch.Tensor, tensor.detach(), tensor.requires_grad)
 
 
-def trace_like_poptorch(module: nn.Module, *inputs: Any,
-                        stochastic_rounding: bool = False) -> PopTorchTrace:
+def trace_like_poptorch(module: nn.Module, *inputs: Any, stochastic_rounding: bool = False,
+                        allow_constants: bool = False) -> PopTorchTrace:
     """Trace ``module(*inputs)`` the way PopTorch does (see the module docstring).
 
     Raises :class:`PopTorchError` for what PopTorch refuses while tracing (host reads of a
@@ -384,6 +384,10 @@ def trace_like_poptorch(module: nn.Module, *inputs: Any,
     The trace computes what an IPU computes where PopART departs from eager torch (GELU; with
     ``stochastic_rounding``, as ``Precision.enableStochasticRounding``, the float-half casts):
     see :mod:`ipu_unit_scaling.ops.ipu_lowering`.
+
+    With ``allow_constants``, tensors the model holds outside its parameters and buffers (a
+    closure's target, a global table) become constants of the graph, as PopTorch uploads them,
+    instead of being refused by the fake tensors.
     """
     parameter_names = [name for name, _ in module.named_parameters()]
     buffer_names = [name for name, _ in module.named_buffers()]
@@ -401,7 +405,8 @@ def trace_like_poptorch(module: nn.Module, *inputs: Any,
     parameters = [_plain(p) for _, p in module.named_parameters()]
     buffers = [_plain(b) for _, b in module.named_buffers()]
     try:
-        graph = _make_fx()(forward, tracing_mode="fake")(parameters, buffers, *inputs)
+        graph = _make_fx()(forward, tracing_mode="fake", _allow_non_fake_inputs=allow_constants)(
+            parameters, buffers, *inputs)
     except PopTorchError:
         raise
     except Exception as error:

@@ -271,7 +271,7 @@ def compile_graph(model: torch.nn.Module, template: Args, example: List[torch.Te
     torch.distributions.Distribution.set_default_validate_args(False)
     try:
         trace = trace_like_poptorch(
-            module, *example,
+            module, *example, allow_constants=True,
             stochastic_rounding=bool(popart.get("enableStochasticRounding", False)))
     except PopTorchError as error:
         raise Error(str(error)) from None
