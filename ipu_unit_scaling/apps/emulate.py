@@ -32,7 +32,7 @@ def _exit_code(stop: SystemExit) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``argv`` (what follows ``emulate``); returns the program's exit status."""
-    from ..backends.poptorch_standin.install import StandInError, install
+    from ..backends.poptorch_standin.install import StandInError, install, shim_directory
 
     args: List[str] = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -55,6 +55,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except StandInError as error:
         print(f"ipu-unit-scaling emulate: {error}", file=sys.stderr)
         return 2
+    # The program's subprocesses (python -c "import poptorch", spawned workers) import the
+    # stand-ins through a shim package on PYTHONPATH.
+    shim = shim_directory()
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (shim, os.environ.get("PYTHONPATH")) if p)
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     try:
         if module is not None:

@@ -12,11 +12,20 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
+import tempfile
 import types
 from typing import Any, List, Optional, Sequence
 
-__all__ = ["install", "uninstall", "real_module_available", "StandInError", "STANDINS"]
+__all__ = ["install", "uninstall", "real_module_available", "StandInError", "STANDINS",
+           "SHIM_ENV", "shim_directory"]
+
+# A directory with a ``poptorch`` and a ``popxl`` package that serve the stand-ins: put on
+# PYTHONPATH by ``emulate`` so that the program's own subprocesses import them too.
+SHIM_ENV = "IPU_UNIT_SCALING_STANDIN_SHIM"
+_SHIM_CODE = ("from ipu_unit_scaling.backends.poptorch_standin.install import serve_from_shim\n"
+              "serve_from_shim(__name__)\n")
 
 # name -> the module that stands in for it
 STANDINS = {
@@ -29,6 +38,33 @@ class StandInError(RuntimeError):
     """A stand-in was asked for where the real module imports."""
 
 
+def _is_shim(spec: Any) -> bool:
+    shim = os.environ.get(SHIM_ENV)
+    origin = getattr(spec, "origin", None) or ""
+    return bool(shim) and os.path.abspath(origin).startswith(os.path.abspath(shim) + os.sep)
+
+
+def shim_directory() -> str:
+    """The shim directory of this process (made on first use, in the temporary directory)."""
+    existing = os.environ.get(SHIM_ENV)
+    if existing and os.path.isdir(existing):
+        return existing
+    directory = tempfile.mkdtemp(prefix="ipu-unit-scaling-standins-")
+    for name in STANDINS:
+        os.makedirs(os.path.join(directory, name))
+        with open(os.path.join(directory, name, "__init__.py"), "w") as handle:
+            handle.write(_SHIM_CODE)
+    os.environ[SHIM_ENV] = directory
+    return directory
+
+
+def serve_from_shim(name: str) -> None:
+    """Run by a shim package: install the stand-ins and become the stand-in module."""
+    if not any(isinstance(f, _StandInFinder) for f in sys.meta_path):
+        install(tuple(STANDINS))
+    sys.modules[name] = importlib.import_module(STANDINS[name])
+
+
 def real_module_available(name: str) -> bool:
     """Whether ``name`` can be imported from ``sys.path`` without the stand-in."""
     for finder in sys.meta_path:
@@ -38,7 +74,8 @@ def real_module_available(name: str) -> bool:
         if find is None:
             continue
         try:
-            if find(name, None) is not None:
+            spec = find(name, None)
+            if spec is not None and not _is_shim(spec):
                 return True
         except (ImportError, ValueError):
             continue
@@ -93,7 +130,8 @@ def install(names: Sequence[str] = ("poptorch", "popxl")) -> List[str]:
     for name in names:
         if name not in STANDINS:
             raise ValueError(f"no stand-in for {name!r}; there are {sorted(STANDINS)}")
-        if name in sys.modules and not _is_standin(sys.modules[name], name):
+        if name in sys.modules and not _is_standin(sys.modules[name], name) and not _is_shim(
+                getattr(sys.modules[name], "__spec__", None)):
             raise StandInError(f"the real {name} is already imported; not replacing it")
         if real_module_available(name):
             raise StandInError(
