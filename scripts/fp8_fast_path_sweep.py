@@ -3,8 +3,9 @@
     python scripts/fp8_fast_path_sweep.py [--scales 0 -31 31 -3 5]
 
 For each scale, all 2**32 float32 bit patterns go through the fast path's portable loops and
-(where the CPU has AVX2) its AVX2 kernels, to codes and to values, in F143 and F152 with both
-overflow policies, and are compared with the vertex functions (`codelets/fp8_arith.hpp`).
+(where the CPU has them) its AVX2 and AVX-512 kernels, to codes and to values, in F143 and F152
+with both overflow policies, and are compared with the vertex functions
+(`codelets/fp8_arith.hpp`).
 Minutes per scale; the test suite runs a strided subset of the same check.
 """
 from __future__ import annotations
