@@ -275,6 +275,16 @@ def compile_graph(model: torch.nn.Module, template: Args, example: List[torch.Te
             stochastic_rounding=bool(popart.get("enableStochasticRounding", False)))
     except PopTorchError as error:
         raise Error(str(error)) from None
+    except (TypeError, ValueError, RuntimeError, IndexError) as error:
+        # torch's own errors name the fake tensors of the trace; the IPU's are Tensors.
+        message = str(error)
+        if "FakeTensor" not in message or isinstance(error, Error):
+            raise
+        try:
+            renamed = type(error)(message.replace("FakeTensor", "Tensor"))
+        except Exception:  # an error type that takes other arguments
+            raise error from None
+        raise renamed from None
     finally:
         torch.distributions.Distribution.set_default_validate_args(validate)
         _state.ON_IPU = previous
