@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import time
+import types
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -261,9 +262,46 @@ class PoplarExecutor:
 
         optim.check_ipu_optimizer(optimizer)
         self._apply_optimizer_options(optimizer)
+        previous = self._optimizer
+        if previous is not None and previous is not optimizer and isinstance(
+                previous, optim.Optimizer) and self.isCompiled():
+            # The old optimizer keeps the device state it had, and stops reading it.
+            previous.set_state_dict(self._read_optimizer_state(previous))
+            previous.__dict__.pop("state_dict", None)
         self._optimizer = optimizer
+        if isinstance(optimizer, optim.Optimizer):
+            optimizer.state_dict = types.MethodType(  # type: ignore[method-assign]
+                lambda opt: self._read_optimizer_state(opt), optimizer)
         if self._device_optimizer is not None:
             self._device_optimizer = self._map_optimizer(optimizer)
+            self._write_optimizer_state(optimizer)
+
+    def _named_device_parameters(self) -> Dict[str, torch.Tensor]:
+        assert self._graph is not None
+        prefix = "model."
+        return {n[len(prefix):] if n.startswith(prefix) else n: p
+                for n, p in zip(self._graph.trace.parameter_names, self._device_parameters)}
+
+    def _read_optimizer_state(self, optimizer: Any) -> Dict[str, Any]:
+        """PopTorch's ``optimizer.state_dict()`` once compiled: the device's state
+        (``ipu_state``, ``ipu_param``) with torch's state dict."""
+        from . import optim
+
+        if self._device_optimizer is None or not isinstance(self._device_optimizer,
+                                                              optim.Optimizer):
+            return optimizer.get_state_dict()
+        state = optim.ipu_state_dict(self._device_optimizer, self._named_device_parameters())
+        return {**state, **torch.optim.Optimizer.state_dict(optimizer)}
+
+    def _write_optimizer_state(self, optimizer: Any) -> None:
+        """A state the user's optimizer carries (a loaded checkpoint) goes to the device."""
+        from . import optim
+
+        if isinstance(optimizer, optim.Optimizer) and optimizer.has_state() and isinstance(
+                self._device_optimizer, optim.Optimizer):
+            optim.load_ipu_state_dict(self._device_optimizer, optimizer._state_dict,
+                                      self._named_device_parameters())
+            optimizer.ipu_state_is_dirty = False
 
     # ------------------------------------------------------------------ compiling
     def _micro_batches(self) -> int:
@@ -313,6 +351,7 @@ class PoplarExecutor:
         self._compilation_time = datetime.timedelta(seconds=time.time() - started)
         if self._training and self._optimizer is not None:
             self._device_optimizer = self._map_optimizer(self._optimizer)
+            self._write_optimizer_state(self._optimizer)
         self._is_attached = True
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
@@ -389,6 +428,7 @@ class PoplarExecutor:
         chosen = self._choose(outputs)
         if chosen is None:
             return None
+        chosen = [_ipu_dtype(t) for t in chosen]
         for tensor in chosen:
             if isinstance(tensor, torch.Tensor):
                 tensor.backward = _no_backward  # type: ignore[method-assign]
@@ -490,3 +530,13 @@ def _no_backward(*args: Any, **kwargs: Any) -> None:
         "using a trainingModel, the backwards pass is performed automatically when invoking "
         "the model. If you're using an inferenceModel, you should use a trainingModel "
         "instead.")
+
+
+def _ipu_dtype(value: Any) -> Any:
+    """An output as the IPU returns it: no 64-bit types (int64 as int32, float64 as float32)."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype == torch.int64:
+            return value.to(torch.int32)
+        if value.dtype == torch.float64:
+            return value.to(torch.float32)
+    return value
