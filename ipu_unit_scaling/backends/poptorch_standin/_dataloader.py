@@ -38,7 +38,11 @@ def _rows(batch: Any) -> int:
 
 
 class _SubDataset(torch.utils.data.Dataset):
-    """This process's share of a dataset split between ``Distributed`` processes."""
+    """This process's share of a dataset split between ``Distributed`` processes. With
+    ``drop_last`` each share is a multiple of the combined batch and the elements left over
+    alternate, epoch by epoch, between the start and the end of the data; shuffling permutes
+    the whole dataset the same way in every process (the options' random seed), anew each
+    epoch."""
 
     def __init__(self, dataset: Any, options: Options, step: int, drop_last: bool):
         count = len(dataset)
@@ -47,11 +51,33 @@ class _SubDataset(torch.utils.data.Dataset):
             per_process = step * (count // (step * processes))
             self._offset = rank * per_process
             self._length = min(per_process, count - self._offset)
+            self._leftovers = count % per_process if per_process else 0
         else:
             shares = [count // processes + (count % processes > p) for p in range(processes)]
             self._offset = sum(shares[:rank])
             self._length = shares[rank]
+            self._leftovers = 0
+        self._base_offset = self._offset
         self._dataset = dataset
+        self._seed = options.random_seed if options.exists("random_seed") else None
+        self._generator_state: Optional[torch.Tensor] = None
+        self._order: Optional[torch.Tensor] = None
+
+    def shuffle_global_indices(self) -> None:
+        generator = torch.Generator()
+        if self._generator_state is None:
+            assert self._seed is not None, (
+                "Seed must be set when shuffling so that all instances end up with the same "
+                "shuffled global indices.")
+            generator.manual_seed(self._seed)
+        else:
+            generator.set_state(self._generator_state)
+        self._order = torch.randperm(len(self._dataset), generator=generator)
+        self._generator_state = generator.get_state()
+
+    def swap_range(self) -> None:
+        self._offset = (self._base_offset + self._leftovers
+                        if self._offset == self._base_offset else self._base_offset)
 
     def __len__(self) -> int:
         return self._length
@@ -59,7 +85,10 @@ class _SubDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> Any:
         if index >= self._length:
             raise IndexError(index)
-        return self._dataset[index + self._offset]
+        position = index + self._offset
+        if self._order is not None:
+            position = int(self._order[position])
+        return self._dataset[position]
 
 
 class DataLoader(torch.utils.data.DataLoader):
@@ -102,6 +131,7 @@ class DataLoader(torch.utils.data.DataLoader):
             self._combined_batch_size = batch_size * self._num_batches_to_combine
         self._is_iterable = isinstance(dataset, torch.utils.data.IterableDataset)
         self._accessor: Optional[AsynchronousDataAccessor] = None
+        self._shuffle_globally = False
         if self._is_iterable:
             if auto_distributed_partitioning:
                 assert options.Distributed.numProcesses == 1, (
@@ -114,6 +144,9 @@ class DataLoader(torch.utils.data.DataLoader):
             assert self._combined_batch_size is not None, (
                 "batch_size=None not allowed when using auto_distributed_partitioning.")
             dataset = _SubDataset(dataset, options, self._combined_batch_size, drop_last)
+            if shuffle:
+                self._shuffle_globally = True
+                shuffle = False
         per_batch = 1 if self._is_user_batch_sampler_set else self._combined_batch_size
         real_drop_last = (self.batch_sampler_drop_last if self._is_user_batch_sampler_set
                           else drop_last)
@@ -176,6 +209,9 @@ class DataLoader(torch.utils.data.DataLoader):
         return torch.utils.data.DataLoader.__iter__(self)
 
     def __iter__(self) -> Any:
+        if self._shuffle_globally:
+            self.dataset.shuffle_global_indices()
+            self.dataset.swap_range()
         if self._accessor is not None:
             return iter(self._accessor)
         if self._is_user_batch_sampler_set and self._num_batches_to_combine not in (None, 1):
