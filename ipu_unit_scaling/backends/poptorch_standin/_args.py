@@ -165,7 +165,8 @@ class ArgsParser:
             signature = None
         if signature is None:
             self._names = ["args", "kwargs"]
-            self._kinds = [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]
+            self._kinds: List[Any] = [inspect.Parameter.VAR_POSITIONAL,
+                                      inspect.Parameter.VAR_KEYWORD]
             self._defaults: Dict[str, Any] = {}
         else:
             self._names = list(signature.parameters)

@@ -182,7 +182,7 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __len__(self) -> int:
         if self._accessor is not None and self._accessor.rebatched_size:
-            count = len(self.dataset)
+            count = len(self.dataset)  # type: ignore[arg-type]
             length = count // self._accessor.rebatched_size
             if not self.rebatched_drop_last and count % self._accessor.rebatched_size:
                 length += 1
@@ -210,8 +210,8 @@ class DataLoader(torch.utils.data.DataLoader):
 
     def __iter__(self) -> Any:
         if self._shuffle_globally:
-            self.dataset.shuffle_global_indices()
-            self.dataset.swap_range()
+            self.dataset.shuffle_global_indices()  # type: ignore[attr-defined]
+            self.dataset.swap_range()  # type: ignore[attr-defined]
         if self._accessor is not None:
             return iter(self._accessor)
         if self._is_user_batch_sampler_set and self._num_batches_to_combine not in (None, 1):
@@ -262,7 +262,7 @@ class AsynchronousDataAccessor:
     def __len__(self) -> int:
         length = len(self._dataset)
         if self.rebatched_size and getattr(self._dataset, "_accessor", None) is not self:
-            length = length * self._dataset.batch_size // self.rebatched_size
+            length = length * int(self._dataset.batch_size or 1) // self.rebatched_size
         return length
 
     def _source(self) -> Iterator[Any]:

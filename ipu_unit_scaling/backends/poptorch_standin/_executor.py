@@ -124,6 +124,7 @@ class PoplarExecutor:
         self._compilation_time = datetime.timedelta(0)
         self.per_replica_params: Dict[str, Any] = {}
         if training:
+            assert optimizer is not None
             self.setOptimizer(optimizer)
             self._wrap()
 
@@ -376,7 +377,7 @@ class PoplarExecutor:
             sync = getattr(self._user_model, "copyWeightsToHostIfNeeded", None)
             if callable(sync):
                 sync()
-                version = self._user_model._host_weights_version
+                version: Any = self._user_model._host_weights_version
                 if version != self._host_weights_version:
                     self.copyWeightsToDevice()
                     self._host_weights_version = version

@@ -202,7 +202,7 @@ def _attach_final_loss(trace: PopTorchTrace) -> None:
     if info is not None and info.out_spec is not None:  # the graph returns a pytree
         output.args = (outputs + [final[0]],)
         spec = tree_flatten((list(range(len(outputs))), 0))[1]
-        graph._codegen.pytree_info = info._replace(out_spec=spec)
+        graph._codegen.pytree_info = info._replace(out_spec=spec)  # type: ignore[attr-defined]
     else:
         output.args = ((outputs, final[0]),)
     trace.graph.recompile()

@@ -39,7 +39,7 @@ class StandInError(RuntimeError):
 
 
 def _is_shim(spec: Any) -> bool:
-    shim = os.environ.get(SHIM_ENV)
+    shim = os.environ.get(SHIM_ENV) or ""
     origin = getattr(spec, "origin", None) or ""
     return bool(shim) and os.path.abspath(origin).startswith(os.path.abspath(shim) + os.sep)
 
