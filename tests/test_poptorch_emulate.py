@@ -124,3 +124,22 @@ def test_usage_errors(args, capsys):
 
     assert main(args) == 2
     assert "emulate" in capsys.readouterr().err
+
+
+def test_install_serves_both_standins_in_process():
+    import importlib
+
+    from ipu_unit_scaling.backends.poptorch_standin import install
+
+    install.install(("poptorch", "popxl"))
+    try:
+        poptorch = importlib.import_module("poptorch")
+        options = importlib.import_module("poptorch.options")
+        popxl_ops = importlib.import_module("popxl.ops")
+        assert poptorch.Options is options.Options
+        assert poptorch.__name__ == "ipu_unit_scaling.backends.poptorch_standin"
+        assert popxl_ops.__name__.startswith("ipu_unit_scaling.backends.popxl")
+    finally:
+        install.uninstall()
+    with pytest.raises(ImportError):
+        importlib.import_module("poptorch")
