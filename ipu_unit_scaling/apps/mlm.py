@@ -24,6 +24,7 @@ import difflib
 import json
 import math
 import reprlib
+import shutil
 import statistics
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -374,6 +375,10 @@ def run_mlm_compare(config: MLMConfig, regimes: Sequence[str], seeds: Sequence[i
                 say(f"{name}: {directory} holds a run of an earlier version, without a "
                     "checkpoint; training it again")
                 _remove_files(directory, (SUMMARY_FILE, METRICS_FILE))
+            elif action == "retrain":
+                say(f"{name}: {directory} holds a finished run whose summary does not say "
+                    "which model it trained; training it again")
+                shutil.rmtree(directory)
             counter.start(index, name, {"reuse": f"reusing the finished run in {directory}",
                                         "resume": "resuming"}.get(action, "training"))
             if action == "reuse":
@@ -390,8 +395,9 @@ def run_mlm_compare(config: MLMConfig, regimes: Sequence[str], seeds: Sequence[i
 
 def _plan(wanted: Config, config: MLMConfig, directory: Path, data_sha256: str,
           chars: Sequence[str]) -> str:
-    """Whether to ``start``, ``resume`` or ``reuse`` the run in ``directory``, or ``replace``
-    the files an earlier version's loop left there; RunError when it was trained with other
+    """Whether to ``start``, ``resume`` or ``reuse`` the run in ``directory``, ``replace``
+    the files an earlier version's loop left there, or ``retrain`` a finished run whose summary
+    does not name its model; RunError when it was trained with other
     settings (or on other text, ``data_sha256``, of the characters ``chars``)."""
     from ..loop.tasks import read_task
     from ..loop.training_loop import check_reused_tokenizer, load_run_config
@@ -425,12 +431,15 @@ def _plan(wanted: Config, config: MLMConfig, directory: Path, data_sha256: str,
                        "same settings or choose another --run-dir")
     summary = summary or {}
     status = summary.get("status")
-    # A summary that does not say which model it trained is not trusted to be this regime's:
-    # the run is resumed, which rewrites it.
-    if summary.get("model") == model_kind(wanted) and (status == "diverged" or (
-            status == "completed" and summary.get("steps") == wanted.training.steps)):
+    finished = status == "diverged" or (
+        status == "completed" and summary.get("steps") == wanted.training.steps)
+    if finished and summary.get("model") == model_kind(wanted):
         check_reused_tokenizer(directory, chars)
         return "reuse"
+    if finished and "model" not in summary:
+        # A summary that does not say which model it trained is not trusted to be this
+        # regime's, and a resume of a finished run rewrites nothing: it is trained again.
+        return "retrain"
     return "resume" if has_checkpoint else "start"
 
 
