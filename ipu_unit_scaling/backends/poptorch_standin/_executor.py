@@ -14,6 +14,7 @@ over iterations), EveryN (every N-th iteration's). Defaults: Final for training,
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 import types
@@ -23,6 +24,7 @@ import torch
 
 from . import _impl, enums
 from ._args import Args, ArgsParser
+from ._numerics import HalfKernels
 from ._tracing import CompiledGraph, compile_graph
 from .options import Options, PipelinedExecution, ShardedExecution
 from .poptorch_core import _validateOptions
@@ -392,9 +394,13 @@ class PoplarExecutor:
             self._dirty_host_weights = True
         return self._select(outputs)
 
+    def _half_kernels(self, micro: List[List[torch.Tensor]]) -> Any:
+        tensors = [*self._device_parameters, *(t for batch in micro for t in batch)]
+        return HalfKernels() if HalfKernels.needed(tensors) else contextlib.nullcontext()
+
     def _infer(self, micro: List[List[torch.Tensor]]) -> List[Any]:
         assert self._graph is not None
-        with torch.no_grad():
+        with torch.no_grad(), self._half_kernels(micro):
             return [self._graph(self._device_parameters, self._device_buffers, *batch)
                     for batch in micro]
 
@@ -409,9 +415,16 @@ class PoplarExecutor:
             pass  # the same mean, accumulated as a running mean on the IPU
         if opts.Training.accumulation_and_replication_reduction_type == enums.ReductionType.Mean:
             scale /= per_step
+        with self._half_kernels(micro):
+            return self._train_steps(micro, per_step, scale)
+
+    def _train_steps(self, micro: List[List[torch.Tensor]], per_step: int,
+                     scale: float) -> List[Any]:
+        assert self._graph is not None
+        optimizer = self._device_optimizer
         parameters = [p for p in self._device_parameters if p.requires_grad]
         outputs = []
-        for step in range(opts.device_iterations):
+        for step in range(self._options.device_iterations):
             for parameter in parameters:
                 parameter.grad = None
             for batch in micro[step * per_step:(step + 1) * per_step]:

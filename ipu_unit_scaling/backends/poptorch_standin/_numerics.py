@@ -10,6 +10,10 @@
   exact derivative of the tanh-form forward (``NonLinearity.hpp``); hardware runs the assembly
   codelet's formula, which the emulator's lowering computes (:func:`~ipu_unit_scaling.ops.
   ipu_lowering.popart_gelu`). Without ``useIpuModel`` the hardware form runs.
+- Float16 ops that torch's CPU has no kernel for (GELU and others on torch 2.0.1): an IPU
+  computes them in float16; the stand-in computes them in float32 and rounds the result to
+  float16 (:class:`HalfKernels`), which is what an IPU's float16 op with float32 internals
+  returns, within one float16 rounding.
 """
 from __future__ import annotations
 
@@ -18,10 +22,46 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import fx
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 from ...ops.ipu_lowering import popart_gelu
 
-__all__ = ["apply", "half_partials_matmul", "ipu_model_gelu"]
+__all__ = ["apply", "half_partials_matmul", "ipu_model_gelu", "HalfKernels"]
+
+
+def _to_float(value: Any) -> Any:
+    return value.float() if isinstance(value, torch.Tensor) and (
+        value.dtype == torch.float16) else value
+
+
+def _to_half(value: Any) -> Any:
+    return value.half() if isinstance(value, torch.Tensor) and (
+        value.dtype == torch.float32) else value
+
+
+class HalfKernels(TorchDispatchMode):
+    """Runs a float16 op that torch's CPU lacks a kernel for in float32, rounding its float32
+    results back to float16; every other op runs as it is."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError) as error:
+            if "'Half'" not in str(error):
+                raise
+        out = func(*tree_map(_to_float, args), **tree_map(_to_float, kwargs))
+        flat = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+        if any(v.dtype == torch.float32 for v in flat):
+            return out  # float32 inputs too: the op's result is float32 as it is
+        return tree_map(_to_half, out)
+
+    @staticmethod
+    def needed(tensors: Any) -> bool:
+        """Whether any of ``tensors`` is float16 (the mode costs a Python call per op)."""
+        return any(isinstance(t, torch.Tensor) and t.dtype == torch.float16 for t in tensors)
 
 
 def half_partials_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from torch import fx
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -219,7 +220,8 @@ def _writes_buffers(trace: PopTorchTrace) -> bool:
         if node.op != "call_function" or schema is None:
             continue
         for value, argument in zip(node.args, schema.arguments):
-            if value in buffers and argument.alias_info is not None and (
+            if isinstance(value, fx.Node) and value in buffers and (
+                    argument.alias_info is not None) and (
                     argument.alias_info.is_write):
                 return True
     return False
