@@ -15,12 +15,9 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
-
-if TYPE_CHECKING:
-    from .run_config import Config
 
 __all__ = [
     "DataError",
@@ -31,7 +28,6 @@ __all__ = [
     "load_corpus",
     "get_batch",
     "unigram_cross_entropy",
-    "load_tokens",
     "out_of_memory",
 ]
 
@@ -229,9 +225,3 @@ def unigram_cross_entropy(train: torch.Tensor, val: torch.Tensor, vocab_size: in
     counts = torch.bincount(train, minlength=vocab_size).double() + 1.0
     log_probs = torch.log(counts / counts.sum())
     return float(-log_probs[val].mean())
-
-
-def load_tokens(config: Config) -> torch.Tensor:
-    """The training split of ``config.data`` as character ids (for other training loops)."""
-    corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
-    return corpus.train

@@ -22,7 +22,6 @@ column of a YAML error.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import difflib
 import json
@@ -478,16 +477,6 @@ def earlier_run_settings(raw: Dict[str, Any]) -> List[str]:
     for key in filled:
         model[key] = earlier[key]
     return [f"model.{key}" for key in filled]
-
-
-def with_steps(config: Config, steps: int) -> Config:
-    """A copy of ``config`` that trains for ``steps`` steps, validated: the one place where a
-    step count given apart from ``training.steps`` (a ``--steps`` option, a function argument)
-    becomes the run's length, so that the learning-rate schedule follows it."""
-    changed = copy.deepcopy(config)
-    changed.training.steps = steps
-    validate(changed)
-    return changed
 
 
 def warmup_steps(training: TrainingConfig) -> int:
