@@ -42,7 +42,7 @@ from . import host_library as _host
 __all__ = [
     "IPU_TILES", "IPU_WORKERS", "EmulatedCast", "Interval", "Region", "TileMapping",
     "partition", "python_partition", "flat_mapping", "block_mapping", "check_mapping",
-    "AmaxTree", "amax_tree", "amax_tree_fan_in", "region_pieces",
+    "AmaxTree", "amax_tree", "region_pieces",
     "leaf_tiles", "partial_amaxes", "scaling_bias", "AmaxReduction", "reduce_amax", "cast_to_fp8",
     "cast_from_fp8", "quantise",
 ]
@@ -142,14 +142,6 @@ def amax_tree(leaf_tiles: Sequence[int], rotation: int = 0) -> AmaxTree:
         raise ValueError(f"the amax tree over {leaves} tiles could not be planned")
     return AmaxTree(tiles[:nodes].tolist(), parents[:nodes].tolist(), levels[:nodes].tolist(),
                     leaves)
-
-
-def amax_tree_fan_in(leaves: int) -> int:
-    """The most inputs any tree vertex reads: the smallest F >= 2 with F * F >= leaves."""
-    fan_in = 2
-    while fan_in * fan_in < leaves:
-        fan_in += 1
-    return fan_in
 
 
 def region_pieces(lengths: Sequence[int], workers: int = IPU_WORKERS) -> torch.Tensor:

@@ -19,7 +19,6 @@ from torch import Tensor, nn
 from .. import modules as uu
 from .. import ops as U
 from ..ops import loss_ops, unit_ops
-from ..ops.scaling_primitive import scale_bwd
 
 # The constraint of the ops and modules `unit_scale` puts in: the paper's geometric mean, with
 # which converted models were measured (the ops' own default is unit_scaling's
@@ -408,11 +407,6 @@ def unit_residual_add(residual: Tensor, skip: Tensor, tau: float) -> Tensor:
     """The join of `unit_residual_branch`: the skip is the stream itself (no split output), so
     it takes its weight in both passes."""
     return unit_ops._residual_join(residual, skip, tau)
-
-
-def scale_grad(input: Tensor, grad_scale: float) -> Tensor:
-    """Identity forward, gradient times `grad_scale` (marks a weight used outside any layer)."""
-    return scale_bwd(input, grad_scale)
 
 
 # Function targets (call_function, or call_method by name) and their unit-scaled adapters.
