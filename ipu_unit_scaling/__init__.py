@@ -27,21 +27,18 @@ Package map, from the bottom layer up (a module imports only from its own layer 
 At the top level sit only public paths: this package (uu), ``functional`` (U), ``ipu``
 (``ipu_tracing``, ``check_poptorch``, ``trace_like_poptorch``) and unit-scaling's module paths
 (``scale``, ``constraints``, ``formats``, ``parameter``, ``optim``, ``utils``, ``docs``,
-``core.functional``), each re-exporting the layer that writes it. Paths of modules from before
-the layers still import (``_moved.py``).
+``core.functional``), each re-exporting the layer that writes it. Every other public name has one
+import path: the module that defines it, or its layer's package.
 """
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any, List
 
-from . import _moved  # noqa: F401  (keeps the old import paths of moved modules working)
-
-# isort: split
 # The names below are imported when first used (PEP 562), so that importing the package, or
 # running `ipu-unit-scaling --version` and `--help`, does not load torch and every layer.
 if TYPE_CHECKING:
-    from . import constraints, core, formats, functional, optim, parameter
+    from . import constraints, core, formats, functional, optim, parameter, scale
     from .modules.depth_blocks import (
         MHSA,
         MLP,
@@ -80,9 +77,9 @@ if TYPE_CHECKING:
     from .modules.mup_parameter import MupType, Parameter
     from .ops.op_helpers import transformer_residual_scaling_rule
     from .ops.rule_switch import RULES, active_rules, rules
-    from .ops.scaling_primitive import scale, scale_bwd, scale_fwd
+    from .ops.scaling_primitive import scale_bwd, scale_fwd
 
-_SUBMODULES = ("constraints", "core", "formats", "functional", "optim", "parameter")
+_SUBMODULES = ("constraints", "core", "formats", "functional", "optim", "parameter", "scale")
 _LAZY = {
     "MHSA": ".modules.depth_blocks",
     "MLP": ".modules.depth_blocks",
@@ -119,7 +116,6 @@ _LAZY = {
     "RULES": ".ops.rule_switch",
     "active_rules": ".ops.rule_switch",
     "rules": ".ops.rule_switch",
-    "scale": ".ops.scaling_primitive",
     "scale_bwd": ".ops.scaling_primitive",
     "scale_fwd": ".ops.scaling_primitive",
 }
@@ -149,8 +145,8 @@ __all__ = [
     "formats",
     "optim",
     "parameter",
-    # scaling primitives and u-μP parameters
     "scale",
+    # scaling primitives and u-μP parameters
     "scale_fwd",
     "scale_bwd",
     "Parameter",

@@ -1,18 +1,14 @@
 """The package's layout rules: folders name the layers, imports point down, names are unique,
-no file is long without saying why, and old import paths still work."""
+no file is long without saying why."""
 from __future__ import annotations
 
 import ast
-import importlib
 import subprocess
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Set
 
-import pytest
-
 import ipu_unit_scaling
-from ipu_unit_scaling._moved import MOVED
 
 PACKAGE = Path(ipu_unit_scaling.__file__).parent
 # Bottom layer first. A module imports only from its own layer or a lower one.
@@ -138,37 +134,27 @@ def test_help_opens_with_a_map_of_every_layer():
     assert not missing, f"layers missing from the package map: {missing}"
 
 
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_old_path_imports_the_moved_module(old: str):
-    new = importlib.import_module(f"ipu_unit_scaling.{MOVED[old]}")
-    assert importlib.import_module(f"ipu_unit_scaling.{old}") is new
-    assert old not in MODULES, f"{old} is both a moved path and a module"
-
-
-def test_old_paths_work_in_a_fresh_interpreter():
-    """The paths the README documented before the layers, imported first thing."""
-    code = ("from ipu_unit_scaling.config import load_config\n"
-            "from ipu_unit_scaling import emulator\n"
-            "from ipu_unit_scaling.backends.ipu.custom_op import fp8_amax_cast\n"
+def test_documented_paths_work_in_a_fresh_interpreter():
+    """The paths the README documents, imported first thing."""
+    code = ("from ipu_unit_scaling.training.run_config import load_config\n"
+            "from ipu_unit_scaling.fp8 import codelet_emulator\n"
+            "from ipu_unit_scaling.backends.poptorch.fp8_custom_op import fp8_amax_cast\n"
             "from ipu_unit_scaling.analysis import track_scales, analyse, ScaleReporter\n"
             "from ipu_unit_scaling.backends import build_training_model, make_optimizer\n"
             "from ipu_unit_scaling.ipu import check_poptorch, ipu_tracing, trace_like_poptorch\n"
             "from ipu_unit_scaling.models import GPTConfig, build_gpt\n"
-            "import ipu_unit_scaling.train as old, ipu_unit_scaling.loop.training_loop as new\n"
-            "assert old is new and emulator.__name__.endswith('fp8.codelet_emulator')\n")
+            "import ipu_unit_scaling.loop.training_loop as loop\n"
+            "assert loop.__spec__.name == 'ipu_unit_scaling.loop.training_loop'\n"
+            "assert codelet_emulator.__name__.endswith('fp8.codelet_emulator')\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
 
-def test_an_old_path_leaves_the_module_its_own_spec():
-    """Importing through an old path must not rename the module: its spec still names its
-    new path, so its relative imports (and pickles of what it defines) resolve there."""
-    code = ("import warnings\n"
-            "warnings.simplefilter('error')\n"
-            "import ipu_unit_scaling.scale as facade, ipu_unit_scaling.scaled_identity as old\n"
-            "assert old.__spec__.name == 'ipu_unit_scaling.ops.scaled_identity', old.__spec__\n"
-            "assert old.__spec__.parent == old.__package__\n"
-            "import ipu_unit_scaling.train as loop\n"
-            "assert loop.__spec__.name == 'ipu_unit_scaling.loop.training_loop'\n")
+def test_the_root_scale_is_the_scale_module():
+    """``uu.scale`` is unit-scaling's ``scale`` path, a module, whatever was imported first."""
+    code = ("import ipu_unit_scaling as uu, types\n"
+            "assert isinstance(uu.scale, types.ModuleType), uu.scale\n"
+            "import ipu_unit_scaling.scale as module\n"
+            "assert uu.scale is module and callable(module.scale)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
