@@ -1,17 +1,20 @@
-"""Shared fixtures."""
+"""Fixtures shared by several test files; plain helper functions and constants are in
+``helpers.py``."""
 from __future__ import annotations
 
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterator
 
 import pytest
 import torch
+from helpers import ROOT, TEXT, require_host_library, run, train_args
 
 
 def _step_losses(config, backend: str, calls: int) -> torch.Tensor:
     """Per-step losses of ``calls`` training-model calls of the config's GPT on ``backend``,
     from the same seed and the same random token batches whatever the backend."""
     from ipu_unit_scaling.backends import build_training_model, make_optimizer
-    from ipu_unit_scaling.loop.training_loop import build_model
+    from ipu_unit_scaling.training.precision import build_model
 
     torch.manual_seed(0)
     model = build_model(config)
@@ -32,3 +35,58 @@ def _step_losses(config, backend: str, calls: int) -> torch.Tensor:
 def step_losses() -> Callable[..., torch.Tensor]:
     """``step_losses(config, backend, calls)``: see :func:`_step_losses`."""
     return _step_losses
+
+
+# Fixtures shared by several test files (plain helper functions are in helpers.py). A test
+# file that wants one for all of its tests names it in ``pytestmark``:
+# ``pytestmark = pytest.mark.usefixtures("one_thread")``.
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """Torch on one thread for the module, then as before. The tests' ops are small and the
+    machine's cores shared: extra threads only contend (one test ran 5x slower), and one
+    thread keeps each kernel's summation order the same from call to call."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def from_the_repository_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run the test from the repository root (paths such as ``configs/`` relative to it)."""
+    monkeypatch.chdir(ROOT)
+
+
+@pytest.fixture
+def ops_as_torch_defines_them() -> Iterator[None]:
+    """Traces compute every op as torch defines it. What an IPU computes differently (GELU,
+    stochastic rounding) is emulated by default and tested by the tests of ops/ipu_lowering.py."""
+    from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
+
+    with torch_numerics():
+        yield
+
+
+@pytest.fixture
+def host_library() -> None:
+    """The FP8 host library is built: see :func:`helpers.require_host_library`."""
+    require_host_library()
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> Path:
+    """A text file of :data:`helpers.TEXT` for a training run."""
+    path = tmp_path / "text.txt"
+    path.write_text(TEXT)
+    return path
+
+
+@pytest.fixture
+def finished(capsys: pytest.CaptureFixture, tmp_path: Path, data: Path) -> Path:
+    """A finished 4-step ``tiny`` run from the CLI, checkpoints at steps 2 and 4."""
+    run_dir = tmp_path / "run"
+    assert run(capsys, *train_args(run_dir, data, "training.steps=4",
+                                   "training.checkpoint_interval=2"))[0] == 0
+    return run_dir

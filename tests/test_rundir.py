@@ -5,16 +5,15 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Dict, List
+from typing import List
 
 import pytest
 import torch
+from helpers import FAST, TEXT, files_in, one_line_error, run, train_args
 
-import ipu_unit_scaling.loop.training_loop as train_module
 import ipu_unit_scaling.training.run_directory as rundir
 from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.loop import run_session
-from ipu_unit_scaling.loop.training_loop import read_metrics
 from ipu_unit_scaling.training.run_directory import (
     RunError,
     RunLock,
@@ -25,42 +24,9 @@ from ipu_unit_scaling.training.run_records import (
     MetricsLog,
     load_checkpoint,
     metrics_up_to,
+    read_metrics,
     save_checkpoint,
 )
-
-FAST = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1",
-        "training.eval_batches=1"]
-TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(60))
-
-
-@pytest.fixture
-def data(tmp_path: Path) -> Path:
-    path = tmp_path / "text.txt"
-    path.write_text(TEXT)
-    return path
-
-
-def run(capsys, *argv):
-    status = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return status, out, err
-
-
-def one_line_error(err: str) -> bool:
-    return err.startswith("ipu-unit-scaling: error: ") and err.count("\n") == 1 and \
-        "Traceback" not in err and "internal error" not in err
-
-
-def train_args(run_dir: Path, data: Path, *settings: str) -> List[str]:
-    return ["train", "--config", "tiny", "--data", str(data), "--run-dir", str(run_dir),
-            "--quiet", "--set", *FAST, *settings]
-
-
-def files_in(run_dir: Path) -> Dict[str, bytes]:
-    """Every file of the run, the tensorboard/ directory's included (where TensorBoard is
-    installed)."""
-    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
-            if p.is_file()}
 
 
 def losses(run_dir: Path) -> List[tuple]:
@@ -239,14 +205,6 @@ def test_damaged_metrics_refuse_the_resume(tmp_path, damage):
 
 
 # ------------------------------------------------------------------------ resume rules
-
-
-@pytest.fixture
-def finished(capsys, tmp_path, data) -> Path:
-    run_dir = tmp_path / "run"
-    assert run(capsys, *train_args(run_dir, data, "training.steps=4",
-                                   "training.checkpoint_interval=2"))[0] == 0
-    return run_dir
 
 
 def _first_lines(text: str, limit: int) -> str:
@@ -473,7 +431,7 @@ def test_compare_resumes_a_regime_killed_after_a_checkpoint(capsys, tmp_path, da
     reference = tmp_path / "reference"
     assert run(capsys, *compare_args(reference, data, *settings))[0] == 0
 
-    real_save = train_module.save_checkpoint
+    real_save = save_checkpoint
 
     def save_then_die(path, state):
         real_save(path, state)

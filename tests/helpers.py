@@ -1,0 +1,93 @@
+"""Plain helpers and constants shared by several test files: ``from helpers import run``.
+
+The convention: what pytest sets up and tears down around a test (a fixture) lives in
+``conftest.py``, where pytest finds it by name; what a test calls itself, with its own
+arguments, and shared constants live here, imported by name, so a reader sees where they
+come from (``conftest.py`` is not meant to be imported). pytest puts ``tests/`` on
+``sys.path`` (the default "prepend" import mode, ``tests/`` has no ``__init__.py``), so
+``import helpers`` works from every test file, those in subfolders of ``tests/`` included.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import pytest
+import torch
+
+#: The repository root, whatever folder of ``tests/`` the importing test file is in.
+ROOT = Path(__file__).resolve().parent.parent
+
+#: A small text corpus for the character-level training runs.
+TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(60))
+
+#: ``--set`` items that keep a ``tiny`` CLI run on one IPU, one micro-batch per step.
+ONE_IPU = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1"]
+
+#: ``--set`` items of :func:`train_args`: one IPU, one evaluation batch.
+FAST = [*ONE_IPU, "training.eval_batches=1"]
+
+
+def run(capsys: pytest.CaptureFixture, *argv: object) -> Tuple[int, str, str]:
+    """Run the CLI in process on ``argv`` (each item made a string); return its exit status,
+    stdout and stderr."""
+    from ipu_unit_scaling.apps.cli import main
+
+    status = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def one_line_error(err: str) -> bool:
+    """Whether stderr is the CLI's one-line error, with no traceback and no internal error."""
+    return err.startswith("ipu-unit-scaling: error: ") and err.count("\n") == 1 and \
+        "Traceback" not in err and "internal error" not in err
+
+
+def train_args(run_dir: Path, data: Path, *settings: str) -> List[str]:
+    """CLI arguments of a quiet ``tiny`` training run on ``data`` into ``run_dir``, with
+    :data:`FAST` and then ``settings`` as ``--set`` items."""
+    return ["train", "--config", "tiny", "--data", str(data), "--run-dir", str(run_dir),
+            "--quiet", "--set", *FAST, *settings]
+
+
+def require_host_library() -> None:
+    """Return if the FP8 host library is built; fail when it should be (a C++ compiler
+    exists) and is not; skip visibly where there is no compiler."""
+    from ipu_unit_scaling.fp8 import host_library as _host
+
+    if _host.fused_cast_available():
+        return
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip(f"no C++ compiler, host library not built: {_host.fast_path_status()}")
+    pytest.fail(f"host library missing although a compiler exists: {_host.fast_path_status()}")
+
+
+def wide_range_input(size: int, dtype: torch.dtype) -> torch.Tensor:
+    """Normal samples spread over many binades, so casts hit FP8 subnormals and zero too."""
+    generator = torch.Generator().manual_seed(size)
+    spread = torch.exp((torch.randn(size, generator=generator) * 3.0).clamp(-14.0, 7.0))
+    return (torch.randn(size, generator=generator) * spread).to(dtype)
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The relative error ``|a - b| / |b|`` in the 2-norm."""
+    return float((a - b).norm() / b.norm())
+
+
+def run_op(fn: Callable, shapes: Sequence[Tuple[int, ...]], seed: int = 0
+           ) -> Tuple[float, List[float]]:
+    """Std of the output and of each input's gradient for unit-normal inputs and output grad."""
+    gen = torch.Generator().manual_seed(seed)
+    inputs = [torch.randn(*s, generator=gen, requires_grad=True) for s in shapes]
+    out = fn(*inputs)
+    out.backward(torch.randn(out.shape, generator=gen))
+    return out.std().item(), [x.grad.std().item() for x in inputs]
+
+
+def files_in(directory: Path, skip: Sequence[str] = ()) -> Dict[str, bytes]:
+    """The bytes of every file under ``directory`` (a run's ``tensorboard/`` included, where
+    TensorBoard is installed) by relative path, less the files named in ``skip``."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*"))
+            if p.is_file() and p.name not in skip}
