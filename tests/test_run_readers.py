@@ -12,6 +12,8 @@ from typing import Dict, List
 
 import pytest
 import torch
+from helpers import ONE_IPU, ROOT, TEXT, one_line_error
+from helpers import run as cli
 
 import ipu_unit_scaling.apps.pretrained as pretrained
 import ipu_unit_scaling.training.inference as inference
@@ -33,29 +35,8 @@ from ipu_unit_scaling.training.run_records import (
     tokenizer_sha256,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
-FAST = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1",
-        "training.eval_batches=1", "training.steps=4", "training.eval_interval=4"]
-TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(60))
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def cli(capsys, *argv) -> tuple:
-    status = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return status, out, err
-
-
-def one_line_error(err: str) -> bool:
-    return err.startswith("ipu-unit-scaling: error: ") and err.count("\n") == 1 and \
-        "Traceback" not in err and "internal error" not in err
+FAST = [*ONE_IPU, "training.eval_batches=1", "training.steps=4", "training.eval_interval=4"]
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def train_cli(capsys, run_dir: Path, data: Path, *extra: str) -> tuple:
