@@ -68,7 +68,7 @@ def main() -> int:
     partials = emulator.partial_amaxes(x, mapping=mapping)
     reduction = emulator.reduce_amax(partials, emulator.leaf_tiles(mapping), F143)
     exact = x.double().abs().max().item()
-    codes = emulator.cast_to_fp8(x, F143, mapping=mapping).codes
+    codes = emulator.cast_to_fp8_vertices(x, F143, mapping=mapping).codes
     same_codes = torch.equal(codes, cast_to_fp8_reference(x, F143).codes)
     print(f"\nAmax over the matmul layout, reduced up the tree: {reduction.amax!r}; float64 "
           f"amax: {exact!r}; equal: {reduction.amax == exact}; codes equal the reference: "

@@ -200,17 +200,17 @@ def test_scaling_bias_vertex_matches_python_rule_across_the_sweep(fmt):
             expected = max(-31, min(31, exact_floor_log2_ratio(fmt.max, amax) - margin))
             assert log2_scale(amax, fmt, margin) == expected
             partials = torch.tensor([[amax / 2, -amax], [0.0, amax / 3]], dtype=torch.float32)
-            assert emulator.scaling_bias(partials, fmt, margin) == (expected, False), amax
+            assert emulator.scaling_bias_vertex(partials, fmt, margin) == (expected, False), amax
 
 
 def test_scaling_bias_edge_cases():
     from ipu_unit_scaling.fp8 import codelet_emulator as emulator
 
-    assert emulator.scaling_bias(torch.zeros(6), F143) == (0, False)
-    assert emulator.scaling_bias(torch.tensor([1.0, float("nan")]), F143) == (0, True)
-    assert emulator.scaling_bias(torch.tensor([float("inf"), 1.0]), F152) == (0, True)
-    assert emulator.scaling_bias(torch.tensor([2.0**-100]), F143) == (31, False)
-    assert emulator.scaling_bias(torch.tensor([3e38]), F152) == (-31, False)
+    assert emulator.scaling_bias_vertex(torch.zeros(6), F143) == (0, False)
+    assert emulator.scaling_bias_vertex(torch.tensor([1.0, float("nan")]), F143) == (0, True)
+    assert emulator.scaling_bias_vertex(torch.tensor([float("inf"), 1.0]), F152) == (0, True)
+    assert emulator.scaling_bias_vertex(torch.tensor([2.0**-100]), F143) == (31, False)
+    assert emulator.scaling_bias_vertex(torch.tensor([3e38]), F152) == (-31, False)
 
 
 def test_status_explains_a_missing_library(monkeypatch, tmp_path):

@@ -133,7 +133,7 @@ def test_region_pieces_cover_each_region_in_balanced_grain_aligned_pieces(seed):
 @pytest.mark.parametrize("workers", [1, 4, 6])
 def test_one_region_is_split_as_the_one_dimensional_vertices_split(length, workers):
     pieces = emulator.region_pieces([length], workers)[:, 0]
-    expected = emulator.partition(length, 1, workers)[0]
+    expected = _host.partition(length, 1, workers)[0]
     taken = expected[:, 1] > expected[:, 0]
     assert torch.equal(pieces[taken], expected[taken])
     assert bool((pieces[~taken, 1] == pieces[~taken, 0]).all())  # and nothing elsewhere
@@ -209,11 +209,11 @@ def test_graph_on_any_layout_equals_the_reference(layout, dtype, fmt):
     x = wide_range((64, 256), dtype, seed=len(layout))
     expected = cast_to_fp8_reference(x, fmt, margin=1, overflow="nan")
     for rotation in (0, 7):
-        result = emulator.cast_to_fp8(x, fmt, margin=1, overflow="nan", mapping=mapping,
+        result = emulator.cast_to_fp8_vertices(x, fmt, margin=1, overflow="nan", mapping=mapping,
                                       rotation=rotation)
         assert result.log2_scale == expected.log2_scale
         assert torch.equal(result.codes, expected.codes)
-    values, scale, flag = emulator.quantise(x, fmt, mapping=mapping)
+    values, scale, flag = emulator.fp8_quantise_graph(x, fmt, mapping=mapping)
     reference = torch.ops.ipu_unit_scaling.fp8_quantise(x, fmt.name, 0, True, None)
     assert not flag and values.dtype == dtype
     assert torch.equal(values.isnan(), reference.isnan())
@@ -230,7 +230,7 @@ def test_the_tree_reduces_a_full_ipu_layout_to_the_exact_amax():
     reduction = emulator.reduce_amax(partials, leaves, F143, rotation=2)
     assert reduction.amax == x.double().abs().max().item()
     assert reduction.log2_scale == cast_to_fp8_reference(x, F143).log2_scale
-    result = emulator.cast_to_fp8(x, F143, mapping=mapping)
+    result = emulator.cast_to_fp8_vertices(x, F143, mapping=mapping)
     assert torch.equal(result.codes, cast_to_fp8_reference(x, F143).codes)
 
 
@@ -244,12 +244,12 @@ def test_a_non_finite_element_reaches_the_root(bad):
     assert reduction.non_finite and reduction.log2_scale == 0
     assert math.isnan(reduction.amax) if math.isnan(bad) else reduction.amax == math.inf
     with pytest.raises(NonFiniteAmaxError):
-        emulator.cast_to_fp8(x, F152, mapping=mapping)
-    assert emulator.quantise(x, F152, mapping=mapping)[1:] == (0, True)
+        emulator.cast_to_fp8_vertices(x, F152, mapping=mapping)
+    assert emulator.fp8_quantise_graph(x, F152, mapping=mapping)[1:] == (0, True)
 
 
 def test_empty_input_gives_a_zero_amax():
-    values, scale, flag = emulator.quantise(torch.zeros(0), F143, tiles=4)
+    values, scale, flag = emulator.fp8_quantise_graph(torch.zeros(0), F143, tiles=4)
     assert values.numel() == 0 and (scale, flag) == (0, False)
 
 
@@ -259,7 +259,7 @@ def test_a_mapping_must_hold_every_element_once():
     with pytest.raises(ValueError, match="more than once"):
         emulator.check_mapping([[((0, 6),)], [((5, 10),)]], 10)
     with pytest.raises(ValueError, match="not a non-empty part"):
-        emulator.cast_to_fp8(torch.ones(10), F143, mapping=[[((0, 11),)]])
+        emulator.cast_to_fp8_vertices(torch.ones(10), F143, mapping=[[((0, 11),)]])
 
 
 # --- the graph, counted: 1472 tiles, a 1024 x 4096 tensor ----------------------------------

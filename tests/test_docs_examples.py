@@ -122,7 +122,7 @@ REQUIREMENTS: Dict[str, Callable[[], Optional[str]]] = {
 
 
 def _gpt_from(config_path: Optional[str], namespace: Namespace) -> None:
-    from ipu_unit_scaling.loop.training_loop import build_model
+    from ipu_unit_scaling.training.precision import build_model
     from ipu_unit_scaling.training.run_config import load_config
 
     config = load_config(config_path)
@@ -410,11 +410,11 @@ def _emulator(block: Block, namespace: Namespace) -> None:
     expected = fp8_quantise(x.detach(), "F143", margin=0, saturate=True, log2_scale=None)
     assert torch.equal(namespace["values"], expected)
     assert namespace["non_finite"] is False or int(namespace["non_finite"]) == 0
-    split = namespace["emulator"].partition(x.numel(), 1472, 6)
+    split = namespace["host_library"].partition(x.numel(), 1472, 6)
     assert tuple(split.shape) == (1472, 6, 2)
     assert int((split[..., 1] - split[..., 0]).sum()) == x.numel()
     # "same codes": the cast laid out as a matmul would equals the flat one.
-    flat = namespace["emulator"].cast_to_fp8(namespace["activations"], "F143")
+    flat = namespace["emulator"].cast_to_fp8_vertices(namespace["activations"], "F143")
     assert torch.equal(namespace["mapped"].codes, flat.codes)
     assert namespace["mapped"].log2_scale == flat.log2_scale
 

@@ -182,8 +182,8 @@ def test_the_op_equals_the_emulated_ipu_graph():
         for fmt_name, margin, saturate in CASES:
             overflow = "saturate" if saturate else "nan"
             for inputs in (x[:99], x):  # a finite amax, then a non-finite one
-                values, scale, flag = emulator.quantise(inputs, fmt_name, margin=margin,
-                                                        overflow=overflow)
+                values, scale, flag = emulator.fp8_quantise_graph(inputs, fmt_name, margin=margin,
+                                                                    overflow=overflow)
                 assert flag == (inputs.numel() > 100)
                 assert_same_bits(op(inputs, fmt_name, margin, saturate), values)
 

@@ -10,8 +10,8 @@ over the tiles by whatever op produced or consumes it (its *tile mapping*)::
     every tile holding input:  CastToFp8<T, E, S>  on its data   -> codes, laid out like x
 
 and the ``Fp8Quantise`` op (and the grad op of ``Fp8GradientQuantise``) adds
-``CastFromFp8<T, E>`` on every tile, back to x's dtype: see :func:`quantise`. A tile whose
-data lies in several regions of its memory runs the ``...Regions`` variant of a vertex. The
+``CastFromFp8<T, E>`` on every tile, back to x's dtype: see :func:`fp8_quantise_graph`. A tile
+whose data lies in several regions of its memory runs the ``...Regions`` variant of a vertex. The
 tree (F = ceil(sqrt(tiles holding input))) is the C++ plan the custom op builds from
 (``codelets/placement.hpp``), and each MultiVertex picks its workers' share itself with the
 C++ split (``codelets/partition.hpp``), so the emulator runs the vertex sources compiled for
@@ -41,10 +41,11 @@ from . import host_library as _host
 
 __all__ = [
     "IPU_TILES", "IPU_WORKERS", "EmulatedCast", "Interval", "Region", "TileMapping",
-    "partition", "python_partition", "flat_mapping", "block_mapping", "check_mapping",
-    "AmaxTree", "amax_tree", "region_pieces",
-    "leaf_tiles", "partial_amaxes", "scaling_bias", "AmaxReduction", "reduce_amax", "cast_to_fp8",
-    "cast_from_fp8", "quantise",
+    "python_partition", "flat_mapping", "block_mapping", "check_mapping",
+    "tile_ranges", "region_length", "AmaxTree", "amax_tree", "region_pieces", "leaf_tiles",
+    "partial_amaxes",
+    "scaling_bias_vertex", "AmaxReduction", "reduce_amax", "cast_to_fp8_vertices",
+    "cast_from_fp8_vertices", "fp8_quantise_graph",
 ]
 
 # A Mk2 IPU (GC200): 1472 tiles, 6 hardware worker threads per tile.
@@ -157,15 +158,6 @@ def region_pieces(lengths: Sequence[int], workers: int = IPU_WORKERS) -> torch.T
     return torch.from_numpy(pieces)
 
 
-def partition(numel: int, tiles: int = IPU_TILES, workers: int = IPU_WORKERS) -> torch.Tensor:
-    """int64 ``[tiles, workers, 2]``: the [begin, end) of each worker of each tile of the even
-    split of a flat tensor (the earlier graph's layout, and :func:`flat_mapping`'s).
-
-    Computed by the C++ function (``codelets/partition.hpp``) the codelets use.
-    """
-    return _host.partition(numel, tiles, workers)
-
-
 def _split(length: int, parts: int, part: int, grain: int) -> Tuple[int, int]:
     grains = -(-length // grain)
     base, extra = divmod(grains, parts)
@@ -191,15 +183,16 @@ def python_partition(numel: int, tiles: int = IPU_TILES, workers: int = IPU_WORK
 # Tile mappings
 
 
-def _tile_ranges(numel: int, tiles: int) -> List[Tuple[int, int]]:
+def tile_ranges(numel: int, tiles: int) -> List[Tuple[int, int]]:
     """[begin, end) of each tile's slice of the even split."""
-    bounds = partition(numel, tiles, 1)
+    bounds = _host.partition(numel, tiles, 1)
     return [(int(b), int(e)) for b, e in bounds[:, 0].tolist()]
 
 
 def flat_mapping(numel: int, tiles: int = IPU_TILES) -> TileMapping:
-    """The even split of the flat tensor: tile t holds one region, ``partition``'s slice."""
-    return [[((begin, end),)] if end > begin else [] for begin, end in _tile_ranges(numel, tiles)]
+    """The even split of the flat tensor: tile t holds one region, its slice of the C++
+    partition (:func:`ipu_unit_scaling.fp8.host_library.partition`)."""
+    return [[((begin, end),)] if end > begin else [] for begin, end in tile_ranges(numel, tiles)]
 
 
 def block_mapping(rows: int, cols: int, row_blocks: int, col_blocks: int,
@@ -246,7 +239,8 @@ def check_mapping(mapping: TileMapping, numel: int) -> None:
                          "more than once")
 
 
-def _region_length(region: Region) -> int:
+def region_length(region: Region) -> int:
+    """The number of elements in a region (the sum of its intervals' lengths)."""
     return sum(end - begin for begin, end in region)
 
 
@@ -261,7 +255,7 @@ class _TileMemory:
         for regions in mapping:
             spans = []
             for region in regions:
-                length = _region_length(region)
+                length = region_length(region)
                 spans.append((size, length))
                 chunks.extend(np.arange(begin, end, dtype=np.int64) for begin, end in region)
                 padding = -length % _GRAIN
@@ -347,8 +341,9 @@ def partial_amaxes(x: torch.Tensor, tiles: int = IPU_TILES, workers: int = IPU_W
     return partials
 
 
-def scaling_bias(partials: torch.Tensor, fmt: FP8Format, margin: int = 0) -> Tuple[int, bool]:
-    """Run one ScalingBias vertex on the partials: (log2 scale, amax non-finite)."""
+def scaling_bias_vertex(partials: torch.Tensor, fmt: FP8Format, margin: int = 0
+                        ) -> Tuple[int, bool]:
+    """Run one ``ScalingBias`` vertex on the partials: (log2 scale, amax non-finite)."""
     lib = _host.library()
     flat = partials.detach().to(torch.float32).contiguous().reshape(-1)
     scale = ctypes.c_int(0)
@@ -391,11 +386,11 @@ def reduce_amax(partials: torch.Tensor, leaves: Sequence[int], fmt: FP8Format, m
         results.append(reduce([results[c] for c in children[node]]))
     root_inputs = [results[c] for c in children[tree.root]]
     root_partials = torch.cat(root_inputs) if root_inputs else torch.zeros(1)
-    log2_scale, non_finite = scaling_bias(root_partials, fmt, margin)
+    log2_scale, non_finite = scaling_bias_vertex(root_partials, fmt, margin)
     return AmaxReduction(reduce(root_inputs).item(), log2_scale, non_finite)
 
 
-def cast_to_fp8(
+def cast_to_fp8_vertices(
     x: torch.Tensor,
     fmt: object,
     log2_scale: Optional[int] = None,
@@ -406,7 +401,9 @@ def cast_to_fp8(
     mapping: Optional[TileMapping] = None,
     rotation: int = 0,
 ) -> EmulatedCast:
-    """Amax, scaling bias and cast to F143/F152, vertex by vertex and tile by tile.
+    """Run ``CastToFp8`` on every tile holding x (after ``PartialAmax``, the ``MaxPartials``
+    tree and ``ScalingBias`` when no scale is given): amax, scaling bias and cast to F143/F152,
+    vertex by vertex and tile by tile.
 
     Same contract as :func:`ipu_unit_scaling.fp8.cast_to_fp8` with rounding to nearest:
     ``log2_scale=None`` derives the scale from the amax, reduced up the graph's amax tree (an
@@ -457,7 +454,7 @@ def cast_to_fp8(
                         partials)
 
 
-def cast_from_fp8(
+def cast_from_fp8_vertices(
     codes: torch.Tensor,
     fmt: object,
     log2_scale: int,
@@ -496,7 +493,7 @@ def cast_from_fp8(
     return memory.scatter(out, flat.numel()).reshape(codes.shape)
 
 
-def quantise(
+def fp8_quantise_graph(
     x: torch.Tensor,
     fmt: object,
     log2_scale: Optional[int] = None,
@@ -521,9 +518,10 @@ def quantise(
         partials = partial_amaxes(flat, workers=workers, mapping=layout)
         reduction = reduce_amax(partials, leaf_tiles(layout), fmt, margin, rotation)
         log2_scale, flag = reduction.log2_scale, reduction.non_finite
-    codes = cast_to_fp8(flat, fmt, log2_scale, margin, overflow, workers=workers,
+    codes = cast_to_fp8_vertices(flat, fmt, log2_scale, margin, overflow, workers=workers,
                         mapping=layout).codes
-    values = cast_from_fp8(codes, fmt, log2_scale, x.dtype, workers=workers, mapping=layout)
+    values = cast_from_fp8_vertices(codes, fmt, log2_scale, x.dtype, workers=workers,
+                                    mapping=layout)
     return values.reshape(x.shape), log2_scale, flag
 
 

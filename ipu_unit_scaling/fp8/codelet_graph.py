@@ -14,11 +14,11 @@ from .codelet_emulator import (
     Interval,
     Region,
     TileMapping,
-    _region_length,
-    _tile_ranges,
     amax_tree,
     flat_mapping,
     leaf_tiles,
+    region_length,
+    tile_ranges,
 )
 
 __all__ = [
@@ -76,7 +76,7 @@ def _element_size(dtype: torch.dtype) -> int:
 
 
 def _data_edges(field: str, tile: int, regions: Sequence[Region], size: int) -> Tuple[Edge, ...]:
-    return tuple(Edge(field, tile, _region_length(r), _region_length(r) * size, True)
+    return tuple(Edge(field, tile, region_length(r), region_length(r) * size, True)
                  for r in regions)
 
 
@@ -139,12 +139,12 @@ def _merged_intervals(regions: Sequence[Region]) -> List[Interval]:
 
 def _layout_copies(mapping: TileMapping, size: int) -> List[Transfer]:
     """What copying x from ``mapping`` into the even split moves, piece by piece."""
-    numel = sum(_region_length(r) for regions in mapping for r in regions)
+    numel = sum(region_length(r) for regions in mapping for r in regions)
     intervals = sorted((b, e, t) for t, regions in enumerate(mapping)
                        for region in regions for b, e in region)
     starts = np.array([b for b, _, _ in intervals], dtype=np.int64)
     copies = []
-    for destination, (begin, end) in enumerate(_tile_ranges(numel, len(mapping))):
+    for destination, (begin, end) in enumerate(tile_ranges(numel, len(mapping))):
         i = max(int(np.searchsorted(starts, begin, side="right")) - 1, 0)
         while i < len(intervals) and intervals[i][0] < end:
             b, e, source = intervals[i]
@@ -161,7 +161,7 @@ def flat_graph_model(mapping: TileMapping, dtype: torch.dtype = torch.float16,
     (unless it was laid out so), the vertices on that split, and one ScalingBias on tile 0
     reading the partials of every tile holding input; outputs left in the even split."""
     size = _element_size(dtype)
-    numel = sum(_region_length(r) for regions in mapping for r in regions)
+    numel = sum(region_length(r) for regions in mapping for r in regions)
     tiles = len(mapping)
     flat = flat_mapping(numel, tiles)
     laid_out = all(_merged_intervals(mapping[t]) == list(flat[t][0] if flat[t] else ())

@@ -148,7 +148,7 @@ def _stand_in(x: Tensor, fmt: FP8Format, margin: int, saturate: bool
         partials = emulator.partial_amaxes(values, mapping=layout)
         reduction = emulator.reduce_amax(partials, emulator.leaf_tiles(layout), fmt, margin)
         scale, non_finite = reduction.log2_scale, reduction.non_finite
-        cast = emulator.cast_to_fp8(values, fmt, scale, overflow=overflow, mapping=layout)
+        cast = emulator.cast_to_fp8_vertices(values, fmt, scale, overflow=overflow, mapping=layout)
         return (cast.codes, torch.tensor(scale, dtype=torch.int32),
                 torch.tensor(int(non_finite), dtype=torch.int32))
 
