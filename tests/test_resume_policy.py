@@ -11,7 +11,9 @@ import signal
 from pathlib import Path
 from typing import Dict, List
 
+import helpers
 import pytest
+from helpers import ROOT, TEXT, one_line_error, run
 
 from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.training.resume_policy import (
@@ -26,38 +28,28 @@ from ipu_unit_scaling.training.run_config import Config
 from ipu_unit_scaling.training.run_directory import RunLock
 from ipu_unit_scaling.training.run_records import load_checkpoint, read_metrics
 
-ROOT = Path(__file__).resolve().parent.parent
-FAST = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1",
-        "training.eval_batches=1", "training.eval_interval=2", "training.checkpoint_interval=2"]
-TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(60))
+# helpers.FAST, then an evaluation and a checkpoint every 2 steps.
+EVERY_2 = ["training.eval_interval=2", "training.checkpoint_interval=2"]
+FAST = [*helpers.FAST, *EVERY_2]
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
+    """The text file, made once for the module (conftest.py's is made for each test), since
+    :func:`trained` is."""
     path = tmp_path_factory.mktemp("text") / "text.txt"
     path.write_text(TEXT)
     return path
 
 
-def run(capsys, *argv):
-    status = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return status, out, err
-
-
-def one_line_error(err: str) -> bool:
-    return err.startswith("ipu-unit-scaling: error: ") and err.count("\n") == 1 and \
-        "Traceback" not in err and "internal error" not in err
-
-
 def files_in(directory: Path) -> Dict[str, bytes]:
-    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*"))
-            if p.is_file() and p.name != ".lock"}
+    """The bytes of each file of the run but its lock."""
+    return helpers.files_in(directory, skip=(".lock",))
 
 
 def train_args(run_dir: Path, data: Path, *settings: str) -> List[str]:
-    return ["train", "--config", "tiny", "--data", str(data), "--run-dir", str(run_dir),
-            "--quiet", "--set", *FAST, *settings]
+    """helpers.train_args with :data:`FAST`'s settings."""
+    return helpers.train_args(run_dir, data, *EVERY_2, *settings)
 
 
 @pytest.fixture(scope="module")
