@@ -91,3 +91,8 @@ def files_in(directory: Path, skip: Sequence[str] = ()) -> Dict[str, bytes]:
     TensorBoard is installed) by relative path, less the files named in ``skip``."""
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*"))
             if p.is_file() and p.name not in skip}
+
+
+def run_files(run_dir: Path) -> Dict[str, bytes]:
+    """:func:`files_in` less the run's ``.lock``: what a refused command must leave as it was."""
+    return files_in(run_dir, skip=(".lock",))
