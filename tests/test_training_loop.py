@@ -15,50 +15,18 @@ from typing import List
 
 import pytest
 import torch
+from helpers import FAST, ROOT, one_line_error, run, train_args
+from helpers import run_files as contents
 
 import ipu_unit_scaling.loop.training_loop as train_module
-from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.apps.pretrained import evaluate_run, open_run
 from ipu_unit_scaling.loop import run_opening
 from ipu_unit_scaling.loop.training_loop import divergence_bound, load_checkpoint, read_metrics
 from ipu_unit_scaling.training.run_config import load_config, scheduled_learning_rate
 
-ROOT = Path(__file__).resolve().parent.parent
-FAST = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1",
-        "training.eval_batches=1"]
-TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(60))
-
-
-@pytest.fixture
-def data(tmp_path: Path) -> Path:
-    path = tmp_path / "text.txt"
-    path.write_text(TEXT)
-    return path
-
-
-def run(capsys, *argv):
-    status = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return status, out, err
-
-
-def train_args(run_dir: Path, data: Path, *settings: str) -> List[str]:
-    return ["train", "--config", "tiny", "--data", str(data), "--run-dir", str(run_dir),
-            "--quiet", "--set", *FAST, *settings]
-
 
 def column(run_dir: Path, name: str) -> List[str]:
     return [row[name] for row in read_metrics(run_dir)]
-
-
-def contents(run_dir: Path) -> dict:
-    # (the tensorboard/ directory included, where TensorBoard is installed)
-    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
-            if p.is_file() and p.name != ".lock"}
-
-
-def one_line_error(err: str) -> bool:
-    return err.startswith("ipu-unit-scaling: error: ") and err.count("\n") == 1
 
 
 # ------------------------------------------------------------------------------ SIGTERM
@@ -154,14 +122,6 @@ def test_the_default_checkpoint_interval_bounds_the_steps_a_kill_loses():
 
 
 # ------------------------------------------------------------------- a missing checkpoint
-
-
-@pytest.fixture
-def finished(capsys, tmp_path, data) -> Path:
-    run_dir = tmp_path / "run"
-    assert run(capsys, *train_args(run_dir, data, "training.steps=4",
-                                   "training.checkpoint_interval=2"))[0] == 0
-    return run_dir
 
 
 def test_a_finished_run_without_its_checkpoint_is_refused_and_left_alone(capsys, finished, data):
