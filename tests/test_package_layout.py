@@ -3,6 +3,8 @@ no file is long without saying why."""
 from __future__ import annotations
 
 import ast
+import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +13,7 @@ from typing import Dict, List, Optional, Set
 import ipu_unit_scaling
 
 PACKAGE = Path(ipu_unit_scaling.__file__).parent
+ROOT = PACKAGE.parent
 # Bottom layer first. A module imports only from its own layer or a lower one.
 LAYERS = ["ops", "modules", "fp8", "transforms", "parametrization", "models", "training",
           "analysis", "backends", "loop", "apps"]
@@ -158,3 +161,85 @@ def test_the_root_scale_is_the_scale_module():
             "assert uu.scale is module and callable(module.scale)\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+# A docstring's cross-reference (:mod:`...`, :func:`~...`, :class:`title <...>`), and code that
+# names a path of the package (`ipu_unit_scaling.x.y`, ``ipu_unit_scaling/x/y.py``). A path
+# whose every part is one letter, as those two, is a placeholder.
+REFERENCE = re.compile(r":(?:mod|func|class|meth|attr|data|exc|obj):`(?:[^`<]*<)?~?([\w.]+)>?`")
+CODE_PATH = re.compile(r"`~?(ipu_unit_scaling(?:\.\w+)+)")
+FILE_PATH = re.compile(r"ipu_unit_scaling/[\w/]+\.py")
+_MISSING = object()
+
+
+def _names_something(dotted: str) -> bool:
+    """Whether ``dotted``, a path under the package ('' for the package), names a module or an
+    attribute of one (a dataclass field or an annotated class attribute counts)."""
+    parts = dotted.split(".") if dotted else []
+    cut = next((cut for cut in range(len(parts), -1, -1) if ".".join(parts[:cut]) in MODULES),
+               None)
+    if cut is None:
+        return False
+    value = importlib.import_module(".".join(["ipu_unit_scaling"] + parts[:cut]))
+    for attribute in parts[cut:]:
+        found = getattr(value, attribute, _MISSING)
+        if found is _MISSING:
+            return isinstance(value, type) and (
+                attribute in getattr(value, "__dataclass_fields__", {})
+                or attribute in getattr(value, "__annotations__", {}))
+        value = found
+    return True
+
+
+def _reference_resolves(target: str, module: Optional[str]) -> Optional[bool]:
+    """Whether a reference made in ``module`` (None: outside the package) names something;
+    None for a reference to another package (``torch.nn.Linear``, ``poptorch.DataLoader``)."""
+    if target.startswith("ipu_unit_scaling."):
+        return _names_something(target[len("ipu_unit_scaling."):])
+    if module is None:
+        return None
+    here = module.split(".") if module else []
+    package = here if MODULES[module].name == "__init__.py" else here[:-1]
+    if target.startswith("."):  # as a relative import reads it, or (one dot) in this module
+        level = len(target) - len(target.lstrip("."))
+        base = package[: len(package) - (level - 1)]
+        candidates = [base + [target[level:]]] + ([here + [target[level:]]] if level == 1 else [])
+        return any(_names_something(".".join(c)) for c in candidates)
+    if "." not in target:
+        return None
+    first = target.split(".")[0]
+    for base in (here, package, []):  # this module, its package, the package root
+        if _names_something(".".join(base + [first])):
+            return _names_something(".".join(base + [target]))
+    return None
+
+
+def _placeholder(path: str) -> bool:
+    return all(len(part) == 1 for part in re.split(r"[./]", path)[1:])
+
+
+def _unresolved_references() -> List[str]:
+    sources = [(name, path) for name, path in sorted(MODULES.items())]
+    for folder in ("tests", "scripts", "examples", "benchmarks"):
+        sources += [(None, path) for path in sorted((ROOT / folder).rglob("*.py"))]
+    pages = sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
+    sources += [(None, path) for path in pages if path.exists()]
+    bad = []
+    for module, path in sources:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            where = f"{path.relative_to(ROOT)}:{number}"
+            targets = CODE_PATH.findall(line) + re.findall(r"^::: (ipu_unit_scaling[\w.]*)", line)
+            if path.suffix == ".py":
+                targets += REFERENCE.findall(line)
+            bad += [f"{where}: {t}" for t in targets
+                    if not _placeholder(t) and _reference_resolves(t, module) is False]
+            bad += [f"{where}: {p}" for p in FILE_PATH.findall(line)
+                    if not _placeholder(p[:-3]) and not (ROOT / p).exists()]
+    return bad
+
+
+def test_every_reference_to_the_package_resolves():
+    """Cross-references in docstrings, and module paths and file paths in code spans of the
+    sources and docs, name a module, function, class or attribute that exists today."""
+    bad = _unresolved_references()
+    assert not bad, "references to paths that do not exist:\n" + "\n".join(bad)

@@ -2,8 +2,8 @@
 
 Skipped where ``popxl`` does not import (everywhere but a Poplar SDK environment). The same
 model code runs in ``tests/test_popxl_model.py`` on the stand-in
-(``ipu_unit_scaling/popxl/reference.py``); here the real IR is built, compiled and run once
-per test, and compared with the stand-in's numbers.
+(``ipu_unit_scaling/backends/popxl/reference.py``); here the real IR is built, compiled and
+run once per test, and compared with the stand-in's numbers.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The PopXL decoder and training model, run on the torch stand-in for PopXL
-(``ipu_unit_scaling/popxl/reference.py``), against the PyTorch model and the CPU backend.
+(``ipu_unit_scaling/backends/popxl/reference.py``), against the PyTorch model and the CPU
+backend.
 
 Every test here runs on the stand-in, not on PopXL; ``tests/test_popxl_ipu.py`` runs the same
 code on real PopXL where it imports.

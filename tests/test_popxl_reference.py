@@ -1,5 +1,6 @@
-"""The torch stand-in for PopXL (``ipu_unit_scaling/popxl/reference.py``) against independent
-oracles (ml_dtypes, float64, exact fractions), and the FP8 pieces of the PopXL model on it.
+"""The torch stand-in for PopXL (``ipu_unit_scaling/backends/popxl/reference.py``) against
+independent oracles (ml_dtypes, float64, exact fractions), and the FP8 pieces of the PopXL model on
+it.
 
 Every test here runs on the stand-in, not on PopXL.
 """

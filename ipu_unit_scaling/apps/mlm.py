@@ -9,11 +9,11 @@ token, 10% by a random character and 10% kept. The loss and the metrics count th
 only: validation MLM loss (mean cross-entropy per target) and accuracy (targets predicted
 exactly), on fixed validation batches.
 
-Every run trains through the training loop of :mod:`.train` as the task
-:class:`~.tasks.MaskedLM`: a run is one regime and one seed, in its own directory with the
-loop's files (config, checkpoint, metrics, summary, figure), checkpoints, SIGINT/SIGTERM
-handling and resume. Every regime trains the same batches from the same seed. Running the
-comparison again into the same directory reuses finished runs and resumes unfinished ones when
+Every run trains through the training loop of :mod:`ipu_unit_scaling.loop.training_loop` as
+the task :class:`~ipu_unit_scaling.loop.tasks.MaskedLM`: a run is one regime and one seed, in its
+own directory with the loop's files (config, checkpoint, metrics, summary, figure), checkpoints,
+SIGINT/SIGTERM handling and resume. Every regime trains the same batches from the same seed. Running
+the comparison again into the same directory reuses finished runs and resumes unfinished ones when
 their settings are the same, and refuses, naming the settings, when they are not.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ reduction, one loss per micro-batch). The backends:
   autodiff takes them, and the stand-in applies the options' batching, output mode and
   compile checks. It computes what ``ipu`` computes on hardware (not the IPU Model);
 - ``cpu``: eager PyTorch;
-- ``popxl``: the unit-scaled GPT written in PopXL, with real FP8 matmuls (:mod:`..popxl`);
+- ``popxl``: the unit-scaled GPT written in PopXL, with real FP8 matmuls (:mod:`.popxl`);
 - ``distributed``: processes started by torchrun, one per stage and replica of the config's
   IPU layout, on ``torch.distributed`` (:mod:`.distributed`).
 

@@ -14,7 +14,7 @@ PopTorch compiles a model in steps that decide what it computes:
 5. the optimizer runs on the device with ``trainingModel``'s batching semantics.
 
 This module does steps 2-4 on the host. :func:`trace_like_poptorch` traces a module with fake
-tensors under :func:`ipu_unit_scaling.ipu_tracing` and the IPU backend's rewrites
+tensors under :func:`ipu_unit_scaling.ipu.ipu_tracing` and the IPU backend's rewrites
 (:mod:`.poptorch.rewrites`), checks every op against PopTorch's rules and returns a
 :class:`PopTorchTrace`: the recorded graph, run with the module's live parameters, so autograd
 of the graph plays PopART's autodiff. :func:`check_poptorch` is the check to run before

@@ -203,7 +203,8 @@ def _open_new(config: Config, run_dir: Path, backend: str, task: Task,
 
 def _fine_tuning(config: Config, run_dir: Path, backend: str, init_from: Path) -> _Run:
     """A new run of ``config`` on its data, from the weights of the run in ``init_from``, with
-    the rules of :mod:`.finetune` (the same model, the tokenizer extended)."""
+    the rules of :mod:`ipu_unit_scaling.training.finetune` (the same model, the tokenizer
+    extended)."""
     action = "fine-tune from"
     if not (init_from / CHECKPOINT_FILE).is_file():
         raise RunError(f"cannot {action} {init_from}: it holds no {CHECKPOINT_FILE}")

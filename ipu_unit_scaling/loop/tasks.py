@@ -1,6 +1,6 @@
 """What the training loop trains: a task brings its model, its batches and its loss.
 
-The loop of :mod:`.train` is the same for every task: run directory, checkpoints, resume,
+The loop of :mod:`.training_loop` is the same for every task: run directory, checkpoints, resume,
 locks, signals, evaluation steps, metrics, plots. A task says only what differs:
 
 - :meth:`Task.build_model` the model ``config`` describes, called once after

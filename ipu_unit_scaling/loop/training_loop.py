@@ -1,10 +1,10 @@
 """The training loop behind ``ipu-unit-scaling train``, ``compare`` and ``compare --model bert``.
 
 One loop trains every task (:mod:`.tasks`: the causal-LM GPT, the masked-LM encoder) on every
-backend (:mod:`.backends`): a task brings its model, batches and loss, a backend its training
-model; the run directory, checkpoints, resume, locks, signals, evaluation, metrics and figures
-are the loop's. A run lives in one directory (see ``ipu_unit_scaling.training.run_directory`` for
-how it is
+backend (:mod:`ipu_unit_scaling.backends`): a task brings its model, batches and loss, a backend its
+training model; the run directory, checkpoints, resume, locks, signals, evaluation, metrics and
+figures are the loop's. A run lives in one directory (see
+``ipu_unit_scaling.training.run_directory`` for how it is
 written)::
 
     config.yaml      the resolved config (the model's vocabulary is the corpus's)
@@ -18,7 +18,7 @@ written)::
                      runs: its progress at its last checkpoint)
     loss.png         training and validation loss against the unigram baseline
     tensorboard/     the same scalars as TensorBoard event files, where TensorBoard is
-                     installed (see :mod:`.tensorboard_log`)
+                     installed (see :mod:`ipu_unit_scaling.training.tensorboard_log`)
 
 Runs are deterministic on CPU for a given seed and thread count: a run resumed from a
 checkpoint produces bit for bit the losses of the uninterrupted run.
@@ -166,7 +166,7 @@ def train(
     ``task`` is what to train (:mod:`.tasks`): the causal LM when None; a resumed run
     continues the task it trained (a ``task`` given must be that one).
     ``init_from`` fine-tunes: the new run starts from the checkpoint of the run in that
-    directory, whose model ``config`` must keep (see :mod:`.finetune`).
+    directory, whose model ``config`` must keep (see :mod:`ipu_unit_scaling.training.finetune`).
 
     Raises TrainingDiverged on a non-finite loss or one past :func:`divergence_bound`,
     TrainingInterrupted on SIGINT (Ctrl-C) or SIGTERM (after saving a checkpoint at a step

@@ -1,9 +1,10 @@
 """What an IPU computes where PopTorch's lowering departs from eager torch, and how the emulator
 computes the same.
 
-:mod:`.poptorch_lowering`, generated from poptorch's source by ``scripts/poptorch_lowering.py``,
-records for every ATen op this project's models trace to which PopART ops PopTorch lowers it to
-and whether PopART then computes what eager torch computes. Two rows change numbers:
+:mod:`.poptorch_lowering_table`, generated from poptorch's source by
+``scripts/poptorch_lowering.py``, records for every ATen op this project's models trace to which
+PopART ops PopTorch lowers it to and whether PopART then computes what eager torch computes. Two
+rows change numbers:
 
 - ``aten::gelu`` (``differs``): both ``approximate`` values are lowered to PopART's Gelu, the
   tanh approximation ``0.5 x (1 + tanh(a (x + b x**3)))`` (``a = sqrt(2/pi)``, ``b =
@@ -15,10 +16,11 @@ and whether PopART then computes what eager torch computes. Two rows change numb
   float-to-half cast rounds stochastically, in the forward pass and, for a half-to-float cast,
   in the gradient.
 
-:func:`lower_graph` rewrites a graph traced like PopTorch (:mod:`.backends.emulator`) to compute
-these. Inside :func:`torch_numerics` neither the rewrite nor the constants change: the traced
-forms can then be checked against eager torch apart from what PopART computes differently.
-Dropout (``random``) keeps torch's random draw: the IPU's generator is not reproduced.
+:func:`lower_graph` rewrites a graph traced like PopTorch
+(:mod:`ipu_unit_scaling.backends.poptorch_emulator`) to compute these. Inside :func:`torch_numerics`
+neither the rewrite nor the constants change: the traced forms can then be checked against eager
+torch apart from what PopART computes differently. Dropout (``random``) keeps torch's random draw:
+the IPU's generator is not reproduced.
 """
 from __future__ import annotations
 

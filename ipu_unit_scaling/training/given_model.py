@@ -16,10 +16,10 @@ scaled in the backward pass) of the float32 logits against the labels. A model's
 The module is imported with the current directory on ``sys.path`` (as ``python -m`` has it),
 so ``my_model:build`` finds ``./my_model.py``. The run's ``config.yaml`` records the factory:
 resume, ``evaluate`` and ``sample`` call it again and load the checkpoint into what it returns.
-Problems are one :class:`~ipu_unit_scaling.config.ConfigError` naming ``model.factory``: a path
-that is not ``module:function``, a module that does not import, a missing or non-callable
-attribute, a factory that raises, returns something other than an ``nn.Module``, or a model
-whose output is not ``[batch, seq, vocab_size]`` logits (checked by one forward pass of a
+Problems are one :class:`~ipu_unit_scaling.training.config_files.ConfigError` naming
+``model.factory``: a path that is not ``module:function``, a module that does not import, a missing
+or non-callable attribute, a factory that raises, returns something other than an ``nn.Module``, or
+a model whose output is not ``[batch, seq, vocab_size]`` logits (checked by one forward pass of a
 ``[1, seq_len]`` batch, in eval mode, without gradients, before training).
 
 Backends: ``cpu`` and ``emulator`` (the IPU backend on the PopTorch stand-in: the traced graph

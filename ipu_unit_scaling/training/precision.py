@@ -105,8 +105,8 @@ def round_to_half(x: Tensor) -> Tensor:
     A round trip through float16: autograd of the two casts rounds the gradient the same way,
     so eager PyTorch and PopTorch's traced graph compute the same thing while casts round to
     nearest. With ``ipu.stochastic_rounding`` an IPU rounds both casts (the value's and the
-    gradient's) stochastically; the emulator backend does too (:mod:`.lowering`), the CPU
-    backend rounds to nearest.
+    gradient's) stochastically; the emulator backend does too
+    (:mod:`ipu_unit_scaling.ops.ipu_lowering`), the CPU backend rounds to nearest.
     """
     return x.to(torch.float16).to(x.dtype)
 

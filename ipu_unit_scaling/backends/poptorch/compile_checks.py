@@ -1,7 +1,7 @@
 """What PopTorch refuses before an IPU runs anything: its compile-time checks of the options.
 
-The checks read the ``poptorch.Options`` calls the IPU backend makes (:mod:`.options`), so the
-emulator refuses exactly the configs that PopTorch would refuse, and the IPU backend refuses
+The checks read the ``poptorch.Options`` calls the IPU backend makes (:mod:`.poptorch_options`), so
+the emulator refuses exactly the configs that PopTorch would refuse, and the IPU backend refuses
 them before it asks for an IPU. Each check names the PopTorch source it follows (graphcore/
 poptorch at commit c2a8b17762f1, September 2023):
 

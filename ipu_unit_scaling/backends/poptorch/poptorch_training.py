@@ -172,8 +172,8 @@ class IPUInferenceModule(nn.Module):
 class IPUInferenceModel:
     """A ``poptorch.inferenceModel`` for evaluation and sampling.
 
-    A multi-IPU split runs as ``ShardedExecution`` (see :func:`.options.option_calls`), so a
-    call takes ``rows_per_call`` rows: one micro-batch per replica and device iteration, and no
+    A multi-IPU split runs as ``ShardedExecution`` (see :func:`.poptorch_options.option_calls`), so
+    a call takes ``rows_per_call`` rows: one micro-batch per replica and device iteration, and no
     gradient accumulation, which PopTorch refuses for inference. PopTorch compiles for the
     input shapes of the first call and refuses others; a call with new shapes compiles again.
     """

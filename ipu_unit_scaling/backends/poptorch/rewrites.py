@@ -1,7 +1,7 @@
 """Exact rewrites of calls that PopTorch's handlers refuse, made before PopTorch sees them.
 
 The IPU backends trace the model inside :class:`PopTorchRewrites` (as well as inside
-:func:`ipu_unit_scaling.ipu_tracing`), and the emulator does the same, so both see the graph
+:func:`ipu_unit_scaling.ipu.ipu_tracing`), and the emulator does the same, so both see the graph
 that reaches PopTorch. Each rewrite computes the same values and gradients as the call it
 replaces:
 

@@ -1,7 +1,7 @@
 """The PopXL backend: the unit-scaled FP8 GPT in PopXL, with real FP8 tensors and FP8 matmuls.
 
 Nothing here imports ``popxl`` until it is asked to run on it, so the package imports anywhere.
-The model code (:mod:`.model`, :mod:`.fp8_ops`) is written once against the ``popxl`` module;
+The model code (:mod:`.popxl_model`, :mod:`.fp8_ops`) is written once against the ``popxl`` module;
 :mod:`.reference` is a torch stand-in for the part of PopXL it uses, on which it is tested here.
 
 - :class:`PopXLTrainingModel`: ``poptorch.trainingModel``'s interface on PopXL.

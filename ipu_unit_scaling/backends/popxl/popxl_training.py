@@ -171,7 +171,7 @@ def loss_and_gradients(model: nn.Module, input_ids: torch.Tensor, labels: torch.
                        amax: str = "ops") -> StepResult:
     """The loss, logits and every parameter gradient of ``model`` (a ``uu.GPT``)
     on one batch, computed by the PopXL decoder: on ``xl`` (default: the real ``popxl``).
-    ``amax``: "ops" or "codelets" (see :class:`~.model.PopXLDecoder`)."""
+    ``amax``: "ops" or "codelets" (see :class:`~.popxl_model.PopXLDecoder`)."""
     xl = xl if xl is not None else import_popxl()
     spec = DecoderSpec.from_module(model)
     names = spec.parameter_names()
