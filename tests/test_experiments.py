@@ -7,8 +7,9 @@ import statistics
 from pathlib import Path
 
 import pytest
+from helpers import ONE_IPU as FAST
+from helpers import run
 
-from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.apps.experiments import aggregate_seeds, mean_curves
 from ipu_unit_scaling.apps.sweep import (
     SweepPoint,
@@ -17,14 +18,6 @@ from ipu_unit_scaling.apps.sweep import (
     transfer_summary,
 )
 from ipu_unit_scaling.training.run_config import load_config
-
-FAST = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1"]
-
-
-def run(capsys, *argv):
-    status = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def _row(regime: str, loss):

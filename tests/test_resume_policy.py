@@ -9,11 +9,12 @@ import os
 import shutil
 import signal
 from pathlib import Path
-from typing import Dict, List
+from typing import List
 
 import helpers
 import pytest
 from helpers import ROOT, TEXT, one_line_error, run
+from helpers import run_files as files_in
 
 from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.training.resume_policy import (
@@ -40,11 +41,6 @@ def data(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("text") / "text.txt"
     path.write_text(TEXT)
     return path
-
-
-def files_in(directory: Path) -> Dict[str, bytes]:
-    """The bytes of each file of the run but its lock."""
-    return helpers.files_in(directory, skip=(".lock",))
 
 
 def train_args(run_dir: Path, data: Path, *settings: str) -> List[str]:

@@ -5,8 +5,8 @@ import json
 
 import pytest
 import yaml
+from helpers import ONE_IPU, run
 
-from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.apps.sweep import (
     SweepPoint,
     format_sweep_tables,
@@ -16,14 +16,7 @@ from ipu_unit_scaling.apps.sweep import (
 )
 from ipu_unit_scaling.training.run_config import ConfigError, load_config
 
-FAST = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1",
-        "training.steps=3", "precision.dtype=fp32"]
-
-
-def run(capsys, *argv):
-    status = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return status, out, err
+FAST = [*ONE_IPU, "training.steps=3", "precision.dtype=fp32"]
 
 
 def _points(key: str, losses: dict, kind: str = "u-mup") -> list:
