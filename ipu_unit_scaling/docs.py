@@ -4,7 +4,7 @@ path; written in :mod:`ipu_unit_scaling.ops.torch_arguments`).
 from __future__ import annotations
 
 from .ops.torch_arguments import *  # noqa: F403
-from .ops.torch_arguments import (
-    __all__,  # noqa: F401
-    _validate,  # noqa: F401  (unit-scaling's tests import it)
-)
+from .ops.torch_arguments import __all__  # noqa: F401
+
+# unit-scaling's tests import `unit_scaling.docs._validate`.
+from .ops.torch_arguments import validate_arguments as _validate  # noqa: F401

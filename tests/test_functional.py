@@ -262,19 +262,19 @@ def test_attention_is_unit_for_any_logit_std(logit_std, masking):
 
 
 def test_softmax_square_sum_closed_form_is_within_5_percent_up_to_logit_std_1():
-    from ipu_unit_scaling.ops.activation_ops import _expected_softmax_square_sum
+    from ipu_unit_scaling.ops.activation_ops import expected_softmax_square_sum
     from ipu_unit_scaling.ops.softmax_moments import softmax_moments
 
     keys = np.arange(1, 2049, dtype=np.float64)
     for logit_std in (0.25, 0.5, 0.75, 1.0):
         exact = softmax_moments(2048, logit_std)[0]
-        ratio = _expected_softmax_square_sum(keys, logit_std) / exact
+        ratio = expected_softmax_square_sum(keys, logit_std) / exact
         assert 0.95 <= ratio.min() and ratio.max() <= 1.05, logit_std
     # Above 1 the function returns the quadrature's values, for numbers and tensors alike.
     exact = softmax_moments(100, 2.0)[0]
-    assert _expected_softmax_square_sum(37.0, 2.0) == exact[36]
+    assert expected_softmax_square_sum(37.0, 2.0) == exact[36]
     counts = torch.tensor([[1.0], [37.0], [100.0]])
-    np.testing.assert_allclose(_expected_softmax_square_sum(counts, 2.0, 100).flatten().numpy(),
+    np.testing.assert_allclose(expected_softmax_square_sum(counts, 2.0, 100).flatten().numpy(),
                                exact[[0, 36, 99]], rtol=1e-6)
 
 
@@ -295,7 +295,7 @@ def test_float64_attention_row_scales_stay_float64(masking):
     tolerance is float64's unit roundoff 2**-53 = 1.1e-16 times a bound of 1e4 on the ops in
     between (the closed form's exp/pow, softmax over 16 keys, 8-term dot products): 1e-12. Row
     scales counted in float32 (as before) are off by float32's 2**-24 = 6e-8 relative and fail."""
-    from ipu_unit_scaling.ops.activation_ops import _expected_softmax_square_sum
+    from ipu_unit_scaling.ops.activation_ops import expected_softmax_square_sum
 
     seq, head_dim = 16, 8
     gen = torch.Generator().manual_seed(4)
@@ -308,7 +308,7 @@ def test_float64_attention_row_scales_stay_float64(masking):
     visible = {"none": torch.full((seq, 1), float(seq), dtype=torch.float64),
                "causal": torch.arange(1.0, seq + 1, dtype=torch.float64).unsqueeze(-1),
                "mask": mask.sum(-1, keepdim=True).to(torch.float64)}[masking]
-    row_scale = _expected_softmax_square_sum(visible) ** -0.5
+    row_scale = expected_softmax_square_sum(visible) ** -0.5
     ours = U.scaled_dot_product_attention(q, k, v, scale=head_dim**-0.5, **arguments)
     assert ours.dtype == torch.float64
     (ours_grad_v,) = torch.autograd.grad(ours, v, grad)

@@ -410,7 +410,7 @@ def test_value_bias_gradient_is_divided_by_the_attention_row_scale(causal):
     + 1 b^T and the value bias's gradient is sum_i r_i g_i, r_i the row scale of query i. The
     rule divides it by the rows' root-mean-square r. Checked in float64 against that identity,
     written out: with the rule, without it (the rule off), and in the traced form."""
-    from ipu_unit_scaling.ops.activation_ops import _expected_softmax_square_sum
+    from ipu_unit_scaling.ops.activation_ops import expected_softmax_square_sum
     from ipu_unit_scaling.ops.trace_switch import ipu_tracing
 
     batch, length, width, heads = 3, 16, 32, 2
@@ -428,7 +428,7 @@ def test_value_bias_gradient_is_divided_by_the_attention_row_scale(causal):
     # linear's own bias scale counts (batch * length).
     visible = torch.arange(1, length + 1, dtype=torch.float64) if causal else \
         torch.full((length,), float(length), dtype=torch.float64)
-    row_scale = _expected_softmax_square_sum(visible) ** -0.5  # (length,)
+    row_scale = expected_softmax_square_sum(visible) ** -0.5  # (length,)
     per_head = grad.view(batch, length, heads, -1)
     through_rows = (per_head * row_scale[None, :, None, None]).sum(dim=(0, 1)).flatten()
     unscaled = through_rows * (batch * length) ** -0.5

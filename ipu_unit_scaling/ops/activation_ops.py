@@ -17,7 +17,7 @@ from . import rule_switch
 from .scale_constraints import ConstraintArg, apply_constraint
 from .softmax_moments import softmax_moments
 from .trace_switch import is_ipu_tracing
-from .unit_ops import _reject, _scaled_call
+from .unit_ops import reject_argument, scaled_call
 
 __all__ = [
     "gelu",
@@ -50,7 +50,7 @@ def _gelu_moments(form: str, mult: float = 1.0) -> Tuple[float, float]:
     # Autograd must record even when the first call comes under no_grad or inference_mode.
     with torch.inference_mode(False), torch.enable_grad():
         z = torch.tensor(_HERMITE_POINTS, dtype=torch.float64, requires_grad=True)
-        out = lowering.gelu(mult * z, form)
+        out = lowering.gelu_of_form(mult * z, form)
         (slope,) = torch.autograd.grad(out.sum(), z)
     return _normal_std(out.detach().numpy()), _normal_rms(slope.numpy())
 
@@ -95,7 +95,8 @@ def _gelu_scales(form: str, constraint: ConstraintArg, mult: float = 1.0) -> Tup
     return apply_constraint(constraint, 1 / out_std, 1 / grad_rms)
 
 
-def _positive_mult(mult: float) -> float:
+def positive_mult(mult: float) -> float:
+    """`mult` as a float; ValueError unless it is positive and finite."""
     if not mult > 0 or math.isinf(mult):
         raise ValueError(f"mult={mult!r} must be positive and finite")
     return float(mult)
@@ -121,7 +122,7 @@ def gelu(
     """
     if isinstance(mult, str):
         approximate = mult
-    multiplier = _positive_mult(1.0 if isinstance(mult, str) else mult)
+    multiplier = positive_mult(1.0 if isinstance(mult, str) else mult)
     if rule_switch.library_rules():
         # unit-scaling's gelu(mult x) / mult: its output scale over mult, and mult's factor in
         # the derivative taken back out of the gradient scale.
@@ -138,7 +139,7 @@ def gelu(
         return fused.gelu(input if multiplier == 1.0 else input * multiplier, approximate,
                           output_scale, grad_scale)
     # The derivative of gelu(mult x) carries mult: the scaled call sees gelu at mult x.
-    return _scaled_call(
+    return scaled_call(
         lambda x: F.gelu(x if multiplier == 1.0 else x * multiplier, approximate=approximate),
         (input,), output_scale, (grad_scale,), scale_in_place=True,
     )
@@ -150,12 +151,12 @@ def relu(input: Tensor, inplace: bool = False,
 
     Rule: output scale 1/sqrt(1/2 - 1/(2 pi)), grad-input scale sqrt(2); tied by `constraint`.
     """
-    _reject("inplace", inplace, False, "the scaled output is a new tensor")
+    reject_argument("inplace", inplace, False, "the scaled output is a new tensor")
     output_scale, grad_scale = apply_constraint(constraint, 1 / _RELU_STD, 1 / _RELU_GRAD_RMS)
-    return _scaled_call(F.relu, (input,), output_scale, (grad_scale,))
+    return scaled_call(F.relu, (input,), output_scale, (grad_scale,))
 
 
-def _expected_softmax_square_sum(n: Union[float, Tensor], logit_std: float = 1.0,
+def expected_softmax_square_sum(n: Union[float, Tensor], logit_std: float = 1.0,
                                  max_keys: Optional[int] = None):
     """E[sum_i p_i**2] for p = softmax of n i.i.d. N(0, logit_std**2) logits.
 
@@ -207,20 +208,20 @@ def softmax(
     probabilities are nearly flat). Under `rules("unit-scaling")`, unit-scaling 0.3.5's
     interpolation between the flat and one-hot limits (`rule_switch.softmax_scales`).
     """
-    mult = _positive_mult(mult)
+    mult = positive_mult(mult)
     n = input.shape[dim]
     if rule_switch.library_rules():
         output_scale, grad_scale = apply_constraint(constraint,
                                                     *rule_switch.softmax_scales(n, mult))
-        return _scaled_call(
+        return scaled_call(
             lambda x: F.softmax(x if mult == 1.0 else x * mult, dim=dim, dtype=dtype), (input,),
             output_scale, (grad_scale,),
         )
-    mean_square = _expected_softmax_square_sum(n, mult) / n
+    mean_square = expected_softmax_square_sum(n, mult) / n
     out_std = math.sqrt(max(mean_square - 1.0 / n**2, 1e-12))
     output_scale, grad_scale = apply_constraint(
         constraint, 1 / out_std, 1 / (mult * mean_square**0.5))
-    return _scaled_call(
+    return scaled_call(
         lambda x: F.softmax(x if mult == 1.0 else x * mult, dim=dim, dtype=dtype), (input,),
         output_scale, (grad_scale,),
     )
@@ -234,7 +235,7 @@ def dropout(input: Tensor, p: float = 0.5, training: bool = True, inplace: bool 
     eval mode it is the identity; under `rules("unit-scaling")` it multiplies by sqrt(1-p) there
     too, as unit-scaling 0.3.5 does.
     """
-    _reject("inplace", inplace, False, "the scaled output is a new tensor")
+    reject_argument("inplace", inplace, False, "the scaled output is a new tensor")
     if not 0.0 <= p < 1.0:
         raise ValueError(f"p={p!r} must be in [0, 1)")
     if rule_switch.library_rules() and (not training or p == 0.0):

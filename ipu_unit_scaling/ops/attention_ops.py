@@ -12,7 +12,7 @@ from torch import Tensor
 
 from . import fused_ops as fused
 from . import rule_switch
-from .activation_ops import _expected_softmax_square_sum, _positive_mult
+from .activation_ops import expected_softmax_square_sum, positive_mult
 from .softmax_moments import query_key_gradient_variance
 from .trace_switch import is_ipu_tracing
 
@@ -134,7 +134,7 @@ def scaled_dot_product_attention(
     if scale is None:
         # (unit-scaling divides by the values' head size)
         head_dim = value.shape[-1] if rule_switch.library_rules() else query.shape[-1]
-        scale = _positive_mult(mult) / max(1, head_dim)
+        scale = positive_mult(mult) / max(1, head_dim)
     elif mult != 1.0:
         raise ValueError(f"mult={mult!r} and scale={scale!r}: give one of them, not both")
     if enable_gqa:
@@ -201,7 +201,7 @@ def _row_scale(query_len: int, key_len: int, attn_mask: Optional[Tensor], is_cau
     """sqrt((1 - dropout_p) / E[sum p**2]) for each query row: a float, or a (..., rows, 1)
     tensor."""
     visible = _visible_keys(query_len, key_len, attn_mask, is_causal, device, dtype)
-    square_sum = _expected_softmax_square_sum(visible, logit_std, max(1, key_len))
+    square_sum = expected_softmax_square_sum(visible, logit_std, max(1, key_len))
     row_scale = ((1 - dropout_p) / square_sum) ** 0.5
     return row_scale.to(dtype) if isinstance(row_scale, Tensor) else row_scale
 
@@ -243,8 +243,8 @@ def attention_value_bias_grad_scale(
     keep = 1.0 - dropout_p
     n = max(1, int(key_len))
     if not is_causal:
-        return (_expected_softmax_square_sum(float(n), logit_std) / keep) ** 0.5
-    inverse_sum = sum(1.0 / _expected_softmax_square_sum(float(m), logit_std, n)
+        return (expected_softmax_square_sum(float(n), logit_std) / keep) ** 0.5
+    inverse_sum = sum(1.0 / expected_softmax_square_sum(float(m), logit_std, n)
                       for m in range(1, n + 1))
     return (keep * inverse_sum / n) ** -0.5
 

@@ -35,7 +35,7 @@ from torch import Tensor, fx
 from .poptorch_lowering_table import GELU_LOWERING
 
 __all__ = [
-    "GELU_FORMS", "gelu_on_ipu", "gelu", "popart_gelu", "popart_gelu_slope",
+    "GELU_FORMS", "gelu_on_ipu", "gelu_of_form", "popart_gelu", "popart_gelu_slope",
     "stochastic_round_to_half", "stochastic_cast", "lower_graph", "torch_numerics",
     "follows_ipu_numerics", "REWRITTEN_OPS",
 ]
@@ -106,7 +106,7 @@ def popart_gelu(x: Tensor) -> Tensor:
     return _PopARTGelu.apply(x)
 
 
-def gelu(x: Tensor, form: str) -> Tensor:
+def gelu_of_form(x: Tensor, form: str) -> Tensor:
     """The GELU ``form`` (one of :data:`GELU_FORMS`) of ``x``, with that form's gradient."""
     if form == "popart":
         return popart_gelu(x)

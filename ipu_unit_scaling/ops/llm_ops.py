@@ -20,7 +20,7 @@ from . import rule_switch
 from .scale_constraints import ConstraintArg, apply_constraint
 from .scaling_primitive import scale_bwd
 from .trace_switch import is_ipu_tracing
-from .unit_ops import _scaled_call
+from .unit_ops import scaled_call
 
 __all__ = ["rms_norm", "silu", "silu_glu"]
 
@@ -81,7 +81,7 @@ def silu(input: Tensor, mult: Union[float, bool] = 1.0,
             constraint, *rule_switch.activation_scales("silu", multiplier))
     else:
         output_scale, grad_scale = apply_constraint(constraint, 1 / out_std, 1 / slope_rms)
-    return _scaled_call(lambda x: _silu(x, multiplier), (input,), output_scale, (grad_scale,),
+    return scaled_call(lambda x: _silu(x, multiplier), (input,), output_scale, (grad_scale,),
                         scale_in_place=True)
 
 
@@ -113,7 +113,7 @@ def silu_glu(input: Tensor, gate: Tensor, mult: Union[float, ConstraintArg] = 1.
         )
     if input.shape != gate.shape:
         raise ValueError(f"input shape {tuple(input.shape)} != gate shape {tuple(gate.shape)}")
-    return _scaled_call(lambda u, g: u * _silu(g, gate_mult), (input, gate), output_scale,
+    return scaled_call(lambda u, g: u * _silu(g, gate_mult), (input, gate), output_scale,
                         (input_scale, gate_scale), scale_in_place=True)
 
 

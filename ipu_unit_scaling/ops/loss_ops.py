@@ -11,9 +11,9 @@ from torch import Tensor
 
 from . import fused_ops as fused
 from . import rule_switch
-from .activation_ops import _expected_softmax_square_sum
+from .activation_ops import expected_softmax_square_sum
 from .scaling_primitive import scale_bwd, scale_fwd
-from .unit_ops import _reject
+from .unit_ops import reject_argument
 
 __all__ = [
     "cross_entropy",
@@ -55,9 +55,10 @@ def cross_entropy(
     `V / sqrt(V - 1)` (for a uniform softmax), and with reduction="mean" the summed loss divided
     by the number of rows, ignored ones included, in the forward pass only.
     """
-    _reject("size_average", size_average, None, "use reduction")
-    _reject("reduce", reduce, None, "use reduction")
-    _reject("label_smoothing", label_smoothing, 0.0, "the gradient scale assumes one-hot targets")
+    reject_argument("size_average", size_average, None, "use reduction")
+    reject_argument("reduce", reduce, None, "use reduction")
+    reject_argument("label_smoothing", label_smoothing, 0.0,
+                    "the gradient scale assumes one-hot targets")
     return _cross_entropy(input, target, weight, ignore_index, reduction, 0.0, mult)
 
 
@@ -65,14 +66,14 @@ def _cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor], igno
                    reduction: str, label_smoothing: float, mult: float = 1.0) -> Tensor:
     """`cross_entropy`, with a label smoothing if given (the one-hot rule's gradient scale,
     for `unit_scale`'s conversions of models that smooth their labels)."""
-    _reject("weight", weight, None, "class weights change the gradient's scale per row")
+    reject_argument("weight", weight, None, "class weights change the gradient's scale per row")
     if rule_switch.library_rules():
         return _library_cross_entropy(input, target, ignore_index, reduction, label_smoothing,
                                       mult)
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction={reduction!r} must be one of 'mean', 'sum', 'none'")
     classes = input.shape[1] if input.dim() > 1 else input.shape[0]
-    per_element_var = (1 - 2 / classes + _expected_softmax_square_sum(classes)) / classes
+    per_element_var = (1 - 2 / classes + expected_softmax_square_sum(classes)) / classes
     input = scale_bwd(input, per_element_var**-0.5)
     if mult != 1.0:
         input = scale_fwd(input, mult)
@@ -124,8 +125,8 @@ def mse_loss(input: Tensor, target: Tensor, size_average: Optional[bool] = None,
     Rule: the gradient is 2 (x - t) / N; for independent unit x and t, x - t has std sqrt(2), so
     both grad scales are N / (2 sqrt(2)) (without N for reduction="sum"/"none").
     """
-    _reject("size_average", size_average, None, "use reduction")
-    _reject("reduce", reduce, None, "use reduction")
+    reject_argument("size_average", size_average, None, "use reduction")
+    reject_argument("reduce", reduce, None, "use reduction")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction={reduction!r} must be one of 'mean', 'sum', 'none'")
     if input.shape != target.shape:

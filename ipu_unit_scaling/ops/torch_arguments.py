@@ -29,7 +29,7 @@ def _is_default(value: Any, default: Any) -> bool:
         return False
 
 
-def _validate(f: F, unsupported_args: Iterable[str] = ()) -> F:
+def validate_arguments(f: F, unsupported_args: Iterable[str] = ()) -> F:
     """`f`, refusing a non-default value of any argument named in `unsupported_args`.
 
     ValueError at once for a name that is not an argument of `f` or has no default.
@@ -65,5 +65,5 @@ def _validate(f: F, unsupported_args: Iterable[str] = ()) -> F:
 
 
 def unsupported(*names: str) -> Callable[[F], F]:
-    """Decorator: refuse non-default values of the arguments `names` (see `_validate`)."""
-    return functools.partial(_validate, unsupported_args=names)  # type: ignore[return-value]
+    """Decorator: refuse non-default values of the arguments `names` (see `validate_arguments`)."""
+    return functools.partial(validate_arguments, unsupported_args=names)  # type: ignore[return-value]

@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 
-def _scaled_call(
+def scaled_call(
     fn,
     inputs: Sequence[Tensor],
     output_scale: float,
@@ -63,7 +63,8 @@ def _scaled_call(
     return out.mul_(output_scale) if scale_in_place else out * output_scale
 
 
-def _reject(name: str, value: object, default: object, why: str) -> None:
+def reject_argument(name: str, value: object, default: object, why: str) -> None:
+    """ValueError, giving `why`, when `value` (of argument `name`) is not its `default`."""
     if value is not default and (isinstance(value, Tensor) or value != default):
         shown = f"<tensor {tuple(value.shape)}>" if isinstance(value, Tensor) else repr(value)
         raise ValueError(f"{name}={shown} is not supported by the unit-scaled op: {why}")
@@ -236,7 +237,7 @@ def matmul(left: Tensor, right: Tensor, constraint: ConstraintArg = "to_output_s
     )
     if left.dim() >= 2 and right.dim() >= 2 and fused.eager_forms():
         return fused.matmul(left, right, output_scale, left_scale, right_scale)
-    return _scaled_call(
+    return scaled_call(
         torch.matmul, (left, right), output_scale, (left_scale, right_scale), scale_in_place=True
     )
 
@@ -286,8 +287,9 @@ def embedding(
     `rules("unit-scaling")` it renormalises the looked-up rows only, leaving the weight as it
     is, as unit-scaling 0.3.5 does.
     """
-    _reject("scale_grad_by_freq", scale_grad_by_freq, False, "it replaces the unit grad scale")
-    _reject("sparse", sparse, False, "sparse gradients are not scaled")
+    reject_argument("scale_grad_by_freq", scale_grad_by_freq, False,
+                    "it replaces the unit grad scale")
+    reject_argument("sparse", sparse, False, "sparse gradients are not scaled")
     lookups = max(1, input.numel())
     grad_scale = math.sqrt(weight.shape[0] / lookups)
     if max_norm is None and fused.eager_forms():
@@ -341,7 +343,7 @@ def add(
     if not isinstance(alpha, (int, float)):
         raise ValueError(f"alpha={alpha!r} must be a number")
     alpha = float(alpha)
-    _reject("out", out, None, "the scaled sum is a new tensor")
+    reject_argument("out", out, None, "the scaled sum is a new tensor")
     if alpha == 0:
         raise ValueError("alpha=0 is not supported by the unit-scaled add: use the input itself")
     if not isinstance(input, Tensor) or not isinstance(other, Tensor):
@@ -360,7 +362,7 @@ def add(
     out_numel = math.prod(torch.broadcast_shapes(input.shape, other.shape))
     input_scale *= _broadcast_count(input, out_numel) ** -0.5
     other_scale *= _broadcast_count(other, out_numel) ** -0.5
-    return _scaled_call(
+    return scaled_call(
         lambda a, b: torch.add(a, b, alpha=alpha), (input, other), output_scale,
         (input_scale, other_scale), scale_in_place=True,
     )
@@ -423,7 +425,7 @@ def residual_add(residual: Tensor, skip: Tensor, tau: float = 1.0) -> Tensor:
     return scale_fwd(residual, branch_weight) + scale_fwd(skip, skip_weight)
 
 
-def _residual_join(residual: Tensor, skip: Tensor, tau: float) -> Tensor:
+def residual_join(residual: Tensor, skip: Tensor, tau: float) -> Tensor:
     """`residual_add` whose skip weight applies in both passes: the join for a skip that is
     the stream itself, not `residual_split`'s skip output (as `unit_scale` builds residuals)."""
     branch_weight, skip_weight = _residual_weights(tau)

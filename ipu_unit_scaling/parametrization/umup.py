@@ -171,8 +171,8 @@ class ScaledGELU:
 
     def __call__(self, input: Tensor) -> Tensor:
         output_scale, grad_scale = self.scales[activation_ops._gelu_form(self.approximate)]
-        return unit_ops._scaled_call(self._gelu, (input,), output_scale, (grad_scale,),
-                              scale_in_place=True)
+        return unit_ops.scaled_call(self._gelu, (input,), output_scale, (grad_scale,),
+                                   scale_in_place=True)
 
     def _gelu(self, x: Tensor) -> Tensor:
         return F.gelu(x * self.mult if self.mult != 1.0 else x, approximate=self.approximate)

@@ -406,7 +406,7 @@ def unit_residual_branch(input: Tensor, tau: float) -> Tensor:
 def unit_residual_add(residual: Tensor, skip: Tensor, tau: float) -> Tensor:
     """The join of `unit_residual_branch`: the skip is the stream itself (no split output), so
     it takes its weight in both passes."""
-    return unit_ops._residual_join(residual, skip, tau)
+    return unit_ops.residual_join(residual, skip, tau)
 
 
 # Function targets (call_function, or call_method by name) and their unit-scaled adapters.

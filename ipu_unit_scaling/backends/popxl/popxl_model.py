@@ -343,7 +343,7 @@ class PopXLDecoder:
         mask = np.triu(np.full((seq, seq), _MASKED, np.float32), k=1)
         # The same per-row scale U computes: sqrt(1 / E[sum p**2]) for the keys a row sees.
         visible = torch.arange(1, seq + 1, dtype=torch.float32).unsqueeze(-1)
-        row_scale = ((1 - 0.0) / activation_ops._expected_softmax_square_sum(visible)) ** 0.5
+        row_scale = ((1 - 0.0) / activation_ops.expected_softmax_square_sum(visible)) ** 0.5
         row_scale = row_scale.numpy().astype(np.float32)
 
         def attention(qkv: Tensor) -> Tensor:
@@ -387,7 +387,7 @@ class PopXLDecoder:
         xl = self.xl
         shape = tuple(logits.shape)
         classes, rows = shape[-1], int(np.prod(shape[:-1]))
-        square_sum = activation_ops._expected_softmax_square_sum(classes)
+        square_sum = activation_ops.expected_softmax_square_sum(classes)
         per_element_var = (1 - 2 / classes + square_sum) / classes
         grad_scale = rows * per_element_var**-0.5
 
