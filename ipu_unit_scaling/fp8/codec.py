@@ -41,7 +41,8 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 FormatLike = Union[str, FP8Format]
 
 
-def _check_choice(value: str, choices: tuple, what: str) -> None:
+def check_choice(value: str, choices: tuple, what: str) -> None:
+    """ValueError naming the ``what`` and the ``choices`` unless ``value`` is one of them."""
     if value not in choices:
         raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(choices)}")
 
@@ -56,13 +57,14 @@ def check_float_tensor(x: torch.Tensor) -> None:
         )
 
 
-def _as_float32(x: torch.Tensor) -> torch.Tensor:
+def as_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as float32, after :func:`check_float_tensor`."""
     check_float_tensor(x)
     return x.to(torch.float32)
 
 
 def _resolve_backend(fmt: FP8Format, backend: str) -> str:
-    _check_choice(backend, BACKENDS, "codec backend")
+    check_choice(backend, BACKENDS, "codec backend")
     if backend == "auto":
         return "dtype" if fmt.torch_dtype is not None else "bits"
     if backend == "dtype" and fmt.torch_dtype is None:
@@ -162,7 +164,7 @@ def stochastic_round_to_grid(
     exactly representable float32 tensor.
     """
     fmt = get_format(fmt)
-    x32 = _as_float32(x)
+    x32 = as_float32(x)
     negative, magnitude, exponent, significand = _float32_fields(x32)
     # int64 so the random increment can cover shifts far past the significand's width.
     shift = torch.clamp(_dropped_bits(exponent, fmt), max=62).to(torch.int64)
@@ -192,10 +194,10 @@ def encode(
     stochastic rounding.
     """
     fmt = get_format(fmt)
-    _check_choice(rounding, ROUNDING_MODES, "rounding mode")
-    _check_choice(overflow, OVERFLOW_POLICIES, "overflow policy")
+    check_choice(rounding, ROUNDING_MODES, "rounding mode")
+    check_choice(overflow, OVERFLOW_POLICIES, "overflow policy")
     chosen = _resolve_backend(fmt, backend)
-    x32 = _as_float32(x)
+    x32 = as_float32(x)
     if rounding == "stochastic":
         # Already on the grid, so the nearest-even step below is exact.
         x32 = stochastic_round_to_grid(x32, fmt, generator)

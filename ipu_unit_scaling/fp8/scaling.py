@@ -24,8 +24,8 @@ from .codec import (
     OVERFLOW_POLICIES,
     ROUNDING_MODES,
     FormatLike,
-    _as_float32,
-    _check_choice,
+    as_float32,
+    check_choice,
     check_float_tensor,
     decode,
     encode,
@@ -109,8 +109,8 @@ def _resolve_scale(x32: torch.Tensor, fmt: FP8Format, scale: Optional[int], marg
 
 
 def _check_cast_args(overflow: str, rounding: str) -> None:
-    _check_choice(overflow, OVERFLOW_POLICIES, "overflow policy")
-    _check_choice(rounding, ROUNDING_MODES, "rounding mode")
+    check_choice(overflow, OVERFLOW_POLICIES, "overflow policy")
+    check_choice(rounding, ROUNDING_MODES, "rounding mode")
 
 
 def cast_to_fp8_reference(
@@ -127,7 +127,7 @@ def cast_to_fp8_reference(
     """Pure-torch :func:`cast_to_fp8`; the reference any faster path must match bit for bit."""
     fmt = get_format(fmt)
     _check_cast_args(overflow, rounding)
-    x32 = _as_float32(x.detach())
+    x32 = as_float32(x.detach())
     scale = _resolve_scale(x32, fmt, log2_scale, margin)
     scaled = x32 * math.ldexp(1.0, scale)
     codes = encode(scaled, fmt, rounding=rounding, overflow=overflow, generator=generator,
