@@ -14,20 +14,12 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
+from helpers import ONE_IPU as FAST
+from helpers import ROOT, run
 
 from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.loop.training_loop import load_checkpoint, read_metrics
 from ipu_unit_scaling.training.run_config import REGIMES
-
-ROOT = Path(__file__).resolve().parent.parent
-# The tiny config on one stage with one micro-batch per step: the fastest deterministic run.
-FAST = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1"]
-
-
-def run(capsys, *argv: str):
-    status = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def losses(run_dir: Path, column: str = "train_loss") -> List[str]:
