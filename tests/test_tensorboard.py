@@ -11,31 +11,20 @@ from typing import Dict, List, Tuple
 
 import numpy as np
 import pytest
-import torch
+from helpers import ONE_IPU
 
 import ipu_unit_scaling.loop.training_loop as train_module
 from ipu_unit_scaling.loop.training_loop import read_metrics, train
 from ipu_unit_scaling.training.run_config import load_config
 
-TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(60))
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture
-def config(tmp_path: Path):
-    path = tmp_path / "text.txt"
-    path.write_text(TEXT)
+def config(data: Path):
     return load_config("tiny", [
-        "ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1",
-        "training.steps=6", "training.checkpoint_interval=2", "training.eval_interval=3",
-        "training.eval_batches=1", f"data.path={path}"])
+        *ONE_IPU, "training.steps=6", "training.checkpoint_interval=2", "training.eval_interval=3",
+        "training.eval_batches=1", f"data.path={data}"])
 
 
 def scalars(run_dir: Path) -> Dict[str, List[Tuple[int, float]]]:
