@@ -16,7 +16,7 @@ from . import replacements as R
 _ATTENTION_MODULES = (nn.MultiheadAttention, R.UnitMultiheadAttention, uu.SelfAttention, nn.Softmax)
 
 
-def _share_input_scales(root: nn.Module, graph: fx.Graph) -> None:
+def share_input_scales(root: nn.Module, graph: fx.Graph) -> None:
     """Linears (unit-scaled, gmean) that read the same tensor: `SharedInputGmean` for each."""
     calls: Dict[str, int] = {}
     for node in graph.nodes:
@@ -54,7 +54,7 @@ def _attention_call(root: nn.Module, node: fx.Node) -> Optional[Tuple[Dict[str, 
     return arguments, arguments.get("dropout_p", 0.0)
 
 
-def _mark_attention_projections(root: nn.Module, graph: fx.Graph) -> None:
+def mark_attention_projections(root: nn.Module, graph: fx.Graph) -> None:
     """Query, key and value projections: `uu.AttentionProjection`, the gradient rules that
     attention sets on their parameters (see `U.attention_query_key_grad_scale` and
     `U.attention_value_bias_grad_scale`).
@@ -134,20 +134,21 @@ def _value_users(node: fx.Node) -> List[fx.Node]:
 
 
 def _is_shape_op(node: fx.Node) -> bool:
-    return node.op in ("call_function", "call_method") and _hashable(node.target) and (
+    return node.op in ("call_function", "call_method") and hashable(node.target) and (
         node.target in R.SHAPE_TARGETS or E.is_aten_shape_op(node.target))
 
 
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message (at most 120 characters), or its type's name."""
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:120]
 
 
-def _silu_input(root: nn.Module, node: fx.Node) -> Optional[fx.Node]:
+def silu_input(root: nn.Module, node: fx.Node) -> Optional[fx.Node]:
     """The input of a SiLU node (function, method or module call), else None."""
     if node.op == "call_module":
         is_silu = R.is_silu_module(root.get_submodule(str(node.target)))
     else:
-        is_silu = node.op in ("call_function", "call_method") and _hashable(node.target) and (
+        is_silu = node.op in ("call_function", "call_method") and hashable(node.target) and (
             node.target in R.SILU_TARGETS or node.target in E.ATEN_SILU
         )
     if not is_silu:
@@ -156,7 +157,7 @@ def _silu_input(root: nn.Module, node: fx.Node) -> Optional[fx.Node]:
     return source if isinstance(source, fx.Node) else None
 
 
-def _gradient_nodes(
+def gradient_nodes(
     root: nn.Module, graph: fx.Graph, is_tensor: Callable[[fx.Node], bool]
 ) -> Set[fx.Node]:
     """Float tensors that depend, through float tensors, on a parameter or a float input.
@@ -171,7 +172,7 @@ def _gradient_nodes(
         if node.op == "placeholder":
             found.add(node)
         elif node.op == "get_attr":
-            if isinstance(_get_attr(root, str(node.target)), nn.Parameter):
+            if isinstance(read_attribute(root, str(node.target)), nn.Parameter):
                 found.add(node)
         elif node.op == "call_module" and next(
                 root.get_submodule(str(node.target)).parameters(), None) is not None:
@@ -181,7 +182,8 @@ def _gradient_nodes(
     return found
 
 
-def _hashable(target: Any) -> bool:
+def hashable(target: Any) -> bool:
+    """Can `target` be looked up in a dict or set (a node target that is, say, a list cannot)?"""
     try:
         hash(target)
     except TypeError:
@@ -189,28 +191,33 @@ def _hashable(target: Any) -> bool:
     return True
 
 
-def _target_name(target: Any) -> str:
+def target_name(target: Any) -> str:
+    """A node target's name: the string itself, or the callable's `__name__`."""
     return target if isinstance(target, str) else getattr(target, "__name__", repr(target))
 
 
-def _has_tensor_input(node: fx.Node, is_tensor: Callable[[fx.Node], bool]) -> bool:
+def has_tensor_input(node: fx.Node, is_tensor: Callable[[fx.Node], bool]) -> bool:
+    """Does `node` read any node that `is_tensor` accepts?"""
     return any(is_tensor(n) for n in node.all_input_nodes)
 
 
-def _get_attr(root: nn.Module, target: str) -> Any:
+def read_attribute(root: nn.Module, target: str) -> Any:
+    """The attribute a `get_attr` node reads: `target`, dotted, from `root`."""
     value: Any = root
     for atom in target.split("."):
         value = getattr(value, atom)
     return value
 
 
-def _set_submodule(root: nn.Module, target: str, module: nn.Module) -> None:
+def set_submodule(root: nn.Module, target: str, module: nn.Module) -> None:
+    """Put `module` at the dotted path `target` of `root`."""
     parent_name, _, child = target.rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
     setattr(parent, child, module)
 
 
-def _position(graph: fx.Graph) -> Callable[[fx.Node], int]:
+def node_order(graph: fx.Graph) -> Callable[[fx.Node], int]:
+    """A function giving each node of `graph` its position in the graph's order."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     return lambda n: order[n]
 
@@ -240,12 +247,12 @@ def _descendants(node: fx.Node) -> Set[fx.Node]:
     return seen
 
 
-def _between(start: fx.Node, end: fx.Node) -> Set[fx.Node]:
+def nodes_between(start: fx.Node, end: fx.Node) -> Set[fx.Node]:
     """Nodes on some path from `start` to `end`, both excluded."""
     return (_descendants(start) & _ancestors(end)) - {start, end}
 
 
-def _residual_operands(
+def residual_operands(
     left: fx.Node, right: fx.Node, is_tensor: Callable[[fx.Node], bool]
 ) -> tuple[Optional[fx.Node], Optional[fx.Node]]:
     """(skip, branch) when one operand's data feeds the other, else (None, None).
@@ -260,7 +267,7 @@ def _residual_operands(
     return None, None
 
 
-def _learned_nodes(root: nn.Module, graph: fx.Graph) -> Set[fx.Node]:
+def learned_nodes(root: nn.Module, graph: fx.Graph) -> Set[fx.Node]:
     """Nodes whose value depends on a parameter (through a layer or an attribute read)."""
     learned: Set[fx.Node] = set()
     for node in graph.nodes:
@@ -268,28 +275,29 @@ def _learned_nodes(root: nn.Module, graph: fx.Graph) -> Set[fx.Node]:
             module = root.get_submodule(str(node.target))
             if next(module.parameters(), None) is not None:
                 learned.add(node)
-        elif node.op == "get_attr" and isinstance(_get_attr(root, str(node.target)), Tensor):
+        elif node.op == "get_attr" and isinstance(read_attribute(root, str(node.target)), Tensor):
             learned.add(node)
         if any(n in learned for n in node.all_input_nodes):
             learned.add(node)
     return learned
 
 
-def _has_weights(root: nn.Module, node: fx.Node) -> bool:
+def has_weights(root: nn.Module, node: fx.Node) -> bool:
     """Does this node apply parameters of its own (a layer, or an attribute it reads)?"""
     if node.op == "call_module":
         return next(root.get_submodule(str(node.target)).parameters(), None) is not None
     return any(
-        n.op == "get_attr" and isinstance(_get_attr(root, str(n.target)), Tensor)
+        n.op == "get_attr" and isinstance(read_attribute(root, str(n.target)), Tensor)
         for n in node.all_input_nodes
     )
 
 
-def _is_attention(root: nn.Module, node: fx.Node) -> bool:
+def is_attention(root: nn.Module, node: fx.Node) -> bool:
+    """Is `node` an attention call (a module, function or aten op of attention or softmax)?"""
     if node.op == "call_module":
         module = root.get_submodule(str(node.target))
         named_attention = "attention" in type(module).__name__.lower()
         return isinstance(module, _ATTENTION_MODULES) or named_attention
-    return _hashable(node.target) and (
+    return hashable(node.target) and (
         node.target in R.ATTENTION_TARGETS or node.target in E.ATEN_ATTENTION
     )

@@ -60,22 +60,22 @@ from . import replacements as R
 from .compose import apply_transform, transforms_of, without_transforms
 from .fx_tracing import ArgumentFrame, Inputs, SpecialisedCall, capture_inputs, trace_module
 from .graph import (
-    _between,
-    _first_line,
-    _get_attr,
-    _gradient_nodes,
-    _has_tensor_input,
-    _has_weights,
-    _hashable,
-    _is_attention,
-    _learned_nodes,
-    _mark_attention_projections,
-    _position,
-    _residual_operands,
-    _set_submodule,
-    _share_input_scales,
-    _silu_input,
-    _target_name,
+    first_line,
+    gradient_nodes,
+    has_tensor_input,
+    has_weights,
+    hashable,
+    is_attention,
+    learned_nodes,
+    mark_attention_projections,
+    node_order,
+    nodes_between,
+    read_attribute,
+    residual_operands,
+    set_submodule,
+    share_input_scales,
+    silu_input,
+    target_name,
 )
 
 __all__ = ["unit_scale", "unit_scale_with_report", "UnitScaleReport", "UnitScaleWarning"]
@@ -267,7 +267,7 @@ def _proxies(args: Any, kwargs: Any) -> List[fx.Proxy]:
 
 
 def _replaced(value: Any, replace: Dict[Callable[..., Any], Callable[..., Any]]) -> bool:
-    return callable(value) and _hashable(value) and value in replace
+    return callable(value) and hashable(value) and value in replace
 
 
 @contextlib.contextmanager
@@ -373,7 +373,7 @@ class _Converter:
                 module, is_leaf, self.captured.get(name), autowrap=tuple(self.preserving)
             )
         except Exception as error:  # any tracing failure: torch.export, else the children
-            failure = f"{type(error).__name__}: {_first_line(error)}"
+            failure = f"{type(error).__name__}: {first_line(error)}"
             inputs = self.captured.get(name)
             if inputs is not None:
                 exported = self._convert_exported(module, name, inputs, failure)
@@ -408,7 +408,7 @@ class _Converter:
         except Exception as error:
             self.report.tracers.append(
                 f"{label}: not traced (torch.fx: {fx_failure}; torch.export: "
-                f"{type(error).__name__}: {_first_line(error)})")
+                f"{type(error).__name__}: {first_line(error)})")
             return None
         shapes = "dynamic" if trace.dynamic else "static"
         self.report.tracers.append(
@@ -456,10 +456,10 @@ class _Converter:
                 return node.name in tensor_nodes
             return any(isinstance(a, fx.Node) for a in node.all_input_nodes)
 
-        learned = _learned_nodes(root, graph)
+        learned = learned_nodes(root, graph)
         self._fuse_silu_gates(graph, root, is_tensor, where)
         self._rewrite_additions(graph, root, learned, is_tensor, where)
-        with_gradient = _gradient_nodes(root, graph, is_tensor)
+        with_gradient = gradient_nodes(root, graph, is_tensor)
         converted_modules: Dict[str, nn.Module] = {}
         for node in list(graph.nodes):
             if node.op == "call_module":
@@ -472,8 +472,8 @@ class _Converter:
                     continue  # built from buffers, shapes and integer inputs: no scale to keep
                 self._rewrite_function_call(root, node, is_tensor, where)
         self._unit_initialise_direct_weights(root, graph)
-        _share_input_scales(root, graph)
-        _mark_attention_projections(root, graph)
+        share_input_scales(root, graph)
+        mark_attention_projections(root, graph)
         for node in reversed(list(graph.nodes)):  # else GraphModule would keep what they read
             if node.op == "get_attr" and not node.users:
                 graph.erase_node(node)
@@ -498,17 +498,17 @@ class _Converter:
         new = self.convert(module, qualified)
         done[target] = new
         if new is not module:
-            _set_submodule(root, target, new)
+            set_submodule(root, target, new)
 
     def _rewrite_function_call(
         self, root: nn.Module, node: fx.Node, is_tensor: Callable[[fx.Node], bool],
         where: Callable[[fx.Node], str],
     ) -> None:
         target = node.target
-        if _hashable(target) and target in _DROPOUT:
+        if hashable(target) and target in _DROPOUT:
             self._dropout_to_module(root, node, where)
             return
-        adapter = self.functions.get(target) if _hashable(target) else None
+        adapter = self.functions.get(target) if hashable(target) else None
         if adapter is R.unit_scaled_dot_product_attention and self._attention_to_module(
                 root, node, where):
             return
@@ -517,13 +517,13 @@ class _Converter:
             node.target = adapter
             self.report.converted.append(where(node))
             return
-        if _hashable(target) and (target in R.SHAPE_TARGETS or target in self.preserving
+        if hashable(target) and (target in R.SHAPE_TARGETS or target in self.preserving
                                   or E.is_aten_shape_op(target)):
             return
-        if _hashable(target) and (target in _ADD or target in _SUB) or not is_tensor(node):
-            if not is_tensor(node) or not _has_tensor_input(node, is_tensor):
+        if hashable(target) and (target in _ADD or target in _SUB) or not is_tensor(node):
+            if not is_tensor(node) or not has_tensor_input(node, is_tensor):
                 return
-        self.report.unconverted.append(f"{where(node)} ({_target_name(target)})")
+        self.report.unconverted.append(f"{where(node)} ({target_name(target)})")
 
     def _attention_to_module(
         self, root: nn.Module, node: fx.Node, where: Callable[[fx.Node], str]
@@ -564,7 +564,7 @@ class _Converter:
         is_tensor: Callable[[fx.Node], bool], where: Callable[[fx.Node], str],
     ) -> None:
         for node in list(graph.nodes):
-            is_add = node.op in ("call_function", "call_method") and _hashable(node.target) and (
+            is_add = node.op in ("call_function", "call_method") and hashable(node.target) and (
                 node.target in _ADD or node.target in _SUB
             )
             if not is_add or len(node.args) != 2 or not is_tensor(node):
@@ -574,10 +574,10 @@ class _Converter:
                 continue
             alpha = node.kwargs.get("alpha", 1)
             subtract = node.target in _SUB
-            skip_node, branch_node = _residual_operands(left, right, is_tensor)
+            skip_node, branch_node = residual_operands(left, right, is_tensor)
             if skip_node is not None and branch_node is not None and alpha == 1 and not subtract:
-                branch = _between(skip_node, node)
-                if any(_has_weights(root, n) for n in branch):
+                branch = nodes_between(skip_node, node)
+                if any(has_weights(root, n) for n in branch):
                     self._make_residual(graph, root, node, skip_node, branch_node, branch)
                     self.report.residuals.append(where(node))
                     continue
@@ -596,14 +596,14 @@ class _Converter:
     ) -> None:
         """`x * silu(g)` (either order), silu used nowhere else: one `U.silu_glu(x, g)`."""
         for node in list(graph.nodes):
-            is_mul = node.op in ("call_function", "call_method") and _hashable(node.target) \
+            is_mul = node.op in ("call_function", "call_method") and hashable(node.target) \
                 and node.target in _MUL
             if not is_mul or len(node.args) != 2 or node.kwargs:
                 continue
             for gated, other in (node.args, tuple(reversed(node.args))):
                 if not (isinstance(gated, fx.Node) and isinstance(other, fx.Node)):
                     continue
-                gate = _silu_input(root, gated)
+                gate = silu_input(root, gated)
                 if gate is None or len(gated.users) != 1 or not is_tensor(other):
                     continue
                 node.op, node.target = "call_function", R.unit_silu_glu
@@ -616,9 +616,9 @@ class _Converter:
         self, graph: fx.Graph, root: nn.Module, join: fx.Node, skip_node: fx.Node,
         branch_node: fx.Node, branch: Set[fx.Node],
     ) -> None:
-        tau = self.attn_tau if any(_is_attention(root, n) for n in branch) else self.mlp_tau
+        tau = self.attn_tau if any(is_attention(root, n) for n in branch) else self.mlp_tau
         entries = [user for user in skip_node.users if user in branch]
-        first = min(entries, key=_position(graph))
+        first = min(entries, key=node_order(graph))
         with graph.inserting_before(first):
             branch_input = graph.call_function(R.unit_residual_branch, (skip_node, tau))
         for user in entries:
@@ -641,7 +641,7 @@ class _Converter:
                     continue
                 arg = node.args[position]
                 if isinstance(arg, fx.Node) and arg.op == "get_attr":
-                    value = _get_attr(root, str(arg.target))
+                    value = read_attribute(root, str(arg.target))
                     if isinstance(value, nn.Parameter):
                         with torch.no_grad():
                             init(value)
