@@ -1,7 +1,10 @@
 """The core of the PopXL stand-in: dtypes, tensors, graphs, the IR and the session.
 
 Its namespace, with ``ops``, ``transforms`` and ``tensor``, is :mod:`.reference`; the op
-modules build on this one, which imports none of them.
+modules build on this one, which imports none of them. The ops that ``Tensor``'s operators add
+(``+``, ``@``, ``.T``, ...) are written here, and ``ops`` serves them under PopXL's names (real
+PopXL's ``Tensor`` imports ``popxl.ops`` when an operator runs; here no module imports one that
+imports it back).
 """
 from __future__ import annotations
 
@@ -60,15 +63,7 @@ def _from_torch(value: torch.Tensor) -> dtype:
 
 # ----------------------------------------------------------------------------------- tensors
 
-_TensorLike = Union["Tensor", float, int, np.ndarray]
-
-
-def _ops() -> Any:
-    """The op module, imported when a Tensor operator first runs: it builds on this module (as
-    PopXL's own ``Tensor`` operators import ``popxl.ops`` when they run)."""
-    from . import _reference_ops
-
-    return _reference_ops
+TensorLike = Union["Tensor", float, int, np.ndarray]
 
 
 class Tensor:
@@ -99,52 +94,52 @@ class Tensor:
 
     @property
     def T(self) -> Tensor:
-        return _ops().transpose(self)
+        return transpose(self)
 
     def transpose(self, permutation: Optional[Sequence[int]] = None) -> Tensor:
-        return _ops().transpose(self, permutation)
+        return transpose(self, permutation)
 
     def reshape(self, shape: Sequence[int]) -> Tensor:
-        return _ops().reshape(self, shape)
+        return reshape(self, shape)
 
     def detach(self) -> Tensor:
-        return _ops().detach(self)
+        return detach(self)
 
-    def _ensure_tensor(self, value: _TensorLike) -> Tensor:
+    def _ensure_tensor(self, value: TensorLike) -> Tensor:
         return value if isinstance(value, Tensor) else constant(value, self.dtype)
 
-    def __add__(self, other: _TensorLike) -> Tensor:
-        return _ops().add(self, self._ensure_tensor(other))
+    def __add__(self, other: TensorLike) -> Tensor:
+        return add(self, self._ensure_tensor(other))
 
-    def __radd__(self, other: _TensorLike) -> Tensor:
-        return _ops().add(self._ensure_tensor(other), self)
+    def __radd__(self, other: TensorLike) -> Tensor:
+        return add(self._ensure_tensor(other), self)
 
-    def __sub__(self, other: _TensorLike) -> Tensor:
-        return _ops().sub(self, self._ensure_tensor(other))
+    def __sub__(self, other: TensorLike) -> Tensor:
+        return sub(self, self._ensure_tensor(other))
 
-    def __rsub__(self, other: _TensorLike) -> Tensor:
-        return _ops().sub(self._ensure_tensor(other), self)
+    def __rsub__(self, other: TensorLike) -> Tensor:
+        return sub(self._ensure_tensor(other), self)
 
-    def __mul__(self, other: _TensorLike) -> Tensor:
-        return _ops().mul(self, self._ensure_tensor(other))
+    def __mul__(self, other: TensorLike) -> Tensor:
+        return mul(self, self._ensure_tensor(other))
 
-    def __rmul__(self, other: _TensorLike) -> Tensor:
-        return _ops().mul(self._ensure_tensor(other), self)
+    def __rmul__(self, other: TensorLike) -> Tensor:
+        return mul(self._ensure_tensor(other), self)
 
-    def __truediv__(self, other: _TensorLike) -> Tensor:
-        return _ops().div(self, self._ensure_tensor(other))
+    def __truediv__(self, other: TensorLike) -> Tensor:
+        return div(self, self._ensure_tensor(other))
 
-    def __rtruediv__(self, other: _TensorLike) -> Tensor:
-        return _ops().div(self._ensure_tensor(other), self)
+    def __rtruediv__(self, other: TensorLike) -> Tensor:
+        return div(self._ensure_tensor(other), self)
 
     def __neg__(self) -> Tensor:
-        return _ops().negate(self)
+        return negate(self)
 
-    def __matmul__(self, other: _TensorLike) -> Tensor:
-        return _ops().matmul(self, self._ensure_tensor(other))
+    def __matmul__(self, other: TensorLike) -> Tensor:
+        return matmul(self, self._ensure_tensor(other))
 
 
-class _Variable(Tensor):
+class Variable(Tensor):
     """``popxl.tensor.Variable``: main-graph state a session holds and ops may update in place."""
 
     def __init__(self, graph: Graph, data: torch.Tensor, dtype_: dtype, name: str):
@@ -152,7 +147,7 @@ class _Variable(Tensor):
         self.data = data
 
 
-class _Constant(Tensor):
+class Constant(Tensor):
     """``popxl.tensor.Constant``: a value fixed when the graph is built."""
 
     def __init__(self, graph: Graph, data: torch.Tensor, dtype_: dtype, name: str):
@@ -186,21 +181,21 @@ def _as_torch(data: Any, dtype_: Optional[dtype]) -> Tuple[torch.Tensor, dtype]:
     return torch.from_numpy(np.array(array)).to(dtype_.torch_dtype), dtype_
 
 
-def constant(data: Any, dtype: Optional[dtype] = None, name: Optional[str] = None) -> _Constant:
+def constant(data: Any, dtype: Optional[dtype] = None, name: Optional[str] = None) -> Constant:
     """``popxl.constant`` (tensor.py): a tensor fixed at graph construction, in the current
     graph."""
     graph = _current_graph()
     value, dtype_ = _as_torch(data, dtype)
-    return _Constant(graph, value, dtype_, graph._name(name or "constant"))
+    return Constant(graph, value, dtype_, graph._name(name or "constant"))
 
 
-def variable(data: Any, dtype: Optional[dtype] = None, name: Optional[str] = None) -> _Variable:
+def variable(data: Any, dtype: Optional[dtype] = None, name: Optional[str] = None) -> Variable:
     """``popxl.variable`` (tensor.py): "Must be created in the main graph scope"."""
     graph = _current_graph()
     if graph is not graph.ir.main_graph:
         raise ValueError("variables must be created in the main graph")
     value, dtype_ = _as_torch(data, dtype)
-    new = _Variable(graph, value, dtype_, graph._name(name or "variable"))
+    new = Variable(graph, value, dtype_, graph._name(name or "variable"))
     graph.ir._variables.append(new)
     return new
 
@@ -208,10 +203,10 @@ def variable(data: Any, dtype: Optional[dtype] = None, name: Optional[str] = Non
 # ------------------------------------------------------------------------------------ graphs
 
 
-class _Run:
+class Run:
     """Everything one ``Session.run`` reads and writes: variables, streams, kept values."""
 
-    def __init__(self, variables: Dict[_Variable, torch.Tensor],
+    def __init__(self, variables: Dict[Variable, torch.Tensor],
                  inputs: Dict[HostToDeviceStream, List[torch.Tensor]],
                  keep: Optional[Dict[Tensor, torch.Tensor]]):
         self.variables = variables
@@ -278,13 +273,13 @@ class Graph:
         self._count += 1
         return f"{self.name}/{base}.{self._count}"
 
-    def _run(self, run: _Run, values: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    def _run(self, run: Run, values: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         env: Dict[Tensor, torch.Tensor] = dict(zip(self._inputs, values))
 
         def value(t: Tensor) -> torch.Tensor:
-            if isinstance(t, _Variable):
+            if isinstance(t, Variable):
                 return run.variables[t]  # read when the op runs: in-place updates are seen
-            if isinstance(t, _Constant):
+            if isinstance(t, Constant):
                 return t.data
             return env[t]
 
@@ -308,23 +303,23 @@ def _zeros(t: Tensor) -> torch.Tensor:
     return torch.zeros(t.shape, dtype=t.dtype.torch_dtype)
 
 
-def _add_op(name: str, fn: Callable[..., Any], inputs: Sequence[Tensor],
+def add_op(name: str, fn: Callable[..., Any], inputs: Sequence[Tensor],
             out_dtypes: Optional[Sequence[dtype]] = None) -> List[Tensor]:
     """Add a pure op ``fn(*input_values) -> value(s)`` to the current graph. Output shapes come
     from running ``fn`` once on zeros; ``out_dtypes`` names dtypes torch cannot tell apart
     (FP8 codes are uint8)."""
 
-    def run_fn(run: _Run, *values: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    def run_fn(run: Run, *values: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         result = fn(*values)
         return tuple(result) if isinstance(result, (tuple, list)) else (result,)
 
     example = run_fn(None, *[_zeros(t) for t in inputs])  # type: ignore[arg-type]
     dtypes = list(out_dtypes) if out_dtypes is not None else [_from_torch(e) for e in example]
-    return _add_stateful_op(name, run_fn, inputs, [(tuple(e.shape), d)
+    return add_stateful_op(name, run_fn, inputs, [(tuple(e.shape), d)
                                                    for e, d in zip(example, dtypes)])
 
 
-def _add_stateful_op(name: str, fn: _OpFn, inputs: Sequence[Tensor],
+def add_stateful_op(name: str, fn: _OpFn, inputs: Sequence[Tensor],
                      outputs: Sequence[Tuple[Tuple[int, ...], dtype]],
                      stream: Optional[HostToDeviceStream] = None) -> List[Tensor]:
     """Add an op ``fn(run, *input_values) -> values`` that may read or write the run's state."""
@@ -335,10 +330,60 @@ def _add_stateful_op(name: str, fn: _OpFn, inputs: Sequence[Tensor],
     return list(tensors)
 
 
-def _same_dtype(name: str, *tensors: Tensor) -> None:
+def same_dtype(name: str, *tensors: Tensor) -> None:
     if len({t.dtype.name for t in tensors}) > 1:
         raise TypeError(f"{name}: operands must have the same dtype, got "
                         f"{[t.dtype for t in tensors]}")
+
+
+# ------------------------------------------ the ops of Tensor's operators (popxl.ops has them)
+
+
+def add(lhs: Tensor, rhs: Tensor) -> Tensor:
+    """add.py: elementwise, NumPy broadcasting, operands of one dtype."""
+    same_dtype("add", lhs, rhs)
+    return add_op("add", torch.add, [lhs, rhs])[0]
+
+def sub(lhs: Tensor, rhs: Tensor) -> Tensor:
+    """sub.py: elementwise, NumPy broadcasting, operands of one dtype."""
+    same_dtype("sub", lhs, rhs)
+    return add_op("sub", torch.sub, [lhs, rhs])[0]
+
+def mul(lhs: Tensor, rhs: Tensor) -> Tensor:
+    """mul.py: elementwise, NumPy broadcasting, operands of one dtype."""
+    same_dtype("mul", lhs, rhs)
+    return add_op("mul", torch.mul, [lhs, rhs])[0]
+
+def div(lhs: Tensor, rhs: Tensor) -> Tensor:
+    """div.py: elementwise, NumPy broadcasting, operands of one dtype."""
+    same_dtype("div", lhs, rhs)
+    return add_op("div", torch.div, [lhs, rhs])[0]
+
+def negate(t: Tensor) -> Tensor:
+    """negate.py."""
+    return add_op("negate", torch.neg, [t])[0]
+
+def detach(t: Tensor) -> Tensor:
+    """detach.py: "numerically equivalent to the identity op"; no gradient flows through it."""
+    return add_op("detach", torch.Tensor.detach, [t])[0]
+
+def reshape(t: Tensor, shape: Sequence[int]) -> Tensor:
+    """reshape.py: at most one -1."""
+    shape = tuple(shape)
+    if any(s < -1 or s == 0 for s in shape) or shape.count(-1) > 1:
+        raise ValueError(f"invalid shape {shape} for reshape")
+    return add_op("reshape", lambda x: x.reshape(shape), [t])[0]
+
+def transpose(t: Tensor, permutation: Optional[Sequence[int]] = None) -> Tensor:
+    """transpose.py: permute the axes; reverse them by default."""
+    perm = tuple(permutation) if permutation is not None else tuple(reversed(range(t.rank)))
+    dtypes = [t.dtype]  # FP8 codes stay FP8 (popxl-addons transposes FP8 weights with .T)
+    return add_op("transpose", lambda x: x.permute(perm), [t], dtypes)[0]
+
+def matmul(lhs: Tensor, rhs: Tensor) -> Tensor:
+    """matmul.py: NumPy matmul rules, operands of one dtype, output in that dtype."""
+    same_dtype("matmul", lhs, rhs)
+    return add_op("matmul", torch.matmul, [lhs, rhs])[0]
 
 
 # ------------------------------------------------------------------------------- ir, graphs
@@ -348,7 +393,7 @@ class Ir:
     """``popxl.Ir`` (popart: python/popxl/python_files/ir.py)."""
 
     def __init__(self) -> None:
-        self._variables: List[_Variable] = []
+        self._variables: List[Variable] = []
         self._graphs = 0
         self.main_graph = Graph(self, "main")
         # ir.py: "the number of iterations required for each session.run call": each
@@ -369,10 +414,10 @@ class Ir:
         with graph:
             for name, arg in bound.arguments.items():
                 if isinstance(arg, (Tensor, TensorSpec)):
-                    arguments[name] = _graph_input(graph, arg, name)
+                    arguments[name] = graph_input(graph, arg, name)
                 elif isinstance(arg, (list, tuple)) and arg and all(
                         isinstance(a, (Tensor, TensorSpec)) for a in arg):
-                    arguments[name] = [_graph_input(graph, a, f"{name}_{i}")
+                    arguments[name] = [graph_input(graph, a, f"{name}_{i}")
                                        for i, a in enumerate(arg)]
             new = inspect.BoundArguments(signature, arguments)  # type: ignore[arg-type]
             outputs = fn(*new.args, **new.kwargs)
@@ -387,7 +432,7 @@ class Ir:
         return graph
 
 
-def _graph_input(graph: Graph, spec: Union[Tensor, TensorSpec], name: str) -> Tensor:
+def graph_input(graph: Graph, spec: Union[Tensor, TensorSpec], name: str) -> Tensor:
     new = Tensor(graph, spec.shape, spec.dtype, graph._name(name))
     graph._inputs.append(new)
     return new
@@ -477,7 +522,7 @@ class Session:
                                  f"{np.shape(array)}")
             value = torch.from_numpy(np.array(array)).to(stream.dtype.torch_dtype)
             batches[stream] = list(value) if transfers > 1 else [value]
-        run = _Run(self._variables, batches, {} if self.keep_values else None)
+        run = Run(self._variables, batches, {} if self.keep_values else None)
         self.ir.main_graph._run(run, [])
         self.values = run.keep or {}
         return {stream: (torch.stack(values) if transfers > 1 else values[0]).numpy()
@@ -486,9 +531,9 @@ class Session:
     def get_tensors_data(self, tensors: Sequence[Tensor]) -> Dict[Tensor, np.ndarray]:
         result: Dict[Tensor, np.ndarray] = {}
         for t in tensors:
-            if isinstance(t, _Variable):
+            if isinstance(t, Variable):
                 result[t] = self._variables[t].numpy().copy()
-            elif isinstance(t, _Constant):
+            elif isinstance(t, Constant):
                 result[t] = t.data.numpy().copy()
             else:
                 raise TypeError(f"{t} is neither a Variable nor a Constant")
@@ -497,7 +542,7 @@ class Session:
     def get_tensor_data(self, tensor: Tensor) -> np.ndarray:  # noqa: F811 (PopXL's name)
         return self.get_tensors_data([tensor])[tensor]
 
-    def write_variables_data(self, tensors: Dict[_Variable, np.ndarray]) -> None:
+    def write_variables_data(self, tensors: Dict[Variable, np.ndarray]) -> None:
         for t, data in tensors.items():
             value = torch.from_numpy(np.array(data))
             if tuple(value.shape) != t.shape or value.dtype != t.dtype.torch_dtype:
@@ -505,7 +550,7 @@ class Session:
                                  f"{value.dtype} {tuple(value.shape)}")
             self._variables[t] = value
 
-    def write_variable_data(self, tensor: _Variable,  # noqa: F811 (PopXL's name)
+    def write_variable_data(self, tensor: Variable,  # noqa: F811 (PopXL's name)
                             data: np.ndarray) -> None:
         self.write_variables_data({tensor: data})
 

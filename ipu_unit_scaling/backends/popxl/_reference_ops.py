@@ -14,7 +14,23 @@ import torch.nn.functional as F
 
 from ...fp8.codec import decode, encode
 from . import _reference_core as _r
-from ._reference_core import Tensor, _add_op, _add_stateful_op, _Run, _same_dtype
+from ._reference_core import (  # popxl.ops has these too: Tensor's operators use them
+    Run,
+    Tensor,
+    Variable,
+    add,
+    add_op,
+    add_stateful_op,
+    detach,
+    div,
+    matmul,
+    mul,
+    negate,
+    reshape,
+    same_dtype,
+    sub,
+    transpose,
+)
 from .reference_settings import fp8_matmul_output_dtype
 
 __all__ = [
@@ -78,10 +94,10 @@ def call_with_info(graph: _r.Graph, *inputs: Any,
         raise ValueError(f"call of {graph} is missing inputs {missing}")
     ordered = [parent[t] for t in graph.inputs]
 
-    def run(state: _Run, *values: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    def run(state: Run, *values: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         return tuple(graph._run(state, values))
 
-    outputs = _add_stateful_op("call", run, ordered, [(t.shape, t.dtype) for t in graph.outputs])
+    outputs = add_stateful_op("call", run, ordered, [(t.shape, t.dtype) for t in graph.outputs])
     return CallSiteInfo(graph, ordered, outputs)
 
 
@@ -94,78 +110,49 @@ def call(graph: _r.Graph, *inputs: Any, inputs_dict: Optional[Mapping[Tensor, An
 # ------------------------------------------------------------------------------ elementwise
 
 
-def add(lhs: Tensor, rhs: Tensor) -> Tensor:
-    """add.py: elementwise, NumPy broadcasting, operands of one dtype."""
-    _same_dtype("add", lhs, rhs)
-    return _add_op("add", torch.add, [lhs, rhs])[0]
-
-
-def sub(lhs: Tensor, rhs: Tensor) -> Tensor:
-    """sub.py: elementwise, NumPy broadcasting, operands of one dtype."""
-    _same_dtype("sub", lhs, rhs)
-    return _add_op("sub", torch.sub, [lhs, rhs])[0]
-
-
-def mul(lhs: Tensor, rhs: Tensor) -> Tensor:
-    """mul.py: elementwise, NumPy broadcasting, operands of one dtype."""
-    _same_dtype("mul", lhs, rhs)
-    return _add_op("mul", torch.mul, [lhs, rhs])[0]
-
-
-def div(lhs: Tensor, rhs: Tensor) -> Tensor:
-    """div.py: elementwise, NumPy broadcasting, operands of one dtype."""
-    _same_dtype("div", lhs, rhs)
-    return _add_op("div", torch.div, [lhs, rhs])[0]
-
-
-def negate(t: Tensor) -> Tensor:
-    """negate.py."""
-    return _add_op("negate", torch.neg, [t])[0]
-
-
 def abs(t: Tensor) -> Tensor:
     """abs.py."""
-    return _add_op("abs", torch.abs, [t])[0]
+    return add_op("abs", torch.abs, [t])[0]
 
 
 def sqrt(t: Tensor) -> Tensor:
     """sqrt.py: NaN for negative inputs."""
-    return _add_op("sqrt", torch.sqrt, [t])[0]
+    return add_op("sqrt", torch.sqrt, [t])[0]
 
 
 def pow(t: Tensor, e: Any) -> Tensor:
     """pow.py: ``t ** e`` elementwise, NumPy broadcasting; a number ``e`` becomes
     ``popxl.constant(e)``."""
     exponent = e if isinstance(e, Tensor) else _r.constant(e)
-    return _add_op("pow", torch.pow, [t, exponent])[0]
+    return add_op("pow", torch.pow, [t, exponent])[0]
 
 
 def greater(input: Tensor, other: Tensor) -> Tensor:
     """greater.py: ``input > other`` elementwise, NumPy broadcasting, a bool tensor."""
-    _same_dtype("greater", input, other)
-    return _add_op("greater", torch.gt, [input, other])[0]
+    same_dtype("greater", input, other)
+    return add_op("greater", torch.gt, [input, other])[0]
 
 
 def isfinite(t: Tensor) -> Tensor:
     """isfinite.py: ``~(isnan(t) | isinf(t))``."""
-    return _add_op("isfinite", torch.isfinite, [t])[0]
+    return add_op("isfinite", torch.isfinite, [t])[0]
 
 
 def logical_and(lhs: Tensor, rhs: Tensor) -> Tensor:
     """logical_and.py: inputs cast to bool, NumPy broadcasting."""
-    return _add_op("logical_and", lambda a, b: torch.logical_and(a.bool(), b.bool()),
+    return add_op("logical_and", lambda a, b: torch.logical_and(a.bool(), b.bool()),
                    [lhs, rhs])[0]
 
 
 def logical_not(t: Tensor) -> Tensor:
     """logical_not.py: input cast to bool."""
-    return _add_op("logical_not", lambda a: torch.logical_not(a.bool()), [t])[0]
+    return add_op("logical_not", lambda a: torch.logical_not(a.bool()), [t])[0]
 
 
 def where(condition: Tensor, lhs: Tensor, rhs: Tensor) -> Tensor:
     """where.py: ``lhs`` where ``condition`` (cast to bool) holds, else ``rhs``, broadcasting."""
-    _same_dtype("where", lhs, rhs)
-    return _add_op("where", lambda c, a, b: torch.where(c.bool(), a, b), [condition, lhs, rhs])[0]
+    same_dtype("where", lhs, rhs)
+    return add_op("where", lambda c, a, b: torch.where(c.bool(), a, b), [condition, lhs, rhs])[0]
 
 
 def clip(t: Tensor, min: float = float("-inf"), max: float = float("inf")) -> Tensor:
@@ -177,7 +164,7 @@ def clip(t: Tensor, min: float = float("-inf"), max: float = float("inf")) -> Te
         low = None if math.isinf(min) else int(math.ceil(min))
         high = None if math.isinf(max) else int(math.floor(max))
         return torch.clamp(x, low, high)
-    return _add_op("clip", fn, [t])[0]
+    return add_op("clip", fn, [t])[0]
 
 
 def cast(t: Tensor, data_type: _r.dtype) -> Tensor:
@@ -185,12 +172,7 @@ def cast(t: Tensor, data_type: _r.dtype) -> Tensor:
     favour of ``pow2scale_cast_to_fp8``, as PopXL does."""
     if data_type.fp8 is not None or t.dtype.fp8 is not None:
         raise TypeError(f"cast does not support {data_type}; use pow2scale_cast_to_fp8")
-    return _add_op("cast", lambda x: x.to(data_type.torch_dtype), [t])[0]
-
-
-def detach(t: Tensor) -> Tensor:
-    """detach.py: "numerically equivalent to the identity op"; no gradient flows through it."""
-    return _add_op("detach", torch.Tensor.detach, [t])[0]
+    return add_op("cast", lambda x: x.to(data_type.torch_dtype), [t])[0]
 
 
 # ---------------------------------------------------------------------------------- reductions
@@ -201,33 +183,18 @@ def max(t: Tensor, axis: Union[None, int, Sequence[int]] = None, keepdims: bool 
     """max.py: maximum over ``axis`` (all axes by default). NaN propagates here; PopXL does
     not document what its reduction does with NaN (see the PopXL model's scaling bias)."""
     axes = _axes(t, axis)
-    return _add_op("max", lambda x: torch.amax(x, dim=axes, keepdim=keepdims), [t])[0]
+    return add_op("max", lambda x: torch.amax(x, dim=axes, keepdim=keepdims), [t])[0]
 
 
 def sum(t: Tensor, axis: Union[None, int, Sequence[int]] = None, keepdims: bool = False
         ) -> Tensor:
     """sum.py: sum over ``axis`` (all axes by default), in the input's dtype."""
     axes = _axes(t, axis)
-    return _add_op("sum", lambda x: torch.sum(x, dim=axes, keepdim=keepdims).to(x.dtype),
+    return add_op("sum", lambda x: torch.sum(x, dim=axes, keepdim=keepdims).to(x.dtype),
                    [t])[0]
 
 
 # ------------------------------------------------------------------------------------ shapes
-
-
-def reshape(t: Tensor, shape: Sequence[int]) -> Tensor:
-    """reshape.py: at most one -1."""
-    shape = tuple(shape)
-    if any(s < -1 or s == 0 for s in shape) or shape.count(-1) > 1:
-        raise ValueError(f"invalid shape {shape} for reshape")
-    return _add_op("reshape", lambda x: x.reshape(shape), [t])[0]
-
-
-def transpose(t: Tensor, permutation: Optional[Sequence[int]] = None) -> Tensor:
-    """transpose.py: permute the axes; reverse them by default."""
-    perm = tuple(permutation) if permutation is not None else tuple(reversed(range(t.rank)))
-    dtypes = [t.dtype]  # FP8 codes stay FP8 (popxl-addons transposes FP8 weights with .T)
-    return _add_op("transpose", lambda x: x.permute(perm), [t], dtypes)[0]
 
 
 def split(t: Tensor, splits: Union[int, List[int]], axis: int = 0) -> List[Tensor]:
@@ -240,7 +207,7 @@ def split(t: Tensor, splits: Union[int, List[int]], axis: int = 0) -> List[Tenso
         sizes = [t.shape[axis] // splits] * splits
     else:
         sizes = list(splits)
-    return _add_op("split", lambda x: torch.split(x, sizes, dim=axis), [t])
+    return add_op("split", lambda x: torch.split(x, sizes, dim=axis), [t])
 
 
 def gather(t: Tensor, indices: Tensor, axis: int = 0) -> Tensor:
@@ -251,7 +218,7 @@ def gather(t: Tensor, indices: Tensor, axis: int = 0) -> Tensor:
     def fn(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
         flat = torch.index_select(x, axis, i.reshape(-1).long())
         return flat.reshape(x.shape[:axis] + i.shape + x.shape[axis + 1:])
-    return _add_op("gather", fn, [t, indices])[0]
+    return add_op("gather", fn, [t, indices])[0]
 
 
 # ------------------------------------------------------------------------- neural-net ops
@@ -262,18 +229,18 @@ def layer_norm(t: Tensor, weight: Tensor, bias: Tensor, eps: float = 1e-5) -> Te
     GroupNorm normalises each sample of an ``(N, C, ...)`` tensor over everything but N, with
     per-channel (dim 1) weight and bias, ``1/sqrt(var + eps)`` with the biased variance
     (willow/src/popx/op/groupnormx.cpp via popnn::gn)."""
-    return _add_op("layer_norm", lambda x, w, b: F.group_norm(x, 1, w, b, eps),
+    return add_op("layer_norm", lambda x, w, b: F.group_norm(x, 1, w, b, eps),
                    [t, weight, bias])[0]
 
 
 def softmax(t: Tensor, axis: int) -> Tensor:
     """softmax.py."""
-    return _add_op("softmax", lambda x: torch.softmax(x, dim=axis), [t])[0]
+    return add_op("softmax", lambda x: torch.softmax(x, dim=axis), [t])[0]
 
 
 def geluerf(t: Tensor) -> Tensor:
     """geluerf.py: the "accurate" GELU, ``x * Phi(x)`` with the error function."""
-    return _add_op("geluerf", F.gelu, [t])[0]
+    return add_op("geluerf", F.gelu, [t])[0]
 
 
 class _NllOfProbabilities(torch.autograd.Function):
@@ -306,13 +273,7 @@ def nll_loss(probs: Tensor, labels: Tensor, ignore_index: Optional[int] = None,
         if reduction == "none":
             return losses
         return losses.mean() if reduction == "mean" else losses.sum()
-    return _add_op("nll_loss", fn, [probs, labels])[0]
-
-
-def matmul(lhs: Tensor, rhs: Tensor) -> Tensor:
-    """matmul.py: NumPy matmul rules, operands of one dtype, output in that dtype."""
-    _same_dtype("matmul", lhs, rhs)
-    return _add_op("matmul", torch.matmul, [lhs, rhs])[0]
+    return add_op("nll_loss", fn, [probs, labels])[0]
 
 
 # ------------------------------------------------------------------------------------- FP8
@@ -348,7 +309,7 @@ def pow2scale_cast_to_fp8(t: Tensor, log2_scale: Tensor, data_type: _r.dtype) ->
 
     def fn(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         return encode(x.float() * _pow2(s), fmt, overflow="nan")
-    return _add_op("pow2scale_cast_to_fp8", fn, [t, log2_scale], [data_type])[0]
+    return add_op("pow2scale_cast_to_fp8", fn, [t, log2_scale], [data_type])[0]
 
 
 def matmul_pow2scaled(lhs: Tensor, rhs: Tensor, log2_scale: Tensor) -> Tensor:
@@ -364,7 +325,7 @@ def matmul_pow2scaled(lhs: Tensor, rhs: Tensor, log2_scale: Tensor) -> Tensor:
         product = torch.matmul(decode(a, lhs_fmt), decode(b, rhs_fmt))
         # float16, unless a test asked for the unrounded sum (reference_settings)
         return (product * _pow2(s)).to(fp8_matmul_output_dtype())
-    return _add_op("matmul_pow2scaled", fn, [lhs, rhs, log2_scale], [_r.float16])[0]
+    return add_op("matmul_pow2scaled", fn, [lhs, rhs, log2_scale], [_r.float16])[0]
 
 
 # ------------------------------------------------------------------------------- host I/O
@@ -372,11 +333,11 @@ def matmul_pow2scaled(lhs: Tensor, rhs: Tensor, log2_scale: Tensor) -> Tensor:
 
 def host_load(h2d_stream: _r.HostToDeviceStream, name: Optional[str] = None) -> Tensor:
     """host_load.py: the next batch of the stream (one per host transfer of a run)."""
-    def fn(state: _Run) -> Tuple[torch.Tensor]:
+    def fn(state: Run) -> Tuple[torch.Tensor]:
         index = state.loaded.get(h2d_stream, 0)
         state.loaded[h2d_stream] = index + 1
         return (state.inputs[h2d_stream][index],)
-    return _add_stateful_op(name or "host_load", fn, [], [(h2d_stream.shape, h2d_stream.dtype)],
+    return add_stateful_op(name or "host_load", fn, [], [(h2d_stream.shape, h2d_stream.dtype)],
                             stream=h2d_stream)[0]
 
 
@@ -385,10 +346,10 @@ def host_store(d2h_stream: _r.DeviceToHostStream, t: Tensor) -> None:
     if d2h_stream.dtype is not t.dtype or d2h_stream.shape != t.shape:
         raise ValueError(f"{d2h_stream} does not match {t}")
 
-    def fn(state: _Run, value: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    def fn(state: Run, value: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         state.stored.setdefault(d2h_stream, []).append(value.detach().clone())
         return ()
-    _add_stateful_op("host_store", fn, [t], [])
+    add_stateful_op("host_store", fn, [t], [])
 
 
 # ---------------------------------------------------------------------------- variable updates
@@ -400,14 +361,14 @@ class _VarUpdates:
 
     @staticmethod
     def _update(name: str, t: Tensor, inputs: List[Tensor], compute: Any) -> Tensor:
-        if not isinstance(t, _r._Variable):
+        if not isinstance(t, Variable):
             raise TypeError(f"{name}: the reference only updates variables, got {t}")
 
-        def fn(state: _Run, *values: torch.Tensor) -> Tuple[torch.Tensor]:
+        def fn(state: Run, *values: torch.Tensor) -> Tuple[torch.Tensor]:
             new = compute(state.variables[t], *values).to(t.dtype.torch_dtype).detach()
             state.variables[t] = new
             return (new,)
-        return _add_stateful_op(name, fn, inputs, [(t.shape, t.dtype)])[0]
+        return add_stateful_op(name, fn, inputs, [(t.shape, t.dtype)])[0]
 
     @staticmethod
     def copy_var_update_(t: Tensor, X: Tensor) -> Tensor:

@@ -6,10 +6,15 @@ from __future__ import annotations
 
 from typing import List
 
-from ._reference_core import Tensor, TensorSpec, constant, variable
-from ._reference_core import _Constant as Constant
-from ._reference_core import _TensorLike as TensorLike
-from ._reference_core import _Variable as Variable
+from ._reference_core import (
+    Constant,
+    Tensor,
+    TensorLike,
+    TensorSpec,
+    Variable,
+    constant,
+    variable,
+)
 
 __all__ = ["Tensor", "Variable", "Constant", "TensorSpec", "TensorLike", "variable", "constant"]
 

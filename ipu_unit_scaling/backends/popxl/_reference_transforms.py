@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import _reference_core as _r
-from ._reference_core import Tensor, _add_stateful_op, _graph_input, _Run
+from ._reference_core import Run, Tensor, add_stateful_op, graph_input
 from ._reference_ops import CallSiteInfo
 
 __all__ = ["autodiff", "GradGraphInfo", "ExpectedConnection", "ExpectedConnectionType"]
@@ -104,16 +104,16 @@ def autodiff(graph: _r.Graph, grads_provided: Optional[Sequence[Tensor]] = None,
     grad_graph = _r.Graph(graph.ir, f"{graph.name}.grad")
     with grad_graph:
         for t in provided:
-            _graph_input(grad_graph, t, "grad")
+            graph_input(grad_graph, t, "grad")
         for t in forward_inputs:
-            _graph_input(grad_graph, t, "fwd")
+            graph_input(grad_graph, t, "fwd")
 
-        def differentiate(state: _Run, *values: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        def differentiate(state: Run, *values: torch.Tensor) -> Tuple[torch.Tensor, ...]:
             output_grads, input_values = values[:len(provided)], values[len(provided):]
             leaves = [value.detach().requires_grad_(t in required)
                       for t, value in zip(forward_inputs, input_values)]
             with torch.enable_grad():
-                outputs = graph._run(_Run(state.variables, {}, None), leaves)
+                outputs = graph._run(Run(state.variables, {}, None), leaves)
             pairs = [(outputs[graph.outputs.index(t)], g) for t, g in zip(provided, output_grads)]
             pairs = [(out, g) for out, g in pairs if out.requires_grad]
             wrt = [leaves[forward_inputs.index(t)] for t in required]
@@ -125,7 +125,7 @@ def autodiff(graph: _r.Graph, grads_provided: Optional[Sequence[Tensor]] = None,
             return tuple(torch.zeros_like(w) if g is None else g.detach()
                          for w, g in zip(wrt, grads))
 
-        outputs = _add_stateful_op("autodiff", differentiate, grad_graph.inputs,
+        outputs = add_stateful_op("autodiff", differentiate, grad_graph.inputs,
                                    [(t.shape, t.dtype) for t in required])
         grad_graph._outputs.extend(outputs)
     expected = [ExpectedConnection(t, ExpectedConnectionType.FwdGrad) for t in provided]

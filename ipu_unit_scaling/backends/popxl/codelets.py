@@ -140,6 +140,7 @@ def _stand_in(x: Tensor, fmt: FP8Format, margin: int, saturate: bool
               ) -> Tuple[Tensor, Tensor, Tensor]:
     from ...fp8 import codelet_emulator as emulator
     from . import reference
+    from ._reference_core import add_op
 
     overflow = "saturate" if saturate else "nan"
 
@@ -152,6 +153,6 @@ def _stand_in(x: Tensor, fmt: FP8Format, margin: int, saturate: bool
         return (cast.codes, torch.tensor(scale, dtype=torch.int32),
                 torch.tensor(int(non_finite), dtype=torch.int32))
 
-    codes, scale, non_finite = reference._add_op(
+    codes, scale, non_finite = add_op(
         "fp8_amax_cast", run, [x], [fp8_dtype(reference, fmt), reference.int32, reference.int32])
     return codes, scale, non_finite

@@ -39,7 +39,6 @@ from . import _reference_tensor as tensor  # noqa: F401  (popxl.tensor)
 from . import _reference_transforms as transforms
 from ._reference_core import *  # noqa: F403
 from ._reference_core import __all__ as _CORE_NAMES
-from ._reference_core import _add_op  # noqa: F401  (the codelets' stand-in op)
 
 # Only names real PopXL has at its top level (popart: python/popxl/__init__.py.in), plus its
 # submodules ops, transforms and tensor; Variable and Constant live in `tensor`, as there.
