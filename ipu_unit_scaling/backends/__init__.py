@@ -39,7 +39,7 @@ from .distributed import check_launch, launched_world_size
 from .stages import Stage, stages
 
 __all__ = [
-    "BACKEND_ENV", "BackendError", "Stage", "stages", "poptorch_available", "select_backend",
+    "BACKEND_ENV", "BackendError", "Stage", "stages", "select_backend",
     "make_optimizer", "build_training_model", "build_inference_model", "InferenceModel",
 ]
 
@@ -54,10 +54,6 @@ def _import_poptorch() -> Optional[Any]:
         return importlib.import_module("poptorch")
     except Exception:  # an SDK that is present but broken counts as absent
         return None
-
-
-def poptorch_available() -> bool:
-    return _import_poptorch() is not None
 
 
 def select_backend(name: str = "auto", config: Optional[Config] = None,
