@@ -44,14 +44,14 @@ def _time(functions: dict, rounds: int) -> Any:
 
 def _gemm_ratio(rounds: int) -> Any:
     from ipu_unit_scaling.fp8 import E4M3FN, cast_to_fp8
-    from ipu_unit_scaling.fp8.linear import _matmul_2d, _transpose
+    from ipu_unit_scaling.fp8.linear import fp8_tensor_matmul, fp8_tensor_transpose
 
     n = GEMM_SIZE
     a = torch.randn(n, n, device="cuda")
     b = torch.randn(n, n, device="cuda")
-    a8, b8 = cast_to_fp8(a, E4M3FN), _transpose(cast_to_fp8(b, E4M3FN))
+    a8, b8 = cast_to_fp8(a, E4M3FN), fp8_tensor_transpose(cast_to_fp8(b, E4M3FN))
     a16, b16 = a.to(torch.bfloat16), b.t().to(torch.bfloat16)
-    return _time({"fp8": lambda: _matmul_2d(a8, b8, torch.bfloat16, True),
+    return _time({"fp8": lambda: fp8_tensor_matmul(a8, b8, torch.bfloat16, True),
                   "bf16": lambda: a16 @ b16}, rounds)
 
 

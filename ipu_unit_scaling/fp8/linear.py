@@ -63,8 +63,8 @@ def _power_of_two(log2_scale: int, device: torch.device) -> torch.Tensor:
     return torch.tensor(math.ldexp(1.0, -log2_scale), dtype=torch.float32, device=device)
 
 
-def _matmul_2d(a: Fp8Tensor, b: Fp8Tensor, dtype: torch.dtype,
-               use_scaled_mm: Optional[bool]) -> torch.Tensor:
+def fp8_tensor_matmul(a: Fp8Tensor, b: Fp8Tensor, dtype: torch.dtype,
+                      use_scaled_mm: Optional[bool]) -> torch.Tensor:
     """The product of the values of two 2-D FP8 tensors, in ``dtype``."""
     if use_scaled_mm is None:
         use_scaled_mm = scaled_mm_supported(a, b)
@@ -88,7 +88,8 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _transpose(t: Fp8Tensor) -> Fp8Tensor:
+def fp8_tensor_transpose(t: Fp8Tensor) -> Fp8Tensor:
+    """A 2-D FP8 tensor transposed (a view of its codes; the same scale and format)."""
     return Fp8Tensor(t.codes.t(), t.log2_scale, t.fmt)
 
 
@@ -192,7 +193,7 @@ class _FP8LinearFunction(torch.autograd.Function):
                                     f"{site}.input"))
         w8 = cast_for_role(weight, config.weight, config.weight_margin, config,
                            f"{site}.weight")
-        y = _matmul_2d(x8, _transpose(w8), compute, use_scaled_mm)
+        y = fp8_tensor_matmul(x8, fp8_tensor_transpose(w8), compute, use_scaled_mm)
         if bias is not None:
             y = y + bias.to(compute)
         ctx.save_for_backward(x8.codes, w8.codes)
@@ -212,7 +213,7 @@ class _FP8LinearFunction(torch.autograd.Function):
         g8 = _flatten(cast_for_role(grad_output, config.gradient, config.gradient_margin,
                                     config, f"{ctx.site}.grad_output"))
         grad_x = grad_w = grad_b = None
-        g8_t = _transpose(g8)
+        g8_t = fp8_tensor_transpose(g8)
         use_mm_x, use_mm_w = (
             ctx.use_scaled_mm if ctx.use_scaled_mm is not None else scaled_mm_supported(a, b)
             for a, b in ((g8, w8), (g8_t, x8))
@@ -221,12 +222,12 @@ class _FP8LinearFunction(torch.autograd.Function):
         g = cast_from_fp8(g8, compute) if not (use_mm_x and use_mm_w) else None
         if ctx.needs_input_grad[0]:
             grad_x = (
-                _matmul_2d(g8, w8, compute, True) if use_mm_x or g is None
+                fp8_tensor_matmul(g8, w8, compute, True) if use_mm_x or g is None
                 else g @ cast_from_fp8(w8, compute)
             ).reshape(x_shape).to(x_dtype)
         if ctx.needs_input_grad[1]:
             grad_w = (
-                _matmul_2d(g8_t, x8, compute, True) if use_mm_w or g is None
+                fp8_tensor_matmul(g8_t, x8, compute, True) if use_mm_w or g is None
                 else g.t() @ cast_from_fp8(x8, compute)
             ).to(w_dtype)
         if b_dtype is not None and ctx.needs_input_grad[2]:
