@@ -352,9 +352,10 @@ class CrossEntropyLoss(nn.CrossEntropyLoss):
         self.mult = mult
 
     def forward(self, input: Tensor, target: Tensor) -> Tensor:
-        # A label smoothing is only set by `unit_scale` (see `loss_ops._cross_entropy`).
-        return loss_ops._cross_entropy(input, target, None, self.ignore_index, self.reduction,
-                                self.label_smoothing, getattr(self, "mult", 1.0))
+        # A label smoothing is only set by `unit_scale` (see `loss_ops.smoothed_cross_entropy`).
+        return loss_ops.smoothed_cross_entropy(input, target, None, self.ignore_index,
+                                               self.reduction, self.label_smoothing,
+                                               getattr(self, "mult", 1.0))
 
 
 class SiLU(nn.SiLU):

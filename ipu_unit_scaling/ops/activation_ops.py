@@ -43,7 +43,7 @@ def _normal_rms(values: np.ndarray) -> float:
     return math.sqrt(float(np.dot(_HERMITE_WEIGHTS, values**2)))
 
 
-def _gelu_moments(form: str, mult: float = 1.0) -> Tuple[float, float]:
+def gelu_moments(form: str, mult: float = 1.0) -> Tuple[float, float]:
     """(std of gelu(mult z), rms of its gradient in z) for z ~ N(0, 1), in float64, for a GELU
     form of `lowering.GELU_FORMS`: torch's "none" and "tanh", or "popart", what an IPU runs
     (the tanh forward with popnn's gradient, which is not that forward's derivative)."""
@@ -57,8 +57,8 @@ def _gelu_moments(form: str, mult: float = 1.0) -> Tuple[float, float]:
 
 @lru_cache(maxsize=None)
 def _gelu_stds(form: str) -> Tuple[float, float]:
-    """(std of gelu(z), rms of its gradient) for z ~ N(0, 1): see `_gelu_moments`."""
-    return _gelu_moments(form)
+    """(std of gelu(z), rms of its gradient) for z ~ N(0, 1): see `gelu_moments`."""
+    return gelu_moments(form)
 
 
 # Computed once at import: torch.compile traces through lru_cache, and tracing the autograd call
@@ -66,7 +66,7 @@ def _gelu_stds(form: str) -> Tuple[float, float]:
 _GELU_STDS = {form: _gelu_stds(form) for form in lowering.GELU_FORMS}
 
 
-def _gelu_form(approximate: str) -> str:
+def active_gelu_form(approximate: str) -> str:
     """The GELU that runs for `F.gelu(x, approximate)`: under `ipu_tracing()` the one PopTorch
     lowers it to (`lowering.gelu_on_ipu`), else torch's."""
     if is_ipu_tracing() and lowering.follows_ipu_numerics():
@@ -80,8 +80,8 @@ _RELU_GRAD_RMS = math.sqrt(0.5)
 
 @lru_cache(maxsize=256)
 def _gelu_mult_moments(form: str, mult: float) -> Tuple[float, float]:
-    """`_gelu_moments(form, mult)`, remembered: u-μP's `mult` is fixed per model."""
-    return _gelu_moments(form, mult)
+    """`gelu_moments(form, mult)`, remembered: u-μP's `mult` is fixed per model."""
+    return gelu_moments(form, mult)
 
 
 def _gelu_scales(form: str, constraint: ConstraintArg, mult: float = 1.0) -> Tuple[float, ...]:
@@ -134,7 +134,8 @@ def gelu(
             ("gelu", approximate, multiplier, constraint), _gelu_scales, approximate,
             constraint, multiplier)
     else:
-        output_scale, grad_scale = _gelu_scales(_gelu_form(approximate), constraint, multiplier)
+        output_scale, grad_scale = _gelu_scales(active_gelu_form(approximate), constraint,
+                                                multiplier)
     if fused.eager_forms():
         return fused.gelu(input if multiplier == 1.0 else input * multiplier, approximate,
                           output_scale, grad_scale)

@@ -74,7 +74,7 @@ def _explicit_attention(
     return torch.matmul(probs, value)
 
 
-def _repeat_kv_heads(query: Tensor, key_or_value: Tensor) -> Tensor:
+def repeat_kv_heads(query: Tensor, key_or_value: Tensor) -> Tensor:
     """Key or value heads repeated G times in place (h -> h // G), for grouped-query attention."""
     if query.dim() < 3 or key_or_value.dim() < 3:
         raise ValueError("enable_gqa needs query, key and value with a heads dimension (-3)")
@@ -138,7 +138,7 @@ def scaled_dot_product_attention(
     elif mult != 1.0:
         raise ValueError(f"mult={mult!r} and scale={scale!r}: give one of them, not both")
     if enable_gqa:
-        key, value = _repeat_kv_heads(query, key), _repeat_kv_heads(query, value)
+        key, value = repeat_kv_heads(query, key), repeat_kv_heads(query, value)
     if rule_switch.library_rules():
         out = _attention(query, key, value, attn_mask, dropout_p, is_causal, scale)[0]
         return out * rule_switch.attention_scale(value.shape[-2], value.shape[-1],

@@ -59,11 +59,12 @@ def cross_entropy(
     reject_argument("reduce", reduce, None, "use reduction")
     reject_argument("label_smoothing", label_smoothing, 0.0,
                     "the gradient scale assumes one-hot targets")
-    return _cross_entropy(input, target, weight, ignore_index, reduction, 0.0, mult)
+    return smoothed_cross_entropy(input, target, weight, ignore_index, reduction, 0.0, mult)
 
 
-def _cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int,
-                   reduction: str, label_smoothing: float, mult: float = 1.0) -> Tensor:
+def smoothed_cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tensor],
+                           ignore_index: int, reduction: str, label_smoothing: float,
+                           mult: float = 1.0) -> Tensor:
     """`cross_entropy`, with a label smoothing if given (the one-hot rule's gradient scale,
     for `unit_scale`'s conversions of models that smooth their labels)."""
     reject_argument("weight", weight, None, "class weights change the gradient's scale per row")

@@ -165,12 +165,12 @@ class ScaledGELU:
         # quadrature.
         self.scales = {
             form: apply_constraint(
-                constraint, *(1 / m for m in activation_ops._gelu_moments(form, mult)))
+                constraint, *(1 / m for m in activation_ops.gelu_moments(form, mult)))
             for form in {approximate, lowering.gelu_on_ipu(approximate)}}
         self.output_scale, self.grad_scale = self.scales[approximate]
 
     def __call__(self, input: Tensor) -> Tensor:
-        output_scale, grad_scale = self.scales[activation_ops._gelu_form(self.approximate)]
+        output_scale, grad_scale = self.scales[activation_ops.active_gelu_form(self.approximate)]
         return unit_ops.scaled_call(self._gelu, (input,), output_scale, (grad_scale,),
                                    scale_in_place=True)
 

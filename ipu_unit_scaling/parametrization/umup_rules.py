@@ -122,8 +122,8 @@ def constant_scale_attention(query: Tensor, key: Tensor, value: Tensor,
     if scale is None:
         scale = 1 / max(1, head_dim)
     if enable_gqa:
-        key = attention_ops._repeat_kv_heads(query, key)
-        value = attention_ops._repeat_kv_heads(query, value)
+        key = attention_ops.repeat_kv_heads(query, key)
+        value = attention_ops.repeat_kv_heads(query, value)
     logit_std = scale * math.sqrt(head_dim)
     if abs(logit_std - 1.0) >= 1e-12:
         # torch 2.0 has no `scale` argument: fold it into the query.

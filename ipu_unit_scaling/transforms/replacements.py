@@ -377,7 +377,8 @@ def unit_cross_entropy(
 ) -> Tensor:
     if size_average is not None or reduce is not None:
         raise ValueError("size_average/reduce are deprecated; use reduction")
-    return loss_ops._cross_entropy(input, target, weight, ignore_index, reduction, label_smoothing)
+    return loss_ops.smoothed_cross_entropy(input, target, weight, ignore_index, reduction,
+                                           label_smoothing)
 
 
 def unit_mse_loss(
