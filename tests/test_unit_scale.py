@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 import ipu_unit_scaling as uu
 from ipu_unit_scaling import functional as U
-from ipu_unit_scaling.analysis import ScaleRecord, track_scales
+from ipu_unit_scaling.analysis import ScaleRecord, record_scales
 from ipu_unit_scaling.models import GPTConfig, build_gpt
 from ipu_unit_scaling.transforms import (
     UnitMultiheadAttention,
@@ -21,16 +21,7 @@ from ipu_unit_scaling.transforms import (
 )
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
-pytestmark = pytest.mark.numerics
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small ops on a shared machine: extra threads only contend (a test runs 5x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
 
 TINY = GPTConfig(vocab_size=65, seq_len=32, depth=2, hidden_size=64, heads=2, unit_scaled=False)
@@ -65,8 +56,8 @@ def test_gpt_is_unit_scaled_after_conversion_and_not_before() -> None:
     assert not report.unconverted and not report.untraceable
     assert len(report.residuals) == 2 * TINY.depth
 
-    before = track_scales(model, ids, labels)
-    after = track_scales(converted, ids, labels)
+    before = record_scales(model, ids, labels)
+    after = record_scales(converted, ids, labels)
     assert fraction_unit(after) >= 0.9
     assert fraction_unit(before) < 0.5
     tiny_gradients = [r for r in before if r.role == "gradient" and r.std < 2**-10]
@@ -149,8 +140,8 @@ def test_transformer_encoder_stack() -> None:
     assert sum(isinstance(m, UnitMultiheadAttention) for m in converted.modules()) == 2
     assert not any(type(m) in (nn.Linear, nn.LayerNorm, nn.Dropout) for m in converted.modules())
     converted.eval()
-    assert fraction_unit(track_scales(converted, x)) >= 0.9
-    assert fraction_unit(track_scales(model.eval(), x)) < 0.9
+    assert fraction_unit(record_scales(converted, x)) >= 0.9
+    assert fraction_unit(record_scales(model.eval(), x)) < 0.9
 
 
 class PositionalEmbedder(nn.Module):
@@ -218,8 +209,8 @@ def test_mlp_with_skip_connections() -> None:
     converted, report = unit_scale_with_report(model, (x, labels))
     assert len(report.residuals) == 3 and not report.unconverted
     assert "unit_cross_entropy" in converted.graph_module.code
-    assert fraction_unit(track_scales(converted, x, labels)) >= 0.9
-    assert fraction_unit(track_scales(model, x, labels)) < 0.5
+    assert fraction_unit(record_scales(converted, x, labels)) >= 0.9
+    assert fraction_unit(record_scales(model, x, labels)) < 0.5
 
 
 def test_gpt2_from_transformers() -> None:
@@ -249,8 +240,8 @@ def test_gpt2_from_transformers() -> None:
         def forward(self, input_ids: Tensor, labels: Tensor) -> Tensor:
             return self.inner(input_ids, labels=labels, use_cache=False).loss
 
-    assert fraction_unit(track_scales(WithLoss(converted), ids, ids)) >= 0.9
-    assert fraction_unit(track_scales(WithLoss(model), ids, ids)) < 0.5
+    assert fraction_unit(record_scales(WithLoss(converted), ids, ids)) >= 0.9
+    assert fraction_unit(record_scales(WithLoss(model), ids, ids)) < 0.5
 
 
 # ---------------------------------------------------------------- options and warnings

@@ -1,16 +1,16 @@
 """Scale analysis: per-tensor scale tracking, training-time reports, and scale plots.
 
-`track_scales` records every tensor of one forward and backward pass; `ScaleReporter` writes a
+`record_scales` records every tensor of one forward and backward pass; `ScaleReporter` writes a
 per-role summary during training; `analyse` draws the plain and unit-scaled GPT side by side.
 """
 from __future__ import annotations
 
 from .plot import analyse, gpt_config_of, plot_scales
 from .report import ROLES, ScaleReporter, role_summary, worst_table
-from .tracking import RangeFormat, ScaleRecord, cast_fractions, range_format, track_scales
+from .tracking import RangeFormat, ScaleRecord, cast_fractions, range_format, record_scales
 
 __all__ = [
-    "track_scales",
+    "record_scales",
     "ScaleRecord",
     "RangeFormat",
     "range_format",

@@ -10,7 +10,7 @@ import torch
 
 from ..models.gpt import GPTConfig, build_gpt
 from .report import worst_table
-from .tracking import ScaleRecord, range_format, track_scales
+from .tracking import ScaleRecord, range_format, record_scales
 
 __all__ = ["plot_scales", "scales_figure", "analyse", "gpt_config_of"]
 
@@ -131,7 +131,7 @@ def analyse(
     for name, unit_scaled in builds:
         torch.manual_seed(seed)
         model = build_gpt(dataclasses.replace(gpt, unit_scaled=unit_scaled))
-        records[name] = track_scales(model, input_ids, labels)
+        records[name] = record_scales(model, input_ids, labels)
     png = plot_scales(records, Path(out_dir) / "scales.png")
     table = worst_table(records)
     from ..training.run_directory import atomic_write

@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Sequence, Union
 from torch import Tensor, nn
 
 from ..training.run_directory import error_naming
-from .tracking import ScaleRecord, track_scales
+from .tracking import ScaleRecord, record_scales
 
 __all__ = ["ROLES", "role_summary", "worst_table", "ScaleReporter"]
 
@@ -77,7 +77,7 @@ class ScaleReporter:
     """Appends per-role scale statistics to `run_dir/scale_report.csv` every `every` steps.
 
     `maybe_record(step, model, input_ids, labels)` returns at once on other steps. On a
-    reporting step it runs one extra forward and backward pass (`track_scales`, which leaves
+    reporting step it runs one extra forward and backward pass (`record_scales`, which leaves
     the model's `.grad` alone) and writes one row per role: `step, role, min_log2_std,
     max_log2_std`, then `underflow_<fmt>, overflow_<fmt>` for each format.
     """
@@ -102,7 +102,7 @@ class ScaleReporter:
     ) -> None:
         if not self.is_reporting_step(step):
             return
-        records = track_scales(model, input_ids, labels, formats=self.formats)
+        records = record_scales(model, input_ids, labels, formats=self.formats)
         summary = role_summary(records, self.formats)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

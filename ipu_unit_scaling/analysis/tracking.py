@@ -1,6 +1,6 @@
 """Per-tensor scale tracking: one forward and backward pass, one record per tensor.
 
-`track_scales` records, in graph order, each op's output (role "activation"), each weight
+`record_scales` records, in graph order, each op's output (role "activation"), each weight
 ("weight"), and their gradients ("gradient"), with the std, the absolute max, and the
 fractions that a static cast (scale 2**0) to each chosen format would flush to zero or push
 out of range.
@@ -9,6 +9,10 @@ An "op" is a leaf module (one with no children, such as a Linear), a unit-scaled
 this package (one record for `U.gelu`, not one per multiply inside it), or a torch function
 called outside both (a residual `+`, `F.gelu`). Ops that only view, index or move data are not
 recorded.
+
+The package's two other views of scales are unit-scaling's: `transforms.track_scales`, a copy
+of a module that records metrics on its captured graph at every call, and
+`utils.analyse_module`, a module's forward code annotated with each tensor's std.
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["ScaleRecord", "RangeFormat", "range_format", "cast_fractions", "track_scales"]
+__all__ = ["ScaleRecord", "RangeFormat", "range_format", "cast_fractions", "record_scales"]
 
 
 @dataclass(frozen=True)
@@ -268,7 +272,7 @@ def _loss_of(output: Any) -> Tensor:
     return tensor
 
 
-def track_scales(
+def record_scales(
     model: nn.Module,
     inputs: Union[Tensor, Sequence[Any]],
     labels: Optional[Tensor] = None,

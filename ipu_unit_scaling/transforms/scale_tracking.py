@@ -9,7 +9,7 @@ and `prune_selected_nodes` reduce such a graph to the tensors worth looking at.
 
 Floating-point inputs of the transformed module are made to require gradients, so that their
 gradients are recorded too. For a per-tensor table over one training step (roles, FP8 and FP16
-range fractions), see :func:`ipu_unit_scaling.analysis.track_scales`.
+range fractions), see :func:`ipu_unit_scaling.analysis.record_scales`.
 """
 from __future__ import annotations
 
