@@ -18,8 +18,8 @@ from helpers import ONE_IPU as FAST
 from helpers import ROOT, run
 
 from ipu_unit_scaling.apps.cli import main
-from ipu_unit_scaling.loop.training_loop import load_checkpoint, read_metrics
 from ipu_unit_scaling.training.run_config import REGIMES
+from ipu_unit_scaling.training.run_records import load_checkpoint, read_metrics
 
 
 def losses(run_dir: Path, column: str = "train_loss") -> List[str]:

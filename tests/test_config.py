@@ -1,6 +1,7 @@
 """Config loading and validation: shipped configs load, broken ones name the bad key."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -182,11 +183,11 @@ def test_auto_round_num_ipus_allows_odd_ipu_counts():
 
 def test_validate_checks_objects_built_in_code():
     config = Config()
-    config.ipu.layers_per_ipu = [1, 1]
+    config = replace(config, ipu=replace(config.ipu, layers_per_ipu=[1, 1]))
     with pytest.raises(ConfigError, match="ipu.layers_per_ipu"):
         validate(config)
     config = Config()
-    config.training.steps = "many"  # type: ignore[assignment]
+    config = replace(config, training=replace(config.training, steps="many"))
     with pytest.raises(ConfigError, match="training.steps"):
         validate(config)
 
@@ -209,7 +210,7 @@ def test_learning_rate_schedule():
     assert scheduled_learning_rate(training, 9) == pytest.approx(training.learning_rate)
     assert scheduled_learning_rate(training, 60) == pytest.approx(training.learning_rate / 2)
     assert scheduled_learning_rate(training, 110) == pytest.approx(0.0, abs=1e-12)
-    training.schedule = "constant"
+    training = replace(training, schedule="constant")
     assert scheduled_learning_rate(training, 100) == training.learning_rate
 
 

@@ -18,9 +18,11 @@ from ipu_unit_scaling.apps import cli, compare
 from ipu_unit_scaling.backends import BackendError, build_training_model, make_optimizer
 from ipu_unit_scaling.loop import run_session
 from ipu_unit_scaling.loop import training_loop as train_module
-from ipu_unit_scaling.loop.training_loop import build_model, read_metrics, regime_config, train
+from ipu_unit_scaling.loop.training_loop import train
 from ipu_unit_scaling.training.data import DataError
+from ipu_unit_scaling.training.precision import build_model, regime_config
 from ipu_unit_scaling.training.run_config import Config, load_config
+from ipu_unit_scaling.training.run_records import read_metrics, save_checkpoint
 
 BASE = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1",
         "training.steps=4", "training.eval_interval=4", "training.eval_batches=1",
@@ -68,7 +70,7 @@ def _log_lines(tmp_path: Path, monkeypatch: Any, overrides: List[str]) -> List[s
 
 def _checkpoints_written(tmp_path: Path, monkeypatch: Any, overrides: List[str]) -> List[int]:
     saves: List[int] = []
-    real = train_module.save_checkpoint
+    real = save_checkpoint
     monkeypatch.setattr(run_session, "save_checkpoint",
                         lambda path, state: (saves.append(state["step"]), real(path, state)))
     _losses(tmp_path, monkeypatch, overrides)

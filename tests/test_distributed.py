@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
@@ -168,7 +169,7 @@ def _single_process(text: Path, run_dir: Path, settings: Sequence[str]) -> Path:
     from ipu_unit_scaling.loop.training_loop import train
 
     config = load_config("tiny", list(settings))
-    config.data.path = str(text)
+    config = replace(config, data=replace(config.data, path=str(text)))
     train(config, run_dir, quiet=True)
     return run_dir
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,7 @@ DP = [s for s in DATA_PARALLEL if not s.startswith(("training.steps", "training.
 
 def _single_process(text: Path, run_dir: Path, settings) -> None:
     config = load_config("tiny", list(settings))
-    config.data.path = str(text)
+    config = replace(config, data=replace(config.data, path=str(text)))
     train(config, run_dir, quiet=True)
 
 

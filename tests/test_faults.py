@@ -23,7 +23,7 @@ import yaml
 
 import ipu_unit_scaling.training.plots  # noqa: F401  (imported before forking: children start warm)
 from ipu_unit_scaling.apps.cli import main
-from ipu_unit_scaling.loop.training_loop import load_checkpoint, read_metrics
+from ipu_unit_scaling.training.run_records import load_checkpoint, read_metrics
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "fork") or not Path("/proc/self/fd").is_dir(),

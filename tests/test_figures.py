@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import sys
+from dataclasses import replace
 from typing import Any, Dict, List
 
 import pytest
@@ -134,10 +135,10 @@ def test_umup_regimes_at_their_defaults_are_marked_untuned():
     assert untuned(regime_config(config, "umup-fp32"), "umup-fp32")
     assert not untuned(regime_config(config, "unit-fp32"), "unit-fp32")
     tuned = regime_config(config, "umup-fp8")
-    tuned.model.residual_mult = 0.125
+    tuned = replace(tuned, model=replace(tuned.model, residual_mult=0.125))
     assert not untuned(tuned, "umup-fp8")
     faster = regime_config(config, "umup-fp8")
-    faster.training.learning_rate = 0.5
+    faster = replace(faster, training=replace(faster.training, learning_rate=0.5))
     assert not untuned(faster, "umup-fp8")
     rows = [{"regime": regime, "model": "m", "precision": "p", "learning_rate": 1.0,
              "status": "completed", "steps": 2, "final_val_loss": 2.0, "elapsed_s": 1.0,
@@ -182,7 +183,7 @@ def test_a_given_model_is_named_by_its_factory():
 
     config = Config()
     assert model_label(config) == "unit-scaled GPT"
-    config.model.factory = "my_model:build"
+    config = replace(config, model=replace(config.model, factory="my_model:build"))
     assert model_label(config) == "my_model:build (model.factory)"
     assert "GPT" not in model_label(config)
 

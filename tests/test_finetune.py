@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -11,14 +12,9 @@ import torch
 from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.apps.pretrained import open_run
 from ipu_unit_scaling.loop import training_loop as train_module
-from ipu_unit_scaling.loop.training_loop import (
-    RunError,
-    TrainingInterrupted,
-    load_checkpoint,
-    load_run_config,
-    regime_config,
-    train,
-)
+from ipu_unit_scaling.loop.run_opening import load_run_config
+from ipu_unit_scaling.loop.run_outcomes import TrainingInterrupted
+from ipu_unit_scaling.loop.training_loop import train
 from ipu_unit_scaling.training.data import CharTokenizer, load_corpus
 from ipu_unit_scaling.training.finetune import (
     check_same_model,
@@ -27,7 +23,10 @@ from ipu_unit_scaling.training.finetune import (
     extend_tokenizer,
 )
 from ipu_unit_scaling.training.inference import PRECISIONS, mean_loss, precision_config
+from ipu_unit_scaling.training.precision import regime_config
 from ipu_unit_scaling.training.run_config import ConfigError, load_config
+from ipu_unit_scaling.training.run_directory import RunError
+from ipu_unit_scaling.training.run_records import load_checkpoint
 
 
 def _weather_log():
@@ -130,8 +129,7 @@ def new_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def fine_tuning_config(pretrained: Path, new_text: Path, *overrides: str):
     config = load_run_config(pretrained, ["training.steps=12", "training.warmup_steps=0",
                                           "training.eval_interval=12", *overrides])
-    config.data.path = str(new_text)
-    return config
+    return replace(config, data=replace(config.data, path=str(new_text)))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp8-amax"])
@@ -174,7 +172,7 @@ def test_a_fine_tuning_run_resumes_with_its_extended_tokenizer(pretrained, new_t
     config = fine_tuning_config(pretrained, new_text, "training.steps=6",
                                 "training.eval_interval=3", "training.schedule=constant")
     whole = train(config, tmp_path / "whole", quiet=True, init_from=pretrained)
-    config.training.steps = 3
+    config = replace(config, training=replace(config.training, steps=3))
     train(config, tmp_path / "part", quiet=True, init_from=pretrained)
     resumed = train(None, tmp_path / "part", resume=True, overrides=["training.steps=6"],
                     quiet=True)

@@ -21,17 +21,14 @@ from ipu_unit_scaling.backends.cpu import TrainingModule
 from ipu_unit_scaling.backends.poptorch import poptorch_module
 from ipu_unit_scaling.backends.poptorch.poptorch_training import IPUTrainingModel
 from ipu_unit_scaling.backends.poptorch_emulator import trace_like_poptorch
+from ipu_unit_scaling.loop.run_opening import load_run_config
 from ipu_unit_scaling.loop.tasks import MaskedLM
-from ipu_unit_scaling.loop.training_loop import (
-    build_model,
-    load_checkpoint,
-    load_run_config,
-    read_metrics,
-)
 from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
 from ipu_unit_scaling.optim import LR_SCALE
 from ipu_unit_scaling.training.given_model import GivenLanguageModel, check_given_model
+from ipu_unit_scaling.training.precision import build_model
 from ipu_unit_scaling.training.run_config import Config, ConfigError, load_config
+from ipu_unit_scaling.training.run_records import load_checkpoint, read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 FACTORY = "examples.library_decoder:build"

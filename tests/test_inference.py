@@ -5,6 +5,7 @@ import copy
 import json
 import math
 import warnings
+from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List
 
@@ -23,7 +24,7 @@ from ipu_unit_scaling.apps.pretrained import (
 )
 from ipu_unit_scaling.backends import select_backend
 from ipu_unit_scaling.fp8 import FP8Config, FP8Linear, simulate_fp8
-from ipu_unit_scaling.loop.training_loop import RunError, read_metrics, regime_config, train
+from ipu_unit_scaling.loop.training_loop import train
 from ipu_unit_scaling.training.data import CharTokenizer, DataError, embedded_corpus, get_batch
 from ipu_unit_scaling.training.inference import (
     PRECISIONS,
@@ -34,7 +35,10 @@ from ipu_unit_scaling.training.inference import (
     precision_config,
     text_batches,
 )
+from ipu_unit_scaling.training.precision import regime_config
 from ipu_unit_scaling.training.run_config import Config, load_config
+from ipu_unit_scaling.training.run_directory import RunError
+from ipu_unit_scaling.training.run_records import read_metrics
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -135,10 +139,11 @@ def test_a_run_without_a_checkpoint_or_with_changed_data_is_refused(runs, tmp_pa
     with pytest.raises(RunError, match="cannot sample .*: it holds no checkpoint.pt"):
         open_run(tmp_path, "sample")
     run = open_run(runs["fp32"])
-    changed = TrainedRun(run.run_dir, copy.deepcopy(run.config), run.tokenizer, run.checkpoint)
     path = tmp_path / "other.txt"
     path.write_text(embedded_corpus()[:5000], encoding="utf-8")
-    changed.config.data.path = str(path)
+    changed = TrainedRun(run.run_dir, replace(run.config, data=replace(run.config.data,
+                                                                       path=str(path))),
+                         run.tokenizer, run.checkpoint)
     with pytest.raises(RunError, match="has changed since"):
         evaluate_run(changed, ["fp32"])
 

@@ -50,7 +50,7 @@ def test_real_decoder_on_a_2_ipu_pipeline_matches_the_emulator(precision, tolera
 def test_destroy_removes_the_pipeline_annotations():
     pytest.importorskip("poptorch")
     from ipu_unit_scaling.backends import build_training_model, make_optimizer
-    from ipu_unit_scaling.loop.training_loop import build_model
+    from ipu_unit_scaling.training.precision import build_model
 
     config = _config("fp32")
     model = build_model(config)

@@ -408,7 +408,7 @@ def test_emulator_backend_passes_the_stochastic_rounding_option():
     # ipu.stochastic_rounding reaches Precision.enableStochasticRounding, which the stand-in
     # applies when it compiles.
     from ipu_unit_scaling.backends import build_training_model, make_optimizer
-    from ipu_unit_scaling.loop.training_loop import build_model
+    from ipu_unit_scaling.training.precision import build_model
     from ipu_unit_scaling.training.run_config import load_config
 
     for rounding in (False, True):

@@ -5,19 +5,20 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 import ipu_unit_scaling.training.memory as memory
 from ipu_unit_scaling.apps.cli import main
-from ipu_unit_scaling.loop.training_loop import build_model
 from ipu_unit_scaling.training.memory import (
     check_memory,
     estimate_step_memory,
     format_bytes,
     parameter_count,
 )
+from ipu_unit_scaling.training.precision import build_model
 from ipu_unit_scaling.training.run_config import Config, load_config
 from ipu_unit_scaling.training.run_directory import RunError
 
@@ -84,7 +85,7 @@ import json, os, sys, torch
 from ipu_unit_scaling.backends import build_training_model, make_optimizer
 from ipu_unit_scaling.training.run_config import load_config
 from ipu_unit_scaling.training.memory import estimate_step_memory
-from ipu_unit_scaling.loop.training_loop import build_model
+from ipu_unit_scaling.training.precision import build_model
 torch.set_num_threads(1)
 config = load_config("default", sys.argv[1:])
 inputs = torch.randint(0, config.model.vocab_size, (config.samples_per_call, config.model.seq_len))
@@ -133,9 +134,10 @@ def test_a_given_model_is_not_judged_by_the_gpt_of_its_settings(monkeypatch):
     it is neither refused nor described by it."""
     monkeypatch.setattr(memory, "machine_memory", lambda: 2**30)
     config = Config()
-    config.model.hidden_size, config.model.heads = 2**20, 1  # a GPT this wide fits nowhere
+    config = replace(config, model=replace(config.model, hidden_size=2**20, heads=1))
+    # (a GPT this wide fits nowhere)
     with pytest.raises(RunError):
         check_memory(config)
-    config.model.factory = "examples.library_decoder:build"
+    config = replace(config, model=replace(config.model, factory="examples.library_decoder:build"))
     assert check_memory(config) == ("memory for one step: not estimated for a given model "
                                     "(examples.library_decoder:build)")

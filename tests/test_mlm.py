@@ -18,10 +18,10 @@ from ipu_unit_scaling.apps.mlm import (
     train_mlm,
 )
 from ipu_unit_scaling.ipu import trace_like_poptorch
-from ipu_unit_scaling.loop.training_loop import load_checkpoint, read_metrics
 from ipu_unit_scaling.models.encoder import BertStyleEncoder
 from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
 from ipu_unit_scaling.training.run_directory import METRIC_FIELDS
+from ipu_unit_scaling.training.run_records import load_checkpoint, read_metrics
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -126,7 +126,7 @@ def test_encoder_traced_like_poptorch_has_eager_loss_and_gradients(unit_scaled):
 
 
 def test_regimes_build_the_right_model_and_precision():
-    from ipu_unit_scaling.loop.training_loop import FP16Linear
+    from ipu_unit_scaling.training.precision import FP16Linear
 
     unit_fp8 = build_encoder(TINY, 40, "unit-fp8")
     assert any(type(m).__name__ == "FP8UnitScaledLinear" for m in unit_fp8.modules())

@@ -24,9 +24,10 @@ from ipu_unit_scaling.backends.poptorch import poptorch_module
 from ipu_unit_scaling.backends.poptorch.poptorch_training import IPUTrainingModel
 from ipu_unit_scaling.backends.poptorch_emulator import PopTorchTrace, trace_like_poptorch
 from ipu_unit_scaling.loop import run_session
-from ipu_unit_scaling.loop.training_loop import build_model, read_metrics
 from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
+from ipu_unit_scaling.training.precision import build_model
 from ipu_unit_scaling.training.run_config import Config, load_config
+from ipu_unit_scaling.training.run_records import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 FACTORY = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]",

@@ -6,8 +6,8 @@ Compiler.cpp`` and ``CompilerImpl.cpp`` (pipeline stages, IPU count) and
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
+from dataclasses import replace
 from typing import Any, List, Tuple
 
 import pytest
@@ -24,9 +24,9 @@ from ipu_unit_scaling.backends.poptorch.compile_checks import (
     forward_stages,
 )
 from ipu_unit_scaling.backends.poptorch.poptorch_options import New, option_calls
-from ipu_unit_scaling.loop.training_loop import regime_config, train
+from ipu_unit_scaling.loop.training_loop import train
 from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
-from ipu_unit_scaling.training.precision import build_model
+from ipu_unit_scaling.training.precision import build_model, regime_config
 from ipu_unit_scaling.training.run_config import Config, load_config
 
 
@@ -41,8 +41,7 @@ def refusal(options: CompileOptions, *, training: bool, stages: int, ipus: int) 
 def inference_options(config: Config) -> CompileOptions:
     """The options the IPU backend compiles an inference model of ``config`` with, one batch
     per call as evaluation and sampling run it."""
-    config = copy.deepcopy(config)
-    config.ipu.device_iterations = 1
+    config = replace(config, ipu=replace(config.ipu, device_iterations=1))
     return CompileOptions.from_calls(option_calls(config, inference=True))
 
 
@@ -117,7 +116,8 @@ def tiny_model(config: Config) -> torch.nn.Module:
 
 def test_emulator_refuses_a_config_poptorch_refuses_before_training():
     config = load_config("tiny")
-    config.ipu.gradient_accumulation = 2  # past the config's own check: a 2-stage pipeline
+    # past the config's own check: a 2-stage pipeline
+    config = replace(config, ipu=replace(config.ipu, gradient_accumulation=2))
     model = tiny_model(config)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(PopTorchError, match=r"gradient_accumulation = 2 .*2 x 2 - 1 = 3"):

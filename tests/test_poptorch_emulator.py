@@ -428,7 +428,7 @@ PRECISIONS = {
 
 def _gpt_in(precision: str, unit_scaled: bool = True, parametrization: str = "unit",
             **umup_keys: float) -> nn.Module:
-    from ipu_unit_scaling.loop.training_loop import simulate_fp16
+    from ipu_unit_scaling.training.precision import simulate_fp16
 
     torch.manual_seed(0)
     model = build_gpt(GPTConfig(vocab_size=32, seq_len=8, depth=2, hidden_size=16, heads=2,
@@ -538,7 +538,7 @@ def test_umup_emulator_backend_trains_like_the_cpu_backend(step_losses):
 
 
 def test_fp16_gradients_are_rounded_in_the_traced_graph_too():
-    from ipu_unit_scaling.loop.training_loop import round_to_half
+    from ipu_unit_scaling.training.precision import round_to_half
 
     weight = nn.Parameter(torch.tensor([1.0001, 3.14159265]))
     module = Call(lambda w: round_to_half(w) * torch.tensor([1.0001, 2.71828182]), weight.data)

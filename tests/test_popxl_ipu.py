@@ -15,7 +15,7 @@ import torch
 import ipu_unit_scaling as uu
 from ipu_unit_scaling.backends.popxl import PopXLTrainingModel, loss_and_gradients, reference
 from ipu_unit_scaling.fp8 import FP8Config
-from ipu_unit_scaling.loop.training_loop import build_model
+from ipu_unit_scaling.training.precision import build_model
 from ipu_unit_scaling.training.run_config import load_config
 
 pytestmark = pytest.mark.ipu

@@ -31,7 +31,7 @@ from ipu_unit_scaling.fp8 import (
 )
 from ipu_unit_scaling.fp8 import linear as fp8_linear_module
 from ipu_unit_scaling.fp8 import log2_scale as log2_scale_of
-from ipu_unit_scaling.loop.training_loop import build_model
+from ipu_unit_scaling.training.precision import build_model
 from ipu_unit_scaling.training.run_config import ConfigError, load_config, scheduled_learning_rate
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -16,11 +17,12 @@ import ipu_unit_scaling.loop.training_loop as train_module
 from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.apps.mlm import MLMConfig, run_config
 from ipu_unit_scaling.loop.tasks import CausalLM, MaskedLM, Task, read_task
-from ipu_unit_scaling.loop.training_loop import load_checkpoint, read_metrics, train
+from ipu_unit_scaling.loop.training_loop import train
 from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
 from ipu_unit_scaling.training.data import load_corpus
 from ipu_unit_scaling.training.run_config import Config, ConfigError, load_config
 from ipu_unit_scaling.training.run_directory import METRIC_FIELDS
+from ipu_unit_scaling.training.run_records import load_checkpoint, read_metrics
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="kills a forked child")
 
@@ -58,7 +60,7 @@ def masked_lm(data: Path, regime: str = "unit-fp8") -> Tuple[Config, Task]:
     settings = MLMConfig(data=str(data)).with_overrides(TINY_MLM)
     corpus = load_corpus(settings.data, settings.val_fraction, settings.seq_len)
     config = run_config(settings, regime, 0, corpus.tokenizer.vocab_size)
-    config.training.checkpoint_interval = 2
+    config = replace(config, training=replace(config.training, checkpoint_interval=2))
     return config, MaskedLM(settings.min_len, settings.mask_prob)
 
 
@@ -210,7 +212,7 @@ def test_the_masked_lm_refuses_what_its_encoder_cannot_be(data):
     task.check(config, "cpu")
     with pytest.raises(ConfigError, match="popxl trains the GPT"):
         task.check(config, "popxl")
-    config.model.bias = True
+    config = replace(config, model=replace(config.model, bias=True))
     with pytest.raises(ConfigError, match="model.bias"):
         task.check(config, "cpu")
     with pytest.raises(ConfigError, match="min_len"):
@@ -221,7 +223,7 @@ def test_the_masked_lm_trains_on_the_emulator_as_on_the_cpu(data, tmp_path):
     config, task = masked_lm(data, "unit-fp32")
     losses = {}
     for backend in ("cpu", "emulator"):
-        config.backend = backend
+        config = replace(config, backend=backend)
         # The loop and the backend are under test, not the lowering: torch's GELU in the trace.
         with torch_numerics():
             summary = train(config, tmp_path / backend, task=task, quiet=True)

@@ -14,8 +14,9 @@ import pytest
 from helpers import ONE_IPU
 
 import ipu_unit_scaling.loop.training_loop as train_module
-from ipu_unit_scaling.loop.training_loop import read_metrics, train
+from ipu_unit_scaling.loop.training_loop import train
 from ipu_unit_scaling.training.run_config import load_config
+from ipu_unit_scaling.training.run_records import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

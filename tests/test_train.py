@@ -8,16 +8,15 @@ from torch import nn
 
 import ipu_unit_scaling as uu
 from ipu_unit_scaling.fp8 import FP8Linear
-from ipu_unit_scaling.loop.training_loop import (
+from ipu_unit_scaling.training.precision import (
     FP16Linear,
-    RunError,
     build_model,
-    load_checkpoint,
     regime_config,
-    save_checkpoint,
     simulate_fp16,
 )
 from ipu_unit_scaling.training.run_config import REGIMES, load_config, validate
+from ipu_unit_scaling.training.run_directory import RunError
+from ipu_unit_scaling.training.run_records import load_checkpoint, save_checkpoint
 
 
 def test_each_regime_sets_model_precision_scaling_and_its_learning_rate():

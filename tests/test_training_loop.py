@@ -21,8 +21,9 @@ from helpers import run_files as contents
 import ipu_unit_scaling.loop.training_loop as train_module
 from ipu_unit_scaling.apps.pretrained import evaluate_run, open_run
 from ipu_unit_scaling.loop import run_opening
-from ipu_unit_scaling.loop.training_loop import divergence_bound, load_checkpoint, read_metrics
+from ipu_unit_scaling.loop.run_outcomes import divergence_bound
 from ipu_unit_scaling.training.run_config import load_config, scheduled_learning_rate
+from ipu_unit_scaling.training.run_records import load_checkpoint, read_metrics
 
 
 def column(run_dir: Path, name: str) -> List[str]:

@@ -241,7 +241,7 @@ def test_lr_scales_follow_the_table():
 
 def test_weight_types_survive_fp8_and_fp16_conversion():
     from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
-    from ipu_unit_scaling.loop.training_loop import simulate_fp16
+    from ipu_unit_scaling.training.precision import simulate_fp16
 
     reference = weight_rules(gpt())
     assert weight_rules(simulate_fp8(gpt(), FP8Config(scaling="static"))) == reference
@@ -349,7 +349,7 @@ def test_config_refuses_keys_the_parametrization_would_ignore():
 
 
 def test_the_umup_config_builds_the_umup_gpt():
-    from ipu_unit_scaling.loop.training_loop import build_model
+    from ipu_unit_scaling.training.precision import build_model
     from ipu_unit_scaling.training.run_config import load_config
 
     config = load_config("umup", ["precision.dtype=fp32", "model.attn_softmax_mult=2"])

@@ -241,8 +241,7 @@ def test_the_gelu_rules_differ_by_what_the_tie_moves():
 
 
 def test_rules_are_model_keys_only_u_mup_takes():
-    from ipu_unit_scaling.loop.training_loop import build_model
-    from ipu_unit_scaling.training.precision import set_model_kind
+    from ipu_unit_scaling.training.precision import build_model, with_model_kind
     from ipu_unit_scaling.training.run_config import ConfigError, load_config
 
     config = load_config("umup", ["precision.dtype=fp32",
@@ -257,7 +256,7 @@ def test_rules_are_model_keys_only_u_mup_takes():
     assert default.attn.attention is constant_scale_attention
     assert default.mlp.up.constraint == "gmean"
     assert default.mlp.gelu.constraint == "to_output_scale"
-    set_model_kind(config, "unit")  # the u-μP keys go back to their defaults
+    config = with_model_kind(config, "unit")  # the u-μP keys go back to their defaults
     assert (config.model.umup_hidden_constraint, config.model.umup_attention_scaling,
             config.model.umup_gelu_constraint) == ("gmean", "constant", "to_output_scale")
     cases = {
@@ -286,10 +285,9 @@ def test_a_run_saved_before_the_rule_keys_loads_with_the_rules_it_trained_with(
     import yaml
 
     from ipu_unit_scaling.loop.run_opening import load_run_config
-    from ipu_unit_scaling.training.run_config import Config
+    from ipu_unit_scaling.training.run_config import Config, ModelConfig
 
-    config = Config()
-    config.model.parametrization = parametrization
+    config = Config(model=ModelConfig(parametrization=parametrization))
     raw = config.to_dict()
     for key in ("umup_hidden_constraint", "umup_attention_scaling", "umup_gelu_constraint",
                 "factory"):

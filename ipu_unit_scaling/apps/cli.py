@@ -476,15 +476,12 @@ def _run(argv: List[str]) -> int:
 
             torch.set_num_threads(args.threads)
         from ..backends import BackendError
-        from ..loop.training_loop import (
-            RunError,
-            TrainingDiverged,
-            TrainingInterrupted,
-            raise_stop_signal,
-        )
+        from ..loop.run_outcomes import TrainingDiverged, TrainingInterrupted
+        from ..loop.stop_signals import raise_stop_signal
         from ..training.config_files import ConfigError
         from ..training.data import DataError
         from ..training.inference import SamplingError
+        from ..training.run_directory import RunError
         from .commands import UsageError
 
         run_command = _command(args.command)

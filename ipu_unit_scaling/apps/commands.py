@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import errno
 import math
 import sys
@@ -68,12 +69,13 @@ def _load(args: argparse.Namespace) -> Config:
 
     config = load_config(_config_path(args), _overrides(args))
     data = getattr(args, "data", None)
-    if data is not None:
-        if not data.strip():
-            raise UsageError("--data needs a file name (leave it out for the embedded corpus)")
-        config.data.path = data
-    config.data.path = absolute_path(config.data.path)  # saved so: readable from anywhere
-    return config
+    if data is not None and not data.strip():
+        raise UsageError("--data needs a file name (leave it out for the embedded corpus)")
+    if data is None:
+        data = config.data.path
+    # the path is saved absolute: readable from anywhere
+    return dataclasses.replace(config, data=dataclasses.replace(config.data,
+                                                                path=absolute_path(data)))
 
 
 @contextlib.contextmanager
@@ -105,7 +107,7 @@ def _run_directory(chosen: Optional[Path], root: str, command: str) -> Iterator[
 def _continued_by_running_again(command: str, run_dir: Path) -> Iterator[None]:
     """A regime or point stopped by a signal is taken up by the same command, which resumes it
     and runs the rest; ``train --resume`` on it alone would leave the rest undone."""
-    from ..loop.training_loop import TrainingInterrupted
+    from ..loop.run_outcomes import TrainingInterrupted
 
     try:
         yield
@@ -183,7 +185,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _fine_tuning_config(args: argparse.Namespace) -> Config:
     """The pretrained run's config with --set and --data: the config of ``--init-from``."""
-    from ..loop.training_loop import load_run_config
+    from ..loop.run_opening import load_run_config
     from ..training.run_config import absolute_path
     from ..training.run_directory import RunError, not_a_directory
 
@@ -194,13 +196,12 @@ def _fine_tuning_config(args: argparse.Namespace) -> Config:
     if problem:
         raise RunError(f"cannot fine-tune from {args.init_from}: {problem}")
     config = load_run_config(args.init_from, _overrides(args), "fine-tune from")
-    if args.data is not None:
-        if not args.data.strip():
-            raise UsageError("--data needs a file name (leave it out for the pretrained "
-                             "run's data)")
-        config.data.path = args.data
-    config.data.path = absolute_path(config.data.path)
-    return config
+    if args.data is not None and not args.data.strip():
+        raise UsageError("--data needs a file name (leave it out for the pretrained "
+                         "run's data)")
+    data = config.data.path if args.data is None else args.data
+    return dataclasses.replace(config, data=dataclasses.replace(config.data,
+                                                                path=absolute_path(data)))
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:

@@ -4,7 +4,7 @@ seeds, or the masked-LM encoder with ``--model bert``), and their table.
 from __future__ import annotations
 
 import argparse
-import copy
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -70,13 +70,13 @@ def run_compare(
 
 def _regime_plan(config: Config, regime: str, regime_dir: Path, corpus: Any) -> Any:
     """The regime's resolved config, and whether to ``start``, ``resume`` or ``reuse`` it."""
-    from ..loop.run_opening import file_problem
-    from ..loop.training_loop import (
+    from ..loop.run_opening import (
         check_reused_tokenizer,
+        file_problem,
         load_run_config,
-        regime_config,
         resolved_config,
     )
+    from ..training.precision import regime_config
     from ..training.run_directory import CHECKPOINT_FILE, SUMMARY_FILE, RunError, read_json
 
     cfg = resolved_config(regime_config(config, regime), corpus)
@@ -117,8 +117,10 @@ def _regime_plan(config: Config, regime: str, regime_dir: Path, corpus: Any) -> 
 
 def _run_regimes(plans: Sequence[Any], run_dir: Path, quiet: bool,
                  counter: Optional[Any] = None, label: str = "") -> List[Dict[str, Any]]:
-    from ..loop.training_loop import TrainingDiverged, model_kind, train
+    from ..loop.run_outcomes import TrainingDiverged
+    from ..loop.training_loop import train
     from ..training.plots import plot_compare
+    from ..training.precision import model_kind
     from ..training.run_directory import SUMMARY_FILE, atomic_write, read_json
     from .progress import RunCounter
 
@@ -298,8 +300,9 @@ def run_compare_seeds(config: Config, regimes: Sequence[str], run_dir: Path, see
         check_own_kind(run_dir, "compare", COMPARE_FILES,
                        lambda name: re.fullmatch(r"seed-[0-9]+", name))
         for offset in range(seeds):
-            seeded = copy.deepcopy(config)
-            seed = seeded.training.seed = config.training.seed + offset
+            seed = config.training.seed + offset
+            seeded = dataclasses.replace(
+                config, training=dataclasses.replace(config.training, seed=seed))
             seed_dirs[seed] = run_dir / f"seed-{seed}"
             if not quiet:
                 print(f"compare: seed {seed} ({offset + 1} of {seeds})")

@@ -270,30 +270,29 @@ def build_encoder(config: MLMConfig, vocab: int, regime: str) -> nn.Module:
 def run_config(config: MLMConfig, regime: str, seed: int, vocab: int) -> Config:
     """The training loop's config of one run of the comparison: the encoder's shape, the
     regime's model kind, precision and learning rate, the seed, and ``vocab`` characters."""
-    from ..training.precision import set_model_kind
-    from ..training.run_config import validate
+    from ..training.precision import with_model_kind
+    from ..training.run_config import DataConfig, PrecisionConfig, TrainingConfig, validate
 
     kind, dtype, scaling = REGIME_SETTINGS[regime]
     check_mlm_regimes([regime])
-    result = Config()
-    set_model_kind(result, kind)
-    model = result.model
-    model.vocab_size, model.seq_len, model.depth = vocab, config.seq_len, config.depth
-    model.hidden_size, model.heads = config.hidden_size, config.heads
-    model.mlp_expansion, model.attn_tau, model.mlp_tau = (
-        config.mlp_expansion, config.attn_tau, config.mlp_tau)
-    result.precision.dtype = dtype
-    result.precision.fp8 = dataclasses.replace(result.precision.fp8, scaling=scaling)
-    training = result.training
-    training.batch_size, training.steps, training.seed = config.batch_size, config.steps, seed
-    training.optimizer, training.schedule = "adam", "cosine"
-    training.learning_rate = config.learning_rates[regime]
-    training.warmup_steps = config.warmup_steps
-    training.eval_interval, training.eval_batches = config.eval_interval, config.eval_batches
-    # Checkpoints reuse the evaluation that proves their weights good.
-    training.checkpoint_interval = config.eval_interval
-    result.data.path, result.data.val_fraction = config.data, config.val_fraction
-    result.backend = config.backend
+    base = with_model_kind(Config(), kind)
+    model = dataclasses.replace(
+        base.model, vocab_size=vocab, seq_len=config.seq_len, depth=config.depth,
+        hidden_size=config.hidden_size, heads=config.heads, mlp_expansion=config.mlp_expansion,
+        attn_tau=config.attn_tau, mlp_tau=config.mlp_tau)
+    precision = PrecisionConfig(dtype=dtype,
+                                fp8=dataclasses.replace(base.precision.fp8, scaling=scaling))
+    training = TrainingConfig(
+        batch_size=config.batch_size, steps=config.steps, seed=seed, optimizer="adam",
+        schedule="cosine", learning_rate=config.learning_rates[regime],
+        warmup_steps=config.warmup_steps, eval_interval=config.eval_interval,
+        eval_batches=config.eval_batches,
+        # Checkpoints reuse the evaluation that proves their weights good.
+        checkpoint_interval=config.eval_interval)
+    result = dataclasses.replace(
+        base, model=model, precision=precision, training=training,
+        data=DataConfig(path=config.data, val_fraction=config.val_fraction),
+        backend=config.backend)
     validate(result)
     return result
 
@@ -311,7 +310,8 @@ def train_mlm(config: MLMConfig, regime: str, seed: int, run_dir: Path, *,
     `resume` continue the run there); returns its summary. A run that diverges returns its
     summary too (status ``diverged``); SIGINT and SIGTERM raise TrainingInterrupted after a
     checkpoint, as they do for every run."""
-    from ..loop.training_loop import TrainingDiverged, train
+    from ..loop.run_outcomes import TrainingDiverged
+    from ..loop.training_loop import train
     from ..training.data import load_corpus
     from ..training.run_directory import SUMMARY_FILE, read_json
 
@@ -399,8 +399,8 @@ def _plan(wanted: Config, config: MLMConfig, directory: Path, data_sha256: str,
     the files an earlier version's loop left there, or ``retrain`` a finished run whose summary
     does not name its model; RunError when it was trained with other
     settings (or on other text, ``data_sha256``, of the characters ``chars``)."""
+    from ..loop.run_opening import check_reused_tokenizer, load_run_config
     from ..loop.tasks import read_task
-    from ..loop.training_loop import check_reused_tokenizer, load_run_config
     from ..training.precision import model_kind
     from ..training.run_directory import (
         CHECKPOINT_FILE,

@@ -13,7 +13,7 @@ validation loss bit for bit.
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
 import json
 import math
 import os
@@ -26,7 +26,7 @@ from torch import nn
 
 from ..backends import build_inference_model, select_backend
 from ..fp8.stats import fp8_stats
-from ..loop.training_loop import load_run_config, read_tokenizer
+from ..loop.run_opening import load_run_config, read_tokenizer
 from ..training.data import CharTokenizer, DataError, load_corpus, out_of_memory, read_text_file
 from ..training.inference import (
     PRECISIONS,
@@ -156,9 +156,7 @@ def _inference_config(config: Config) -> Config:
     # device_iterations training used (PopTorch splits a call's rows over device iterations).
     # A pipelined split is then compiled as ShardedExecution (backends/ipu/options.py): under
     # PipelinedExecution PopTorch needs device_iterations >= the number of pipeline stages.
-    result = copy.deepcopy(config)
-    result.ipu.device_iterations = 1
-    return result
+    return dataclasses.replace(config, ipu=dataclasses.replace(config.ipu, device_iterations=1))
 
 
 # ------------------------------------------------------------------------------ evaluation

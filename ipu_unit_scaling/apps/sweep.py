@@ -4,7 +4,7 @@ any config key) at several widths and depths, and whether the best value moves w
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
 import hashlib
 import json
 import math
@@ -83,16 +83,18 @@ def default_exponents(config: Config, kind: str, span: int) -> List[int]:
 def point_config(config: Config, kind: str, width: int, depth: int,
                  log2_lr: Optional[int]) -> Config:
     """The config of one sweep point; ``log2_lr`` None: the kind's default learning rate."""
-    from ..loop.training_loop import set_model_kind
+    from ..training.precision import with_model_kind
 
-    cfg = copy.deepcopy(config)
-    set_model_kind(cfg, kind)
-    cfg.model.hidden_size = width
-    cfg.model.depth = depth
-    cfg.training.learning_rate = (cfg.compare.learning_rates[DEFAULT_REGIME[kind]]
-                                  if log2_lr is None else 2.0**log2_lr)
-    cfg.training.eval_interval = 0  # the final validation loss is what a sweep compares
-    return cfg
+    kind_config = with_model_kind(config, kind)
+    learning_rate = (config.compare.learning_rates[DEFAULT_REGIME[kind]]
+                     if log2_lr is None else 2.0**log2_lr)
+    return dataclasses.replace(
+        kind_config,
+        model=dataclasses.replace(kind_config.model, hidden_size=width, depth=depth),
+        # eval_interval 0: the final validation loss is what a sweep compares
+        training=dataclasses.replace(config.training, learning_rate=learning_rate,
+                                     eval_interval=0),
+    )
 
 
 def setting(config: Config, key: str) -> Any:
@@ -302,7 +304,9 @@ def _train_points(config: Config, plan: Sequence[Tuple[str, int, int, Any]], run
                   quiet: bool, log: Callable[[str], None], corpus: Corpus,
                   key: Optional[str] = None, keep_checkpoints: bool = False
                   ) -> List[SweepPoint]:
-    from ..loop.training_loop import TrainingDiverged, check_reused_tokenizer, train
+    from ..loop.run_opening import check_reused_tokenizer
+    from ..loop.run_outcomes import TrainingDiverged
+    from ..loop.training_loop import train
     from ..training.run_directory import CHECKPOINT_FILE, RunError
     from .progress import RunCounter
 
@@ -360,7 +364,7 @@ def _flat(tree: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
 def _check_same_settings(directory: Path, cfg: Config) -> None:
     """A point found in the run directory is reused only if it ran with these settings (the
     vocabulary aside: a run saves its corpus's); else RunError names what differs."""
-    from ..loop.training_loop import load_run_config
+    from ..loop.run_opening import load_run_config
     from ..training.run_directory import RunError
 
     saved = _flat(load_run_config(directory).to_dict())

@@ -3,7 +3,7 @@ checks that a resume continues the same run (its config, tokenizer, checkpoint a
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -165,9 +165,7 @@ def resolved_config(config: Config, corpus: Corpus) -> Config:
             f"{corpus.source} has {vocab} distinct characters but model.vocab_size is "
             f"{config.model.vocab_size}; raise model.vocab_size"
         )
-    config = copy.deepcopy(config)
-    config.model.vocab_size = vocab
-    return config
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab))
 
 
 def _open_new(config: Config, run_dir: Path, backend: str, task: Task,
@@ -217,8 +215,8 @@ def _fine_tuning(config: Config, run_dir: Path, backend: str, init_from: Path) -
                        f"{config.model.vocab_size})")
     text = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
     tokenizer, added = extend_tokenizer(base, text.tokenizer.chars)
-    config = copy.deepcopy(config)
-    config.model.vocab_size = tokenizer.vocab_size
+    config = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, vocab_size=tokenizer.vocab_size))
     if added:
         shown = "".join(added[:20]) + ("..." if len(added) > 20 else "")
         note = (f"{len(added)} new characters ({shown!r}) extend its {base.vocab_size}; their "
@@ -272,8 +270,8 @@ def _open_resumed(config: Config, run_dir: Path, backend: str, task: Task) -> _R
         init_from = _recorded_start(run_dir)
         if init_from is not None:
             pretrained = load_run_config(Path(init_from), (), "fine-tune from")
-            config = copy.deepcopy(config)
-            config.model.vocab_size = pretrained.model.vocab_size
+            config = dataclasses.replace(config, model=dataclasses.replace(
+                config.model, vocab_size=pretrained.model.vocab_size))
         run = _open_new(config, run_dir, backend, task,
                         None if init_from is None else Path(init_from))
         restart = (f"{run_dir} has no checkpoint: the run never saved one; training from step 0 "

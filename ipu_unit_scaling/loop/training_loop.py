@@ -56,31 +56,12 @@ from ..backends.distributed import (
 from ..parametrization.mup_optimizers import set_learning_rate
 from ..training.config_files import ConfigError
 from ..training.finetune import check_same_model
-from ..training.precision import (
-    MODEL_KINDS,
-    REGIME_SETTINGS,
-    FP16Linear,
-    build_model,
-    model_kind,
-    model_label,
-    regime_config,
-    round_to_half,
-    set_model_kind,
-    simulate_fp16,
-)
-from ..training.run_config import (
-    Config,
-    scheduled_learning_rate,
-    warmup_steps,
-)
+from ..training.precision import model_label
+from ..training.run_config import Config, scheduled_learning_rate, warmup_steps
 from ..training.run_directory import (
-    CHECKPOINT_FILE,
-    CONFIG_FILE,
-    METRIC_FIELDS,
     METRICS_FILE,
     PLOT_FILE,
     SUMMARY_FILE,
-    TOKENIZER_FILE,
     RunError,
     RunLock,
     make_run_dir,
@@ -88,59 +69,13 @@ from ..training.run_directory import (
     read_json,
     remove_temporaries,
 )
-from ..training.run_records import load_checkpoint, read_metrics, save_checkpoint
-from .run_opening import (
-    _open_new,
-    _open_resumed,
-    _Run,
-    check_reused_tokenizer,
-    load_run_config,
-    read_tokenizer,
-    resolved_config,
-)
-from .run_outcomes import (
-    DIVERGENCE_MARGIN,
-    RunSummary,
-    StopSignal,
-    TrainingDiverged,
-    TrainingInterrupted,
-    divergence_bound,
-    write_summary,
-)
+from .run_opening import _open_new, _open_resumed, _Run, load_run_config
+from .run_outcomes import RunSummary, TrainingDiverged, TrainingInterrupted, write_summary
 from .run_session import _Session
-from .stop_signals import STOP_SIGNALS, _StopRequest, raise_stop_signal
+from .stop_signals import _StopRequest
 from .tasks import CausalLM, Task, read_task
 
-__all__ = [
-    "RunError",
-    "TrainingDiverged",
-    "TrainingInterrupted",
-    "StopSignal",
-    "DIVERGENCE_MARGIN",
-    "divergence_bound",
-    "RunSummary",
-    "REGIME_SETTINGS",
-    "regime_config",
-    "MODEL_KINDS",
-    "set_model_kind",
-    "model_kind",
-    "simulate_fp16",
-    "round_to_half",
-    "FP16Linear",
-    "build_model",
-    "save_checkpoint",
-    "load_checkpoint",
-    "load_run_config",
-    "read_tokenizer",
-    "resolved_config",
-    "check_reused_tokenizer",
-    "raise_stop_signal",
-    "STOP_SIGNALS",
-    "train",
-    "read_metrics",
-    "CONFIG_FILE", "TOKENIZER_FILE", "METRICS_FILE", "CHECKPOINT_FILE", "SUMMARY_FILE",
-    "PLOT_FILE", "METRIC_FIELDS",
-]
+__all__ = ["train"]
 
 
 # ------------------------------------------------------------------------------ the loop

@@ -11,7 +11,7 @@ from ..parametrization.umup_rules import UmupRules
 PARAMETRIZATIONS = ("unit", "u-mup")
 
 
-@dataclass
+@dataclass(frozen=True)
 class GPTConfig:
     """Shape of a character-level GPT; defaults are the default run (``configs/default.yaml``).
 

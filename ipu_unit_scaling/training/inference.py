@@ -13,7 +13,6 @@ the same code runs under PopTorch's tracing rules.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import sys
@@ -63,10 +62,9 @@ def precision_config(config: Config, precision: str) -> Config:
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; allowed: {', '.join(PRECISIONS)}")
     dtype, scaling = PRECISIONS[precision]
-    result = copy.deepcopy(config)
-    result.precision.dtype = dtype
-    result.precision.fp8 = dataclasses.replace(result.precision.fp8, scaling=scaling)
-    return result
+    return dataclasses.replace(config, precision=dataclasses.replace(
+        config.precision, dtype=dtype,
+        fp8=dataclasses.replace(config.precision.fp8, scaling=scaling)))
 
 
 # ---------------------------------------------------------------------------------- batches

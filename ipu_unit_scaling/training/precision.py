@@ -5,7 +5,6 @@ built, so every key of the ``model`` and ``precision`` sections reaches it.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Any, Dict, Optional, Tuple
 
@@ -19,7 +18,7 @@ from ..modules.layers import LinearReadout
 from .run_config import REGIMES, UMUP_MULTIPLIERS, UMUP_RULE_CHOICES, Config, ConfigError
 
 __all__ = ["REGIME_SETTINGS", "MODEL_KINDS", "COMPARE_EVAL_POINTS", "regime_config",
-           "set_model_kind", "model_kind", "model_label", "round_to_half",
+           "with_model_kind", "model_kind", "model_label", "round_to_half",
            "FP16Linear", "simulate_fp16", "build_model"]
 
 # regime -> (model: plain, unit or u-mup; precision dtype; FP8 scaling)
@@ -54,35 +53,37 @@ def regime_config(config: Config, regime: str) -> Config:
             "compare trains the GPT plain, unit-scaled and in u-μP; a given model has one form: "
             "train it with 'train', once per --set precision.dtype=fp32/fp16/fp8"))])
     model, dtype, scaling = REGIME_SETTINGS[regime]
-    result = copy.deepcopy(config)
-    set_model_kind(result, model)
-    result.precision.dtype = dtype
-    result.precision.fp8 = dataclasses.replace(result.precision.fp8, scaling=scaling)
-    training = result.training
-    training.learning_rate = config.compare.learning_rates[regime]
+    training = config.training
     most = max(1, training.steps // COMPARE_EVAL_POINTS)
-    if training.eval_interval == 0 or training.eval_interval > most:
-        training.eval_interval = most
-    return result
+    eval_interval = (most if training.eval_interval == 0 or training.eval_interval > most
+                     else training.eval_interval)
+    return dataclasses.replace(
+        with_model_kind(config, model),
+        precision=dataclasses.replace(
+            config.precision, dtype=dtype,
+            fp8=dataclasses.replace(config.precision.fp8, scaling=scaling)),
+        training=dataclasses.replace(training, learning_rate=config.compare.learning_rates[regime],
+                                     eval_interval=eval_interval),
+    )
 
 
-def set_model_kind(config: Config, kind: str) -> None:
-    """Make ``config.model`` a plain, unit-scaled or u-μP GPT, in place. Each takes the model
-    keys that apply to it: the others go back to their defaults (u-μP's multipliers outside
-    u-μP, unit scaling's taus inside it), so the result always validates."""
+def with_model_kind(config: Config, kind: str) -> Config:
+    """``config`` with its model a plain, unit-scaled or u-μP GPT. Each takes the model keys
+    that apply to it: the others go back to their defaults (u-μP's multipliers outside u-μP,
+    unit scaling's taus inside it), so the result always validates."""
     if kind not in MODEL_KINDS:
         raise ValueError(f"model kind {kind!r} is not one of {', '.join(MODEL_KINDS)}")
-    model, defaults = config.model, type(config.model)()
-    model.unit_scaled = kind != "plain"
-    model.parametrization = "u-mup" if kind == "u-mup" else "unit"
+    defaults = type(config.model)()
     reset = (("attn_tau", "mlp_tau") if kind == "u-mup"
              else (*UMUP_MULTIPLIERS, *UMUP_RULE_CHOICES))
-    for name in reset:
-        setattr(model, name, getattr(defaults, name))
+    changes: Dict[str, Any] = {name: getattr(defaults, name) for name in reset}
+    changes.update(unit_scaled=kind != "plain",
+                   parametrization="u-mup" if kind == "u-mup" else "unit")
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, **changes))
 
 
 def model_kind(config: Config) -> str:
-    """``plain``, ``unit`` or ``u-mup``: what :func:`set_model_kind` set."""
+    """``plain``, ``unit`` or ``u-mup``: what :func:`with_model_kind` set."""
     if not config.model.unit_scaled:
         return "plain"
     return "u-mup" if config.model.parametrization == "u-mup" else "unit"

@@ -79,13 +79,13 @@ LEARNING_RATE_RANGE = "2**-100 <= x <= 2**100"
 ModelConfig = GPTConfig
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrecisionConfig:
     dtype: str = "fp8"
     fp8: FP8Config = field(default_factory=FP8Config)
 
 
-@dataclass
+@dataclass(frozen=True)
 class IPUConfig:
     """How PopTorch places and batches the model (also the stage split of the fallbacks)."""
 
@@ -103,7 +103,7 @@ class IPUConfig:
     auto_round_num_ipus: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainingConfig:
     # Samples per optimizer step, over all micro-batches and replicas.
     batch_size: int = 16
@@ -125,7 +125,7 @@ class TrainingConfig:
     checkpoint_interval: int = 100
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     path: Optional[str] = None  # None: the corpus embedded in the package
     val_fraction: float = 0.1
@@ -152,13 +152,13 @@ def _default_learning_rates() -> Dict[str, float]:
     }
 
 
-@dataclass
+@dataclass(frozen=True)
 class CompareConfig:
     regimes: List[str] = field(default_factory=lambda: list(REGIMES))
     learning_rates: Dict[str, float] = field(default_factory=_default_learning_rates)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
