@@ -11,8 +11,8 @@
 """
 from __future__ import annotations
 
+from .backends.poptorch.compile_checks import PopTorchError
 from .backends.poptorch_emulator import (
-    PopTorchError,
     PopTorchReport,
     PopTorchTrace,
     check_poptorch,

@@ -374,7 +374,8 @@ def test_python_and_cpp_agree_on_op_names_and_attributes():
                       if path.name != "scaled_identity.cpp")
     registered = set(re.findall(r'\{kDomain,\s*"(\w+)",\s*1,', sources))
     assert {custom_op.OP_NAME, custom_op.QUANTISE_OP, custom_op.GRADIENT_QUANTISE_OP,
-            "Fp8QuantiseGrad", "Fp8GradientQuantiseGrad", popxl_codelets.OP_NAME} == registered
+            "Fp8QuantiseGrad", "Fp8GradientQuantiseGrad",
+            popxl_codelets.POPXL_OP_NAME} == registered
     assert f'kDomain = "{custom_op.DOMAIN}"' in sources
     read = set(re.findall(r'getAttribute<popart::Attributes::\w+>\(\s*"(\w+)"', sources))
     assert set(custom_op.quantise_attributes("F143", 0, True, 3)) == read

@@ -13,7 +13,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from ipu_unit_scaling.backends.popxl import cast_to_fp8, fp8_matmul, reference, scaled, scaling_bias
+from ipu_unit_scaling.backends.popxl import (
+    popxl_cast_to_fp8,
+    popxl_fp8_matmul,
+    reference,
+    scaled,
+    scaling_bias,
+)
 from ipu_unit_scaling.fp8 import F143, F152, FP8Config, log2_scale
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
@@ -157,9 +163,9 @@ def test_fp8_matmul_undoes_biases_beyond_the_fused_range_on_the_reference():
     config = FP8Config()
 
     def build(ir):
-        a8, sa, _ = cast_to_fp8(xl, xl.constant(a, xl.float32), F143, 0, config)
-        b8, sb, _ = cast_to_fp8(xl, xl.constant(b, xl.float32), F143, 0, config)
-        return {"y": fp8_matmul(xl, a8, sa, b8, sb, 1.0), "sa": sa, "sb": sb}
+        a8, sa, _ = popxl_cast_to_fp8(xl, xl.constant(a, xl.float32), F143, 0, config)
+        b8, sb, _ = popxl_cast_to_fp8(xl, xl.constant(b, xl.float32), F143, 0, config)
+        return {"y": popxl_fp8_matmul(xl, a8, sa, b8, sb, 1.0), "sa": sa, "sb": sb}
 
     out = run(build)
     assert out["sa"] + out["sb"] > 32
@@ -177,7 +183,7 @@ def test_static_cast_saturates_before_the_cast_on_the_reference():
     x = np.array([1.0, 300.0, -1e6, np.inf], np.float32)
 
     def build(ir):
-        x8, bias, flag = cast_to_fp8(xl, xl.constant(x, xl.float32), F143, 0,
+        x8, bias, flag = popxl_cast_to_fp8(xl, xl.constant(x, xl.float32), F143, 0,
                                      FP8Config(scaling="static"))
         assert flag is None
         return {"x8": x8, "bias": bias}

@@ -46,9 +46,7 @@ from .poptorch.compile_checks import PopTorchError
 from .poptorch.rewrites import PopTorchRewrites
 from .poptorch_ops import ARGUMENT_RULES, HOST_READ_OPS, base_name, is_supported
 
-__all__ = [
-    "PopTorchError", "PopTorchReport", "PopTorchTrace", "trace_like_poptorch", "check_poptorch",
-]
+__all__ = ["PopTorchReport", "PopTorchTrace", "trace_like_poptorch", "check_poptorch"]
 
 
 @dataclass

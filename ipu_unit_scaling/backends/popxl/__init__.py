@@ -17,8 +17,8 @@ from .fp8_ops import (
     AMAX_SOURCES,
     CastSite,
     FP8LinearBlock,
-    cast_to_fp8,
-    fp8_matmul,
+    popxl_cast_to_fp8,
+    popxl_fp8_matmul,
     scaling_bias,
 )
 from .popxl_model import DecoderSpec, PopXLDecoder, Tape, scaled
@@ -37,6 +37,6 @@ from .popxl_training import (
 __all__ = [
     "PopXLTrainingModel", "loss_and_gradients", "StepResult", "popxl_available",
     "import_popxl", "default_device", "check_config", "OptimizerSpec", "TrainingProgram",
-    "DecoderSpec", "PopXLDecoder", "Tape", "scaled", "scaling_bias", "cast_to_fp8",
-    "fp8_matmul", "FP8LinearBlock", "CastSite", "AMAX_SOURCES",
+    "DecoderSpec", "PopXLDecoder", "Tape", "scaled", "scaling_bias", "popxl_cast_to_fp8",
+    "popxl_fp8_matmul", "FP8LinearBlock", "CastSite", "AMAX_SOURCES",
 ]

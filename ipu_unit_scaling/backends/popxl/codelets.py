@@ -1,6 +1,6 @@
 """The FP8 codelets as a PopXL custom op: tile-local amax, scaling bias and cast in one op.
 
-``fp8_amax_cast(xl, x, fmt, margin, saturate) -> (codes, log2_scale, non_finite)``: codes a
+``popxl_fp8_amax_cast(xl, x, fmt, margin, saturate) -> (codes, log2_scale, non_finite)``: codes a
 ``float8_143`` / ``float8_152`` tensor (``cast(x * 2**s)``), ``log2_scale`` and ``non_finite``
 int32 scalars, the codelets' ScalingBias vertex's outputs (a non-finite amax gives 0 and 1).
 
@@ -25,10 +25,10 @@ import torch
 
 from ...fp8.fp8_formats import FP8Format
 
-__all__ = ["OP_NAME", "fp8_amax_cast", "binding_path", "load_binding",
+__all__ = ["POPXL_OP_NAME", "popxl_fp8_amax_cast", "binding_path", "load_binding",
            "pybind11_internals", "check_shared_internals"]
 
-OP_NAME = "Fp8AmaxCastFloat8"  # in domain "ai.graphcore.unit_scaling", version 1
+POPXL_OP_NAME = "Fp8AmaxCastFloat8"  # in domain "ai.graphcore.unit_scaling", version 1
 MODULE_NAME = "ius_popxl_ops"  # the PYBIND11_MODULE name
 BINDING_ENV = "IPU_UNIT_SCALING_POPXL_OPS"
 SOURCE = Path(__file__).resolve().parents[3] / "custom_ops" / "popxl_fp8_amax_cast.cpp"
@@ -47,7 +47,7 @@ def fp8_dtype(xl: Any, fmt: FP8Format) -> Any:
     raise ValueError(f"PopXL has no FP8 dtype for {fmt.name}; use F143 or F152")
 
 
-def fp8_amax_cast(xl: Any, x: Tensor, fmt: FP8Format, margin: int, saturate: bool
+def popxl_fp8_amax_cast(xl: Any, x: Tensor, fmt: FP8Format, margin: int, saturate: bool
                   ) -> Tuple[Tensor, Tensor, Tensor]:
     from . import reference
 
@@ -124,7 +124,7 @@ def _popxl(x: Tensor, fmt: FP8Format, margin: int, saturate: bool
     context = get_current_context()
     graph = context.graph
     check_in_graph(graph, x=x)
-    op = getattr(binding, OP_NAME).create_op_in_graph(
+    op = getattr(binding, POPXL_OP_NAME).create_op_in_graph(
         graph=graph._pb_graph,
         inputs={0: x.id},
         outputs={i: graph._create_tensor_id(name)

@@ -27,8 +27,8 @@ from ...fp8.scaling import MAX_LOG2_SCALE
 from ...ops.scale_constraints import ConstraintArg
 from .codelets import fp8_dtype
 
-__all__ = ["AMAX_SOURCES", "scaling_bias", "cast_to_fp8", "fp8_matmul", "FP8LinearBlock",
-           "CastSite", "fp8_dtype"]
+__all__ = ["AMAX_SOURCES", "scaling_bias", "popxl_cast_to_fp8", "popxl_fp8_matmul",
+           "FP8LinearBlock", "CastSite"]
 
 Tensor = Any  # a popxl.Tensor or a reference.Tensor
 
@@ -71,7 +71,7 @@ def scaling_bias(xl: Any, amax: Tensor, fmt: FP8Format, margin: int) -> Tuple[Te
 AMAX_SOURCES = ("ops", "codelets")
 
 
-def cast_to_fp8(xl: Any, x: Tensor, fmt: FP8Format, margin: int, config: FP8Config,
+def popxl_cast_to_fp8(xl: Any, x: Tensor, fmt: FP8Format, margin: int, config: FP8Config,
                 amax: str = "ops") -> Tuple[Tensor, Tensor, Optional[Tensor]]:
     """``(codes, s, non_finite)``: AMAX scaling with ``margin``, or the static bias 0.
 
@@ -83,9 +83,9 @@ def cast_to_fp8(xl: Any, x: Tensor, fmt: FP8Format, margin: int, config: FP8Conf
     ops = xl.ops
     saturate = config.overflow == "saturate"
     if config.scaling == "amax" and amax == "codelets":
-        from .codelets import fp8_amax_cast
+        from .codelets import popxl_fp8_amax_cast
 
-        return fp8_amax_cast(xl, x, fmt, margin, saturate)
+        return popxl_fp8_amax_cast(xl, x, fmt, margin, saturate)
     if amax not in AMAX_SOURCES:
         raise ValueError(f"amax must be one of {AMAX_SOURCES}, got {amax!r}")
     non_finite = None
@@ -98,7 +98,7 @@ def cast_to_fp8(xl: Any, x: Tensor, fmt: FP8Format, margin: int, config: FP8Conf
     return ops.pow2scale_cast_to_fp8(x, bias, fp8_dtype(xl, fmt)), bias, non_finite
 
 
-def fp8_matmul(xl: Any, a: Tensor, a_bias: Tensor, b: Tensor, b_bias: Tensor,
+def popxl_fp8_matmul(xl: Any, a: Tensor, a_bias: Tensor, b: Tensor, b_bias: Tensor,
                post_scale: float) -> Tensor:
     """``(a @ b)`` of two FP8 tensors in their unscaled units, times ``post_scale``, float32.
 
@@ -158,10 +158,11 @@ class FP8LinearBlock:
         c = config
 
         def forward(*inputs: Tensor) -> Tuple[Tensor, ...]:
-            x8, x_bias, x_flag = cast_to_fp8(xl, inputs[0].reshape((rows, in_features)),
-                                             c.activation, c.activation_margin, c, amax)
-            w8, w_bias, w_flag = cast_to_fp8(xl, inputs[1], c.weight, c.weight_margin, c, amax)
-            y = fp8_matmul(xl, x8, x_bias, w8.transpose(), w_bias, output_scale)
+            x8, x_bias, x_flag = popxl_cast_to_fp8(xl, inputs[0].reshape((rows, in_features)),
+                                                   c.activation, c.activation_margin, c, amax)
+            w8, w_bias, w_flag = popxl_cast_to_fp8(xl, inputs[1], c.weight, c.weight_margin, c,
+                                                   amax)
+            y = popxl_fp8_matmul(xl, x8, x_bias, w8.transpose(), w_bias, output_scale)
             y = y.reshape(x_shape[:-1] + (out_features,))
             if bias:
                 y = y + inputs[2]
@@ -170,9 +171,9 @@ class FP8LinearBlock:
         def backward(g: Tensor, x8: Tensor, w8: Tensor, x_bias: Tensor, w_bias: Tensor
                      ) -> Tuple[Tensor, ...]:
             g2 = g.reshape((rows, out_features))
-            g8, g_bias, g_flag = cast_to_fp8(xl, g2, c.gradient, c.gradient_margin, c, amax)
-            grad_x = fp8_matmul(xl, g8, g_bias, w8, w_bias, grad_input_scale).reshape(x_shape)
-            grad_w = fp8_matmul(xl, g8.transpose(), g_bias, x8, x_bias, grad_weight_scale)
+            g8, g_bias, g_flag = popxl_cast_to_fp8(xl, g2, c.gradient, c.gradient_margin, c, amax)
+            grad_x = popxl_fp8_matmul(xl, g8, g_bias, w8, w_bias, grad_input_scale).reshape(x_shape)
+            grad_w = popxl_fp8_matmul(xl, g8.transpose(), g_bias, x8, x_bias, grad_weight_scale)
             grads = [grad_x, grad_w]
             if bias:
                 grads.append(ops.sum(g2, axis=0) * grad_weight_scale)
