@@ -316,3 +316,109 @@ def test_fused_mlp_backward_twice_with_retain_graph():
     second = [x.grad] + [p.grad for p in mlp.parameters()]
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+def _backward_nodes(tensor: torch.Tensor) -> List[str]:
+    """The names of the autograd nodes `tensor`'s backward pass runs."""
+    seen, names, stack = set(), [], [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad()
+    loss = model(ids, ids)
+    loss.backward()
+    return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_each_layer_runs_as_two_functions_with_the_five_function_values(monkeypatch, dtype):
+    """uu.GPT's layers take two Functions around torch's attention kernel (the QKV projection
+    in the first norm's, the output projection, the MLP and its norm in the second), with the
+    values and gradients of the five Functions they replace."""
+    import ipu_unit_scaling as uu
+    from ipu_unit_scaling.modules import gpt_blocks as modules
+
+    torch.manual_seed(0)
+    depth = 3
+    model = uu.GPT(vocab_size=48, hidden_size=32, depth=depth, heads=4, seq_len=12).to(dtype)
+    ids = torch.randint(0, 48, (3, 11))
+    names = _backward_nodes(model(ids, ids))
+    assert names.count("_NormQKVBackward") == depth
+    assert names.count("_ProjNormMLPBackward") == depth
+    assert "_MLPBackward" not in names and "_LinearBackward" in names  # (the readout's)
+    two = _loss_and_grads(model, ids)
+    monkeypatch.setattr(modules.TransformerBlock, "_in_two_functions", lambda self, x: False)
+    assert "_MLPBackward" in _backward_nodes(model(ids, ids))
+    five = _loss_and_grads(model, ids)
+    # The join weights move into the GEMMs' alphas, so each join, norm and GEMM may round
+    # once differently: a few unit roundoffs (float32 2**-24, float64 2**-53) carried through
+    # <= 128-term sums and the ops of three layers: 1e-5 (float32) and 1e-13 (float64)
+    # relative, far below a weight applied twice or lost (tau 0.2: 18% and more).
+    rtol = 1e-5 if dtype == torch.float32 else 1e-13
+    for got, want in zip(two, five):
+        torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * want.abs().max().item())
+
+
+def test_a_block_alone_in_two_functions_matches_its_ops_one_by_one(monkeypatch):
+    """A TransformerBlock outside a GPT (its own last join, unit scaling's residual add)."""
+    import ipu_unit_scaling as uu
+    from ipu_unit_scaling.modules import gpt_blocks as modules
+
+    torch.manual_seed(0)
+    block = uu.TransformerBlock(16, 2).double()
+    x = randn(2, 5, 16).double()
+    assert block._in_two_functions(x)
+    results = []
+    for fused_form in (True, False):
+        if not fused_form:
+            monkeypatch.setattr(modules.TransformerBlock, "_fusable", lambda self, x: False)
+        results.append(run(block, [x], seed=3) + ([p.grad.clone() for p in block.parameters()],))
+        block.zero_grad()
+    # float64 throughout: a few 2**-53 roundings through 64-term sums, 1e-13 relative.
+    (out_a, grads_a, params_a), (out_b, grads_b, params_b) = results
+    for got, want in zip([out_a, *grads_a, *params_a], [out_b, *grads_b, *params_b]):
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13 * want.abs().max().item())
+
+
+def test_the_two_function_form_gives_way_where_its_parts_differ():
+    """Dropout between the parts (training), a hooked projection, unit-scaling's rules or a
+    masked attention: the layer keeps its op-by-op or five-Function form."""
+    import ipu_unit_scaling as uu
+
+    torch.manual_seed(0)
+    x = randn(2, 5, 16)
+    block = uu.TransformerBlock(16, 2, dropout_p=0.1)
+    assert not block._in_two_functions(x)
+    block.eval()
+    assert block._in_two_functions(x)
+    handle = block.attn.proj.register_forward_hook(lambda module, args, out: None)
+    assert not block._in_two_functions(x)
+    handle.remove()
+    with uu.rules("unit-scaling"):
+        assert not block._in_two_functions(x)
+    assert not uu.TransformerBlock(16, 2, bias=True)._in_two_functions(x)
+
+
+def test_two_function_backward_twice_with_retain_graph():
+    """The second Function drops the MLP's intermediates in its backward pass (peak memory);
+    a second backward recomputes them and gives the same gradients."""
+    import ipu_unit_scaling as uu
+
+    torch.manual_seed(0)
+    model = uu.GPT(vocab_size=48, hidden_size=32, depth=2, heads=4, seq_len=12)
+    ids = torch.randint(0, 48, (3, 11))
+    loss = model(ids, ids)
+    loss.backward(retain_graph=True)
+    first = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    loss.backward()
+    for a, b in zip(first, [p.grad for p in model.parameters()]):
+        assert torch.equal(a, b)

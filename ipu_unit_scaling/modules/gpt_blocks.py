@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops as U
-from ..ops import activation_ops, attention_ops, fused_blocks, unit_ops
+from ..ops import activation_ops, attention_ops, fused_blocks, rule_switch, unit_ops
 from ..ops import fused_ops as fused
 from ..ops.scale_constraints import SharedInputGmean
 from ..ops.scaling_primitive import scale_fwd
@@ -68,6 +68,15 @@ def _observed(module: nn.Module) -> bool:
     modes = getattr(torch._C, "_len_torch_function_stack", None)
     return bool(module._forward_hooks or module._forward_pre_hooks or hooks._global_forward_hooks
                 or hooks._global_forward_pre_hooks or (modes is not None and modes()))
+
+
+def _linear_scales(layer: Linear, input: Union[Tensor, int]) -> Tuple[float, float, float]:
+    """`U.linear`'s (output, grad input, grad weight) scales for `layer` on `input` (or on as
+    many rows), as its eager form caches them."""
+    fan_out, fan_in = layer.weight.shape
+    rows = max(1, input.numel() // max(1, fan_in)) if isinstance(input, Tensor) else input
+    return fused.cached_scales(("linear", fan_in, fan_out, rows, layer.constraint),
+                               unit_ops.linear_scales, fan_in, fan_out, rows, layer.constraint)
 
 
 def _plain_silu_glu(input: Tensor, gate: Tensor) -> Tensor:
@@ -196,9 +205,7 @@ class SelfAttention(nn.Module):
         """`attn_mask`: boolean, True where a query may attend (e.g. `(batch, 1, 1, seq)` to
         hide padding keys); only without `is_causal`."""
         batch, seq, hidden = input.shape
-        qkv = self.qkv(input).view(batch, seq, 3, self.heads, hidden // self.heads)
-        query, key, value = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        dropout_p = self.dropout_p if self.training else 0.0
+        qkv = self.qkv(input)
         if (attn_mask is None and self.attention is unit_attention
                 and type(self.proj) is Linear and self.proj.bias is None
                 and not _observed(self.proj) and not is_ipu_tracing()):
@@ -207,26 +214,38 @@ class SelfAttention(nn.Module):
             # output itself, which attention keeps for its backward pass anyway: no scaled
             # copy of it is held until the backward pass. Only where nothing looks at the
             # projection's own output, which is then not scaled yet.
-            out, row_scale = attention_ops.attention_before_row_scale(
-                query, key, value, dropout_p=dropout_p, is_causal=self.is_causal,
-                scale=self.attention_scale)
-            out = out.transpose(1, 2).reshape(batch, seq, hidden)
+            out, row_scale = self.attend(qkv)
             proj = cast(Linear, self.proj)
             if fused.eager_forms() and getattr(proj, "attention_projection", None) is None:
                 # The projection and the row scale in one node: U.linear's eager form (same
-                # scales, same cache key), its output times the row scale in place.
-                fan_out, fan_in = proj.weight.shape
-                rows = max(1, out.numel() // max(1, fan_in))
-                power = unit_ops._UNIT_POWER
-                scales = fused.cached_scales(
-                    ("linear", fan_in, fan_out, rows, tuple(power), proj.constraint),
-                    unit_ops.linear_scales, fan_in, fan_out, rows, proj.constraint, power)
-                return fused.linear(out, proj.weight, None, *scales, row_scale)
+                # scales), its output times the row scale in place.
+                return fused.linear(out, proj.weight, None, *_linear_scales(proj, out),
+                                    row_scale)
             return self.proj(out) * row_scale
+        query, key, value = self._heads(qkv)
+        dropout_p = self.dropout_p if self.training else 0.0
         scale = {} if self.attention_scale is None else {"scale": self.attention_scale}
         out = self.attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                              is_causal=self.is_causal, **scale)
         return self.proj(out.transpose(1, 2).reshape(batch, seq, hidden))
+
+    def _heads(self, qkv: Tensor) -> Tuple[Tensor, ...]:
+        """(query, key, value), each (batch, heads, seq, head_dim), of a (batch, seq, 3 *
+        hidden) projection."""
+        batch, seq, width = qkv.shape
+        head_dim = width // (3 * self.heads)
+        return qkv.view(batch, seq, 3, self.heads, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+
+    def attend(self, qkv: Tensor) -> Tuple[Tensor, Union[float, Tensor]]:
+        """(the unit-scaled attention output before its row scale, as (batch, seq, hidden),
+        the row scale) of the QKV projection `qkv`: the unit-scaled attention without a mask,
+        its row scale left for the output projection to apply."""
+        batch, seq, width = qkv.shape
+        query, key, value = self._heads(qkv)
+        out, row_scale = attention_ops.attention_before_row_scale(
+            query, key, value, dropout_p=self.dropout_p if self.training else 0.0,
+            is_causal=self.is_causal, scale=self.attention_scale)
+        return out.transpose(1, 2).reshape(batch, seq, width // 3), row_scale
 
 
 class FeedForward(nn.Module):
@@ -256,17 +275,16 @@ class FeedForward(nn.Module):
 
     def _fused(self, input: Tensor) -> Tensor:
         up, down = cast(Linear, self.up), cast(Linear, self.down)
-        batch = input.numel() // input.shape[-1]
-        up_scales = fused.cached_scales(
-            ("linear", up.in_features, up.out_features, batch, up.constraint),
-            U.linear_scales, up.in_features, up.out_features, batch, up.constraint)
+        return fused_blocks.mlp(input, up.weight, up.bias, down.weight, down.bias, "none",
+                                self.fused_scales(input))
+
+    def fused_scales(self, input: Tensor) -> Tuple[float, ...]:
+        """The scales of `fused_blocks.mlp` on `input`: the two linears' and GELU's."""
+        up, down = cast(Linear, self.up), cast(Linear, self.down)
+        rows = input.numel() // input.shape[-1]
         gelu_scales = fused.cached_scales(("gelu", "none", "gmean"),
                                           activation_ops._gelu_scales, "none", "gmean")
-        down_scales = fused.cached_scales(
-            ("linear", down.in_features, down.out_features, batch, down.constraint),
-            U.linear_scales, down.in_features, down.out_features, batch, down.constraint)
-        return fused_blocks.mlp(input, up.weight, up.bias, down.weight, down.bias, "none",
-                                (*up_scales, *gelu_scales, *down_scales))
+        return (*_linear_scales(up, rows), *gelu_scales, *_linear_scales(down, rows))
 
 
 class GatedMLP(nn.Module):
@@ -355,21 +373,25 @@ class TransformerBlock(nn.Module):
         branch, stream, _, _ = self._fused_unjoined(input, None)
         return U.residual_add(branch, stream, self.mlp_tau)
 
-    def _fused_unjoined(self, input: Tensor, pending: Optional[Tuple[Tensor, float, float]]
-                        ) -> Tuple[Tensor, Tensor, float, float]:
+    def _fused_unjoined(self, input: Tensor, pending: Optional[Tuple[Tensor, float, float]],
+                        weigh_branch: bool = False) -> Tuple[Tensor, Tensor, float, float]:
         """The fused block but for its last residual join: (branch, stream, branch weight,
         skip weight), the block's output being `skip weight * stream + branch weight *
         branch`. A `GPT` leaves that join to the next block's first `residual_norm` (or to the
         final norm's), which makes it anyway: one node per layer fewer. `pending` is the
         previous block's (branch, branch weight, skip weight), joined into `input` (its
-        stream) first; None: `input` is the stream."""
+        stream) first; None: `input` is the stream. `weigh_branch`: the branch may come
+        already times its weight (then given as 1), where that saves a pass."""
         ops = self.ops
         attn_branch, attn_skip = unit_ops._residual_weights(self.attn_tau)
         mlp_branch, mlp_skip = unit_ops._residual_weights(self.mlp_tau)
         # The norms' parameter gradients sum over every row (see U.layer_norm).
         param_scale = (input.numel() // input.shape[-1]) ** -0.5
-        norm = cast(LayerNorm, self.attn_norm)
         previous, branch_weight, skip_weight = pending if pending is not None else (None, 1.0, 1.0)
+        if self._in_two_functions(input):
+            return self._two_functions(input, previous, branch_weight, skip_weight, param_scale,
+                                       weigh_branch)
+        norm = cast(LayerNorm, self.attn_norm)
         normed, stream = fused_blocks.residual_norm(
             input, previous, branch_weight, skip_weight, attn_branch, attn_skip, norm.weight,
             norm.bias, norm.eps, param_scale)
@@ -380,6 +402,48 @@ class TransformerBlock(nn.Module):
             norm.bias, norm.eps, param_scale)
         branch = ops.dropout(self.mlp(normed), self.dropout_p, self.training)
         return branch, stream, mlp_branch, mlp_skip
+
+    def _in_two_functions(self, input: Tensor) -> bool:
+        """Whether the fused block runs as two Functions around torch's attention kernel
+        (`fused_blocks.norm_qkv`, `fused_blocks.proj_norm_mlp`): no dropout between its
+        parts, unit-scaled parts without gradient rules of their own that nothing observes,
+        and this package's rules (not `rules("unit-scaling")`)."""
+        attn, mlp = self.attn, self.mlp
+        if not (type(attn) is SelfAttention and type(mlp) is FeedForward and input.dim() == 3
+                and (self.dropout_p == 0.0 or not self.training)
+                and attn.attention is unit_attention and not rule_switch.library_rules()):
+            return False
+        qkv, proj = attn.qkv, attn.proj
+        return (type(qkv) is Linear and type(proj) is Linear and proj.bias is None
+                and getattr(qkv, "attention_projection", None) is None
+                and getattr(proj, "attention_projection", None) is None
+                and not _observed(attn) and not _observed(qkv) and not _observed(proj)
+                and not _observed(mlp) and mlp._fusable(input))
+
+    def _two_functions(self, input: Tensor, previous: Optional[Tensor], branch_weight: float,
+                       skip_weight: float, param_scale: float, weigh_branch: bool
+                       ) -> Tuple[Tensor, Tensor, float, float]:
+        """`_fused_unjoined` as `fused_blocks.norm_qkv`, the attention kernel and
+        `fused_blocks.proj_norm_mlp`: the same ops, two autograd Functions for five."""
+        attn, mlp = cast(SelfAttention, self.attn), cast(FeedForward, self.mlp)
+        attn_branch, attn_skip = unit_ops._residual_weights(self.attn_tau)
+        mlp_branch, mlp_skip = unit_ops._residual_weights(self.mlp_tau)
+        norm = cast(LayerNorm, self.attn_norm)
+        qkv_layer = cast(Linear, attn.qkv)
+        qkv, stream = fused_blocks.norm_qkv(
+            input, previous, branch_weight, skip_weight, attn_branch, attn_skip, norm.weight,
+            norm.bias, norm.eps, param_scale, qkv_layer.weight, qkv_layer.bias,
+            _linear_scales(qkv_layer, input))
+        attended, row_scale = attn.attend(qkv)
+        norm = cast(LayerNorm, self.mlp_norm)
+        proj, up, down = cast(Linear, attn.proj), cast(Linear, mlp.up), cast(Linear, mlp.down)
+        branch, stream = fused_blocks.proj_norm_mlp(
+            attended, proj.weight, _linear_scales(proj, attended), row_scale, stream,
+            norm.weight, norm.bias,
+            (attn_branch, attn_skip, mlp_branch, mlp_skip, norm.eps, param_scale,
+             mlp_branch if weigh_branch else 1.0),
+            up.weight, up.bias, down.weight, down.bias, "none", mlp.fused_scales(input))
+        return branch, stream, 1.0 if weigh_branch else mlp_branch, mlp_skip
 
 
 class GPT(nn.Module):
@@ -482,7 +546,7 @@ class GPT(nn.Module):
         pending: Optional[Tuple[Tensor, float, float]] = None
         for layer in self.layers:
             branch, hidden, branch_weight, skip_weight = cast(
-                TransformerBlock, layer)._fused_unjoined(hidden, pending)
+                TransformerBlock, layer)._fused_unjoined(hidden, pending, weigh_branch=True)
             pending = (branch, branch_weight, skip_weight)
         assert pending is not None
         norm = cast(LayerNorm, self.final_norm)

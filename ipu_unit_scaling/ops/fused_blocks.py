@@ -18,18 +18,66 @@ torch function mode) and their parts are the unit-scaled ones; see `modules.py`.
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .fused_ops import _zero, applier
+from .fused_ops import addmm_zero, applier, linear_backward, linear_forward
 
-__all__ = ["residual_norm", "mlp", "embed"]
+__all__ = ["residual_norm", "mlp", "embed", "norm_qkv", "proj_norm_mlp"]
 
 _layer_norm_backward = torch.ops.aten.native_layer_norm_backward
 _gelu_backward = torch.ops.aten.gelu_backward
+
+
+def _join_norm(x: Tensor, f: Optional[Tensor], branch_weight: float, skip_weight: float,
+               weight: Optional[Tensor], bias: Optional[Tensor],
+               eps: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(normed, stream, mean, rstd): the stream ``x`` or ``skip_weight * x + branch_weight *
+    f``, and its layer norm with the statistics its backward pass needs."""
+    if f is None:
+        stream = x.view_as(x)
+    elif branch_weight == 1.0:  # (``f`` weighed by the GEMM that made it: one pass)
+        stream = torch.add(f, x, alpha=skip_weight)
+    else:
+        stream = torch.mul(x, skip_weight).add_(f, alpha=branch_weight)
+    normed, mean, rstd = torch.native_layer_norm(stream, (x.shape[-1],), weight, bias, eps)
+    return normed, stream, mean, rstd
+
+
+def _join_norm_backward(grad_normed: Optional[Tensor], grad_stream: Optional[Tensor],
+                        stream: Tensor, mean: Tensor, rstd: Tensor, weight: Optional[Tensor],
+                        bias: Optional[Tensor], next_branch_weight: float,
+                        next_skip_weight: float, param_grad_scale: float, need_weight: bool,
+                        need_bias: bool, weighed: bool = False
+                        ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """(the stream's gradient, the norm's weight and bias gradients) of :func:`_join_norm`,
+    the norm's input and the stream leaving it as unit scaling's residual split's branch and
+    skip. ``weighed``: ``grad_normed`` already carries ``next_branch_weight`` (folded into
+    the GEMM that made it; the norm's backward is linear in it), so the stream's gradient
+    takes one pass."""
+    if grad_normed is None:
+        if grad_stream is not None and next_skip_weight != 1.0:
+            grad_stream = grad_stream * next_skip_weight
+        return grad_stream, None, None
+    if weighed:
+        param_grad_scale /= next_branch_weight
+        next_branch_weight = 1.0
+    mask = [True, weight is not None and need_weight, bias is not None and need_bias]
+    grad_branch, grad_w, grad_b = _layer_norm_backward(
+        grad_normed.contiguous(), stream, (stream.shape[-1],), mean, rstd, weight, bias, mask)
+    if grad_w is not None:
+        grad_w = grad_w.mul_(param_grad_scale)
+    if grad_b is not None:
+        grad_b = grad_b.mul_(param_grad_scale)
+    # In place on the norm's fresh gradient: no new buffer (peak memory) for the join.
+    if next_branch_weight != 1.0:
+        grad_branch = grad_branch.mul_(next_branch_weight)
+    if grad_stream is not None:
+        grad_branch = grad_branch.add_(grad_stream, alpha=next_skip_weight)
+    return grad_branch, grad_w, grad_b
 
 
 class _ResidualNorm(torch.autograd.Function):
@@ -47,12 +95,8 @@ class _ResidualNorm(torch.autograd.Function):
                 weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
                 param_grad_scale: float) -> Tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)
-        if f is None:
-            stream = x.view_as(x)
-        else:
-            stream = torch.mul(x, skip_weight).add_(f, alpha=branch_weight)
-        shape = (x.shape[-1],)
-        normed, mean, rstd = torch.native_layer_norm(stream, shape, weight, bias, eps)
+        normed, stream, mean, rstd = _join_norm(x, f, branch_weight, skip_weight, weight, bias,
+                                                eps)
         ctx.save_for_backward(stream, mean, rstd, weight, bias)
         ctx.scales = (f is not None, next_branch_weight, next_skip_weight, param_grad_scale)
         return normed, stream
@@ -63,26 +107,9 @@ class _ResidualNorm(torch.autograd.Function):
         stream, mean, rstd, weight, bias = ctx.saved_tensors
         joined, next_branch_weight, next_skip_weight, param_grad_scale = ctx.scales
         needs = ctx.needs_input_grad
-        grad_w = grad_b = None
-        if grad_stream is not None and next_skip_weight != 1.0:
-            grad_stream = grad_stream * next_skip_weight
-        if grad_normed is not None:
-            mask = [True, weight is not None and needs[6], bias is not None and needs[7]]
-            grad_branch, grad_w, grad_b = _layer_norm_backward(
-                grad_normed.contiguous(), stream, (stream.shape[-1],), mean, rstd, weight, bias,
-                mask)
-            if grad_w is not None:
-                grad_w = grad_w.mul_(param_grad_scale)
-            if grad_b is not None:
-                grad_b = grad_b.mul_(param_grad_scale)
-            if grad_stream is None:  # (a weight of 1, as before a final norm: no pass)
-                grad_stream = (grad_branch if next_branch_weight == 1.0
-                               else grad_branch.mul_(next_branch_weight))
-            else:
-                grad_stream = torch.add(grad_stream, grad_branch, alpha=next_branch_weight)
-            # Python holds a local until the function returns; autograd's own nodes free a
-            # gradient once used. Let go of it here, or the step's peak memory grows.
-            del grad_branch
+        grad_stream, grad_w, grad_b = _join_norm_backward(
+            grad_normed, grad_stream, stream, mean, rstd, weight, bias, next_branch_weight,
+            next_skip_weight, param_grad_scale, needs[6], needs[7])
         if not joined:
             return grad_stream, None, None, None, None, None, grad_w, grad_b, None, None
         return grad_stream, grad_stream, None, None, None, None, grad_w, grad_b, None, None
@@ -100,6 +127,60 @@ def residual_norm(x: Tensor, f: Optional[Tensor], branch_weight: float, skip_wei
                                next_skip_weight, weight, bias, eps, param_grad_scale)
 
 
+def _mlp_forward(rows: Tensor, up_weight: Tensor, up_bias: Optional[Tensor],
+                 down_weight: Tensor, down_bias: Optional[Tensor], approximate: str,
+                 scales: Tuple[float, ...]) -> Tuple[Tensor, Tensor, Tensor]:
+    """(hidden, activated, out) of the MLP on 2-D ``rows`` (``scales``: see :class:`_MLP`)."""
+    up_out, _, _, gelu_out, _, down_out, _, _ = scales
+    hidden = torch.addmm(addmm_zero(rows) if up_bias is None else up_bias, rows, up_weight.t(),
+                         beta=0 if up_bias is None else 1, alpha=up_out)
+    activated = F.gelu(hidden, approximate=approximate)
+    out = torch.addmm(addmm_zero(rows) if down_bias is None else down_bias, activated,
+                      down_weight.t(), beta=0 if down_bias is None else 1,
+                      alpha=down_out * gelu_out)
+    return hidden, activated, out
+
+
+def _mlp_backward(grad_rows: Tensor, rows: Tensor, intermediates: List[Tensor],
+                  up_weight: Tensor, up_bias: Optional[Tensor], down_weight: Tensor,
+                  approximate: str, scales: Tuple[float, ...], needs: Tuple[bool, ...],
+                  input_weight: float = 1.0) -> Tuple[Optional[Tensor], ...]:
+    """(rows, up weight, up bias, down weight, down bias) gradients of :func:`_mlp_forward`,
+    each where ``needs`` asks, the input's gradient times ``input_weight``.
+
+    ``intermediates``: [hidden, activated], emptied here so that each is freed once used, as
+    torch's per-op nodes would (held to the end, they would raise the peak memory); empty (a
+    second backward, retain_graph=True): recomputed."""
+    _, up_grad_in, up_grad_w, gelu_out, gelu_grad, _, down_grad_in, down_grad_w = scales
+    if intermediates:
+        hidden, activated = intermediates
+        intermediates.clear()
+    else:
+        hidden, activated, _ = _mlp_forward(rows, up_weight, up_bias, down_weight, None,
+                                            approximate, scales)
+    zero = addmm_zero(grad_rows)
+    grad_down_w = grad_down_b = grad_up_w = grad_up_b = grad_x = None
+    if needs[3]:
+        grad_down_w = torch.addmm(zero, grad_rows.t(), activated, beta=0,
+                                  alpha=down_grad_w * gelu_out)
+    del activated
+    if needs[4]:
+        grad_down_b = grad_rows.sum(0).mul_(down_grad_w)
+    if needs[0] or needs[1] or needs[2]:
+        grad_activated = torch.addmm(zero, grad_rows, down_weight, beta=0,
+                                     alpha=down_grad_in * gelu_grad)
+        grad_hidden = _gelu_backward(grad_activated, hidden, approximate=approximate)
+        del grad_activated, hidden
+        if needs[0]:
+            grad_x = torch.addmm(zero, grad_hidden, up_weight, beta=0,
+                                 alpha=up_grad_in * input_weight)
+        if needs[1]:
+            grad_up_w = torch.addmm(zero, grad_hidden.t(), rows, beta=0, alpha=up_grad_w)
+        if needs[2]:
+            grad_up_b = grad_hidden.sum(0).mul_(up_grad_w)
+    return grad_x, grad_up_w, grad_up_b, grad_down_w, grad_down_b
+
+
 class _MLP(torch.autograd.Function):
     """``down(gelu(up(x)))`` with unit scaling's scales, GELU's folded into the down GEMMs.
 
@@ -111,18 +192,12 @@ class _MLP(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, up_weight: Tensor, up_bias: Optional[Tensor],
                 down_weight: Tensor, down_bias: Optional[Tensor], approximate: str,
                 scales: Tuple[float, ...]) -> Tensor:
-        up_out, _, _, gelu_out, _, down_out, _, _ = scales
         rows = x.reshape(-1, x.shape[-1])
-        hidden = torch.addmm(_zero(rows) if up_bias is None else up_bias, rows, up_weight.t(),
-                             beta=0 if up_bias is None else 1, alpha=up_out)
-        activated = F.gelu(hidden, approximate=approximate)
-        out = torch.addmm(_zero(rows) if down_bias is None else down_bias, activated,
-                          down_weight.t(), beta=0 if down_bias is None else 1,
-                          alpha=down_out * gelu_out)
+        hidden, activated, out = _mlp_forward(rows, up_weight, up_bias, down_weight, down_bias,
+                                              approximate, scales)
         ctx.save_for_backward(rows, up_weight, up_bias, down_weight)
-        # The intermediates are kept on ctx, not saved: the backward pass drops each once used,
-        # as torch's per-op nodes would (held to the end, they would raise the peak memory).
-        ctx.intermediates = (hidden, activated)
+        # Kept on ctx, not saved: see _mlp_backward.
+        ctx.intermediates = [hidden, activated]
         ctx.meta = (x.shape, approximate, scales, up_bias is not None, down_bias is not None)
         return out.view(*x.shape[:-1], down_weight.shape[0])
 
@@ -130,37 +205,14 @@ class _MLP(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], ...]:
         rows, up_weight, up_bias, down_weight = ctx.saved_tensors
         x_shape, approximate, scales, has_up_bias, has_down_bias = ctx.meta
-        up_out, up_grad_in, up_grad_w, gelu_out, gelu_grad, _, down_grad_in, down_grad_w = scales
-        if ctx.intermediates is None:  # a second backward (retain_graph=True): recompute them
-            hidden = torch.addmm(_zero(rows) if up_bias is None else up_bias, rows,
-                                 up_weight.t(), beta=0 if up_bias is None else 1, alpha=up_out)
-            activated = F.gelu(hidden, approximate=approximate)
-        else:
-            hidden, activated = ctx.intermediates
-            ctx.intermediates = None
         needs = ctx.needs_input_grad
-        grad_rows = grad.reshape(-1, grad.shape[-1])
-        zero = _zero(grad_rows)
-        grad_down_w = grad_down_b = grad_up_w = grad_up_b = grad_x = None
-        if needs[3]:
-            grad_down_w = torch.addmm(zero, grad_rows.t(), activated, beta=0,
-                                      alpha=down_grad_w * gelu_out)
-        del activated
-        if has_down_bias and needs[4]:
-            grad_down_b = grad_rows.sum(0).mul_(down_grad_w)
-        if needs[0] or needs[1] or needs[2]:
-            grad_activated = torch.addmm(zero, grad_rows, down_weight, beta=0,
-                                         alpha=down_grad_in * gelu_grad)
-            grad_hidden = _gelu_backward(grad_activated, hidden, approximate=approximate)
-            # Freed once used, as autograd frees a node's gradient (peak memory).
-            del grad_activated, hidden
-            if needs[0]:
-                grad_x = torch.addmm(zero, grad_hidden, up_weight, beta=0,
-                                     alpha=up_grad_in).view(x_shape)
-            if needs[1]:
-                grad_up_w = torch.addmm(zero, grad_hidden.t(), rows, beta=0, alpha=up_grad_w)
-            if has_up_bias and needs[2]:
-                grad_up_b = grad_hidden.sum(0).mul_(up_grad_w)
+        grad_x, grad_up_w, grad_up_b, grad_down_w, grad_down_b = _mlp_backward(
+            grad.reshape(-1, grad.shape[-1]), rows, ctx.intermediates, up_weight, up_bias,
+            down_weight, approximate, scales,
+            (needs[0], needs[1], has_up_bias and needs[2], needs[3],
+             has_down_bias and needs[4]))
+        if grad_x is not None:
+            grad_x = grad_x.view(x_shape)
         return grad_x, grad_up_w, grad_up_b, grad_down_w, grad_down_b, None, None
 
 
@@ -171,6 +223,146 @@ def mlp(x: Tensor, up_weight: Tensor, up_bias: Optional[Tensor], down_weight: Te
     """The unit-scaled MLP block in one Function (see :class:`_MLP`); ``x`` non-empty, at
     least 2-D."""
     return _mlp_apply(x, up_weight, up_bias, down_weight, down_bias, approximate, scales)
+
+
+class _NormQKV(torch.autograd.Function):
+    """:class:`_ResidualNorm` followed by the attention's (unit-scaled) QKV projection of its
+    normed output: (qkv, stream). ``qkv_scales``: the linear's (output, grad input, grad
+    weight) scales."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, f: Optional[Tensor], branch_weight: float,
+                skip_weight: float, next_branch_weight: float, next_skip_weight: float,
+                weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+                param_grad_scale: float, qkv_weight: Tensor, qkv_bias: Optional[Tensor],
+                qkv_scales: Tuple[float, float, float]) -> Tuple[Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        normed, stream, mean, rstd = _join_norm(x, f, branch_weight, skip_weight, weight, bias,
+                                                eps)
+        qkv = linear_forward(normed, qkv_weight, qkv_bias, qkv_scales[0])
+        ctx.save_for_backward(stream, mean, rstd, weight, bias, normed, qkv_weight)
+        ctx.scales = (f is not None, next_branch_weight, next_skip_weight, param_grad_scale,
+                      qkv_scales, qkv_bias is not None)
+        return qkv, stream
+
+    @staticmethod
+    def backward(ctx: Any, grad_qkv: Optional[Tensor],
+                 grad_stream: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        stream, mean, rstd, weight, bias, normed, qkv_weight = ctx.saved_tensors
+        joined, next_branch_weight, next_skip_weight, param_grad_scale, qkv_scales, has_bias = (
+            ctx.scales)
+        needs = ctx.needs_input_grad
+        grad_normed = grad_qkv_w = grad_qkv_b = None
+        if grad_qkv is not None:
+            grad_normed, grad_qkv_w, grad_qkv_b = linear_backward(
+                grad_qkv, normed, qkv_weight, qkv_scales[1] * (next_branch_weight or 1.0),
+                qkv_scales[2], None, True, needs[10], has_bias and needs[11])
+        grad_stream, grad_w, grad_b = _join_norm_backward(
+            grad_normed, grad_stream, stream, mean, rstd, weight, bias, next_branch_weight,
+            next_skip_weight, param_grad_scale, needs[6], needs[7],
+            weighed=next_branch_weight != 0.0)
+        del grad_normed
+        return (grad_stream, grad_stream if joined else None, None, None, None, None, grad_w,
+                grad_b, None, None, grad_qkv_w, grad_qkv_b, None)
+
+
+_normqkv_apply = applier(_NormQKV)
+
+def norm_qkv(x: Tensor, f: Optional[Tensor], branch_weight: float, skip_weight: float,
+             next_branch_weight: float, next_skip_weight: float, weight: Optional[Tensor],
+             bias: Optional[Tensor], eps: float, param_grad_scale: float, qkv_weight: Tensor,
+             qkv_bias: Optional[Tensor],
+             qkv_scales: Tuple[float, float, float]) -> Tuple[Tensor, Tensor]:
+    """(the QKV projection of the next branch's normalised input, the stream): the values of
+    :func:`residual_norm` then `fused_ops.linear` (see :class:`_NormQKV`)."""
+    return _normqkv_apply(x, f, branch_weight, skip_weight, next_branch_weight,
+                          next_skip_weight, weight, bias, eps, param_grad_scale, qkv_weight,
+                          qkv_bias, qkv_scales)
+
+
+class _ProjNormMLP(torch.autograd.Function):
+    """The second half of a pre-norm transformer layer: the attention's output projection
+    (bias-free) times the attention row scale, its residual join into the stream, the MLP's
+    layer norm and the MLP: (the MLP's output, the stream). The values and gradients of
+    `fused_ops.linear` (with ``row_scale``), :class:`_ResidualNorm` and :class:`_MLP` in turn.
+
+    ``proj_scales``: the projection's (output, grad input, grad weight) scales; ``residual``:
+    (branch weight, skip weight, next branch weight, next skip weight, eps, norm parameter
+    grad scale, output weight): the MLP's output is times the output weight in the forward
+    pass only (the next join's branch weight, folded into the GEMM); ``mlp_scales``: see
+    :class:`_MLP`.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, attended: Tensor, proj_weight: Tensor,
+                proj_scales: Tuple[float, float, float], row_scale: Union[float, Tensor],
+                stream: Tensor, norm_weight: Optional[Tensor], norm_bias: Optional[Tensor],
+                residual: Tuple[float, ...], up_weight: Tensor, up_bias: Optional[Tensor],
+                down_weight: Tensor, down_bias: Optional[Tensor], approximate: str,
+                mlp_scales: Tuple[float, ...]) -> Tuple[Tensor, ...]:
+        ctx.set_materialize_grads(False)
+        branch_weight, skip_weight, _, _, eps, _, output_weight = residual
+        # The join's branch weight in the projection's GEMM, the skip's in one in-place pass.
+        joined = linear_forward(attended, proj_weight, None, proj_scales[0] * branch_weight)
+        joined = joined.mul_(row_scale).add_(stream, alpha=skip_weight)
+        normed, mean, rstd = torch.native_layer_norm(joined, (joined.shape[-1],), norm_weight,
+                                                     norm_bias, eps)
+        rows = normed.reshape(-1, normed.shape[-1])
+        forward_scales = mlp_scales
+        if output_weight != 1.0:
+            forward_scales = (*mlp_scales[:5], mlp_scales[5] * output_weight, *mlp_scales[6:])
+        hidden, activated, out = _mlp_forward(rows, up_weight, up_bias, down_weight, down_bias,
+                                              approximate, forward_scales)
+        ctx.save_for_backward(attended, proj_weight, joined, mean, rstd, norm_weight, norm_bias,
+                              rows, up_weight, up_bias, down_weight)
+        ctx.intermediates = [hidden, activated]  # see _mlp_backward
+        ctx.meta = (proj_scales, row_scale, residual, approximate, mlp_scales,
+                    up_bias is not None, down_bias is not None)
+        return out.view(*stream.shape[:-1], down_weight.shape[0]), joined
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Optional[Tensor],
+                 grad_stream: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        (attended, proj_weight, joined, mean, rstd, norm_weight, norm_bias, rows, up_weight,
+         up_bias, down_weight) = ctx.saved_tensors
+        (proj_scales, row_scale, residual, approximate, mlp_scales, has_up_bias,
+         has_down_bias) = ctx.meta
+        _, _, next_branch_weight, next_skip_weight, _, param_grad_scale, _ = residual
+        needs = ctx.needs_input_grad
+        grad_normed = grad_up_w = grad_up_b = grad_down_w = grad_down_b = None
+        if grad_out is not None:
+            grad_normed, grad_up_w, grad_up_b, grad_down_w, grad_down_b = _mlp_backward(
+                grad_out.reshape(-1, grad_out.shape[-1]), rows, ctx.intermediates, up_weight,
+                up_bias, down_weight, approximate, mlp_scales,
+                (True, needs[8], has_up_bias and needs[9], needs[10],
+                 has_down_bias and needs[11]), next_branch_weight or 1.0)
+            grad_normed = grad_normed.view(joined.shape)
+        grad_joined, grad_w, grad_b = _join_norm_backward(
+            grad_normed, grad_stream, joined, mean, rstd, norm_weight, norm_bias,
+            next_branch_weight, next_skip_weight, param_grad_scale, needs[5], needs[6],
+            weighed=next_branch_weight != 0.0)
+        del grad_normed
+        if grad_joined is None:
+            return (None,) * 14
+        grad_attended, grad_proj_w, _ = linear_backward(
+            grad_joined, attended, proj_weight, proj_scales[1], proj_scales[2], row_scale,
+            needs[0], needs[1], False)
+        return (grad_attended, grad_proj_w, None, None, grad_joined, grad_w, grad_b, None,
+                grad_up_w, grad_up_b, grad_down_w, grad_down_b, None, None)
+
+
+_projnormmlp_apply = applier(_ProjNormMLP)
+
+def proj_norm_mlp(attended: Tensor, proj_weight: Tensor, proj_scales: Tuple[float, float, float],
+                  row_scale: Union[float, Tensor], stream: Tensor,
+                  norm_weight: Optional[Tensor], norm_bias: Optional[Tensor],
+                  residual: Tuple[float, ...], up_weight: Tensor, up_bias: Optional[Tensor],
+                  down_weight: Tensor, down_bias: Optional[Tensor], approximate: str,
+                  mlp_scales: Tuple[float, ...]) -> Tuple[Tensor, Tensor]:
+    """(the MLP's output, the stream) of a layer's second half (see :class:`_ProjNormMLP`)."""
+    return _projnormmlp_apply(attended, proj_weight, proj_scales, row_scale, stream,
+                              norm_weight, norm_bias, residual, up_weight, up_bias, down_weight,
+                              down_bias, approximate, mlp_scales)
 
 
 class _Embed(torch.autograd.Function):

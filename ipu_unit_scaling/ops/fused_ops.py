@@ -25,6 +25,7 @@ from .trace_switch import is_ipu_tracing
 __all__ = [
     "eager_forms", "cached_scales", "applier", "scaled_mm", "linear", "matmul", "gelu",
     "layer_norm", "embedding", "residual_split", "residual_add", "scale_grad_by_count",
+    "addmm_zero", "linear_forward", "linear_backward",
 ]
 
 def _never() -> bool:
@@ -83,7 +84,7 @@ def applier(function: Any) -> Callable[..., Any]:
 _ZEROS: Dict[torch.dtype, Tensor] = {}
 
 
-def _zero(like: Tensor) -> Tensor:
+def addmm_zero(like: Tensor) -> Tensor:
     """A 0-d zero for ``addmm(..., beta=0)``, which ignores it (no copy, no NaN passed on)."""
     if not like.is_cpu:
         return like.new_zeros(())
@@ -101,7 +102,7 @@ def scaled_mm(a: Tensor, b: Tensor, alpha: float) -> Tensor:
     uninitialised output by beta, so garbage NaNs leak into the result now and then.
     """
     if a.dim() == 2 and b.dim() == 2:
-        return torch.addmm(_zero(a), a, b, beta=0, alpha=alpha)
+        return torch.addmm(addmm_zero(a), a, b, beta=0, alpha=alpha)
     return torch.matmul(a, b).mul_(alpha)
 
 
@@ -124,7 +125,7 @@ class _Linear(torch.autograd.Function):
                 row_scale: Union[None, float, Tensor] = None) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.scales = (grad_input_scale, grad_weight_scale, bias is not None, row_scale)
-        out = _linear_forward(x, weight, bias, output_scale)
+        out = linear_forward(x, weight, bias, output_scale)
         return out if row_scale is None else out.mul_(row_scale)
 
     @staticmethod
@@ -132,28 +133,40 @@ class _Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_input_scale, grad_weight_scale, has_bias, row_scale = ctx.scales
         needs = ctx.needs_input_grad
-        if row_scale is not None:
-            grad = grad * row_scale
-        grad_rows = grad.reshape(-1, grad.shape[-1])
-        zero = _zero(grad)
-        grad_x = grad_w = grad_b = None
-        if needs[0]:
-            grad_x = torch.addmm(zero, grad_rows, weight, beta=0,
-                                 alpha=grad_input_scale).view_as(x)
-        if needs[1]:
-            grad_w = torch.addmm(zero, grad_rows.t(), x.reshape(-1, x.shape[-1]), beta=0,
-                                 alpha=grad_weight_scale)
-        if has_bias and needs[2]:
-            grad_b = grad_rows.sum(0).mul_(grad_weight_scale)
+        grad_x, grad_w, grad_b = linear_backward(
+            grad, x, weight, grad_input_scale, grad_weight_scale, row_scale, needs[0], needs[1],
+            has_bias and needs[2])
         return grad_x, grad_w, grad_b, None, None, None, None
+
+
+def linear_backward(grad: Tensor, x: Tensor, weight: Tensor, grad_input_scale: float,
+                    grad_weight_scale: float, row_scale: Union[None, float, Tensor],
+                    need_input: bool, need_weight: bool, need_bias: bool
+                    ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """The gradients (input, weight, bias) of :class:`_Linear`, each only where asked; for the
+    Functions of `fused_blocks` that end or start with a linear."""
+    if row_scale is not None:
+        grad = grad * row_scale
+    grad_rows = grad.reshape(-1, grad.shape[-1])
+    zero = addmm_zero(grad)
+    grad_x = grad_w = grad_b = None
+    if need_input:
+        grad_x = torch.addmm(zero, grad_rows, weight, beta=0,
+                             alpha=grad_input_scale).view_as(x)
+    if need_weight:
+        grad_w = torch.addmm(zero, grad_rows.t(), x.reshape(-1, x.shape[-1]), beta=0,
+                             alpha=grad_weight_scale)
+    if need_bias:
+        grad_b = grad_rows.sum(0).mul_(grad_weight_scale)
+    return grad_x, grad_w, grad_b
 
 
 _linear_apply = applier(_Linear)
 
-def _linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
+def linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
                     output_scale: float) -> Tensor:
     if bias is None:
-        out = torch.addmm(_zero(x), x.reshape(-1, x.shape[-1]), weight.t(), beta=0,
+        out = torch.addmm(addmm_zero(x), x.reshape(-1, x.shape[-1]), weight.t(), beta=0,
                           alpha=output_scale)
     else:
         out = torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight.t(), alpha=output_scale)
@@ -172,7 +185,7 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], output_scale: floa
                                grad_weight_scale)
         return out if row_scale is None else out * row_scale
     if not torch.is_grad_enabled():
-        out = _linear_forward(x, weight, bias, output_scale)
+        out = linear_forward(x, weight, bias, output_scale)
         return out if row_scale is None else out.mul_(row_scale)
     return _linear_apply(x, weight, bias, output_scale, grad_input_scale, grad_weight_scale,
                          row_scale)
