@@ -126,8 +126,9 @@ def count_flags(xl: Any, flags: Sequence[Optional[Tensor]]) -> Tensor:
 
 @dataclass(frozen=True)
 class CastSite:
-    """One FP8 cast of a call: ``site`` as :func:`fp8.simulate_fp8` names it (the module's
-    qualified name), ``role`` "input", "weight" or "grad_output"; codes and bias tensors."""
+    """One FP8 cast of a call: ``site`` as :func:`ipu_unit_scaling.transforms.simulate_fp8`
+    names it (the module's qualified name), ``role`` "input", "weight" or "grad_output"; codes
+    and bias tensors."""
 
     site: str
     role: str
