@@ -568,28 +568,6 @@ def test_each_public_name_is_written_once_and_served_from_one_path():
 
 
 KNOWN_PRIVATE_IMPORTS = {
-    # apps layer
-    "apps.cli: apps.commands._one_line",
-    "apps.compare: apps.commands._continued_by_running_again",
-    "apps.compare: apps.commands._fmt",
-    "apps.compare: apps.commands._load",
-    "apps.compare: apps.commands._overrides",
-    "apps.compare: apps.commands._read_baseline",
-    "apps.compare: apps.commands._run_directory",
-    "apps.compare: apps.commands._runs_root",
-    "apps.sweep: apps.experiments._read_json",
-    "apps.sweep: apps.experiments._save",
-    "apps.sweep: apps.experiments._write_text",
-    # loop layer
-    "loop.run_session: loop.run_opening._Run",
-    "loop.run_session: loop.run_opening._rewrite_for_resume",
-    "loop.run_session: loop.run_opening._schedule_settings",
-    "loop.run_session: loop.run_outcomes._exact",
-    "loop.training_loop: loop.run_opening._Run",
-    "loop.training_loop: loop.run_opening._open_new",
-    "loop.training_loop: loop.run_opening._open_resumed",
-    "loop.training_loop: loop.run_session._Session",
-    "loop.training_loop: loop.stop_signals._StopRequest",
     # ops layer
     "backends.popxl.popxl_model: ops.activation_ops._GELU_STDS",
     "backends.popxl.popxl_model: ops.unit_ops._residual_weights",
@@ -597,17 +575,6 @@ KNOWN_PRIVATE_IMPORTS = {
     "modules.gpt_blocks: ops.attention_ops._explicit_attention",
     "modules.gpt_blocks: ops.unit_ops._residual_weights",
     "parametrization.umup_rules: ops.attention_ops._explicit_attention",
-    # training layer
-    "analysis.plot: training.plots._pyplot",
-    "apps.experiments: training.plots._save",
-    "apps.sweep: training.plots._pyplot",
-    "training.run_config: training.config_files._build",
-    "training.run_config: training.config_files._matches",
-    "training.run_config: training.config_files._read_with_extends",
-    "training.run_config: training.config_files._resolve_path",
-    "training.run_config: training.config_files._short",
-    "training.run_config: training.config_files._type_error",
-    "training.run_records: training.run_directory._reason",
 }
 
 
@@ -712,3 +679,21 @@ def test_each_module_has_a_test_module():
     untested = sorted(_untested_modules() - UNTESTED_TODAY)
     assert not untested, ("modules with no tests/**/test_<module>.py (or a test module named "
                           "after their package):\n" + "\n".join(untested))
+
+
+def test_help_lists_each_name_of_the_package_once():
+    """``help(ipu_unit_scaling)`` shows each name of ``__all__`` once: a submodule in the package
+    contents, a class, function or constant as itself (``scale`` is unit-scaling's module)."""
+    import pydoc
+
+    text = pydoc.render_doc(ipu_unit_scaling, renderer=pydoc.plaintext)
+    contents = text.split("PACKAGE CONTENTS", 1)[1].split("\nCLASSES", 1)
+    listing, members = contents[0], contents[1]
+    counts = {}
+    for name in ipu_unit_scaling.__all__:
+        as_member = len(re.findall(rf"^    (?:class )?{name}(?:\(| = )", members, re.M))
+        as_module = len(re.findall(rf"^    {name}(?: \(package\))?$", listing, re.M))
+        counts[name] = (as_module, as_member)
+    wrong = {name: count for name, count in counts.items() if sum(count) != 1}
+    assert not wrong, f"names help() lists other than once (as module, as member): {wrong}"
+    assert counts["scale"] == (1, 0)
