@@ -10,6 +10,7 @@ import subprocess
 import sys
 import typing
 from pathlib import Path
+from types import ModuleType
 from typing import Dict, List, Optional, Set
 
 import ipu_unit_scaling
@@ -697,3 +698,25 @@ def test_help_lists_each_name_of_the_package_once():
     wrong = {name: count for name, count in counts.items() if sum(count) != 1}
     assert not wrong, f"names help() lists other than once (as module, as member): {wrong}"
     assert counts["scale"] == (1, 0)
+
+
+# Packages that bind a submodule's name to something else today (transforms layer: the function
+# unit_scale and the module transforms/unit_scale.py).
+NAME_CLASHES_TODAY = {"transforms.unit_scale"}
+
+
+def test_no_package_binds_a_submodule_name_to_something_else():
+    """``import ipu_unit_scaling.x.y as m`` gives the module y, never a function of x's that
+    shares its name (as ``uu.scale`` once did)."""
+    clashes = []
+    for name, path in sorted(MODULES.items()):
+        if path.name != "__init__.py":
+            continue
+        package = importlib.import_module(f"ipu_unit_scaling.{name}".rstrip("."))
+        for sub in MODULES:
+            if sub and sub.rpartition(".")[0] == name and sub != name:
+                value = getattr(package, sub.rpartition(".")[2], None)
+                if value is not None and not isinstance(value, ModuleType):
+                    clashes.append(sub)
+    new = sorted(set(clashes) - NAME_CLASHES_TODAY)
+    assert not new, f"names that are both a submodule and something else: {new}"

@@ -10,7 +10,11 @@ from torch import nn
 
 from ipu_unit_scaling.backends import build_training_model, make_optimizer
 from ipu_unit_scaling.backends.cpu import CPUTrainingModel, TrainingModule
-from ipu_unit_scaling.backends.stages import check_no_shared_parameters, split_stages, stages
+from ipu_unit_scaling.backends.pipeline_stages import (
+    check_no_shared_parameters,
+    split_stages,
+    stages,
+)
 from ipu_unit_scaling.training.run_config import load_config
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).

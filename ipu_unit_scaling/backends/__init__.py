@@ -36,7 +36,7 @@ from ..training.run_config import BACKEND_NAMES, Config
 from .backend_error import BackendError
 from .cpu import CPUTrainingModel, TrainingModule
 from .distributed import check_launch, launched_world_size
-from .stages import Stage, stages
+from .pipeline_stages import Stage, stages
 
 __all__ = [
     "BACKEND_ENV", "BackendError", "Stage", "stages", "select_backend",

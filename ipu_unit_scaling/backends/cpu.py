@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .stages import Stage
+from .pipeline_stages import Stage
 
 
 class TrainingModule(nn.Module):

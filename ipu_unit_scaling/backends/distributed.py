@@ -300,7 +300,7 @@ class DistributedTrainingModel:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config):
-        from .stages import stages
+        from .pipeline_stages import stages
 
         check_launch(config)
         ipu = config.ipu

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..training.run_config import Config
-from .stages import Stage, check_no_shared_parameters, layer_bounds, stage_parameters
+from .pipeline_stages import Stage, check_no_shared_parameters, layer_bounds, stage_parameters
 
 __all__ = ["PipelineReplica", "StageModule", "boundary_module"]
 

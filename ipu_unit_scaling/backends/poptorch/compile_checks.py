@@ -29,7 +29,7 @@ import torch
 
 from ...training.run_config import Config
 from ..backend_error import BackendError
-from ..stages import Stage
+from ..pipeline_stages import Stage
 from .poptorch_options import New, OptionCall, option_calls
 
 __all__ = [

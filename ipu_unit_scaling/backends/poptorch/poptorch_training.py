@@ -16,7 +16,7 @@ from torch import nn
 from ...ops.trace_switch import FP8CustomOps, ipu_tracing
 from ...training.run_config import Config
 from ..cpu import TrainingModule
-from ..stages import Stage, stages
+from ..pipeline_stages import Stage, stages
 from . import is_standin, poptorch_by_name
 from .compile_checks import PopTorchError, check_config_compiles, check_inputs
 from .fp8_custom_op import PopTorchFP8CustomOps, load_custom_op_library

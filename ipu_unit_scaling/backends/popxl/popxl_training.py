@@ -405,7 +405,7 @@ class PopXLTrainingModel:
                  optimizer: Union[torch.optim.Optimizer, TrainingConfig, None] = None,
                  config: Optional[Config] = None, *, xl: Any = None,
                  device: Optional[str] = None, amax: str = "ops"):
-        from ..stages import stages
+        from ..pipeline_stages import stages
 
         config = config if config is not None else Config()
         check_config(config)
