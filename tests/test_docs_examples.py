@@ -21,10 +21,10 @@ from typing import Any, Callable, Dict, List, Optional
 
 import pytest
 import torch
+from helpers import ROOT
 
-pytestmark = pytest.mark.numerics
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 MARKER = re.compile(r"^<!--\s*docs-test:(?P<options>.*?)-->\s*$")
@@ -420,15 +420,6 @@ def _emulator(block: Block, namespace: Namespace) -> None:
 
 
 # ---------------------------------------------------------------------------- running
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """The examples' tensors are small: one thread avoids oversubscribing shared CPUs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def run_block(block: Block, seed: int = 0) -> Namespace:

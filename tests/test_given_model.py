@@ -10,10 +10,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, List
+from typing import List
 
 import pytest
 import torch
+from helpers import ROOT
 from torch import nn
 
 from ipu_unit_scaling.backends import build_training_model, make_optimizer
@@ -30,15 +31,10 @@ from ipu_unit_scaling.training.precision import build_model
 from ipu_unit_scaling.training.run_config import Config, ConfigError, load_config
 from ipu_unit_scaling.training.run_records import load_checkpoint, read_metrics
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.usefixtures("from_the_repository_root")
 FACTORY = "examples.library_decoder:build"
 ONE_STAGE = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]"]
 VOCAB, SEQ = 24, 16
-
-
-@pytest.fixture(autouse=True)
-def from_the_repository_root(monkeypatch: Any) -> None:
-    monkeypatch.chdir(ROOT)  # where examples.library_decoder imports
 
 
 def _config(*overrides: str) -> Config:

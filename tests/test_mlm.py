@@ -23,15 +23,7 @@ from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
 from ipu_unit_scaling.training.run_directory import METRIC_FIELDS
 from ipu_unit_scaling.training.run_records import load_checkpoint, read_metrics
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
+pytestmark = pytest.mark.usefixtures("one_thread")
 TINY = MLMConfig(hidden_size=32, depth=1, heads=2, seq_len=24, min_len=8, batch_size=8,
                  steps=30, warmup_steps=5, eval_interval=10, eval_batches=2)
 

@@ -29,26 +29,11 @@ from ipu_unit_scaling.training.precision import build_model
 from ipu_unit_scaling.training.run_config import Config, load_config
 from ipu_unit_scaling.training.run_records import read_metrics
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.usefixtures("one_thread", "from_the_repository_root")
 FACTORY = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]",
            "model.factory=examples.library_decoder:build"]
 U32 = 2.0**-24  # float32 unit roundoff
 CALLS = 3
-
-
-@pytest.fixture(autouse=True)
-def from_the_repository_root(monkeypatch: Any) -> None:
-    monkeypatch.chdir(ROOT)  # where examples.library_decoder imports
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small ops on a shared machine: extra threads only contend (and one thread keeps each
-    kernel's summation order fixed from call to call)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class FormerEmulator(nn.Module):

@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from helpers import relative
 
 import ipu_unit_scaling as uu
 from ipu_unit_scaling.backends.popxl import PopXLTrainingModel, loss_and_gradients, reference
@@ -33,10 +34,6 @@ def batch(rows: int = 3):
     gen = torch.Generator().manual_seed(0)
     return (torch.randint(0, VOCAB, (rows, SEQ), generator=gen),
             torch.randint(0, VOCAB, (rows, SEQ), generator=gen))
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 def test_one_fp32_step_on_the_ipu_model_matches_the_reference():

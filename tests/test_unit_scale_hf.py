@@ -16,15 +16,8 @@ from ipu_unit_scaling.transforms import unit_scale, unit_scale_with_report
 from ipu_unit_scaling.transforms.export import export_unavailable
 from ipu_unit_scaling.transforms.replacements import scale_preserving_functions
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB, SEQ, BATCH = 64, 32, 8
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _transformers():
