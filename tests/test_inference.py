@@ -40,14 +40,7 @@ from ipu_unit_scaling.training.run_config import Config, load_config
 from ipu_unit_scaling.training.run_directory import RunError
 from ipu_unit_scaling.training.run_records import read_metrics
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small ops on a shared machine: extra threads only contend."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_config(*overrides: str) -> Config:

@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from helpers import relative
 
 import ipu_unit_scaling as uu
 from ipu_unit_scaling.backends import build_training_model, make_optimizer
@@ -35,18 +36,9 @@ from ipu_unit_scaling.training.precision import build_model
 from ipu_unit_scaling.training.run_config import ConfigError, load_config, scheduled_learning_rate
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
-pytestmark = pytest.mark.numerics
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("one_thread")]
 
 VOCAB, SEQ = 11, 8
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny ops on a shared machine: extra threads only contend."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_decoder(bias: bool = False, seed: int = 0) -> uu.GPT:
@@ -67,10 +59,6 @@ def torch_step(model):
     loss, logits = model(ids, labels, return_logits=True)
     loss.backward()
     return loss.item(), logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
