@@ -56,7 +56,8 @@ def _gemm_ratio(rounds: int) -> Any:
 
 
 def _step_ratio(rounds: int) -> Any:
-    from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
+    from ipu_unit_scaling.fp8 import FP8Config
+    from ipu_unit_scaling.transforms import simulate_fp8
 
     from .variants import OURS, Shape, build_model, make_batch, make_train_step
 

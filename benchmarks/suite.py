@@ -159,7 +159,8 @@ def _versus_published_target(mode: str) -> float:
 
 
 def _fp8_rows(results: Results, settings: Settings, names: List[str]) -> None:
-    from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
+    from ipu_unit_scaling.fp8 import FP8Config
+    from ipu_unit_scaling.transforms import simulate_fp8
 
     results.notes.append(f"FP8 casts on the CPU: {_cast_path()}")
     batch = make_batch(settings.shape)
@@ -258,7 +259,8 @@ def _torch_ours_static(shape: Shape, rounds: int, settings: Settings, results: R
                        step_prefix: str) -> Timings:
     """Plain torch, ours and ours in static FP8 on `shape`, timed interleaved; their median
     step times are recorded under `step_prefix`."""
-    from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
+    from ipu_unit_scaling.fp8 import FP8Config
+    from ipu_unit_scaling.transforms import simulate_fp8
 
     batch = make_batch(shape)
     steps = {

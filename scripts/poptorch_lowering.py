@@ -347,9 +347,10 @@ def project_models(hugging_face: bool = True) -> Iterator[Tuple[str, Any, Tuple[
     import torch
 
     from ipu_unit_scaling.apps.mlm import MLM_ALLOWED_REGIMES, MLMConfig, build_encoder
-    from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
+    from ipu_unit_scaling.fp8 import FP8Config
     from ipu_unit_scaling.models import GPTConfig, build_gpt
     from ipu_unit_scaling.training.precision import simulate_fp16
+    from ipu_unit_scaling.transforms import simulate_fp8
 
     precisions = {"fp32": None, "fp16": "fp16", "fp8-amax": FP8Config(),
                   "fp8-static": FP8Config(scaling="static"),

@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ipu_unit_scaling.fp8 import FP8Config, FP8Linear, fp8_stats, simulate_fp8
+from ipu_unit_scaling.fp8 import FP8Config, FP8Linear, fp8_stats
 from ipu_unit_scaling.fp8.attention import FP8AttentionFn
+from ipu_unit_scaling.transforms import simulate_fp8
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
 pytestmark = pytest.mark.numerics
@@ -70,7 +71,7 @@ def test_static_scaling_flushes_small_gradients_and_amax_does_not():
 def test_simulate_fp8_swaps_in_place_and_keeps_parameters():
     model = TinyGPT()
     params = dict(model.named_parameters())
-    out = simulate_fp8(model)
+    out = simulate_fp8(model, FP8Config())
     assert out is model
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert len(linears) == 9 and all(isinstance(m, FP8Linear) for m in linears.values())
@@ -78,9 +79,9 @@ def test_simulate_fp8_swaps_in_place_and_keeps_parameters():
     assert dict(model.named_parameters()).keys() == params.keys()
     assert all(p is params[n] for n, p in model.named_parameters())
     assert not isinstance(model.blocks[0].attention_fn, FP8AttentionFn)  # attention off
-    simulate_fp8(model)  # idempotent
+    simulate_fp8(model, FP8Config())  # idempotent
     assert isinstance(model.head, FP8Linear)
-    bare = simulate_fp8(nn.Linear(4, 4))
+    bare = simulate_fp8(nn.Linear(4, 4), FP8Config())
     assert isinstance(bare, FP8Linear)
 
 

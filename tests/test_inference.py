@@ -23,7 +23,7 @@ from ipu_unit_scaling.apps.pretrained import (
     write_evaluation,
 )
 from ipu_unit_scaling.backends import select_backend
-from ipu_unit_scaling.fp8 import FP8Config, FP8Linear, simulate_fp8
+from ipu_unit_scaling.fp8 import FP8Config, FP8Linear
 from ipu_unit_scaling.loop.training_loop import train
 from ipu_unit_scaling.training.data import CharTokenizer, DataError, embedded_corpus, get_batch
 from ipu_unit_scaling.training.inference import (
@@ -39,6 +39,7 @@ from ipu_unit_scaling.training.precision import regime_config
 from ipu_unit_scaling.training.run_config import Config, load_config
 from ipu_unit_scaling.training.run_directory import RunError
 from ipu_unit_scaling.training.run_records import read_metrics
+from ipu_unit_scaling.transforms import simulate_fp8
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

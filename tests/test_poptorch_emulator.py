@@ -15,7 +15,7 @@ from torch import nn
 import ipu_unit_scaling as uu
 import ipu_unit_scaling.functional as U
 from ipu_unit_scaling.backends import build_training_model
-from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
+from ipu_unit_scaling.fp8 import FP8Config
 from ipu_unit_scaling.ipu import (
     PopTorchError,
     check_poptorch,
@@ -26,6 +26,7 @@ from ipu_unit_scaling.ipu import (
 from ipu_unit_scaling.models import GPTConfig, build_gpt
 from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
 from ipu_unit_scaling.training.run_config import load_config
+from ipu_unit_scaling.transforms import simulate_fp8
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
 pytestmark = pytest.mark.numerics

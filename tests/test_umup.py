@@ -240,8 +240,9 @@ def test_lr_scales_follow_the_table():
 
 
 def test_weight_types_survive_fp8_and_fp16_conversion():
-    from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
+    from ipu_unit_scaling.fp8 import FP8Config
     from ipu_unit_scaling.training.precision import simulate_fp16
+    from ipu_unit_scaling.transforms import simulate_fp8
 
     reference = weight_rules(gpt())
     assert weight_rules(simulate_fp8(gpt(), FP8Config(scaling="static"))) == reference
@@ -366,7 +367,8 @@ def test_the_umup_config_builds_the_umup_gpt():
 def test_static_fp8_needs_no_scaling_in_umup_either():
     # Unit scale is what lets plain FP8 casts (scale 2^0) work; u-μP keeps it, so at init the
     # casts of the forward and backward pass flush and saturate almost nothing.
-    from ipu_unit_scaling.fp8 import FP8Config, fp8_stats, simulate_fp8
+    from ipu_unit_scaling.fp8 import FP8Config, fp8_stats
+    from ipu_unit_scaling.transforms import simulate_fp8
 
     ids, labels = batch()
     reference = gpt(width=128, depth=4)(ids, labels).item()

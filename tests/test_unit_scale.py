@@ -332,7 +332,8 @@ def train(model: nn.Module, streams: List[Tensor]) -> List[float]:
 
 
 def test_converted_gpt_trains_in_fp32_and_fp8_static() -> None:
-    from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
+    from ipu_unit_scaling.fp8 import FP8Config
+    from ipu_unit_scaling.transforms import simulate_fp8
 
     streams = markov_tokens(50, 8)
     example = (streams[0][:, :-1], streams[0][:, 1:])
@@ -482,11 +483,12 @@ def test_value_bias_rule_survives_simulate_fp8(host_library, monkeypatch):
     unquantised output gradient, so it equals the FP32 model's."""
     import copy
 
-    from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
-    from ipu_unit_scaling.fp8 import simulate as fp8_simulate
+    from ipu_unit_scaling.fp8 import FP8Config
+    from ipu_unit_scaling.fp8 import linear as fp8_linear_module
+    from ipu_unit_scaling.transforms import simulate_fp8
 
     if not host_library:  # the codes path: what runs off the CPU fast path
-        monkeypatch.setattr(fp8_simulate, "values_path_applies", lambda *args: False)
+        monkeypatch.setattr(fp8_linear_module, "values_path_applies", lambda *args: False)
     torch.manual_seed(0)
     converted = unit_scale(BiasedSelfAttention())
     fp8 = simulate_fp8(copy.deepcopy(converted), FP8Config(scaling="static"))
@@ -613,8 +615,9 @@ def test_query_key_rule_in_the_traced_form_and_through_simulate_fp8():
     marked projection applies the same factor (its gradient with the rule off, times it)."""
     import copy
 
-    from ipu_unit_scaling.fp8 import FP8Config, simulate_fp8
+    from ipu_unit_scaling.fp8 import FP8Config
     from ipu_unit_scaling.ops.trace_switch import ipu_tracing
+    from ipu_unit_scaling.transforms import simulate_fp8
 
     torch.manual_seed(0)
     converted = unit_scale(BiasedSelfAttention()).double()

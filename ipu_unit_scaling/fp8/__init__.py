@@ -1,4 +1,5 @@
-"""FP8: formats, the AMAX scaling-bias rule, casts, FP8 linear layers and simulate_fp8.
+"""FP8: formats, the AMAX scaling-bias rule, casts and FP8 linear layers (a model's linear
+layers become FP8 ones with :func:`ipu_unit_scaling.transforms.simulate_fp8`).
 
 Convention: ``q = encode(x * 2**s)``, ``x ~= decode(q) * 2**-s`` with
 ``s = clamp(floor(log2(fmt.max / amax)) - margin, -31, 31)``.
@@ -10,7 +11,7 @@ from .cast_ops import fp8_quantise, fp8_quantise_gradient
 from .codec import decode, encode, quantise, stochastic_round_to_grid
 from .fp8_config import FP8Config, FP8ConfigError
 from .fp8_formats import E4M3FN, E5M2, F143, F152, FORMATS, FP8Format, get_format
-from .linear import FP8Linear, fp8_linear, fp8_matmul, scaled_mm_supported
+from .linear import FP8Linear, FP8UnitScaledLinear, fp8_linear, fp8_matmul, scaled_mm_supported
 from .scaling import (
     MAX_LOG2_SCALE,
     MAX_MARGIN,
@@ -21,7 +22,6 @@ from .scaling import (
     cast_to_fp8_reference,
     log2_scale,
 )
-from .simulate import FP8UnitScaledLinear, simulate_fp8
 from .stats import CastRecord, Fp8Stats, fp8_stats
 
 __all__ = [
@@ -31,6 +31,6 @@ __all__ = [
     "Fp8Tensor", "cast_to_fp8", "cast_to_fp8_reference", "cast_from_fp8",
     "FP8Config", "FP8ConfigError", "FP8Linear", "FP8UnitScaledLinear", "fp8_linear", "fp8_matmul",
     "scaled_mm_supported", "fp8_attention", "fp8_scaled_dot_product_attention",
-    "FP8AttentionFn", "simulate_fp8", "CastRecord", "Fp8Stats", "fp8_stats",
+    "FP8AttentionFn", "CastRecord", "Fp8Stats", "fp8_stats",
     "fp8_quantise", "fp8_quantise_gradient",
 ]

@@ -4,8 +4,9 @@
 ``F.scaled_dot_product_attention`` run an explicit softmax attention whose two matmuls go
 through :func:`fp8_matmul`, and explicit matmuls (``@``, ``torch.matmul``, ``torch.bmm``) are
 FP8 matmuls too. It is meant to wrap an attention function only (that is what
-:func:`simulate_fp8` does for a module's ``attention_fn`` or ``attention``), not a whole
-model: the matmuls inside FP8 linear layers would otherwise be cast twice.
+:func:`ipu_unit_scaling.transforms.simulate_fp8` does for a module's ``attention_fn`` or
+``attention``), not a whole model: the matmuls inside FP8 linear layers would otherwise be cast
+twice.
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ class FP8ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class FP8Config:
-    """How :func:`simulate_fp8` and the FP8 modules cast.
+    """How :func:`ipu_unit_scaling.transforms.simulate_fp8` and the FP8 modules cast.
 
     - ``*_format``: "F143", "F152", "E4M3FN" or "E5M2" for activations (matmul inputs),
       weights, and output gradients.

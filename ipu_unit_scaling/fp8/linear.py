@@ -17,7 +17,7 @@ quantise_values`) and those values are what the backward pass keeps. Recorded ca
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple, Type, TypeVar
+from typing import Any, Optional, Tuple, Type, TypeVar
 
 import torch
 from torch import nn
@@ -29,7 +29,10 @@ from .scaling import Fp8Tensor, cast_from_fp8, cast_to_fp8
 from .stats import stats_enabled
 from .values import quantise_values
 
-__all__ = ["fp8_linear", "fp8_matmul", "FP8Linear", "scaled_mm_supported"]
+__all__ = [
+    "fp8_linear", "fp8_matmul", "FP8Linear", "FP8UnitScaledLinear", "scaled_mm_supported",
+    "fp8_tensor_matmul", "fp8_tensor_transpose",
+]
 
 _DEFAULT_CONFIG = FP8Config()
 _LinearT = TypeVar("_LinearT", bound="FP8Linear")
@@ -391,3 +394,53 @@ class FP8Linear(nn.Linear):
         return (f"{super().extra_repr()}, formats=({c.activation_format}, {c.weight_format}, "
                 f"{c.gradient_format}), scaling={c.scaling}")
 
+
+class FP8UnitScaledLinear(FP8Linear):
+    """FP8 version of the unit-scaled ``uu.Linear``: same scales, FP8 casts in between.
+
+    The casts see the unscaled input, weight and output gradient (all near unit variance in a
+    unit-scaled model); the forward output scale is applied to the FP8 matmul's product and the
+    backward scales of the input and weight to their gradients' products (inside the GEMMs,
+    where the product is computed from FP8 values on the CPU).
+    """
+
+    constraint: Optional[str]
+    # `U.linear`'s exponents: (1, 0.5, 0.5) for a `uu.LinearReadout`.
+    scale_power: Tuple[float, float, float] = (0.5, 0.5, 0.5)
+    # The `uu.Linear`'s `AttentionProjection`, if unit_scale marked it an attention projection.
+    attention_projection: Any = None
+
+    @classmethod
+    def from_unit_scaled(cls, linear: nn.Linear, config: Optional[FP8Config] = None,
+                         site: str = "linear") -> FP8UnitScaledLinear:
+        new = cls.from_linear(linear, config, site)
+        new.constraint = linear.constraint  # type: ignore[assignment]
+        new.scale_power = getattr(linear, "scale_power", new.scale_power)
+        new.attention_projection = getattr(linear, "attention_projection", None)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Imported here: the unit-scaled core imports nothing from fp8, and fp8 stays usable alone.
+        from .. import ops as U
+        from ..ops.scaling_primitive import scale_bwd, scale_fwd
+
+        batch_size = max(1, x.numel() // x.shape[-1])
+        output_scale, grad_input_scale, grad_weight_scale = U.linear_scales(
+            self.in_features, self.out_features, batch_size, self.constraint, self.scale_power)
+        # Its gradient is a sum over the batch: unit variance after 1/sqrt(batch).
+        bias_scale = batch_size ** -0.5
+        rule = self.attention_projection
+        if rule is not None and x.dim() >= 2:
+            grad_weight_scale *= rule.weight_grad_scale(x.shape[-2])
+            bias_scale *= rule.bias_grad_scale(x.shape[-2])
+        if values_path_applies(x, self.weight, self.bias, self.use_scaled_mm):
+            # One autograd node: the scales ride in the GEMMs around the FP8 values.
+            scales = (output_scale, grad_input_scale, grad_weight_scale, bias_scale)
+            return fp8_linear_values(x, self.weight, self.bias, self.config, self.site, scales)
+        x = scale_bwd(x, grad_input_scale)
+        weight = scale_bwd(self.weight, grad_weight_scale)
+        y = fp8_linear(x, weight, None, self.config, self.site, self.use_scaled_mm)
+        y = scale_fwd(y, output_scale)
+        if self.bias is not None:
+            y = y + scale_bwd(self.bias, bias_scale)
+        return y

@@ -68,7 +68,7 @@ def encoder_from_config(config: Config) -> nn.Module:
         attn_tau=shape.attn_tau, mlp_tau=shape.mlp_tau, ops=ENCODER_OPS[model_kind(config)],
     )
     if config.precision.dtype == "fp8":
-        from ..fp8 import simulate_fp8
+        from ..transforms import simulate_fp8
 
         model = simulate_fp8(model, config.precision.fp8)
     elif config.precision.dtype == "fp16":

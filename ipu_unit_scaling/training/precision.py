@@ -171,7 +171,7 @@ def build_model(config: Config) -> nn.Module:
     else:
         model = build_gpt(config.model)
     if config.precision.dtype == "fp8":
-        from ..fp8 import simulate_fp8
+        from ..transforms import simulate_fp8
 
         model = simulate_fp8(model, config.precision.fp8)
     elif config.precision.dtype == "fp16":

@@ -3,8 +3,11 @@
 - `unit_scale(model)` converts an existing model to unit scaling (traced with torch.fx; see
   `unit_scale`);
 - unit_scaling's composable graph transforms, captured by TorchDynamo (see `compose`):
-  `simulate_format` / `simulate_fp8` (low-precision casts around matmuls), `track_scales`
-  (tensor metrics on the captured graph, with the `prune_*` helpers) and `compile`.
+  `simulate_format` / `simulate_fp8(module)` (low-precision casts around matmuls, on a copy),
+  `track_scales` (tensor metrics on the captured graph, with the `prune_*` helpers) and
+  `compile`;
+- `simulate_fp8(model, FP8Config(...))`: this package's FP8 linear layers (per-tensor scaling
+  biases under FP8-AMAX) put in place of the model's own, in place.
 """
 from __future__ import annotations
 

@@ -1,25 +1,33 @@
-"""`simulate_format` / `simulate_fp8`: a copy of a module whose matmuls see their inputs cast to
-a low-precision format, and their output gradients cast to another.
+"""`simulate_fp8` and `simulate_format`: FP8 (or another low-precision format) in a module's
+matmuls, on any device.
 
-The casts are plain ones (no scaling bias): what unit scaling makes possible. Each
-`F.linear` and `F.scaled_dot_product_attention` call of the captured forward graph (see
-`compose`; nn modules are traced through, and so are this package's unit-scaled ops, whose
-matmuls run on their unscaled inputs) gets its tensor inputs quantised in the forward pass to
-`fwd_format`, and the gradient of its output quantised in the backward pass to `bwd_format`.
-Everything else runs as before, in the input precision.
+`simulate_fp8` has two forms, told apart by its `config` argument:
 
-For FP8 with per-tensor scaling biases (FP8-AMAX), the IPU's casts and FP8 linear layers, see
-:func:`ipu_unit_scaling.fp8.simulate_fp8`.
+- `simulate_fp8(module)`, unit-scaling's call, and `simulate_format(module, fwd_format,
+  bwd_format)` return a **copy** of the module; the module given is left unchanged. The casts
+  are plain ones (no scaling bias): what unit scaling makes possible. Each `F.linear` and
+  `F.scaled_dot_product_attention` call of the captured forward graph (see `compose`; nn
+  modules are traced through, and so are this package's unit-scaled ops, whose matmuls run on
+  their unscaled inputs) gets its tensor inputs quantised in the forward pass to `fwd_format`,
+  and the gradient of its output quantised in the backward pass to `bwd_format`. Everything
+  else runs as before, in the input precision.
+- `simulate_fp8(model, FP8Config(...))`, this package's FP8 (the IPU's casts, with per-tensor
+  scaling biases under FP8-AMAX), **changes the model in place** and returns it: its linear
+  layers become :class:`~ipu_unit_scaling.fp8.FP8Linear` and
+  :class:`~ipu_unit_scaling.fp8.FP8UnitScaledLinear` layers that share its parameters.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, cast
 
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
+from ..fp8.attention import FP8AttentionFn
+from ..fp8.fp8_config import FP8Config
 from ..fp8.generic_formats import FPFormat
+from ..fp8.linear import FP8Linear, FP8UnitScaledLinear
 from .compose import Backend, apply_transform
 
 __all__ = ["simulate_format", "simulate_fp8"]
@@ -82,7 +90,55 @@ def simulate_format(module: M, fwd_format: FPFormat, bwd_format: FPFormat) -> M:
     return apply_transform(module, _quantising_backend(fwd_format, bwd_format))
 
 
-def simulate_fp8(module: M) -> M:
-    """`simulate_format` with FP8: E4M3 in the forward pass, E5M2 in the backward pass (the
-    IPU's F143 and F152 grids), stochastically rounded."""
-    return simulate_format(module, FPFormat(4, 3), FPFormat(5, 2))
+def simulate_fp8(module: M, config: Optional[FP8Config] = None) -> M:
+    """FP8 in `module`'s matmuls: a copy without `config`, the module itself changed with one.
+
+    - `simulate_fp8(module)` (unit-scaling's call) returns a **copy** of `module`, which is left
+      unchanged: `simulate_format` with E4M3 in the forward pass and E5M2 in the backward pass
+      (the IPU's F143 and F152 grids), stochastically rounded, without scaling biases.
+    - `simulate_fp8(model, config)` with an :class:`~ipu_unit_scaling.fp8.FP8Config`
+      **changes `model` in place** and returns it. Every ``torch.nn.Linear`` becomes an
+      :class:`~ipu_unit_scaling.fp8.FP8Linear` and every unit-scaled ``uu.Linear`` an
+      :class:`~ipu_unit_scaling.fp8.FP8UnitScaledLinear`; they share the original parameters.
+      Other ``nn.Linear`` subclasses are left alone (e.g. ``nn.MultiheadAttention``'s
+      ``out_proj``, whose forward that module never calls). A bare ``nn.Linear`` passed as
+      `model` cannot be replaced in place: its FP8 version is returned. With
+      ``config.attention``, every module's attention function (an ``attention_fn`` or
+      ``attention`` attribute that is a plain callable, not a submodule, as on
+      ``uu.SelfAttention``) is wrapped to run inside :func:`~ipu_unit_scaling.fp8.fp8_attention`:
+      the ``F.scaled_dot_product_attention`` it calls (``U.scaled_dot_product_attention`` calls
+      it too, keeping its unit scaling around it) runs its two matmuls in FP8. Casts are
+      recorded under each module's qualified name in :func:`~ipu_unit_scaling.fp8.fp8_stats`.
+    """
+    if config is None:
+        return simulate_format(module, FPFormat(4, 3), FPFormat(5, 2))
+    root = _fp8_version(module, config, "linear")
+    if root is not None:
+        return cast(M, root)
+    for parent_name, parent in list(module.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            site = f"{parent_name}.{child_name}" if parent_name else child_name
+            replacement = _fp8_version(child, config, site)
+            if replacement is not None:
+                setattr(parent, child_name, replacement)
+    if config.attention:
+        for name, submodule in module.named_modules():
+            for attribute in _ATTENTION_ATTRIBUTES:
+                fn = getattr(submodule, attribute, None)
+                if callable(fn) and not isinstance(fn, (nn.Module, FP8AttentionFn)):
+                    setattr(submodule, attribute, FP8AttentionFn(fn, config, name or "attention"))
+    return module
+
+
+# Attribute names under which modules keep their attention function.
+_ATTENTION_ATTRIBUTES = ("attention_fn", "attention")
+
+
+def _fp8_version(module: nn.Module, config: FP8Config, site: str) -> Optional[nn.Module]:
+    if isinstance(module, FP8Linear):
+        return None  # already converted
+    if isinstance(module, nn.Linear) and hasattr(module, "constraint"):
+        return FP8UnitScaledLinear.from_unit_scaled(module, config, site)
+    if type(module) is nn.Linear:
+        return FP8Linear.from_linear(module, config, site)
+    return None
