@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT
 
 from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.apps.pretrained import open_run
@@ -28,10 +29,12 @@ from ipu_unit_scaling.training.run_config import ConfigError, load_config
 from ipu_unit_scaling.training.run_directory import RunError
 from ipu_unit_scaling.training.run_records import load_checkpoint
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def _weather_log():
     # scripts/ is not a package: load the generator of the README's fine-tuning text by path
-    path = Path(__file__).resolve().parent.parent / "scripts" / "weather_log.py"
+    path = ROOT / "scripts" / "weather_log.py"
     spec = importlib.util.spec_from_file_location("weather_log", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -93,15 +96,6 @@ def test_only_dropout_of_the_model_may_change():
 
 
 # ------------------------------------------------------------------------------ end to end
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Small ops on a shared machine: extra threads only contend."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny(*overrides: str):

@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
+from helpers import ONE_IPU
 
 import ipu_unit_scaling.loop.training_loop as train_module
 from ipu_unit_scaling.apps.cli import main
@@ -24,9 +25,9 @@ from ipu_unit_scaling.training.run_config import Config, ConfigError, load_confi
 from ipu_unit_scaling.training.run_directory import METRIC_FIELDS
 from ipu_unit_scaling.training.run_records import load_checkpoint, read_metrics
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="kills a forked child")
+pytestmark = [pytest.mark.skipif(not hasattr(os, "fork"), reason="kills a forked child"),
+              pytest.mark.usefixtures("one_thread")]
 
-TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(60))
 # Checkpoints at steps 2 and 4, evaluations at 3 and 6: a kill at step 3 loses a step.
 STEPS = ["training.steps=6", "training.checkpoint_interval=2", "training.eval_interval=3",
          "training.eval_batches=1", "training.warmup_steps=2"]
@@ -35,25 +36,8 @@ TINY_MLM = ["mlm.hidden_size=32", "mlm.depth=1", "mlm.heads=2", "mlm.seq_len=24"
             "mlm.eval_batches=1"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def data(tmp_path: Path) -> Path:
-    path = tmp_path / "text.txt"
-    path.write_text(TEXT)
-    return path
-
-
 def causal_lm(data: Path) -> Tuple[Config, Task]:
-    return load_config("tiny", ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]",
-                                "ipu.gradient_accumulation=1", f"data.path={data}", *STEPS]), \
-        CausalLM()
+    return load_config("tiny", [*ONE_IPU, f"data.path={data}", *STEPS]), CausalLM()
 
 
 def masked_lm(data: Path, regime: str = "unit-fp8") -> Tuple[Config, Task]:
