@@ -238,14 +238,19 @@ class SelfAttention(nn.Module):
 
     def attend(self, qkv: Tensor) -> Tuple[Tensor, Union[float, Tensor]]:
         """(the unit-scaled attention output before its row scale, as (batch, seq, hidden),
-        the row scale) of the QKV projection `qkv`: the unit-scaled attention without a mask,
-        its row scale left for the output projection to apply."""
+        the row scale) of the QKV projection `qkv`; see `attend_heads`."""
         batch, seq, width = qkv.shape
+        out, row_scale = self.attend_heads(qkv)
+        return out.transpose(1, 2).reshape(batch, seq, width // 3), row_scale
+
+    def attend_heads(self, qkv: Tensor) -> Tuple[Tensor, Union[float, Tensor]]:
+        """(the unit-scaled attention output before its row scale, as (batch, heads, seq,
+        head_dim), the row scale) of the QKV projection `qkv`: the unit-scaled attention
+        without a mask, its row scale left for a later op to apply."""
         query, key, value = self._heads(qkv)
-        out, row_scale = attention_ops.attention_before_row_scale(
+        return attention_ops.attention_before_row_scale(
             query, key, value, dropout_p=self.dropout_p if self.training else 0.0,
             is_causal=self.is_causal, scale=self.attention_scale)
-        return out.transpose(1, 2).reshape(batch, seq, width // 3), row_scale
 
 
 class FeedForward(nn.Module):
@@ -434,11 +439,11 @@ class TransformerBlock(nn.Module):
             input, previous, branch_weight, skip_weight, attn_branch, attn_skip, norm.weight,
             norm.bias, norm.eps, param_scale, qkv_layer.weight, qkv_layer.bias,
             _linear_scales(qkv_layer, input))
-        attended, row_scale = attn.attend(qkv)
+        heads, row_scale = attn.attend_heads(qkv)
         norm = cast(LayerNorm, self.mlp_norm)
         proj, up, down = cast(Linear, attn.proj), cast(Linear, mlp.up), cast(Linear, mlp.down)
         branch, stream = fused_blocks.proj_norm_mlp(
-            attended, proj.weight, _linear_scales(proj, attended), row_scale, stream,
+            heads, row_scale, proj.weight, _linear_scales(proj, input), stream,
             norm.weight, norm.bias,
             (attn_branch, attn_skip, mlp_branch, mlp_skip, norm.eps, param_scale,
              mlp_branch if weigh_branch else 1.0),

@@ -281,30 +281,37 @@ def norm_qkv(x: Tensor, f: Optional[Tensor], branch_weight: float, skip_weight: 
 
 
 class _ProjNormMLP(torch.autograd.Function):
-    """The second half of a pre-norm transformer layer: the attention's output projection
-    (bias-free) times the attention row scale, its residual join into the stream, the MLP's
-    layer norm and the MLP: (the MLP's output, the stream). The values and gradients of
+    """The second half of a pre-norm transformer layer: the attention's heads joined and
+    times the attention row scale (in the one copy that joins them), the output projection
+    (bias-free), its residual join into the stream, the MLP's layer norm and the MLP: (the
+    MLP's output, the stream). The values and gradients of the heads' transpose and reshape,
     `fused_ops.linear` (with ``row_scale``), :class:`_ResidualNorm` and :class:`_MLP` in turn.
 
-    ``proj_scales``: the projection's (output, grad input, grad weight) scales; ``residual``:
-    (branch weight, skip weight, next branch weight, next skip weight, eps, norm parameter
-    grad scale, output weight): the MLP's output is times the output weight in the forward
-    pass only (the next join's branch weight, folded into the GEMM); ``mlp_scales``: see
-    :class:`_MLP`.
+    ``heads``: the attention output, (batch, heads, seq, head_dim); ``row_scale``: a float or
+    a (seq, 1) tensor. ``proj_scales``: the projection's (output, grad input, grad weight)
+    scales; ``residual``: (branch weight, skip weight, next branch weight, next skip weight,
+    eps, norm parameter grad scale, output weight): the MLP's output is times the output
+    weight in the forward pass only (the next join's branch weight, folded into the GEMM);
+    ``mlp_scales``: see :class:`_MLP`.
     """
 
     @staticmethod
-    def forward(ctx: Any, attended: Tensor, proj_weight: Tensor,
-                proj_scales: Tuple[float, float, float], row_scale: Union[float, Tensor],
-                stream: Tensor, norm_weight: Optional[Tensor], norm_bias: Optional[Tensor],
+    def forward(ctx: Any, heads: Tensor, row_scale: Union[float, Tensor], proj_weight: Tensor,
+                proj_scales: Tuple[float, float, float], stream: Tensor,
+                norm_weight: Optional[Tensor], norm_bias: Optional[Tensor],
                 residual: Tuple[float, ...], up_weight: Tensor, up_bias: Optional[Tensor],
                 down_weight: Tensor, down_bias: Optional[Tensor], approximate: str,
                 mlp_scales: Tuple[float, ...]) -> Tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)
         branch_weight, skip_weight, _, _, eps, _, output_weight = residual
+        batch, count, seq, head_dim = heads.shape
+        row_factor = row_scale.view(seq, 1, 1) if isinstance(row_scale, Tensor) else row_scale
+        attended = heads.new_empty((batch, seq, count * head_dim))
+        torch.mul(heads.transpose(1, 2), row_factor,
+                  out=attended.view(batch, seq, count, head_dim))
         # The join's branch weight in the projection's GEMM, the skip's in one in-place pass.
         joined = linear_forward(attended, proj_weight, None, proj_scales[0] * branch_weight)
-        joined = joined.mul_(row_scale).add_(stream, alpha=skip_weight)
+        joined = joined.add_(stream, alpha=skip_weight)
         normed, mean, rstd = torch.native_layer_norm(joined, (joined.shape[-1],), norm_weight,
                                                      norm_bias, eps)
         rows = normed.reshape(-1, normed.shape[-1])
@@ -316,8 +323,9 @@ class _ProjNormMLP(torch.autograd.Function):
         ctx.save_for_backward(attended, proj_weight, joined, mean, rstd, norm_weight, norm_bias,
                               rows, up_weight, up_bias, down_weight)
         ctx.intermediates = [hidden, activated]  # see _mlp_backward
-        ctx.meta = (proj_scales, row_scale, residual, approximate, mlp_scales,
+        ctx.meta = (row_factor, proj_scales, residual, approximate, mlp_scales,
                     up_bias is not None, down_bias is not None)
+        ctx.head_dim = head_dim
         return out.view(*stream.shape[:-1], down_weight.shape[0]), joined
 
     @staticmethod
@@ -325,7 +333,7 @@ class _ProjNormMLP(torch.autograd.Function):
                  grad_stream: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         (attended, proj_weight, joined, mean, rstd, norm_weight, norm_bias, rows, up_weight,
          up_bias, down_weight) = ctx.saved_tensors
-        (proj_scales, row_scale, residual, approximate, mlp_scales, has_up_bias,
+        (row_factor, proj_scales, residual, approximate, mlp_scales, has_up_bias,
          has_down_bias) = ctx.meta
         _, _, next_branch_weight, next_skip_weight, _, param_grad_scale, _ = residual
         needs = ctx.needs_input_grad
@@ -345,24 +353,29 @@ class _ProjNormMLP(torch.autograd.Function):
         if grad_joined is None:
             return (None,) * 14
         grad_attended, grad_proj_w, _ = linear_backward(
-            grad_joined, attended, proj_weight, proj_scales[1], proj_scales[2], row_scale,
-            needs[0], needs[1], False)
-        return (grad_attended, grad_proj_w, None, None, grad_joined, grad_w, grad_b, None,
+            grad_joined, attended, proj_weight, proj_scales[1], proj_scales[2], None,
+            needs[0], needs[2], False)
+        grad_heads = None
+        if grad_attended is not None:
+            batch, seq, _ = grad_attended.shape
+            grad_heads = grad_attended.view(batch, seq, -1, ctx.head_dim).mul_(
+                row_factor).transpose(1, 2)
+        return (grad_heads, None, grad_proj_w, None, grad_joined, grad_w, grad_b, None,
                 grad_up_w, grad_up_b, grad_down_w, grad_down_b, None, None)
 
 
 _projnormmlp_apply = applier(_ProjNormMLP)
 
-def proj_norm_mlp(attended: Tensor, proj_weight: Tensor, proj_scales: Tuple[float, float, float],
-                  row_scale: Union[float, Tensor], stream: Tensor,
+def proj_norm_mlp(heads: Tensor, row_scale: Union[float, Tensor], proj_weight: Tensor,
+                  proj_scales: Tuple[float, float, float], stream: Tensor,
                   norm_weight: Optional[Tensor], norm_bias: Optional[Tensor],
                   residual: Tuple[float, ...], up_weight: Tensor, up_bias: Optional[Tensor],
                   down_weight: Tensor, down_bias: Optional[Tensor], approximate: str,
                   mlp_scales: Tuple[float, ...]) -> Tuple[Tensor, Tensor]:
     """(the MLP's output, the stream) of a layer's second half (see :class:`_ProjNormMLP`)."""
-    return _projnormmlp_apply(attended, proj_weight, proj_scales, row_scale, stream,
-                              norm_weight, norm_bias, residual, up_weight, up_bias, down_weight,
-                              down_bias, approximate, mlp_scales)
+    return _projnormmlp_apply(heads, row_scale, proj_weight, proj_scales, stream, norm_weight,
+                              norm_bias, residual, up_weight, up_bias, down_weight, down_bias,
+                              approximate, mlp_scales)
 
 
 class _Embed(torch.autograd.Function):
