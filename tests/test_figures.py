@@ -101,7 +101,7 @@ def test_runs_evaluated_once_are_markers_with_std_bars_not_a_column_of_dots(
 
 
 def test_bert_compare_draws_the_mean_over_seeds_of_each_regime(tmp_path, monkeypatch):
-    from ipu_unit_scaling.apps.mlm import MLM_REGIMES, MLMConfig, _write_comparison
+    from ipu_unit_scaling.apps.mlm import MLM_REGIMES, MLMConfig, write_comparison
 
     saved = _drawn(monkeypatch)
     seeds = [0, 1, 2]
@@ -110,7 +110,7 @@ def test_bert_compare_draws_the_mean_over_seeds_of_each_regime(tmp_path, monkeyp
         "final_val_metrics": {"accuracy": 0.3}, "elapsed_s": 1.0,
         "val_curve": [[step, 3.0 - step / 100 + 0.1 * i + 0.01 * seed] for step in (20, 40, 60)],
     } for i, regime in enumerate(MLM_REGIMES) for seed in seeds}
-    _write_comparison(MLMConfig(), list(MLM_REGIMES), seeds, tmp_path, runs)
+    write_comparison(MLMConfig(), list(MLM_REGIMES), seeds, tmp_path, runs)
     (panel,) = saved[0]["panels"]
     assert [label for label, *_ in panel["lines"]] == list(MLM_REGIMES)  # not 15 seed lines
     assert all(points == 3 for *_, points in panel["lines"])
@@ -194,7 +194,7 @@ def test_a_sweep_keeps_a_finished_points_checkpoint_only_when_asked(tmp_path, mo
     from types import SimpleNamespace
 
     import ipu_unit_scaling.loop.training_loop as loop
-    from ipu_unit_scaling.apps.sweep import _train_points
+    from ipu_unit_scaling.apps.sweep import train_points
 
     def fake_train(cfg, directory, **kwargs):  # a point that finishes, or one still running
         directory.mkdir(parents=True, exist_ok=True)
@@ -207,8 +207,8 @@ def test_a_sweep_keeps_a_finished_points_checkpoint_only_when_asked(tmp_path, mo
     lines: List[str] = []
     plan = [("unit", 2, 32, -4), ("unit", 2, 64, -4)]
     corpus = SimpleNamespace(sha256="", source="", tokenizer=SimpleNamespace(chars=[]))
-    points = _train_points(Config(), plan, tmp_path, False, lines.append, corpus,
-                           keep_checkpoints=keep)
+    points = train_points(Config(), plan, tmp_path, False, lines.append, corpus,
+                          keep_checkpoints=keep)
     assert [p.status for p in points] == ["completed", "stopped"]
     assert (tmp_path / "unit" / "w32-d2" / "log2lr-4" / "checkpoint.pt").exists() == keep
     assert (tmp_path / "unit" / "w64-d2" / "log2lr-4" / "checkpoint.pt").exists()  # to resume

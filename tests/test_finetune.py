@@ -15,6 +15,7 @@ from ipu_unit_scaling.apps.pretrained import open_run
 from ipu_unit_scaling.loop import training_loop as train_module
 from ipu_unit_scaling.loop.run_opening import load_run_config
 from ipu_unit_scaling.loop.run_outcomes import TrainingInterrupted
+from ipu_unit_scaling.loop.run_session import TrainingSession
 from ipu_unit_scaling.loop.training_loop import train
 from ipu_unit_scaling.training.data import CharTokenizer, load_corpus
 from ipu_unit_scaling.training.finetune import (
@@ -183,7 +184,7 @@ def test_a_fine_tuning_run_stopped_before_its_first_step_resumes_fine_tuning(
         raise KeyboardInterrupt  # Ctrl-C twice during the first step
 
     with monkeypatch.context() as patch:
-        patch.setattr(train_module._Session, "train_call", stopped)
+        patch.setattr(TrainingSession, "train_call", stopped)
         with pytest.raises(TrainingInterrupted, match="during step 1"):
             train(config, tmp_path / "part", quiet=True, init_from=pretrained)
     state = load_checkpoint(tmp_path / "part" / "checkpoint.pt")  # the start, at step 0
@@ -202,7 +203,7 @@ def test_a_fine_tuning_run_killed_before_its_first_checkpoint_resumes_fine_tunin
         raise KeyboardInterrupt  # stands for a kill once the settings are written
 
     with monkeypatch.context() as patch:
-        patch.setattr(train_module, "_Session", killed)
+        patch.setattr(train_module, "TrainingSession", killed)
         with pytest.raises(KeyboardInterrupt):
             train(config, tmp_path / "part", quiet=True, init_from=pretrained)
     assert not (tmp_path / "part" / "checkpoint.pt").exists()

@@ -257,19 +257,19 @@ def test_compare_keeps_the_regimes_it_holds_and_never_reuses_one_without_its_che
 
 
 def test_a_sweep_of_another_axis_is_refused_instead_of_overwriting(capsys, data, tmp_path):
-    from ipu_unit_scaling.apps.sweep import _check_sweep_dir
+    from ipu_unit_scaling.apps.sweep import check_sweep_dir
     from ipu_unit_scaling.training.run_directory import RunError
 
     run_dir = tmp_path / "sweep"
     (run_dir / "unit").mkdir(parents=True)
     (run_dir / "sweep.json").write_text(json.dumps({"points": []}))  # a learning-rate sweep
-    _check_sweep_dir(run_dir, None)
+    check_sweep_dir(run_dir, None)
     with pytest.raises(RunError, match="holds a sweep of the learning rate; a sweep of --key "
                                        "model.residual_mult would overwrite"):
-        _check_sweep_dir(run_dir, "model.residual_mult")
+        check_sweep_dir(run_dir, "model.residual_mult")
     (run_dir / "config.yaml").write_text("")
     with pytest.raises(RunError, match="is not a sweep directory: it holds config.yaml"):
-        _check_sweep_dir(run_dir, None)
+        check_sweep_dir(run_dir, None)
 
 
 def test_the_sweep_command_refuses_a_train_run(capsys, data, trained):

@@ -467,7 +467,7 @@ def test_a_missing_plotting_library_costs_the_figure_only(capsys, tmp_path, data
     def no_matplotlib():
         raise RuntimeError("plots need matplotlib: pip install matplotlib")
 
-    monkeypatch.setattr(plots, "_pyplot", no_matplotlib)
+    monkeypatch.setattr(plots, "load_pyplot", no_matplotlib)
     status, out, err = run(capsys, "train", "--config", "tiny", "--data", data, "--run-dir",
                            tmp_path / "run", "--set", *FAST, "training.steps=2")
     assert status == 0, err

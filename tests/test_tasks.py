@@ -14,9 +14,9 @@ import pytest
 import torch
 from helpers import ONE_IPU
 
-import ipu_unit_scaling.loop.training_loop as train_module
 from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.apps.mlm import MLMConfig, run_config
+from ipu_unit_scaling.loop.run_session import TrainingSession
 from ipu_unit_scaling.loop.tasks import CausalLM, MaskedLM, Task, read_task
 from ipu_unit_scaling.loop.training_loop import train
 from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
@@ -63,14 +63,14 @@ def killed_after_step(config: Config, task: Task, run_dir: Path, step: int) -> N
     pid = os.fork()
     if pid == 0:
         try:
-            real_log = train_module._Session.log_step
+            real_log = TrainingSession.log_step
 
             def log_then_die(self: Any, lr: float, loss: float, val_loss: Any) -> None:
                 real_log(self, lr, loss, val_loss)
                 if self.step == step:
                     os.kill(os.getpid(), signal.SIGKILL)
 
-            train_module._Session.log_step = log_then_die  # type: ignore[method-assign]
+            TrainingSession.log_step = log_then_die  # type: ignore[method-assign]
             train(config, run_dir, task=task, quiet=True)
         finally:
             os._exit(70)  # only reached if the kill was not
@@ -124,14 +124,14 @@ def test_compare_bert_stopped_by_sigterm_resumes_where_it_stopped(data, tmp_path
     argv = ["compare", "--model", "bert", "--regimes", "fp32", "unit-fp8", "--seeds", "1",
             "--data", str(data), "--set", *TINY_MLM, "--quiet", "--run-dir"]
     assert main([*argv, str(tmp_path / "reference")]) == 0
-    real_log = train_module._Session.log_step
+    real_log = TrainingSession.log_step
 
     def terminate_at_step_3(self: Any, lr: float, loss: float, val_loss: Any) -> None:
         real_log(self, lr, loss, val_loss)
         if self.run.run_dir.name == "unit-fp8-seed0" and self.step == 3:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(train_module._Session, "log_step", terminate_at_step_3)
+    monkeypatch.setattr(TrainingSession, "log_step", terminate_at_step_3)
     stopped = tmp_path / "stopped"
     assert main([*argv, str(stopped)]) == 128 + signal.SIGTERM
     err = capsys.readouterr().err

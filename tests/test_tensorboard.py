@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from helpers import ONE_IPU
 
-import ipu_unit_scaling.loop.training_loop as train_module
+from ipu_unit_scaling.loop.run_session import TrainingSession
 from ipu_unit_scaling.loop.training_loop import train
 from ipu_unit_scaling.training.run_config import load_config
 from ipu_unit_scaling.training.run_records import read_metrics
@@ -66,7 +66,7 @@ def test_a_resumed_run_shows_each_step_once(config, tmp_path):
     pid = os.fork()
     if pid == 0:  # killed after the row of step 3, past the checkpoint of step 2
         try:
-            real_log = train_module._Session.log_step
+            real_log = TrainingSession.log_step
 
             def log_then_die(self, lr, loss, val_loss):  # type: ignore[no-untyped-def]
                 real_log(self, lr, loss, val_loss)
@@ -74,7 +74,7 @@ def test_a_resumed_run_shows_each_step_once(config, tmp_path):
                     self.tensorboard.flush()  # what the killed process logged is on disk
                     os.kill(os.getpid(), signal.SIGKILL)
 
-            train_module._Session.log_step = log_then_die  # type: ignore[method-assign]
+            TrainingSession.log_step = log_then_die  # type: ignore[method-assign]
             train(config, run_dir, quiet=True)
         finally:
             os._exit(70)

@@ -18,10 +18,10 @@ import torch
 from helpers import FAST, ROOT, one_line_error, run, train_args
 from helpers import run_files as contents
 
-import ipu_unit_scaling.loop.training_loop as train_module
 from ipu_unit_scaling.apps.pretrained import evaluate_run, open_run
 from ipu_unit_scaling.loop import run_opening
 from ipu_unit_scaling.loop.run_outcomes import divergence_bound
+from ipu_unit_scaling.loop.run_session import TrainingSession
 from ipu_unit_scaling.training.run_config import load_config, scheduled_learning_rate
 from ipu_unit_scaling.training.run_records import load_checkpoint, read_metrics
 
@@ -85,7 +85,7 @@ def test_sigterm_stops_compare_at_a_step_boundary_and_compare_resumes(capsys, tm
     reference = tmp_path / "reference"
     assert run(capsys, *argv, "--run-dir", reference)[0] == 0
 
-    real_call = train_module._Session.train_call
+    real_call = TrainingSession.train_call
     calls = []
 
     def call_then_terminate(self, inputs, labels):
@@ -94,7 +94,7 @@ def test_sigterm_stops_compare_at_a_step_boundary_and_compare_resumes(capsys, tm
             os.kill(os.getpid(), signal.SIGTERM)
         return real_call(self, inputs, labels)
 
-    monkeypatch.setattr(train_module._Session, "train_call", call_then_terminate)
+    monkeypatch.setattr(TrainingSession, "train_call", call_then_terminate)
     # Should the command not handle SIGTERM, this one takes it, not the test process.
     escaped = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: escaped.append(signum))
@@ -141,14 +141,14 @@ def test_a_finished_run_without_its_checkpoint_is_refused_and_left_alone(capsys,
 
 def test_a_run_killed_after_a_checkpoint_is_refused_once_the_checkpoint_is_gone(
         capsys, tmp_path, data, monkeypatch):
-    real_log = train_module._Session.log_step
+    real_log = TrainingSession.log_step
 
     def die_at_step_3(self, lr, loss, val_loss):
         real_log(self, lr, loss, val_loss)
         if self.step == 3:  # as a second Ctrl-C would: at once, no summary written after it
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(train_module._Session, "log_step", die_at_step_3)
+    monkeypatch.setattr(TrainingSession, "log_step", die_at_step_3)
     run_dir = tmp_path / "run"
     assert run(capsys, *train_args(run_dir, data, "training.steps=6",
                                    "training.checkpoint_interval=2"))[0] == 130
@@ -181,13 +181,13 @@ def test_a_run_that_never_saved_a_checkpoint_may_start_afresh(capsys, tmp_path, 
 
 def test_a_resumed_run_counts_its_time_on_from_the_checkpoint(capsys, tmp_path, data,
                                                               monkeypatch):
-    real_call = train_module._Session.train_call
+    real_call = TrainingSession.train_call
 
     def slow_call(self, inputs, labels):
         time.sleep(0.25)
         return real_call(self, inputs, labels)
 
-    monkeypatch.setattr(train_module._Session, "train_call", slow_call)
+    monkeypatch.setattr(TrainingSession, "train_call", slow_call)
     run_dir = tmp_path / "run"
     assert run(capsys, *train_args(run_dir, data, "training.steps=4",
                                    "training.checkpoint_interval=2"))[0] == 0

@@ -34,10 +34,10 @@ def plot_scales(
     """
     import io
 
-    from ..training.plots import _pyplot
+    from ..training.plots import load_pyplot
     from ..training.run_directory import atomic_write
 
-    plt = _pyplot()
+    plt = load_pyplot()
     figure = scales_figure(plt, records_by_model, title)
     buffer = io.BytesIO()
     try:

@@ -59,7 +59,7 @@ from .commands import (  # noqa: E402
     PRECISIONS,
     PROG,
     REGIME_HELP,
-    _one_line,
+    one_line_message,
 )
 
 if TYPE_CHECKING:
@@ -345,7 +345,7 @@ COMMANDS = {"train": "commands", "compare": "compare", "sweep": "commands",
 
 def _command(name: str) -> Callable[[argparse.Namespace], int]:
     module = importlib.import_module(f".{COMMANDS[name]}", __package__)
-    return getattr(module, f"_cmd_{name}")  # type: ignore[no-any-return]
+    return getattr(module, f"command_{name}")  # type: ignore[no-any-return]
 
 
 class _ReaderMayLeave:
@@ -502,13 +502,13 @@ def _run(argv: List[str]) -> int:
     try:
         return run_command(args)
     except (ConfigError, DataError, RunError, BackendError, UsageError) as error:
-        return _fail(_one_line(error), speaks)
+        return _fail(one_line_message(error), speaks)
     except (TrainingDiverged, SamplingError) as error:
         if speaks:
-            print(f"{PROG}: {_one_line(error)}", file=sys.stderr)
+            print(f"{PROG}: {one_line_message(error)}", file=sys.stderr)
         return EXIT_DIVERGED
     except (TrainingInterrupted, KeyboardInterrupt) as error:
-        message = _one_line(error) or "interrupted"
+        message = one_line_message(error) or "interrupted"
         if speaks:
             print(f"{PROG}: {message}", file=sys.stderr)
         return 128 + getattr(error, "signum", EXIT_INTERRUPTED - 128)  # 130 SIGINT, 143 SIGTERM
@@ -516,13 +516,13 @@ def _run(argv: List[str]) -> int:
         return EXIT_READER_LEFT
     except OSError as error:  # a file system that refuses: full, read-only, gone
         where = f" ({error.filename})" if error.filename else ""
-        return _fail(f"{error.strerror or _one_line(error)}{where}")
+        return _fail(f"{error.strerror or one_line_message(error)}{where}")
     except MemoryError:
         return _fail("out of memory; make the model or the batch smaller")
     except Exception as error:  # a bug: still one line, with a way to see where
         if os.environ.get(DEBUG_ENV):
             raise
-        return _fail(f"internal error ({type(error).__name__}): {_one_line(error)}; set "
+        return _fail(f"internal error ({type(error).__name__}): {one_line_message(error)}; set "
                      f"{DEBUG_ENV}=1 for the traceback")
     finally:
         if on_main_thread:

@@ -53,7 +53,8 @@ class UsageError(ValueError):
 # ------------------------------------------------------------------------------ helpers
 
 
-def _overrides(args: argparse.Namespace) -> List[str]:
+def command_overrides(args: argparse.Namespace) -> List[str]:
+    """The ``--set`` overrides of the command line, in order."""
     return [item for group in args.overrides for item in group]
 
 
@@ -64,10 +65,11 @@ def _config_path(args: argparse.Namespace) -> Optional[str]:
     return "default" if (CONFIGS_DIR / "default.yaml").is_file() else None
 
 
-def _load(args: argparse.Namespace) -> Config:
+def load_command_config(args: argparse.Namespace) -> Config:
+    """The config of ``--config``, ``--set`` and ``--data``, its data path made absolute."""
     from ..training.run_config import absolute_path, load_config
 
-    config = load_config(_config_path(args), _overrides(args))
+    config = load_config(_config_path(args), command_overrides(args))
     data = getattr(args, "data", None)
     if data is not None and not data.strip():
         raise UsageError("--data needs a file name (leave it out for the embedded corpus)")
@@ -79,7 +81,7 @@ def _load(args: argparse.Namespace) -> Config:
 
 
 @contextlib.contextmanager
-def _run_directory(chosen: Optional[Path], root: str, command: str) -> Iterator[Path]:
+def command_run_directory(chosen: Optional[Path], root: str, command: str) -> Iterator[Path]:
     """The run directory, created now: ``chosen``, else a new ``root/<command>-<date>-<time>``
     (``-2``, ``-3``, ... after it when runs start in the same second). If the command fails
     before its run wrote anything of use, what it created is removed again."""
@@ -104,7 +106,7 @@ def _run_directory(chosen: Optional[Path], root: str, command: str) -> Iterator[
 
 
 @contextlib.contextmanager
-def _continued_by_running_again(command: str, run_dir: Path) -> Iterator[None]:
+def continued_by_running_again(command: str, run_dir: Path) -> Iterator[None]:
     """A regime or point stopped by a signal is taken up by the same command, which resumes it
     and runs the rest; ``train --resume`` on it alone would leave the rest undone."""
     from ..loop.run_outcomes import TrainingInterrupted
@@ -119,11 +121,13 @@ def _continued_by_running_again(command: str, run_dir: Path) -> Iterator[None]:
             error.step, error.checkpoint, error.signum) from error
 
 
-def _runs_root(config: Config) -> str:
+def runs_root(config: Config) -> str:
+    """Where a command makes its run directories: ``training.checkpoint_dir``, else ``runs``."""
     return config.training.checkpoint_dir or "runs"
 
 
-def _one_line(error: BaseException, most: int = 5) -> str:
+def one_line_message(error: BaseException, most: int = 5) -> str:
+    """``error`` as one line of the command's error output (at most ``most`` problems)."""
     if isinstance(error, ConfigError):
         problems = [f"{path}: {message}" if path else message for path, message in error.errors]
         more = len(problems) - most
@@ -132,7 +136,8 @@ def _one_line(error: BaseException, most: int = 5) -> str:
     return " ".join(str(error).split())
 
 
-def _fmt(value: Optional[float], digits: int = 4) -> str:
+def format_number(value: Optional[float], digits: int = 4) -> str:
+    """A loss for a table or a log line: ``digits`` decimals, ``-`` for None."""
     if value is None:
         return "-"
     return f"{value:.{digits}f}" if math.isfinite(value) else str(value)
@@ -141,7 +146,8 @@ def _fmt(value: Optional[float], digits: int = 4) -> str:
 # ------------------------------------------------------------------------------ commands
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
+def command_train(args: argparse.Namespace) -> int:
+    """``train``: train, resume or fine-tune one run."""
     from ..loop.training_loop import train
     from ..training.run_config import absolute_path_override
 
@@ -160,24 +166,25 @@ def _cmd_train(args: argparse.Namespace) -> int:
                              "and start; change settings with --set")
         config = None  # the run's own, read under its lock
         directory = contextlib.nullcontext(args.resume)
-        args.overrides = [[absolute_path_override(item) for item in _overrides(args)]]
+        args.overrides = [[absolute_path_override(item) for item in command_overrides(args)]]
     elif args.init_from is not None:
         config = _fine_tuning_config(args)
-        directory = _run_directory(args.run_dir, _runs_root(config), "finetune")
+        directory = command_run_directory(args.run_dir, runs_root(config), "finetune")
     else:
-        config = _load(args)
-        directory = _run_directory(args.run_dir, _runs_root(config), "train")
+        config = load_command_config(args)
+        directory = command_run_directory(args.run_dir, runs_root(config), "train")
     from ..backends.distributed import writes_run_files
 
     with directory as run_dir:
         summary = train(config, run_dir, resume=args.resume is not None,
-                        overrides=_overrides(args), quiet=args.quiet,
+                        overrides=command_overrides(args), quiet=args.quiet,
                         scale_report=args.scale_report, log=print, init_from=args.init_from)
     if not writes_run_files():
         return 0  # rank 0 of the torchrun world reports
-    print(f"final validation loss {_fmt(summary.final_val_loss)} nats per character "
-          f"(best {_fmt(summary.best_val_loss)}); unigram baseline "
-          f"{_fmt(summary.unigram_baseline)}, uniform {_fmt(summary.uniform_baseline)}")
+    print(f"final validation loss {format_number(summary.final_val_loss)} nats per character "
+          f"(best {format_number(summary.best_val_loss)}); unigram baseline "
+          f"{format_number(summary.unigram_baseline)}, uniform "
+          f"{format_number(summary.uniform_baseline)}")
     print(f"{summary.steps} steps in {summary.elapsed_s:.1f} s "
           f"({summary.tokens_per_s:.0f} tokens/s, {summary.backend}); run directory: {run_dir}")
     return 0
@@ -195,7 +202,7 @@ def _fine_tuning_config(args: argparse.Namespace) -> Config:
     problem = not_a_directory(args.init_from)
     if problem:
         raise RunError(f"cannot fine-tune from {args.init_from}: {problem}")
-    config = load_run_config(args.init_from, _overrides(args), "fine-tune from")
+    config = load_run_config(args.init_from, command_overrides(args), "fine-tune from")
     if args.data is not None and not args.data.strip():
         raise UsageError("--data needs a file name (leave it out for the pretrained "
                          "run's data)")
@@ -204,10 +211,11 @@ def _fine_tuning_config(args: argparse.Namespace) -> Config:
                                                                 path=absolute_path(data)))
 
 
-def _cmd_sweep(args: argparse.Namespace) -> int:
+def command_sweep(args: argparse.Namespace) -> int:
+    """``sweep``: train a grid of widths, depths and learning rates."""
     from .sweep import default_exponents, run_sweep, sweep_report
 
-    config = _load(args)
+    config = load_command_config(args)
     chosen = args.models
     key, values = _sweep_key(args, config)
     if config.model.factory is not None:
@@ -232,8 +240,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         if width % config.model.heads:
             raise UsageError(f"--widths {width}: model.heads ({config.model.heads}) must "
                              "divide every width")
-    with _run_directory(args.run_dir, _runs_root(config), "sweep") as run_dir, \
-            _continued_by_running_again("sweep", run_dir):
+    with command_run_directory(args.run_dir, runs_root(config), "sweep") as run_dir, \
+            continued_by_running_again("sweep", run_dir):
         points = run_sweep(config, args.models, args.widths, depths, exponents, run_dir,
                            quiet=args.quiet, key=key, values=values,
                            keep_checkpoints=args.keep_checkpoints)
@@ -296,7 +304,8 @@ def _given_model_kinds(args: argparse.Namespace, chosen: Optional[List[str]]) ->
                   f"{' and '.join(args.models)}")
 
 
-def _read_baseline(run_dir: Path) -> Optional[float]:
+def read_baseline(run_dir: Path) -> Optional[float]:
+    """The unigram baseline a comparison's compare.json recorded, or None."""
     from ..training.run_directory import read_json
 
     data = read_json(run_dir / "compare.json") or {}
@@ -304,11 +313,12 @@ def _read_baseline(run_dir: Path) -> Optional[float]:
     return float(value) if value is not None else None
 
 
-def _cmd_analyse(args: argparse.Namespace) -> int:
+def command_analyse(args: argparse.Namespace) -> int:
+    """``analyse``: the scale report of the config's model."""
     from ..training.memory import check_memory
     from ..training.run_config import load_config
 
-    config = load_config(_config_path(args), _overrides(args))
+    config = load_config(_config_path(args), command_overrides(args))
     try:
         from ..analysis import analyse  # type: ignore[attr-defined]
     except ImportError as error:
@@ -316,14 +326,15 @@ def _cmd_analyse(args: argparse.Namespace) -> int:
             "'analyse' needs ipu_unit_scaling.analysis, which this installation lacks"
         ) from error
     check_memory(config)
-    with _run_directory(args.run_dir, _runs_root(config), "analyse") as run_dir:
+    with command_run_directory(args.run_dir, runs_root(config), "analyse") as run_dir:
         table, figure = analyse(config, run_dir)
     print(table)
     print(f"figure: {figure}; table: {figure.with_name('scales.txt')}")
     return 0
 
 
-def _cmd_evaluate(args: argparse.Namespace) -> int:
+def command_evaluate(args: argparse.Namespace) -> int:
+    """``evaluate``: a trained run's validation loss in each precision."""
     from ..training.run_directory import RunLock
 
     precisions = list(args.precision or PRECISIONS)
@@ -415,7 +426,8 @@ class _Progress:
             self.bar = None
 
 
-def _cmd_sample(args: argparse.Namespace) -> int:
+def command_sample(args: argparse.Namespace) -> int:
+    """``sample``: text generated by a trained run."""
     from ..training.run_directory import RunLock
     from .pretrained import check_prompt, default_prompt, open_run, sample_run
 

@@ -17,13 +17,13 @@ from ..training.run_config import (
 from .commands import (
     MODEL_NAMES,
     UsageError,
-    _continued_by_running_again,
-    _fmt,
-    _load,
-    _overrides,
-    _read_baseline,
-    _run_directory,
-    _runs_root,
+    command_overrides,
+    command_run_directory,
+    continued_by_running_again,
+    format_number,
+    load_command_config,
+    read_baseline,
+    runs_root,
 )
 
 
@@ -215,7 +215,7 @@ def format_compare_table(rows: Sequence[Dict[str, Any]], baseline: Optional[floa
     ]
     for row in rows:
         if row["status"] == "completed":
-            loss = _fmt(row["final_val_loss"])
+            loss = format_number(row["final_val_loss"])
         else:
             loss = f"{row['status']} at step {row['steps']}"
         gap = row.get("gap_to_fp32_percent")
@@ -236,14 +236,15 @@ def format_compare_table(rows: Sequence[Dict[str, Any]], baseline: Optional[floa
     return "\n".join(lines)
 
 
-def _cmd_compare_bert(args: argparse.Namespace) -> int:
+def command_compare_bert(args: argparse.Namespace) -> int:
+    """``compare --model bert``: the masked-LM comparison."""
     from ..training.run_config import absolute_path
     from .mlm import MLM_REGIMES, MLMConfig, check_mlm_regimes, format_mlm_table, run_mlm_compare
 
     if args.config:
         raise UsageError("--model bert takes its settings from --set mlm.<key>=VALUE, not "
                          "--config")
-    overrides = _overrides(args)
+    overrides = command_overrides(args)
     if args.data:
         overrides.append(f"mlm.data={json.dumps(str(args.data))}")
     regimes = list(args.regimes or MLM_REGIMES)
@@ -256,27 +257,28 @@ def _cmd_compare_bert(args: argparse.Namespace) -> int:
     seeds = list(range(args.seeds if args.seeds is not None else 3))
     if len(set(regimes)) != len(regimes):
         raise UsageError("--regimes lists each regime once")
-    with _run_directory(args.run_dir, "runs", "compare-bert") as run_dir, \
-            _continued_by_running_again("compare", run_dir):
+    with command_run_directory(args.run_dir, "runs", "compare-bert") as run_dir, \
+            continued_by_running_again("compare", run_dir):
         rows = run_mlm_compare(config, regimes, seeds, run_dir, quiet=args.quiet)
     print(format_mlm_table(rows, seeds))
     print(f"curves: {run_dir / 'compare.png'}; table: {run_dir / 'compare.md'}")
     return 0
 
 
-def _cmd_compare(args: argparse.Namespace) -> int:
+def command_compare(args: argparse.Namespace) -> int:
+    """``compare``: the regimes trained side by side, over one seed or several."""
     if args.model == "bert":
-        return _cmd_compare_bert(args)
-    config = _load(args)
+        return command_compare_bert(args)
+    config = load_command_config(args)
     seeds = args.seeds or 1
     regimes = list(args.regimes or config.compare.regimes)
     if len(set(regimes)) != len(regimes):
         raise UsageError(f"--regimes lists a regime twice: {' '.join(regimes)}")
-    with _run_directory(args.run_dir, _runs_root(config), "compare") as run_dir, \
-            _continued_by_running_again("compare", run_dir):
+    with command_run_directory(args.run_dir, runs_root(config), "compare") as run_dir, \
+            continued_by_running_again("compare", run_dir):
         if seeds == 1:
             rows = run_compare(config, regimes, run_dir, quiet=args.quiet)
-            table = format_compare_table(rows, _read_baseline(run_dir))
+            table = format_compare_table(rows, read_baseline(run_dir))
         else:
             table = run_compare_seeds(config, regimes, run_dir, seeds, quiet=args.quiet)
     print(table)

@@ -42,7 +42,8 @@ def _mean_std(values: Sequence[float]) -> Tuple[Optional[float], Optional[float]
     return mean, statistics.stdev(values) if len(values) > 1 else None
 
 
-def _read_json(path: Path) -> Dict[str, Any]:
+def read_json_or_empty(path: Path) -> Dict[str, Any]:
+    """The JSON mapping at ``path``, or an empty one where there is none."""
     from ..training.run_directory import read_json
 
     # (a FIFO or a device in a point's place is never read: it reads as no summary)
@@ -174,14 +175,16 @@ def plot_seed_curves(curves: Mapping[str, Sequence[Tuple[int, float, float]]], o
                         labels=labels)
 
 
-def _save(plt: Any, figure: Any, out: Path) -> None:
-    from ..training.plots import _save as save_whole
+def save_laid_out_figure(plt: Any, figure: Any, out: Path) -> None:
+    """Lay ``figure`` out tight, then save it whole (``training.plots.save_figure``)."""
+    from ..training.plots import save_figure as save_whole
 
     figure.tight_layout()
     save_whole(plt, figure, out)
 
 
-def _write_text(path: Path, text: str) -> None:
+def write_text_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` in UTF-8, whole or not at all."""
     from ..training.run_directory import atomic_write
 
     atomic_write(path, text.encode("utf-8"))
@@ -194,18 +197,18 @@ def write_seed_results(run_dir: Path, per_seed: Mapping[int, Sequence[Mapping[st
     baseline = None
     curves: Dict[int, Dict[str, List[Tuple[int, float]]]] = {}
     for seed, directory in seed_dirs.items():
-        data = _read_json(directory / "compare.json")
+        data = read_json_or_empty(directory / "compare.json")
         baseline = data.get("unigram_baseline", baseline)
         curves[seed] = {}
         for row in per_seed[seed]:
-            summary = _read_json(directory / row["regime"] / "summary.json")
+            summary = read_json_or_empty(directory / row["regime"] / "summary.json")
             curves[seed][row["regime"]] = [(int(s), float(v))
                                            for s, v in summary.get("val_curve", [])]
     table = format_seed_table(summaries, baseline)
-    _write_text(run_dir / "compare.md", table + "\n")
+    write_text_file(run_dir / "compare.md", table + "\n")
     payload = {"unigram_baseline": baseline, "seeds": sorted(per_seed),
                "regimes": [vars(s) for s in summaries]}
-    _write_text(run_dir / "compare.json", json.dumps(payload, indent=2))
+    write_text_file(run_dir / "compare.json", json.dumps(payload, indent=2))
     from .compare import UNTUNED_MARK
 
     plot_seed_curves(mean_curves(curves), run_dir / "compare.png", baseline, len(per_seed),

@@ -390,7 +390,7 @@ def run_mlm_compare(config: MLMConfig, regimes: Sequence[str], seeds: Sequence[i
             counter.finish(index, name, f"final MLM loss {loss:.4f}"
                            if run.get("status") == "completed" and loss is not None
                            else str(run.get("status", "missing")), trained=action != "reuse")
-        return _write_comparison(config, regimes, seeds, run_dir, runs)
+        return write_comparison(config, regimes, seeds, run_dir, runs)
 
 
 def _plan(wanted: Config, config: MLMConfig, directory: Path, data_sha256: str,
@@ -443,9 +443,9 @@ def _plan(wanted: Config, config: MLMConfig, directory: Path, data_sha256: str,
     return "resume" if has_checkpoint else "start"
 
 
-def _write_comparison(config: MLMConfig, regimes: Sequence[str], seeds: Sequence[int],
-                      run_dir: Path, runs: Dict[Tuple[str, int], Dict[str, Any]]
-                      ) -> List[Dict[str, Any]]:
+def write_comparison(config: MLMConfig, regimes: Sequence[str], seeds: Sequence[int],
+                     run_dir: Path, runs: Dict[Tuple[str, int], Dict[str, Any]]
+                     ) -> List[Dict[str, Any]]:
     """The rows of the table, from the runs' summaries; writes compare.md, .json and .png."""
     from ..training.run_directory import atomic_write
 

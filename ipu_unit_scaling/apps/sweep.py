@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..training.run_config import Config, ConfigError, apply_override, config_from_dict
-from .experiments import DEFAULT_REGIME, _read_json, _save, _write_text
+from .experiments import DEFAULT_REGIME, read_json_or_empty, save_laid_out_figure, write_text_file
 
 if TYPE_CHECKING:
     from ..training.data import Corpus
@@ -250,13 +250,13 @@ def run_sweep(
         validate(_sweep_point_config(config, kind, width, depth, coordinate, key))
     make_run_dir(run_dir)
     with RunLock(run_dir):  # one sweep at a time in a directory
-        _check_sweep_dir(run_dir, key)
+        check_sweep_dir(run_dir, key)
         corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
-        points = _train_points(config, plan, run_dir, quiet, log, corpus, key,
-                               keep_checkpoints)
+        points = train_points(config, plan, run_dir, quiet, log, corpus, key,
+                              keep_checkpoints)
         defaults = sweep_defaults(config, kinds, key)
         learning_rates = sweep_defaults(config, kinds)
-        _write_text(run_dir / "sweep.md", sweep_report(config, points) + "\n")
+        write_text_file(run_dir / "sweep.md", sweep_report(config, points) + "\n")
         payload: Dict[str, Any] = {"points": [vars(p) for p in points]}
         if key is None:
             payload["default_learning_rates"] = defaults
@@ -264,7 +264,7 @@ def run_sweep(
             payload.update(key=key, values=list(values), default_values=defaults,
                            learning_rates=learning_rates)
         payload["summary"] = transfer_summary(points, defaults)
-        _write_text(run_dir / "sweep.json", json.dumps(payload, indent=2))
+        write_text_file(run_dir / "sweep.json", json.dumps(payload, indent=2))
         plot_sweep(points, defaults, run_dir / "sweep.png")
     return points
 
@@ -272,7 +272,7 @@ def run_sweep(
 SWEEP_FILES = ("sweep.md", "sweep.json", "sweep.png")
 
 
-def _check_sweep_dir(run_dir: Path, key: Optional[str]) -> None:
+def check_sweep_dir(run_dir: Path, key: Optional[str]) -> None:
     """RunError unless ``run_dir`` is empty or a sweep of the same axis (``key``, None for the
     learning rate): its results would be overwritten by another sweep's."""
     from ..training.precision import MODEL_KINDS
@@ -300,10 +300,11 @@ def sweep_report(config: Config, points: Sequence[SweepPoint]) -> str:
     return format_sweep_tables(points, sweep_defaults(config, kinds, key), learning_rates)
 
 
-def _train_points(config: Config, plan: Sequence[Tuple[str, int, int, Any]], run_dir: Path,
-                  quiet: bool, log: Callable[[str], None], corpus: Corpus,
-                  key: Optional[str] = None, keep_checkpoints: bool = False
-                  ) -> List[SweepPoint]:
+def train_points(config: Config, plan: Sequence[Tuple[str, int, int, Any]], run_dir: Path,
+                 quiet: bool, log: Callable[[str], None], corpus: Corpus,
+                 key: Optional[str] = None, keep_checkpoints: bool = False
+                 ) -> List[SweepPoint]:
+    """Train the sweep points of ``plan`` into ``run_dir``; their summaries."""
     from ..loop.run_opening import check_reused_tokenizer
     from ..loop.run_outcomes import TrainingDiverged
     from ..loop.training_loop import train
@@ -314,7 +315,7 @@ def _train_points(config: Config, plan: Sequence[Tuple[str, int, int, Any]], run
     counter = RunCounter("sweep", len(plan), quiet, say=log)
     for index, (kind, depth, width, coordinate) in enumerate(plan, 1):
         directory = _point_dir(run_dir, kind, width, depth, coordinate, key)
-        summary = _read_json(directory / "summary.json")
+        summary = read_json_or_empty(directory / "summary.json")
         where = (f"lr 2^{coordinate}" if key is None
                  else f"{key}={_value_label(coordinate)}")
         name = f"{kind} w{width} d{depth} {where}"
@@ -335,7 +336,7 @@ def _train_points(config: Config, plan: Sequence[Tuple[str, int, int, Any]], run
                 train(cfg, directory, resume=resume, quiet=True, desc=name)
             except TrainingDiverged:
                 pass
-            summary = _read_json(directory / "summary.json")
+            summary = read_json_or_empty(directory / "summary.json")
             if summary.get("status") in ("completed", "diverged") and not keep_checkpoints:
                 # The results need the summary and metrics; the weights stay only if asked.
                 try:
@@ -519,9 +520,9 @@ def plot_sweep(points: Sequence[SweepPoint], defaults: Mapping[str, Any], out: P
     """The transfer plot: loss against log2 learning rate (or the swept key's values, evenly
     spaced), one curve per width, one panel per kind (and depth); the default dashed, each
     curve's best point ringed."""
-    from ..training.plots import _pyplot
+    from ..training.plots import load_pyplot
 
-    plt = _pyplot()
+    plt = load_pyplot()
     panels = list(dict.fromkeys((p.kind, p.depth) for p in points))
     figure, axes_list = plt.subplots(1, len(panels), figsize=(5 * len(panels), 5.0),
                                      squeeze=False)
@@ -565,5 +566,5 @@ def plot_sweep(points: Sequence[SweepPoint], defaults: Mapping[str, Any], out: P
         # Below the panel, never over a curve.
         axes.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
         axes.grid(alpha=0.3)
-    _save(plt, figure, out)
+    save_laid_out_figure(plt, figure, out)
     return out

@@ -55,7 +55,7 @@ _ON_IPU = ("ipu", "popxl")
 
 
 @dataclass
-class _Run:
+class OpenedRun:
     """A run directory opened for training: settings, data and the checkpoint to resume."""
 
     run_dir: Path
@@ -168,8 +168,8 @@ def resolved_config(config: Config, corpus: Corpus) -> Config:
     return dataclasses.replace(config, model=dataclasses.replace(config.model, vocab_size=vocab))
 
 
-def _open_new(config: Config, run_dir: Path, backend: str, task: Task,
-              init_from: Optional[Path] = None) -> _Run:
+def open_new_run(config: Config, run_dir: Path, backend: str, task: Task,
+                 init_from: Optional[Path] = None) -> OpenedRun:
     """A fresh run of ``task`` in an empty directory, or in one left by a run that never saved
     a checkpoint (which is started afresh: nothing of it could be continued); with
     ``init_from``, a fine-tuning run starting from that run's checkpoint."""
@@ -185,8 +185,8 @@ def _open_new(config: Config, run_dir: Path, backend: str, task: Task,
                        f"is missing ({saved}); nothing was changed: choose another --run-dir")
     if init_from is None:
         corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
-        run = _Run(run_dir, resolved_config(config, corpus), corpus, backend, None, [],
-                   task=task)
+        run = OpenedRun(run_dir, resolved_config(config, corpus), corpus, backend, None, [],
+                        task=task)
     else:
         if task.name != CAUSAL_LM:
             raise RunError(f"fine-tuning trains the causal LM, not a {task.name}")
@@ -199,7 +199,7 @@ def _open_new(config: Config, run_dir: Path, backend: str, task: Task,
     return run
 
 
-def _fine_tuning(config: Config, run_dir: Path, backend: str, init_from: Path) -> _Run:
+def _fine_tuning(config: Config, run_dir: Path, backend: str, init_from: Path) -> OpenedRun:
     """A new run of ``config`` on its data, from the weights of the run in ``init_from``, with
     the rules of :mod:`ipu_unit_scaling.training.finetune` (the same model, the tokenizer
     extended)."""
@@ -223,7 +223,7 @@ def _fine_tuning(config: Config, run_dir: Path, backend: str, init_from: Path) -
                 "embedding and head rows start as the mean of the pretrained rows")
     else:
         note = f"its {base.vocab_size} characters cover the new text"
-    return _Run(
+    return OpenedRun(
         run_dir, config, encode_with(text, tokenizer), backend, None,
         [f"fine-tuning {init_from} (step {int(state['step'])}): {note}"],
         weights=extend_model_state(state["model"], tokenizer.vocab_size),
@@ -255,7 +255,7 @@ def _checkpoint_evidence(run_dir: Path) -> str:
     return f"its {SUMMARY_FILE} records a {status} run of {steps} steps, {saved}"
 
 
-def _open_resumed(config: Config, run_dir: Path, backend: str, task: Task) -> _Run:
+def open_resumed_run(config: Config, run_dir: Path, backend: str, task: Task) -> OpenedRun:
     """The run of ``task`` in ``run_dir`` at its checkpoint, every artefact checked before
     anything runs."""
     checkpoint_path = run_dir / CHECKPOINT_FILE
@@ -272,8 +272,8 @@ def _open_resumed(config: Config, run_dir: Path, backend: str, task: Task) -> _R
             pretrained = load_run_config(Path(init_from), (), "fine-tune from")
             config = dataclasses.replace(config, model=dataclasses.replace(
                 config.model, vocab_size=pretrained.model.vocab_size))
-        run = _open_new(config, run_dir, backend, task,
-                        None if init_from is None else Path(init_from))
+        run = open_new_run(config, run_dir, backend, task,
+                           None if init_from is None else Path(init_from))
         restart = (f"{run_dir} has no checkpoint: the run never saved one; training from step 0 "
                    "with its saved config")
         # (a fine-tuning run keeps the note of what it fine-tunes; the rest is said above)
@@ -330,8 +330,8 @@ def _open_resumed(config: Config, run_dir: Path, backend: str, task: Task) -> _R
         problem = ""
     except RunError as error:
         problem = str(error)
-    return _Run(run_dir, config, corpus, backend, state, notes, base_chars=list(base_chars),
-                init_from=state.get("init_from"), task=task, settings_problem=problem)
+    return OpenedRun(run_dir, config, corpus, backend, state, notes, base_chars=list(base_chars),
+                     init_from=state.get("init_from"), task=task, settings_problem=problem)
 
 
 def _recorded_start(run_dir: Path) -> Optional[str]:
@@ -346,7 +346,7 @@ def _recorded_start(run_dir: Path) -> Optional[str]:
     return init_from
 
 
-def check_start(run: _Run) -> None:
+def check_start(run: OpenedRun) -> None:
     """Once the checkpoint's weights are known to fit the model (a checkpoint of another
     model is said to be, first): RunError unless the checkpoint a resumed or fine-tuning run
     starts from was trained with its run's config.yaml and is one its run saved."""
@@ -361,7 +361,8 @@ def check_start(run: _Run) -> None:
         check_checkpoint_logged(source, run.init_checkpoint, action)
 
 
-def _rewrite_for_resume(run: _Run, step: int) -> None:
+def rewrite_for_resume(run: OpenedRun, step: int) -> None:
+    """The run's metrics, scale report and settings cut back to ``step``, its checkpoint."""
     atomic_write(run.run_dir / METRICS_FILE,
                  metrics_up_to(run.run_dir, step, METRIC_FIELDS + run.task.metric_columns))
     keep_report_rows_up_to(run.run_dir / SCALE_REPORT_FILE, step)
@@ -372,7 +373,8 @@ def _rewrite_for_resume(run: _Run, step: int) -> None:
 SCHEDULE_KEYS = ("steps", "warmup_steps", "learning_rate", "schedule")
 
 
-def _schedule_settings(training: TrainingConfig) -> Dict[str, Any]:
+def schedule_settings(training: TrainingConfig) -> Dict[str, Any]:
+    """The training keys that shape the learning-rate schedule, with their values."""
     return {key: getattr(training, key) for key in SCHEDULE_KEYS}
 
 

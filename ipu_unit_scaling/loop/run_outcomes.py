@@ -93,6 +93,7 @@ def write_summary(summary: RunSummary) -> None:
                  json.dumps(asdict(summary), indent=2).encode())
 
 
-def _exact(value: Optional[float]) -> str:
+def exact_repr(value: Optional[float]) -> str:
+    """A number as metrics.csv writes it: its repr, exact to the bit; empty for None."""
     # repr round-trips exactly, so runs can be compared bit for bit from the CSV.
     return "" if value is None else repr(float(value))

@@ -37,13 +37,13 @@ from ..training.run_records import (
     save_checkpoint,
 )
 from ..training.tensorboard_log import TensorBoardLog
-from .run_opening import _rewrite_for_resume, _Run, _schedule_settings, check_start
+from .run_opening import OpenedRun, check_start, rewrite_for_resume, schedule_settings
 from .run_outcomes import (
     DIVERGENCE_MARGIN,
     RunSummary,
     TrainingDiverged,
-    _exact,
     divergence_bound,
+    exact_repr,
     write_summary,
 )
 
@@ -62,10 +62,10 @@ def _caused_by(error: BaseException, kind: type) -> bool:
     return False
 
 
-class _Session:
+class TrainingSession:
     """The model, optimizer, data streams and progress of one run, and its checkpoints."""
 
-    def __init__(self, run: _Run) -> None:
+    def __init__(self, run: OpenedRun) -> None:
         config, training = run.config, run.config.training
         self.run, self.config, self.training, self.task = run, config, training, run.task
         self.checkpoint_path = run.run_dir / CHECKPOINT_FILE
@@ -122,10 +122,10 @@ class _Session:
         # Elapsed time counts on from the checkpoint's: a resumed run's figures are the run's.
         self.started = time.perf_counter() - self.elapsed_before
 
-    def _rewrite_for_resume(self, run: _Run) -> None:
+    def _rewrite_for_resume(self, run: OpenedRun) -> None:
         check_start(run)
         if self.trains:
-            _rewrite_for_resume(run, self.step)
+            rewrite_for_resume(run, self.step)
 
     def _restore(self, state: Dict[str, Any]) -> None:
         try:
@@ -236,10 +236,10 @@ class _Session:
         divergence bound."""
         evaluated = self.val_metrics if val_loss is not None else {}
         self.metrics.write({
-            "step": self.step, "lr": _exact(lr), "train_loss": _exact(loss),
-            "val_loss": _exact(val_loss), "tokens_per_s": f"{self.tokens_per_s:.1f}",
+            "step": self.step, "lr": exact_repr(lr), "train_loss": exact_repr(loss),
+            "val_loss": exact_repr(val_loss), "tokens_per_s": f"{self.tokens_per_s:.1f}",
             "elapsed_s": f"{self.elapsed:.3f}",
-            **{f"val_{name}": _exact(value) for name, value in evaluated.items()},
+            **{f"val_{name}": exact_repr(value) for name, value in evaluated.items()},
         })
         self.tensorboard.log(self.step, {
             "train/loss": loss, "train/lr": lr, "train/tokens_per_s": self.tokens_per_s,
@@ -301,7 +301,7 @@ class _Session:
             "train_seconds": self.train_seconds,
             "trained_tokens": self.trained_tokens,
             "elapsed_s": self.elapsed,
-            "schedule": _schedule_settings(self.training),
+            "schedule": schedule_settings(self.training),
             "val_loss": val_loss,
             "base_chars": self.run.base_chars,
             "init_from": self.run.init_from,

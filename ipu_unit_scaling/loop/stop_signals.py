@@ -16,7 +16,7 @@ from .run_outcomes import StopSignal
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-class _StopRequest:
+class StopRequest:
     """The first SIGINT or SIGTERM asks the loop to stop at the next step boundary (``signum``
     says which came); a second one raises StopSignal, a KeyboardInterrupt, at once."""
 
@@ -28,7 +28,7 @@ class _StopRequest:
     def name(self) -> str:
         return signal.Signals(self.signum or signal.SIGINT).name
 
-    def __enter__(self) -> _StopRequest:
+    def __enter__(self) -> StopRequest:
         # Handlers can only be set from the main thread; elsewhere the caller's stay.
         if threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:

@@ -69,10 +69,10 @@ from ..training.run_directory import (
     read_json,
     remove_temporaries,
 )
-from .run_opening import _open_new, _open_resumed, _Run, load_run_config
+from .run_opening import OpenedRun, load_run_config, open_new_run, open_resumed_run
 from .run_outcomes import RunSummary, TrainingDiverged, TrainingInterrupted, write_summary
-from .run_session import _Session
-from .stop_signals import _StopRequest
+from .run_session import TrainingSession
+from .stop_signals import StopRequest
 from .tasks import CausalLM, Task, read_task
 
 __all__ = ["train"]
@@ -156,7 +156,7 @@ def _reported_by_rank_zero(error: BaseException) -> BaseException:
 
 @contextmanager
 def _opened(config: Optional[Config], run_dir: Path, resume: bool, overrides: Sequence[str],
-            init_from: Optional[Path], task: Optional[Task]) -> Iterator[_Run]:
+            init_from: Optional[Path], task: Optional[Task]) -> Iterator[OpenedRun]:
     """The run in ``run_dir``, new or resumed, under its lock until the context ends."""
     if not resume:
         make_run_dir(run_dir)
@@ -180,17 +180,17 @@ def _opened(config: Optional[Config], run_dir: Path, resume: bool, overrides: Se
         backend = select_backend(config.backend, config)
         task.check(config, backend)
         if resume:
-            yield _open_resumed(config, run_dir, backend, task)
+            yield open_resumed_run(config, run_dir, backend, task)
         else:
-            yield _open_new(config, run_dir, backend, task, init_from)
+            yield open_new_run(config, run_dir, backend, task, init_from)
 
 
 def _train(
-    run: _Run, quiet: bool, progress: Optional[bool], scale_report: Optional[int], desc: str,
+    run: OpenedRun, quiet: bool, progress: Optional[bool], scale_report: Optional[int], desc: str,
     log: Callable[[str], None],
 ) -> RunSummary:
     config, training, corpus = run.config, run.config.training, run.corpus
-    session = _Session(run)
+    session = TrainingSession(run)
     reporter = None
     if scale_report:
         from ..analysis import ScaleReporter  # type: ignore[attr-defined]
@@ -220,7 +220,7 @@ def _train(
             f"warming up over all {warmup_steps(training)} steps")
 
     status, message = "completed", ""
-    stop = _StopRequest()
+    stop = StopRequest()
     try:
         with stop:
             while session.step < training.steps:
@@ -301,7 +301,8 @@ def _crossed(before: int, after: int, interval: int) -> bool:
     return bool(interval) and after // interval > before // interval
 
 
-def _finish(session: _Session, status: str, message: str, say: Callable[[str], None]) -> RunSummary:
+def _finish(session: TrainingSession, status: str, message: str,
+            say: Callable[[str], None]) -> RunSummary:
     """Write summary.json and loss.png; a figure that cannot be drawn costs only a warning."""
     from ..training.plots import plot_run
 
@@ -324,7 +325,7 @@ def _finish(session: _Session, status: str, message: str, say: Callable[[str], N
     return summary
 
 
-def _recorded_already(session: _Session, summary: RunSummary) -> Optional[RunSummary]:
+def _recorded_already(session: TrainingSession, summary: RunSummary) -> Optional[RunSummary]:
     """The run's recorded summary where a resume that trained nothing finds its record
     complete: a summary of the run completed at its checkpoint's step (then it is not
     rewritten, nor the figure unless it is missing); else None."""

@@ -83,7 +83,8 @@ def _yaml_problem(error: yaml.YAMLError) -> str:
     return text
 
 
-def _resolve_path(path: Union[str, Path]) -> Path:
+def resolve_config_path(path: Union[str, Path]) -> Path:
+    """The config file ``path`` names: the path itself, or a file of ``configs/`` by name."""
     candidate = Path(path)
     named = CONFIGS_DIR / (candidate.name if candidate.suffix else candidate.name + ".yaml")
     if _is_file(candidate):
@@ -109,7 +110,8 @@ def _exists(path: Path) -> bool:
         return False
 
 
-def _read_with_extends(path: Path, seen: Tuple[Path, ...]) -> Dict[str, Any]:
+def read_with_extends(path: Path, seen: Tuple[Path, ...]) -> Dict[str, Any]:
+    """The mapping of ``path`` merged over the files it ``extends:`` (``seen``: refuses cycles)."""
     path = path.resolve()
     if path in seen:
         chain = " -> ".join(str(p) for p in seen + (path,))
@@ -123,11 +125,11 @@ def _read_with_extends(path: Path, seen: Tuple[Path, ...]) -> Dict[str, Any]:
     if parent is None:
         return data
     if not isinstance(parent, str) or not parent:
-        raise ConfigError([("extends", f"got {_short(parent)}; expected a file path")])
+        raise ConfigError([("extends", f"got {short_repr(parent)}; expected a file path")])
     parent_path = path.parent / parent
     if not _is_file(parent_path):
-        raise ConfigError([("extends", f"{_short(parent)} not found next to {path}")])
-    return _deep_merge(_read_with_extends(parent_path, seen + (path,)), data)
+        raise ConfigError([("extends", f"{short_repr(parent)} not found next to {path}")])
+    return _deep_merge(read_with_extends(parent_path, seen + (path,)), data)
 
 
 def _deep_merge(base: Dict[str, Any], update: Dict[str, Any]) -> Dict[str, Any]:
@@ -277,7 +279,8 @@ def apply_override(raw: Dict[str, Any], override: str) -> None:
     key, sep, text = override.partition("=")
     key = key.strip()
     if not sep or not key:
-        raise ConfigError([("", f"override {_short(override)} must look like section.key=value")])
+        raise ConfigError([("", f"override {short_repr(override)} must look like "
+                                "section.key=value")])
     value = parse_override_value(key, text)
     parts = key.split(".")
     node = raw
@@ -295,7 +298,7 @@ _REPR.maxlevel = 2
 _REPR.maxlist = _REPR.maxdict = 4
 
 
-def _short(value: Any) -> str:
+def short_repr(value: Any) -> str:
     """``repr`` cut to a readable length, even for hostile values (deep, huge, cyclic)."""
     try:
         return _REPR.repr(value)
@@ -307,10 +310,10 @@ def _short(value: Any) -> str:
         return f"<{type(value).__name__}>"
 
 
-def _build(cls: Any, raw: Any, path: str, errors: List[Tuple[str, str]]) -> Any:
+def build_section(cls: Any, raw: Any, path: str, errors: List[Tuple[str, str]]) -> Any:
     """Instantiate dataclass ``cls`` from mapping ``raw``; records errors instead of raising."""
     if not isinstance(raw, dict):
-        errors.append((path, f"got {_short(raw)}; expected a mapping of {_field_names(cls)}"))
+        errors.append((path, f"got {short_repr(raw)}; expected a mapping of {_field_names(cls)}"))
         return cls()
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
@@ -324,7 +327,7 @@ def _build(cls: Any, raw: Any, path: str, errors: List[Tuple[str, str]]) -> Any:
             continue
         hint_type = hints[key]
         if dataclasses.is_dataclass(hint_type):
-            kwargs[key] = _build(hint_type, value, key_path, errors)
+            kwargs[key] = build_section(hint_type, value, key_path, errors)
             continue
         if _origin(hint_type) is dict and isinstance(value, dict):
             default = getattr(cls(), key)
@@ -333,16 +336,16 @@ def _build(cls: Any, raw: Any, path: str, errors: List[Tuple[str, str]]) -> Any:
             value = {**default, **{k: _coerce(v, value_type) for k, v in value.items()}}
         else:
             value = _coerce(value, hint_type)
-        if not _matches(value, hint_type):
+        if not matches_hint(value, hint_type):
             if _origin(hint_type) is dict and isinstance(value, dict):
                 # Each entry by its own key path (compare.learning_rates.fp32: ...).
                 key_hint, value_hint = hint_type.__args__
-                errors.extend((f"{key_path}.{k}", _type_error(v, value_hint))
+                errors.extend((f"{key_path}.{k}", type_error_message(v, value_hint))
                               for k, v in value.items()
-                              if _matches(k, key_hint) and not _matches(v, value_hint))
-                if all(_matches(k, key_hint) for k in value):
+                              if matches_hint(k, key_hint) and not matches_hint(v, value_hint))
+                if all(matches_hint(k, key_hint) for k in value):
                     continue
-            errors.append((key_path, _type_error(value, hint_type)))
+            errors.append((key_path, type_error_message(value, hint_type)))
             continue
         kwargs[key] = value
     from ..fp8.fp8_config import FP8ConfigError  # here: reading a file needs no torch
@@ -354,9 +357,10 @@ def _build(cls: Any, raw: Any, path: str, errors: List[Tuple[str, str]]) -> Any:
         return cls()
 
 
-def _type_error(value: Any, hint: Any) -> str:
+def type_error_message(value: Any, hint: Any) -> str:
+    """The message of a config value that is not of the type ``hint`` (or out of its range)."""
     return _out_of_range(value, hint) or \
-        f"got {_short(value)} ({type(value).__name__}); expected {_describe(hint)}"
+        f"got {short_repr(value)} ({type(value).__name__}); expected {_describe(hint)}"
 
 
 def _out_of_range(value: Any, hint: Any) -> str:
@@ -375,9 +379,9 @@ def _out_of_range(value: Any, hint: Any) -> str:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return ""
     if isinstance(value, int) and _accepts(hint, int):
-        return f"got {_short(value)}; integers in a config are {INT_RANGE}"
+        return f"got {short_repr(value)}; integers in a config are {INT_RANGE}"
     if _accepts(hint, float) and not (isinstance(value, float) and not math.isfinite(value)):
-        return (f"got {_short(value)}; beyond float32's range (magnitude at most "
+        return (f"got {short_repr(value)}; beyond float32's range (magnitude at most "
                 f"{FLOAT32_MAX:.4g}), where the number is used")
     return ""
 
@@ -414,7 +418,7 @@ def _coerce(value: Any, hint: Any) -> Any:
     if _origin(hint) is Union:
         conversions = [_coerce(value, option) for option in hint.__args__]
         for option, converted in zip(hint.__args__, conversions):
-            if _matches(converted, option):
+            if matches_hint(converted, option):
                 return converted
         # None fits: the first conversion, so that its error is about the number it became.
         return next((c for c in conversions if c is not value), value)
@@ -426,7 +430,8 @@ def _coerce(value: Any, hint: Any) -> Any:
     return value
 
 
-def _matches(value: Any, hint: Any) -> bool:
+def matches_hint(value: Any, hint: Any) -> bool:
+    """Whether ``value`` is of the type the annotation ``hint`` names (as the loader reads)."""
     if hint is Any:
         return True
     if hint is type(None):
@@ -442,13 +447,13 @@ def _matches(value: Any, hint: Any) -> bool:
         return isinstance(value, str)
     origin = _origin(hint)
     if origin is Union:
-        return any(_matches(value, option) for option in hint.__args__)
+        return any(matches_hint(value, option) for option in hint.__args__)
     if origin is list:
-        return isinstance(value, list) and all(_matches(v, hint.__args__[0]) for v in value)
+        return isinstance(value, list) and all(matches_hint(v, hint.__args__[0]) for v in value)
     if origin is dict:
         key_hint, value_hint = hint.__args__
         return isinstance(value, dict) and all(
-            _matches(k, key_hint) and _matches(v, value_hint) for k, v in value.items()
+            matches_hint(k, key_hint) and matches_hint(v, value_hint) for k, v in value.items()
         )
     return isinstance(hint, type) and isinstance(value, hint)
 

@@ -13,7 +13,8 @@ from .run_directory import RunError, atomic_write
 __all__ = ["plot_run", "plot_compare", "curve_styles"]
 
 
-def _pyplot() -> Any:
+def load_pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (files only); RuntimeError if it is missing."""
     try:
         import matplotlib
     except ImportError as error:
@@ -38,7 +39,7 @@ def plot_run(metrics_csv: Path, out: Path, baseline: Optional[float], title: str
             train.append((step, float(row["train_loss"])))
             if row["val_loss"]:
                 val.append((step, float(row["val_loss"])))
-    plt = _pyplot()
+    plt = load_pyplot()
     figure, axes = plt.subplots(figsize=(7, 4.5))
     if train:
         steps, losses = zip(*_finite(train)) if _finite(train) else ((), ())
@@ -56,7 +57,7 @@ def plot_run(metrics_csv: Path, out: Path, baseline: Optional[float], title: str
     axes.grid(alpha=0.3)
     # Fixed margins: tight_layout costs more than drawing the figure.
     figure.subplots_adjust(left=0.11, right=0.97, bottom=0.12, top=0.92)
-    _save(plt, figure, Path(out))
+    save_figure(plt, figure, Path(out))
     return Path(out)
 
 
@@ -115,7 +116,7 @@ def plot_compare(
     each regime is one marker at its final loss, with a +-1 std bar, side by side.
     ``labels`` replaces a regime's name in the legend (e.g. to add a note to it).
     """
-    plt = _pyplot()
+    plt = load_pyplot()
     labels = dict(labels or {})
     styles = curve_styles(list(curves))
     finite = {regime: [p for p in points if math.isfinite(p[1])]
@@ -152,7 +153,7 @@ def plot_compare(
     axes.grid(alpha=0.3)
     # Fixed margins (tight_layout costs more than drawing the figure); the right for the legend.
     figure.subplots_adjust(left=0.09, right=0.75, bottom=0.25 if single else 0.12, top=0.92)
-    _save(plt, figure, Path(out))
+    save_figure(plt, figure, Path(out))
     return Path(out)
 
 
@@ -188,7 +189,8 @@ def _short_tick_labels(axes: Any) -> None:
     axes.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4))
 
 
-def _save(plt: Any, figure: Any, out: Path) -> None:
+def save_figure(plt: Any, figure: Any, out: Path) -> None:
+    """Write ``figure`` to ``out`` whole or not at all, and close it."""
     # Whole or not at all, like every file of a run directory.
     buffer = io.BytesIO()
     try:

@@ -39,16 +39,16 @@ from .config_files import (  # noqa: F401  (the config's readers, exported with 
     CONFIGS_DIR,
     AmbiguousValue,
     ConfigError,
-    _build,
-    _matches,
-    _read_with_extends,
-    _resolve_path,
-    _short,
-    _type_error,
     apply_override,
+    build_section,
+    matches_hint,
     parse_override_value,
     parse_yaml,
+    read_with_extends,
     read_yaml_file,
+    resolve_config_path,
+    short_repr,
+    type_error_message,
 )
 from .config_names import MAX_SEED, REGIMES
 
@@ -199,7 +199,7 @@ def load_config(path: Union[str, Path, None] = None, overrides: Sequence[str] = 
     None for the default run. ``overrides`` are ``"section.key=value"`` strings whose values are
     parsed as YAML (``training.steps=10``, ``ipu.layers_per_ipu=[2,2]``). Raises ConfigError.
     """
-    raw = _read_with_extends(_resolve_path(path), ()) if path is not None else {}
+    raw = read_with_extends(resolve_config_path(path), ()) if path is not None else {}
     for override in overrides:
         apply_override(raw, override)
     config = config_from_dict(raw)
@@ -212,7 +212,7 @@ def config_from_dict(raw: Any) -> Config:
     errors: List[Tuple[str, str]] = []
     if raw is None:
         raw = {}
-    config = _build(Config, raw, "", errors)
+    config = build_section(Config, raw, "", errors)
     if errors:
         raise ConfigError(errors)
     assert isinstance(config, Config)
@@ -244,9 +244,9 @@ def _check_types(node: Any, path: str, errors: List[Tuple[str, str]]) -> None:
             if isinstance(value, hint):
                 _check_types(value, key_path, errors)
             else:
-                errors.append((key_path, f"got {_short(value)}; expected a mapping"))
-        elif not _matches(value, hint):
-            errors.append((key_path, _type_error(value, hint)))
+                errors.append((key_path, f"got {short_repr(value)}; expected a mapping"))
+        elif not matches_hint(value, hint):
+            errors.append((key_path, type_error_message(value, hint)))
 
 
 def _check_rules(config: Config, errors: List[Tuple[str, str]]) -> None:
@@ -257,7 +257,7 @@ def _check_rules(config: Config, errors: List[Tuple[str, str]]) -> None:
         if value not in allowed:
             guess = difflib.get_close_matches(value, allowed, n=1)
             hint = f"; did you mean {guess[0]!r}?" if guess else ""
-            error(path, f"got {_short(value)}; allowed: {', '.join(allowed)}{hint}")
+            error(path, f"got {short_repr(value)}; allowed: {', '.join(allowed)}{hint}")
 
     def at_least(path: str, value: float, low: float) -> None:
         if value < low:
@@ -296,7 +296,8 @@ def _check_rules(config: Config, errors: List[Tuple[str, str]]) -> None:
     if not config.compare.regimes:
         error("compare.regimes", "got []; name at least one regime")
     if len(set(config.compare.regimes)) != len(config.compare.regimes):
-        error("compare.regimes", f"got {_short(config.compare.regimes)}; each regime at most once")
+        error("compare.regimes",
+              f"got {short_repr(config.compare.regimes)}; each regime at most once")
     for regime, rate in config.compare.learning_rates.items():
         choice(f"compare.learning_rates.{regime}", regime, REGIMES)
         learning_rate_in_range(f"compare.learning_rates.{regime}", rate, error)
@@ -381,7 +382,8 @@ def _check_ipu(config: Config, error: Any) -> None:
         if isinstance(proportion, list) and len(values) != ipu.ipus_per_replica:
             error(
                 "ipu.available_memory_proportion",
-                f"got {_short(proportion)} ({len(values)} values); expected one, or one per IPU "
+                f"got {short_repr(proportion)} ({len(values)} values); expected one, or one per "
+                f"IPU "
                 f"(ipu.ipus_per_replica = {ipu.ipus_per_replica})",
             )
         for value in values:
@@ -437,21 +439,24 @@ def resolve_layers_per_ipu(layers_per_ipu: Sequence[int], depth: int, ipus: int)
     counts = list(layers_per_ipu)
     if len(counts) != ipus:
         raise ValueError(
-            f"got {_short(counts)} ({len(counts)} entries); expected one entry per IPU "
+            f"got {short_repr(counts)} ({len(counts)} entries); expected one entry per IPU "
             f"(ipu.ipus_per_replica = {ipus})"
         )
     if any(c < -1 for c in counts):
-        raise ValueError(f"got {_short(counts)}; entries must be >= 0, or -1 for 'share the rest'")
+        raise ValueError(f"got {short_repr(counts)}; entries must be >= 0, or -1 for 'share the "
+                         "rest'")
     fixed = sum(c for c in counts if c >= 0)
     flexible = [i for i, c in enumerate(counts) if c == -1]
     if not flexible:
         if fixed != depth:
-            raise ValueError(f"{_short(counts)} places {fixed} layers but model.depth is {depth}")
+            raise ValueError(f"{short_repr(counts)} places {fixed} layers but model.depth is "
+                             f"{depth}")
         return counts
     rest = depth - fixed
     if rest < len(flexible):
         raise ValueError(
-            f"{_short(counts)} leaves {rest} of model.depth = {depth} layers for {len(flexible)} "
+            f"{short_repr(counts)} leaves {rest} of model.depth = {depth} layers for "
+            f"{len(flexible)} "
             "'-1' entries; each needs at least one"
         )
     share, extra = divmod(rest, len(flexible))

@@ -75,7 +75,8 @@ class RunError(ValueError):
     """A run that cannot start or resume as asked (bad run directory, damaged artefact)."""
 
 
-def _reason(error: OSError) -> str:
+def os_error_reason(error: OSError) -> str:
+    """The reason an OSError gives (its strerror), for messages that name the path."""
     return error.strerror or str(error)
 
 
@@ -83,7 +84,7 @@ def error_naming(path: Path, error: OSError) -> OSError:
     """``error`` naming ``path``: os.write's errors (a full disk, say) name no file."""
     if error.filename is not None:
         return error
-    return OSError(error.errno, _reason(error), str(path))
+    return OSError(error.errno, os_error_reason(error), str(path))
 
 
 def not_a_directory(path: Path) -> Optional[str]:
@@ -99,7 +100,7 @@ def not_a_directory(path: Path) -> Optional[str]:
             return f"it is a broken symbolic link (to {os.readlink(path)})"
         if error.errno in (errno.ENOENT, errno.ENOTDIR):
             return "no such directory"
-        return _reason(error)
+        return os_error_reason(error)
     except ValueError as error:  # a NUL byte in the name
         return f"not a usable path ({error})"
     return "not a directory"
@@ -127,7 +128,7 @@ def atomic_write(path: Path, data: bytes) -> None:
             prefix=f".{path.name}.", suffix=TEMPORARY_SUFFIX, dir=path.parent
         )
     except OSError as error:
-        raise RunError(f"cannot write {path}: {_reason(error)}") from None
+        raise RunError(f"cannot write {path}: {os_error_reason(error)}") from None
     try:
         try:
             os.fchmod(handle, 0o666 & ~_umask())  # mkstemp's 0600 would hide results from others
@@ -186,7 +187,7 @@ def remove_temporaries(run_dir: Path) -> List[str]:
             try:
                 entry.unlink()
             except OSError as error:
-                raise RunError(f"cannot remove {entry}: {_reason(error)}") from None
+                raise RunError(f"cannot remove {entry}: {os_error_reason(error)}") from None
             removed.append(entry.name)
     return removed
 
@@ -195,7 +196,7 @@ def _entries(run_dir: Path) -> List[Path]:
     try:
         return sorted(run_dir.iterdir())
     except OSError as error:
-        raise RunError(f"cannot read run directory {run_dir}: {_reason(error)}") from None
+        raise RunError(f"cannot read run directory {run_dir}: {os_error_reason(error)}") from None
 
 
 # ------------------------------------------------------------------------------ the directory
@@ -209,7 +210,7 @@ def make_run_dir(run_dir: Path) -> List[Path]:
     try:
         created = _make_directories(run_dir)
     except OSError as error:
-        raise RunError(f"cannot create run directory {run_dir}: {_reason(error)}") from None
+        raise RunError(f"cannot create run directory {run_dir}: {os_error_reason(error)}") from None
     problem = not_a_directory(run_dir)
     if problem == "not a directory":
         raise RunError(f"run directory {run_dir} exists and is not a directory")
@@ -228,7 +229,7 @@ def make_unique_run_dir(parent: Path, name: str) -> Tuple[Path, List[Path]]:
         created = _make_directories(parent)
         problem = not_a_directory(parent)
     except OSError as error:
-        problem = _reason(error)
+        problem = os_error_reason(error)
     if problem:
         raise RunError(f"cannot create run directory {parent / name}: in {parent}: {problem}")
     for number in itertools.count(1):
@@ -239,7 +240,8 @@ def make_unique_run_dir(parent: Path, name: str) -> Tuple[Path, List[Path]]:
         except FileExistsError:
             continue
         except OSError as error:
-            raise RunError(f"cannot create run directory {run_dir}: {_reason(error)}") from None
+            raise RunError(f"cannot create run directory {run_dir}: "
+                           f"{os_error_reason(error)}") from None
         return run_dir, created + [run_dir]
     raise AssertionError("unreachable")  # itertools.count never ends
 
@@ -399,7 +401,7 @@ class RunLock:
                 if error.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise RunError(self._busy(holder)) from None
                 raise RunError(f"cannot lock run directory {self.run_dir}: "
-                               f"{_reason(error)}") from None
+                               f"{os_error_reason(error)}") from None
             if not self._still_the_lock_file(fd):
                 # Its holder ended and removed it between our open and our lock: take the
                 # lock file there is now (a new one if none is).
@@ -412,7 +414,7 @@ class RunLock:
             except OSError as error:
                 os.close(fd)
                 raise RunError(f"cannot write to run directory {self.run_dir}: "
-                               f"{_reason(error)}") from None
+                               f"{os_error_reason(error)}") from None
         self._fd = fd
 
     def _open_writing(self) -> int:
@@ -420,7 +422,7 @@ class RunLock:
             return os.open(self.run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as error:
             raise RunError(f"cannot write to run directory {self.run_dir}: "
-                           f"{self._broken_link() or _reason(error)}") from None
+                           f"{self._broken_link() or os_error_reason(error)}") from None
 
     def _broken_link(self) -> str:
         """Why the lock file cannot be opened when it is a symbolic link to nowhere (opening
@@ -450,7 +452,7 @@ class RunLock:
                 if flags & os.O_CREAT and error.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
                     return None  # a directory nobody here can write: no writer to wait for
                 raise RunError(f"cannot {self.action} {self.run_dir}: cannot open its "
-                               f"{LOCK_FILE}: {_reason(error)}") from None
+                               f"{LOCK_FILE}: {os_error_reason(error)}") from None
         raise RunError(f"cannot {self.action} {self.run_dir}: "
                        f"{self._broken_link() or 'no such directory'}")
 

@@ -21,9 +21,9 @@ from .run_directory import (
     METRICS_FILE,
     TOKENIZER_FILE,
     RunError,
-    _reason,
     atomic_write,
     error_naming,
+    os_error_reason,
     read_regular_file,
 )
 
@@ -57,7 +57,7 @@ def load_checkpoint(path: Path) -> Dict[str, Any]:
     except FileNotFoundError:
         raise RunError(f"no checkpoint at {path}") from None
     except OSError as error:
-        raise RunError(f"cannot read checkpoint {path}: {_reason(error)}") from None
+        raise RunError(f"cannot read checkpoint {path}: {os_error_reason(error)}") from None
     header, _, payload = data.partition(b"\n")
     fields = header.split(b" ")
     if not header.startswith(CHECKPOINT_MAGIC + b" ") or len(fields) != 5:
@@ -179,7 +179,7 @@ class MetricsLog:
         try:
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         except OSError as error:
-            raise RunError(f"cannot write {self.path}: {_reason(error)}") from None
+            raise RunError(f"cannot write {self.path}: {os_error_reason(error)}") from None
 
     def write(self, row: Dict[str, Any]) -> None:
         line = _csv_line([row.get(name, "") for name in self.fields])
@@ -277,7 +277,7 @@ def metrics_up_to(run_dir: Path, step: int, fields: Sequence[str] = METRIC_FIELD
         raise RunError(f"cannot resume {run_dir}: {METRICS_FILE} is missing") from None
     except OSError as error:
         raise RunError(f"cannot resume {run_dir}: cannot read {METRICS_FILE}: "
-                       f"{_reason(error)}") from None
+                       f"{os_error_reason(error)}") from None
     damaged = RunError(
         f"cannot resume {run_dir}: {METRICS_FILE} is damaged (it must hold one complete row "
         f"for each of steps 1 to {step} of the checkpoint)"
@@ -311,7 +311,7 @@ def keep_report_rows_up_to(path: Path, step: int) -> None:
     except FileNotFoundError:
         return
     except OSError as error:
-        raise RunError(f"cannot read {path}: {_reason(error)}") from None
+        raise RunError(f"cannot read {path}: {os_error_reason(error)}") from None
     kept = lines[:1]
     for line in lines[1:-1]:  # the last piece is empty or a row cut short
         head = line.split(",", 1)[0]
