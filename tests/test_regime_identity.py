@@ -125,7 +125,7 @@ def assert_umup(model: nn.Module, kind: str) -> None:
         return
     hidden = model.embedding.embedding_dim
     head_dim = hidden // model.layers[0].attn.heads
-    assert attention_scales == {umup_rules.attention_scale(head_dim)}
+    assert attention_scales == {umup_rules.attention_logit_scale(head_dim)}
     assert logit_scale == umup_rules.logit_scale(hidden)
     # The readout has no constraint: its output scale is exactly 1/sqrt(fan_in).
     assert _linear_gain(model.head) == pytest.approx(hidden**-0.5, rel=0.1)

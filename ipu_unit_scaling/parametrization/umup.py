@@ -71,7 +71,7 @@ __all__ = [
     "WeightRule",
     "residual_weights",
     "residual_taus",
-    "attention_scale",
+    "attention_logit_scale",
     "logit_scale",
     "lr_scale",
     "weight_rules",
@@ -132,7 +132,7 @@ def residual_taus(
 # ---------------------------------------------------------------------------- multipliers
 
 
-def attention_scale(head_dim: int, attn_softmax_mult: float = 1.0) -> float:
+def attention_logit_scale(head_dim: int, attn_softmax_mult: float = 1.0) -> float:
     """The scale of attention logits, ``attn_softmax_mult / head_dim`` (μP's 1/d)."""
     return attn_softmax_mult / head_dim
 
@@ -303,7 +303,7 @@ def umup_decoder(
         vocab_size=vocab_size, hidden_size=hidden_size, depth=depth, heads=heads,
         seq_len=seq_len, mlp_expansion=mlp_expansion, dropout_p=dropout_p, bias=bias, ops=ops,
         taus=residual_taus(depth, hp.residual_mult, hp.residual_attn_ratio),
-        attention_scale=attention_scale(hidden_size // heads, hp.attn_softmax_mult),
+        attention_scale=attention_logit_scale(hidden_size // heads, hp.attn_softmax_mult),
         # The readout's input gradient keeps its own unit scale: a cut edge, no constraint.
         head=Linear(hidden_size, vocab_size, bias=False, constraint=None),
         logit_scale=logit_scale(hidden_size, hp.loss_softmax_mult),
