@@ -20,14 +20,7 @@ from ipu_unit_scaling.analysis import (
 )
 from ipu_unit_scaling.models import GPTConfig, build_gpt
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 ORACLE_DTYPES = {
     "F143": ml_dtypes.float8_e4m3fnuz,
