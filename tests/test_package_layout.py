@@ -511,12 +511,6 @@ KNOWN_SECOND_PATHS = {
     "apps.mlm serves mask_tokens of loop.masked_lm",
     "apps.mlm serves masked_batch of loop.masked_lm",
     "main defined in apps.cli, apps.emulate",
-    # fp8 and transforms layers
-    "simulate_fp8 defined in fp8.simulate, transforms.quantise",
-    # fp8 layer
-    "fp8.cast_ops serves NAMESPACE of ops.op_library",
-    # ops and parametrization layers
-    "attention_scale defined in ops.rule_switch, parametrization.umup",
     # ops layer
     "embedding defined in ops.fused_ops, ops.unit_ops",
     "gelu defined in ops.activation_ops, ops.fused_ops",
@@ -537,8 +531,6 @@ KNOWN_IMPORTS_THROUGH_SECOND_PATHS = {
     "ipu_unit_scaling/apps/mlm.py: training.run_config.parse_override_value",
     "ipu_unit_scaling/apps/sweep.py: training.run_config.ConfigError",
     "ipu_unit_scaling/apps/sweep.py: training.run_config.apply_override",
-    "ipu_unit_scaling/backends/popxl/popxl_model.py: training.run_config.ConfigError",
-    "ipu_unit_scaling/backends/popxl/popxl_training.py: training.run_config.ConfigError",
     "ipu_unit_scaling/loop/run_opening.py: training.run_config.ConfigError",
     "ipu_unit_scaling/loop/run_opening.py: training.run_config.apply_override",
     "ipu_unit_scaling/loop/run_opening.py: training.run_config.read_yaml_file",
@@ -568,15 +560,7 @@ def test_each_public_name_is_written_once_and_served_from_one_path():
     assert not through, "imports through a second path:\n" + "\n".join(through)
 
 
-KNOWN_PRIVATE_IMPORTS = {
-    # ops layer
-    "backends.popxl.popxl_model: ops.activation_ops._GELU_STDS",
-    "backends.popxl.popxl_model: ops.unit_ops._residual_weights",
-    "modules.gpt_blocks: ops.activation_ops._gelu_scales",
-    "modules.gpt_blocks: ops.attention_ops._explicit_attention",
-    "modules.gpt_blocks: ops.unit_ops._residual_weights",
-    "parametrization.umup_rules: ops.attention_ops._explicit_attention",
-}
+KNOWN_PRIVATE_IMPORTS: Set[str] = set()
 
 
 def test_no_private_name_is_taken_from_another_module():

@@ -38,7 +38,7 @@ from ...fp8.fp8_config import FP8Config
 from ...modules.gpt_blocks import GPT, UNIT_OPS
 from ...ops import activation_ops, unit_ops
 from ...ops.scale_constraints import ConstraintArg, apply_constraint
-from ...training.run_config import ConfigError
+from ...training.config_files import ConfigError
 from .fp8_ops import AMAX_SOURCES, CastSite, FP8LinearBlock
 
 __all__ = ["DecoderSpec", "LayerSpec", "PopXLDecoder", "Tape", "scaled"]
@@ -289,7 +289,7 @@ class PopXLDecoder:
         weight ``tau / sqrt(1 + tau**2)``) then ``U.layer_norm``."""
         xl = self.xl
         bias = self.spec.bias
-        branch_grad = 1.0 if split_tau is None else unit_ops._residual_weights(split_tau)[0]
+        branch_grad = 1.0 if split_tau is None else unit_ops.residual_tau_weights(split_tau)[0]
         rows, width = int(np.prod(x.shape[:-1])), x.shape[-1]
         shape = tuple(x.shape)
 
@@ -375,7 +375,7 @@ class PopXLDecoder:
     def _join(self, branch: Tensor, tau: float) -> Any:
         """``U.residual_add``: ``a * branch + b * skip``, the branch scaled forward only."""
         xl = self.xl
-        branch_weight, skip_weight = unit_ops._residual_weights(tau)
+        branch_weight, skip_weight = unit_ops.residual_tau_weights(tau)
 
         def join(branch: Tensor, skip: Tensor) -> Tensor:
             return skip * skip_weight + scaled(xl, branch, branch_weight, 1.0)
@@ -400,5 +400,5 @@ class PopXLDecoder:
 
 
 def _gelu_scales() -> Tuple[float, float]:
-    out_std, grad_rms = activation_ops._GELU_STDS["none"]
+    out_std, grad_rms = activation_ops.GELU_STDS["none"]
     return 1 / out_std, 1 / grad_rms

@@ -18,7 +18,8 @@ from torch import nn
 
 from ...fp8.fp8_config import FP8Config
 from ...fp8.scaling import NonFiniteAmaxError
-from ...training.run_config import Config, ConfigError, TrainingConfig
+from ...training.config_files import ConfigError
+from ...training.run_config import Config, TrainingConfig
 from .fp8_ops import AMAX_SOURCES, CastSite
 from .popxl_model import DecoderSpec, PopXLDecoder, Tape
 
