@@ -211,7 +211,7 @@ def test_residual_gradient_is_the_true_gradient_of_the_weighted_sum():
 def test_residual_weights_stay_finite_and_unit_for_extreme_tau(tau):
     """The branch and skip weights are tau and 1 over sqrt(1 + tau**2), their squares summing
     to 1, where tau**2 alone under- or overflows (float64 reference from the ratio form)."""
-    branch, skip = unit_ops._residual_weights(tau)
+    branch, skip = unit_ops.residual_tau_weights(tau)
     assert branch**2 + skip**2 == pytest.approx(1.0, rel=1e-12)
     assert branch / skip == pytest.approx(tau, rel=1e-12)
 

@@ -33,14 +33,14 @@ from typing import Optional, Tuple
 import torch
 
 from ..ops import trace_switch as tracing
-from ..ops.op_library import LIBRARY, NAMESPACE
+from ..ops.op_library import LIBRARY
 from ..ops.op_library import below_autograd as _below_autograd
 from .codec import FormatLike, decode, encode
 from .fp8_formats import get_format
 from .scaling import check_log2_scale, check_margin, log2_scale
 
 __all__ = [
-    "NAMESPACE", "CODELET_FORMATS", "fp8_quantise", "fp8_quantise_gradient",
+    "CODELET_FORMATS", "fp8_quantise", "fp8_quantise_gradient",
     "fp8_quantise_reference", "codelet_format",
 ]
 

@@ -56,7 +56,7 @@ def _plain_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optio
         # torch 2.0 has no `scale` argument: fold a scale other than the default into the query.
         query = query * (scale * query.shape[-1] ** 0.5)
     if is_ipu_tracing():
-        return attention_ops._explicit_attention(query, key, value, attn_mask, dropout_p, is_causal)
+        return attention_ops.explicit_attention(query, key, value, attn_mask, dropout_p, is_causal)
     return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
                                           dropout_p=dropout_p, is_causal=is_causal)
 
@@ -288,7 +288,7 @@ class FeedForward(nn.Module):
         up, down = cast(Linear, self.up), cast(Linear, self.down)
         rows = input.numel() // input.shape[-1]
         gelu_scales = fused.cached_scales(("gelu", "none", "gmean"),
-                                          activation_ops._gelu_scales, "none", "gmean")
+                                          activation_ops.gelu_scales, "none", "gmean")
         return (*_linear_scales(up, rows), *gelu_scales, *_linear_scales(down, rows))
 
 
@@ -388,8 +388,8 @@ class TransformerBlock(nn.Module):
         stream) first; None: `input` is the stream. `weigh_branch`: the branch may come
         already times its weight (then given as 1), where that saves a pass."""
         ops = self.ops
-        attn_branch, attn_skip = unit_ops._residual_weights(self.attn_tau)
-        mlp_branch, mlp_skip = unit_ops._residual_weights(self.mlp_tau)
+        attn_branch, attn_skip = unit_ops.residual_tau_weights(self.attn_tau)
+        mlp_branch, mlp_skip = unit_ops.residual_tau_weights(self.mlp_tau)
         # The norms' parameter gradients sum over every row (see U.layer_norm).
         param_scale = (input.numel() // input.shape[-1]) ** -0.5
         previous, branch_weight, skip_weight = pending if pending is not None else (None, 1.0, 1.0)
@@ -431,8 +431,8 @@ class TransformerBlock(nn.Module):
         """`_fused_unjoined` as `fused_blocks.norm_qkv`, the attention kernel and
         `fused_blocks.proj_norm_mlp`: the same ops, two autograd Functions for five."""
         attn, mlp = cast(SelfAttention, self.attn), cast(FeedForward, self.mlp)
-        attn_branch, attn_skip = unit_ops._residual_weights(self.attn_tau)
-        mlp_branch, mlp_skip = unit_ops._residual_weights(self.mlp_tau)
+        attn_branch, attn_skip = unit_ops.residual_tau_weights(self.attn_tau)
+        mlp_branch, mlp_skip = unit_ops.residual_tau_weights(self.mlp_tau)
         norm = cast(LayerNorm, self.attn_norm)
         qkv_layer = cast(Linear, attn.qkv)
         qkv, stream = fused_blocks.norm_qkv(

@@ -63,7 +63,7 @@ def _gelu_stds(form: str) -> Tuple[float, float]:
 
 # Computed once at import: torch.compile traces through lru_cache, and tracing the autograd call
 # above would split the compiled graph at every GELU.
-_GELU_STDS = {form: _gelu_stds(form) for form in lowering.GELU_FORMS}
+GELU_STDS = {form: _gelu_stds(form) for form in lowering.GELU_FORMS}
 
 
 def active_gelu_form(approximate: str) -> str:
@@ -84,12 +84,12 @@ def _gelu_mult_moments(form: str, mult: float) -> Tuple[float, float]:
     return gelu_moments(form, mult)
 
 
-def _gelu_scales(form: str, constraint: ConstraintArg, mult: float = 1.0) -> Tuple[float, ...]:
+def gelu_scales(form: str, constraint: ConstraintArg, mult: float = 1.0) -> Tuple[float, ...]:
     """Scales for a GELU form (an `approximate` of `F.gelu`, or "popart") of `mult * x`."""
     if mult != 1.0:
         out_std, grad_rms = _gelu_mult_moments(form, float(mult))
-    elif form in _GELU_STDS:
-        out_std, grad_rms = _GELU_STDS[form]
+    elif form in GELU_STDS:
+        out_std, grad_rms = GELU_STDS[form]
     else:
         out_std, grad_rms = _gelu_stds(form)
     return apply_constraint(constraint, 1 / out_std, 1 / grad_rms)
@@ -131,10 +131,10 @@ def gelu(
         output_scale, grad_scale = output_scale / multiplier, grad_scale / multiplier
     elif fused.eager_forms():
         output_scale, grad_scale = fused.cached_scales(
-            ("gelu", approximate, multiplier, constraint), _gelu_scales, approximate,
+            ("gelu", approximate, multiplier, constraint), gelu_scales, approximate,
             constraint, multiplier)
     else:
-        output_scale, grad_scale = _gelu_scales(active_gelu_form(approximate), constraint,
+        output_scale, grad_scale = gelu_scales(active_gelu_form(approximate), constraint,
                                                 multiplier)
     if fused.eager_forms():
         return fused.gelu(input if multiplier == 1.0 else input * multiplier, approximate,

@@ -47,7 +47,7 @@ def _visible_keys(
     return float(max(1, key_len))
 
 
-def _explicit_attention(
+def explicit_attention(
     query: Tensor,
     key: Tensor,
     value: Tensor,
@@ -187,7 +187,7 @@ def _attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optional[Te
         # torch 2.0 has no `scale` argument: fold it into the query instead.
         query = query * logit_std
     if is_ipu_tracing():
-        out = _explicit_attention(query, key, value, attn_mask, dropout_p, is_causal)
+        out = explicit_attention(query, key, value, attn_mask, dropout_p, is_causal)
     else:
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal

@@ -382,7 +382,9 @@ def _library_add(input: Tensor, other: Tensor, rule: ConstraintArg, alpha: float
                      output_scale)
 
 
-def _residual_weights(tau: float) -> Tuple[float, float]:
+def residual_tau_weights(tau: float) -> Tuple[float, float]:
+    """(branch, skip) weights of a residual join of ratio `tau`: `tau` and 1, normalised to a
+    unit sum of squares."""
     weights = _RESIDUAL_WEIGHTS.get(tau)
     if weights is None:
         if not 0 < tau < math.inf:
@@ -405,7 +407,7 @@ def residual_split(input: Tensor, tau: float = 1.0) -> Tuple[Tensor, Tensor]:
     receives `a * g_branch + b * g_skip`, the true gradient of `a * f(x) + b * x`
     (`residual_add` applies a and b in the forward pass only). Both outputs' gradients stay unit.
     """
-    branch_weight, skip_weight = _residual_weights(tau)
+    branch_weight, skip_weight = residual_tau_weights(tau)
     if fused.eager_forms():
         return fused.residual_split(input, branch_weight, skip_weight)
     return scale_bwd(input, branch_weight), scale_bwd(input, skip_weight)
@@ -419,7 +421,7 @@ def residual_add(residual: Tensor, skip: Tensor, tau: float = 1.0) -> Tensor:
     `residual_split` applies them in the backward pass instead, where the gradients join the
     stream.
     """
-    branch_weight, skip_weight = _residual_weights(tau)
+    branch_weight, skip_weight = residual_tau_weights(tau)
     if residual.shape == skip.shape and residual.dtype == skip.dtype and fused.eager_forms():
         return fused.residual_add(residual, skip, branch_weight, skip_weight, 1.0)
     return scale_fwd(residual, branch_weight) + scale_fwd(skip, skip_weight)
@@ -428,7 +430,7 @@ def residual_add(residual: Tensor, skip: Tensor, tau: float = 1.0) -> Tensor:
 def residual_join(residual: Tensor, skip: Tensor, tau: float) -> Tensor:
     """`residual_add` whose skip weight applies in both passes: the join for a skip that is
     the stream itself, not `residual_split`'s skip output (as `unit_scale` builds residuals)."""
-    branch_weight, skip_weight = _residual_weights(tau)
+    branch_weight, skip_weight = residual_tau_weights(tau)
     if residual.shape == skip.shape and residual.dtype == skip.dtype and fused.eager_forms():
         return fused.residual_add(residual, skip, branch_weight, skip_weight, skip_weight)
     scaled_skip = skip * skip_weight

@@ -129,7 +129,7 @@ def constant_scale_attention(query: Tensor, key: Tensor, value: Tensor,
         # torch 2.0 has no `scale` argument: fold it into the query.
         query = query * logit_std
     if is_ipu_tracing():
-        out = attention_ops._explicit_attention(query, key, value, attn_mask, dropout_p, is_causal)
+        out = attention_ops.explicit_attention(query, key, value, attn_mask, dropout_p, is_causal)
     else:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask,
                                              dropout_p=dropout_p, is_causal=is_causal)
