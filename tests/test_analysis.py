@@ -15,8 +15,8 @@ from ipu_unit_scaling.analysis import (
     analyse,
     cast_fractions,
     range_format,
+    record_scales,
     role_summary,
-    track_scales,
 )
 from ipu_unit_scaling.models import GPTConfig, build_gpt
 
@@ -78,11 +78,11 @@ class TwoLayer(nn.Module):
         return self.second(torch.relu(self.first(x)))
 
 
-def test_track_scales_matches_direct_computation() -> None:
+def test_record_scales_matches_direct_computation() -> None:
     torch.manual_seed(0)
     model = TwoLayer()
     x = torch.randn(64, 16) * 3
-    records = track_scales(model, x, formats=("F143", "FP16"), seed=5)
+    records = record_scales(model, x, formats=("F143", "FP16"), seed=5)
     assert all(p.grad is None for p in model.parameters())
 
     by_key = {(r.op, r.role): r for r in records}
@@ -114,12 +114,12 @@ def test_track_scales_matches_direct_computation() -> None:
     assert by_key[("first", "gradient")].index == by_key[("first", "activation")].index
 
 
-def test_track_scales_with_labels_uses_the_returned_loss() -> None:
+def test_record_scales_with_labels_uses_the_returned_loss() -> None:
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=65, seq_len=16, depth=1, hidden_size=32, heads=2)
     model = build_gpt(config)
     ids = torch.randint(0, 65, (4, 16))
-    records = track_scales(model, ids, ids)
+    records = record_scales(model, ids, ids)
     head = next(r for r in records if r.op == "head" and r.role == "gradient")
     logits = model(ids)
     loss = model.loss(logits, ids)
@@ -143,7 +143,7 @@ def test_scale_reporter_writes_only_on_reporting_steps(tmp_path) -> None:
         "step", "role", "min_log2_std", "max_log2_std",
         "underflow_F143", "overflow_F143", "underflow_F152", "overflow_F152",
     }
-    expected = role_summary(track_scales(model, ids, ids, formats=("F143", "F152")),
+    expected = role_summary(record_scales(model, ids, ids, formats=("F143", "F152")),
                             ("F143", "F152"))
     first = {r["role"]: r for r in rows if r["step"] == "0"}
     for role, row in expected.items():
