@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
 import subprocess
 import sys
 from fractions import Fraction
@@ -12,6 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from helpers import ROOT
 
 from ipu_unit_scaling.fp8 import (
     F143,
@@ -25,25 +25,11 @@ from ipu_unit_scaling.fp8 import (
 from ipu_unit_scaling.fp8 import host_library as _host
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
-pytestmark = pytest.mark.numerics
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("host_library")]
 
 ML_DTYPES = {"F143": ml_dtypes.float8_e4m3fnuz, "F152": ml_dtypes.float8_e5m2fnuz}
 FORMATS = [F143, F152]
 POLICIES = ["saturate", "nan"]
-
-
-def require_host_library() -> None:
-    """Fail when the library should be there (a compiler exists); skip visibly when not."""
-    if _host.fused_cast_available():
-        return
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip(f"no C++ compiler, host library not built: {_host.fast_path_status()}")
-    pytest.fail(f"host library missing although a compiler exists: {_host.fast_path_status()}")
-
-
-@pytest.fixture(autouse=True)
-def _host_library() -> None:
-    require_host_library()
 
 
 def ml_cast(x: torch.Tensor, fmt: FP8Format, scale: int, overflow: str) -> torch.Tensor:
@@ -227,12 +213,12 @@ def test_status_explains_a_missing_library(monkeypatch, tmp_path):
 
 
 def test_disabled_library_falls_back_in_a_fresh_process():
-    code = ("import torch; from ipu_unit_scaling import _host; from ipu_unit_scaling.fp8 import "
-            "cast_to_fp8; print(_host.fast_path_status()); "
+    code = ("import torch; from ipu_unit_scaling.fp8 import cast_to_fp8, host_library as _host; "
+            "print(_host.fast_path_status()); "
             "print(cast_to_fp8(torch.tensor([1.0, -300.0]), 'F143').codes.tolist())")
     env = dict(os.environ, **{_host.DISABLE_ENV: "0"})
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True, cwd=os.path.dirname(os.path.dirname(__file__))).stdout
+                         check=True, cwd=ROOT).stdout
     status, codes = out.strip().splitlines()
     assert status.startswith("off: disabled by")
     # log2_scale = floor(log2(240 / 300)) = -1

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT as REPO
+from helpers import wide_range_input
 
 poptorch = pytest.importorskip("poptorch", reason="poptorch (Poplar SDK) is not installed")
 
@@ -27,7 +29,6 @@ from ipu_unit_scaling.ops.trace_switch import ipu_tracing  # noqa: E402
 from ipu_unit_scaling.scale import scale  # noqa: E402
 
 pytestmark = pytest.mark.ipu
-REPO = Path(__file__).resolve().parents[1]
 CODELETS = REPO / "codelets"
 
 
@@ -74,12 +75,6 @@ def run_on_ipu_model(module: torch.nn.Module, x: torch.Tensor):
     options = poptorch.Options()
     options.useIpuModel(True)
     return poptorch.inferenceModel(module, options)(x)
-
-
-def wide_range_input(size: int, dtype: torch.dtype) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(size)
-    spread = torch.exp((torch.randn(size, generator=generator) * 3.0).clamp(-14.0, 7.0))
-    return (torch.randn(size, generator=generator) * spread).to(dtype)
 
 
 def test_popc_compiles_the_codelets(codelets_gp):

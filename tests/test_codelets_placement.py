@@ -10,12 +10,11 @@ import ctypes
 import math
 import random
 import re
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import ROOT as REPO
 
 from ipu_unit_scaling.fp8 import (
     F143,
@@ -27,19 +26,9 @@ from ipu_unit_scaling.fp8 import (
 from ipu_unit_scaling.fp8 import codelet_emulator as emulator
 from ipu_unit_scaling.fp8 import host_library as _host
 
-pytestmark = pytest.mark.numerics
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("host_library")]
 
-REPO = Path(__file__).resolve().parents[1]
 GRAIN = 8
-
-
-@pytest.fixture(autouse=True)
-def _host_library() -> None:
-    if _host.fused_cast_available():
-        return
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip(f"no C++ compiler, host library not built: {_host.fast_path_status()}")
-    pytest.fail(f"host library missing although a compiler exists: {_host.fast_path_status()}")
 
 
 def fan_in(leaves: int) -> int:

@@ -1,13 +1,13 @@
 """The codelet emulator: vertices run tile by tile must reproduce the torch reference exactly."""
 from __future__ import annotations
 
-import shutil
 from typing import Dict, Tuple
 
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from helpers import wide_range_input
 
 from ipu_unit_scaling.fp8 import (
     F143,
@@ -21,29 +21,13 @@ from ipu_unit_scaling.fp8 import codelet_emulator as emulator
 from ipu_unit_scaling.fp8 import host_library as _host
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
-pytestmark = pytest.mark.numerics
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("host_library")]
 
 FORMATS = [F143, F152]
 POLICIES = ["saturate", "nan"]
 SIZES = [1, 7, 1471, 1472 * 6 + 5, 1 << 20]
 TILES = [1, 4, 1472]
 ML_DTYPES = {"F143": ml_dtypes.float8_e4m3fnuz, "F152": ml_dtypes.float8_e5m2fnuz}
-
-
-@pytest.fixture(autouse=True)
-def _host_library() -> None:
-    if _host.fused_cast_available():
-        return
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip(f"no C++ compiler, host library not built: {_host.fast_path_status()}")
-    pytest.fail(f"host library missing although a compiler exists: {_host.fast_path_status()}")
-
-
-def wide_range_input(size: int, dtype: torch.dtype) -> torch.Tensor:
-    """Normal samples spread over many binades, so casts hit FP8 subnormals and zero too."""
-    generator = torch.Generator().manual_seed(size)
-    spread = torch.exp((torch.randn(size, generator=generator) * 3.0).clamp(-14.0, 7.0))
-    return (torch.randn(size, generator=generator) * spread).to(dtype)
 
 
 _references: Dict[Tuple[int, torch.dtype, str, str], Tuple[torch.Tensor, int]] = {}

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import math
 import re
-import shutil
 from fractions import Fraction
-from pathlib import Path
 from typing import List, Optional
 
 import numpy as np
 import pytest
 import torch
+from helpers import ROOT as REPO
+from helpers import require_host_library
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ipu_unit_scaling.backends.poptorch import STANDIN_MODULE, poptorch_module
@@ -36,17 +36,6 @@ if not all(hasattr(ml_dtypes, name) for name in ("float8_e4m3fnuz", "float8_e5m2
 
 ML_DTYPES = {"F143": ml_dtypes.float8_e4m3fnuz, "F152": ml_dtypes.float8_e5m2fnuz}
 FORMAT_MAX = {"F143": 240.0, "F152": 57344.0}
-REPO = Path(__file__).resolve().parents[1]
-
-
-def host_library_required() -> None:
-    if _host.fused_cast_available():
-        return
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip(f"no C++ compiler, host library not built: {_host.fast_path_status()}")
-    pytest.fail(f"host library missing although a compiler exists: {_host.fast_path_status()}")
-
-
 def oracle_scale(amax: float, fmt_name: str, margin: int) -> int:
     if not math.isfinite(amax) or amax == 0:
         return 0
@@ -157,7 +146,7 @@ def test_float16_input_near_its_max_can_round_to_inf():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
 def test_host_kernel_and_torch_fallback_agree(dtype, monkeypatch):
-    host_library_required()
+    require_host_library()
     x = torch.cat([wide_range(50_000, dtype, 7), edge_values(dtype)])
     x_nan = x.clone()
     x_nan[3] = float("nan")
@@ -175,7 +164,7 @@ def test_host_kernel_and_torch_fallback_agree(dtype, monkeypatch):
 
 
 def test_the_op_equals_the_emulated_ipu_graph():
-    host_library_required()
+    require_host_library()
     for dtype in (torch.float32, torch.float16):
         x = wide_range(1472 * 6 + 5, dtype, 3)
         x[100] = float("inf")

@@ -7,10 +7,10 @@ count), torch's float8 round trip, and the codec fallback.
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
 import torch
+from helpers import require_host_library
 
 from ipu_unit_scaling.fp8 import (
     F143,
@@ -31,14 +31,6 @@ from ipu_unit_scaling.fp8.linear import fp8_linear
 pytestmark = pytest.mark.numerics
 
 FORMATS = ["F143", "F152", "E4M3FN", "E5M2"]
-
-
-def host_library_required() -> None:
-    if _host.fused_cast_available():
-        return
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip(f"no C++ compiler, host library not built: {_host.fast_path_status()}")
-    pytest.fail(f"host library missing although a compiler exists: {_host.fast_path_status()}")
 
 
 def reference(x: torch.Tensor, fmt: str, log2_scale, margin=0, overflow="saturate"):
@@ -67,7 +59,7 @@ def random_bits(n: int, seed: int) -> torch.Tensor:
 @pytest.fixture(params=["host", "torch float8", "reference"])
 def path(request, monkeypatch):
     if request.param == "host":
-        host_library_required()
+        require_host_library()
     else:
         monkeypatch.setattr(values, "_host_library", lambda: None)
     return request.param
@@ -114,7 +106,7 @@ def test_inputs_of_other_dtypes_and_layouts(path):
 
 
 def test_host_kernels_agree_across_simd_block_sizes_and_threads():
-    host_library_required()
+    require_host_library()
     g = torch.Generator().manual_seed(5)
     # The amax grows along the tensor, so early blocks are rounded with a stale scale and
     # must be redone: the driver's hardest case.
@@ -139,7 +131,7 @@ def test_host_kernels_agree_across_simd_block_sizes_and_threads():
 @pytest.mark.parametrize("log2_scale", [0, -31, 31, 4])
 def test_fast_rounding_equals_the_vertex_code_on_strided_bit_patterns(log2_scale):
     """The full sweep over all 2**32 patterns is scripts/fp8_fast_path_sweep.py."""
-    host_library_required()
+    require_host_library()
     assert _host.fast_selftest(12345, 257, 1 << 22, log2_scale) == 0
     # Dense around the interesting exponents: F152's subnormals up to F143's overflow.
     assert _host.fast_selftest(0x37000000, 1, 1 << 20, log2_scale) == 0
