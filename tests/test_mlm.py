@@ -24,8 +24,10 @@ from ipu_unit_scaling.training.run_directory import METRIC_FIELDS
 from ipu_unit_scaling.training.run_records import load_checkpoint, read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-TINY = MLMConfig(hidden_size=32, depth=1, heads=2, seq_len=24, min_len=8, batch_size=8,
-                 steps=30, warmup_steps=5, eval_interval=10, eval_batches=2)
+TINY = MLMConfig().with_overrides([
+    "mlm.hidden_size=32", "mlm.depth=1", "mlm.heads=2", "mlm.seq_len=24", "mlm.min_len=8",
+    "mlm.batch_size=8", "mlm.steps=30", "mlm.warmup_steps=5", "mlm.eval_interval=10",
+    "mlm.eval_batches=2"])
 
 
 def test_masking_follows_bert():

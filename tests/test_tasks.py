@@ -41,7 +41,7 @@ def causal_lm(data: Path) -> Tuple[Config, Task]:
 
 
 def masked_lm(data: Path, regime: str = "unit-fp8") -> Tuple[Config, Task]:
-    settings = MLMConfig(data=str(data)).with_overrides(TINY_MLM)
+    settings = MLMConfig().with_setting("data", str(data)).with_overrides(TINY_MLM)
     corpus = load_corpus(settings.data, settings.val_fraction, settings.seq_len)
     config = run_config(settings, regime, 0, corpus.tokenizer.vocab_size)
     config = replace(config, training=replace(config.training, checkpoint_interval=2))

@@ -250,7 +250,8 @@ def command_compare_bert(args: argparse.Namespace) -> int:
     regimes = list(args.regimes or MLM_REGIMES)
     try:
         config = MLMConfig().with_overrides(overrides)
-        config.data = absolute_path(config.data)  # saved so: readable from anywhere
+        # the path is saved absolute: readable from anywhere
+        config = config.with_setting("data", absolute_path(config.data))
         check_mlm_regimes(regimes)
     except ValueError as error:
         raise UsageError(str(error)) from error

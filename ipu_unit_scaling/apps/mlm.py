@@ -18,7 +18,6 @@ their settings are the same, and refuses, naming the settings, when they are not
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import difflib
 import json
@@ -26,7 +25,7 @@ import math
 import reprlib
 import shutil
 import statistics
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -61,11 +60,6 @@ MLM_ALLOWED_REGIMES = tuple(regime for regime, (kind, _, _) in REGIME_SETTINGS.i
                             if kind in ENCODER_OPS)
 # The comparison the paper's BERT experiment makes (more regimes may be asked for).
 MLM_REGIMES = ("fp32", "fp16", "fp8-naive", "unit-fp16", "unit-fp8")
-# Per model kind: the best of a sweep of its fp32 regime at the default shape, seed 0 (plain:
-# 1e-3, 2e-3, 4e-3; unit-scaled: 0.01, 0.02, 0.04, 0.08); see docs/guide/compare.md.
-KIND_LEARNING_RATES = {"plain": 2e-3, "unit": 0.04}
-
-
 def encoder_kind(regime: str) -> str:
     """``plain`` or ``unit``: the encoder a regime trains; ValueError for others."""
     check_mlm_regimes([regime])
@@ -87,36 +81,75 @@ def check_mlm_regimes(regimes: Sequence[str]) -> None:
                          f"{', '.join(MLM_ALLOWED_REGIMES)}")
 
 
-def _default_learning_rates() -> Dict[str, float]:
-    return {regime: KIND_LEARNING_RATES[encoder_kind(regime)] for regime in MLM_ALLOWED_REGIMES}
+# Each ``--set mlm.<key>`` and the key of the run config (configs/mlm.yaml) it sets; the
+# masked LM's own settings, min_len and mask_prob, are fields of MLMConfig. In this order,
+# compare.json lists the settings of a comparison.
+MLM_KEYS = {
+    "hidden_size": "model.hidden_size", "depth": "model.depth", "heads": "model.heads",
+    "mlp_expansion": "model.mlp_expansion", "seq_len": "model.seq_len", "min_len": None,
+    "mask_prob": None, "attn_tau": "model.attn_tau", "mlp_tau": "model.mlp_tau",
+    "batch_size": "training.batch_size", "steps": "training.steps",
+    "warmup_steps": "training.warmup_steps", "eval_interval": "training.eval_interval",
+    "eval_batches": "training.eval_batches", "val_fraction": "data.val_fraction",
+    "data": "data.path", "backend": "backend", "learning_rates": "compare.learning_rates",
+}
 
 
-@dataclass
+def mlm_preset() -> Config:
+    """The run config of the masked-LM comparison: ``configs/mlm.yaml``."""
+    from ..training.run_config import load_config
+
+    return load_config("mlm")
+
+
+@dataclass(frozen=True)
 class MLMConfig:
-    """Shape, data and training of the masked-LM comparison (``--set mlm.<field>=value``).
+    """Shape, data and training of the masked-LM comparison (``--set mlm.<key>=value``).
 
-    Each run trains with Adam on a cosine schedule after a linear warmup, and checkpoints at
-    every evaluation (``eval_interval``) and at its end.
+    ``run`` is a run config (``configs/mlm.yaml``), and ``mlm.<key>`` one of its keys
+    (:data:`MLM_KEYS`), read as an attribute (``config.steps`` is ``run.training.steps``;
+    ``learning_rates`` holds the encoder's regimes of ``run.compare.learning_rates``). Each run
+    trains with Adam on a cosine schedule after a linear warmup, and checkpoints at every
+    evaluation (``eval_interval``) and at its end.
     """
 
-    hidden_size: int = 128
-    depth: int = 2
-    heads: int = 4
-    mlp_expansion: int = 4
-    seq_len: int = 64
+    run: Config = field(default_factory=mlm_preset)
     min_len: int = 24
     mask_prob: float = 0.15
-    attn_tau: float = 0.2
-    mlp_tau: float = 0.5
-    batch_size: int = 16
-    steps: int = 300
-    warmup_steps: int = 30
-    eval_interval: int = 100
-    eval_batches: int = 8
-    val_fraction: float = 0.1
-    data: Optional[str] = None
-    backend: str = "auto"
-    learning_rates: Dict[str, float] = field(default_factory=_default_learning_rates)
+
+    def __getattr__(self, name: str) -> Any:
+        """The value of the run config's key that ``mlm.<name>`` sets."""
+        key = MLM_KEYS.get(name)
+        if key is None or name.startswith("__"):
+            raise AttributeError(name)
+        node: Any = self.run
+        for part in key.split("."):
+            node = getattr(node, part)
+        if name == "learning_rates":
+            return {regime: node[regime] for regime in MLM_ALLOWED_REGIMES if regime in node}
+        return node
+
+    def settings(self) -> Dict[str, Any]:
+        """Every ``mlm.<key>`` and its value, in the order of :data:`MLM_KEYS`."""
+        return {name: getattr(self, name) for name in MLM_KEYS}
+
+    def with_setting(self, name: str, value: Any) -> MLMConfig:
+        """A copy with ``mlm.<name>`` set to ``value`` (unchecked: see :meth:`validate`)."""
+        key = MLM_KEYS[name]
+        if key is None:
+            return dataclasses.replace(self, **{name: value})
+        if name == "learning_rates":
+            value = {**self.run.compare.learning_rates, **value}
+        if name == "eval_interval":  # checkpoints reuse the evaluation that proves them good
+            return self._with_key(key, value)._with_key("training.checkpoint_interval", value)
+        return self._with_key(key, value)
+
+    def _with_key(self, key: str, value: Any) -> MLMConfig:
+        section, dot, name = key.partition(".")
+        if not dot:
+            return dataclasses.replace(self, run=dataclasses.replace(self.run, **{key: value}))
+        changed = dataclasses.replace(getattr(self.run, section), **{name: value})
+        return dataclasses.replace(self, run=dataclasses.replace(self.run, **{section: changed}))
 
     def validate(self) -> None:
         problems = []
@@ -172,8 +205,8 @@ class MLMConfig:
         rates of those regimes. A bad key or value is a ValueError in one line."""
         from ..training.run_config import parse_override_value
 
-        result = copy.deepcopy(self)
-        known = [f.name for f in fields(self)]
+        result = self
+        known = list(MLM_KEYS)
         for item in overrides:
             key, sep, text = item.partition("=")
             key = key.strip()
@@ -194,16 +227,16 @@ class MLMConfig:
                     raise ValueError(f"{_shown(item)}: expected a mapping of regimes to "
                                      f"learning rates, e.g. {{fp32: 0.002}}")
                 check_mlm_regimes([str(regime) for regime in rates])
-                for regime, rate in rates.items():
-                    result.learning_rates[str(regime)] = _number(
-                        f"mlm.learning_rates.{regime}={rate}", rate, float)
+                result = result.with_setting("learning_rates", {
+                    str(regime): _number(f"mlm.learning_rates.{regime}={rate}", rate, float)
+                    for regime, rate in rates.items()})
             else:
                 current = getattr(result, field_name)
                 if isinstance(current, (int, float)):
                     value = _number(item, value, type(current))
                 elif current is not None and not isinstance(value, type(current)):
                     raise ValueError(f"{_shown(item)}: expected {type(current).__name__}")
-                setattr(result, field_name, value)
+                result = result.with_setting(field_name, value)
         result.validate()
         return result
 
@@ -268,31 +301,23 @@ def build_encoder(config: MLMConfig, vocab: int, regime: str) -> nn.Module:
 
 
 def run_config(config: MLMConfig, regime: str, seed: int, vocab: int) -> Config:
-    """The training loop's config of one run of the comparison: the encoder's shape, the
+    """The training loop's config of one run of the comparison: ``config.run`` with the
     regime's model kind, precision and learning rate, the seed, and ``vocab`` characters."""
     from ..training.precision import with_model_kind
-    from ..training.run_config import DataConfig, PrecisionConfig, TrainingConfig, validate
+    from ..training.run_config import CompareConfig, validate
 
     kind, dtype, scaling = REGIME_SETTINGS[regime]
     check_mlm_regimes([regime])
-    base = with_model_kind(Config(), kind)
-    model = dataclasses.replace(
-        base.model, vocab_size=vocab, seq_len=config.seq_len, depth=config.depth,
-        hidden_size=config.hidden_size, heads=config.heads, mlp_expansion=config.mlp_expansion,
-        attn_tau=config.attn_tau, mlp_tau=config.mlp_tau)
-    precision = PrecisionConfig(dtype=dtype,
-                                fp8=dataclasses.replace(base.precision.fp8, scaling=scaling))
-    training = TrainingConfig(
-        batch_size=config.batch_size, steps=config.steps, seed=seed, optimizer="adam",
-        schedule="cosine", learning_rate=config.learning_rates[regime],
-        warmup_steps=config.warmup_steps, eval_interval=config.eval_interval,
-        eval_batches=config.eval_batches,
-        # Checkpoints reuse the evaluation that proves their weights good.
-        checkpoint_interval=config.eval_interval)
+    base = with_model_kind(config.run, kind)
     result = dataclasses.replace(
-        base, model=model, precision=precision, training=training,
-        data=DataConfig(path=config.data, val_fraction=config.val_fraction),
-        backend=config.backend)
+        base, model=dataclasses.replace(base.model, vocab_size=vocab),
+        precision=dataclasses.replace(base.precision, dtype=dtype, fp8=dataclasses.replace(
+            base.precision.fp8, scaling=scaling)),
+        training=dataclasses.replace(
+            base.training, seed=seed, learning_rate=config.learning_rates[regime],
+            # Checkpoints reuse the evaluation that proves their weights good.
+            checkpoint_interval=base.training.eval_interval),
+        compare=CompareConfig())  # a run of one regime: the comparison's rates are not its own
     validate(result)
     return result
 
@@ -481,7 +506,7 @@ def write_comparison(config: MLMConfig, regimes: Sequence[str], seeds: Sequence[
     table = format_mlm_table(rows, seeds)
     atomic_write(run_dir / "compare.md", (table + "\n").encode("utf-8"))
     atomic_write(run_dir / "compare.json", json.dumps(
-        {"config": asdict(config), "seeds": list(seeds), "regimes": rows},
+        {"config": config.settings(), "seeds": list(seeds), "regimes": rows},
         indent=2).encode("utf-8"))
     try:
         from ..training.plots import plot_compare
