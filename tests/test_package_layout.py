@@ -447,15 +447,25 @@ def _private_imports() -> Set[str]:
 
 
 def _imports_through_second_paths() -> Set[str]:
-    """``file: module.name`` for each import, in the package and in tests/, scripts/, examples/
-    and benchmarks/, of a public name from a module that neither writes nor may serve it."""
+    """``file: module.name`` for each import, in the package, in tests/, scripts/, examples/
+    and benchmarks/, and in the Python examples of docs/ and the README, of a public name from a
+    module that neither writes nor may serve it."""
     definitions = _definitions()
     sources = [(name, path) for name, path in sorted(MODULES.items())]
     for folder in ("tests", "scripts", "examples", "benchmarks"):
         sources += [(None, path) for path in sorted((ROOT / folder).rglob("*.py"))]
+    trees = [(module, path, ast.parse(path.read_text(encoding="utf-8")))
+             for module, path in sources]
+    pages = sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
+    for page in (p for p in pages if p.exists()):
+        for block in re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.S):
+            try:
+                trees.append((None, page, ast.parse(block)))
+            except SyntaxError:  # a fragment, not a program
+                continue
     found: Set[str] = set()
-    for module, path in sources:
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for module, path, tree in trees:
+        for node in ast.walk(tree):
             if not isinstance(node, ast.ImportFrom):
                 continue
             if module is None and node.level:
