@@ -187,7 +187,7 @@ def test_the_root_scale_is_the_scale_module():
 # whose every part is one letter, as those two, is a placeholder.
 REFERENCE = re.compile(r":(?:mod|func|class|meth|attr|data|exc|obj):`(?:[^`<]*<)?~?([\w.]+)>?`")
 CODE_PATH = re.compile(r"`~?(ipu_unit_scaling(?:\.\w+)+)")
-FILE_PATH = re.compile(r"ipu_unit_scaling/[\w/]+\.py")
+FILE_PATH = re.compile(r"ipu_unit_scaling/[\w/]+(?:\.py|/)")
 _MISSING = object()
 
 
@@ -253,7 +253,7 @@ def _unresolved_references() -> List[str]:
             bad += [f"{where}: {t}" for t in targets
                     if not _placeholder(t) and _reference_resolves(t, module) is False]
             bad += [f"{where}: {p}" for p in FILE_PATH.findall(line)
-                    if not _placeholder(p[:-3]) and not (ROOT / p).exists()]
+                    if not _placeholder(re.sub(r"(\.py|/)$", "", p)) and not (ROOT / p).exists()]
     return bad
 
 
