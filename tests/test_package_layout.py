@@ -272,8 +272,8 @@ PUBLIC_PATHS = {"", "functional", "core", "core.functional", "scale", "constrain
                 "parameter", "optim", "utils", "docs", "ipu"}
 # The stand-ins serve another package's namespaces (poptorch, popxl): their modules re-export
 # and define names as that package does (`poptorch.options.PipelinedExecution`).
-STANDIN_MODULES = ("backends.poptorch_standin", "backends.popxl._reference_",
-                   "backends.popxl.reference")
+STANDIN_MODULES = ("backends.poptorch_standin", "backends.popxl._reference_")
+STANDIN_NAMESPACE = "backends.popxl.reference"  # the stand-in's ``popxl``
 # Private names the stand-in takes from a module of its own because real poptorch has them
 # there: poptorch_core's C++ binding `_validateOptions`, and `poptorch.options`'s
 # `_IExecutionStrategy`.
@@ -281,6 +281,10 @@ STANDIN_PRIVATE_NAMES = {
     "backends.poptorch_standin.poptorch_core._validateOptions",
     "backends.poptorch_standin._strategies._IExecutionStrategy",
 }
+
+
+def _is_standin(module: str) -> bool:
+    return module == STANDIN_NAMESPACE or module.startswith(STANDIN_MODULES)
 
 
 def _is_private(name: str) -> bool:
@@ -394,7 +398,7 @@ def _written_in(served: str, source: str, definitions: Dict[str, List[str]]) -> 
 def _may_serve(module: str, writer: str) -> bool:
     """A name is served by the module that writes it, that module's package, the package root
     and the public paths; the stand-ins serve the namespaces they mirror."""
-    if module in PUBLIC_PATHS or module.startswith(STANDIN_MODULES):
+    if module in PUBLIC_PATHS or _is_standin(module):
         return True
     return module == ".".join(_package_parts(writer)) and module != writer
 
@@ -404,7 +408,7 @@ def _second_paths() -> Set[str]:
     definitions = _definitions()
     found: Set[str] = set()
     for defined, modules in definitions.items():
-        mirrors = [m for m in modules if m.startswith(STANDIN_MODULES)]
+        mirrors = [m for m in modules if _is_standin(m)]
         if len(modules) - len(mirrors) > 1:
             found.add(f"{defined} defined in {', '.join(m for m in modules if m not in mirrors)}")
     for module in sorted(MODULES):
@@ -480,7 +484,7 @@ def _imports_through_second_paths() -> Set[str]:
                         or f"{target}.{alias.name}".strip(".") in MODULES
                         or alias.name not in definitions or target in definitions[alias.name]):
                     continue
-                if target in PUBLIC_PATHS or target.startswith(STANDIN_MODULES):
+                if target in PUBLIC_PATHS or _is_standin(target):
                     continue
                 writer = _written_in(alias.name, target, definitions)
                 if writer is None or not _may_serve(target, writer):
