@@ -355,7 +355,7 @@ def test_each_layer_runs_as_two_functions_with_the_five_function_values(monkeypa
     assert names.count("_ProjNormMLPBackward") == depth
     assert "_MLPBackward" not in names and "_LinearBackward" in names  # (the readout's)
     two = _loss_and_grads(model, ids)
-    monkeypatch.setattr(modules.TransformerBlock, "_in_two_functions", lambda self, x: False)
+    monkeypatch.setattr(modules.TransformerBlock, "_two_function_form", lambda self, x: None)
     assert "_MLPBackward" in _backward_nodes(model(ids, ids))
     five = _loss_and_grads(model, ids)
     # The join weights move into the GEMMs' alphas, so each join, norm and GEMM may round
@@ -375,7 +375,7 @@ def test_a_block_alone_in_two_functions_matches_its_ops_one_by_one(monkeypatch):
     torch.manual_seed(0)
     block = uu.TransformerBlock(16, 2).double()
     x = randn(2, 5, 16).double()
-    assert block._in_two_functions(x)
+    assert block._two_function_form(x) is not None
     results = []
     for fused_form in (True, False):
         if not fused_form:
@@ -396,15 +396,15 @@ def test_the_two_function_form_gives_way_where_its_parts_differ():
     torch.manual_seed(0)
     x = randn(2, 5, 16)
     block = uu.TransformerBlock(16, 2, dropout_p=0.1)
-    assert not block._in_two_functions(x)
+    assert block._two_function_form(x) is None
     block.eval()
-    assert block._in_two_functions(x)
+    assert block._two_function_form(x) is not None
     handle = block.attn.proj.register_forward_hook(lambda module, args, out: None)
-    assert not block._in_two_functions(x)
+    assert block._two_function_form(x) is None
     handle.remove()
     with uu.rules("unit-scaling"):
-        assert not block._in_two_functions(x)
-    assert not uu.TransformerBlock(16, 2, bias=True)._in_two_functions(x)
+        assert block._two_function_form(x) is None
+    assert uu.TransformerBlock(16, 2, bias=True)._two_function_form(x) is None
 
 
 def test_two_function_backward_twice_with_retain_graph():
@@ -422,3 +422,43 @@ def test_two_function_backward_twice_with_retain_graph():
     loss.backward()
     for a, b in zip(first, [p.grad for p in model.parameters()]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("scaling", ["static", "amax"])
+def test_fp8_layers_cast_the_same_tensors_in_two_functions(monkeypatch, scaling):
+    """An FP8-simulated GPT (`simulate_fp8` with an FP8Config) takes the two-Function form
+    too, its FP8 linears lending it their casts: each cast (layer, role) sees the tensor it
+    sees in the layers' own forms. The casts are recorded and left unrounded here: a float32
+    rounding difference that moves a value across an FP8 rounding boundary would otherwise
+    change it by a whole FP8 step, and that step would spread to every later value."""
+    import ipu_unit_scaling as uu
+    from ipu_unit_scaling.fp8 import FP8Config
+    from ipu_unit_scaling.fp8 import linear as fp8_linear
+    from ipu_unit_scaling.modules import gpt_blocks as modules
+    from ipu_unit_scaling.transforms import simulate_fp8
+
+    torch.manual_seed(0)
+    model = uu.GPT(vocab_size=48, hidden_size=32, depth=2, heads=4, seq_len=12)
+    simulate_fp8(model, FP8Config(scaling=scaling))
+    ids = torch.randint(0, 48, (3, 11))
+    names = _backward_nodes(model(ids, ids))
+    assert names.count("_NormQKVBackward") == 2 and names.count("_ProjNormMLPBackward") == 2
+    seen: dict = {}
+
+    def record(x, fmt, margin, config, site):
+        seen.setdefault(site, []).append(x.detach().clone())
+        return x
+
+    monkeypatch.setattr(fp8_linear, "values_for_role", record)
+    _loss_and_grads(model, ids)
+    two, seen = seen, {}
+    monkeypatch.setattr(modules.TransformerBlock, "_two_function_form", lambda self, x: None)
+    _loss_and_grads(model, ids)
+    assert sorted(two) == sorted(seen) and len(seen) == 2 * 4 * 3 + 3  # + the readout's
+    # Float32 throughout, join weights moved into GEMM alphas: a few 2**-24 roundings through
+    # <= 128-term sums and two layers, as in the float test above: 1e-5 relative.
+    for site, tensors in seen.items():
+        assert len(two[site]) == len(tensors), site
+        for got, want in zip(two[site], tensors):
+            torch.testing.assert_close(got.reshape(want.shape), want, rtol=1e-5,
+                                       atol=1e-5 * want.abs().max().item(), msg=site)

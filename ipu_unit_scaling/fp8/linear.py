@@ -17,7 +17,7 @@ quantise_values`) and those values are what the backward pass keeps. Recorded ca
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Tuple, Type, TypeVar
+from typing import Any, Callable, Optional, Tuple, Type, TypeVar
 
 import torch
 from torch import nn
@@ -418,6 +418,28 @@ class FP8UnitScaledLinear(FP8Linear):
         new.scale_power = getattr(linear, "scale_power", new.scale_power)
         new.attention_projection = getattr(linear, "attention_projection", None)
         return new
+
+    def values_quantiser(self, x: torch.Tensor
+                         ) -> Optional[Callable[[torch.Tensor, str], torch.Tensor]]:
+        """For eager forms that compute this layer's GEMM themselves (a GPT layer's
+        two-Function form, `uu.TransformerBlock`): a function (tensor, role) -> the FP8 values
+        this layer's forward pass would compute with, for role "input", "weight" or
+        "grad_output". None where this layer does not compute on FP8 values in float32 for
+        `x` (see `values_path_applies`), has a bias, or scales otherwise than `U.linear`."""
+        if (self.bias is not None or tuple(self.scale_power) != (0.5, 0.5, 0.5)
+                or self.attention_projection is not None
+                or not values_path_applies(x, self.weight, None, self.use_scaled_mm)):
+            return None
+        config, site = self.config, self.site
+        roles = {"input": (config.activation, config.activation_margin),
+                 "weight": (config.weight, config.weight_margin),
+                 "grad_output": (config.gradient, config.gradient_margin)}
+
+        def quantise(t: torch.Tensor, role: str) -> torch.Tensor:
+            fmt, margin = roles[role]
+            return values_for_role(t, fmt, margin, config, f"{site}.{role}")
+
+        return quantise
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Imported here: the unit-scaled core imports nothing from fp8, and fp8 stays usable alone.

@@ -393,9 +393,10 @@ class TransformerBlock(nn.Module):
         # The norms' parameter gradients sum over every row (see U.layer_norm).
         param_scale = (input.numel() // input.shape[-1]) ** -0.5
         previous, branch_weight, skip_weight = pending if pending is not None else (None, 1.0, 1.0)
-        if self._in_two_functions(input):
+        quantisers = self._two_function_form(input)
+        if quantisers is not None:
             return self._two_functions(input, previous, branch_weight, skip_weight, param_scale,
-                                       weigh_branch)
+                                       weigh_branch, quantisers)
         norm = cast(LayerNorm, self.attn_norm)
         normed, stream = fused_blocks.residual_norm(
             input, previous, branch_weight, skip_weight, attn_branch, attn_skip, norm.weight,
@@ -408,25 +409,39 @@ class TransformerBlock(nn.Module):
         branch = ops.dropout(self.mlp(normed), self.dropout_p, self.training)
         return branch, stream, mlp_branch, mlp_skip
 
-    def _in_two_functions(self, input: Tensor) -> bool:
-        """Whether the fused block runs as two Functions around torch's attention kernel
-        (`fused_blocks.norm_qkv`, `fused_blocks.proj_norm_mlp`): no dropout between its
-        parts, unit-scaled parts without gradient rules of their own that nothing observes,
-        and this package's rules (not `rules("unit-scaling")`)."""
+    def _two_function_form(self, input: Tensor
+                           ) -> Optional[Tuple[Optional[fused_blocks.Quantiser], ...]]:
+        """The (QKV, output projection, MLP up, MLP down) FP8 quantisers (None for a float
+        linear) if the fused block runs as two Functions around torch's attention kernel
+        (`fused_blocks.norm_qkv`, `fused_blocks.proj_norm_mlp`), else None. It does without
+        dropout between its parts, with unit-scaled parts (float or FP8) that have no
+        gradient rules of their own and that nothing observes, and under this package's
+        rules (not `rules("unit-scaling")`)."""
         attn, mlp = self.attn, self.mlp
         if not (type(attn) is SelfAttention and type(mlp) is FeedForward and input.dim() == 3
                 and (self.dropout_p == 0.0 or not self.training)
-                and attn.attention is unit_attention and not rule_switch.library_rules()):
-            return False
-        qkv, proj = attn.qkv, attn.proj
-        return (type(qkv) is Linear and type(proj) is Linear and proj.bias is None
-                and getattr(qkv, "attention_projection", None) is None
-                and getattr(proj, "attention_projection", None) is None
-                and not _observed(attn) and not _observed(qkv) and not _observed(proj)
-                and not _observed(mlp) and mlp._fusable(input))
+                and attn.attention is unit_attention and mlp.gelu is gmean_gelu
+                and getattr(attn.proj, "bias", None) is None
+                and not rule_switch.library_rules() and not _observed(attn)
+                and not _observed(mlp)):
+            return None
+        quantisers = []
+        for layer in (attn.qkv, attn.proj, mlp.up, mlp.down):
+            if _observed(layer) or getattr(layer, "attention_projection", None) is not None:
+                return None
+            if type(layer) is Linear:
+                quantisers.append(None)
+                continue
+            values_quantiser = getattr(layer, "values_quantiser", None)
+            quantiser = None if values_quantiser is None else values_quantiser(input)
+            if quantiser is None:
+                return None
+            quantisers.append(quantiser)
+        return tuple(quantisers)
 
     def _two_functions(self, input: Tensor, previous: Optional[Tensor], branch_weight: float,
-                       skip_weight: float, param_scale: float, weigh_branch: bool
+                       skip_weight: float, param_scale: float, weigh_branch: bool,
+                       quantisers: Tuple[Optional[fused_blocks.Quantiser], ...]
                        ) -> Tuple[Tensor, Tensor, float, float]:
         """`_fused_unjoined` as `fused_blocks.norm_qkv`, the attention kernel and
         `fused_blocks.proj_norm_mlp`: the same ops, two autograd Functions for five."""
@@ -438,7 +453,7 @@ class TransformerBlock(nn.Module):
         qkv, stream = fused_blocks.norm_qkv(
             input, previous, branch_weight, skip_weight, attn_branch, attn_skip, norm.weight,
             norm.bias, norm.eps, param_scale, qkv_layer.weight, qkv_layer.bias,
-            _linear_scales(qkv_layer, input))
+            _linear_scales(qkv_layer, input), quantisers[0])
         heads, row_scale = attn.attend_heads(qkv)
         norm = cast(LayerNorm, self.mlp_norm)
         proj, up, down = cast(Linear, attn.proj), cast(Linear, mlp.up), cast(Linear, mlp.down)
@@ -447,7 +462,8 @@ class TransformerBlock(nn.Module):
             norm.weight, norm.bias,
             (attn_branch, attn_skip, mlp_branch, mlp_skip, norm.eps, param_scale,
              mlp_branch if weigh_branch else 1.0),
-            up.weight, up.bias, down.weight, down.bias, "none", mlp.fused_scales(input))
+            up.weight, up.bias, down.weight, down.bias, "none", mlp.fused_scales(input),
+            quantisers[1:])
         return branch, stream, 1.0 if weigh_branch else mlp_branch, mlp_skip
 
 

@@ -18,7 +18,7 @@ torch function mode) and their parts are the unit-scaled ones; see `modules.py`.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +27,10 @@ from torch import Tensor
 from .fused_ops import addmm_zero, applier, linear_backward, linear_forward
 
 __all__ = ["residual_norm", "mlp", "embed", "norm_qkv", "proj_norm_mlp"]
+
+# An FP8 linear's rounding of a tensor to the FP8 values it computes with, for a role
+# ("input", "weight" or "grad_output"); see `fp8.linear.FP8UnitScaledLinear.values_quantiser`.
+Quantiser = Callable[[Tensor, str], Tensor]
 
 _layer_norm_backward = torch.ops.aten.native_layer_norm_backward
 _gelu_backward = torch.ops.aten.gelu_backward
@@ -129,12 +133,19 @@ def residual_norm(x: Tensor, f: Optional[Tensor], branch_weight: float, skip_wei
 
 def _mlp_forward(rows: Tensor, up_weight: Tensor, up_bias: Optional[Tensor],
                  down_weight: Tensor, down_bias: Optional[Tensor], approximate: str,
-                 scales: Tuple[float, ...]) -> Tuple[Tensor, Tensor, Tensor]:
-    """(hidden, activated, out) of the MLP on 2-D ``rows`` (``scales``: see :class:`_MLP`)."""
+                 scales: Tuple[float, ...], down_quantise: Optional[Quantiser] = None
+                 ) -> Tuple[Tensor, Tensor, Tensor]:
+    """(hidden, activated, out) of the MLP on 2-D ``rows`` (``scales``: see :class:`_MLP`).
+
+    With ``down_quantise`` (an FP8 down projection), ``activated`` is GELU's scaled output
+    rounded to the FP8 values the down GEMM reads, as the FP8 linear would cast it."""
     up_out, _, _, gelu_out, _, down_out, _, _ = scales
     hidden = torch.addmm(addmm_zero(rows) if up_bias is None else up_bias, rows, up_weight.t(),
                          beta=0 if up_bias is None else 1, alpha=up_out)
     activated = F.gelu(hidden, approximate=approximate)
+    if down_quantise is not None:
+        activated = down_quantise(activated.mul_(gelu_out), "input")
+        gelu_out = 1.0
     out = torch.addmm(addmm_zero(rows) if down_bias is None else down_bias, activated,
                       down_weight.t(), beta=0 if down_bias is None else 1,
                       alpha=down_out * gelu_out)
@@ -144,9 +155,11 @@ def _mlp_forward(rows: Tensor, up_weight: Tensor, up_bias: Optional[Tensor],
 def _mlp_backward(grad_rows: Tensor, rows: Tensor, intermediates: List[Tensor],
                   up_weight: Tensor, up_bias: Optional[Tensor], down_weight: Tensor,
                   approximate: str, scales: Tuple[float, ...], needs: Tuple[bool, ...],
-                  input_weight: float = 1.0) -> Tuple[Optional[Tensor], ...]:
+                  input_weight: float = 1.0, up_quantise: Optional[Quantiser] = None,
+                  down_quantise: Optional[Quantiser] = None) -> Tuple[Optional[Tensor], ...]:
     """(rows, up weight, up bias, down weight, down bias) gradients of :func:`_mlp_forward`,
-    each where ``needs`` asks, the input's gradient times ``input_weight``.
+    each where ``needs`` asks, the input's gradient times ``input_weight``. The quantisers
+    (FP8 linears) round each GEMM's incoming gradient to its FP8 values.
 
     ``intermediates``: [hidden, activated], emptied here so that each is freed once used, as
     torch's per-op nodes would (held to the end, they would raise the peak memory); empty (a
@@ -157,25 +170,31 @@ def _mlp_backward(grad_rows: Tensor, rows: Tensor, intermediates: List[Tensor],
         intermediates.clear()
     else:
         hidden, activated, _ = _mlp_forward(rows, up_weight, up_bias, down_weight, None,
-                                            approximate, scales)
+                                            approximate, scales, down_quantise)
+    grad_down = grad_rows
+    if down_quantise is not None:
+        grad_down = down_quantise(grad_rows, "grad_output")
+        gelu_out = 1.0  # (in the activation's values already)
     zero = addmm_zero(grad_rows)
     grad_down_w = grad_down_b = grad_up_w = grad_up_b = grad_x = None
     if needs[3]:
-        grad_down_w = torch.addmm(zero, grad_rows.t(), activated, beta=0,
+        grad_down_w = torch.addmm(zero, grad_down.t(), activated, beta=0,
                                   alpha=down_grad_w * gelu_out)
     del activated
     if needs[4]:
         grad_down_b = grad_rows.sum(0).mul_(down_grad_w)
     if needs[0] or needs[1] or needs[2]:
-        grad_activated = torch.addmm(zero, grad_rows, down_weight, beta=0,
+        grad_activated = torch.addmm(zero, grad_down, down_weight, beta=0,
                                      alpha=down_grad_in * gelu_grad)
         grad_hidden = _gelu_backward(grad_activated, hidden, approximate=approximate)
-        del grad_activated, hidden
+        del grad_activated, hidden, grad_down
+        grad_up = grad_hidden if up_quantise is None else up_quantise(grad_hidden,
+                                                                      "grad_output")
         if needs[0]:
-            grad_x = torch.addmm(zero, grad_hidden, up_weight, beta=0,
+            grad_x = torch.addmm(zero, grad_up, up_weight, beta=0,
                                  alpha=up_grad_in * input_weight)
         if needs[1]:
-            grad_up_w = torch.addmm(zero, grad_hidden.t(), rows, beta=0, alpha=up_grad_w)
+            grad_up_w = torch.addmm(zero, grad_up.t(), rows, beta=0, alpha=up_grad_w)
         if needs[2]:
             grad_up_b = grad_hidden.sum(0).mul_(up_grad_w)
     return grad_x, grad_up_w, grad_up_b, grad_down_w, grad_down_b
@@ -225,45 +244,58 @@ def mlp(x: Tensor, up_weight: Tensor, up_bias: Optional[Tensor], down_weight: Te
     return _mlp_apply(x, up_weight, up_bias, down_weight, down_bias, approximate, scales)
 
 
+def _quantised(x: Tensor, quantise: Optional[Quantiser], role: str) -> Tensor:
+    return x if quantise is None else quantise(x, role)
+
+
 class _NormQKV(torch.autograd.Function):
     """:class:`_ResidualNorm` followed by the attention's (unit-scaled) QKV projection of its
     normed output: (qkv, stream). ``qkv_scales``: the linear's (output, grad input, grad
-    weight) scales."""
+    weight) scales; ``qkv_quantise``: an FP8 projection's rounding (None: float)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, f: Optional[Tensor], branch_weight: float,
                 skip_weight: float, next_branch_weight: float, next_skip_weight: float,
                 weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
                 param_grad_scale: float, qkv_weight: Tensor, qkv_bias: Optional[Tensor],
-                qkv_scales: Tuple[float, float, float]) -> Tuple[Tensor, ...]:
+                qkv_scales: Tuple[float, float, float],
+                qkv_quantise: Optional[Quantiser]) -> Tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)
         normed, stream, mean, rstd = _join_norm(x, f, branch_weight, skip_weight, weight, bias,
                                                 eps)
-        qkv = linear_forward(normed, qkv_weight, qkv_bias, qkv_scales[0])
-        ctx.save_for_backward(stream, mean, rstd, weight, bias, normed, qkv_weight)
+        rows = _quantised(normed.view(-1, normed.shape[-1]), qkv_quantise, "input")
+        qkv_weight = _quantised(qkv_weight, qkv_quantise, "weight")
+        qkv = linear_forward(rows, qkv_weight, qkv_bias, qkv_scales[0])
+        ctx.save_for_backward(stream, mean, rstd, weight, bias, rows, qkv_weight)
         ctx.scales = (f is not None, next_branch_weight, next_skip_weight, param_grad_scale,
-                      qkv_scales, qkv_bias is not None)
-        return qkv, stream
+                      qkv_scales, qkv_bias is not None, qkv_quantise)
+        return qkv.view(*x.shape[:-1], qkv.shape[-1]), stream
 
     @staticmethod
     def backward(ctx: Any, grad_qkv: Optional[Tensor],
                  grad_stream: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
-        stream, mean, rstd, weight, bias, normed, qkv_weight = ctx.saved_tensors
-        joined, next_branch_weight, next_skip_weight, param_grad_scale, qkv_scales, has_bias = (
-            ctx.scales)
+        stream, mean, rstd, weight, bias, rows, qkv_weight = ctx.saved_tensors
+        (joined, next_branch_weight, next_skip_weight, param_grad_scale, qkv_scales, has_bias,
+         qkv_quantise) = ctx.scales
         needs = ctx.needs_input_grad
         grad_normed = grad_qkv_w = grad_qkv_b = None
         if grad_qkv is not None:
+            grad_rows = grad_qkv.reshape(-1, grad_qkv.shape[-1])
             grad_normed, grad_qkv_w, grad_qkv_b = linear_backward(
-                grad_qkv, normed, qkv_weight, qkv_scales[1] * (next_branch_weight or 1.0),
-                qkv_scales[2], None, True, needs[10], has_bias and needs[11])
+                _quantised(grad_rows, qkv_quantise, "grad_output"), rows, qkv_weight,
+                qkv_scales[1] * (next_branch_weight or 1.0), qkv_scales[2], None, True,
+                needs[10], False)
+            if has_bias and needs[11]:
+                grad_qkv_b = grad_rows.sum(0).mul_(qkv_scales[2])
+            del grad_rows
+            grad_normed = grad_normed.view(stream.shape)
         grad_stream, grad_w, grad_b = _join_norm_backward(
             grad_normed, grad_stream, stream, mean, rstd, weight, bias, next_branch_weight,
             next_skip_weight, param_grad_scale, needs[6], needs[7],
             weighed=next_branch_weight != 0.0)
         del grad_normed
         return (grad_stream, grad_stream if joined else None, None, None, None, None, grad_w,
-                grad_b, None, None, grad_qkv_w, grad_qkv_b, None)
+                grad_b, None, None, grad_qkv_w, grad_qkv_b, None, None)
 
 
 _normqkv_apply = applier(_NormQKV)
@@ -271,13 +303,13 @@ _normqkv_apply = applier(_NormQKV)
 def norm_qkv(x: Tensor, f: Optional[Tensor], branch_weight: float, skip_weight: float,
              next_branch_weight: float, next_skip_weight: float, weight: Optional[Tensor],
              bias: Optional[Tensor], eps: float, param_grad_scale: float, qkv_weight: Tensor,
-             qkv_bias: Optional[Tensor],
-             qkv_scales: Tuple[float, float, float]) -> Tuple[Tensor, Tensor]:
+             qkv_bias: Optional[Tensor], qkv_scales: Tuple[float, float, float],
+             qkv_quantise: Optional[Quantiser] = None) -> Tuple[Tensor, Tensor]:
     """(the QKV projection of the next branch's normalised input, the stream): the values of
     :func:`residual_norm` then `fused_ops.linear` (see :class:`_NormQKV`)."""
     return _normqkv_apply(x, f, branch_weight, skip_weight, next_branch_weight,
                           next_skip_weight, weight, bias, eps, param_grad_scale, qkv_weight,
-                          qkv_bias, qkv_scales)
+                          qkv_bias, qkv_scales, qkv_quantise)
 
 
 class _ProjNormMLP(torch.autograd.Function):
@@ -292,7 +324,8 @@ class _ProjNormMLP(torch.autograd.Function):
     scales; ``residual``: (branch weight, skip weight, next branch weight, next skip weight,
     eps, norm parameter grad scale, output weight): the MLP's output is times the output
     weight in the forward pass only (the next join's branch weight, folded into the GEMM);
-    ``mlp_scales``: see :class:`_MLP`.
+    ``mlp_scales``: see :class:`_MLP`; ``quantisers``: the (projection, up, down) FP8
+    linears' roundings, None for a float one.
     """
 
     @staticmethod
@@ -301,40 +334,46 @@ class _ProjNormMLP(torch.autograd.Function):
                 norm_weight: Optional[Tensor], norm_bias: Optional[Tensor],
                 residual: Tuple[float, ...], up_weight: Tensor, up_bias: Optional[Tensor],
                 down_weight: Tensor, down_bias: Optional[Tensor], approximate: str,
-                mlp_scales: Tuple[float, ...]) -> Tuple[Tensor, ...]:
+                mlp_scales: Tuple[float, ...],
+                quantisers: Tuple[Optional[Quantiser], ...]) -> Tuple[Tensor, ...]:
         ctx.set_materialize_grads(False)
         branch_weight, skip_weight, _, _, eps, _, output_weight = residual
+        proj_quantise, up_quantise, down_quantise = quantisers
         batch, count, seq, head_dim = heads.shape
         row_factor = row_scale.view(seq, 1, 1) if isinstance(row_scale, Tensor) else row_scale
-        attended = heads.new_empty((batch, seq, count * head_dim))
+        attended = heads.new_empty((batch * seq, count * head_dim))
         torch.mul(heads.transpose(1, 2), row_factor,
                   out=attended.view(batch, seq, count, head_dim))
+        attended = _quantised(attended, proj_quantise, "input")
+        proj_weight = _quantised(proj_weight, proj_quantise, "weight")
         # The join's branch weight in the projection's GEMM, the skip's in one in-place pass.
         joined = linear_forward(attended, proj_weight, None, proj_scales[0] * branch_weight)
-        joined = joined.add_(stream, alpha=skip_weight)
+        joined = joined.view(stream.shape).add_(stream, alpha=skip_weight)
         normed, mean, rstd = torch.native_layer_norm(joined, (joined.shape[-1],), norm_weight,
                                                      norm_bias, eps)
-        rows = normed.reshape(-1, normed.shape[-1])
+        rows = _quantised(normed.view(-1, normed.shape[-1]), up_quantise, "input")
+        up_weight = _quantised(up_weight, up_quantise, "weight")
+        down_weight = _quantised(down_weight, down_quantise, "weight")
         forward_scales = mlp_scales
         if output_weight != 1.0:
             forward_scales = (*mlp_scales[:5], mlp_scales[5] * output_weight, *mlp_scales[6:])
         hidden, activated, out = _mlp_forward(rows, up_weight, up_bias, down_weight, down_bias,
-                                              approximate, forward_scales)
+                                              approximate, forward_scales, down_quantise)
         ctx.save_for_backward(attended, proj_weight, joined, mean, rstd, norm_weight, norm_bias,
                               rows, up_weight, up_bias, down_weight)
         ctx.intermediates = [hidden, activated]  # see _mlp_backward
-        ctx.meta = (row_factor, proj_scales, residual, approximate, mlp_scales,
-                    up_bias is not None, down_bias is not None)
-        ctx.head_dim = head_dim
-        return out.view(*stream.shape[:-1], down_weight.shape[0]), joined
+        ctx.meta = (row_factor, head_dim, proj_scales, residual, approximate, mlp_scales,
+                    up_bias is not None, down_bias is not None, quantisers)
+        return out.view(*stream.shape[:-1], out.shape[-1]), joined
 
     @staticmethod
     def backward(ctx: Any, grad_out: Optional[Tensor],
                  grad_stream: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         (attended, proj_weight, joined, mean, rstd, norm_weight, norm_bias, rows, up_weight,
          up_bias, down_weight) = ctx.saved_tensors
-        (row_factor, proj_scales, residual, approximate, mlp_scales, has_up_bias,
-         has_down_bias) = ctx.meta
+        (row_factor, head_dim, proj_scales, residual, approximate, mlp_scales, has_up_bias,
+         has_down_bias, quantisers) = ctx.meta
+        proj_quantise, up_quantise, down_quantise = quantisers
         _, _, next_branch_weight, next_skip_weight, _, param_grad_scale, _ = residual
         needs = ctx.needs_input_grad
         grad_normed = grad_up_w = grad_up_b = grad_down_w = grad_down_b = None
@@ -343,7 +382,8 @@ class _ProjNormMLP(torch.autograd.Function):
                 grad_out.reshape(-1, grad_out.shape[-1]), rows, ctx.intermediates, up_weight,
                 up_bias, down_weight, approximate, mlp_scales,
                 (True, needs[8], has_up_bias and needs[9], needs[10],
-                 has_down_bias and needs[11]), next_branch_weight or 1.0)
+                 has_down_bias and needs[11]), next_branch_weight or 1.0, up_quantise,
+                down_quantise)
             grad_normed = grad_normed.view(joined.shape)
         grad_joined, grad_w, grad_b = _join_norm_backward(
             grad_normed, grad_stream, joined, mean, rstd, norm_weight, norm_bias,
@@ -351,31 +391,38 @@ class _ProjNormMLP(torch.autograd.Function):
             weighed=next_branch_weight != 0.0)
         del grad_normed
         if grad_joined is None:
-            return (None,) * 14
+            return (None,) * 15
         grad_attended, grad_proj_w, _ = linear_backward(
-            grad_joined, attended, proj_weight, proj_scales[1], proj_scales[2], None,
-            needs[0], needs[2], False)
+            _quantised(grad_joined.view(-1, grad_joined.shape[-1]), proj_quantise,
+                       "grad_output"),
+            attended, proj_weight, proj_scales[1], proj_scales[2], None, needs[0], needs[2],
+            False)
         grad_heads = None
         if grad_attended is not None:
-            batch, seq, _ = grad_attended.shape
-            grad_heads = grad_attended.view(batch, seq, -1, ctx.head_dim).mul_(
+            batch, seq = joined.shape[:2]
+            grad_heads = grad_attended.view(batch, seq, -1, head_dim).mul_(
                 row_factor).transpose(1, 2)
         return (grad_heads, None, grad_proj_w, None, grad_joined, grad_w, grad_b, None,
-                grad_up_w, grad_up_b, grad_down_w, grad_down_b, None, None)
+                grad_up_w, grad_up_b, grad_down_w, grad_down_b, None, None, None)
 
 
 _projnormmlp_apply = applier(_ProjNormMLP)
+
+_FLOAT = (None, None, None)
+
 
 def proj_norm_mlp(heads: Tensor, row_scale: Union[float, Tensor], proj_weight: Tensor,
                   proj_scales: Tuple[float, float, float], stream: Tensor,
                   norm_weight: Optional[Tensor], norm_bias: Optional[Tensor],
                   residual: Tuple[float, ...], up_weight: Tensor, up_bias: Optional[Tensor],
                   down_weight: Tensor, down_bias: Optional[Tensor], approximate: str,
-                  mlp_scales: Tuple[float, ...]) -> Tuple[Tensor, Tensor]:
+                  mlp_scales: Tuple[float, ...],
+                  quantisers: Tuple[Optional[Quantiser], ...] = _FLOAT
+                  ) -> Tuple[Tensor, Tensor]:
     """(the MLP's output, the stream) of a layer's second half (see :class:`_ProjNormMLP`)."""
     return _projnormmlp_apply(heads, row_scale, proj_weight, proj_scales, stream, norm_weight,
                               norm_bias, residual, up_weight, up_bias, down_weight, down_bias,
-                              approximate, mlp_scales)
+                              approximate, mlp_scales, quantisers)
 
 
 class _Embed(torch.autograd.Function):
