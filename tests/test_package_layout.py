@@ -115,14 +115,23 @@ def test_no_import_circles():
     assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
 
 
-# Packages where an import made inside a function counts too: no module imports, even when a
-# function first runs, a module that imports it back.
-NO_CIRCLES_EVEN_IN_FUNCTIONS = ("backends.popxl",)
+# An import made inside a function counts too: no module imports, even when a function first
+# runs, a module that imports it back. Aside: the PopTorch stand-in, whose modules import its
+# package when they run as poptorch's own modules import poptorch; and, until the apps layer
+# untangles them, the function-level imports among these apps modules.
+CIRCLES_THROUGH_FUNCTIONS_ASIDE = ("backends.poptorch_standin",)
+APPS_CIRCLE_TODAY = {"apps.commands", "apps.compare", "apps.experiments", "apps.mlm",
+                     "apps.sweep"}
 
 
 def test_no_import_circles_through_functions():
-    inside = [name for name in MODULES if name.startswith(NO_CIRCLES_EVEN_IN_FUNCTIONS)]
-    graph = {name: _imports(name, module_level_only=False) & set(inside) for name in inside}
+    inside = {name for name in MODULES if not name.startswith(CIRCLES_THROUGH_FUNCTIONS_ASIDE)}
+    graph = {}
+    for name in inside:
+        targets = _imports(name, module_level_only=False) & inside
+        if name in APPS_CIRCLE_TODAY:
+            targets -= APPS_CIRCLE_TODAY
+        graph[name] = targets
     circles = _circles(graph)
     assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
 
