@@ -182,10 +182,10 @@ def test_a_given_model_is_named_by_its_factory():
     from ipu_unit_scaling.training.precision import model_label
 
     config = Config()
-    assert model_label(config) == "unit-scaled GPT"
+    assert model_label(config.model) == "unit-scaled GPT"
     config = replace(config, model=replace(config.model, factory="my_model:build"))
-    assert model_label(config) == "my_model:build (model.factory)"
-    assert "GPT" not in model_label(config)
+    assert model_label(config.model) == "my_model:build (model.factory)"
+    assert "GPT" not in model_label(config.model)
 
 
 @pytest.mark.parametrize("keep", [False, True])

@@ -34,7 +34,7 @@ FAST = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accum
 def test_parameter_count_is_that_of_the_built_model(overrides):
     config = load_config("tiny", FAST + overrides)
     model = build_model(config)
-    assert parameter_count(config) == sum(p.numel() for p in model.parameters())
+    assert parameter_count(config.model) == sum(p.numel() for p in model.parameters())
 
 
 def test_the_estimate_grows_with_each_size():

@@ -148,7 +148,7 @@ def _run_regimes(plans: Sequence[Any], run_dir: Path, quiet: bool,
         curves[regime] = [tuple(p) for p in data.get("val_curve", [])]
         rows.append({
             "regime": regime,
-            "model": MODEL_NAMES[model_kind(cfg)],
+            "model": MODEL_NAMES[model_kind(cfg.model)],
             "precision": _precision_name(cfg),
             "learning_rate": cfg.training.learning_rate,
             "status": data.get("status", "missing"),
@@ -193,7 +193,7 @@ def untuned(config: Config, regime: str) -> bool:
     from ..training.precision import model_kind
     from ..training.run_config import UMUP_MULTIPLIERS, CompareConfig
 
-    if model_kind(config) != "u-mup":
+    if model_kind(config.model) != "u-mup":
         return False
     default_rate = CompareConfig().learning_rates.get(regime)
     return (config.training.learning_rate == default_rate and

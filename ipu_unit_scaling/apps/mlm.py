@@ -458,7 +458,7 @@ def _plan(wanted: Config, config: MLMConfig, directory: Path, data_sha256: str,
     status = summary.get("status")
     finished = status == "diverged" or (
         status == "completed" and summary.get("steps") == wanted.training.steps)
-    if finished and summary.get("model") == model_kind(wanted):
+    if finished and summary.get("model") == model_kind(wanted.model):
         check_reused_tokenizer(directory, chars)
         return "reuse"
     if finished and "model" not in summary:

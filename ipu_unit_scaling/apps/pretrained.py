@@ -242,7 +242,7 @@ def evaluate_run(
             row.gap_to_fp32_percent = 100.0 * (row.loss - reference) / reference
     return Evaluation(
         run_dir=str(run.run_dir), step=run.step,
-        model=model_label(config),
+        model=model_label(config.model),
         trained_precision=run.precision, data=description, tokens=tokens, backend=backend,
         rows=rows, checkpoint_sha256=run.checkpoint_sha256,
     )

@@ -65,7 +65,7 @@ def encoder_from_config(config: Config) -> nn.Module:
     model: nn.Module = BertStyleEncoder(
         shape.vocab_size + 2, shape.hidden_size, shape.depth, shape.heads, shape.seq_len,
         pad_id=shape.vocab_size, mlp_expansion=shape.mlp_expansion, dropout_p=shape.dropout,
-        attn_tau=shape.attn_tau, mlp_tau=shape.mlp_tau, ops=ENCODER_OPS[model_kind(config)],
+        attn_tau=shape.attn_tau, mlp_tau=shape.mlp_tau, ops=ENCODER_OPS[model_kind(config.model)],
     )
     if config.precision.dtype == "fp8":
         from ..transforms import simulate_fp8

@@ -332,6 +332,6 @@ class TrainingSession:
             data=run.corpus.source, message=message, val_curve=self.val_curve,
             data_sha256=run.corpus.sha256, init_from=run.init_from,
             checkpoint_step=self.saved_step, task=self.task.name,
-            model=model_kind(self.config), learning_rate=self.training.learning_rate,
+            model=model_kind(self.config.model), learning_rate=self.training.learning_rate,
             final_val_metrics=dict(self.val_metrics),
         )

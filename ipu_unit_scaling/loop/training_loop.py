@@ -317,7 +317,7 @@ def _finish(session: TrainingSession, status: str, message: str,
             return summary
     else:
         write_summary(summary)
-    title = f"{model_label(config, session.task.model_name)}, {config.precision.dtype}"
+    title = f"{model_label(config.model, session.task.model_name)}, {config.precision.dtype}"
     try:
         plot_run(run_dir / METRICS_FILE, run_dir / PLOT_FILE, summary.unigram_baseline, title)
     except (ImportError, RuntimeError) as error:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
+    from ..models.gpt import GPTConfig
     from .run_config import Config
 
 __all__ = ["MemoryEstimate", "estimate_step_memory", "check_memory", "machine_memory",
@@ -42,9 +43,8 @@ class MemoryEstimate:
                 f"batches {format_bytes(self.batches)})")
 
 
-def parameter_count(config: Config) -> int:
-    """Parameters of the config's GPT (``models.build_gpt``), without building it."""
-    m = config.model
+def parameter_count(m: GPTConfig) -> int:
+    """Parameters of the GPT of the model section ``m`` (``models.build_gpt``), unbuilt."""
     hidden, inner = m.hidden_size, m.mlp_expansion * m.hidden_size
     norm = hidden * (2 if m.bias else 1)
     attention = 4 * hidden * hidden + (4 * hidden if m.bias else 0)
@@ -58,7 +58,7 @@ def estimate_step_memory(config: Config) -> MemoryEstimate:
     m, training = config.model, config.training
     optimizer_copies = {"sgd": 0, "adam": 2, "adamw": 2}.get(training.optimizer, 2)
     # weight, gradient, optimizer state, and the scaled or cast copy each layer makes per step
-    parameters = parameter_count(config) * FLOAT * (3 + optimizer_copies)
+    parameters = parameter_count(m) * FLOAT * (3 + optimizer_copies)
 
     tokens = config.micro_batch_size * m.seq_len
     hidden, inner = m.hidden_size, m.mlp_expansion * m.hidden_size

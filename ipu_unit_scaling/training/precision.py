@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops as U
-from ..models.gpt import build_gpt
+from ..models.gpt import GPTConfig, build_gpt
 from ..modules.layers import LinearReadout
 from .run_config import REGIMES, UMUP_MULTIPLIERS, UMUP_RULE_CHOICES, Config, ConfigError
 
@@ -82,21 +82,22 @@ def with_model_kind(config: Config, kind: str) -> Config:
     return dataclasses.replace(config, model=dataclasses.replace(config.model, **changes))
 
 
-def model_kind(config: Config) -> str:
-    """``plain``, ``unit`` or ``u-mup``: what :func:`with_model_kind` set."""
-    if not config.model.unit_scaled:
+def model_kind(model: GPTConfig) -> str:
+    """``plain``, ``unit`` or ``u-mup``: the kind of the model section ``model`` (what
+    :func:`with_model_kind` set)."""
+    if not model.unit_scaled:
         return "plain"
-    return "u-mup" if config.model.parametrization == "u-mup" else "unit"
+    return "u-mup" if model.parametrization == "u-mup" else "unit"
 
 
-def model_label(config: Config, noun: str = "GPT") -> str:
-    """How figures and headers name a run's model: ``unit-scaled GPT``, ``u-μP GPT``,
+def model_label(model: GPTConfig, noun: str = "GPT") -> str:
+    """How figures and headers name the model section ``model``: ``unit-scaled GPT``, ``u-μP GPT``,
     ``plain GPT`` (``noun`` names the task's model), or a given model by its factory
     (``my_model:build (model.factory)``), whose build the other keys do not describe."""
-    factory = getattr(config.model, "factory", None)
+    factory = getattr(model, "factory", None)
     if factory:
         return f"{factory} (model.factory)"
-    kind = {"unit": "unit-scaled", "u-mup": "u-μP"}.get(model_kind(config), "plain")
+    kind = {"unit": "unit-scaled", "u-mup": "u-μP"}.get(model_kind(model), "plain")
     return f"{kind} {noun}"
 
 
