@@ -11,9 +11,10 @@ Package map, from the bottom layer up (a module imports only from its own layer 
                       eager forms, ipu_tracing(), the switch to their PopTorch forms, and
                       rules(), the switch to unit-scaling 0.3.5's rules
     modules/          uu: the unit-scaled torch.nn mirror and unit-scaling's u-μP blocks
-    fp8/              FP8 formats, the AMAX scaling rule, casts, FP8 linear, simulate_fp8,
-                      the host build of the codelets and their tile-by-tile emulator
-    transforms/       unit_scale(model) and the other model rewrites, scale tracking
+    fp8/              FP8 formats, the AMAX scaling rule, casts, FP8 linear layers, the
+                      host build of the codelets and their tile-by-tile emulator
+    transforms/       unit_scale(model), simulate_fp8(model) and the other model rewrites,
+                      scale tracking
     parametrization/  u-μP: per-weight scales, multipliers and learning rates; the optimizers
     models/           example models: the GPT (unit-scaled, u-μP or plain) and a BERT encoder
     training/         the run config, data, run directories, memory estimate, precision

@@ -28,7 +28,7 @@ Stand-in only, for tests, with no PopXL counterpart: ``Session.keep_values = Tru
 ``Session.values`` hold every tensor value the last run computed (tests read intermediate FP8
 codes from it), and ``with reference_settings.fp8_matmul_output(torch.float32):`` (a module
 of its own, outside the PopXL namespace) makes ``matmul_pow2scaled`` return its float32 sum
-unrounded, which is what ``fp8.simulate_fp8`` computes.
+unrounded, which is what ``transforms.simulate_fp8`` computes.
 """
 from __future__ import annotations
 
