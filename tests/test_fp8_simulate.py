@@ -85,6 +85,18 @@ def test_simulate_fp8_swaps_in_place_and_keeps_parameters():
     assert isinstance(bare, FP8Linear)
 
 
+def test_simulate_fp8_copies_without_a_config_and_converts_in_place_with_one():
+    """unit-scaling's call returns a copy and leaves the model as it was; with an FP8Config the
+    model itself is converted and returned."""
+    model = nn.Sequential(nn.Linear(4, 4))
+    copied = simulate_fp8(model)
+    assert copied is not model and type(model[0]) is nn.Linear
+    assert copied[0].weight is not model[0].weight
+    assert torch.equal(copied[0].weight, model[0].weight)
+    assert simulate_fp8(model, FP8Config()) is model
+    assert isinstance(model[0], FP8Linear)
+
+
 def test_simulate_fp8_attention_option():
     torch.manual_seed(1)
     model = simulate_fp8(TinyGPT(depth=1), FP8Config(attention=True))
