@@ -18,7 +18,7 @@ from helpers import ONE_IPU as FAST
 from helpers import ROOT, run
 
 from ipu_unit_scaling.apps.cli import main
-from ipu_unit_scaling.training.run_config import REGIMES
+from ipu_unit_scaling.training.config_names import REGIMES
 from ipu_unit_scaling.training.run_records import load_checkpoint, read_metrics
 
 

@@ -7,10 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ipu_unit_scaling.training.config_files import CONFIGS_DIR, ConfigError
 from ipu_unit_scaling.training.run_config import (
-    CONFIGS_DIR,
     Config,
-    ConfigError,
     config_from_dict,
     load_config,
     resolve_layers_per_ipu,

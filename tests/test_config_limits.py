@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from ipu_unit_scaling.apps.cli import main
-from ipu_unit_scaling.training.run_config import ConfigError, load_config
+from ipu_unit_scaling.training.config_files import ConfigError
+from ipu_unit_scaling.training.run_config import load_config
 
 HUGE = "9" * 5000  # more digits than Python reads as an int by default (4300)
 

@@ -17,6 +17,7 @@ from ipu_unit_scaling.loop.run_opening import load_run_config
 from ipu_unit_scaling.loop.run_outcomes import TrainingInterrupted
 from ipu_unit_scaling.loop.run_session import TrainingSession
 from ipu_unit_scaling.loop.training_loop import train
+from ipu_unit_scaling.training.config_files import ConfigError
 from ipu_unit_scaling.training.data import CharTokenizer, load_corpus
 from ipu_unit_scaling.training.finetune import (
     check_same_model,
@@ -26,7 +27,7 @@ from ipu_unit_scaling.training.finetune import (
 )
 from ipu_unit_scaling.training.inference import PRECISIONS, mean_loss, precision_config
 from ipu_unit_scaling.training.precision import regime_config
-from ipu_unit_scaling.training.run_config import ConfigError, load_config
+from ipu_unit_scaling.training.run_config import load_config
 from ipu_unit_scaling.training.run_directory import RunError
 from ipu_unit_scaling.training.run_records import load_checkpoint
 

@@ -26,9 +26,10 @@ from ipu_unit_scaling.loop.run_opening import load_run_config
 from ipu_unit_scaling.loop.tasks import MaskedLM
 from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
 from ipu_unit_scaling.optim import LR_SCALE
+from ipu_unit_scaling.training.config_files import ConfigError
 from ipu_unit_scaling.training.given_model import GivenLanguageModel, check_given_model
 from ipu_unit_scaling.training.precision import build_model
-from ipu_unit_scaling.training.run_config import Config, ConfigError, load_config
+from ipu_unit_scaling.training.run_config import Config, load_config
 from ipu_unit_scaling.training.run_records import load_checkpoint, read_metrics
 
 pytestmark = pytest.mark.usefixtures("from_the_repository_root")

@@ -13,11 +13,11 @@ from ipu_unit_scaling.apps.mlm import (
     MLMBatches,
     MLMConfig,
     build_encoder,
-    mask_tokens,
     run_mlm_compare,
     train_mlm,
 )
 from ipu_unit_scaling.ipu import trace_like_poptorch
+from ipu_unit_scaling.loop.masked_lm import mask_tokens
 from ipu_unit_scaling.models.encoder import BertStyleEncoder
 from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
 from ipu_unit_scaling.training.run_directory import METRIC_FIELDS

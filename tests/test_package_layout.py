@@ -527,13 +527,6 @@ def _untested_modules() -> Set[str]:
 # checks below fail on any entry not listed here, so the lists only shrink.
 KNOWN_SECOND_PATHS = {
     # apps layer
-    "apps.cli serves format_compare_table of apps.compare",
-    "apps.cli serves run_compare of apps.compare",
-    "apps.cli serves run_compare_seeds of apps.compare",
-    "apps.mlm serves ENCODER_OPS of loop.masked_lm",
-    "apps.mlm serves encoder_from_config of loop.masked_lm",
-    "apps.mlm serves mask_tokens of loop.masked_lm",
-    "apps.mlm serves masked_batch of loop.masked_lm",
     "main defined in apps.cli, apps.emulate",
     # ops layer
     "embedding defined in ops.fused_ops, ops.unit_ops",
@@ -549,28 +542,6 @@ KNOWN_IMPORTS_THROUGH_SECOND_PATHS = {
     # apps layer
     "ipu_unit_scaling/apps/cli.py: apps.commands.MODEL_KINDS",
     "ipu_unit_scaling/apps/cli.py: apps.commands.PRECISIONS",
-    "tests/test_mlm.py: apps.mlm.mask_tokens",
-    # training layer
-    "ipu_unit_scaling/apps/mlm.py: training.run_config.ConfigError",
-    "ipu_unit_scaling/apps/mlm.py: training.run_config.parse_override_value",
-    "ipu_unit_scaling/apps/sweep.py: training.run_config.ConfigError",
-    "ipu_unit_scaling/apps/sweep.py: training.run_config.apply_override",
-    "ipu_unit_scaling/loop/run_opening.py: training.run_config.ConfigError",
-    "ipu_unit_scaling/loop/run_opening.py: training.run_config.apply_override",
-    "ipu_unit_scaling/loop/run_opening.py: training.run_config.read_yaml_file",
-    "ipu_unit_scaling/loop/tasks.py: training.run_config.ConfigError",
-    "ipu_unit_scaling/training/finetune.py: training.run_config.ConfigError",
-    "ipu_unit_scaling/training/given_model.py: training.run_config.ConfigError",
-    "ipu_unit_scaling/training/precision.py: training.run_config.ConfigError",
-    "tests/test_config.py: training.run_config.ConfigError",
-    "tests/test_config_limits.py: training.run_config.ConfigError",
-    "tests/test_finetune.py: training.run_config.ConfigError",
-    "tests/test_given_model.py: training.run_config.ConfigError",
-    "tests/test_popxl_model.py: training.run_config.ConfigError",
-    "tests/test_sweep_keys.py: training.run_config.ConfigError",
-    "tests/test_tasks.py: training.run_config.ConfigError",
-    "tests/test_umup.py: training.run_config.ConfigError",
-    "tests/test_umup_rules.py: training.run_config.ConfigError",
 }
 
 

@@ -31,8 +31,9 @@ from ipu_unit_scaling.fp8 import (
 )
 from ipu_unit_scaling.fp8 import linear as fp8_linear_module
 from ipu_unit_scaling.fp8 import log2_scale as log2_scale_of
+from ipu_unit_scaling.training.config_files import ConfigError
 from ipu_unit_scaling.training.precision import build_model
-from ipu_unit_scaling.training.run_config import ConfigError, load_config, scheduled_learning_rate
+from ipu_unit_scaling.training.run_config import load_config, scheduled_learning_rate
 from ipu_unit_scaling.transforms import simulate_fp8
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).

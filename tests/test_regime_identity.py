@@ -34,8 +34,8 @@ from ipu_unit_scaling.loop import run_session
 from ipu_unit_scaling.loop.tasks import CausalLM, MaskedLM
 from ipu_unit_scaling.parametrization import umup as umup_rules
 from ipu_unit_scaling.parametrization.umup_rules import constant_scale_attention
+from ipu_unit_scaling.training.config_names import REGIMES
 from ipu_unit_scaling.training.precision import REGIME_SETTINGS, FP16Linear
-from ipu_unit_scaling.training.run_config import REGIMES
 
 # The tiny config on one stage, one step, no evaluation between: the fastest run that builds
 # its model as a real run does.

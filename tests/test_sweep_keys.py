@@ -14,7 +14,8 @@ from ipu_unit_scaling.apps.sweep import (
     parse_sweep_values,
     transfer_summary,
 )
-from ipu_unit_scaling.training.run_config import ConfigError, load_config
+from ipu_unit_scaling.training.config_files import ConfigError
+from ipu_unit_scaling.training.run_config import load_config
 
 FAST = [*ONE_IPU, "training.steps=3", "precision.dtype=fp32"]
 

@@ -20,8 +20,9 @@ from ipu_unit_scaling.loop.run_session import TrainingSession
 from ipu_unit_scaling.loop.tasks import CausalLM, MaskedLM, Task, read_task
 from ipu_unit_scaling.loop.training_loop import train
 from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
+from ipu_unit_scaling.training.config_files import ConfigError
 from ipu_unit_scaling.training.data import load_corpus
-from ipu_unit_scaling.training.run_config import Config, ConfigError, load_config
+from ipu_unit_scaling.training.run_config import Config, load_config
 from ipu_unit_scaling.training.run_directory import METRIC_FIELDS
 from ipu_unit_scaling.training.run_records import load_checkpoint, read_metrics
 

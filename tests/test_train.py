@@ -8,13 +8,14 @@ from torch import nn
 
 import ipu_unit_scaling as uu
 from ipu_unit_scaling.fp8 import FP8Linear
+from ipu_unit_scaling.training.config_names import REGIMES
 from ipu_unit_scaling.training.precision import (
     FP16Linear,
     build_model,
     regime_config,
     simulate_fp16,
 )
-from ipu_unit_scaling.training.run_config import REGIMES, load_config, validate
+from ipu_unit_scaling.training.run_config import load_config, validate
 from ipu_unit_scaling.training.run_directory import RunError
 from ipu_unit_scaling.training.run_records import load_checkpoint, save_checkpoint
 

@@ -330,7 +330,8 @@ def test_matches_the_published_library_where_it_is_installed():
 
 
 def test_config_refuses_keys_the_parametrization_would_ignore():
-    from ipu_unit_scaling.training.run_config import ConfigError, load_config
+    from ipu_unit_scaling.training.config_files import ConfigError
+    from ipu_unit_scaling.training.run_config import load_config
 
     load_config(None, ["model.parametrization=u-mup", "model.residual_mult=2"])  # fine
     cases = {

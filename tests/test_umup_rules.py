@@ -241,8 +241,9 @@ def test_the_gelu_rules_differ_by_what_the_tie_moves():
 
 
 def test_rules_are_model_keys_only_u_mup_takes():
+    from ipu_unit_scaling.training.config_files import ConfigError
     from ipu_unit_scaling.training.precision import build_model, with_model_kind
-    from ipu_unit_scaling.training.run_config import ConfigError, load_config
+    from ipu_unit_scaling.training.run_config import load_config
 
     config = load_config("umup", ["precision.dtype=fp32",
                                   "model.umup_hidden_constraint=to_output_scale",

@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, NoReturn, Optional, Sequence, Tuple
 
 
 def _held_from_the_start() -> List[int]:
@@ -62,20 +62,8 @@ from .commands import (  # noqa: E402
     one_line_message,
 )
 
-if TYPE_CHECKING:
-    from .compare import format_compare_table, run_compare, run_compare_seeds
+__all__ = ["main", "build_parser"]
 
-__all__ = ["main", "build_parser", "run_compare", "run_compare_seeds", "format_compare_table"]
-
-
-def __getattr__(name: str) -> Any:
-    """``run_compare``, ``run_compare_seeds`` and ``format_compare_table`` (from
-    :mod:`.compare`), imported when first used: ``--version`` and ``--help`` load no torch."""
-    if name in ("run_compare", "run_compare_seeds", "format_compare_table"):
-        from . import compare
-
-        return getattr(compare, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 class _Parser(argparse.ArgumentParser):
     """argparse, with its errors on one line (argparse prints the usage too)."""

@@ -41,8 +41,8 @@ def run_compare(
     names the keys that differ. ``run_dir`` must be empty or a compare directory; the finished
     regimes it holds beyond ``regimes`` (of the same settings) stay in its table.
     """
+    from ..training.config_names import REGIMES
     from ..training.data import load_corpus
-    from ..training.run_config import REGIMES
     from ..training.run_directory import (
         COMPARE_FILES,
         RunLock,

@@ -35,7 +35,6 @@ from torch import Tensor, nn
 from ..loop.masked_lm import (
     ENCODER_OPS,
     encoder_from_config,
-    mask_tokens,
     masked_batch,
 )
 from ..training.precision import REGIME_SETTINGS
@@ -48,9 +47,9 @@ from ..training.run_config import (
 )
 
 __all__ = [
-    "MLMConfig", "MLMBatches", "mask_tokens", "masked_batch", "build_encoder",
-    "encoder_from_config", "run_config", "train_mlm", "run_mlm_compare", "format_mlm_table",
-    "check_mlm_regimes", "encoder_kind", "MLM_REGIMES", "MLM_ALLOWED_REGIMES", "ENCODER_OPS",
+    "MLMConfig", "MLM_KEYS", "mlm_preset", "MLMBatches", "build_encoder", "run_config",
+    "train_mlm", "run_mlm_compare", "format_mlm_table", "check_mlm_regimes", "encoder_kind",
+    "MLM_REGIMES", "MLM_ALLOWED_REGIMES",
 ]
 
 # The encoder's model kinds are ENCODER_OPS': plain and unit-scaled.
@@ -189,7 +188,7 @@ class MLMConfig:
             problems.append(f"backend must be one of {', '.join(BACKEND_NAMES)}, got "
                             f"{self.backend!r}")
         if not problems:  # the training loop's own rules, on the run of one regime
-            from ..training.run_config import ConfigError
+            from ..training.config_files import ConfigError
 
             try:
                 run_config(self, MLM_ALLOWED_REGIMES[0], 0, 2)
@@ -203,7 +202,7 @@ class MLMConfig:
         """A copy with ``mlm.<field>=<value>`` (or ``<field>=<value>``) overrides applied;
         ``mlm.learning_rates.<regime>=<rate>``, or a mapping of regimes to rates, updates the
         rates of those regimes. A bad key or value is a ValueError in one line."""
-        from ..training.run_config import parse_override_value
+        from ..training.config_files import parse_override_value
 
         result = self
         known = list(MLM_KEYS)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..training.run_config import Config, ConfigError, apply_override, config_from_dict
+from ..training.config_files import ConfigError, apply_override
+from ..training.run_config import Config, config_from_dict
 from .experiments import DEFAULT_REGIME, read_json_or_empty, save_laid_out_figure, write_text_file
 
 if TYPE_CHECKING:

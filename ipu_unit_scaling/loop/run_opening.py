@@ -8,17 +8,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from ..training.config_files import ConfigError, read_yaml_file
 from ..training.data import CharTokenizer, Corpus, DataError, load_corpus
 from ..training.finetune import check_same_model, encode_with, extend_model_state, extend_tokenizer
 from ..training.memory import check_memory
 from ..training.resume_policy import resume_refusal
 from ..training.run_config import (
     Config,
-    ConfigError,
     TrainingConfig,
     config_from_dict,
     earlier_run_settings,
-    read_yaml_file,
     scheduled_learning_rate,
     validate,
 )
@@ -87,7 +86,7 @@ def load_run_config(
     must never fall back to defaults for settings the run did not save. ``action`` says in the
     message what could not be done ("resume", "evaluate", ...).
     """
-    from ..training.run_config import apply_override
+    from ..training.config_files import apply_override
 
     path = Path(run_dir) / CONFIG_FILE
     refuse = f"cannot {action} {run_dir}: {CONFIG_FILE}"

@@ -33,7 +33,8 @@ from typing import Any, ClassVar, Dict, List, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..training.run_config import Config, ConfigError
+from ..training.config_files import ConfigError
+from ..training.run_config import Config
 from ..training.run_directory import TASK_FILE, RunError
 
 __all__ = ["Task", "CausalLM", "MaskedLM", "CAUSAL_LM", "MASKED_LM", "TASK_NAMES",

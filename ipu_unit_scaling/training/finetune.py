@@ -19,8 +19,9 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
+from .config_files import ConfigError
 from .data import CharTokenizer, Corpus
-from .run_config import Config, ConfigError
+from .run_config import Config
 
 __all__ = [
     "FREE_MODEL_KEYS", "VOCABULARY_ROWS", "check_same_model", "extend_tokenizer",

@@ -46,7 +46,8 @@ from .. import ops as U
 from ..models.gpt import GPTConfig
 from ..modules.mup_parameter import has_parameter_data
 from ..parametrization.umup import WeightRule
-from .run_config import Config, ConfigError
+from .config_files import ConfigError
+from .run_config import Config
 
 __all__ = ["FACTORY_KEY", "GivenLanguageModel", "load_factory",
            "check_given_model", "build_given_model"]

@@ -15,7 +15,9 @@ from torch import Tensor, nn
 from .. import ops as U
 from ..models.gpt import GPTConfig, build_gpt
 from ..modules.layers import LinearReadout
-from .run_config import REGIMES, UMUP_MULTIPLIERS, UMUP_RULE_CHOICES, Config, ConfigError
+from .config_files import ConfigError
+from .config_names import REGIMES
+from .run_config import UMUP_MULTIPLIERS, UMUP_RULE_CHOICES, Config
 
 __all__ = ["REGIME_SETTINGS", "MODEL_KINDS", "COMPARE_EVAL_POINTS", "regime_config",
            "with_model_kind", "model_kind", "model_label", "round_to_half",

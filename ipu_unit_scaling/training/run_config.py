@@ -35,17 +35,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 from ..fp8.fp8_config import FP8Config
 from ..models.gpt import GPTConfig
 from ..parametrization.umup_rules import ATTENTION_SCALINGS, GELU_CONSTRAINTS, HIDDEN_CONSTRAINTS
-from .config_files import (  # noqa: F401  (the config's readers, exported with its schema)
-    CONFIGS_DIR,
-    AmbiguousValue,
+from .config_files import (
     ConfigError,
     apply_override,
     build_section,
     matches_hint,
     parse_override_value,
-    parse_yaml,
     read_with_extends,
-    read_yaml_file,
     resolve_config_path,
     short_repr,
     type_error_message,
