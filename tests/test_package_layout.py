@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import importlib
 import re
 import subprocess
@@ -38,10 +39,15 @@ def _module_name(path: Path) -> str:
 MODULES: Dict[str, Path] = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
+@functools.lru_cache(maxsize=None)
+def _tree(name: str) -> ast.Module:
+    return ast.parse(MODULES[name].read_text(encoding="utf-8"))
+
+
 def _imports(name: str, module_level_only: bool) -> Set[str]:
     """The package modules ``name`` imports (a ``from x import y`` of a submodule counts y)."""
     path = MODULES[name]
-    tree = ast.parse(path.read_text(encoding="utf-8"))
+    tree = _tree(name)
     package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     nodes = tree.body if module_level_only else list(ast.walk(tree))
     found: Set[str] = set()
@@ -300,8 +306,9 @@ def _is_private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
-def _tree(name: str) -> ast.Module:
-    return ast.parse(MODULES[name].read_text(encoding="utf-8"))
+@functools.lru_cache(maxsize=None)
+def _reexports(name: str) -> Dict[str, str]:
+    return _served(name)
 
 
 def _package_parts(name: str) -> List[str]:
@@ -356,7 +363,7 @@ def _exported_names(name: str) -> Set[str]:
     return set(listed)
 
 
-def _reexports(name: str) -> Dict[str, str]:
+def _served(name: str) -> Dict[str, str]:
     """The names module ``name`` serves from another package module, by where they come from:
     the imported names it lists in ``__all__`` (a package ``__init__`` with no ``__all__``:
     every name it imports), and everything ``import *`` brings."""
@@ -382,6 +389,7 @@ def _reexports(name: str) -> Dict[str, str]:
     return served
 
 
+@functools.lru_cache(maxsize=None)
 def _definitions() -> Dict[str, List[str]]:
     where: Dict[str, List[str]] = {}
     for name in sorted(MODULES):
@@ -467,8 +475,8 @@ def _imports_through_second_paths() -> Set[str]:
     sources = [(name, path) for name, path in sorted(MODULES.items())]
     for folder in ("tests", "scripts", "examples", "benchmarks"):
         sources += [(None, path) for path in sorted((ROOT / folder).rglob("*.py"))]
-    trees = [(module, path, ast.parse(path.read_text(encoding="utf-8")))
-             for module, path in sources]
+    trees = [(module, path, _tree(module) if module is not None
+              else ast.parse(path.read_text(encoding="utf-8"))) for module, path in sources]
     pages = sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md"]
     for page in (p for p in pages if p.exists()):
         for block in re.findall(r"```python\n(.*?)```", page.read_text(encoding="utf-8"), re.S):
