@@ -5,12 +5,11 @@ import argparse
 import re
 import subprocess
 import sys
-from pathlib import Path
+
+from helpers import ROOT
 
 import ipu_unit_scaling
 from ipu_unit_scaling.apps.cli import build_parser, main
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _subcommands() -> list:

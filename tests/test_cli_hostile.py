@@ -9,14 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from ipu_unit_scaling.apps import cli
 from ipu_unit_scaling.apps.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "matplotlib", "ipu_unit_scaling.loop.training_loop",
          "ipu_unit_scaling.training.run_config")
 # A given model's config: the tiny GPT on one IPU, so the factory is what is refused.

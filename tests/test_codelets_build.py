@@ -13,10 +13,10 @@ import types
 from pathlib import Path
 
 import pytest
+from helpers import ROOT as REPO
 
 from ipu_unit_scaling.backends.popxl import codelets
 
-REPO = Path(__file__).resolve().parents[1]
 FAKE_POPC = """#!/bin/sh
 if [ "$1" = "--list-targets" ]; then echo "cpu,ipu2,ipu21"; exit 0; fi
 out=""; previous=""

@@ -3,12 +3,10 @@ from __future__ import annotations
 
 import importlib
 import re
-from pathlib import Path
 from typing import Iterator, Optional, Tuple
 
 import yaml
-
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import ROOT
 
 
 def _pages(nav) -> Iterator[Tuple[Optional[str], str]]:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import run_op
 
 import ipu_unit_scaling.functional as U
 from ipu_unit_scaling.ops import unit_ops
@@ -19,15 +20,6 @@ pytestmark = pytest.mark.numerics
 
 UNIT_TOL = 0.2
 PRODUCT_TOL = 0.15
-
-
-def run_op(fn: Callable, shapes: Sequence[Tuple[int, ...]], seed: int = 0):
-    """Std of the output and of each input's gradient for unit-normal inputs and output grad."""
-    gen = torch.Generator().manual_seed(seed)
-    inputs = [torch.randn(*s, generator=gen, requires_grad=True) for s in shapes]
-    out = fn(*inputs)
-    out.backward(torch.randn(out.shape, generator=gen))
-    return out.std().item(), [x.grad.std().item() for x in inputs]  # type: ignore[union-attr]
 
 
 def assert_unit(value: float, tol: float = UNIT_TOL, what: str = "") -> None:

@@ -4,12 +4,12 @@ and against independent float64 references."""
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence, Tuple
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import run_op
 
 import ipu_unit_scaling as uu
 import ipu_unit_scaling.functional as U
@@ -18,15 +18,6 @@ from ipu_unit_scaling.ops.llm_ops import SILU_MOMENTS
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
 pytestmark = pytest.mark.numerics
-
-
-def run_op(fn: Callable, shapes: Sequence[Tuple[int, ...]], seed: int = 0):
-    """Std of the output and of each input's gradient for unit-normal inputs and output grad."""
-    gen = torch.Generator().manual_seed(seed)
-    inputs = [torch.randn(*s, generator=gen, requires_grad=True) for s in shapes]
-    out = fn(*inputs)
-    out.backward(torch.randn(out.shape, generator=gen))
-    return out.std().item(), [x.grad.std().item() for x in inputs]  # type: ignore[union-attr]
 
 
 def assert_unit(value: float, tol: float = 0.2, what: str = "") -> None:

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import ROOT as REPO
 from torch import nn
 
 import ipu_unit_scaling.functional as U
@@ -24,9 +25,6 @@ from ipu_unit_scaling.ops.poptorch_lowering_table import GELU_LOWERING, LOWERING
 from ipu_unit_scaling.training.precision import round_to_half
 
 pytestmark = pytest.mark.numerics
-
-REPO = Path(__file__).resolve().parent.parent
-
 
 def _generator_script():
     # scripts/ is not a package: load the table's generator by path.

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import List
 
 import pytest
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "poptorch"
 
 

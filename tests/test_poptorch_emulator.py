@@ -24,21 +24,11 @@ from ipu_unit_scaling.ipu import (
     trace_like_poptorch,
 )
 from ipu_unit_scaling.models import GPTConfig, build_gpt
-from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
 from ipu_unit_scaling.training.run_config import load_config
 from ipu_unit_scaling.transforms import simulate_fp8
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
-pytestmark = pytest.mark.numerics
-
-
-@pytest.fixture(autouse=True)
-def ops_as_torch_defines_them():
-    """These tests check the traced forms against eager torch, so traces compute every op as
-    torch defines it. What an IPU computes differently (GELU, stochastic rounding) is emulated
-    by default and tested in test_lowering.py."""
-    with torch_numerics():
-        yield
+pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("ops_as_torch_defines_them")]
 
 
 def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import re
 import shlex
-from pathlib import Path
 from typing import List, Optional, Tuple
+
+from helpers import ROOT
 
 from ipu_unit_scaling.apps.cli import build_parser, main
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = ROOT / "README.md"
 # Options whose value names a run directory the command reads.
 READS = ("--resume", "--init-from")
 # Commands whose first positional argument names a run directory they read.

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 import re
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import ROOT as REPO
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ipu_unit_scaling import GPT
@@ -16,11 +16,10 @@ from ipu_unit_scaling.backends import poptorch_ops
 from ipu_unit_scaling.backends.poptorch import STANDIN_MODULE, poptorch_module
 from ipu_unit_scaling.backends.poptorch import fp8_custom_op as custom_op
 from ipu_unit_scaling.ipu import check_poptorch, ipu_tracing, trace_like_poptorch
-from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
 from ipu_unit_scaling.ops.scaled_identity import composite_scales, scaled_identity
 from ipu_unit_scaling.scale import scale
 
-REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("ops_as_torch_defines_them")
 SCALES = [(0.5, 2.0), (1.0, 0.08838834764831845), (1 / math.sqrt(3.0), 1.0),
           (-2.5, 1 / math.sqrt(7.0)), (0.0625, 15.979435765384085)]
 
@@ -29,13 +28,6 @@ def wide_range(size: int, dtype: torch.dtype) -> torch.Tensor:
     generator = torch.Generator().manual_seed(size)
     spread = torch.exp((torch.randn(size, generator=generator) * 3.0).clamp(-12.0, 9.0))
     return (torch.randn(size, generator=generator) * spread).to(dtype)
-
-
-@pytest.fixture(autouse=True)
-def ops_as_torch_defines_them():
-    """Traces compute every op as torch does (GELU as PopART computes it is test_lowering's)."""
-    with torch_numerics():
-        yield
 
 
 class Scale(torch.nn.Module):

@@ -18,11 +18,9 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import ROOT as REPO
 
 pytestmark = pytest.mark.numerics
-
-REPO = Path(__file__).resolve().parent.parent
-
 
 def _load_script() -> Any:
     # scripts/ is not a package: load the script by path.
