@@ -5,7 +5,7 @@ gated MLP, the residual block) written once over an :class:`Ops` table, built un
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Tuple, Union, cast
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -75,8 +75,10 @@ def _linear_scales(layer: Linear, input: Union[Tensor, int]) -> Tuple[float, flo
     many rows), as its eager form caches them."""
     fan_out, fan_in = layer.weight.shape
     rows = max(1, input.numel() // max(1, fan_in)) if isinstance(input, Tensor) else input
-    return fused.cached_scales(("linear", fan_in, fan_out, rows, layer.constraint),
-                               unit_ops.linear_scales, fan_in, fan_out, rows, layer.constraint)
+    output, grad_input, grad_weight = fused.cached_scales(
+        ("linear", fan_in, fan_out, rows, layer.constraint), unit_ops.linear_scales, fan_in,
+        fan_out, rows, layer.constraint)
+    return output, grad_input, grad_weight
 
 
 def _plain_silu_glu(input: Tensor, gate: Tensor) -> Tensor:
@@ -425,7 +427,7 @@ class TransformerBlock(nn.Module):
                 and not rule_switch.library_rules() and not _observed(attn)
                 and not _observed(mlp)):
             return None
-        quantisers = []
+        quantisers: List[Optional[fused_blocks.Quantiser]] = []
         for layer in (attn.qkv, attn.proj, mlp.up, mlp.down):
             if _observed(layer) or getattr(layer, "attention_projection", None) is not None:
                 return None

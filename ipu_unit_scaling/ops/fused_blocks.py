@@ -18,7 +18,7 @@ torch function mode) and their parts are the unit-scaled ones; see `modules.py`.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, List, Optional, Tuple, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -288,7 +288,7 @@ class _NormQKV(torch.autograd.Function):
             if has_bias and needs[11]:
                 grad_qkv_b = grad_rows.sum(0).mul_(qkv_scales[2])
             del grad_rows
-            grad_normed = grad_normed.view(stream.shape)
+            grad_normed = cast(Tensor, grad_normed).view(stream.shape)
         grad_stream, grad_w, grad_b = _join_norm_backward(
             grad_normed, grad_stream, stream, mean, rstd, weight, bias, next_branch_weight,
             next_skip_weight, param_grad_scale, needs[6], needs[7],
@@ -384,7 +384,7 @@ class _ProjNormMLP(torch.autograd.Function):
                 (True, needs[8], has_up_bias and needs[9], needs[10],
                  has_down_bias and needs[11]), next_branch_weight or 1.0, up_quantise,
                 down_quantise)
-            grad_normed = grad_normed.view(joined.shape)
+            grad_normed = cast(Tensor, grad_normed).view(joined.shape)
         grad_joined, grad_w, grad_b = _join_norm_backward(
             grad_normed, grad_stream, joined, mean, rstd, norm_weight, norm_bias,
             next_branch_weight, next_skip_weight, param_grad_scale, needs[5], needs[6],
