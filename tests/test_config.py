@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import yaml
+from helpers import ROOT
 
 from ipu_unit_scaling.training.config_files import CONFIGS_DIR, ConfigError
 from ipu_unit_scaling.training.run_config import (
@@ -21,7 +21,7 @@ SHIPPED = sorted(CONFIGS_DIR.glob("*.yaml"))
 
 
 def test_configs_dir_is_the_repository_one():
-    assert CONFIGS_DIR == Path(__file__).resolve().parent.parent / "configs"
+    assert CONFIGS_DIR == ROOT / "configs"
     names = {p.stem for p in SHIPPED}
     assert {"default", "fp32", "plain", "tiny", "ipu-2", "ipu-4"} <= names
 

@@ -9,6 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from helpers import ONE_IPU as FAST
+from helpers import ROOT
 
 import ipu_unit_scaling.training.memory as memory
 from ipu_unit_scaling.apps.cli import main
@@ -21,9 +23,6 @@ from ipu_unit_scaling.training.memory import (
 from ipu_unit_scaling.training.precision import build_model
 from ipu_unit_scaling.training.run_config import Config, load_config
 from ipu_unit_scaling.training.run_directory import RunError
-
-ROOT = Path(__file__).resolve().parent.parent
-FAST = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1"]
 
 
 @pytest.mark.parametrize("overrides", [

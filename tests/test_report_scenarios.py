@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
+from helpers import ROOT, TEXT
 
 from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.apps.mlm import MLMConfig
 
-ROOT = Path(__file__).resolve().parent.parent
-TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(60))
 # One stage, a few steps, one validation batch.
 SMALL = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1",
          "training.steps=3", "training.eval_batches=1", "training.warmup_steps=0",
