@@ -12,7 +12,6 @@ from typing import Dict, List
 import pytest
 import torch
 
-from ipu_unit_scaling.apps import cli
 from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.apps.pretrained import (
     TrainedRun,
@@ -25,6 +24,7 @@ from ipu_unit_scaling.apps.pretrained import (
 from ipu_unit_scaling.backends import select_backend
 from ipu_unit_scaling.fp8 import FP8Config, FP8Linear
 from ipu_unit_scaling.loop.training_loop import train
+from ipu_unit_scaling.training.config_names import PRECISION_NAMES
 from ipu_unit_scaling.training.data import CharTokenizer, DataError, embedded_corpus, get_batch
 from ipu_unit_scaling.training.inference import (
     PRECISIONS,
@@ -265,7 +265,7 @@ def test_cli_evaluate_prints_and_writes_the_table(runs, tmp_path, capsys):
     assert [row["precision"] for row in data["rows"]] == ["fp32", "fp8-amax"]
     assert data["rows"][1]["loss"] == final_val_loss(run_dir)  # exact through JSON too
     assert (tmp_path / "out" / "evaluate.md").read_text(encoding="utf-8") in out
-    assert cli.PRECISIONS == tuple(PRECISIONS)
+    assert PRECISION_NAMES == tuple(PRECISIONS)
 
 
 def test_cli_sample_is_deterministic_and_refuses_bad_prompts_in_one_line(runs, capsys):

@@ -47,7 +47,12 @@ class _EarlyHandler:
 _HELD_FROM_THE_START = _held_from_the_start()
 
 from .. import __version__  # noqa: E402  (after the handler: these imports may be cut)
-from ..training.config_names import MAX_SEED, REGIMES  # noqa: E402
+from ..training.config_names import (  # noqa: E402
+    MAX_SEED,
+    MODEL_KINDS,
+    PRECISION_NAMES,
+    REGIMES,
+)
 from .commands import (  # noqa: E402
     DEBUG_ENV,
     EXIT_DIVERGED,
@@ -55,8 +60,6 @@ from .commands import (  # noqa: E402
     EXIT_READER_LEFT,
     EXIT_USAGE,
     MAX_THREADS,
-    MODEL_KINDS,
-    PRECISIONS,
     PROG,
     REGIME_HELP,
     one_line_message,
@@ -269,8 +272,9 @@ def _add_inference_commands(commands: Any) -> None:
                           help="evaluate on this UTF-8 text instead, every character after the "
                                "first predicted once; it may hold only characters the run's "
                                "tokenizer knows")
-    evaluate.add_argument("--precision", nargs="+", choices=PRECISIONS, metavar="PRECISION",
-                          help=f"precisions to evaluate (default: all of {', '.join(PRECISIONS)})")
+    evaluate.add_argument("--precision", nargs="+", choices=PRECISION_NAMES, metavar="PRECISION",
+                          help="precisions to evaluate (default: all of "
+                               f"{', '.join(PRECISION_NAMES)})")
     evaluate.add_argument("--scale-report", action="store_true",
                           help="also give the FP8 casts' under- and overflow fractions by role")
     evaluate.add_argument("--out", metavar="DIR", type=Path,
@@ -298,8 +302,8 @@ def _add_inference_commands(commands: Any) -> None:
                         help="draw only among the K most likely characters (default: all)")
     sample.add_argument("--seed", metavar="S", type=_seed, default=0,
                         help="seed of the draws, 0 to 2**63 - 1 as training.seed (default 0)")
-    sample.add_argument("--precision", choices=PRECISIONS, metavar="PRECISION",
-                        help=f"one of {', '.join(PRECISIONS)} (default: the precision the run "
+    sample.add_argument("--precision", choices=PRECISION_NAMES, metavar="PRECISION",
+                        help=f"one of {', '.join(PRECISION_NAMES)} (default: the precision the run "
                              "trained in)")
     for parser in (evaluate, sample):
         parser.add_argument("--threads", metavar="N", type=_thread_count, default=1,

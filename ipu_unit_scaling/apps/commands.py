@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Sequence, Tuple
 
 from ..training.config_files import CONFIGS_DIR, ConfigError
+from ..training.config_names import MODEL_KINDS, PRECISION_NAMES
 
 if TYPE_CHECKING:  # the schema imports torch: loaded when a command runs, not for --help
     from ..training.run_config import Config
 
-MODEL_KINDS = ("plain", "unit", "u-mup")  # as ipu_unit_scaling.loop.training_loop.MODEL_KINDS
 
 PROG = "ipu-unit-scaling"
 EXIT_DIVERGED = 1
@@ -28,7 +28,7 @@ EXIT_READER_LEFT = 141  # 128 + SIGPIPE, what a shell reports for a command whos
 MAX_THREADS = 1024
 DEBUG_ENV = "IPU_UNIT_SCALING_DEBUG"  # set to 1: unexpected errors show their traceback
 
-# How tables name the three model kinds of ipu_unit_scaling.loop.training_loop.MODEL_KINDS.
+# How tables name the three model kinds of training.config_names.MODEL_KINDS.
 MODEL_NAMES = {"plain": "plain", "unit": "unit-scaled", "u-mup": "u-μP"}
 
 # What each regime of `compare` trains (as precision.REGIME_SETTINGS, kept in step by a test).
@@ -41,9 +41,6 @@ REGIME_HELP = {
     "scaling", "umup-fp8-amax": "u-μP, AMAX",
 }
 
-# Post-training precisions of `evaluate` and `sample` (inference.PRECISIONS, kept in step by a
-# test: importing it here would load torch before --help).
-PRECISIONS = ("fp32", "fp16", "fp8-static", "fp8-amax")
 
 
 class UsageError(ValueError):
@@ -337,7 +334,7 @@ def command_evaluate(args: argparse.Namespace) -> int:
     """``evaluate``: a trained run's validation loss in each precision."""
     from ..training.run_directory import RunLock
 
-    precisions = list(args.precision or PRECISIONS)
+    precisions = list(args.precision or PRECISION_NAMES)
     if len(set(precisions)) != len(precisions):
         raise UsageError(f"--precision lists a precision twice: {' '.join(precisions)}")
     if args.data is not None and not args.data.strip():

@@ -276,7 +276,7 @@ SWEEP_FILES = ("sweep.md", "sweep.json", "sweep.png")
 def check_sweep_dir(run_dir: Path, key: Optional[str]) -> None:
     """RunError unless ``run_dir`` is empty or a sweep of the same axis (``key``, None for the
     learning rate): its results would be overwritten by another sweep's."""
-    from ..training.precision import MODEL_KINDS
+    from ..training.config_names import MODEL_KINDS
     from ..training.run_directory import RunError, check_own_kind, read_json
 
     check_own_kind(run_dir, "sweep", SWEEP_FILES, lambda name: name in MODEL_KINDS)

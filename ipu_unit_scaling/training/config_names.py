@@ -18,3 +18,8 @@ REGIMES = (
     "umup-fp8-amax",
 )
 MAX_SEED = 2**63 - 1
+# The model kinds a regime trains (``training.precision.with_model_kind``).
+MODEL_KINDS = ("plain", "unit", "u-mup")
+# The post-training precisions of ``evaluate`` and ``sample`` (``training.inference.PRECISIONS``
+# gives each its dtype and FP8 scaling).
+PRECISION_NAMES = ("fp32", "fp16", "fp8-static", "fp8-amax")

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from ..fp8 import NonFiniteAmaxError
 from ..fp8.stats import CastRecord
+from .config_names import PRECISION_NAMES
 from .data import CharTokenizer, DataError, get_batch
 from .run_config import Config
 
@@ -45,6 +46,7 @@ PRECISIONS: Dict[str, Tuple[str, str]] = {
     "fp8-static": ("fp8", "static"),
     "fp8-amax": ("fp8", "amax"),
 }
+assert tuple(PRECISIONS) == PRECISION_NAMES  # the names the command line offers
 
 
 class SamplingError(ValueError):

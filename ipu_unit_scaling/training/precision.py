@@ -16,10 +16,10 @@ from .. import ops as U
 from ..models.gpt import GPTConfig, build_gpt
 from ..modules.layers import LinearReadout
 from .config_files import ConfigError
-from .config_names import REGIMES
+from .config_names import MODEL_KINDS, REGIMES
 from .run_config import UMUP_MULTIPLIERS, UMUP_RULE_CHOICES, Config
 
-__all__ = ["REGIME_SETTINGS", "MODEL_KINDS", "COMPARE_EVAL_POINTS", "regime_config",
+__all__ = ["REGIME_SETTINGS", "COMPARE_EVAL_POINTS", "regime_config",
            "with_model_kind", "model_kind", "model_label", "round_to_half",
            "FP16Linear", "simulate_fp16", "build_model"]
 
@@ -39,7 +39,7 @@ REGIME_SETTINGS: Dict[str, Tuple[str, str, str]] = {
     "umup-fp8-amax": ("u-mup", "fp8", "amax"),
 }
 assert set(REGIME_SETTINGS) == set(REGIMES)
-MODEL_KINDS = ("plain", "unit", "u-mup")
+assert {kind for kind, _, _ in REGIME_SETTINGS.values()} == set(MODEL_KINDS)
 # compare draws one validation curve per regime: at least this many points where steps allow.
 COMPARE_EVAL_POINTS = 10
 
