@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, List, NamedTuple, Optional
 
 import pytest
+from helpers import ROOT, TEXT
 
 import ipu_unit_scaling.training.plots
 from ipu_unit_scaling.apps import commands
@@ -26,8 +27,6 @@ from ipu_unit_scaling.training.data import load_corpus, read_text_file
 from ipu_unit_scaling.training.run_directory import make_unique_run_dir
 from ipu_unit_scaling.training.run_records import MetricsLog
 
-ROOT = Path(__file__).resolve().parent.parent
-TEXT = "".join(f"line {i}: the quick brown fox jumps over the lazy dog.\n" for i in range(60))
 # A run of a second or less: one stage, two steps, one validation batch.
 SMALL = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1",
          "training.steps=2", "training.eval_batches=1", "training.warmup_steps=0"]
