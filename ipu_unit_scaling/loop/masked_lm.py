@@ -18,7 +18,7 @@ from ..training.run_config import Config
 
 __all__ = ["ENCODER_OPS", "mask_tokens", "masked_batch", "encoder_from_config", "evaluate"]
 
-# The encoder's model kinds (precision.MODEL_KINDS less u-μP, which it has no form of).
+# The encoder's model kinds (config_names.MODEL_KINDS less u-μP, which it has no form of).
 ENCODER_OPS = {"plain": uu.TORCH_OPS, "unit": uu.UNIT_OPS}
 
 
