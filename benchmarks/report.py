@@ -16,15 +16,15 @@ from .variants import published_version
 # Why a missed target is missed, keyed by row; shown in the table's notes when it is.
 OBSTACLES: Dict[str, str] = {
     "step_eager_ours": (
-        "what remains is per-op overhead, not arithmetic: the unit-scaled layer runs as a few "
-        "Python autograd Functions (each a few tens of microseconds on this CPU, more under "
-        "load) where torch runs C++ nodes, plus one elementwise pass each way for the attention "
-        "row scale and the residual skip weights; at this small width a step is short enough "
-        "for that to show, and it shrinks as the model grows (see the width sweep)"
+        "what remains is per-call overhead, not arithmetic: each unit-scaled layer runs as two "
+        "Python autograd Functions whose backward passes call their kernels from Python, where "
+        "torch's backward runs C++ nodes, plus one elementwise pass in the backward pass for "
+        "the attention row scale; at this small width a step is short enough for that to "
+        "show, and it shrinks as the model grows (see the width sweep)"
     ),
     "step_eager_ours_second": (
-        "as for the first shape: per-op Python overhead and the row-scale and skip-weight "
-        "passes, a smaller share of the longer step"
+        "as for the first shape: per-call Python overhead and the row-scale pass, a smaller "
+        "share of the longer step"
     ),
     "step_eager_ours_vs_published": (
         "both libraries add similar elementwise passes; within the noise of a shared machine"
@@ -85,10 +85,11 @@ COMPARISON_NOTES = [
     "Peak memory is counted by the profiler, not the process RSS: the running sum of the "
     "allocator's allocation and free events during one step, after a warm-up step.",
     "Unit-scaled ops run as one autograd Function each in eager mode (scales inside the GEMMs, "
-    "no scaled weight copies), and `uu.TransformerBlock` / `uu.FeedForward` / the decoder's "
-    "embedding run their residual join + split + norm, their MLP and their lookups as one "
-    "Function each where nothing observes their parts; under `torch.compile` the ops are "
-    "composed from `scale()` as before.",
+    "no scaled weight copies); a `uu.TransformerBlock` runs as two Functions around torch's "
+    "attention kernel (residual join, norm and QKV projection; the row-scaled join of the "
+    "heads, output projection, join, norm and MLP), FP8-simulated linears included, and the "
+    "decoder's embedding as one, where nothing observes their parts; under `torch.compile` "
+    "the ops are composed from `scale()` as before.",
     "GPU rows run only where a CUDA device exists; otherwise they are skipped with the reason.",
 ]
 
