@@ -8,12 +8,11 @@ evaluates those (the config schema reads its dataclasses that way).
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 from typing import List, Set, Tuple
 
 import pytest
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SOURCES = sorted(
     [path for folder in ("ipu_unit_scaling", "benchmarks", "scripts", "tests")
      for path in (ROOT / folder).rglob("*.py")] + [ROOT / "setup.py"]
