@@ -120,9 +120,9 @@ def test_refuses_to_shadow_a_real_poptorch(tmp_path):
 
 @pytest.mark.parametrize("args", [[], ["-m"], ["no-such-script.py"]])
 def test_usage_errors(args, capsys):
-    from ipu_unit_scaling.apps.emulate import main
+    from ipu_unit_scaling.apps.emulate import run_emulated
 
-    assert main(args) == 2
+    assert run_emulated(args) == 2
     assert "emulate" in capsys.readouterr().err
 
 

@@ -391,11 +391,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["emulate"]:  # the program's own arguments follow: no parsing here
-        from .emulate import main as emulate
+        from .emulate import run_emulated
 
         with _ctrl_c_held() as held:
             pass  # the program takes Ctrl-C as it would alone
-        return EXIT_INTERRUPTED if held else emulate(argv[1:])
+        return EXIT_INTERRUPTED if held else run_emulated(argv[1:])
     _keep_standard_descriptors_taken()
     _escape_what_the_terminal_cannot_show()
     streams = sys.stdout, sys.stderr

@@ -15,7 +15,7 @@ import runpy
 import sys
 from typing import List, Optional, Sequence
 
-__all__ = ["main", "USAGE"]
+__all__ = ["run_emulated", "USAGE"]
 
 USAGE = ("usage: ipu-unit-scaling emulate SCRIPT [ARGS...] | "
          "ipu-unit-scaling emulate -m MODULE [ARGS...]")
@@ -30,7 +30,7 @@ def _exit_code(stop: SystemExit) -> int:
     return 1
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def run_emulated(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``argv`` (what follows ``emulate``); returns the program's exit status."""
     from ..backends.poptorch_standin.install import StandInError, install, shim_directory
 
@@ -78,4 +78,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_emulated())
