@@ -21,6 +21,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import pytest
 import torch
+from helpers import ROOT
 
 from ipu_unit_scaling.backends import BACKEND_ENV, BackendError, select_backend
 from ipu_unit_scaling.backends.distributed import check_launch
@@ -28,7 +29,6 @@ from ipu_unit_scaling.training.run_config import load_config, scheduled_learning
 from ipu_unit_scaling.training.run_directory import RunLock
 from ipu_unit_scaling.training.run_records import load_checkpoint, read_metrics
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS = 12
 # In FP32: a distributed run sums gradients in another order than one process, and FP8 casts
 # would round a last-bit difference to a different FP8 value, which then grows step by step.
