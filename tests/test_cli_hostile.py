@@ -77,13 +77,13 @@ def test_a_full_standard_output_is_named():
 
 
 def test_ctrl_c_while_the_command_loads_is_one_line(tmp_path, monkeypatch, capsys):
-    loaded = cli._command
+    loaded = cli.command_for
 
     def interrupted_while_loading(name):
         os.kill(os.getpid(), signal.SIGINT)  # held until the imports are done
         return loaded(name)
 
-    monkeypatch.setattr(cli, "_command", interrupted_while_loading)
+    monkeypatch.setattr(cli, "command_for", interrupted_while_loading)
     assert main(["compare", "--config", "tiny", "--run-dir", str(tmp_path / "run")]) == 130
     assert "interrupted before compare started" in _one_line(capsys.readouterr().err)
     assert not (tmp_path / "run").exists()
@@ -95,7 +95,7 @@ def test_ctrl_c_anywhere_in_main_is_one_line(monkeypatch, capsys):
     def stopped(name):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli, "_command", stopped)
+    monkeypatch.setattr(cli, "command_for", stopped)
     assert main(["train", "--config", "tiny"]) == 130
     assert _one_line(capsys.readouterr().err) == "ipu-unit-scaling: interrupted\n"
 

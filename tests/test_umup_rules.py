@@ -10,6 +10,7 @@ library's ``scale_elementwise`` ties them.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -257,7 +258,8 @@ def test_rules_are_model_keys_only_u_mup_takes():
     assert default.attn.attention is constant_scale_attention
     assert default.mlp.up.constraint == "gmean"
     assert default.mlp.gelu.constraint == "to_output_scale"
-    config = with_model_kind(config, "unit")  # the u-μP keys go back to their defaults
+    # the u-μP keys go back to their defaults
+    config = dataclasses.replace(config, model=with_model_kind(config.model, "unit"))
     assert (config.model.umup_hidden_constraint, config.model.umup_attention_scaling,
             config.model.umup_gelu_constraint) == ("gmean", "constant", "to_output_scale")
     cases = {

@@ -335,7 +335,8 @@ COMMANDS = {"train": "commands", "compare": "compare", "sweep": "commands",
             "analyse": "commands", "evaluate": "commands", "sample": "commands"}
 
 
-def _command(name: str) -> Callable[[argparse.Namespace], int]:
+def command_for(name: str) -> Callable[[argparse.Namespace], int]:
+    """The function that runs the command ``name``, its module imported now."""
     module = importlib.import_module(f".{COMMANDS[name]}", __package__)
     return getattr(module, f"command_{name}")  # type: ignore[no-any-return]
 
@@ -476,7 +477,7 @@ def _run(argv: List[str]) -> int:
         from ..training.run_directory import RunError
         from .commands import UsageError
 
-        run_command = _command(args.command)
+        run_command = command_for(args.command)
     if held:
         print(f"{PROG}: interrupted before {args.command} started", file=sys.stderr)
         return EXIT_INTERRUPTED

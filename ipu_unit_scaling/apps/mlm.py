@@ -307,9 +307,9 @@ def run_config(config: MLMConfig, regime: str, seed: int, vocab: int) -> Config:
 
     kind, dtype, scaling = REGIME_SETTINGS[regime]
     check_mlm_regimes([regime])
-    base = with_model_kind(config.run, kind)
+    base = config.run
     result = dataclasses.replace(
-        base, model=dataclasses.replace(base.model, vocab_size=vocab),
+        base, model=dataclasses.replace(with_model_kind(base.model, kind), vocab_size=vocab),
         precision=dataclasses.replace(base.precision, dtype=dtype, fp8=dataclasses.replace(
             base.precision.fp8, scaling=scaling)),
         training=dataclasses.replace(

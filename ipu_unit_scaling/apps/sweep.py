@@ -86,12 +86,12 @@ def point_config(config: Config, kind: str, width: int, depth: int,
     """The config of one sweep point; ``log2_lr`` None: the kind's default learning rate."""
     from ..training.precision import with_model_kind
 
-    kind_config = with_model_kind(config, kind)
     learning_rate = (config.compare.learning_rates[DEFAULT_REGIME[kind]]
                      if log2_lr is None else 2.0**log2_lr)
     return dataclasses.replace(
-        kind_config,
-        model=dataclasses.replace(kind_config.model, hidden_size=width, depth=depth),
+        config,
+        model=dataclasses.replace(with_model_kind(config.model, kind), hidden_size=width,
+                                  depth=depth),
         # eval_interval 0: the final validation loss is what a sweep compares
         training=dataclasses.replace(config.training, learning_rate=learning_rate,
                                      eval_interval=0),

@@ -60,7 +60,7 @@ def regime_config(config: Config, regime: str) -> Config:
     eval_interval = (most if training.eval_interval == 0 or training.eval_interval > most
                      else training.eval_interval)
     return dataclasses.replace(
-        with_model_kind(config, model),
+        config, model=with_model_kind(config.model, model),
         precision=dataclasses.replace(
             config.precision, dtype=dtype,
             fp8=dataclasses.replace(config.precision.fp8, scaling=scaling)),
@@ -69,19 +69,19 @@ def regime_config(config: Config, regime: str) -> Config:
     )
 
 
-def with_model_kind(config: Config, kind: str) -> Config:
-    """``config`` with its model a plain, unit-scaled or u-μP GPT. Each takes the model keys
-    that apply to it: the others go back to their defaults (u-μP's multipliers outside u-μP,
-    unit scaling's taus inside it), so the result always validates."""
+def with_model_kind(model: GPTConfig, kind: str) -> GPTConfig:
+    """The model section ``model`` made a plain, unit-scaled or u-μP GPT. Each takes the model
+    keys that apply to it: the others go back to their defaults (u-μP's multipliers outside
+    u-μP, unit scaling's taus inside it), so the result always validates."""
     if kind not in MODEL_KINDS:
         raise ValueError(f"model kind {kind!r} is not one of {', '.join(MODEL_KINDS)}")
-    defaults = type(config.model)()
+    defaults = type(model)()
     reset = (("attn_tau", "mlp_tau") if kind == "u-mup"
              else (*UMUP_MULTIPLIERS, *UMUP_RULE_CHOICES))
     changes: Dict[str, Any] = {name: getattr(defaults, name) for name in reset}
     changes.update(unit_scaled=kind != "plain",
                    parametrization="u-mup" if kind == "u-mup" else "unit")
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, **changes))
+    return dataclasses.replace(model, **changes)
 
 
 def model_kind(model: GPTConfig) -> str:
