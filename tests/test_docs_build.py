@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PLUGINS = ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python")
 # Modules without a reference page of their own: the modules and scale primitives that
 # `import ipu_unit_scaling as uu` re-exports (on its page), and the eager fast paths behind the
