@@ -96,3 +96,23 @@ def files_in(directory: Path, skip: Sequence[str] = ()) -> Dict[str, bytes]:
 def run_files(run_dir: Path) -> Dict[str, bytes]:
     """:func:`files_in` less the run's ``.lock``: what a refused command must leave as it was."""
     return files_in(run_dir, skip=(".lock",))
+
+
+def train_in_process(data: Path, run_dir: Path, settings: Sequence[str]) -> Path:
+    """Train the ``tiny`` config with ``settings`` on ``data`` into ``run_dir`` in this
+    process (the loop itself, no command line); return ``run_dir``."""
+    from dataclasses import replace
+
+    from ipu_unit_scaling.loop.training_loop import train
+    from ipu_unit_scaling.training.run_config import load_config
+
+    config = load_config("tiny", list(settings))
+    config = replace(config, data=replace(config.data, path=str(data)))
+    train(config, run_dir, quiet=True)
+    return run_dir
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` in the 2-norm, computed in float64 (0 / 0 is 0)."""
+    reference = b.detach().double().norm().item()
+    return (a.detach().double() - b.detach().double()).norm().item() / max(reference, 1e-30)
