@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 from helpers import ROOT as REPO
+from helpers import relative_error
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ipu_unit_scaling import GPT
@@ -122,11 +123,6 @@ def small_gpt() -> GPT:
     return GPT(vocab_size=32, hidden_size=16, depth=2, heads=2, seq_len=8)
 
 
-def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    reference = b.detach().double().norm().item()
-    return (a.detach().double() - b.detach().double()).norm().item() / max(reference, 1e-30)
-
-
 @pytest.mark.parametrize("composite", [False, True], ids=["scaled_identity", "composite"])
 def test_traced_gpt_has_the_eager_loss_and_gradients(composite):
     model = small_gpt()
@@ -142,9 +138,9 @@ def test_traced_gpt_has_the_eager_loss_and_gradients(composite):
     assert ("ipu_unit_scaling::scaled_identity" in ops) != composite
     traced_loss = trace(ids, labels)
     traced = torch.autograd.grad(traced_loss, list(model.parameters()))
-    assert _relative_error(traced_loss, loss) < 1e-6
+    assert relative_error(traced_loss, loss) < 1e-6
     for (name, _), e, t in zip(model.named_parameters(), eager, traced):
-        assert _relative_error(t, e) < 1e-5, name
+        assert relative_error(t, e) < 1e-5, name
 
 
 def test_traced_gpt_op_count_is_within_a_tenth_of_the_gpt_with_plain_multiplies():
