@@ -59,6 +59,8 @@ MLM_ALLOWED_REGIMES = tuple(regime for regime, (kind, _, _) in REGIME_SETTINGS.i
                             if kind in ENCODER_OPS)
 # The comparison the paper's BERT experiment makes (more regimes may be asked for).
 MLM_REGIMES = ("fp32", "fp16", "fp8-naive", "unit-fp16", "unit-fp8")
+
+
 def encoder_kind(regime: str) -> str:
     """``plain`` or ``unit``: the encoder a regime trains; ValueError for others."""
     check_mlm_regimes([regime])
@@ -151,6 +153,7 @@ class MLMConfig:
         return dataclasses.replace(self, run=dataclasses.replace(self.run, **{section: changed}))
 
     def validate(self) -> None:
+        """ValueError in one line naming every problem, the run config's own rules included."""
         problems = []
         if self.hidden_size % max(1, self.heads):
             problems.append(f"hidden_size {self.hidden_size} is not a multiple of heads "
