@@ -15,13 +15,12 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, train_in_process
 
 from ipu_unit_scaling.backends import BACKEND_ENV, BackendError, select_backend
 from ipu_unit_scaling.backends.distributed import check_launch
@@ -165,15 +164,6 @@ def _assert_close_rows(got: List[Dict[str, str]], expected: List[Dict[str, str]]
             [float(r[key]) for r in expected if r[key]], abs=1e-5, rel=0)
 
 
-def _single_process(text: Path, run_dir: Path, settings: Sequence[str]) -> Path:
-    from ipu_unit_scaling.loop.training_loop import train
-
-    config = load_config("tiny", list(settings))
-    config = replace(config, data=replace(config.data, path=str(text)))
-    train(config, run_dir, quiet=True)
-    return run_dir
-
-
 @pytest.fixture(scope="module")
 def data_parallel_run(text, tmp_path_factory) -> Path:
     """A 2-process data-parallel run, uninterrupted, launched with torchrun."""
@@ -183,7 +173,7 @@ def data_parallel_run(text, tmp_path_factory) -> Path:
 
 
 def test_data_parallel_run_has_the_losses_of_one_process(data_parallel_run, text, tmp_path):
-    single = _single_process(text, tmp_path / "single", DATA_PARALLEL)
+    single = train_in_process(text, tmp_path / "single", DATA_PARALLEL)
     _assert_close_rows(_rows(data_parallel_run), _rows(single))
     # The schedule is that of training.steps.
     training = load_config("tiny", DATA_PARALLEL).training
@@ -332,7 +322,7 @@ def test_pipelined_run_has_the_losses_of_one_process_and_resumes_without_torchru
     _torchrun_ok(_train_arguments(text, run_dir, PIPELINED + ["training.steps=4"]))
     assert json.loads((run_dir / "summary.json").read_text())["backend"] == "distributed"
     train(None, run_dir, resume=True, overrides=["training.steps=8"], quiet=True)
-    single = _single_process(text, tmp_path / "single", PIPELINED + ["training.steps=8"])
+    single = train_in_process(text, tmp_path / "single", PIPELINED + ["training.steps=8"])
     _assert_close_rows(_rows(run_dir), _rows(single))
 
 

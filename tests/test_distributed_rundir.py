@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from helpers import train_in_process
 from test_distributed import (
     DATA_PARALLEL,
     FP32,
@@ -25,8 +25,6 @@ from test_distributed import (
 from test_distributed import text as _text
 
 from ipu_unit_scaling.apps.pretrained import open_run
-from ipu_unit_scaling.loop.training_loop import train
-from ipu_unit_scaling.training.run_config import load_config
 from ipu_unit_scaling.training.run_records import load_checkpoint, read_metrics
 
 text = _text  # the fixture: a small text of a few words
@@ -34,12 +32,6 @@ text = _text  # the fixture: a small text of a few words
 # The data-parallel layout of test_distributed, shortened.
 DP = [s for s in DATA_PARALLEL if not s.startswith(("training.steps", "training.eval_interval",
                                                     "training.checkpoint_interval"))]
-
-
-def _single_process(text: Path, run_dir: Path, settings) -> None:
-    config = load_config("tiny", list(settings))
-    config = replace(config, data=replace(config.data, path=str(text)))
-    train(config, run_dir, quiet=True)
 
 
 def _run_torchrun(arguments):
@@ -57,7 +49,7 @@ def test_a_resume_under_torchrun_keeps_every_row_and_the_run_readable(layout, te
     settings = ([] if layout == "pipelined" else DP) + [
         FP32, "training.steps=4", "training.checkpoint_interval=2", "training.eval_interval=2"]
     run_dir = tmp_path / "run"
-    _single_process(text, run_dir, settings)
+    train_in_process(text, run_dir, settings)
     status, output = _run_torchrun(["train", "--resume", str(run_dir), "--quiet", "--set",
                                     "training.steps=8"])
     assert status == 0, output[-3000:]

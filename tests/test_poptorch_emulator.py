@@ -10,6 +10,7 @@ from typing import Callable, List
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import relative_error
 from torch import nn
 
 import ipu_unit_scaling as uu
@@ -29,11 +30,6 @@ from ipu_unit_scaling.transforms import simulate_fp8
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
 pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("ops_as_torch_defines_them")]
-
-
-def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    scale = b.detach().double().norm().item()
-    return (a.detach().double() - b.detach().double()).norm().item() / max(scale, 1e-30)
 
 
 def _eager_and_traced(module: nn.Module, *inputs: torch.Tensor):
@@ -123,11 +119,11 @@ def test_every_op_traced_has_eager_values_and_gradients(name):
     torch.manual_seed(0)
     module = OPS[name]()
     out, eager, traced_out, traced, _ = _eager_and_traced(module)
-    assert torch.equal(out, traced_out) or _relative_error(traced_out, out) < 1e-6
+    assert torch.equal(out, traced_out) or relative_error(traced_out, out) < 1e-6
     for e, t in zip(eager, traced):
         assert (e is None) == (t is None)
         if e is not None:
-            assert _relative_error(t, e) < 1e-5, name
+            assert relative_error(t, e) < 1e-5, name
 
 
 def test_dropout_traced_draws_the_same_mask_for_the_same_seed():
@@ -175,9 +171,9 @@ def test_every_module_traced_has_eager_gradients(name):
     module, x = MODULES[name]()
     x.requires_grad_()
     out, eager, traced_out, traced, _ = _eager_and_traced(module, x)
-    assert _relative_error(traced_out, out) < 1e-6
+    assert relative_error(traced_out, out) < 1e-6
     for e, t in zip(eager, traced):
-        assert _relative_error(t, e) < 1e-5, name
+        assert relative_error(t, e) < 1e-5, name
 
 
 def _decoder(**kwargs) -> uu.GPT:
@@ -203,9 +199,9 @@ def test_real_decoder_traced_matches_eager_loss_and_every_gradient(kwargs):
     trace = trace_like_poptorch(model, ids, labels)
     assert trace.report.ok, str(trace.report)
     traced_loss, traced = _loss_and_gradients(lambda: trace(ids, labels), model)
-    assert _relative_error(traced_loss, eager_loss) < 1e-6
+    assert relative_error(traced_loss, eager_loss) < 1e-6
     for (name, _), e, t in zip(model.named_parameters(), eager, traced):
-        assert _relative_error(t, e) < 1e-5, name
+        assert relative_error(t, e) < 1e-5, name
 
 
 def test_without_the_traced_forms_the_gradients_are_wrong():
@@ -219,7 +215,7 @@ def test_without_the_traced_forms_the_gradients_are_wrong():
         patch.setattr(primitive, "is_ipu_tracing", lambda: False)
         trace = trace_like_poptorch(model, ids, labels)
     _, traced = _loss_and_gradients(lambda: trace(ids, labels), model)
-    errors = [_relative_error(t, e) for e, t in zip(eager, traced)]
+    errors = [relative_error(t, e) for e, t in zip(eager, traced)]
     # The loss's count-based grad scale is the same op in both forms, so the parameter nearest
     # the loss loses only part of its scale; every other one is off by more than half.
     assert min(errors) > 0.1
@@ -234,9 +230,9 @@ def test_unit_scale_converted_model_traced_matches_eager():
     model = unit_scale(plain)
     x = _randn(5, 8).requires_grad_()
     out, eager, traced_out, traced, _ = _eager_and_traced(model, x)
-    assert _relative_error(traced_out, out) < 1e-6
+    assert relative_error(traced_out, out) < 1e-6
     for e, t in zip(eager, traced):
-        assert _relative_error(t, e) < 1e-5
+        assert relative_error(t, e) < 1e-5
 
 
 # ---------------------------------------------------------------- what PopTorch refuses
@@ -487,9 +483,9 @@ def test_gpt_in_every_precision_traced_matches_eager(precision):
     trace = trace_like_poptorch(model, ids, labels)
     traced_loss, traced = _loss_and_gradients(lambda: trace(ids, labels), model)
     tolerance = _traced_against_eager_tolerance(precision, model)
-    assert _relative_error(traced_loss, eager_loss) < tolerance
+    assert relative_error(traced_loss, eager_loss) < tolerance
     for (name, _), e, t in zip(model.named_parameters(), eager, traced):
-        assert _relative_error(t, e) < tolerance, name
+        assert relative_error(t, e) < tolerance, name
 
 
 @pytest.mark.parametrize("precision", sorted(PRECISIONS))
@@ -505,9 +501,9 @@ def test_umup_gpt_traces_with_supported_ops_and_matches_eager(precision):
     trace = trace_like_poptorch(model, ids, labels)
     traced_loss, traced = _loss_and_gradients(lambda: trace(ids, labels), model)
     tolerance = _traced_against_eager_tolerance(precision, model)
-    assert _relative_error(traced_loss, eager_loss) < tolerance
+    assert relative_error(traced_loss, eager_loss) < tolerance
     for (name, _), e, t in zip(model.named_parameters(), eager, traced):
-        assert _relative_error(t, e) < tolerance, name
+        assert relative_error(t, e) < tolerance, name
 
 
 def test_umup_emulator_backend_trains_like_the_cpu_backend(step_losses):
