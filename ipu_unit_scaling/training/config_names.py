@@ -1,6 +1,6 @@
 """Names and limits of the run config that the command line shows before anything heavy is
-imported (its ``--help`` lists the regimes): :mod:`.run_config` holds the schema and
-re-exports these."""
+imported (its ``--help`` lists the regimes, model kinds and precisions): :mod:`.run_config`
+holds the schema and checks a config against them."""
 from __future__ import annotations
 
 REGIMES = (
