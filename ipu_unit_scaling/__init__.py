@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, List
 # running `ipu-unit-scaling --version` and `--help`, does not load torch and every layer.
 if TYPE_CHECKING:
     from . import constraints, core, formats, functional, optim, parameter, scale
+    from .models.gpt import GPT
     from .modules.depth_blocks import (
         MHSA,
         MLP,
@@ -50,7 +51,6 @@ if TYPE_CHECKING:
         TransformerStack,
     )
     from .modules.gpt_blocks import (
-        GPT,
         TORCH_OPS,
         UNIT_OPS,
         FeedForward,
@@ -89,7 +89,7 @@ _LAZY = {
     "TransformerDecoder": ".modules.depth_blocks",
     "TransformerLayer": ".modules.depth_blocks",
     "TransformerStack": ".modules.depth_blocks",
-    "GPT": ".modules.gpt_blocks",
+    "GPT": ".models.gpt",
     "TORCH_OPS": ".modules.gpt_blocks",
     "UNIT_OPS": ".modules.gpt_blocks",
     "FeedForward": ".modules.gpt_blocks",

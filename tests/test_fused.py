@@ -222,7 +222,7 @@ def test_fused_modules_match_the_op_by_op_forms(monkeypatch, bias):
 
     fused_loss, fused_grads = loss_and_grads()
     for cls, name in [(modules.TransformerBlock, "_fusable"), (modules.FeedForward, "_fusable"),
-                      (modules.GPT, "_fusable_embed")]:
+                      (uu.GPT, "_fusable_embed")]:
         monkeypatch.setattr(cls, name, lambda self, x: False)
     loss, grads = loss_and_grads()
     torch.testing.assert_close(fused_loss, loss, rtol=1e-6, atol=0)
@@ -257,7 +257,6 @@ def test_gpt_joins_each_layer_into_the_next_norm_bit_for_bit(monkeypatch):
     """uu.GPT leaves each layer's last residual join to the next layer's first norm (the final
     norm's for the last): the same values and gradients as the layers one by one."""
     import ipu_unit_scaling as uu
-    from ipu_unit_scaling.modules import gpt_blocks as modules
 
     torch.manual_seed(0)
     model = uu.GPT(vocab_size=48, hidden_size=32, depth=3, heads=4, seq_len=12)
@@ -266,7 +265,7 @@ def test_gpt_joins_each_layer_into_the_next_norm_bit_for_bit(monkeypatch):
     results = []
     for stacked in (True, False):
         if not stacked:
-            monkeypatch.setattr(modules.GPT, "_fusable_stack", lambda self, x: False)
+            monkeypatch.setattr(uu.GPT, "_fusable_stack", lambda self, x: False)
         model.zero_grad()
         loss = model(ids, ids)
         loss.backward()

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from ipu_unit_scaling import optim
-from ipu_unit_scaling.parametrization.umup import UmupHyperparameters, umup_decoder
+from ipu_unit_scaling.models import umup_decoder
+from ipu_unit_scaling.parametrization.umup import UmupHyperparameters
 
 WIDTH, DEPTH, EXPANSION, VOCAB, SEQ = 64, 3, 4, 40, 16
 

@@ -19,6 +19,7 @@ from torch import nn
 
 import ipu_unit_scaling as uu
 import ipu_unit_scaling.functional as U
+from ipu_unit_scaling.models import umup_decoder
 from ipu_unit_scaling.parametrization.umup import (
     ScaledGELU,
     UmupHyperparameters,
@@ -26,7 +27,6 @@ from ipu_unit_scaling.parametrization.umup import (
     lr_scale,
     residual_taus,
     residual_weights,
-    umup_decoder,
     weight_rules,
 )
 from ipu_unit_scaling.scale import scale_fwd

@@ -17,7 +17,8 @@ from typing import Optional
 import pytest
 import torch
 
-from ipu_unit_scaling.parametrization.umup import UmupHyperparameters, umup_decoder
+from ipu_unit_scaling.models import umup_decoder
+from ipu_unit_scaling.parametrization.umup import UmupHyperparameters
 from ipu_unit_scaling.parametrization.umup_rules import (
     UmupRules,
     constant_attention_scale,

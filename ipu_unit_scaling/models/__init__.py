@@ -2,6 +2,6 @@
 BERT-style encoder."""
 from __future__ import annotations
 
-from .gpt import GPTConfig, build_gpt
+from .gpt import GPT, GPTConfig, build_gpt, umup_decoder
 
-__all__ = ["GPTConfig", "build_gpt"]
+__all__ = ["GPT", "GPTConfig", "build_gpt", "umup_decoder"]

@@ -16,7 +16,7 @@ One difference, nearer unit scale: attention dropout follows `train()` / `eval()
 torch), where unit_scaling applies it in both.
 
 For this package's own GPT, built from an `Ops` table for unit-scaled and plain comparisons,
-see `ipu_unit_scaling.modules.gpt_blocks.GPT`.
+see `ipu_unit_scaling.models.gpt.GPT`.
 """
 from __future__ import annotations
 

@@ -15,7 +15,6 @@ from .. import ops as U
 from ..ops import activation_ops, attention_ops, fused_blocks, rule_switch, unit_ops
 from ..ops import fused_ops as fused
 from ..ops.scale_constraints import SharedInputGmean
-from ..ops.scaling_primitive import scale_fwd
 from ..ops.trace_switch import is_ipu_tracing
 from .layers import Embedding, LayerNorm, Linear
 
@@ -24,7 +23,6 @@ __all__ = [
     "SelfAttention",
     "FeedForward",
     "TransformerBlock",
-    "GPT",
     "Ops",
     "UNIT_OPS",
     "TORCH_OPS",
@@ -61,7 +59,7 @@ def _plain_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Optio
                                           dropout_p=dropout_p, is_causal=is_causal)
 
 
-def _observed(module: nn.Module) -> bool:
+def observed(module: nn.Module) -> bool:
     """Whether a hook or a torch function mode could see `module`'s output (scale tracking,
     say)."""
     hooks = nn.modules.module
@@ -210,7 +208,7 @@ class SelfAttention(nn.Module):
         qkv = self.qkv(input)
         if (attn_mask is None and self.attention is unit_attention
                 and type(self.proj) is Linear and self.proj.bias is None
-                and not _observed(self.proj) and not is_ipu_tracing()):
+                and not observed(self.proj) and not is_ipu_tracing()):
             # Unit scaling's row scale depends on the query position only, so it commutes with
             # the (bias-free) output projection. After it, the projection's input is the attention
             # output itself, which attention keeps for its backward pass anyway: no scaled
@@ -277,8 +275,8 @@ class FeedForward(nn.Module):
         observes, eager mode, a non-empty input."""
         up, down = self.up, self.down
         return (self.gelu is gmean_gelu and type(up) is Linear and type(down) is Linear
-                and input.dim() >= 2 and input.numel() > 0 and not _observed(up)
-                and not _observed(down) and fused.eager_forms())
+                and input.dim() >= 2 and input.numel() > 0 and not observed(up)
+                and not observed(down) and fused.eager_forms())
 
     def _fused(self, input: Tensor) -> Tensor:
         up, down = cast(Linear, self.up), cast(Linear, self.down)
@@ -373,7 +371,7 @@ class TransformerBlock(nn.Module):
         ops, norms = self.ops, (self.attn_norm, self.mlp_norm)
         return (ops.residual_split is U.residual_split and ops.residual_add is U.residual_add
                 and all(type(norm) is LayerNorm and norm.normalized_shape == input.shape[-1:]
-                        and not _observed(norm) for norm in norms)
+                        and not observed(norm) for norm in norms)
                 and input.numel() > 0 and fused.eager_forms())
 
     def _fused(self, input: Tensor) -> Tensor:
@@ -424,12 +422,12 @@ class TransformerBlock(nn.Module):
                 and (self.dropout_p == 0.0 or not self.training)
                 and attn.attention is unit_attention and mlp.gelu is gmean_gelu
                 and getattr(attn.proj, "bias", None) is None
-                and not rule_switch.library_rules() and not _observed(attn)
-                and not _observed(mlp)):
+                and not rule_switch.library_rules() and not observed(attn)
+                and not observed(mlp)):
             return None
         quantisers: List[Optional[fused_blocks.Quantiser]] = []
         for layer in (attn.qkv, attn.proj, mlp.up, mlp.down):
-            if _observed(layer) or getattr(layer, "attention_projection", None) is not None:
+            if observed(layer) or getattr(layer, "attention_projection", None) is not None:
                 return None
             if type(layer) is Linear:
                 quantisers.append(None)
@@ -467,136 +465,3 @@ class TransformerBlock(nn.Module):
             up.weight, up.bias, down.weight, down.bias, "none", mlp.fused_scales(input),
             quantisers[1:])
         return branch, stream, 1.0 if weigh_branch else mlp_branch, mlp_skip
-
-
-class GPT(nn.Module):
-    """Decoder-only transformer language model, unit-scaled by default
-    (`uu.TransformerDecoder` is unit_scaling's u-μP decoder).
-
-    `forward(input_ids)` returns logits; `forward(input_ids, labels)` returns the mean
-    cross-entropy loss, and `(loss, logits)` with `return_logits=True`.
-
-    Other parametrizations set the rest: `taus` gives each layer its own (attention tau, MLP
-    tau) instead of `attn_tau` and `mlp_tau`; `attention_scale` replaces attention's
-    1/sqrt(head_dim); `head` replaces the readout linear; `logit_scale` multiplies the logits in
-    the forward pass only (see `ipu_unit_scaling.parametrization.umup`, which uses all four).
-    """
-
-    def __init__(
-        self,
-        vocab_size: int,
-        hidden_size: int,
-        depth: int,
-        heads: int,
-        seq_len: int,
-        mlp_expansion: int = 4,
-        dropout_p: float = 0.0,
-        attn_tau: float = 0.2,
-        mlp_tau: float = 0.5,
-        bias: bool = False,
-        ops: Ops = UNIT_OPS,
-        taus: Optional[Sequence[Tuple[float, float]]] = None,
-        attention_scale: Optional[float] = None,
-        head: Optional[nn.Module] = None,
-        logit_scale: float = 1.0,
-    ) -> None:
-        super().__init__()
-        if taus is not None and len(taus) != depth:
-            raise ValueError(f"taus has {len(taus)} entries for depth={depth}")
-        layer_taus = list(taus) if taus is not None else [(attn_tau, mlp_tau)] * depth
-        self.seq_len = seq_len
-        self.ops = ops
-        self.dropout_p = dropout_p
-        self.logit_scale = logit_scale
-        self.embedding = ops.Embedding(vocab_size, hidden_size)
-        self.position_embedding = ops.Embedding(seq_len, hidden_size)
-        self.layers = nn.ModuleList(
-            TransformerBlock(
-                hidden_size, heads, mlp_expansion, True, dropout_p, layer_attn_tau,
-                layer_mlp_tau, bias, ops, attention_scale,
-            )
-            for layer_attn_tau, layer_mlp_tau in layer_taus
-        )
-        self.final_norm = layer_norm_module(ops, hidden_size, bias)
-        self.head = head if head is not None else ops.Linear(hidden_size, vocab_size, bias=False)
-
-    def embed(self, input_ids: Tensor) -> Tensor:
-        if self._fusable_embed(input_ids):
-            hidden = self._fused_embed(input_ids)
-        else:
-            positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
-            hidden = self.ops.add(self.embedding(input_ids), self.position_embedding(positions))
-        return self.ops.dropout(hidden, self.dropout_p, self.training)
-
-    def _fusable_embed(self, input_ids: Tensor) -> bool:
-        """Whether the lookups and their sum take one Function: unit-scaled embeddings that
-        nothing observes, without options, (batch, seq) ids, eager mode."""
-        tables = (self.embedding, self.position_embedding)
-        return (self.ops.add is U.add and input_ids.dim() == 2 and input_ids.numel() > 0
-                and all(type(table) is Embedding and table.padding_idx is None
-                        and table.max_norm is None and not table.scale_grad_by_freq
-                        and not table.sparse and not _observed(table) for table in tables)
-                and fused.eager_forms())
-
-    def _fused_embed(self, input_ids: Tensor) -> Tensor:
-        # The scales of U.embedding for each lookup and of U.add's sum (constraint
-        # to_output_scale, the position embedding broadcast over the batch).
-        batch, seq = input_ids.shape
-        tokens = cast(Embedding, self.embedding)
-        positions = cast(Embedding, self.position_embedding)
-        output_scale = 0.5**0.5
-        token_scale = output_scale * (tokens.num_embeddings / input_ids.numel()) ** 0.5
-        position_scale = output_scale * batch**-0.5 * (positions.num_embeddings / seq) ** 0.5
-        return fused_blocks.embed(input_ids, tokens.weight, positions.weight, output_scale,
-                                  token_scale, position_scale)
-
-    def loss(self, logits: Tensor, labels: Tensor) -> Tensor:
-        return self.ops.cross_entropy(logits.flatten(0, -2), labels.flatten())
-
-    def _fusable_stack(self, hidden: Tensor) -> bool:
-        """Whether each layer's last residual join moves into the next layer's first norm
-        (the final norm's for the last layer): layers that take their fused form and that
-        nothing observes, and an unobserved unit-scaled final norm."""
-        norm = self.final_norm
-        return (len(self.layers) > 0 and type(norm) is LayerNorm
-                and norm.normalized_shape == hidden.shape[-1:] and not _observed(norm)
-                and all(type(layer) is TransformerBlock and not _observed(layer)
-                        and layer._fusable(hidden) for layer in self.layers))
-
-    def _fused_stack(self, hidden: Tensor) -> Tensor:
-        """The layers and the final norm, each layer's last join made by the next norm (see
-        `TransformerBlock._fused_unjoined`): the same values and gradients as layer by layer."""
-        pending: Optional[Tuple[Tensor, float, float]] = None
-        for layer in self.layers:
-            branch, hidden, branch_weight, skip_weight = cast(
-                TransformerBlock, layer)._fused_unjoined(hidden, pending, weigh_branch=True)
-            pending = (branch, branch_weight, skip_weight)
-        assert pending is not None
-        norm = cast(LayerNorm, self.final_norm)
-        branch, branch_weight, skip_weight = pending
-        normed, _ = fused_blocks.residual_norm(
-            hidden, branch, branch_weight, skip_weight, 1.0, 1.0, norm.weight, norm.bias,
-            norm.eps, (hidden.numel() // hidden.shape[-1]) ** -0.5)
-        return normed
-
-    def forward(
-        self, input_ids: Tensor, labels: Optional[Tensor] = None, return_logits: bool = False
-    ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
-        if input_ids.shape[-1] > self.seq_len:
-            raise ValueError(
-                f"sequence length {input_ids.shape[-1]} exceeds the model's seq_len={self.seq_len}"
-            )
-        hidden = self.embed(input_ids)
-        if self._fusable_stack(hidden):
-            normed = self._fused_stack(hidden)
-        else:
-            for layer in self.layers:
-                hidden = layer(hidden)
-            normed = self.final_norm(hidden)
-        logits = self.head(normed)
-        if self.logit_scale != 1.0:
-            logits = scale_fwd(logits, self.logit_scale)
-        if labels is None:
-            return logits
-        loss = self.loss(logits, labels)
-        return (loss, logits) if return_logits else loss

@@ -50,7 +50,6 @@ The learning rate ``eta`` is the one that is swept.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -58,12 +57,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..modules.gpt_blocks import GPT, UNIT_OPS
-from ..modules.layers import Linear
 from ..ops import activation_ops, unit_ops
 from ..ops import ipu_lowering as lowering
 from ..ops.scale_constraints import ConstraintArg, apply_constraint
-from .umup_rules import UmupRules, attention_op, hidden_linear
 
 __all__ = [
     "WEIGHT_TYPES",
@@ -76,7 +72,6 @@ __all__ = [
     "lr_scale",
     "weight_rules",
     "ScaledGELU",
-    "umup_decoder",
 ]
 
 WEIGHT_TYPES = ("embedding", "hidden", "output", "norm", "bias")
@@ -270,41 +265,3 @@ def _weight_type(module: nn.Module, module_name: str, param_name: str,
     if isinstance(module, _NORMS):
         return "norm"
     return None
-
-
-# ---------------------------------------------------------------------------- the GPT
-
-
-def umup_decoder(
-    vocab_size: int,
-    hidden_size: int,
-    depth: int,
-    heads: int,
-    seq_len: int,
-    mlp_expansion: int = 4,
-    dropout_p: float = 0.0,
-    bias: bool = False,
-    hyperparameters: UmupHyperparameters = UmupHyperparameters(),
-    rules: Optional[UmupRules] = None,
-) -> GPT:
-    """``uu.GPT`` in u-μP: the unit-scaled GPT with per-layer residual taus,
-    1/head_dim attention, ``gelu(ffn_act_mult x)``, and a ``1/fan_in`` readout whose logits the
-    loss softmax sees times ``loss_softmax_mult``. Train it with :mod:`ipu_unit_scaling.optim`,
-    which reads the weight types from :func:`weight_rules`. ``rules`` picks the hidden
-    linears' constraint and attention's output scale (:mod:`.umup_rules`;
-    default: the library's)."""
-    hp = hyperparameters
-    rules = rules or UmupRules()
-    gelu = ScaledGELU(hp.ffn_act_mult, constraint=rules.gelu_constraint)
-    ops = dataclasses.replace(UNIT_OPS, gelu=gelu,
-                              Linear=hidden_linear(rules),
-                              scaled_dot_product_attention=attention_op(rules))
-    return GPT(
-        vocab_size=vocab_size, hidden_size=hidden_size, depth=depth, heads=heads,
-        seq_len=seq_len, mlp_expansion=mlp_expansion, dropout_p=dropout_p, bias=bias, ops=ops,
-        taus=residual_taus(depth, hp.residual_mult, hp.residual_attn_ratio),
-        attention_scale=attention_logit_scale(hidden_size // heads, hp.attn_softmax_mult),
-        # The readout's input gradient keeps its own unit scale: a cut edge, no constraint.
-        head=Linear(hidden_size, vocab_size, bias=False, constraint=None),
-        logit_scale=logit_scale(hidden_size, hp.loss_softmax_mult),
-    )

@@ -35,7 +35,8 @@ from torch import nn
 
 from ... import ops as U
 from ...fp8.fp8_config import FP8Config
-from ...modules.gpt_blocks import GPT, UNIT_OPS
+from ...models.gpt import GPT
+from ...modules.gpt_blocks import UNIT_OPS
 from ...ops import activation_ops, unit_ops
 from ...ops.scale_constraints import ConstraintArg, apply_constraint
 from ...training.config_files import ConfigError
