@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import ONE_IPU as ONE_STAGE
 from helpers import ROOT
 
 from ipu_unit_scaling.apps import cli
@@ -19,7 +20,6 @@ from ipu_unit_scaling.apps.cli import main
 HEAVY = ("torch", "matplotlib", "ipu_unit_scaling.loop.training_loop",
          "ipu_unit_scaling.training.run_config")
 # A given model's config: the tiny GPT on one IPU, so the factory is what is refused.
-ONE_STAGE = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1"]
 
 
 def _command(*arguments: str, **options):

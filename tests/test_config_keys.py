@@ -12,6 +12,7 @@ from typing import Any, Dict, List
 
 import pytest
 import torch
+from helpers import ONE_IPU
 
 import ipu_unit_scaling.training.plots
 from ipu_unit_scaling.apps import cli, compare
@@ -24,7 +25,7 @@ from ipu_unit_scaling.training.precision import build_model, regime_config
 from ipu_unit_scaling.training.run_config import Config, load_config
 from ipu_unit_scaling.training.run_records import read_metrics, save_checkpoint
 
-BASE = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1",
+BASE = [*ONE_IPU,
         "training.steps=4", "training.eval_interval=4", "training.eval_batches=1",
         "training.warmup_steps=0", "training.log_interval=1"]
 

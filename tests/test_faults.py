@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 import yaml
-from helpers import TEXT
+from helpers import ONE_IPU, TEXT
 
 import ipu_unit_scaling.training.plots  # noqa: F401  (imported before forking: children start warm)
 from ipu_unit_scaling.apps.cli import main
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(
     reason="forks children and reads /proc/self/fd (Linux)",
 )
 
-SETTINGS = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1",
+SETTINGS = [*ONE_IPU,
             "training.eval_batches=1", "training.steps=6", "training.checkpoint_interval=2",
             "training.eval_interval=3"]
 ARTEFACT = re.compile(r"^\.?(.+?)(\.[A-Za-z0-9_]{8}\.tmp)?$")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ONE_IPU, ROOT
 
 from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.apps.pretrained import open_run
@@ -102,7 +102,7 @@ def test_only_dropout_of_the_model_may_change():
 
 def tiny(*overrides: str):
     return load_config("tiny", [
-        "ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1",
+        *ONE_IPU,
         "training.steps=10", "training.eval_interval=10", "training.eval_batches=2", *overrides,
     ])
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable, List, NamedTuple, Optional
 
 import pytest
-from helpers import ROOT, TEXT
+from helpers import ONE_IPU, ROOT, TEXT
 
 import ipu_unit_scaling.training.plots
 from ipu_unit_scaling.apps import commands
@@ -28,7 +28,7 @@ from ipu_unit_scaling.training.run_directory import make_unique_run_dir
 from ipu_unit_scaling.training.run_records import MetricsLog
 
 # A run of a second or less: one stage, two steps, one validation batch.
-SMALL = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1",
+SMALL = [*ONE_IPU,
          "training.steps=2", "training.eval_batches=1", "training.warmup_steps=0"]
 DIVERGED = re.compile(r"^ipu-unit-scaling: (validation )?(loss|weights) became (nan|inf|-inf|"
                       r"non-finite)[^\n]*; last good checkpoint: \S+\n$")

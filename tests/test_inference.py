@@ -11,6 +11,7 @@ from typing import Dict, List
 
 import pytest
 import torch
+from helpers import ONE_IPU
 
 from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.apps.pretrained import (
@@ -47,7 +48,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def tiny_config(*overrides: str) -> Config:
     """The tiny test model on one IPU, ten steps, validated at the end."""
     return load_config("tiny", [
-        "ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1",
+        *ONE_IPU,
         "training.steps=10", "training.eval_interval=10", "training.eval_batches=2",
         *overrides,
     ])

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Tuple
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import ONE_IPU
 from torch import nn
 
 import ipu_unit_scaling as uu
@@ -39,7 +40,7 @@ from ipu_unit_scaling.training.precision import REGIME_SETTINGS, FP16Linear
 
 # The tiny config on one stage, one step, no evaluation between: the fastest run that builds
 # its model as a real run does.
-GPT_FAST = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1",
+GPT_FAST = [*ONE_IPU,
             "training.steps=1", "training.eval_batches=1"]
 BERT_FAST = ["mlm.hidden_size=32", "mlm.depth=1", "mlm.heads=2", "mlm.seq_len=24",
              "mlm.min_len=8", "mlm.batch_size=4", "mlm.steps=1", "mlm.warmup_steps=0",

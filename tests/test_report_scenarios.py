@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
-from helpers import ROOT, TEXT
+from helpers import ONE_IPU, ROOT, TEXT
 
 from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.apps.mlm import MLMConfig
 
 # One stage, a few steps, one validation batch.
-SMALL = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.gradient_accumulation=1",
+SMALL = [*ONE_IPU,
          "training.steps=3", "training.eval_batches=1", "training.warmup_steps=0",
          "training.eval_interval=3"]
 
