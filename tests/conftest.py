@@ -90,3 +90,14 @@ def finished(capsys: pytest.CaptureFixture, tmp_path: Path, data: Path) -> Path:
     assert run(capsys, *train_args(run_dir, data, "training.steps=4",
                                    "training.checkpoint_interval=2"))[0] == 0
     return run_dir
+
+
+@pytest.fixture(scope="module")
+def word_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A text of 3000 words drawn from 14, made once per module: the torchrun tests' data."""
+    words = "the quick brown fox jumps over the lazy dog and runs far from home".split()
+    generator = torch.Generator().manual_seed(0)
+    picks = torch.randint(0, len(words), (3000,), generator=generator).tolist()
+    path = tmp_path_factory.mktemp("text") / "text.txt"
+    path.write_text(" ".join(words[i] for i in picks))
+    return path

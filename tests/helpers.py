@@ -9,7 +9,12 @@ come from (``conftest.py`` is not meant to be imported). pytest puts ``tests/`` 
 """
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence, Tuple
 
@@ -116,3 +121,124 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """``|a - b| / |b|`` in the 2-norm, computed in float64 (0 / 0 is 0)."""
     reference = b.detach().double().norm().item()
     return (a.detach().double() - b.detach().double()).norm().item() / max(reference, 1e-30)
+
+
+# ------------------------------------------------------------------ runs under torchrun
+# (tests/conftest.py's ``word_text`` fixture is their data.)
+
+#: Steps of :data:`DATA_PARALLEL`.
+DATA_PARALLEL_STEPS = 12
+#: In FP32: a distributed run sums gradients in another order than one process, and FP8 casts
+#: would round a last-bit difference to a different FP8 value, which then grows step by step.
+FP32 = "precision.dtype=fp32"
+#: A data-parallel run: two replicas of one stage, two micro-batches each per step.
+DATA_PARALLEL = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.replication_factor=2",
+                 "ipu.gradient_accumulation=2", f"training.steps={DATA_PARALLEL_STEPS}",
+                 "training.eval_interval=4", "training.checkpoint_interval=4",
+                 "training.grad_clip=0.5", FP32]
+
+needs_gloo = pytest.mark.skipif(not (torch.distributed.is_available()
+                                     and torch.distributed.is_gloo_available()),
+                                reason="no torch.distributed with gloo")
+
+
+def _has_pipelining() -> bool:
+    try:
+        import torch.distributed.pipelining  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_pipelining = pytest.mark.skipif(
+    not _has_pipelining(), reason=f"torch {torch.__version__} has no torch.distributed.pipelining")
+
+
+def torchrun_environment(**extra: str) -> Dict[str, str]:
+    """This process's environment without a backend choice or a torchrun rank, on one thread,
+    with the repository on ``PYTHONPATH``, and ``extra``."""
+    from ipu_unit_scaling.backends import BACKEND_ENV
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in (BACKEND_ENV, "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(ROOT), os.environ.get("PYTHONPATH", "")]), **extra)
+    return env
+
+
+def tiny_train_arguments(data: Path, run_dir: Path, settings: Sequence[str]) -> List[str]:
+    """CLI arguments of a quiet ``tiny`` training run with ``settings`` (and nothing else)."""
+    return ["train", "--config", "tiny", "--data", str(data), "--run-dir", str(run_dir),
+            "--quiet", "--set", *settings]
+
+
+def torchrun(arguments: Sequence[str], processes: int = 2) -> subprocess.Popen:
+    """``python -m ipu_unit_scaling ARGUMENTS`` under torchrun, ``processes`` workers."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(processes), "-m", "ipu_unit_scaling", *arguments]
+    # (a session of its own: its workers go with it if the test must kill it)
+    return subprocess.Popen(command, cwd=ROOT, env=torchrun_environment(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def kill_session(process: subprocess.Popen) -> None:
+    """SIGKILL the process's session (its workers too) if it still runs."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def finish(process: subprocess.Popen, timeout: float = 300) -> str:
+    """The output of ``process`` once it ends; fail the test if it runs past ``timeout``."""
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_session(process)
+        output, _ = process.communicate()
+        pytest.fail(f"timed out:\n{output[-3000:]}")
+    finally:
+        kill_session(process)  # workers left behind
+    return output
+
+
+def metric_rows(run_dir: Path) -> int:
+    """Rows in the run's metrics.csv so far (0 before it exists)."""
+    try:
+        return len((run_dir / "metrics.csv").read_text().splitlines()) - 1
+    except FileNotFoundError:
+        return 0
+
+
+def wait_for_rows(run_dir: Path, rows: int, processes: Sequence[subprocess.Popen]) -> None:
+    """Wait until metrics.csv has ``rows`` rows; fail if a process ends or 240 s pass first."""
+    deadline = time.monotonic() + 240
+    while metric_rows(run_dir) < rows:
+        if any(p.poll() is not None for p in processes) or time.monotonic() > deadline:
+            pytest.fail(f"the run ended or stalled before step {rows}")
+        time.sleep(0.01)
+
+
+def child_pids(pid: int) -> List[int]:
+    """The process ids whose parent is ``pid`` (from /proc)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(entry.name))
+    return children
+
+
+def worker_of_rank(launcher: subprocess.Popen, rank: int) -> int:
+    """The process id of torchrun's worker of ``rank``."""
+    for pid in child_pids(launcher.pid):
+        try:
+            environ = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} under torchrun")

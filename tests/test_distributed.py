@@ -14,13 +14,28 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
 import pytest
 import torch
-from helpers import ROOT, train_in_process
+from helpers import (
+    DATA_PARALLEL,
+    FP32,
+    ROOT,
+    finish,
+    kill_session,
+    metric_rows,
+    needs_gloo,
+    needs_pipelining,
+    tiny_train_arguments,
+    torchrun,
+    torchrun_environment,
+    train_in_process,
+    wait_for_rows,
+    worker_of_rank,
+)
+from helpers import DATA_PARALLEL_STEPS as STEPS
 
 from ipu_unit_scaling.backends import BACKEND_ENV, BackendError, select_backend
 from ipu_unit_scaling.backends.distributed import check_launch
@@ -28,84 +43,12 @@ from ipu_unit_scaling.training.run_config import load_config, scheduled_learning
 from ipu_unit_scaling.training.run_directory import RunLock
 from ipu_unit_scaling.training.run_records import load_checkpoint, read_metrics
 
-STEPS = 12
-# In FP32: a distributed run sums gradients in another order than one process, and FP8 casts
-# would round a last-bit difference to a different FP8 value, which then grows step by step.
-FP32 = "precision.dtype=fp32"
-# A data-parallel run: two replicas of one stage, two micro-batches each per step.
-DATA_PARALLEL = ["ipu.ipus_per_replica=1", "ipu.layers_per_ipu=[-1]", "ipu.replication_factor=2",
-                 "ipu.gradient_accumulation=2", f"training.steps={STEPS}",
-                 "training.eval_interval=4", "training.checkpoint_interval=4",
-                 "training.grad_clip=0.5", FP32]
-
-pytestmark = pytest.mark.skipif(not (torch.distributed.is_available()
-                                     and torch.distributed.is_gloo_available()),
-                                reason="no torch.distributed with gloo")
-
-
-def _has_pipelining() -> bool:
-    try:
-        import torch.distributed.pipelining  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_pipelining = pytest.mark.skipif(
-    not _has_pipelining(), reason=f"torch {torch.__version__} has no torch.distributed.pipelining")
-
-
-@pytest.fixture(scope="module")
-def text(tmp_path_factory) -> Path:
-    words = "the quick brown fox jumps over the lazy dog and runs far from home".split()
-    generator = torch.Generator().manual_seed(0)
-    picks = torch.randint(0, len(words), (3000,), generator=generator).tolist()
-    path = tmp_path_factory.mktemp("text") / "text.txt"
-    path.write_text(" ".join(words[i] for i in picks))
-    return path
-
-
-def _environment(**extra: str) -> Dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in (BACKEND_ENV, "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(ROOT), os.environ.get("PYTHONPATH", "")]), **extra)
-    return env
-
-
-def _train_arguments(text: Path, run_dir: Path, settings: Sequence[str]) -> List[str]:
-    return ["train", "--config", "tiny", "--data", str(text), "--run-dir", str(run_dir),
-            "--quiet", "--set", *settings]
-
-
-def _torchrun(arguments: Sequence[str], processes: int = 2) -> subprocess.Popen:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(processes), "-m", "ipu_unit_scaling", *arguments]
-    # (a session of its own: its workers go with it if the test must kill it)
-    return subprocess.Popen(command, cwd=ROOT, env=_environment(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def _kill(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGKILL)
-
-
-def _finish(process: subprocess.Popen, timeout: float = 300) -> str:
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill(process)
-        output, _ = process.communicate()
-        pytest.fail(f"timed out:\n{output[-3000:]}")
-    finally:
-        _kill(process)  # workers left behind
-    return output
+pytestmark = needs_gloo
 
 
 def _torchrun_ok(arguments: Sequence[str], processes: int = 2) -> str:
-    process = _torchrun(arguments, processes)
-    output = _finish(process)
+    process = torchrun(arguments, processes)
+    output = finish(process)
     assert process.returncode == 0, output[-4000:]
     return output
 
@@ -121,7 +64,7 @@ def _ranks(arguments: Sequence[Sequence[str]]) -> List[subprocess.Popen]:
     port, world = str(_free_port()), str(len(arguments))
     return [subprocess.Popen(
         [sys.executable, "-m", "ipu_unit_scaling", *argv], cwd=ROOT,
-        env=_environment(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world,
+        env=torchrun_environment(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=world,
                          LOCAL_WORLD_SIZE=world, MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         for rank, argv in enumerate(arguments)]
@@ -132,27 +75,12 @@ def _finish_ranks(ranks: Sequence[subprocess.Popen]) -> List[Tuple[str, str]]:
         return [p.communicate(timeout=240) for p in ranks]
     finally:
         for process in ranks:
-            _kill(process)
+            kill_session(process)
 
 
 def _rows(run_dir: Path) -> List[Dict[str, str]]:
     return [{key: row[key] for key in ("step", "lr", "train_loss", "val_loss")}
             for row in read_metrics(run_dir)]
-
-
-def _metric_rows(run_dir: Path) -> int:
-    try:
-        return len((run_dir / "metrics.csv").read_text().splitlines()) - 1
-    except FileNotFoundError:
-        return 0
-
-
-def _wait_for_rows(run_dir: Path, rows: int, processes: Sequence[subprocess.Popen]) -> None:
-    deadline = time.monotonic() + 240
-    while _metric_rows(run_dir) < rows:
-        if any(p.poll() is not None for p in processes) or time.monotonic() > deadline:
-            pytest.fail(f"the run ended or stalled before step {rows}")
-        time.sleep(0.01)
 
 
 def _assert_close_rows(got: List[Dict[str, str]], expected: List[Dict[str, str]]) -> None:
@@ -165,15 +93,15 @@ def _assert_close_rows(got: List[Dict[str, str]], expected: List[Dict[str, str]]
 
 
 @pytest.fixture(scope="module")
-def data_parallel_run(text, tmp_path_factory) -> Path:
+def data_parallel_run(word_text, tmp_path_factory) -> Path:
     """A 2-process data-parallel run, uninterrupted, launched with torchrun."""
     run_dir = tmp_path_factory.mktemp("ddp") / "run"
-    _torchrun_ok(_train_arguments(text, run_dir, DATA_PARALLEL))
+    _torchrun_ok(tiny_train_arguments(word_text, run_dir, DATA_PARALLEL))
     return run_dir
 
 
-def test_data_parallel_run_has_the_losses_of_one_process(data_parallel_run, text, tmp_path):
-    single = train_in_process(text, tmp_path / "single", DATA_PARALLEL)
+def test_data_parallel_run_has_the_losses_of_one_process(data_parallel_run, word_text, tmp_path):
+    single = train_in_process(word_text, tmp_path / "single", DATA_PARALLEL)
     _assert_close_rows(_rows(data_parallel_run), _rows(single))
     # The schedule is that of training.steps.
     training = load_config("tiny", DATA_PARALLEL).training
@@ -213,44 +141,20 @@ def test_evaluate_and_sample_read_a_distributed_run(data_parallel_run, tmp_path,
     assert capsys.readouterr().out == written
 
 
-def _children(pid: int) -> List[int]:
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                children.append(int(entry.name))
-    return children
-
-
-def _worker_of_rank(launcher: subprocess.Popen, rank: int) -> int:
-    for pid in _children(launcher.pid):
-        try:
-            environ = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in environ:
-            return pid
-    raise AssertionError(f"no worker of rank {rank} under torchrun")
-
-
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
-def test_sigkill_of_one_rank_then_resume_continues_bit_for_bit(data_parallel_run, text,
+def test_sigkill_of_one_rank_then_resume_continues_bit_for_bit(data_parallel_run, word_text,
                                                                tmp_path):
     run_dir = tmp_path / "killed"
-    launcher = _torchrun(_train_arguments(text, run_dir, DATA_PARALLEL))
+    launcher = torchrun(tiny_train_arguments(word_text, run_dir, DATA_PARALLEL))
     try:
-        _wait_for_rows(run_dir, 6, [launcher])  # past the checkpoint of step 4
-        rank0, rank1 = _worker_of_rank(launcher, 0), _worker_of_rank(launcher, 1)
+        wait_for_rows(run_dir, 6, [launcher])  # past the checkpoint of step 4
+        rank0, rank1 = worker_of_rank(launcher, 0), worker_of_rank(launcher, 1)
         os.kill(rank0, signal.SIGSTOP)  # (holds the run where it is)
-        assert _metric_rows(run_dir) < STEPS
+        assert metric_rows(run_dir) < STEPS
         os.kill(rank1, signal.SIGKILL)
         os.kill(rank0, signal.SIGCONT)
     finally:
-        _finish(launcher)
+        finish(launcher)
     assert launcher.returncode != 0
     saved = load_checkpoint(run_dir / "checkpoint.pt")["step"]
     assert 4 <= saved < STEPS
@@ -263,15 +167,15 @@ def test_sigkill_of_one_rank_then_resume_continues_bit_for_bit(data_parallel_run
 
 
 def test_sigterm_on_one_rank_stops_every_rank_at_one_step_with_a_checkpoint(
-        data_parallel_run, text, tmp_path):
+        data_parallel_run, word_text, tmp_path):
     """Rank 1, given its own --run-dir, never touches it: rank 0 alone writes the run."""
     run_dir, elsewhere = tmp_path / "run", tmp_path / "rank1-dir"
-    ranks = _ranks([_train_arguments(text, run_dir, DATA_PARALLEL),
-                    _train_arguments(text, elsewhere, DATA_PARALLEL)])
+    ranks = _ranks([tiny_train_arguments(word_text, run_dir, DATA_PARALLEL),
+                    tiny_train_arguments(word_text, elsewhere, DATA_PARALLEL)])
     try:
-        _wait_for_rows(run_dir, 2, ranks)
+        wait_for_rows(run_dir, 2, ranks)
         ranks[0].send_signal(signal.SIGSTOP)  # (holds the run where it is)
-        assert _metric_rows(run_dir) < STEPS - 2  # room for the stop to be agreed on
+        assert metric_rows(run_dir) < STEPS - 2  # room for the stop to be agreed on
         ranks[1].send_signal(signal.SIGTERM)
         ranks[0].send_signal(signal.SIGCONT)
     finally:
@@ -282,7 +186,7 @@ def test_sigterm_on_one_rank_stops_every_rank_at_one_step_with_a_checkpoint(
     step = summary["steps"]
     assert summary["status"] == "interrupted" and summary["checkpoint_step"] == step < STEPS
     assert load_checkpoint(run_dir / "checkpoint.pt")["step"] == step
-    assert _metric_rows(run_dir) == step
+    assert metric_rows(run_dir) == step
     assert f"SIGTERM: interrupted at step {step}; checkpoint:" in outputs[0][1]
     assert outputs[1][0] == "" and outputs[1][1] == ""  # rank 0 speaks for the run
     assert not elsewhere.exists()
@@ -313,16 +217,16 @@ PIPELINED = ["training.schedule=constant", "training.warmup_steps=0", "training.
 
 @needs_pipelining
 def test_pipelined_run_has_the_losses_of_one_process_and_resumes_without_torchrun(
-        text, tmp_path):
+        word_text, tmp_path):
     """configs/tiny.yaml's two stages on two processes; its checkpoint (weights and Adam state
     gathered from both stages) continues on one process as if it had never been split."""
     from ipu_unit_scaling.loop.training_loop import train
 
     run_dir = tmp_path / "pipelined"
-    _torchrun_ok(_train_arguments(text, run_dir, PIPELINED + ["training.steps=4"]))
+    _torchrun_ok(tiny_train_arguments(word_text, run_dir, PIPELINED + ["training.steps=4"]))
     assert json.loads((run_dir / "summary.json").read_text())["backend"] == "distributed"
     train(None, run_dir, resume=True, overrides=["training.steps=8"], quiet=True)
-    single = train_in_process(text, tmp_path / "single", PIPELINED + ["training.steps=8"])
+    single = train_in_process(word_text, tmp_path / "single", PIPELINED + ["training.steps=8"])
     _assert_close_rows(_rows(run_dir), _rows(single))
 
 
