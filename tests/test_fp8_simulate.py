@@ -141,7 +141,7 @@ def test_unit_scaled_linear_keeps_its_scales():
 
 
 def test_unit_scaled_decoder_with_fp8_attention():
-    from ipu_unit_scaling import modules as uu
+    import ipu_unit_scaling as uu
     from ipu_unit_scaling.fp8 import FP8UnitScaledLinear
 
     torch.manual_seed(2)
