@@ -263,6 +263,7 @@ def _unresolved_references() -> List[str]:
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             where = f"{path.relative_to(ROOT)}:{number}"
             targets = CODE_PATH.findall(line) + re.findall(r"^::: (ipu_unit_scaling[\w.]*)", line)
+            targets += re.findall(r"\]\[(ipu_unit_scaling[\w.]*)\]", line)  # a docs cross-link
             if path.suffix == ".py":
                 targets += REFERENCE.findall(line)
             bad += [f"{where}: {t}" for t in targets
