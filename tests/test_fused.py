@@ -461,3 +461,25 @@ def test_fp8_layers_cast_the_same_tensors_in_two_functions(monkeypatch, scaling)
         for got, want in zip(two[site], tensors):
             torch.testing.assert_close(got.reshape(want.shape), want, rtol=1e-5,
                                        atol=1e-5 * want.abs().max().item(), msg=site)
+
+
+def test_two_functions_hold_no_more_memory_than_five(monkeypatch):
+    """The two-Function layer keeps what the five Functions kept for the backward pass and no
+    more: the output projection reads the attention output itself (no scaled copy held), and
+    each intermediate is dropped once its gradient is made. Allocation sizes, not timings."""
+    import ipu_unit_scaling as uu
+    from benchmarks.measure import peak_step_bytes
+    from ipu_unit_scaling.modules import gpt_blocks as modules
+
+    torch.manual_seed(0)
+    model = uu.GPT(vocab_size=64, hidden_size=64, depth=2, heads=4, seq_len=32)
+    ids = torch.randint(0, 64, (4, 32))
+
+    def step():
+        model(ids, ids).backward()
+        model.zero_grad(set_to_none=True)
+
+    two = peak_step_bytes(step)
+    monkeypatch.setattr(modules.TransformerBlock, "_two_function_form", lambda self, x: None)
+    five = peak_step_bytes(step)
+    assert two <= five, (two, five)

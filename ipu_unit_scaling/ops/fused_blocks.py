@@ -248,6 +248,12 @@ def _quantised(x: Tensor, quantise: Optional[Quantiser], role: str) -> Tensor:
     return x if quantise is None else quantise(x, role)
 
 
+def _head_rows(row_scale: Union[float, Tensor], seq: int) -> Union[float, Tensor]:
+    """The attention row scale (a float, or a (seq, 1) tensor) for (batch, seq, heads,
+    head_dim) tensors."""
+    return row_scale.view(seq, 1, 1) if isinstance(row_scale, Tensor) else row_scale
+
+
 class _NormQKV(torch.autograd.Function):
     """:class:`_ResidualNorm` followed by the attention's (unit-scaled) QKV projection of its
     normed output: (qkv, stream). ``qkv_scales``: the linear's (output, grad input, grad
@@ -340,15 +346,26 @@ class _ProjNormMLP(torch.autograd.Function):
         branch_weight, skip_weight, _, _, eps, _, output_weight = residual
         proj_quantise, up_quantise, down_quantise = quantisers
         batch, count, seq, head_dim = heads.shape
-        row_factor = row_scale.view(seq, 1, 1) if isinstance(row_scale, Tensor) else row_scale
-        attended = heads.new_empty((batch * seq, count * head_dim))
-        torch.mul(heads.transpose(1, 2), row_factor,
-                  out=attended.view(batch, seq, count, head_dim))
-        attended = _quantised(attended, proj_quantise, "input")
+        if proj_quantise is None:
+            # The row scale depends on the query position only, so it commutes with the
+            # bias-free projection: applied to the projection's output, the projection reads
+            # the attention output itself, which the attention kernel keeps for its backward
+            # pass anyway (in a layout where joining the heads is a view): no scaled copy held.
+            attended = heads.transpose(1, 2).reshape(batch * seq, count * head_dim)
+        else:
+            # An FP8 projection casts its input as it comes: row-scaled, in the one copy that
+            # joins the heads.
+            attended = heads.new_empty((batch * seq, count * head_dim))
+            torch.mul(heads.transpose(1, 2), _head_rows(row_scale, seq),
+                      out=attended.view(batch, seq, count, head_dim))
+            attended = proj_quantise(attended, "input")
         proj_weight = _quantised(proj_weight, proj_quantise, "weight")
         # The join's branch weight in the projection's GEMM, the skip's in one in-place pass.
         joined = linear_forward(attended, proj_weight, None, proj_scales[0] * branch_weight)
-        joined = joined.view(stream.shape).add_(stream, alpha=skip_weight)
+        joined = joined.view(stream.shape)
+        if proj_quantise is None:
+            joined = joined.mul_(row_scale)
+        joined = joined.add_(stream, alpha=skip_weight)
         normed, mean, rstd = torch.native_layer_norm(joined, (joined.shape[-1],), norm_weight,
                                                      norm_bias, eps)
         rows = _quantised(normed.view(-1, normed.shape[-1]), up_quantise, "input")
@@ -362,7 +379,7 @@ class _ProjNormMLP(torch.autograd.Function):
         ctx.save_for_backward(attended, proj_weight, joined, mean, rstd, norm_weight, norm_bias,
                               rows, up_weight, up_bias, down_weight)
         ctx.intermediates = [hidden, activated]  # see _mlp_backward
-        ctx.meta = (row_factor, head_dim, proj_scales, residual, approximate, mlp_scales,
+        ctx.meta = (row_scale, head_dim, proj_scales, residual, approximate, mlp_scales,
                     up_bias is not None, down_bias is not None, quantisers)
         return out.view(*stream.shape[:-1], out.shape[-1]), joined
 
@@ -371,7 +388,7 @@ class _ProjNormMLP(torch.autograd.Function):
                  grad_stream: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         (attended, proj_weight, joined, mean, rstd, norm_weight, norm_bias, rows, up_weight,
          up_bias, down_weight) = ctx.saved_tensors
-        (row_factor, head_dim, proj_scales, residual, approximate, mlp_scales, has_up_bias,
+        (row_scale, head_dim, proj_scales, residual, approximate, mlp_scales, has_up_bias,
          has_down_bias, quantisers) = ctx.meta
         proj_quantise, up_quantise, down_quantise = quantisers
         _, _, next_branch_weight, next_skip_weight, _, param_grad_scale, _ = residual
@@ -392,16 +409,21 @@ class _ProjNormMLP(torch.autograd.Function):
         del grad_normed
         if grad_joined is None:
             return (None,) * 15
+        grad_projected = grad_joined  # (times the row scale first where that follows the GEMM)
+        if proj_quantise is not None:
+            grad_projected = proj_quantise(grad_joined.view(-1, grad_joined.shape[-1]),
+                                           "grad_output")
         grad_attended, grad_proj_w, _ = linear_backward(
-            _quantised(grad_joined.view(-1, grad_joined.shape[-1]), proj_quantise,
-                       "grad_output"),
-            attended, proj_weight, proj_scales[1], proj_scales[2], None, needs[0], needs[2],
-            False)
+            grad_projected, attended, proj_weight, proj_scales[1], proj_scales[2],
+            row_scale if proj_quantise is None else None, needs[0], needs[2], False)
+        del grad_projected
         grad_heads = None
         if grad_attended is not None:
             batch, seq = joined.shape[:2]
-            grad_heads = grad_attended.view(batch, seq, -1, head_dim).mul_(
-                row_factor).transpose(1, 2)
+            grad_heads = grad_attended.view(batch, seq, -1, head_dim)
+            if proj_quantise is not None:
+                grad_heads = grad_heads.mul_(_head_rows(row_scale, seq))
+            grad_heads = grad_heads.transpose(1, 2)
         return (grad_heads, None, grad_proj_w, None, grad_joined, grad_w, grad_b, None,
                 grad_up_w, grad_up_b, grad_down_w, grad_down_b, None, None, None)
 
