@@ -6,6 +6,7 @@ import ast
 import dataclasses
 import functools
 import importlib
+import inspect
 import re
 import subprocess
 import sys
@@ -702,3 +703,30 @@ def test_no_package_binds_a_submodule_name_to_something_else():
                     clashes.append(sub)
     new = sorted(set(clashes) - NAME_CLASHES_TODAY)
     assert not new, f"names that are both a submodule and something else: {new}"
+
+
+# Second names known today (training layer: the run config's model section is GPTConfig).
+SECOND_NAMES_TODAY = {"training.run_config.ModelConfig"}
+
+
+def test_no_class_or_function_has_a_second_name():
+    """A module-level ``Alias = Original`` gives one thing two names; a reader looks for both."""
+    aliases = set()
+    for name in sorted(MODULES):
+        if _is_standin(name) or name.endswith("__main__"):
+            continue
+        assigned = [target.id for node in _tree(name).body if isinstance(node, ast.Assign)
+                    and isinstance(node.value, (ast.Name, ast.Attribute))
+                    for target in node.targets
+                    if isinstance(target, ast.Name) and not target.id.startswith("_")]
+        if not assigned:
+            continue
+        module = importlib.import_module(f"ipu_unit_scaling.{name}".rstrip("."))
+        for alias in assigned:
+            value = getattr(module, alias, None)
+            if (inspect.isclass(value) or inspect.isfunction(value)) \
+                    and getattr(value, "__module__", "").startswith("ipu_unit_scaling") \
+                    and value.__name__ != alias:  # type: ignore[union-attr]
+                aliases.add(f"{name}.{alias}")
+    new = sorted(aliases - SECOND_NAMES_TODAY)
+    assert not new, f"classes or functions bound to a second name: {new}"
