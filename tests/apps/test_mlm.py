@@ -106,7 +106,7 @@ def test_encoder_traced_like_poptorch_has_eager_loss_and_gradients(unit_scaled):
     inputs, labels = _random_batch(1)
     eager = model(inputs, labels)
     eager_grads = torch.autograd.grad(eager, list(model.parameters()))
-    with torch_numerics():  # GELU as torch defines it (an IPU runs PopART's; test_lowering.py)
+    with torch_numerics():  # GELU as torch defines it (an IPU runs PopART's; test_ipu_lowering.py)
         trace = trace_like_poptorch(model, inputs, labels)
     assert trace.report.ok, str(trace.report)
     traced = trace(inputs, labels)

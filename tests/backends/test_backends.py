@@ -162,7 +162,7 @@ def test_inference_model_on_cpu_and_emulator_gives_the_eval_logits(standin):
     assert torch.equal(cpu, expected) and not cpu.requires_grad
     model.train()
     runner = build_inference_model(model, config, backend="emulator")
-    with torch_numerics():  # GELU as torch defines it (an IPU runs PopART's; test_lowering.py)
+    with torch_numerics():  # GELU as torch defines it (an IPU runs PopART's; test_ipu_lowering.py)
         emulated = runner(ids)
     assert torch.allclose(emulated, expected, rtol=1e-5, atol=1e-6)
     # The IPU backend's inference model, run by the stand-in's poptorch.inferenceModel.

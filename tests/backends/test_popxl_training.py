@@ -2,8 +2,9 @@
 (``ipu_unit_scaling/backends/popxl/reference.py``), against the PyTorch model and the CPU
 backend.
 
-Every test here runs on the stand-in, not on PopXL; ``tests/test_popxl_ipu.py`` runs the same
-code on real PopXL where it imports.
+Every test here runs on the stand-in, not on PopXL;
+``tests/backends/test_popxl_training_ipu.py`` runs the same code on real PopXL where it
+imports.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The PopXL model on real PopXL, compiled for the IPU Model, against the torch stand-in.
 
 Skipped where ``popxl`` does not import (everywhere but a Poplar SDK environment). The same
-model code runs in ``tests/test_popxl_model.py`` on the stand-in
+model code runs in ``tests/backends/test_popxl_training.py`` on the stand-in
 (``ipu_unit_scaling/backends/popxl/reference.py``); here the real IR is built, compiled and
 run once per test, and compared with the stand-in's numbers.
 """

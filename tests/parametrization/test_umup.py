@@ -110,7 +110,7 @@ def test_the_gpt_uses_the_taus_and_its_residual_stream_stays_unit():
 @pytest.mark.parametrize("mult", [1.0, 4.0])
 def test_attention_logits_are_scaled_by_mult_over_head_dim(mult):
     # u-μP's attention: softmax(alpha_attn q.k / d_head) (μP's 1/d), times an output factor
-    # (one per row at most; tests/test_umup_rules.py checks the factors).
+    # (one per row at most; tests/parametrization/test_umup_rules.py checks the factors).
     width, heads = 64, 4
     head_dim = width // heads
     model = gpt(width=width, heads=heads, attn_softmax_mult=mult)
@@ -280,7 +280,8 @@ def test_unit_scale_converted_models_can_be_typed():
 
 
 def test_umup_gpt_at_init_has_unit_gradients_like_uu():
-    # As tests/test_modules.py checks for the unit-scaled GPT: every parameter gradient near unit.
+    # As tests/modules/test_modules.py checks for the unit-scaled GPT: every parameter
+    # gradient near unit.
     model = gpt(width=128, depth=4)
     ids, labels = batch()
     model(ids, labels).backward()

@@ -11,7 +11,7 @@ ParameterizedOp bindings, cppimport, pybind11 2.6.2: the release ``popart._inter
 built with, whose types the binding's functions take). On the stand-in (:mod:`.reference`)
 the same vertices run on the host, through :mod:`ipu_unit_scaling.fp8.codelet_emulator`, over a few
 tiles
-(the result does not depend on the split; ``tests/test_emulator.py`` shows it).
+(the result does not depend on the split; ``tests/fp8/test_codelet_emulator.py`` shows it).
 """
 from __future__ import annotations
 
