@@ -1,6 +1,7 @@
 """The run directory: atomic files, checksums, the lock, and what a resume accepts or refuses."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import ipu_unit_scaling.training.run_directory as rundir
 from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.loop import run_session
 from ipu_unit_scaling.training.run_directory import (
+    LOCK_FILE,
     RunError,
     RunLock,
     atomic_write,
@@ -473,3 +475,60 @@ def test_a_missing_plotting_library_costs_the_figure_only(capsys, tmp_path, data
     assert status == 0, err
     assert "loss.png not written: plots need matplotlib" in out
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "completed"
+
+
+# A run directory at rest holds no ``.lock``: the lock file lives while someone holds it.
+needs_fcntl = pytest.mark.skipif(importlib.util.find_spec("fcntl") is None,
+                                 reason="the lock file's checks use fcntl (POSIX)")
+
+
+@needs_fcntl
+def test_a_writer_removes_its_lock_file_when_it_ends(tmp_path):
+    with RunLock(tmp_path):
+        assert (tmp_path / LOCK_FILE).exists()
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+@needs_fcntl
+def test_the_last_reader_out_removes_the_lock_file(tmp_path):
+    first, second = RunLock(tmp_path, shared=True), RunLock(tmp_path, shared=True)
+    first.acquire()
+    second.acquire()
+    first.release()
+    assert (tmp_path / LOCK_FILE).exists()  # the second still reads
+    with pytest.raises(RunError, match="in use by"):
+        RunLock(tmp_path).acquire()  # and a writer is still refused
+    second.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+@needs_fcntl
+def test_a_lock_file_removed_between_open_and_lock_is_not_the_one_taken(tmp_path,
+                                                                        monkeypatch):
+    # The holder ends just after a newcomer opened the lock file and before it locks it: the
+    # newcomer must lock the file at the path, not the removed one, or a third process could
+    # lock a new file and both would write the directory.
+    holder = RunLock(tmp_path)
+    holder.acquire()
+    opened = RunLock._open_writing
+    calls = []
+
+    def open_then_holder_ends(self):
+        fd = opened(self)
+        if not calls:
+            holder.release()
+        calls.append(fd)
+        return fd
+
+    monkeypatch.setattr(RunLock, "_open_writing", open_then_holder_ends)
+    newcomer = RunLock(tmp_path)
+    newcomer.acquire()
+    monkeypatch.undo()
+    try:
+        assert len(calls) == 2  # it opened again
+        assert newcomer._still_the_lock_file(newcomer._fd)
+        with pytest.raises(RunError, match="in use by"):
+            RunLock(tmp_path).acquire()
+    finally:
+        newcomer.release()
+    assert not (tmp_path / LOCK_FILE).exists()
