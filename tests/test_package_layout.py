@@ -603,10 +603,6 @@ def test_the_run_config_and_its_sections_are_frozen():
 UNTESTED_TODAY = {
     # apps layer
     "apps",
-    "apps.commands",
-    "apps.compare",
-    "apps.emulate",
-    "apps.pretrained",
     "apps.progress",
     # loop layer
     "loop",
@@ -624,9 +620,6 @@ UNTESTED_TODAY = {
     "ops.activation_ops",
     "ops.attention_ops",
     "ops.fused_blocks",
-    "ops.fused_ops",
-    "ops.ipu_lowering",
-    "ops.llm_ops",
     "ops.loss_ops",
     "ops.op_helpers",
     "ops.op_library",
@@ -653,16 +646,19 @@ UNTESTED_TODAY = {
     "transforms.export",
     "transforms.fx_tracing",
     "transforms.graph",
-    "transforms.quantise",
     "transforms.replacements",
     "transforms.scale_tracking",
 }
 
 
 def test_each_module_has_a_test_module():
-    untested = sorted(_untested_modules() - UNTESTED_TODAY)
-    assert not untested, ("modules with no tests/**/test_<module>.py (or a test module named "
-                          "after their package):\n" + "\n".join(untested))
+    untested = _untested_modules()
+    missing = sorted(untested - UNTESTED_TODAY)
+    assert not missing, ("modules with no tests/**/test_<module>.py (or a test module named "
+                         "after their package):\n" + "\n".join(missing))
+    # The list only shrinks: a module that gained its test module leaves it.
+    tested = sorted(UNTESTED_TODAY - untested)
+    assert not tested, "UNTESTED_TODAY lists modules that now have a test module: " + str(tested)
 
 
 def test_help_lists_each_name_of_the_package_once():
