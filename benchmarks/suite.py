@@ -126,17 +126,25 @@ def _step_rows(
     wrap: Callable[[torch.nn.Module], torch.nn.Module],
 ) -> None:
     batch = make_batch(settings.shape)
-    steps = {
+    steps: Dict[str, Callable[[], object]] = {
         name: make_train_step(wrap(build_model(name, settings.shape)), batch) for name in names
     }
+    if mode == "eager":
+        steps[FIVE] = _in_five_functions(make_train_step(build_model(OURS, settings.shape),
+                                                         batch))
     timings = time_interleaved(
         steps, settings.rounds, settings.min_run_time, clock=settings.clock
     )
-    for name in names:
+    for name in steps:
         results.step_ms[f"{mode} {name}"] = timings.median_ms(name)
     results.rows.append(_timed(
         f"step_{mode}_ours", f"Training step, {mode}: ours / torch", timings, OURS, TORCH, target
     ))
+    if mode == "eager":
+        results.rows.append(_timed(
+            "step_eager_two_functions", "Training step, eager: ours, layers in two Functions / "
+            "in five", timings, OURS, FIVE, note="what the two-Function layer saves",
+        ))
     published_label = f"Training step, {mode}: unit_scaling / torch"
     versus_label = f"Training step, {mode}: ours / unit_scaling"
     if PUBLISHED in names:
@@ -154,6 +162,26 @@ def _step_rows(
               _versus_published_target(mode), why)
 
 
+# The unit-scaled GPT with each layer in its five-Function eager form, for the rows that
+# measure what the two-Function form (`fused_blocks.norm_qkv`, `proj_norm_mlp`) saves.
+FIVE = "ours, five Functions per layer"
+
+
+def _in_five_functions(step: Callable[[], object]) -> Callable[[], object]:
+    """`step` with the layers' two-Function form switched off while it runs."""
+    from ipu_unit_scaling.modules.gpt_blocks import TransformerBlock
+
+    def five() -> object:
+        form = TransformerBlock.__dict__["_two_function_form"]
+        TransformerBlock._two_function_form = lambda self, input: None  # type: ignore
+        try:
+            return step()
+        finally:
+            TransformerBlock._two_function_form = form  # type: ignore
+
+    return five
+
+
 def _versus_published_target(mode: str) -> float:
     return COMPILED_VERSUS_PUBLISHED_TARGET if mode == "compiled" else VERSUS_PUBLISHED_TARGET
 
@@ -164,7 +192,7 @@ def _fp8_rows(results: Results, settings: Settings, names: List[str]) -> None:
 
     results.notes.append(f"FP8 casts on the CPU: {_cast_path()}")
     batch = make_batch(settings.shape)
-    steps = {
+    steps: Dict[str, Callable[[], object]] = {
         "fp32": make_train_step(build_model(OURS, settings.shape), batch),
         "static": make_train_step(
             simulate_fp8(build_model(OURS, settings.shape), FP8Config(scaling="static")), batch
@@ -175,6 +203,8 @@ def _fp8_rows(results: Results, settings: Settings, names: List[str]) -> None:
     }
     for scaling in ("static", "amax"):
         steps[f"{scaling} no host"] = _without_host_library(steps[scaling])
+    steps["static, five Functions"] = _in_five_functions(make_train_step(
+        simulate_fp8(build_model(OURS, settings.shape), FP8Config(scaling="static")), batch))
     # unit_scaling's simulate_fp8 rewrites the model through TorchDynamo.
     published_fp8 = PUBLISHED in names and _compile_unavailable() is None
     if published_fp8:
@@ -195,6 +225,10 @@ def _fp8_rows(results: Results, settings: Settings, names: List[str]) -> None:
     ))
     results.rows.append(_timed(
         "fp8_amax_ours", "FP8 step, AMAX scaling / FP32 step: ours", timings, "amax", "fp32"
+    ))
+    results.rows.append(_timed(
+        "fp8_static_two_functions", "FP8 static step: layers in two Functions / in five",
+        timings, "static", "static, five Functions", note="what the two-Function layer saves",
     ))
     results.rows.append(_timed(
         "fp8_static_no_host", "FP8 step, static / FP32 step, host library off: ours", timings,
