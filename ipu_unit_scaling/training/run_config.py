@@ -72,8 +72,6 @@ MAX_WEIGHT_DECAY = 2.0**20
 LEARNING_RATE_RANGE = "2**-100 <= x <= 2**100"
 
 
-ModelConfig = GPTConfig
-
 
 @dataclass(frozen=True)
 class PrecisionConfig:
@@ -156,7 +154,7 @@ class CompareConfig:
 
 @dataclass(frozen=True)
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: GPTConfig = field(default_factory=GPTConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     ipu: IPUConfig = field(default_factory=IPUConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
@@ -310,7 +308,7 @@ def learning_rate_in_range(path: str, rate: float, error: Any) -> None:
                     "optimizer step)")
 
 
-def _check_parametrization(model: ModelConfig, error: Any, choice: Any) -> None:
+def _check_parametrization(model: GPTConfig, error: Any, choice: Any) -> None:
     """u-μP's keys act only under u-μP, unit scaling's taus only under unit scaling: a value
     that would be ignored is refused instead."""
     choice("model.parametrization", model.parametrization, PARAMETRIZATIONS)
@@ -330,7 +328,7 @@ def _check_parametrization(model: ModelConfig, error: Any, choice: Any) -> None:
         return
     if not model.unit_scaled:
         error("model.parametrization", "u-mup needs model.unit_scaled: true")
-    defaults = ModelConfig()
+    defaults = GPTConfig()
     for name in ("attn_tau", "mlp_tau"):
         if getattr(model, name) != getattr(defaults, name):
             error(f"model.{name}", "u-mup sets each layer's residual weights from "

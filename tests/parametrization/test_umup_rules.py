@@ -289,9 +289,10 @@ def test_a_run_saved_before_the_rule_keys_loads_with_the_rules_it_trained_with(
     import yaml
 
     from ipu_unit_scaling.loop.run_opening import load_run_config
-    from ipu_unit_scaling.training.run_config import Config, ModelConfig
+    from ipu_unit_scaling.models import GPTConfig
+    from ipu_unit_scaling.training.run_config import Config
 
-    config = Config(model=ModelConfig(parametrization=parametrization))
+    config = Config(model=GPTConfig(parametrization=parametrization))
     raw = config.to_dict()
     for key in ("umup_hidden_constraint", "umup_attention_scaling", "umup_gelu_constraint",
                 "factory"):

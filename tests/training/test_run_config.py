@@ -216,9 +216,9 @@ def test_learning_rate_schedule():
 def test_model_and_fp8_sections_are_the_library_config_classes():
     from ipu_unit_scaling.fp8 import FP8Config
     from ipu_unit_scaling.models import GPTConfig
-    from ipu_unit_scaling.training.run_config import ModelConfig, PrecisionConfig
+    from ipu_unit_scaling.training.run_config import Config, PrecisionConfig
 
-    assert ModelConfig is GPTConfig
+    assert type(Config().model) is GPTConfig
     config = load_config("tiny", ["precision.fp8.gradient_margin=5", "model.bias=true"])
     assert type(config.precision.fp8) is FP8Config and config.precision.fp8.gradient_margin == 5
     assert type(config.model) is GPTConfig and config.model.bias is True
