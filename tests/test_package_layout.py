@@ -124,21 +124,15 @@ def test_no_import_circles():
 
 # An import made inside a function counts too: no module imports, even when a function first
 # runs, a module that imports it back. Aside: the PopTorch stand-in, whose modules import its
-# package when they run as poptorch's own modules import poptorch; and, until the apps layer
-# untangles them, the function-level imports among these apps modules.
+# package when they run as poptorch's own modules import poptorch.
 CIRCLES_THROUGH_FUNCTIONS_ASIDE = ("backends.poptorch_standin",)
-APPS_CIRCLE_TODAY = {"apps.commands", "apps.compare", "apps.experiments", "apps.mlm",
-                     "apps.sweep"}
 
 
 def test_no_import_circles_through_functions():
     inside = {name for name in MODULES if not name.startswith(CIRCLES_THROUGH_FUNCTIONS_ASIDE)}
     graph = {}
     for name in inside:
-        targets = _imports(name, module_level_only=False) & inside
-        if name in APPS_CIRCLE_TODAY:
-            targets -= APPS_CIRCLE_TODAY
-        graph[name] = targets
+        graph[name] = _imports(name, module_level_only=False) & inside
     circles = _circles(graph)
     assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
 

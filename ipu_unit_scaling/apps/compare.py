@@ -25,6 +25,7 @@ from .commands import (
     read_baseline,
     runs_root,
 )
+from .experiments import UNTUNED_MARK, UNTUNED_NOTE
 
 
 def run_compare(
@@ -173,18 +174,6 @@ def _run_regimes(plans: Sequence[Any], run_dir: Path, quiet: bool,
                  labels={row["regime"]: f"{row['regime']} {UNTUNED_MARK}" for row in rows
                          if row["untuned"]})
     return rows
-
-
-# u-μP's regimes run at its defaults (eta = 1, every multiplier 1), which the sweeps recorded
-# in docs/results found far from this model's best: the table and figure say so.
-UNTUNED_MARK = "(untuned defaults)"
-UNTUNED_NOTE = (
-    "u-μP regimes marked (untuned defaults) ran with u-μP's default hyperparameters "
-    "(learning rate 1, every multiplier 1), not values tuned for the model: on the default "
-    "model (width 128, depth 2, 500 steps) the recorded sweeps (docs/results/"
-    "residual-mult-sweep, docs/results/lr-sweep) found model.residual_mult 0.125 and "
-    "learning rate 0.5 better. Their gap is not u-μP's verdict; see docs/guide/compare.md."
-)
 
 
 def untuned(config: Config, regime: str) -> bool:

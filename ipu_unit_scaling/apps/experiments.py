@@ -33,6 +33,17 @@ __all__ = [
 # The fp32 regime of each model kind: its learning rate is the kind's default.
 DEFAULT_REGIME = {"plain": "fp32", "unit": "unit-fp32", "u-mup": "umup-fp32"}
 
+# u-μP's regimes run at its defaults (eta = 1, every multiplier 1), which the sweeps recorded
+# in docs/results found far from this model's best: the table and figure say so.
+UNTUNED_MARK = "(untuned defaults)"
+UNTUNED_NOTE = (
+    "u-μP regimes marked (untuned defaults) ran with u-μP's default hyperparameters "
+    "(learning rate 1, every multiplier 1), not values tuned for the model: on the default "
+    "model (width 128, depth 2, 500 steps) the recorded sweeps (docs/results/"
+    "residual-mult-sweep, docs/results/lr-sweep) found model.residual_mult 0.125 and "
+    "learning rate 0.5 better. Their gap is not u-μP's verdict; see docs/guide/compare.md."
+)
+
 
 def _mean_std(values: Sequence[float]) -> Tuple[Optional[float], Optional[float]]:
     """Mean and sample standard deviation (n - 1); None where there are too few values."""
@@ -118,7 +129,6 @@ def _pm(mean: Optional[float], std: Optional[float], digits: int, suffix: str = 
 
 def format_seed_table(summaries: Sequence[SeedSummary], baseline: Optional[float]) -> str:
     """Markdown: mean ± std of the final validation loss and of the paired gap to fp32."""
-    from .compare import UNTUNED_MARK, UNTUNED_NOTE
 
     seeds = summaries[0].seeds if summaries else []
     lines = [
@@ -209,7 +219,6 @@ def write_seed_results(run_dir: Path, per_seed: Mapping[int, Sequence[Mapping[st
     payload = {"unigram_baseline": baseline, "seeds": sorted(per_seed),
                "regimes": [vars(s) for s in summaries]}
     write_text_file(run_dir / "compare.json", json.dumps(payload, indent=2))
-    from .compare import UNTUNED_MARK
 
     plot_seed_curves(mean_curves(curves), run_dir / "compare.png", baseline, len(per_seed),
                      labels={s.regime: f"{s.regime} {UNTUNED_MARK}" for s in summaries

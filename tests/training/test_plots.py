@@ -129,7 +129,8 @@ def test_the_sweep_legends_sit_below_their_panels(tmp_path, monkeypatch):
 
 
 def test_umup_regimes_at_their_defaults_are_marked_untuned():
-    from ipu_unit_scaling.apps.compare import UNTUNED_MARK, format_compare_table, untuned
+    from ipu_unit_scaling.apps.compare import format_compare_table, untuned
+    from ipu_unit_scaling.apps.experiments import UNTUNED_MARK
 
     config = Config()
     assert untuned(regime_config(config, "umup-fp32"), "umup-fp32")
