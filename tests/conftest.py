@@ -101,3 +101,22 @@ def word_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("text") / "text.txt"
     path.write_text(" ".join(words[i] for i in picks))
     return path
+
+
+@pytest.fixture
+def standin_calls(monkeypatch):
+    """The PopTorch stand-in's ``custom_op`` calls, recorded on their way to it (the stand-in
+    computes them: the package's ``torch.library`` ops)."""
+    from ipu_unit_scaling.backends.poptorch import poptorch_module
+
+    standin = poptorch_module("emulator")
+    calls: list = []
+    run = standin.custom_op
+
+    def recorded(inputs, name, domain, domain_version, example_outputs, attributes):
+        calls.append((name, domain, domain_version, attributes))
+        return run(inputs, name, domain, domain_version, example_outputs=example_outputs,
+                   attributes=attributes)
+
+    monkeypatch.setattr(standin, "custom_op", recorded)
+    return calls

@@ -18,7 +18,7 @@ from helpers import ROOT as REPO
 from helpers import require_host_library
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ipu_unit_scaling.backends.poptorch import STANDIN_MODULE, poptorch_module
+from ipu_unit_scaling.backends.poptorch import STANDIN_MODULE
 from ipu_unit_scaling.backends.poptorch import fp8_custom_op as custom_op
 from ipu_unit_scaling.backends.popxl import codelets as popxl_codelets
 from ipu_unit_scaling.fp8 import F143, F152, fp8_quantise, fp8_quantise_gradient
@@ -324,19 +324,9 @@ def test_arguments_are_checked_with_clear_errors():
         op(x, "E5M2")  # the op checks too, for direct callers
 
 
-def test_poptorch_implementation_calls_the_popart_ops(monkeypatch):
+def test_poptorch_implementation_calls_the_popart_ops(monkeypatch, standin_calls):
     # The IPU backend's implementation, its poptorch.custom_op calls going to the PopTorch
     # stand-in, which runs them as the package's torch.library ops; recorded on the way.
-    standin = poptorch_module("emulator")
-    calls: list = []
-    run = standin.custom_op
-
-    def recorded(inputs, name, domain, domain_version, example_outputs, attributes):
-        calls.append((name, domain, domain_version, attributes))
-        return run(inputs, name, domain, domain_version, example_outputs=example_outputs,
-                   attributes=attributes)
-
-    monkeypatch.setattr(standin, "custom_op", recorded)
     loaded = []
     monkeypatch.setattr(custom_op, "load_custom_op_library", loaded.append)
     implementation = custom_op.PopTorchFP8CustomOps(poptorch=STANDIN_MODULE)
@@ -348,7 +338,7 @@ def test_poptorch_implementation_calls_the_popart_ops(monkeypatch):
     # What the PopART ops compute: F143 codes at 2**4, decoded; the identity forward.
     assert torch.equal(y, op(x.detach(), "F143", 1, True, 4))
     assert torch.equal(z, x.detach())
-    assert calls == [
+    assert standin_calls == [
         ("Fp8Quantise", "ai.graphcore.unit_scaling", 1,
          {"format": "F143", "margin": 1, "saturate": 1, "has_log2_scale": 1, "log2_scale": 4}),
         ("Fp8GradientQuantise", "ai.graphcore.unit_scaling", 1,

@@ -14,7 +14,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ipu_unit_scaling import GPT
 from ipu_unit_scaling.backends import poptorch_ops
-from ipu_unit_scaling.backends.poptorch import STANDIN_MODULE, poptorch_module
+from ipu_unit_scaling.backends.poptorch import STANDIN_MODULE
 from ipu_unit_scaling.backends.poptorch import fp8_custom_op as custom_op
 from ipu_unit_scaling.ipu import check_poptorch, ipu_tracing, trace_like_poptorch
 from ipu_unit_scaling.ops.scaled_identity import composite_scales, scaled_identity
@@ -158,23 +158,6 @@ def test_traced_gpt_op_count_is_within_a_tenth_of_the_gpt_with_plain_multiplies(
 
 
 # ------------------------------------------------------------------------------ PopTorch
-
-
-@pytest.fixture
-def standin_calls(monkeypatch):
-    """The PopTorch stand-in's ``custom_op`` calls, recorded on their way to it (the stand-in
-    computes them: the package's ``torch.library`` ops)."""
-    standin = poptorch_module("emulator")
-    calls: list = []
-    run = standin.custom_op
-
-    def recorded(inputs, name, domain, domain_version, example_outputs, attributes):
-        calls.append((name, domain, domain_version, attributes))
-        return run(inputs, name, domain, domain_version, example_outputs=example_outputs,
-                   attributes=attributes)
-
-    monkeypatch.setattr(standin, "custom_op", recorded)
-    return calls
 
 
 def test_poptorch_implementation_calls_scaled_identity_with_float_attributes(
