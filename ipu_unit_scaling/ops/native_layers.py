@@ -1,0 +1,80 @@
+"""The transformer layer's two autograd Functions as C++ nodes, built on first use.
+
+`fused_blocks.norm_qkv` and `fused_blocks.proj_norm_mlp` call some thirty kernels per layer
+from Python, and at small widths that Python is a visible share of a CPU training step; torch's
+own layers pay none of it. ``native_layers.cpp`` holds the same two Functions (float linears)
+as C++ autograd nodes calling the same kernels in the same order, so the values do not change.
+
+The extension is compiled against the installed torch the first time a layer asks for it
+(about half a minute, once per torch and Python version; a line on stderr says so) and cached
+under ``~/.cache/ipu-unit-scaling/native-layers/``. Where it cannot be built (no C++ compiler
+or no ``ninja``) or where ``IPU_UNIT_SCALING_NATIVE_LAYERS=0``, the layers keep their Python
+Functions, and :func:`status` says why.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from pathlib import Path
+from types import ModuleType
+from typing import Optional
+
+import torch
+
+__all__ = ["DISABLE_ENV", "SOURCE", "build_directory", "module", "status"]
+
+DISABLE_ENV = "IPU_UNIT_SCALING_NATIVE_LAYERS"
+SOURCE = Path(__file__).with_name("native_layers.cpp")
+
+_loaded: Optional[ModuleType] = None
+_failure: Optional[str] = None
+
+
+def build_directory() -> Path:
+    """Where the extension is built: one folder per torch and Python version, since it links
+    against both."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    version = torch.__version__.replace("+", "-")
+    python = sysconfig.get_config_var("py_version_nodot") or "".join(map(str, sys.version_info[:2]))
+    return cache / "ipu-unit-scaling" / "native-layers" / f"torch-{version}-py{python}"
+
+
+def _disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def module() -> Optional[ModuleType]:
+    """The compiled extension (built now if it is not yet), or None where it is off or cannot
+    be built; a failed build is not retried in the same process."""
+    global _loaded, _failure
+    if _disabled():
+        return None
+    if _loaded is not None or _failure is not None:
+        return _loaded
+    directory = build_directory()
+    try:
+        from torch.utils import cpp_extension
+
+        directory.mkdir(parents=True, exist_ok=True)
+        if not any(directory.glob("*.so")):
+            sys.stderr.write(
+                f"ipu-unit-scaling: building the C++ transformer-layer nodes for torch "
+                f"{torch.__version__} in {directory} (once; about half a minute)\n")
+        _loaded = cpp_extension.load(
+            name="ius_native_layers", sources=[str(SOURCE)], build_directory=str(directory),
+            extra_cflags=["-O2"], verbose=False)
+    except Exception as error:  # no compiler, no ninja, a failed build: Python Functions
+        lines = str(error).strip().splitlines()
+        _failure = f"{type(error).__name__}: {lines[-1] if lines else ''}"
+        return None
+    return _loaded
+
+
+def status() -> str:
+    """One line: whether the layers run as C++ nodes, and if not, why."""
+    if _disabled():
+        return f"off ({DISABLE_ENV}=0): the layers run as Python autograd Functions"
+    if module() is not None:
+        return f"on: the layers run as C++ autograd nodes (built in {build_directory()})"
+    return f"unavailable ({_failure}): the layers run as Python autograd Functions"
