@@ -64,8 +64,11 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.8",
     packages=find_packages(include=["ipu_unit_scaling", "ipu_unit_scaling.*"]),
+    # The C++ transformer-layer nodes, compiled on first use against the installed torch.
+    package_data={"ipu_unit_scaling.ops": ["native_layers.cpp"]},
     # matplotlib draws the loss curves every run writes: the main job needs it.
-    install_requires=["torch>=2.0", "numpy", "pyyaml", "tqdm", "matplotlib"],
+    # ninja builds the C++ transformer-layer nodes on first use (ops/native_layers.py).
+    install_requires=["torch>=2.0", "numpy", "pyyaml", "tqdm", "matplotlib", "ninja"],
     extras_require={
         # tensorboard: the tests read back the event files training writes when it is there.
         "test": ["pytest", "hypothesis", "ml_dtypes", "gfloat", "ruff", "mypy", "types-PyYAML",

@@ -9,6 +9,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from ipu_unit_scaling.ops import native_layers
+
 from .gpu import gpu_rows
 from .measure import Timings, peak_step_bytes, time_interleaved
 from .variants import (
@@ -132,6 +134,8 @@ def _step_rows(
     if mode == "eager":
         steps[FIVE] = _in_five_functions(make_train_step(build_model(OURS, settings.shape),
                                                          batch))
+        steps[PYTHON_NODES] = _with_python_functions(
+            make_train_step(build_model(OURS, settings.shape), batch))
     timings = time_interleaved(
         steps, settings.rounds, settings.min_run_time, clock=settings.clock
     )
@@ -145,6 +149,15 @@ def _step_rows(
             "step_eager_two_functions", "Training step, eager: ours, layers in two Functions / "
             "in five", timings, OURS, FIVE, note="what the two-Function layer saves",
         ))
+        if native_layers.module() is not None:
+            results.rows.append(_timed(
+                "step_eager_native_layers", "Training step, eager: ours, layers as C++ nodes / "
+                "as Python Functions", timings, OURS, PYTHON_NODES,
+                note="what `ops.native_layers` saves",
+            ))
+        else:
+            _skip(results, "step_eager_native_layers", "Training step, eager: ours, layers as "
+                  "C++ nodes / as Python Functions", None, native_layers.status())
     published_label = f"Training step, {mode}: unit_scaling / torch"
     versus_label = f"Training step, {mode}: ours / unit_scaling"
     if PUBLISHED in names:
@@ -180,6 +193,25 @@ def _in_five_functions(step: Callable[[], object]) -> Callable[[], object]:
             TransformerBlock._two_function_form = form  # type: ignore
 
     return five
+
+
+# The unit-scaled GPT with its layers' two Functions in Python, for the row that measures what
+# their C++ nodes (`ops.native_layers`) save.
+PYTHON_NODES = "ours, layers as Python Functions"
+
+
+def _with_python_functions(step: Callable[[], object]) -> Callable[[], object]:
+    """`step` with the layers' C++ nodes switched off while it runs."""
+
+    def python() -> object:
+        load = native_layers.module
+        native_layers.module = lambda: None  # type: ignore[assignment]
+        try:
+            return step()
+        finally:
+            native_layers.module = load  # type: ignore[assignment]
+
+    return python
 
 
 def _versus_published_target(mode: str) -> float:
@@ -459,6 +491,8 @@ def run_suite(settings: Settings, log: Callable[[str], None] = print) -> Results
     torch.set_num_threads(settings.threads)
     results = Results()
     names = _variants(results)
+    # Built (or found wanting) before anything is timed; the report says which form ran.
+    results.notes.append(f"Transformer layers in eager mode: {native_layers.status()}")
 
     log("training step, eager ...")
     _step_rows(results, settings, names, "eager", EAGER_TARGET, lambda model: model)

@@ -120,3 +120,30 @@ def standin_calls(monkeypatch):
 
     monkeypatch.setattr(standin, "custom_op", recorded)
     return calls
+
+
+@pytest.fixture(scope="session", autouse=True)
+def native_layers_built() -> None:
+    """The C++ layer nodes built (or found wanting) before any test runs, so that no test,
+    nor a command line a test starts, meets the one-off build and its line on stderr."""
+    from ipu_unit_scaling.ops import native_layers
+
+    native_layers.module()
+
+
+@pytest.fixture(params=["python", "native"])
+def layer_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each float transformer layer as two Python autograd Functions, or as their C++ nodes
+    (`ops.native_layers`). The C++ form is skipped only where it cannot be built for want of
+    a compiler or ninja, or is switched off; a failed build is a failure."""
+    import shutil
+
+    from ipu_unit_scaling.ops import native_layers
+
+    if request.param == "python":
+        monkeypatch.setattr(native_layers, "module", lambda: None)
+    elif native_layers.module() is None:
+        if native_layers.disabled() or not (shutil.which("c++") and shutil.which("ninja")):
+            pytest.skip(native_layers.status())
+        pytest.fail(native_layers.status())
+    return str(request.param)

@@ -21,6 +21,7 @@ ROW_KEYS = {
     "step_eager_published",
     "step_eager_ours_vs_published",
     "step_eager_two_functions",
+    "step_eager_native_layers",
     "step_compiled_ours",
     "step_compiled_published",
     "step_compiled_ours_vs_published",
@@ -192,3 +193,12 @@ def test_interleaved_ratio_is_per_round_median():
     assert timings.ratio("a", "b") == 2.0  # per-round ratios 0.5, 2, 3
     assert timings.spread("a", "b") == (1.25, 2.5)  # inclusive quartiles of 0.5, 2, 3
     assert timings.median_ms("a") == 2000.0
+
+
+def test_the_report_says_which_form_the_layers_ran_in(tiny_run):
+    from ipu_unit_scaling.ops import native_layers
+
+    settings, results = tiny_run
+    note = f"Transformer layers in eager mode: {native_layers.status()}"
+    assert note in results.notes
+    assert note in markdown(results, settings, "python -m benchmarks")

@@ -14,6 +14,7 @@ Functions, and :func:`status` says why.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import sysconfig
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["DISABLE_ENV", "SOURCE", "build_directory", "module", "status"]
+__all__ = ["DISABLE_ENV", "SOURCE", "build_directory", "disabled", "module", "status"]
 
 DISABLE_ENV = "IPU_UNIT_SCALING_NATIVE_LAYERS"
 SOURCE = Path(__file__).with_name("native_layers.cpp")
@@ -40,15 +41,28 @@ def build_directory() -> Path:
     return cache / "ipu-unit-scaling" / "native-layers" / f"torch-{version}-py{python}"
 
 
-def _disabled() -> bool:
+def disabled() -> bool:
+    """Whether `DISABLE_ENV` switches the C++ form off."""
     return os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+
+
+def _put_ninja_on_path() -> None:
+    """torch looks for ``ninja`` on PATH; the ``ninja`` package installs it next to the
+    interpreter, off PATH where a virtual environment's python runs without activation."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja  # type: ignore[import-not-found]
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join([str(ninja.BIN_DIR), os.environ.get("PATH", "")])
 
 
 def module() -> Optional[ModuleType]:
     """The compiled extension (built now if it is not yet), or None where it is off or cannot
     be built; a failed build is not retried in the same process."""
     global _loaded, _failure
-    if _disabled():
+    if disabled():
         return None
     if _loaded is not None or _failure is not None:
         return _loaded
@@ -56,6 +70,7 @@ def module() -> Optional[ModuleType]:
     try:
         from torch.utils import cpp_extension
 
+        _put_ninja_on_path()
         directory.mkdir(parents=True, exist_ok=True)
         if not any(directory.glob("*.so")):
             sys.stderr.write(
@@ -73,7 +88,7 @@ def module() -> Optional[ModuleType]:
 
 def status() -> str:
     """One line: whether the layers run as C++ nodes, and if not, why."""
-    if _disabled():
+    if disabled():
         return f"off ({DISABLE_ENV}=0): the layers run as Python autograd Functions"
     if module() is not None:
         return f"on: the layers run as C++ autograd nodes (built in {build_directory()})"

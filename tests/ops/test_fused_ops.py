@@ -202,7 +202,7 @@ def test_attention_row_scale_is_cached_per_shape_and_matches_the_uncached_one():
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_modules_match_the_op_by_op_forms(monkeypatch, bias):
+def test_fused_modules_match_the_op_by_op_forms(monkeypatch, bias, layer_form):
     """uu.GPT, TransformerLayer and MLP with their one-Function eager forms
     against the same model computed op by op (the forms switched off)."""
     import ipu_unit_scaling as uu
@@ -253,7 +253,7 @@ def test_linear_with_a_row_scale_is_the_linear_times_it_bit_for_bit(row_scale):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
 
 
-def test_gpt_joins_each_layer_into_the_next_norm_bit_for_bit(monkeypatch):
+def test_gpt_joins_each_layer_into_the_next_norm_bit_for_bit(monkeypatch, layer_form):
     """uu.GPT leaves each layer's last residual join to the next layer's first norm (the final
     norm's for the last): the same values and gradients as the layers one by one."""
     import ipu_unit_scaling as uu
@@ -318,16 +318,24 @@ def test_fused_mlp_backward_twice_with_retain_graph():
 
 
 def _backward_nodes(tensor: torch.Tensor) -> List[str]:
-    """The names of the autograd nodes `tensor`'s backward pass runs."""
+    """The names of the autograd nodes `tensor`'s backward pass runs (a Python Function's
+    ``_NameBackward``, a C++ node's ``torch::autograd::CppNode<...::Name>``)."""
     seen, names, stack = set(), [], [tensor.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        names.append(type(node).__name__)
+        names.append(node.name())
         stack.extend(next_node for next_node, _ in node.next_functions)
     return names
+
+
+def _layer_nodes(names: List[str], function: str) -> int:
+    """How many of ``names`` are the layer Function ``function`` (NormQKV, ProjNormMLP), as a
+    Python Function or as its C++ node."""
+    return sum(name in (f"_{function}Backward", f"torch::autograd::CppNode<(anonymous "
+                                                  f"namespace)::{function}>") for name in names)
 
 
 def _loss_and_grads(model, ids):
@@ -338,7 +346,8 @@ def _loss_and_grads(model, ids):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_each_layer_runs_as_two_functions_with_the_five_function_values(monkeypatch, dtype):
+def test_each_layer_runs_as_two_functions_with_the_five_function_values(monkeypatch, dtype,
+                                                                        layer_form):
     """uu.GPT's layers take two Functions around torch's attention kernel (the QKV projection
     in the first norm's, the output projection, the MLP and its norm in the second), with the
     values and gradients of the five Functions they replace."""
@@ -350,8 +359,10 @@ def test_each_layer_runs_as_two_functions_with_the_five_function_values(monkeypa
     model = uu.GPT(vocab_size=48, hidden_size=32, depth=depth, heads=4, seq_len=12).to(dtype)
     ids = torch.randint(0, 48, (3, 11))
     names = _backward_nodes(model(ids, ids))
-    assert names.count("_NormQKVBackward") == depth
-    assert names.count("_ProjNormMLPBackward") == depth
+    assert _layer_nodes(names, "NormQKV") == depth
+    assert _layer_nodes(names, "ProjNormMLP") == depth
+    assert any(name.startswith("torch::autograd::CppNode") for name in names) == (
+        layer_form == "native")
     assert "_MLPBackward" not in names and "_LinearBackward" in names  # (the readout's)
     two = _loss_and_grads(model, ids)
     monkeypatch.setattr(modules.TransformerBlock, "_two_function_form", lambda self, x: None)
@@ -366,7 +377,7 @@ def test_each_layer_runs_as_two_functions_with_the_five_function_values(monkeypa
         torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * want.abs().max().item())
 
 
-def test_a_block_alone_in_two_functions_matches_its_ops_one_by_one(monkeypatch):
+def test_a_block_alone_in_two_functions_matches_its_ops_one_by_one(monkeypatch, layer_form):
     """A TransformerBlock outside a GPT (its own last join, unit scaling's residual add)."""
     import ipu_unit_scaling as uu
     from ipu_unit_scaling.modules import gpt_blocks as modules
@@ -406,7 +417,7 @@ def test_the_two_function_form_gives_way_where_its_parts_differ():
     assert uu.TransformerBlock(16, 2, bias=True)._two_function_form(x) is None
 
 
-def test_two_function_backward_twice_with_retain_graph():
+def test_two_function_backward_twice_with_retain_graph(layer_form):
     """The second Function drops the MLP's intermediates in its backward pass (peak memory);
     a second backward recomputes them and gives the same gradients."""
     import ipu_unit_scaling as uu
@@ -441,6 +452,7 @@ def test_fp8_layers_cast_the_same_tensors_in_two_functions(monkeypatch, scaling)
     simulate_fp8(model, FP8Config(scaling=scaling))
     ids = torch.randint(0, 48, (3, 11))
     names = _backward_nodes(model(ids, ids))
+    # (as Python Functions: the casts are Python callables)
     assert names.count("_NormQKVBackward") == 2 and names.count("_ProjNormMLPBackward") == 2
     seen: dict = {}
 
@@ -463,7 +475,7 @@ def test_fp8_layers_cast_the_same_tensors_in_two_functions(monkeypatch, scaling)
                                        atol=1e-5 * want.abs().max().item(), msg=site)
 
 
-def test_two_functions_hold_no_more_memory_than_five(monkeypatch):
+def test_two_functions_hold_no_more_memory_than_five(monkeypatch, layer_form):
     """The two-Function layer keeps what the five Functions kept for the backward pass and no
     more: the output projection reads the attention output itself (no scaled copy held), and
     each intermediate is dropped once its gradient is made. Allocation sizes, not timings."""

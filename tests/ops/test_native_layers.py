@@ -1,0 +1,203 @@
+"""The C++ nodes of the transformer layer's two Functions (`ops.native_layers`) against the
+Python Functions they stand for, argument by argument, and the fall-back where they are off."""
+from __future__ import annotations
+
+import shutil
+from typing import Dict, List, Optional
+
+import pytest
+import torch
+
+from ipu_unit_scaling.ops import fused_blocks, native_layers
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def native():
+    extension = native_layers.module()
+    if extension is None:
+        if native_layers.disabled() or not (shutil.which("c++") and shutil.which("ninja")):
+            pytest.skip(native_layers.status())
+        pytest.fail(native_layers.status())
+    return extension
+
+
+def _tensors(dtype: torch.dtype, seed: int, **shapes) -> Dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(*shape, generator=generator, dtype=dtype).requires_grad_()
+            for name, shape in shapes.items()}
+
+
+# Both forms call the same kernels with the same arguments in the same order, so their values
+# agree; only MKL, whose GEMM blocking may follow the buffers' alignment, could sum a <= 64-term
+# dot product in another order: 64 unit roundoffs relative at most (float32 2**-24: 3.8e-6;
+# float64 2**-53: 7.1e-15), carried through a norm and two more GEMMs: 1e-5 and 1e-13.
+_RTOL = {torch.float32: 1e-5, torch.float64: 1e-13}
+
+
+def _assert_same(got: List[Optional[torch.Tensor]], want: List[Optional[torch.Tensor]],
+                 dtype: torch.dtype) -> None:
+    assert len(got) == len(want)
+    for index, (a, b) in enumerate(zip(got, want)):
+        assert (a is None) == (b is None), index
+        if b is not None:
+            rtol = _RTOL[dtype]
+            torch.testing.assert_close(a, b, rtol=rtol, atol=rtol * b.abs().max().item(),
+                                       msg=f"tensor {index}")
+
+
+def _run(function, args: list, inputs: List[torch.Tensor], seed: int) -> list:
+    """Outputs, then each input's gradient, of ``function(*args)`` under random output
+    gradients."""
+    for tensor in inputs:
+        tensor.grad = None
+    outputs = function(*args)
+    generator = torch.Generator().manual_seed(seed)
+    grads = [torch.randn(out.shape, generator=generator, dtype=out.dtype) for out in outputs]
+    torch.autograd.backward(list(outputs), grads)
+    return [out.detach().clone() for out in outputs] + [
+        None if tensor.grad is None else tensor.grad.clone() for tensor in inputs]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("joined", ["none", "unit branch", "weighted branch"])
+@pytest.mark.parametrize("biases", [False, True])
+def test_norm_qkv_node_matches_the_python_function(native, dtype, joined, biases):
+    t = _tensors(dtype, 0, x=(2, 5, 16), f=(2, 5, 16), weight=(16,), bias=(16,),
+                 qkv_weight=(48, 16), qkv_bias=(48,))
+    f = None if joined == "none" else t["f"]
+    branch_weight = 1.0 if joined == "unit branch" else 0.6
+    weight, bias = (t["weight"], t["bias"]) if biases else (None, None)
+    qkv_bias = t["qkv_bias"] if biases else None
+    args = [t["x"], f, branch_weight, 0.8, 0.45, 0.9, weight, bias, 1e-5, 0.3, t["qkv_weight"],
+            qkv_bias, (0.25, 0.5, 0.125)]
+    inputs = [t[name] for name in ("x", "f", "weight", "bias", "qkv_weight", "qkv_bias")]
+    python = _run(lambda *a: fused_blocks._normqkv_apply(*a, None), args, inputs, seed=1)
+    _assert_same(_run(native.norm_qkv, args, inputs, seed=1), python, dtype)
+
+
+def _proj_norm_mlp_args(dtype: torch.dtype, row_scale: str, biases: bool, seq: int = 5):
+    t = _tensors(dtype, 2, heads=(2, 4, seq, 4), proj_weight=(16, 16), stream=(2, seq, 16),
+                 norm_weight=(16,), norm_bias=(16,), up_weight=(64, 16), up_bias=(64,),
+                 down_weight=(16, 64), down_bias=(16,))
+    scale = (torch.linspace(0.5, 1.5, seq, dtype=dtype).view(seq, 1) if row_scale == "tensor"
+             else 1.3)
+    optional = {name: t[name] if biases else None
+                for name in ("norm_weight", "norm_bias", "up_bias", "down_bias")}
+    python_args = [t["heads"], scale, t["proj_weight"], (0.5, 0.25, 0.75), t["stream"],
+                   optional["norm_weight"], optional["norm_bias"],
+                   (0.6, 0.8, 0.45, 0.9, 1e-5, 0.3, 0.7), t["up_weight"], optional["up_bias"],
+                   t["down_weight"], optional["down_bias"], "none",
+                   (0.25, 0.5, 0.125, 1.2, 0.9, 0.35, 0.65, 0.15)]
+    native_args = [python_args[0], scale if row_scale == "tensor" else None,
+                   1.0 if row_scale == "tensor" else scale, *python_args[2:]]
+    inputs = [t[name] for name in ("heads", "proj_weight", "stream", "norm_weight",
+                                   "norm_bias", "up_weight", "up_bias", "down_weight",
+                                   "down_bias")]
+    return python_args, native_args, inputs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("row_scale", ["tensor", "float"])
+@pytest.mark.parametrize("biases", [False, True])
+def test_proj_norm_mlp_node_matches_the_python_function(native, dtype, row_scale, biases):
+    python_args, native_args, inputs = _proj_norm_mlp_args(dtype, row_scale, biases)
+    python = _run(lambda *a: fused_blocks._projnormmlp_apply(*a, (None, None, None)),
+                  python_args, inputs, seed=3)
+    _assert_same(_run(native.proj_norm_mlp, native_args, inputs, seed=3), python, dtype)
+
+
+def test_gradients_only_where_the_inputs_ask(native):
+    """Frozen weights get no gradient and the others the same ones, in both forms; so does a
+    gradient asked for a subset of the inputs, with an output (the stream) left out."""
+    python_args, native_args, inputs = _proj_norm_mlp_args(torch.float64, "tensor", True)
+    for frozen in (inputs[1], inputs[5], inputs[8]):  # projection, up weight, down bias
+        frozen.requires_grad_(False)
+    heads, stream = inputs[0], inputs[2]
+    results = []
+    for function, args in ((lambda *a: fused_blocks._projnormmlp_apply(*a, (None,) * 3),
+                            python_args), (native.proj_norm_mlp, native_args)):
+        out, _ = function(*args)
+        results.append(torch.autograd.grad(out.square().sum(), [heads, stream]))
+        assert all(tensor.grad is None for tensor in inputs)
+        out, _ = function(*args)
+        out.sum().backward()
+        results.append([None if t.grad is None else t.grad.clone() for t in inputs])
+        assert inputs[1].grad is None and inputs[5].grad is None and inputs[8].grad is None
+        for tensor in inputs:
+            tensor.grad = None
+    _assert_same(list(results[2]), list(results[0]), torch.float64)
+    _assert_same(results[3], results[1], torch.float64)
+
+
+def test_a_second_backward_recomputes_what_the_first_let_go(native):
+    """The MLP's intermediates are freed during the first backward pass (peak memory); with
+    retain_graph=True a second pass recomputes them and gives the same gradients."""
+    _, native_args, inputs = _proj_norm_mlp_args(torch.float64, "tensor", True)
+    out, joined = native.proj_norm_mlp(*native_args)
+    loss = out.square().sum() + joined.sum()
+    loss.backward(retain_graph=True)
+    first = [t.grad.clone() for t in inputs]
+    for tensor in inputs:
+        tensor.grad = None
+    loss.backward()
+    for a, b in zip(first, [t.grad for t in inputs]):
+        assert torch.equal(a, b)
+
+
+def _layer_node_names(model: torch.nn.Module) -> List[str]:
+    ids = torch.arange(10).view(2, 5)
+    seen, names, stack = set(), [], [model(ids, ids).grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(node.name())
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return [name for name in names if "NormQKV" in name or "ProjNormMLP" in name]
+
+
+def test_the_switch_turns_the_nodes_off(native, monkeypatch):
+    import ipu_unit_scaling as uu
+
+    torch.manual_seed(0)
+    model = uu.GPT(vocab_size=16, hidden_size=16, depth=1, heads=2, seq_len=8)
+    assert sorted(_layer_node_names(model)) == [
+        "torch::autograd::CppNode<(anonymous namespace)::NormQKV>",
+        "torch::autograd::CppNode<(anonymous namespace)::ProjNormMLP>"]
+    assert native_layers.status().startswith("on: ")
+    monkeypatch.setenv(native_layers.DISABLE_ENV, "0")
+    assert native_layers.module() is None
+    assert native_layers.status().startswith(f"off ({native_layers.DISABLE_ENV}=0)")
+    assert sorted(_layer_node_names(model)) == ["_NormQKVBackward", "_ProjNormMLPBackward"]
+
+
+def test_a_failed_build_leaves_the_python_functions(monkeypatch, tmp_path):
+    """No compiler (or any build error): the layers keep their Python Functions, the status
+    says why, and the build is not tried again in the same process."""
+    from torch.utils import cpp_extension
+
+    import ipu_unit_scaling as uu
+
+    calls = []
+
+    def failing_load(**kwargs):
+        calls.append(kwargs["build_directory"])
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(native_layers.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(cpp_extension, "load", failing_load)
+    monkeypatch.setattr(native_layers, "_loaded", None)
+    monkeypatch.setattr(native_layers, "_failure", None)
+    assert native_layers.module() is None and native_layers.module() is None
+    assert len(calls) == 1 and calls[0].startswith(str(tmp_path))
+    assert torch.__version__.replace("+", "-") in calls[0]
+    assert native_layers.status() == (
+        "unavailable (RuntimeError: Ninja is required to load C++ extensions): the layers "
+        "run as Python autograd Functions")
+    torch.manual_seed(0)
+    model = uu.GPT(vocab_size=16, hidden_size=16, depth=1, heads=2, seq_len=8)
+    assert sorted(_layer_node_names(model)) == ["_NormQKVBackward", "_ProjNormMLPBackward"]
