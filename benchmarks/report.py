@@ -16,15 +16,15 @@ from .variants import published_version
 # Why a missed target is missed, keyed by row; shown in the table's notes when it is.
 OBSTACLES: Dict[str, str] = {
     "step_eager_ours": (
-        "what remains is per-call overhead, not arithmetic: each unit-scaled layer runs as two "
-        "Python autograd Functions whose backward passes call their kernels from Python, where "
-        "torch's backward runs C++ nodes, plus one elementwise pass in the backward pass for "
-        "the attention row scale; at this small width a step is short enough for that to "
-        "show, and it shrinks as the model grows (see the width sweep)"
+        "what remains is per-call overhead, not arithmetic: the embedding, the readout and the "
+        "loss still run as Python autograd Functions (and the layers too, where their C++ nodes "
+        "are not built: see the notes), plus one elementwise pass each way per layer for the "
+        "attention row scale; at this small width a step is short enough for that to show, and "
+        "it shrinks as the model grows (see the width sweep)"
     ),
     "step_eager_ours_second": (
-        "as for the first shape: per-call Python overhead and the row-scale pass, a smaller "
-        "share of the longer step"
+        "as for the first shape: per-call overhead and the row-scale passes, a smaller share of "
+        "the longer step"
     ),
     "step_eager_ours_vs_published": (
         "both libraries add similar elementwise passes; within the noise of a shared machine"
@@ -88,8 +88,10 @@ COMPARISON_NOTES = [
     "no scaled weight copies); a `uu.TransformerBlock` runs as two Functions around torch's "
     "attention kernel (residual join, norm and QKV projection; the row-scaled join of the "
     "heads, output projection, join, norm and MLP), FP8-simulated linears included, and the "
-    "decoder's embedding as one, where nothing observes their parts; under `torch.compile` "
-    "the ops are composed from `scale()` as before.",
+    "decoder's embedding as one, where nothing observes their parts. With float linears the "
+    "two Functions are C++ autograd nodes (`ipu_unit_scaling.ops.native_layers`, built on "
+    "first use) where a compiler is at hand; the notes say which form ran. Under "
+    "`torch.compile` the ops are composed from `scale()` as before.",
     "GPU rows run only where a CUDA device exists; otherwise they are skipped with the reason.",
 ]
 
