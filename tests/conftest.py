@@ -143,7 +143,7 @@ def layer_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     if request.param == "python":
         monkeypatch.setattr(native_layers, "module", lambda: None)
     elif native_layers.module() is None:
-        if native_layers.disabled() or not (shutil.which("c++") and shutil.which("ninja")):
+        if native_layers.switched_off() or not (shutil.which("c++") and shutil.which("ninja")):
             pytest.skip(native_layers.status())
         pytest.fail(native_layers.status())
     return str(request.param)

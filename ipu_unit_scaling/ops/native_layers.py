@@ -23,9 +23,9 @@ from typing import Optional
 
 import torch
 
-__all__ = ["DISABLE_ENV", "SOURCE", "build_directory", "disabled", "module", "status"]
+__all__ = ["OFF_ENV", "SOURCE", "switched_off", "build_directory", "module", "status"]
 
-DISABLE_ENV = "IPU_UNIT_SCALING_NATIVE_LAYERS"
+OFF_ENV = "IPU_UNIT_SCALING_NATIVE_LAYERS"
 SOURCE = Path(__file__).with_name("native_layers.cpp")
 
 _loaded: Optional[ModuleType] = None
@@ -41,9 +41,9 @@ def build_directory() -> Path:
     return cache / "ipu-unit-scaling" / "native-layers" / f"torch-{version}-py{python}"
 
 
-def disabled() -> bool:
-    """Whether `DISABLE_ENV` switches the C++ form off."""
-    return os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+def switched_off() -> bool:
+    """Whether `OFF_ENV` switches the C++ form off."""
+    return os.environ.get(OFF_ENV, "1").strip().lower() in ("0", "false", "no", "off")
 
 
 def _put_ninja_on_path() -> None:
@@ -62,7 +62,7 @@ def module() -> Optional[ModuleType]:
     """The compiled extension (built now if it is not yet), or None where it is off or cannot
     be built; a failed build is not retried in the same process."""
     global _loaded, _failure
-    if disabled():
+    if switched_off():
         return None
     if _loaded is not None or _failure is not None:
         return _loaded
@@ -88,8 +88,8 @@ def module() -> Optional[ModuleType]:
 
 def status() -> str:
     """One line: whether the layers run as C++ nodes, and if not, why."""
-    if disabled():
-        return f"off ({DISABLE_ENV}=0): the layers run as Python autograd Functions"
+    if switched_off():
+        return f"off ({OFF_ENV}=0): the layers run as Python autograd Functions"
     if module() is not None:
         return f"on: the layers run as C++ autograd nodes (built in {build_directory()})"
     return f"unavailable ({_failure}): the layers run as Python autograd Functions"

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def native():
     extension = native_layers.module()
     if extension is None:
-        if native_layers.disabled() or not (shutil.which("c++") and shutil.which("ninja")):
+        if native_layers.switched_off() or not (shutil.which("c++") and shutil.which("ninja")):
             pytest.skip(native_layers.status())
         pytest.fail(native_layers.status())
     return extension
@@ -168,9 +168,9 @@ def test_the_switch_turns_the_nodes_off(native, monkeypatch):
         "torch::autograd::CppNode<(anonymous namespace)::NormQKV>",
         "torch::autograd::CppNode<(anonymous namespace)::ProjNormMLP>"]
     assert native_layers.status().startswith("on: ")
-    monkeypatch.setenv(native_layers.DISABLE_ENV, "0")
+    monkeypatch.setenv(native_layers.OFF_ENV, "0")
     assert native_layers.module() is None
-    assert native_layers.status().startswith(f"off ({native_layers.DISABLE_ENV}=0)")
+    assert native_layers.status().startswith(f"off ({native_layers.OFF_ENV}=0)")
     assert sorted(_layer_node_names(model)) == ["_NormQKVBackward", "_ProjNormMLPBackward"]
 
 
@@ -188,7 +188,7 @@ def test_a_failed_build_leaves_the_python_functions(monkeypatch, tmp_path):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.delenv(native_layers.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(native_layers.OFF_ENV, raising=False)
     monkeypatch.setattr(cpp_extension, "load", failing_load)
     monkeypatch.setattr(native_layers, "_loaded", None)
     monkeypatch.setattr(native_layers, "_failure", None)
