@@ -242,3 +242,19 @@ def worker_of_rank(launcher: subprocess.Popen, rank: int) -> int:
         if f"RANK={rank}".encode() in environ:
             return pid
     raise AssertionError(f"no worker of rank {rank} under torchrun")
+
+
+def backward_nodes(tensor: torch.Tensor) -> List[str]:
+    """The names of the autograd nodes `tensor`'s backward pass runs: a Python Function's
+    ``_NameBackward`` (its class name: torch 2.0's Python nodes refuse ``name()``), a C++
+    node's ``name()`` (``torch::autograd::CppNode<...::Name>`` for a custom one)."""
+    seen, names, stack = set(), [], [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        python_node = isinstance(node, torch.autograd.function.BackwardCFunction)
+        names.append(type(node).__name__ if python_node else node.name())
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names

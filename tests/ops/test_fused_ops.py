@@ -12,6 +12,7 @@ from typing import Callable, List, Sequence
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import backward_nodes
 
 import ipu_unit_scaling.functional as U
 from ipu_unit_scaling.ops import attention_ops
@@ -317,20 +318,6 @@ def test_fused_mlp_backward_twice_with_retain_graph():
         assert torch.equal(a, b)
 
 
-def _backward_nodes(tensor: torch.Tensor) -> List[str]:
-    """The names of the autograd nodes `tensor`'s backward pass runs (a Python Function's
-    ``_NameBackward``, a C++ node's ``torch::autograd::CppNode<...::Name>``)."""
-    seen, names, stack = set(), [], [tensor.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.append(node.name())
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return names
-
-
 def _layer_nodes(names: List[str], function: str) -> int:
     """How many of ``names`` are the layer Function ``function`` (NormQKV, ProjNormMLP), as a
     Python Function or as its C++ node."""
@@ -358,7 +345,7 @@ def test_each_layer_runs_as_two_functions_with_the_five_function_values(monkeypa
     depth = 3
     model = uu.GPT(vocab_size=48, hidden_size=32, depth=depth, heads=4, seq_len=12).to(dtype)
     ids = torch.randint(0, 48, (3, 11))
-    names = _backward_nodes(model(ids, ids))
+    names = backward_nodes(model(ids, ids))
     assert _layer_nodes(names, "NormQKV") == depth
     assert _layer_nodes(names, "ProjNormMLP") == depth
     assert any(name.startswith("torch::autograd::CppNode") for name in names) == (
@@ -366,7 +353,7 @@ def test_each_layer_runs_as_two_functions_with_the_five_function_values(monkeypa
     assert "_MLPBackward" not in names and "_LinearBackward" in names  # (the readout's)
     two = _loss_and_grads(model, ids)
     monkeypatch.setattr(modules.TransformerBlock, "_two_function_form", lambda self, x: None)
-    assert "_MLPBackward" in _backward_nodes(model(ids, ids))
+    assert "_MLPBackward" in backward_nodes(model(ids, ids))
     five = _loss_and_grads(model, ids)
     # The join weights move into the GEMMs' alphas, so each join, norm and GEMM may round
     # once differently: a few unit roundoffs (float32 2**-24, float64 2**-53) carried through
@@ -451,7 +438,7 @@ def test_fp8_layers_cast_the_same_tensors_in_two_functions(monkeypatch, scaling)
     model = uu.GPT(vocab_size=48, hidden_size=32, depth=2, heads=4, seq_len=12)
     simulate_fp8(model, FP8Config(scaling=scaling))
     ids = torch.randint(0, 48, (3, 11))
-    names = _backward_nodes(model(ids, ids))
+    names = backward_nodes(model(ids, ids))
     # (as Python Functions: the casts are Python callables)
     assert names.count("_NormQKVBackward") == 2 and names.count("_ProjNormMLPBackward") == 2
     seen: dict = {}

@@ -7,6 +7,7 @@ from typing import Dict, List, Optional
 
 import pytest
 import torch
+from helpers import backward_nodes
 
 from ipu_unit_scaling.ops import fused_blocks, native_layers
 
@@ -148,15 +149,8 @@ def test_a_second_backward_recomputes_what_the_first_let_go(native):
 
 def _layer_node_names(model: torch.nn.Module) -> List[str]:
     ids = torch.arange(10).view(2, 5)
-    seen, names, stack = set(), [], [model(ids, ids).grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.append(node.name())
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return [name for name in names if "NormQKV" in name or "ProjNormMLP" in name]
+    return [name for name in backward_nodes(model(ids, ids))
+            if "NormQKV" in name or "ProjNormMLP" in name]
 
 
 def test_the_switch_turns_the_nodes_off(native, monkeypatch):
