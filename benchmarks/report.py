@@ -52,8 +52,9 @@ OBSTACLES: Dict[str, str] = {
         "the tensors unit scaling adds that are held for the backward pass"
     ),
     "cast_fraction": (
-        "the fused amax + cast is bound by the arithmetic of the rounding as much as by memory "
-        "on this CPU; under load the two cores also share the copy's bandwidth unevenly"
+        "the fused amax + cast waits on the loads of the block whose amax it takes (prefetched "
+        "2 KiB ahead) and on the rounding's arithmetic; under load the two cores also share the "
+        "copy's bandwidth unevenly"
     ),
 }
 
