@@ -13,6 +13,8 @@ Functions, and :func:`status` says why.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import shutil
 import sys
@@ -68,17 +70,21 @@ def module() -> Optional[ModuleType]:
         return _loaded
     directory = build_directory()
     try:
-        from torch.utils import cpp_extension
-
         _put_ninja_on_path()
         directory.mkdir(parents=True, exist_ok=True)
         if not any(directory.glob("*.so")):
             sys.stderr.write(
                 f"ipu-unit-scaling: building the C++ transformer-layer nodes for torch "
                 f"{torch.__version__} in {directory} (once; about half a minute)\n")
-        _loaded = cpp_extension.load(
-            name="ius_native_layers", sources=[str(SOURCE)], build_directory=str(directory),
-            extra_cflags=["-O2"], verbose=False)
+        # torch's extension builder prints about CUDA on import in a CUDA build of torch on a
+        # machine without a GPU (torch 2.0): noise for a CPU extension, and a run's stderr is
+        # the user's. A failed build's output is in the exception, kept below.
+        with contextlib.redirect_stderr(io.StringIO()):
+            from torch.utils import cpp_extension
+
+            _loaded = cpp_extension.load(
+                name="ius_native_layers", sources=[str(SOURCE)],
+                build_directory=str(directory), extra_cflags=["-O2"], verbose=False)
     except Exception as error:  # no compiler, no ninja, a failed build: Python Functions
         lines = str(error).strip().splitlines()
         _failure = f"{type(error).__name__}: {lines[-1] if lines else ''}"

@@ -195,3 +195,17 @@ def test_a_failed_build_leaves_the_python_functions(monkeypatch, tmp_path):
     torch.manual_seed(0)
     model = uu.GPT(vocab_size=16, hidden_size=16, depth=1, heads=2, seq_len=8)
     assert sorted(_layer_node_names(model)) == ["_NormQKVBackward", "_ProjNormMLPBackward"]
+
+
+def test_loading_the_built_nodes_writes_nothing(native):
+    """Once built, loading the nodes in a fresh process prints nothing: a run's stderr is the
+    user's (torch 2.0's extension builder, imported in a CUDA build of torch without a GPU,
+    prints about CUDA)."""
+    import subprocess
+    import sys
+
+    code = ("from ipu_unit_scaling.ops import native_layers\n"
+            "assert native_layers.module() is not None, native_layers.status()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout == "" and done.stderr == "", done
