@@ -7,7 +7,7 @@ from typing import Callable, Iterator
 
 import pytest
 import torch
-from helpers import ROOT, TEXT, require_host_library, run, train_args
+from helpers import ROOT, TEXT, built_native_layers, require_host_library, run, train_args
 
 
 def _step_losses(config, backend: str, calls: int) -> torch.Tensor:
@@ -136,14 +136,10 @@ def layer_form(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) 
     """Each float transformer layer as two Python autograd Functions, or as their C++ nodes
     (`ops.native_layers`). The C++ form is skipped only where it cannot be built for want of
     a compiler or ninja, or is switched off; a failed build is a failure."""
-    import shutil
-
     from ipu_unit_scaling.ops import native_layers
 
     if request.param == "python":
         monkeypatch.setattr(native_layers, "module", lambda: None)
-    elif native_layers.module() is None:
-        if native_layers.switched_off() or not (shutil.which("c++") and shutil.which("ninja")):
-            pytest.skip(native_layers.status())
-        pytest.fail(native_layers.status())
+    else:
+        built_native_layers()
     return str(request.param)

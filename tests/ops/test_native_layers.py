@@ -2,12 +2,11 @@
 Python Functions they stand for, argument by argument, and the fall-back where they are off."""
 from __future__ import annotations
 
-import shutil
 from typing import Dict, List, Optional
 
 import pytest
 import torch
-from helpers import backward_nodes
+from helpers import backward_nodes, built_native_layers
 
 from ipu_unit_scaling.ops import fused_blocks, native_layers
 
@@ -16,12 +15,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def native():
-    extension = native_layers.module()
-    if extension is None:
-        if native_layers.switched_off() or not (shutil.which("c++") and shutil.which("ninja")):
-            pytest.skip(native_layers.status())
-        pytest.fail(native_layers.status())
-    return extension
+    return built_native_layers()
 
 
 def _tensors(dtype: torch.dtype, seed: int, **shapes) -> Dict[str, torch.Tensor]:
