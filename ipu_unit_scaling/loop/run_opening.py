@@ -30,6 +30,7 @@ from ..training.run_directory import (
     SCALE_REPORT_FILE,
     SUMMARY_FILE,
     TASK_FILE,
+    TELEMETRY_FILE,
     TENSORBOARD_DIR,
     TOKENIZER_FILE,
     RunError,
@@ -365,6 +366,7 @@ def rewrite_for_resume(run: OpenedRun, step: int) -> None:
     atomic_write(run.run_dir / METRICS_FILE,
                  metrics_up_to(run.run_dir, step, METRIC_FIELDS + run.task.metric_columns))
     keep_report_rows_up_to(run.run_dir / SCALE_REPORT_FILE, step)
+    keep_report_rows_up_to(run.run_dir / TELEMETRY_FILE, step)
     _write_settings(run.run_dir, run.config, run.corpus, run.task, run.init_from)
 
 

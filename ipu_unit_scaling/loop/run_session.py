@@ -3,6 +3,7 @@ an opened run, advanced step by step by :func:`.training_loop.train`.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -27,6 +28,7 @@ from ..training.run_directory import (
     CONFIG_FILE,
     METRIC_FIELDS,
     METRICS_FILE,
+    TELEMETRY_FILE,
     RunError,
     state_mismatch,
 )
@@ -36,6 +38,7 @@ from ..training.run_records import (
     recorded_settings,
     save_checkpoint,
 )
+from ..training.telemetry import Telemetry
 from ..training.tensorboard_log import TensorBoardLog
 from .run_opening import OpenedRun, check_start, rewrite_for_resume, schedule_settings
 from .run_outcomes import (
@@ -119,8 +122,43 @@ class TrainingSession:
                                           self.step)
         if self.tensorboard.note:  # where its scalars go, or why they are not written
             run.notes.append(self.tensorboard.note)
+        self.telemetry = self._open_telemetry(run)
         # Elapsed time counts on from the checkpoint's: a resumed run's figures are the run's.
         self.started = time.perf_counter() - self.elapsed_before
+
+    def _open_telemetry(self, run: OpenedRun) -> Optional[Telemetry]:
+        section = self.config.telemetry
+        if not section.interval:
+            return None
+        telemetry = Telemetry(
+            self.model, self.optimizer,
+            run.run_dir / TELEMETRY_FILE if self.writes and self.trains else None,
+            config=section, fp8=self.config.precision.fp8, log=None,
+            fresh=run.state is None, on_rows=self._telemetry_to_tensorboard)
+        if run.state is not None and isinstance(run.state.get("telemetry"), dict):
+            telemetry.monitor.load_state_dict(run.state["telemetry"])
+        return telemetry
+
+    def _telemetry_to_tensorboard(self, rows: List[Dict[str, Any]]) -> None:
+        scalars: Dict[str, Optional[float]] = {}
+        biases, ratios = [], []
+        for row in rows:
+            site, kind = row["site"], row["kind"]
+            if kind == "cast":
+                for name in ("flushed_fraction", "saturated_fraction", "log2_scale", "sqnr_db"):
+                    scalars[f"telemetry/{site}/{name}"] = float(row[name])
+                biases.append(float(row["log2_scale"]))
+            elif kind == "param" and row["update_ratio"] and row["update_ratio"] > 0:
+                scalars[f"telemetry/{site}/update_ratio"] = row["update_ratio"]
+                ratios.append(math.log10(row["update_ratio"]))
+            elif kind == "attention":
+                scalars[f"telemetry/{site}/largest_logit"] = row["amax"]
+        if rows:
+            step = rows[0]["step"]
+            self.tensorboard.log(step, {k: v for k, v in scalars.items()
+                                        if v is not None and math.isfinite(v)})
+            self.tensorboard.histogram(step, "telemetry/scaling_bias", biases)
+            self.tensorboard.histogram(step, "telemetry/log10_update_ratio", ratios)
 
     def _rewrite_for_resume(self, run: OpenedRun) -> None:
         check_start(run)
@@ -157,10 +195,15 @@ class TrainingSession:
         return str(self.last_checkpoint or "none")
 
     def train_call(self, inputs: Tensor, labels: Tensor) -> List[float]:
-        """One call of the training model: ``device_iterations`` optimizer steps."""
+        """One call of the training model: ``device_iterations`` optimizer steps (recorded by
+        the run's telemetry when it makes a sampled step)."""
+        iterations = self.config.ipu.device_iterations
+        recording = self.telemetry.call(self.step, self.step + iterations) \
+            if self.telemetry is not None else contextlib.nullcontext()
         tick = time.perf_counter()
         try:
-            _, losses = self.wrapper(inputs, labels)
+            with recording:
+                _, losses = self.wrapper(inputs, labels)
             self.weights_on_device = True
         except Exception as error:
             # (a pipeline stage's failure comes wrapped in the schedule's RuntimeError)
@@ -180,7 +223,6 @@ class TrainingSession:
         self.seconds = time.perf_counter() - tick
         self.train_seconds += self.seconds
         self.trained_tokens += inputs.numel()
-        iterations = self.config.ipu.device_iterations
         return losses.detach().float().view(iterations, -1).mean(1).tolist()
 
     def _weights_to_host(self) -> None:
@@ -245,6 +287,8 @@ class TrainingSession:
             "train/loss": loss, "train/lr": lr, "train/tokens_per_s": self.tokens_per_s,
             "val/loss": val_loss, **{f"val/{name}": value for name, value in evaluated.items()},
         })
+        if self.telemetry is not None:
+            self.telemetry.check_loss(self.step, loss)
         if self._diverged(loss):
             raise self._divergence("loss", loss, self.step)
         self.last_train = loss
@@ -277,6 +321,8 @@ class TrainingSession:
             raise self._divergence("validation loss of the weights to checkpoint",
                                    val_loss, self.step)
         self.metrics.sync()
+        if self.telemetry is not None:
+            self.telemetry.log.sync()
         if self.writes:
             save_checkpoint(self.checkpoint_path, self._checkpoint(val_loss))
         self.last_checkpoint = self.checkpoint_path
@@ -310,10 +356,15 @@ class TrainingSession:
             "val_metrics": self.val_metrics,
             # (what config.yaml must still say for every reader of the run)
             "settings": recorded_settings(self.config),
+            # (so that a resumed run warns as the uninterrupted one would have)
+            "telemetry": None if self.telemetry is None else
+            self.telemetry.monitor.state_dict(),
         }
 
     def close(self) -> None:
         self.metrics.close()
+        if self.telemetry is not None:
+            self.telemetry.close()
         self.tensorboard.close()
         self.wrapper.destroy()
 

@@ -14,6 +14,9 @@ written)::
                      validation metrics) on evaluation steps
     checkpoint.pt    model, optimizer, RNG states (the batch generator's is the data
                      position), step and progress, behind a checksum
+    telemetry.csv    what the FP8 casts, parameters and attention did at sampled steps, and
+                     the early warnings (see ipu_unit_scaling.training.telemetry)
+    health.png       the telemetry as heat maps and scaling-bias tracks
     summary.json     final losses, baselines, throughput and how the run ended (while it
                      runs: its progress at its last checkpoint)
     loss.png         training and validation loss against the unigram baseline
@@ -200,6 +203,8 @@ def _train(
     bar = _progress_bar(training.steps, session.step, show_bar, desc)
     say = bar.write if bar is not None else (lambda text: None) if quiet else log
 
+    if session.telemetry is not None:
+        session.telemetry.say = say  # its early warnings, in the training log
     unigram = session.unigram
     if session.step == 0:
         say(f"{desc}: {corpus.source}, {len(corpus.train)} train / {len(corpus.val)} val "

@@ -47,6 +47,7 @@ from .config_files import (
     type_error_message,
 )
 from .config_names import MAX_SEED, REGIMES
+from .telemetry import TelemetryConfig, telemetry_problems
 
 BACKEND_NAMES = ("auto", "ipu", "ipu_model", "emulator", "cpu", "popxl", "distributed")
 DTYPES = ("fp32", "fp16", "fp8")
@@ -160,6 +161,7 @@ class Config:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     compare: CompareConfig = field(default_factory=CompareConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     backend: str = "auto"
 
     def to_dict(self) -> Dict[str, Any]:
@@ -422,6 +424,8 @@ def _check_training(config: Config, error: Any, choice: Any, at_least: Any) -> N
     at_least("training.eval_interval", training.eval_interval, 0)
     at_least("training.eval_batches", training.eval_batches, 1)
     at_least("training.checkpoint_interval", training.checkpoint_interval, 0)
+    for key, message in telemetry_problems(config.telemetry):
+        error(f"telemetry.{key}", message)
 
 
 def resolve_layers_per_ipu(layers_per_ipu: Sequence[int], depth: int, ipus: int) -> List[int]:

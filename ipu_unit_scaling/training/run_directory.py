@@ -39,6 +39,7 @@ except ImportError:  # not POSIX: runs go unlocked
 __all__ = [
     "RunError", "CONFIG_FILE", "TOKENIZER_FILE", "TASK_FILE", "METRICS_FILE", "CHECKPOINT_FILE",
     "SUMMARY_FILE", "PLOT_FILE", "SCALE_REPORT_FILE", "TENSORBOARD_DIR", "LOCK_FILE",
+    "TELEMETRY_FILE", "HEALTH_PLOT_FILE",
     "ARTEFACTS", "COMPARE_FILES",
     "EVALUATION_FILES", "METRIC_FIELDS", "leftovers", "error_naming", "not_a_directory",
     "state_mismatch",
@@ -56,13 +57,16 @@ CHECKPOINT_FILE = "checkpoint.pt"
 SUMMARY_FILE = "summary.json"
 PLOT_FILE = "loss.png"
 SCALE_REPORT_FILE = "scale_report.csv"
+TELEMETRY_FILE = "telemetry.csv"  # see ipu_unit_scaling.training.telemetry_log
+HEALTH_PLOT_FILE = "health.png"
 TENSORBOARD_DIR = "tensorboard"  # the run's scalars as TensorBoard event files, a directory
 # A fine-tuning run's start (the run it fine-tunes), written before its config: a run killed
 # before its first checkpoint resumes as the fine-tune it was.
 INIT_FROM_FILE = "init_from.json"
 LOCK_FILE = ".lock"
 ARTEFACTS = (CONFIG_FILE, TOKENIZER_FILE, TASK_FILE, INIT_FROM_FILE, METRICS_FILE,
-             CHECKPOINT_FILE, SUMMARY_FILE, PLOT_FILE, SCALE_REPORT_FILE)
+             CHECKPOINT_FILE, SUMMARY_FILE, PLOT_FILE, SCALE_REPORT_FILE, TELEMETRY_FILE,
+             HEALTH_PLOT_FILE)
 COMPARE_FILES = ("compare.md", "compare.json", "compare.png")
 EVALUATION_FILES = ("evaluate.md", "evaluate.json")  # what `evaluate` adds to a trained run
 METRIC_FIELDS = ("step", "lr", "train_loss", "val_loss", "tokens_per_s", "elapsed_s")

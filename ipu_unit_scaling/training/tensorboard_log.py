@@ -4,16 +4,20 @@ Every run then writes event files into ``<run_dir>/tensorboard/``, so ``tensorbo
 runs`` shows all runs side by side: ``train/loss``, ``train/lr`` and ``train/tokens_per_s`` at
 every step, ``val/loss`` (and a task's other validation metrics, e.g. ``val/accuracy``) at
 every evaluation. ``metrics.csv`` holds the same numbers, exactly; TensorBoard stores them as
-float32.
+float32. With telemetry on, each sampled step adds ``telemetry/<site>/...`` scalars (a cast
+site's flushed and saturated fractions, scaling bias and SQNR, a parameter's update/weight
+ratio, an attention layer's largest logit) and two histograms: the scaling biases of every
+cast site, and the log10 update/weight ratios of every parameter.
 
 A resumed run continues at its checkpoint's step: it tells TensorBoard to hide what the killed
 process logged after that step (the events' purge step), so each step shows once.
 """
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 from .run_directory import TENSORBOARD_DIR
 
@@ -61,6 +65,15 @@ class TensorBoardLog:
         for tag, value in scalars.items():
             if value is not None:
                 self.writer.add_scalar(tag, value, step)
+
+    def histogram(self, step: int, tag: str, values: Sequence[float]) -> None:
+        """A histogram of ``values`` at ``step`` (non-finite values left out)."""
+        finite = [v for v in values if math.isfinite(v)]
+        if self.writer is None or not finite:
+            return
+        import numpy
+
+        self.writer.add_histogram(tag, numpy.asarray(finite, dtype=numpy.float64), step)
 
     def flush(self) -> None:
         if self.writer is not None:

@@ -1,0 +1,250 @@
+"""Early warnings from a run's telemetry, and the health summary of a run directory.
+
+:class:`HealthMonitor` reads each sampled step's telemetry rows (and every step's loss) as the
+run makes them and returns a warning row for each threshold crossed
+(:class:`~ipu_unit_scaling.training.telemetry.TelemetryConfig`): one line naming the step, the
+site and what crossed which threshold. It warns once per (site, kind) until that site
+recovers, so a layer that stays out of range is one line, not one per step. Kinds:
+
+- ``flushed``: a cast site's flushed fraction passes ``flushed_warning``;
+- ``saturated``: its saturated fraction passes ``saturated_warning``;
+- ``range``: its scaled RMS comes within ``range_margin`` binades of the format's largest
+  value, or its scaling bias within ``range_margin`` of the clamp at +-31 (AMAX scaling has
+  run out of room to follow the tensor);
+- ``update_ratio``: a parameter's update/weight ratio passes ``update_ratio_max``, or is more
+  than ``update_ratio_spread`` times the median of its role;
+- ``attention_logit``: an attention layer's largest logit passes ``attention_logit_max``;
+- ``loss_spike``: a step's training loss is more than ``loss_spike`` above the mean of the
+  ten steps before it, relatively.
+
+:func:`run_health` summarises a run's telemetry file per site for ``ipu-unit-scaling health``.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple
+
+from ..fp8.fp8_formats import get_format
+from .telemetry import TelemetryConfig
+
+__all__ = ["HealthMonitor", "WARNING_KINDS", "run_health", "format_health_table"]
+
+WARNING_KINDS = ("flushed", "saturated", "range", "update_ratio", "attention_logit",
+                 "loss_spike")
+MAX_LOG2_SCALE = 31  # the clamp of the AMAX rule's scaling bias
+_LOSS_WINDOW = 10
+
+
+class HealthMonitor:
+    """Turns telemetry rows into warning rows (see the module docstring)."""
+
+    def __init__(self, config: TelemetryConfig) -> None:
+        self.config = config
+        self.active: Set[Tuple[str, str]] = set()
+        self.losses: Deque[float] = deque(maxlen=_LOSS_WINDOW)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What a checkpoint keeps, so that a resumed run warns as the uninterrupted one."""
+        return {"active": sorted(list(pair) for pair in self.active),
+                "losses": list(self.losses)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.active = {(str(site), str(kind)) for site, kind in state.get("active", [])}
+        self.losses = deque((float(v) for v in state.get("losses", [])), maxlen=_LOSS_WINDOW)
+
+    def check(self, rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+        """Warning rows for one step's telemetry rows (loss rows included)."""
+        found: Dict[Tuple[str, str], Tuple[int, str]] = {}
+        checked: Set[Tuple[str, str]] = set()
+        ratios: Dict[str, List[float]] = {}
+        for row in rows:
+            if row.get("kind") == "param" and _finite(row.get("update_ratio")):
+                ratios.setdefault(row["role"], []).append(row["update_ratio"])
+        for row in rows:
+            kind = row.get("kind")
+            if kind == "cast":
+                self._check_cast(row, found, checked)
+            elif kind == "param":
+                self._check_param(row, ratios.get(row["role"], []), found, checked)
+            elif kind == "attention":
+                checked.add((row["site"], "attention_logit"))
+                if _finite(row.get("amax")) and row["amax"] > self.config.attention_logit_max:
+                    found[(row["site"], "attention_logit")] = (row["step"], (
+                        f"largest attention logit {row['amax']:.4g} > attention_logit_max "
+                        f"{self.config.attention_logit_max:g}"))
+            elif kind == "loss":
+                self._check_loss(row, found, checked)
+        # Sites checked and not found out of bounds have recovered: they may warn again.
+        self.active -= checked - set(found)
+        warnings = []
+        for (site, kind), (step, what) in found.items():
+            if (site, kind) in self.active:
+                continue
+            self.active.add((site, kind))
+            warnings.append(dict(step=step, kind="warning", site=site, role=kind,
+                                 note=f"warning: step {step}: {site}: {what}"))
+        return warnings
+
+    def _check_cast(self, row: Dict[str, Any], found: Dict[Tuple[str, str], Tuple[int, str]],
+                    checked: Set[Tuple[str, str]]) -> None:
+        site, step, config = row["site"], row["step"], self.config
+        for kind in ("flushed", "saturated", "range"):
+            checked.add((site, kind))
+        flushed = _number(row.get("flushed_fraction"))
+        saturated = _number(row.get("saturated_fraction"))
+        if flushed is not None and flushed > config.flushed_warning:
+            found[(site, "flushed")] = (step, f"{flushed:.1%} of its nonzero {row['role']} "
+                                              f"values flushed to zero in {row['format']} > "
+                                              f"flushed_warning {config.flushed_warning:g}")
+        if saturated is not None and saturated > config.saturated_warning:
+            found[(site, "saturated")] = (step, f"{saturated:.2%} of its {row['role']} values "
+                                                f"saturated {row['format']} > saturated_warning "
+                                                f"{config.saturated_warning:g}")
+        scale, rms = _number(row.get("log2_scale")), _number(row.get("rms"))
+        try:
+            top = math.log2(get_format(row["format"]).max)
+        except (ValueError, KeyError):
+            return
+        if scale is None:
+            return
+        if abs(scale) > MAX_LOG2_SCALE - config.range_margin:
+            found[(site, "range")] = (step, f"scaling bias {int(scale)} within "
+                                            f"{config.range_margin:g} of the clamp at "
+                                            f"+-{MAX_LOG2_SCALE} (range_margin)")
+        elif rms is not None and rms > 0 and \
+                math.log2(rms) + scale > top - config.range_margin:
+            found[(site, "range")] = (step, f"RMS {rms:.3g} at scaling bias {int(scale)} is "
+                                            f"within {config.range_margin:g} binades of "
+                                            f"{row['format']}'s largest value (range_margin)")
+
+    def _check_param(self, row: Dict[str, Any], role_ratios: List[float],
+                     found: Dict[Tuple[str, str], Tuple[int, str]],
+                     checked: Set[Tuple[str, str]]) -> None:
+        site, ratio, config = row["site"], _number(row.get("update_ratio")), self.config
+        checked.add((site, "update_ratio"))
+        if ratio is None:
+            return
+        if ratio > config.update_ratio_max:
+            found[(site, "update_ratio")] = (row["step"], (
+                f"update/weight ratio {ratio:.3g} > update_ratio_max "
+                f"{config.update_ratio_max:g}"))
+            return
+        if len(role_ratios) >= 3:
+            median = sorted(role_ratios)[len(role_ratios) // 2]
+            if median > 0 and ratio > config.update_ratio_spread * median:
+                found[(site, "update_ratio")] = (row["step"], (
+                    f"update/weight ratio {ratio:.3g} is {ratio / median:.3g}x the median of "
+                    f"its role ({row['role']}, {median:.3g}) > update_ratio_spread "
+                    f"{config.update_ratio_spread:g}"))
+
+    def _check_loss(self, row: Dict[str, Any], found: Dict[Tuple[str, str], Tuple[int, str]],
+                    checked: Set[Tuple[str, str]]) -> None:
+        raw = row.get("amax")
+        loss = _number(raw)
+        checked.add(("loss", "loss_spike"))
+        if len(self.losses) == self.losses.maxlen and loss is not None:
+            mean = sum(self.losses) / len(self.losses)
+            if mean > 0 and loss > (1 + self.config.loss_spike) * mean:
+                found[("loss", "loss_spike")] = (row["step"], (
+                    f"training loss {loss:.4f} is {loss / mean - 1:.0%} above the mean of the "
+                    f"{len(self.losses)} steps before it ({mean:.4f}) > loss_spike "
+                    f"{self.config.loss_spike:g}"))
+        if loss is not None:
+            self.losses.append(loss)
+        elif raw is not None:
+            found[("loss", "loss_spike")] = (row["step"], f"training loss is {raw}")
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def _number(value: Any) -> Optional[float]:
+    """``value`` as a float when it is a finite number, else None."""
+    return float(value) if _finite(value) else None
+
+
+def run_health(rows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """The health document of a run's telemetry rows: per cast site the worst flushed and
+    saturated fractions with their steps, the range of its scaling bias, the lowest and the
+    last SQNR; per attention layer its largest logit; every warning with its step, site and
+    kind; the steps sampled."""
+    sites: Dict[str, Dict[str, Any]] = {}
+    attention: Dict[str, Dict[str, Any]] = {}
+    warnings: List[Dict[str, Any]] = []
+    steps: Set[int] = set()
+    for row in rows:
+        kind, site, step = row["kind"], row["site"], row["step"]
+        if kind == "cast":
+            steps.add(step)
+            entry = sites.setdefault(site, dict(
+                site=site, role=row["role"], format=row["format"], worst_flushed=-1.0,
+                worst_flushed_step=None, worst_saturated=-1.0, worst_saturated_step=None,
+                log2_scale_min=math.inf, log2_scale_max=-math.inf, sqnr_db_min=math.inf,
+                sqnr_db_last=math.nan))
+            if _finite(row["flushed_fraction"]) and row["flushed_fraction"] > \
+                    entry["worst_flushed"]:
+                entry["worst_flushed"], entry["worst_flushed_step"] = \
+                    row["flushed_fraction"], step
+            if _finite(row["saturated_fraction"]) and row["saturated_fraction"] > \
+                    entry["worst_saturated"]:
+                entry["worst_saturated"], entry["worst_saturated_step"] = \
+                    row["saturated_fraction"], step
+            if _finite(row["log2_scale"]):
+                entry["log2_scale_min"] = min(entry["log2_scale_min"], int(row["log2_scale"]))
+                entry["log2_scale_max"] = max(entry["log2_scale_max"], int(row["log2_scale"]))
+            if not math.isnan(row["sqnr_db"]):
+                entry["sqnr_db_min"] = min(entry["sqnr_db_min"], row["sqnr_db"])
+                entry["sqnr_db_last"] = row["sqnr_db"]
+        elif kind == "attention":
+            entry = attention.setdefault(site, dict(site=site, largest_logit=-math.inf,
+                                                    step=None))
+            if _finite(row["amax"]) and row["amax"] > entry["largest_logit"]:
+                entry["largest_logit"], entry["step"] = row["amax"], step
+        elif kind == "warning":
+            warnings.append(dict(step=step, site=site, kind=row["role"], message=row["note"]))
+    for entry in sites.values():
+        for key in ("log2_scale_min", "log2_scale_max", "sqnr_db_min"):
+            if not math.isfinite(entry[key]):
+                entry[key] = None
+        for key in ("worst_flushed", "worst_saturated"):
+            if entry[key] < 0:
+                entry[key] = None
+    return {"sampled_steps": sorted(steps), "sites": list(sites.values()),
+            "attention": list(attention.values()), "warnings": warnings}
+
+
+def format_health_table(health: Dict[str, Any]) -> str:
+    """The health document as the table ``ipu-unit-scaling health`` prints."""
+    header = ("site", "role", "format", "worst flushed (step)", "worst saturated (step)",
+              "scaling bias", "SQNR dB min/last")
+    rows: List[Tuple[str, ...]] = [header]
+    for s in health["sites"]:
+        rows.append((
+            s["site"], s["role"], s["format"],
+            _fraction(s["worst_flushed"], s["worst_flushed_step"]),
+            _fraction(s["worst_saturated"], s["worst_saturated_step"]),
+            "-" if s["log2_scale_min"] is None else
+            f"{s['log2_scale_min']}..{s['log2_scale_max']}",
+            f"{_db(s['sqnr_db_min'])}/{_db(s['sqnr_db_last'])}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    steps = health["sampled_steps"]
+    lines.insert(0, f"{len(steps)} sampled steps" + (f" ({steps[0]}..{steps[-1]})"
+                                                      if steps else ""))
+    for a in health["attention"]:
+        lines.append(f"{a['site']}: largest attention logit {a['largest_logit']:.4g} "
+                     f"(step {a['step']})")
+    lines.append(f"{len(health['warnings'])} warnings")
+    lines += [w["message"] for w in health["warnings"]]
+    return "\n".join(lines)
+
+
+def _fraction(value: Optional[float], step: Optional[int]) -> str:
+    return "-" if value is None else f"{value:.2%} ({step})"
+
+
+def _db(value: Optional[float]) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) \
+        else f"{value:.1f}"
