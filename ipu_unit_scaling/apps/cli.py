@@ -250,6 +250,21 @@ def build_parser() -> argparse.ArgumentParser:
     analyse.add_argument("--run-dir", metavar="DIR", type=Path,
                          help="where to write the figure and table (default: runs/analyse-...)")
     _add_inference_commands(commands)
+    health = commands.add_parser(
+        "health", help="is a run healthy? its FP8 telemetry per site, and its warnings",
+        description="Read a run directory (finished, killed or still training) and print, per "
+                    "FP8 cast site, the worst flushed and saturated fractions and their steps, "
+                    "the range of its scaling bias and its SQNR; each attention layer's "
+                    "largest logit; and every early warning with its step. Changes nothing.",
+    )
+    health.add_argument("run_dir", metavar="RUN_DIR", type=Path, help="a run directory")
+    health.add_argument("--json", action="store_true",
+                        help="print a JSON document instead (its 'warnings' list has step, "
+                             "site and kind)")
+    health.add_argument("--params", action="store_true",
+                        help="also the u-μP inspector: each parameter's role, multipliers, "
+                             "init std, effective learning rate and measured update/weight "
+                             "ratio, outliers flagged")
     commands.add_parser(  # dispatched in main() before parsing: see apps/emulate.py
         "emulate", help="run an unchanged PopTorch program on the CPU, `import poptorch` "
         "resolved to the stand-in: emulate SCRIPT [ARGS...] | emulate -m MODULE [ARGS...]")
@@ -332,7 +347,8 @@ def _temperature(text: str) -> float:
 
 # Each command, and the module of apps/ that runs it (imported when the command runs).
 COMMANDS = {"train": "commands", "compare": "compare", "sweep": "commands",
-            "analyse": "commands", "evaluate": "commands", "sample": "commands"}
+            "analyse": "commands", "evaluate": "commands", "sample": "commands",
+            "health": "health"}
 
 
 def command_for(name: str) -> Callable[[argparse.Namespace], int]:

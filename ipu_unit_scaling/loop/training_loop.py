@@ -62,9 +62,11 @@ from ..training.finetune import check_same_model
 from ..training.precision import model_label
 from ..training.run_config import Config, scheduled_learning_rate, warmup_steps
 from ..training.run_directory import (
+    HEALTH_PLOT_FILE,
     METRICS_FILE,
     PLOT_FILE,
     SUMMARY_FILE,
+    TELEMETRY_FILE,
     RunError,
     RunLock,
     make_run_dir,
@@ -318,7 +320,9 @@ def _finish(session: TrainingSession, status: str, message: str,
         return summary
     if recorded is not None:
         summary = recorded
-        if os.path.isfile(run_dir / PLOT_FILE):
+        if os.path.isfile(run_dir / PLOT_FILE) and (
+                os.path.isfile(run_dir / HEALTH_PLOT_FILE) or
+                not os.path.isfile(run_dir / TELEMETRY_FILE)):
             return summary
     else:
         write_summary(summary)
@@ -327,7 +331,20 @@ def _finish(session: TrainingSession, status: str, message: str,
         plot_run(run_dir / METRICS_FILE, run_dir / PLOT_FILE, summary.unigram_baseline, title)
     except (ImportError, RuntimeError) as error:
         say(f"{PLOT_FILE} not written: {error}")
+    _plot_health(run_dir, title, say)
     return summary
+
+
+def _plot_health(run_dir: Path, title: str, say: Callable[[str], None]) -> None:
+    """health.png from the run's telemetry, where it recorded any."""
+    from ..training.health_plot import plot_health
+
+    if not os.path.isfile(run_dir / TELEMETRY_FILE):
+        return
+    try:
+        plot_health(run_dir / TELEMETRY_FILE, run_dir / HEALTH_PLOT_FILE, title)
+    except (ImportError, RuntimeError, RunError) as error:
+        say(f"{HEALTH_PLOT_FILE} not written: {error}")
 
 
 def _recorded_already(session: TrainingSession, summary: RunSummary) -> Optional[RunSummary]:

@@ -242,7 +242,9 @@ def format_health_table(health: Dict[str, Any]) -> str:
 
 
 def _fraction(value: Optional[float], step: Optional[int]) -> str:
-    return "-" if value is None else f"{value:.2%} ({step})"
+    if value is None:
+        return "-"
+    return "0" if value == 0 else f"{value:.2%} ({step})"
 
 
 def _db(value: Optional[float]) -> str:

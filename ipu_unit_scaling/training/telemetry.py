@@ -47,7 +47,8 @@ class TelemetryConfig:
     """The ``telemetry`` section of a run config: how often telemetry samples a step, and the
     thresholds of the early warnings (:mod:`ipu_unit_scaling.training.run_health`).
 
-    - ``interval``: steps between sampled steps (and step 1); 0 turns telemetry off.
+    - ``interval``: steps between sampled steps (and the powers of two below it); 0 turns
+      telemetry off.
     - ``flushed_warning``: a cast site's flushed fraction (of its nonzero values) that warns.
     - ``saturated_warning``: a cast site's saturated fraction that warns.
     - ``range_margin``: binades; warns when a cast's scaled RMS comes within this many binades
@@ -90,10 +91,13 @@ def telemetry_problems(config: TelemetryConfig) -> List[Tuple[str, str]]:
 
 def sampled(interval: int, before: int, after: int) -> bool:
     """Whether a call taking the run from step ``before`` to ``after`` makes a sampled step:
-    step 1, or a multiple of ``interval``."""
+    a multiple of ``interval``, or a power of two below it (training goes wrong early more
+    often than late, and these few samples see it)."""
     if interval <= 0:
         return False
-    return before == 0 or after // interval > before // interval
+    if after // interval > before // interval:
+        return True
+    return before < interval and (after.bit_length() > before.bit_length())
 
 
 def cast_role(site: str) -> str:
