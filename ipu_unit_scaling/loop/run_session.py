@@ -38,7 +38,7 @@ from ..training.run_records import (
     recorded_settings,
     save_checkpoint,
 )
-from ..training.telemetry import Telemetry
+from ..training.telemetry import Telemetry, sampled
 from ..training.tensorboard_log import TensorBoardLog
 from .run_opening import OpenedRun, check_start, rewrite_for_resume, schedule_settings
 from .run_outcomes import (
@@ -122,6 +122,9 @@ class TrainingSession:
                                           self.step)
         if self.tensorboard.note:  # where its scalars go, or why they are not written
             run.notes.append(self.tensorboard.note)
+        # A backend that traces the model (PopTorch, PopXL) runs no hook: its sampled steps
+        # are replayed on the host (Telemetry.replay).
+        self.traces_the_model = run.backend in ("ipu", "ipu_model", "emulator", "popxl")
         self.telemetry = self._open_telemetry(run)
         # Elapsed time counts on from the checkpoint's: a resumed run's figures are the run's.
         self.started = time.perf_counter() - self.elapsed_before
@@ -198,8 +201,15 @@ class TrainingSession:
         """One call of the training model: ``device_iterations`` optimizer steps (recorded by
         the run's telemetry when it makes a sampled step)."""
         iterations = self.config.ipu.device_iterations
-        recording = self.telemetry.call(self.step, self.step + iterations) \
-            if self.telemetry is not None else contextlib.nullcontext()
+        telemetry = self.telemetry
+        replay = telemetry is not None and self.traces_the_model and \
+            sampled(telemetry.config.interval, self.step, self.step + iterations)
+        before: Dict[str, Tensor] = {}
+        if replay:
+            self._weights_to_host()
+            before = {name: p.detach().clone() for name, p in self.model.named_parameters()}
+        recording = telemetry.call(self.step, self.step + iterations) \
+            if telemetry is not None and not self.traces_the_model else contextlib.nullcontext()
         tick = time.perf_counter()
         try:
             with recording:
@@ -223,7 +233,19 @@ class TrainingSession:
         self.seconds = time.perf_counter() - tick
         self.train_seconds += self.seconds
         self.trained_tokens += inputs.numel()
+        if replay and telemetry is not None:
+            self._weights_to_host()
+            telemetry.replay(self.step + iterations, before, self._last_step_batches(
+                inputs, labels), lambda x, y: self.model(x, y, return_logits=True)[0])
         return losses.detach().float().view(iterations, -1).mean(1).tolist()
+
+    def _last_step_batches(self, inputs: Tensor, labels: Tensor) -> List[Tuple[Tensor, Tensor]]:
+        """The micro-batches of the call's last optimizer step (PopTorch's batching rule)."""
+        ipu = self.config.ipu
+        per_step = ipu.gradient_accumulation * ipu.replication_factor
+        chunks = list(zip(inputs.chunk(per_step * ipu.device_iterations),
+                          labels.chunk(per_step * ipu.device_iterations)))
+        return chunks[-per_step:]
 
     def _weights_to_host(self) -> None:
         if self.weights_on_device:

@@ -39,7 +39,7 @@ from ..parametrization.inspector import parameter_roles
 from .telemetry_log import TelemetryLog
 
 __all__ = ["TelemetryConfig", "TelemetryRecorder", "Telemetry", "telemetry_problems",
-           "cast_role", "sampled"]
+           "cast_role", "sampled", "pooled_casts", "AS_IF_CAST"]
 
 
 @dataclass(frozen=True)
@@ -61,13 +61,16 @@ class TelemetryConfig:
       running mean of the steps before it.
     """
 
-    interval: int = 10
-    flushed_warning: float = 0.05
+    # The thresholds' defaults come from healthy and broken runs of the default GPT
+    # (docs/guide/health.md): each sits between the worst healthy run and the first sign of a
+    # broken one.
+    interval: int = 50
+    flushed_warning: float = 0.2
     saturated_warning: float = 0.001
     range_margin: float = 1.0
     update_ratio_spread: float = 10.0
-    update_ratio_max: float = 0.5
-    attention_logit_max: float = 30.0
+    update_ratio_max: float = 0.25
+    attention_logit_max: float = 100.0
     loss_spike: float = 0.25
 
 
@@ -87,6 +90,10 @@ def telemetry_problems(config: TelemetryConfig) -> List[Tuple[str, str]]:
         if not (math.isfinite(value) and value > low):
             problems.append((name, f"got {value!r}; allowed: a finite number > {low:g}"))
     return problems
+
+
+# The note of a cast row recorded beside a model without FP8 casts: no warning is raised on it.
+AS_IF_CAST = "as if cast: the run is not FP8"
 
 
 def sampled(interval: int, before: int, after: int) -> bool:
@@ -141,20 +148,20 @@ class TelemetryRecorder:
         self._updated = {}
         with ExitStack() as stack:
             stats = stack.enter_context(fp8_stats())
-            for handle in self._hooks():
+            for handle in self._hooks(self.optimizer):
                 stack.callback(handle.remove)
             yield stats.records
 
-    def _hooks(self) -> List[Any]:
+    def _hooks(self, optimizer: Optional[torch.optim.Optimizer]) -> List[Any]:
         handles: List[Any] = []
         for name, module in self.model.named_modules():
             if isinstance(module, SelfAttention):
                 handles.append(module.qkv.register_forward_hook(self._logit_hook(name, module)))
             if not self.has_fp8_casts and isinstance(module, nn.Linear):
                 handles.append(module.register_forward_hook(self._cast_hook(name)))
-        if self.optimizer is not None:
-            handles.append(self.optimizer.register_step_pre_hook(self._before_step))
-            handles.append(self.optimizer.register_step_post_hook(self._after_step))
+        if optimizer is not None:
+            handles.append(optimizer.register_step_pre_hook(self._before_step))
+            handles.append(optimizer.register_step_post_hook(self._after_step))
         return handles
 
     def _cast_hook(self, name: str) -> Callable[..., None]:
@@ -209,10 +216,24 @@ class TelemetryRecorder:
         self._updated = {name: p.detach() for name, p in self.model.named_parameters()
                          if name in self._before}
 
+    def learning_rates(self) -> Dict[str, float]:
+        """Each parameter's learning rate in the optimizer's groups now, by name."""
+        if self.optimizer is None:
+            return {}
+        return {self._names[id(p)]: float(group["lr"]) for group in self.optimizer.param_groups
+                for p in group["params"] if id(p) in self._names}
+
+    def set_step(self, before: Dict[str, torch.Tensor], after: Dict[str, torch.Tensor],
+                 grad_rms: Dict[str, float], rates: Dict[str, float]) -> None:
+        """The parameters' figures of a step made where the optimizer's hooks do not run."""
+        self._before, self._updated = dict(before), dict(after)
+        self._grad_rms, self._rates = dict(grad_rms), dict(rates)
+
     def rows(self, step: int, records: List[CastRecord]) -> List[Dict[str, Any]]:
         """The telemetry rows of the sampled call that ended at ``step``."""
-        rows = [dict(step=step, kind="cast", site=site, role=cast_role(site), **figures)
-                for site, figures in pooled_casts(records).items()]
+        beside = "" if self.has_fp8_casts else AS_IF_CAST
+        rows = [dict(step=step, kind="cast", site=site, role=cast_role(site), note=beside,
+                     **figures) for site, figures in pooled_casts(records).items()]
         for name, before in self._before.items():
             after = self._updated.get(name)
             if after is None:
@@ -314,6 +335,38 @@ class Telemetry:
         with self.recorder.recording() as records:
             yield
         self.write(self.recorder.rows(after, records))
+
+    def replay(self, step: int, before: Dict[str, torch.Tensor],
+               batches: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+               loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        """Records step ``step`` of a device that traced the model (PopTorch, PopXL), where no
+        hook runs: its casts, gradients and attention logits from the same step replayed on the
+        host, from the weights ``before`` it (by name) on its micro-``batches``; its update
+        from those and the weights the model holds now, copied back from the device.
+        ``loss_of(inputs, labels)`` is the model's loss. The model is left as it was."""
+        recorder = self.recorder
+        model = recorder.model
+        parameters = dict(model.named_parameters())
+        after = {name: p.detach().clone() for name, p in parameters.items()}
+        held = {name: p.grad for name, p in parameters.items()}
+        rates = recorder.learning_rates()
+        try:
+            with torch.no_grad():
+                for name, p in parameters.items():
+                    p.copy_(before[name])
+                    p.grad = None
+            with recorder.recording() as records, torch.enable_grad():
+                for inputs, labels in batches:
+                    (loss_of(inputs, labels) / len(batches)).backward()
+            grad_rms = {name: math.nan if p.grad is None else _rms(p.grad)
+                        for name, p in parameters.items()}
+        finally:
+            with torch.no_grad():
+                for name, p in parameters.items():
+                    p.copy_(after[name])
+                    p.grad = held[name]
+        recorder.set_step(before, after, grad_rms, rates)
+        self.write(recorder.rows(step, records))
 
     def loss(self, step: int, loss: float) -> None:
         """A loss row for ``step``, and a warning if it spikes."""
