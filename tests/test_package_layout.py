@@ -600,7 +600,6 @@ UNTESTED_TODAY = {
     "loop.masked_lm",
     "loop.run_opening",
     "loop.run_outcomes",
-    "loop.run_session",
     "loop.stop_signals",
     # models layer
     "models",

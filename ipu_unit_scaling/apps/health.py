@@ -32,7 +32,7 @@ from ..training.run_directory import (
     not_a_directory,
 )
 
-__all__ = ["command_health", "health_document", "inspect_config", "main"]
+__all__ = ["command_health", "health_document", "inspect_config", "inspect_main"]
 
 _OTHER_KINDS = {"compare.md": "compare", "compare.json": "compare", "sweep.md": "sweep",
                 "sweep.json": "sweep", "scales.txt": "analyse"}
@@ -167,7 +167,7 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def inspect_main(argv: Optional[Sequence[str]] = None) -> int:
     """The inspector on a config, without training (see the module docstring)."""
     from ..training.config_files import ConfigError
     from ..training.run_config import load_config
@@ -196,4 +196,4 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(inspect_main())

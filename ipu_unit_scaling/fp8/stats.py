@@ -83,7 +83,9 @@ def fp8_stats() -> Iterator[Fp8Stats]:
     try:
         yield stats
     finally:
-        _active.remove(stats)
+        # By identity: two collections with the same records are equal, and a block may sit
+        # inside another (a run's telemetry inside a user's fp8_stats).
+        _active[:] = [other for other in _active if other is not stats]
 
 
 def stats_enabled() -> bool:
@@ -124,14 +126,18 @@ def record_cast(
             torch.dot(flat, flat).double(), torch.dot(error, error).double(),
         ]).tolist()
     nonzero, zero_codes, saturated, signal_energy, error_energy = figures
+    if math.isinf(signal_energy) or math.isinf(error_energy):  # float32 squares overflowed
+        with torch.no_grad():
+            signal_energy = float(flat.double().square().sum())
+            error_energy = float(error.double().square().sum())
     # Zeros (of either sign) encode to a zero code, non-finite values never do: the other zero
     # codes are the nonzero finite values that flushed.
     flushed = zero_codes - (finite_count - nonzero)
     unscale = math.ldexp(1.0, -int(log2_scale))
     if signal_energy == 0:
         sqnr = math.nan
-    elif math.isnan(error_energy):  # the "nan" overflow policy made a finite input NaN
-        sqnr = -math.inf
+    elif math.isnan(error_energy) or math.isinf(error_energy):
+        sqnr = -math.inf  # a finite input became NaN or inf (the "nan" overflow policy)
     elif error_energy == 0:
         sqnr = math.inf
     else:

@@ -47,7 +47,7 @@ from .config_files import (
     type_error_message,
 )
 from .config_names import MAX_SEED, REGIMES
-from .telemetry import TelemetryConfig, telemetry_problems
+from .run_health import TelemetryConfig, telemetry_problems
 
 BACKEND_NAMES = ("auto", "ipu", "ipu_model", "emulator", "cpu", "popxl", "distributed")
 DTYPES = ("fp32", "fp16", "fp8")

@@ -2,7 +2,7 @@
 
 :class:`HealthMonitor` reads each sampled step's telemetry rows (and every step's loss) as the
 run makes them and returns a warning row for each threshold crossed
-(:class:`~ipu_unit_scaling.training.telemetry.TelemetryConfig`): one line naming the step, the
+(:class:`TelemetryConfig`, the run config's ``telemetry`` section): one line naming the step, the
 site and what crossed which threshold. It warns once per (site, kind) until that site
 recovers, so a layer that stays out of range is one line, not one per step. Kinds:
 
@@ -23,17 +23,68 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
 from ..fp8.fp8_formats import get_format
-from .telemetry import TelemetryConfig
 
-__all__ = ["HealthMonitor", "WARNING_KINDS", "run_health", "format_health_table"]
+__all__ = ["TelemetryConfig", "telemetry_problems", "HealthMonitor", "WARNING_KINDS",
+           "run_health", "format_health_table"]
 
 WARNING_KINDS = ("flushed", "saturated", "range", "update_ratio", "attention_logit",
                  "loss_spike")
 MAX_LOG2_SCALE = 31  # the clamp of the AMAX rule's scaling bias
 _LOSS_WINDOW = 10
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    """The ``telemetry`` section of a run config: how often telemetry samples a step, and the
+    thresholds of the early warnings (:mod:`ipu_unit_scaling.training.run_health`).
+
+    - ``interval``: steps between sampled steps (and the powers of two below it); 0 turns
+      telemetry off.
+    - ``flushed_warning``: a cast site's flushed fraction (of its nonzero values) that warns.
+    - ``saturated_warning``: a cast site's saturated fraction that warns.
+    - ``range_margin``: binades; warns when a cast's scaled RMS comes within this many binades
+      of the format's largest value, or its scaling bias within this of the clamp (+-31).
+    - ``update_ratio_spread``: warns when a parameter's update/weight ratio is this many times
+      above the median of its role at that step.
+    - ``update_ratio_max``: warns when a parameter's update/weight ratio passes this.
+    - ``attention_logit_max``: warns when an attention layer's largest logit passes this.
+    - ``loss_spike``: warns when a step's training loss is more than this fraction above the
+      running mean of the steps before it.
+    """
+
+    # The thresholds' defaults come from healthy and broken runs of the default GPT
+    # (docs/guide/health.md): each sits between the worst healthy run and the first sign of a
+    # broken one.
+    interval: int = 50
+    flushed_warning: float = 0.1
+    saturated_warning: float = 0.001
+    range_margin: float = 1.0
+    update_ratio_spread: float = 10.0
+    update_ratio_max: float = 0.25
+    attention_logit_max: float = 100.0
+    loss_spike: float = 0.25
+
+
+def telemetry_problems(config: TelemetryConfig) -> List[Tuple[str, str]]:
+    """(key, message) for each field of ``config`` out of its range."""
+    problems: List[Tuple[str, str]] = []
+    if config.interval < 0:
+        problems.append(("interval", f"got {config.interval}; allowed: 0 (off) or more"))
+    for name in ("flushed_warning", "saturated_warning"):
+        value = getattr(config, name)
+        if not 0.0 < value <= 1.0:
+            problems.append((name, f"got {value!r}; allowed: 0 < x <= 1 (a fraction)"))
+    for name, low in (("range_margin", 0.0), ("update_ratio_spread", 1.0),
+                      ("update_ratio_max", 0.0), ("attention_logit_max", 0.0),
+                      ("loss_spike", 0.0)):
+        value = getattr(config, name)
+        if not (math.isfinite(value) and value > low):
+            problems.append((name, f"got {value!r}; allowed: a finite number > {low:g}"))
+    return problems
 
 
 class HealthMonitor:

@@ -1,7 +1,7 @@
 """Run telemetry: what the FP8 casts, the parameters and attention did, at sampled steps.
 
-At every ``interval``-th step (:class:`TelemetryConfig`), a :class:`TelemetryRecorder` records,
-for the training call that makes that step:
+At every ``interval``-th step (:class:`~ipu_unit_scaling.training.run_health.TelemetryConfig`),
+a :class:`TelemetryRecorder` records, for the training call that makes that step:
 
 - every FP8 cast site: role, format, scaling bias, amax, RMS, flushed and saturated fractions
   and SQNR, from the casts themselves (:func:`ipu_unit_scaling.fp8.fp8_stats`). A model without
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -36,60 +35,11 @@ from ..fp8.scaling import cast_to_fp8
 from ..fp8.stats import CastRecord
 from ..modules.gpt_blocks import SelfAttention
 from ..parametrization.inspector import parameter_roles
+from .run_health import HealthMonitor, TelemetryConfig, telemetry_problems
 from .telemetry_log import TelemetryLog
 
-__all__ = ["TelemetryConfig", "TelemetryRecorder", "Telemetry", "telemetry_problems",
-           "cast_role", "sampled", "pooled_casts", "AS_IF_CAST"]
-
-
-@dataclass(frozen=True)
-class TelemetryConfig:
-    """The ``telemetry`` section of a run config: how often telemetry samples a step, and the
-    thresholds of the early warnings (:mod:`ipu_unit_scaling.training.run_health`).
-
-    - ``interval``: steps between sampled steps (and the powers of two below it); 0 turns
-      telemetry off.
-    - ``flushed_warning``: a cast site's flushed fraction (of its nonzero values) that warns.
-    - ``saturated_warning``: a cast site's saturated fraction that warns.
-    - ``range_margin``: binades; warns when a cast's scaled RMS comes within this many binades
-      of the format's largest value, or its scaling bias within this of the clamp (+-31).
-    - ``update_ratio_spread``: warns when a parameter's update/weight ratio is this many times
-      above the median of its role at that step.
-    - ``update_ratio_max``: warns when a parameter's update/weight ratio passes this.
-    - ``attention_logit_max``: warns when an attention layer's largest logit passes this.
-    - ``loss_spike``: warns when a step's training loss is more than this fraction above the
-      running mean of the steps before it.
-    """
-
-    # The thresholds' defaults come from healthy and broken runs of the default GPT
-    # (docs/guide/health.md): each sits between the worst healthy run and the first sign of a
-    # broken one.
-    interval: int = 50
-    flushed_warning: float = 0.2
-    saturated_warning: float = 0.001
-    range_margin: float = 1.0
-    update_ratio_spread: float = 10.0
-    update_ratio_max: float = 0.25
-    attention_logit_max: float = 100.0
-    loss_spike: float = 0.25
-
-
-def telemetry_problems(config: TelemetryConfig) -> List[Tuple[str, str]]:
-    """(key, message) for each field of ``config`` out of its range."""
-    problems: List[Tuple[str, str]] = []
-    if config.interval < 0:
-        problems.append(("interval", f"got {config.interval}; allowed: 0 (off) or more"))
-    for name in ("flushed_warning", "saturated_warning"):
-        value = getattr(config, name)
-        if not 0.0 < value <= 1.0:
-            problems.append((name, f"got {value!r}; allowed: 0 < x <= 1 (a fraction)"))
-    for name, low in (("range_margin", 0.0), ("update_ratio_spread", 1.0),
-                      ("update_ratio_max", 0.0), ("attention_logit_max", 0.0),
-                      ("loss_spike", 0.0)):
-        value = getattr(config, name)
-        if not (math.isfinite(value) and value > low):
-            problems.append((name, f"got {value!r}; allowed: a finite number > {low:g}"))
-    return problems
+__all__ = ["TelemetryRecorder", "Telemetry", "cast_role", "sampled", "pooled_casts",
+           "AS_IF_CAST"]
 
 
 # The note of a cast row recorded beside a model without FP8 casts: no warning is raised on it.
@@ -306,8 +256,6 @@ class Telemetry:
                  config: Optional[TelemetryConfig] = None, fp8: Optional[FP8Config] = None,
                  log: Optional[Callable[[str], None]] = print, fresh: bool = True,
                  on_rows: Optional[Callable[[List[Dict[str, Any]]], None]] = None) -> None:
-        from .run_health import HealthMonitor
-
         self.config = config or TelemetryConfig(interval=interval)
         problems = telemetry_problems(self.config)
         if problems:

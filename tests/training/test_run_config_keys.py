@@ -153,6 +153,31 @@ def _data_source(tmp_path: Path, monkeypatch: Any, overrides: List[str]) -> Any:
     return summary.data, summary.unigram_baseline
 
 
+def _telemetry_steps(tmp_path: Path, monkeypatch: Any, overrides: List[str]) -> Any:
+    run_dir = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+    train(_config(*overrides), run_dir, quiet=True)
+    from ipu_unit_scaling.training.telemetry_log import read_telemetry
+
+    return sorted({row["step"] for row in read_telemetry(run_dir / "telemetry.csv")})
+
+
+def _warning_kinds(tmp_path: Path, monkeypatch: Any, overrides: List[str]) -> Any:
+    """The warnings the run's health monitor raises on rows each a little inside the default
+    thresholds."""
+    from ipu_unit_scaling.training.run_health import HealthMonitor
+
+    monitor = HealthMonitor(_config(*overrides).telemetry)
+    rows = [dict(step=1, kind="cast", site="a.input", role="activation", format="F143",
+                 log2_scale=0, rms=60.0, flushed_fraction=0.05, saturated_fraction=0.0005),
+            dict(step=1, kind="attention", site="att", amax=50.0)]
+    rows += [dict(step=1, kind="param", site=f"w{i}", role="hidden", update_ratio=ratio)
+             for i, ratio in enumerate((0.01, 0.01, 0.01, 0.05, 0.2))]
+    losses = [[dict(step=s, kind="loss", site="loss", amax=2.0 if s < 11 else 2.4)]
+              for s in range(1, 12)]
+    return sorted((w["site"], w["role"]) for step in [rows, *losses]
+                  for w in monitor.check(step))
+
+
 PIPELINE = ["ipu.ipus_per_replica=2", "ipu.layers_per_ipu=[1, 1]", "ipu.gradient_accumulation=4"]
 # key -> (the new value, or the overrides that change it; what to observe; settings both
 # observations share)
@@ -221,6 +246,14 @@ KEYS: Dict[str, Any] = {
     "compare.regimes": ("[fp32]", _compare_regimes, []),
     "compare.learning_rates": ("{fp32: 0.5, unit-fp8: 0.25}", _compare_rates, []),
     "backend": ("ipu", _refusal, []),  # never quietly the CPU when an IPU is asked for
+    "telemetry.interval": ("3", _telemetry_steps, []),
+    "telemetry.flushed_warning": ("0.01", _warning_kinds, []),
+    "telemetry.saturated_warning": ("0.0001", _warning_kinds, []),
+    "telemetry.range_margin": ("3", _warning_kinds, []),
+    "telemetry.update_ratio_spread": ("2", _warning_kinds, []),
+    "telemetry.update_ratio_max": ("0.1", _warning_kinds, []),
+    "telemetry.attention_logit_max": ("40", _warning_kinds, []),
+    "telemetry.loss_spike": ("0.1", _warning_kinds, []),
 }
 
 
