@@ -171,7 +171,7 @@ def _warning_kinds(tmp_path: Path, monkeypatch: Any, overrides: List[str]) -> An
                  log2_scale=0, rms=60.0, flushed_fraction=0.05, saturated_fraction=0.0005),
             dict(step=1, kind="attention", site="att", amax=50.0)]
     rows += [dict(step=1, kind="param", site=f"w{i}", role="hidden", update_ratio=ratio)
-             for i, ratio in enumerate((0.01, 0.01, 0.01, 0.05, 0.2))]
+             for i, ratio in enumerate((0.03, 0.03, 0.03, 0.2))]
     losses = [[dict(step=s, kind="loss", site="loss", amax=2.0 if s < 11 else 2.4)]
               for s in range(1, 12)]
     return sorted((w["site"], w["role"]) for step in [rows, *losses]
