@@ -123,6 +123,7 @@ def _run_regimes(plans: Sequence[Any], run_dir: Path, quiet: bool,
     from ..training.plots import plot_compare
     from ..training.precision import model_kind
     from ..training.run_directory import SUMMARY_FILE, atomic_write, read_json
+    from .health import health_summary
     from .progress import RunCounter
 
     rows: List[Dict[str, Any]] = []
@@ -159,6 +160,7 @@ def _run_regimes(plans: Sequence[Any], run_dir: Path, quiet: bool,
             "elapsed_s": data.get("elapsed_s"),
             "message": data.get("message", ""),
             "untuned": untuned(cfg, regime),
+            "health": health_summary(regime_dir),
         })
     reference = next((r["final_val_loss"] for r in rows if r["regime"] == "fp32"), None)
     for row in rows:
@@ -197,10 +199,15 @@ def _precision_name(config: Config) -> str:
 
 
 def format_compare_table(rows: Sequence[Dict[str, Any]], baseline: Optional[float]) -> str:
-    """A Markdown table: regime, model, precision, lr, final validation loss, gap to fp32."""
+    """A Markdown table: regime, model, precision, lr, final validation loss, gap to fp32,
+    health (the worst flushed and saturated fractions of its FP8 casts, and its warnings: see
+    ``ipu-unit-scaling health``), time."""
+    from .health import format_health_summary
+
     lines = [
-        "| regime | model | precision | learning rate | final val loss | gap to fp32 | time |",
-        "|---|---|---|---|---|---|---|",
+        "| regime | model | precision | learning rate | final val loss | gap to fp32 | health "
+        "| time |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if row["status"] == "completed":
@@ -214,7 +221,8 @@ def format_compare_table(rows: Sequence[Dict[str, Any]], baseline: Optional[floa
         model = f"{row['model']} {UNTUNED_MARK}" if row.get("untuned") else row["model"]
         lines.append(
             f"| {row['regime']} | {model} | {row['precision']} | "
-            f"{row['learning_rate']:g} | {loss} | {gap_text} | {time_text} |"
+            f"{row['learning_rate']:g} | {loss} | {gap_text} | "
+            f"{format_health_summary(row.get('health') or {})} | {time_text} |"
         )
     if baseline is not None:
         lines.append("")

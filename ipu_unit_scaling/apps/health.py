@@ -32,7 +32,8 @@ from ..training.run_directory import (
     not_a_directory,
 )
 
-__all__ = ["command_health", "health_document", "inspect_config", "inspect_main"]
+__all__ = ["command_health", "health_document", "health_summary", "format_health_summary",
+           "inspect_config", "inspect_main"]
 
 _OTHER_KINDS = {"compare.md": "compare", "compare.json": "compare", "sweep.md": "sweep",
                 "sweep.json": "sweep", "scales.txt": "analyse"}
@@ -71,6 +72,41 @@ def health_document(run_dir: Path) -> Dict[str, Any]:
                 "sampled_steps": [], "sites": [], "attention": [], "warnings": []}
     document = run_health(read_telemetry(path))
     return {"run_dir": str(run_dir), "status": status, "telemetry": True, **document}
+
+
+def health_summary(run_dir: Path) -> Dict[str, Any]:
+    """A run's health in three figures, for a table beside its loss: the worst flushed and
+    saturated fractions over its cast sites and sampled steps (None where it recorded no
+    telemetry or no casts the run made), and its number of warnings."""
+    from ..training.run_health import run_health
+    from ..training.telemetry_log import TelemetryFileError, read_telemetry
+
+    path = Path(run_dir) / TELEMETRY_FILE
+    try:
+        rows = read_telemetry(path) if path.exists() else []
+    except TelemetryFileError:
+        rows = []
+    made = [row for row in rows if row["kind"] != "cast" or not row["note"]]
+    health = run_health(made)
+    sites = health["sites"]
+    worst = {key: max((s[key] for s in sites if s[key] is not None), default=None)
+             for key in ("worst_flushed", "worst_saturated")}
+    return {"worst_flushed": worst["worst_flushed"],
+            "worst_saturated": worst["worst_saturated"],
+            "warnings": len(health["warnings"]) if rows else None}
+
+
+def format_health_summary(summary: Dict[str, Any]) -> str:
+    """``health_summary`` as a table cell: ``flushed 61% / saturated 0%, 9 warnings``."""
+    if summary.get("warnings") is None:
+        return "-"
+    parts = []
+    if summary.get("worst_flushed") is not None:
+        parts.append(f"flushed {summary['worst_flushed']:.1%} / saturated "
+                     f"{summary['worst_saturated']:.1%}")
+    count = summary["warnings"]
+    parts.append(f"{count} warning{'s' if count != 1 else ''}")
+    return ", ".join(parts)
 
 
 def _measured_ratios(run_dir: Path) -> Dict[str, float]:

@@ -94,3 +94,17 @@ def test_a_bad_threshold_is_refused_before_a_directory_is_made(capsys, tmp_path,
                                                      "telemetry.flushed_warning=2"))
     assert status == 2 and one_line_error(err) and "telemetry.flushed_warning" in err
     assert not run_dir.exists()
+
+
+def test_the_compare_table_has_a_health_column(trained):
+    from ipu_unit_scaling.apps.compare import format_compare_table
+    from ipu_unit_scaling.apps.health import health_summary
+
+    summary = health_summary(trained)
+    assert summary["warnings"] == 0 and 0 <= summary["worst_flushed"] < 0.1
+    row = dict(regime="unit-fp8", model="unit", precision="fp8 amax", learning_rate=0.06,
+               status="completed", steps=4, final_val_loss=2.0, elapsed_s=1.0, health=summary)
+    table = format_compare_table([row], None)
+    assert "| health |" in table.splitlines()[0]
+    assert f"flushed {summary['worst_flushed']:.1%} / saturated 0.0%, 0 warnings" in table
+    assert health_summary(trained.parent)["warnings"] is None  # no telemetry: "-"
