@@ -485,6 +485,19 @@ def _traced_op_rows(results: Results, settings: Settings) -> None:
     ))
 
 
+def _telemetry_rows(results: Results, settings: Settings) -> None:
+    from ipu_unit_scaling.training.run_health import TelemetryConfig
+
+    from .telemetry_cost import TELEMETRY_TARGET, telemetry_timings
+
+    timings, _ = telemetry_timings(settings.shape, max(3, settings.rounds // 2), settings.clock)
+    results.rows.append(_timed(
+        "telemetry_cost", "Training step, telemetry at its default cadence / off (FP8 AMAX)",
+        timings, "on", "off", TELEMETRY_TARGET,
+        note=f"periods of {TelemetryConfig().interval} steps, one sampled",
+    ))
+
+
 def run_suite(settings: Settings, log: Callable[[str], None] = print) -> Results:
     """Run every benchmark with `settings` and return the rows."""
     start = time.perf_counter()
@@ -506,6 +519,8 @@ def run_suite(settings: Settings, log: Callable[[str], None] = print) -> Results
             _skip(results, key, label, target, no_compile)
     log("FP8-simulated step ...")
     _fp8_rows(results, settings, names)
+    log("telemetry ...")
+    _telemetry_rows(results, settings)
     log("second shape ...")
     _second_shape_rows(results, settings)
     log("width sweep ...")
