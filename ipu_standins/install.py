@@ -1,7 +1,7 @@
 """Make ``import poptorch`` (and ``import popxl``) resolve to the stand-ins, when asked.
 
 :func:`install` puts a finder first on ``sys.meta_path`` that maps ``poptorch`` and
-``poptorch.<sub>`` to :mod:`ipu_unit_scaling.backends.poptorch_standin` and its modules (one
+``poptorch.<sub>`` to :mod:`ipu_standins.poptorch` and its modules (one
 module object each, so ``poptorch.Options is poptorch.options.Options``), and ``popxl`` to the
 project's PopXL stand-in. It refuses, running nothing, where the Poplar SDK's PopTorch (or
 PopXL) can be imported: a stand-in never shadows the real one.
@@ -24,13 +24,18 @@ __all__ = ["install", "uninstall", "real_module_available", "StandInError", "STA
 # A directory with a ``poptorch`` and a ``popxl`` package that serve the stand-ins: put on
 # PYTHONPATH by ``emulate`` so that the program's own subprocesses import them too.
 SHIM_ENV = "IPU_UNIT_SCALING_STANDIN_SHIM"
-_SHIM_CODE = ("from ipu_unit_scaling.backends.poptorch_standin.install import serve_from_shim\n"
+# The shim finds ipu_standins where this process found it (appended: it shadows nothing).
+_SHIM_CODE = ("import sys\n"
+              "if {root!r} not in sys.path:\n"
+              "    sys.path.append({root!r})\n"
+              "from ipu_standins.install import serve_from_shim\n"
               "serve_from_shim(__name__)\n")
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name -> the module that stands in for it
 STANDINS = {
-    "poptorch": "ipu_unit_scaling.backends.poptorch_standin",
-    "popxl": "ipu_unit_scaling.backends.popxl.reference",
+    "poptorch": "ipu_standins.poptorch",
+    "popxl": "ipu_standins.popxl",
 }
 
 
@@ -53,7 +58,7 @@ def shim_directory() -> str:
     for name in STANDINS:
         os.makedirs(os.path.join(directory, name))
         with open(os.path.join(directory, name, "__init__.py"), "w") as handle:
-            handle.write(_SHIM_CODE)
+            handle.write(_SHIM_CODE.format(root=_ROOT))
     os.environ[SHIM_ENV] = directory
     return directory
 

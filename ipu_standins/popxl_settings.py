@@ -1,4 +1,4 @@
-"""Settings of the PopXL stand-in (:mod:`.reference`) that PopXL itself does not have.
+"""Settings of the PopXL stand-in (:mod:`ipu_standins.popxl`) that PopXL itself does not have.
 
 They live outside the stand-in's namespace, which holds only names real PopXL has.
 """

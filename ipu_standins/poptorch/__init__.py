@@ -4,11 +4,11 @@ It follows PopTorch's public Python API and its semantics, read from graphcore/p
 source (``python/``): :class:`Options` and their checks, ``trainingModel``/``inferenceModel``
 with PopTorch's batching, reductions and output modes, blocks and pipeline stage counting,
 the one-final-loss rule, ``DataLoader``, ``poptorch.optim`` and the ops of ``poptorch.ops``.
-Models are traced as PopTorch traces them (see :mod:`._tracing`): what PopTorch refuses while
+Models are traced as PopTorch traces them (see :mod:`._compile`): what PopTorch refuses while
 tracing is refused here too. Nothing runs on an IPU: ``ipuHardwareIsAvailable()`` is False.
 
 ``import poptorch`` resolves to this package only when asked
-(:func:`ipu_unit_scaling.backends.poptorch_standin.install.install`, or the command
+(:func:`ipu_standins.install.install`, or the command
 ``ipu-unit-scaling emulate``), and never where the Poplar SDK's PopTorch imports.
 """
 from __future__ import annotations

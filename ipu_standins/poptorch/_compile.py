@@ -1,10 +1,10 @@
-"""How the stand-in compiles a model: the emulator's trace, then PopTorch's graph rules.
+"""How the stand-in compiles a model: PopTorch's trace, then PopTorch's graph rules.
 
 :func:`compile_graph` traces one micro-batch of the model with
-:func:`~ipu_unit_scaling.backends.poptorch_emulator.trace_like_poptorch` (fake tensors under
-``ipu_tracing``: host reads, moves to the CPU, float8 tensors and ops PopTorch has no handler
-for are refused; ``autograd.Function`` backwards are not used: gradients come from the traced
-forward graph, as PopART's autodiff computes them), with ``poptorch.isRunningOnIpu()`` true and
+:func:`._tracer.trace_like_poptorch` (fake tensors: host reads, moves to the CPU, float8
+tensors and ops PopTorch has no handler for are refused; ``autograd.Function`` backwards
+are not used: gradients come from the traced forward graph, as PopART's autodiff computes
+them), with ``poptorch.isRunningOnIpu()`` true and
 the blocks the model begins recorded. Then, as PopTorch does after tracing:
 
 - a training graph must hold exactly one final loss once dead code is removed: a
@@ -27,12 +27,11 @@ from torch import fx
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from ..poptorch.compile_checks import PopTorchError
-from ..poptorch_emulator import PopTorchTrace, trace_like_poptorch
 from . import _numerics, _state
 from ._args import Args, flatten, rebuild
 from ._graph_ops import LOSS_OPS, torch_loss_op
 from ._impl import createPoptorchError
+from ._tracer import PopTorchTrace, trace_like_poptorch
 from .poptorch_core import Error
 
 __all__ = ["CompiledGraph", "compile_graph", "pipeline_stages", "check_pipeline"]
@@ -275,8 +274,6 @@ def compile_graph(model: torch.nn.Module, template: Args, example: List[torch.Te
         trace = trace_like_poptorch(
             module, *example, allow_constants=True,
             stochastic_rounding=bool(popart.get("enableStochasticRounding", False)))
-    except PopTorchError as error:
-        raise Error(str(error)) from None
     except (TypeError, ValueError, RuntimeError, IndexError) as error:
         # torch's own errors name the fake tensors of the trace; the IPU's are Tensors.
         message = str(error)

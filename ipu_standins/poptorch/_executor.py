@@ -22,10 +22,10 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from . import _impl, enums
+from . import _device_optimizer, _impl, _optimizer_state, enums
 from ._args import Args, ArgsParser
+from ._compile import CompiledGraph, compile_graph
 from ._numerics import HalfKernels
-from ._tracing import CompiledGraph, compile_graph
 from .options import Options, PipelinedExecution, ShardedExecution
 from .poptorch_core import _validateOptions
 
@@ -228,13 +228,13 @@ class PoplarExecutor:
 
     # ------------------------------------------------------------------ optimizer
     def _map_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """``optimizer`` as the device runs it (:func:`.optim.to_ipu_optimizer`), over the
-        device copy's parameters; the state of the previous device optimizer carries over."""
-        from . import optim
+        """``optimizer`` as the device runs it (:func:`._device_optimizer.to_ipu_optimizer`),
+        over the device copy's parameters; the state of the previous device optimizer carries
+        over."""
 
         assert self._graph is not None
         mapping = {id(h): d for h, d in zip(self._graph.parameters, self._device_parameters)}
-        device = optim.to_ipu_optimizer(optimizer, previous=self._device_optimizer)
+        device = _device_optimizer.to_ipu_optimizer(optimizer, previous=self._device_optimizer)
         for group in device.param_groups:
             group["params"] = [mapping.get(id(p), p) for p in group["params"]]
         return device
@@ -242,9 +242,8 @@ class PoplarExecutor:
     def _apply_optimizer_options(self, optimizer: Any) -> None:
         """PopTorch's reduction strategy for a float16 accumulator (Running), set while the
         model is not compiled and refused afterwards."""
-        from . import optim
 
-        if optimizer is None or not optim.requires_running_mean_reduction(optimizer):
+        if optimizer is None or not _device_optimizer.requires_running_mean_reduction(optimizer):
             return
         running = enums.MeanReductionStrategy.Running
         training = self._options.Training
@@ -263,7 +262,7 @@ class PoplarExecutor:
         reaches the device now; later changes to it only through another ``setOptimizer``."""
         from . import optim
 
-        optim.check_ipu_optimizer(optimizer)
+        _device_optimizer.check_ipu_optimizer(optimizer)
         self._apply_optimizer_options(optimizer)
         previous = self._optimizer
         if previous is not None and previous is not optimizer and isinstance(
@@ -293,7 +292,8 @@ class PoplarExecutor:
         if self._device_optimizer is None or not isinstance(self._device_optimizer,
                                                               optim.Optimizer):
             return optimizer.get_state_dict()
-        state = optim.ipu_state_dict(self._device_optimizer, self._named_device_parameters())
+        state = _optimizer_state.ipu_state_dict(self._device_optimizer,
+                                                self._named_device_parameters())
         return {**state, **torch.optim.Optimizer.state_dict(optimizer)}
 
     def _write_optimizer_state(self, optimizer: Any) -> None:
@@ -302,7 +302,7 @@ class PoplarExecutor:
 
         if isinstance(optimizer, optim.Optimizer) and optimizer.has_state() and isinstance(
                 self._device_optimizer, optim.Optimizer):
-            optim.load_ipu_state_dict(self._device_optimizer, optimizer._state_dict,
+            _optimizer_state.load_ipu_state_dict(self._device_optimizer, optimizer._state_dict,
                                       self._named_device_parameters())
             optimizer.ipu_state_is_dirty = False
 

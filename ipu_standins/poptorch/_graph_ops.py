@@ -12,7 +12,7 @@ from typing import Any, Tuple
 
 import torch
 
-from ...ops.op_library import below_autograd
+from ._dispatch import below_autograd
 
 __all__ = ["LIBRARY", "LOSS_OPS", "identity_loss_op", "torch_loss_op", "print_op"]
 

@@ -33,9 +33,8 @@ from typing import Any, Callable, Dict, FrozenSet, Mapping, Tuple
 
 import torch
 
-__all__ = ["HANDLED_OPS", "DISPATCHER_OPS", "HOST_READ_OPS", "CUSTOM_OP_NAMESPACES",
-           "CUSTOM_OPS", "ArgumentRule", "ARGUMENT_RULES", "is_supported", "is_custom_op",
-           "base_name"]
+__all__ = ["HANDLED_OPS", "DISPATCHER_OPS", "HOST_READ_OPS", "ArgumentRule", "ARGUMENT_RULES",
+           "is_supported", "base_name"]
 
 HANDLED_OPS: FrozenSet[str] = frozenset((
     "Int", "__and__", "__or__", "__xor__", "_cdist_forward", "_convolution",
@@ -107,30 +106,11 @@ DISPATCHER_OPS: FrozenSet[str] = frozenset((
 
 HOST_READ_OPS: FrozenSet[str] = frozenset(("_local_scalar_dense", "item", "is_nonzero", "equal"))
 
-# The namespace of this package's torch.library ops.
-CUSTOM_OP_NAMESPACES: FrozenSet[str] = frozenset(("ipu_unit_scaling",))
-
-# Each torch.library op of the package that stands for a PopART custom op of custom_ops/ (on an
-# IPU, a poptorch.custom_op call with that name): one op in the graph, differentiated by its
-# PopART grad op. Other ops of the namespace have no IPU counterpart.
-CUSTOM_OPS: Mapping[str, str] = {
-    "fp8_quantise": "Fp8Quantise",
-    "fp8_quantise_gradient": "Fp8GradientQuantise",
-    "scaled_identity": "ScaledIdentity",
-}
-
-
 def base_name(aten_name: str) -> str:
     """The out-of-place name of an in-place op (``mul_`` -> ``mul``)."""
     if aten_name.endswith("_") and not aten_name.endswith("__"):
         return aten_name[:-1]
     return aten_name
-
-
-def is_custom_op(namespace: str, name: str) -> bool:
-    """Whether ``namespace::name`` is one of the package's ops that PopTorch compiles as a
-    PopART custom op (:data:`CUSTOM_OPS`)."""
-    return namespace in CUSTOM_OP_NAMESPACES and name in CUSTOM_OPS
 
 
 def is_supported(aten_name: str) -> bool:

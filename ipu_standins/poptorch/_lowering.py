@@ -1,43 +1,38 @@
-"""What an IPU computes where PopTorch's lowering departs from eager torch, and how the emulator
+"""What an IPU computes where PopTorch's lowering departs from eager torch, and how the stand-in
 computes the same.
 
-:mod:`.poptorch_lowering_table`, generated from poptorch's source by
-``scripts/poptorch_lowering.py``, records for every ATen op this project's models trace to which
-PopART ops PopTorch lowers it to and whether PopART then computes what eager torch computes. Two
-rows change numbers:
+:mod:`._lowering_table`, generated from poptorch's source by ``scripts/poptorch_lowering.py``,
+records for every ATen op the traced models of the project's tests reach which PopART ops
+PopTorch lowers it to and whether PopART then computes what eager torch computes. Two rows
+change numbers:
 
 - ``aten::gelu`` (``differs``): both ``approximate`` values are lowered to PopART's Gelu, the
   tanh approximation ``0.5 x (1 + tanh(a (x + b x**3)))`` (``a = sqrt(2/pi)``, ``b =
   0.044715``), whose gradient (popnn's GELU gradient) is ``0.5 (1 + tanh(a (x + b x**3)) + a x
-  exp(-x**2/2))``: not the derivative of that forward, nor of torch's erf form. The
-  unit-scaling constants of ``U.gelu`` under ``ipu_tracing()`` are those of this function
-  (:func:`gelu_on_ipu`).
+  exp(-x**2/2))``: not the derivative of that forward, nor of torch's erf form.
 - ``aten::_to_copy`` (``stochastic-rounding``): with ``Precision.enableStochasticRounding`` a
   float-to-half cast rounds stochastically, in the forward pass and, for a half-to-float cast,
   in the gradient.
 
-:func:`lower_graph` rewrites a graph traced like PopTorch
-(:mod:`ipu_unit_scaling.backends.poptorch_emulator`) to compute these. Inside :func:`torch_numerics`
-neither the rewrite nor the constants change: the traced forms can then be checked against eager
-torch apart from what PopART computes differently. Dropout (``random``) keeps torch's random draw:
-the IPU's generator is not reproduced.
+:func:`lower_graph` rewrites a graph traced like PopTorch (:mod:`._tracer`) to compute these,
+except inside :func:`ipu_standins.poptorch_settings.torch_numerics`. Dropout (``random``) keeps
+torch's random draw: the IPU's generator is not reproduced.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, fx
 
-from .poptorch_lowering_table import GELU_LOWERING
+from ..poptorch_settings import follows_ipu_numerics
+from ._lowering_table import GELU_LOWERING
 
 __all__ = [
     "GELU_FORMS", "gelu_on_ipu", "gelu_of_form", "popart_gelu", "popart_gelu_slope",
-    "stochastic_round_to_half", "stochastic_cast", "lower_graph", "torch_numerics",
-    "follows_ipu_numerics", "REWRITTEN_OPS",
+    "stochastic_round_to_half", "stochastic_cast", "lower_graph", "REWRITTEN_OPS",
 ]
 
 # The GELUs that can run: torch's two forms, and PopART's Gelu (tanh forward, popnn's gradient).
@@ -47,26 +42,6 @@ _POPART_GELU_FORMS = {"Gelu": "popart", "GeluErf": "none"}
 
 _ALPHA = math.sqrt(2.0 / math.pi)
 _BETA = 0.044715
-
-_torch_numerics_depth = [0]
-
-
-@contextlib.contextmanager
-def torch_numerics() -> Iterator[None]:
-    """Inside this context traced graphs compute each op as eager torch defines it: the
-    emulator does not rewrite them and ``U.gelu`` keeps torch's constants under
-    ``ipu_tracing()``. For checking the traced forms against eager torch."""
-    _torch_numerics_depth[0] += 1
-    try:
-        yield
-    finally:
-        _torch_numerics_depth[0] -= 1
-
-
-def follows_ipu_numerics() -> bool:
-    """Whether traces compute what an IPU computes (outside :func:`torch_numerics`)."""
-    return _torch_numerics_depth[0] == 0
-
 
 def gelu_on_ipu(approximate: str) -> str:
     """The GELU form (one of :data:`GELU_FORMS`) an IPU runs for ``aten::gelu(approximate)``."""
@@ -181,7 +156,8 @@ def lower_graph(graph: fx.GraphModule, stochastic_rounding: bool = False) -> fx.
     """Rewrite ``graph`` (ATen ops traced like PopTorch, with ``meta["val"]`` on its nodes) to
     compute what an IPU computes: ``aten::gelu`` as PopTorch lowers it and, with
     ``stochastic_rounding``, casts between float and half rounded stochastically both ways.
-    Returns ``graph``, rewritten in place; unchanged inside :func:`torch_numerics`."""
+    Returns ``graph``, rewritten in place; unchanged inside
+    :func:`ipu_standins.poptorch_settings.torch_numerics`."""
     if not follows_ipu_numerics():
         return graph
     changed = False

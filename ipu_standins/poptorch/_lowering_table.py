@@ -4,8 +4,8 @@ from graphcore/poptorch at commit c2a8b17762f1; do not edit.
 
 Each row names the op's handler (``poptorch/source/popart_canonicalization/``), the
 PopART builders it calls, and a verdict: ``same`` (PopART computes what eager torch
-computes), ``differs`` (another function: the emulator computes it, see
-:mod:`.ipu_lowering`), ``random`` (the same distribution, drawn from the IPU's random
+computes), ``differs`` (another function: the stand-in computes it, see
+:mod:`._lowering`), ``random`` (the same distribution, drawn from the IPU's random
 generator), ``stochastic-rounding`` (the same unless
 ``Precision.enableStochasticRounding`` is on, then float to half rounds
 stochastically) and ``constant`` (accepted only where PopTorch folds it into a

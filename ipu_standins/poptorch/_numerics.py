@@ -8,8 +8,8 @@
   same arithmetic, much more slowly).
 - ``useIpuModel(True)``: the IPU Model runs popnn's C++ GELU codelet, whose gradient is the
   exact derivative of the tanh-form forward (``NonLinearity.hpp``); hardware runs the assembly
-  codelet's formula, which the emulator's lowering computes (:func:`~ipu_unit_scaling.ops.
-  ipu_lowering.popart_gelu`). Without ``useIpuModel`` the hardware form runs.
+  codelet's formula, which the stand-in's lowering computes (:func:`._lowering.popart_gelu`).
+  Without ``useIpuModel`` the hardware form runs.
 - Float16 ops that torch's CPU has no kernel for (GELU and others on torch 2.0.1): an IPU
   computes them in float16; the stand-in computes them in float32 and rounds the result to
   float16 (:class:`HalfKernels`), which is what an IPU's float16 op with float32 internals
@@ -25,7 +25,7 @@ from torch import fx
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from ...ops.ipu_lowering import popart_gelu
+from ._lowering import popart_gelu
 
 __all__ = ["apply", "half_partials_matmul", "ipu_model_gelu", "HalfKernels"]
 

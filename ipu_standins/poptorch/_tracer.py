@@ -1,36 +1,29 @@
-"""PopTorch's semantics without the Poplar SDK: trace forward, differentiate the traced graph.
+"""PopTorch's trace without the Poplar SDK: trace forward, differentiate the traced graph.
 
 PopTorch compiles a model in steps that decide what it computes:
 
-1. it checks its options against the model's pipeline (:mod:`.poptorch.compile_checks`);
-2. it runs the forward pass once, recording the ATen ops that reach its dispatcher (after
+1. it runs the forward pass once, recording the ATen ops that reach its dispatcher (after
    PyTorch's own decompositions); ``.item()`` and other reads of a tensor on the host are
    refused, so are moves to the CPU, and float8 tensors cannot cross;
-3. ops whose inputs are all compile-time constants are evaluated on the host; every other op
-   needs a handler, and some handlers refuse some arguments (:mod:`.poptorch_ops`);
-4. PopART differentiates that forward graph: a ``torch.autograd.Function``'s ``forward`` is
+2. ops whose inputs are all compile-time constants are evaluated on the host; every other op
+   needs a handler, and some handlers refuse some arguments (:mod:`._handlers`);
+3. PopART differentiates that forward graph: a ``torch.autograd.Function``'s ``forward`` is
    recorded like any other code and its ``backward`` is never used; a PopART custom op
-   (``poptorch.custom_op``) is one op, differentiated by its grad op;
-5. the optimizer runs on the device with ``trainingModel``'s batching semantics.
+   (``poptorch.custom_op``) is one op, differentiated by its grad op.
 
-This module does steps 2-4 on the host. :func:`trace_like_poptorch` traces a module with fake
-tensors under :func:`ipu_unit_scaling.ipu.ipu_tracing` and the IPU backend's rewrites
-(:mod:`.poptorch.rewrites`), checks every op against PopTorch's rules and returns a
-:class:`PopTorchTrace`: the recorded graph, run with the module's live parameters, so autograd
-of the graph plays PopART's autodiff. :func:`check_poptorch` is the check to run before
-spending IPU time. The PopTorch stand-in (:mod:`.poptorch_standin`) compiles every model with
-this trace, and adds steps 1 and 5: the ``emulator`` backend is the IPU backend
-(:mod:`.poptorch`) run on that stand-in.
-
-(:mod:`ipu_unit_scaling.fp8.codelet_emulator` is a different emulator: the FP8 codelets run tile by
-tile.)
+This module does these steps on the host. :func:`trace_like_poptorch` traces a module with fake
+tensors, checks every op against PopTorch's rules and returns a :class:`PopTorchTrace`: the
+recorded graph, run with the module's live parameters, so autograd of the graph plays PopART's
+autodiff. The stand-in compiles every model with this trace (:mod:`._compile`), and adds its
+checks after tracing; its executor runs the optimizer with ``trainingModel``'s semantics.
+Refusals are the stand-in's ``poptorch.Error``.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -39,14 +32,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from ..ops.ipu_lowering import lower_graph
-from ..ops.trace_switch import ipu_tracing
-from . import poptorch_ops
-from .poptorch.compile_checks import PopTorchError
-from .poptorch.rewrites import PopTorchRewrites
-from .poptorch_ops import ARGUMENT_RULES, HOST_READ_OPS, base_name, is_supported
+from ..poptorch_custom_ops import inside_custom_op, is_library_torch_op
+from ._handlers import ARGUMENT_RULES, HOST_READ_OPS, base_name, is_supported
+from ._lowering import lower_graph
+from .poptorch_core import Error as PopTorchError
 
-__all__ = ["PopTorchReport", "PopTorchTrace", "trace_like_poptorch", "check_poptorch"]
+__all__ = ["PopTorchReport", "PopTorchTrace", "trace_like_poptorch"]
 
 
 @dataclass
@@ -139,14 +130,15 @@ class _PopTorchRules(TorchDispatchMode):
         if any(_is_float8(a) for a in tree_flatten((args, kwargs))[0]):
             raise self.refusal(
                 str(func), "takes a float8 tensor, which cannot cross PopTorch: carry FP8 as "
-                "uint8 codes through the FP8 custom ops (ipu_unit_scaling.fp8.cast_ops)")
+                "uint8 codes through custom ops")
         if func.namespace == "prim":  # metadata queries (prim::device), not graph ops
             return func(*args, **kwargs)
         variable = not self.is_constant((args, kwargs)) or (
             torch.Tag.nondeterministic_seeded in func.tags)
-        if self.inside_dispatcher_op == 0:
+        if self.inside_dispatcher_op == 0 and not inside_custom_op():
             if func.namespace != "aten":
-                if not poptorch_ops.is_custom_op(func.namespace, name):
+                if func.namespace != "poptorch" and not is_library_torch_op(
+                        f"{func.namespace}::{name}"):
                     self.unsupported[f"{func.namespace}::{name}"].append(self.where())
             elif variable:
                 self._check_arguments(func, name, args, kwargs)
@@ -371,7 +363,9 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def trace_like_poptorch(module: nn.Module, *inputs: Any, stochastic_rounding: bool = False,
-                        allow_constants: bool = False) -> PopTorchTrace:
+                        allow_constants: bool = False,
+                        context: Optional[Callable[[], ContextManager[Any]]] = None
+                        ) -> PopTorchTrace:
     """Trace ``module(*inputs)`` the way PopTorch does (see the module docstring).
 
     Raises :class:`PopTorchError` for what PopTorch refuses while tracing (host reads of a
@@ -381,11 +375,12 @@ def trace_like_poptorch(module: nn.Module, *inputs: Any, stochastic_rounding: bo
 
     The trace computes what an IPU computes where PopART departs from eager torch (GELU; with
     ``stochastic_rounding``, as ``Precision.enableStochasticRounding``, the float-half casts):
-    see :mod:`ipu_unit_scaling.ops.ipu_lowering`.
+    see :mod:`._lowering`.
 
     With ``allow_constants``, tensors the model holds outside its parameters and buffers (a
     closure's target, a global table) become constants of the graph, as PopTorch uploads them,
-    instead of being refused by the fake tensors.
+    instead of being refused by the fake tensors. ``context`` makes a context manager entered
+    around the module's forward, innermost (a library's switch into its traced forms).
     """
     parameter_names = [name for name, _ in module.named_parameters()]
     buffer_names = [name for name, _ in module.named_buffers()]
@@ -396,8 +391,12 @@ def trace_like_poptorch(module: nn.Module, *inputs: Any, stochastic_rounding: bo
         state = dict(zip(parameter_names, parameters))
         state.update(zip(buffer_names, buffers))
         rules.mark_variable((parameters, buffers, args))  # graph inputs, never constants
-        with ipu_tracing(), _module_scopes(module, scopes), rules, _PopTorchCalls(rules), \
-                PopTorchRewrites():
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_module_scopes(module, scopes))
+            stack.enter_context(rules)
+            stack.enter_context(_PopTorchCalls(rules))
+            if context is not None:  # the caller's, innermost: as if inside forward
+                stack.enter_context(context())
             return _functional_call(module, state, args)
 
     parameters = [_plain(p) for _, p in module.named_parameters()]
@@ -421,16 +420,3 @@ def trace_like_poptorch(module: nn.Module, *inputs: Any, stochastic_rounding: bo
     report = PopTorchReport(dict(counts), {k: list(v) for k, v in rules.unsupported.items()})
     graph = lower_graph(graph, stochastic_rounding)
     return PopTorchTrace(module, graph, report, parameter_names, buffer_names)
-
-
-def check_poptorch(model: nn.Module, *inputs: Any, strict: bool = True) -> PopTorchReport:
-    """Check that PopTorch can train ``model`` on ``inputs``, before spending IPU time.
-
-    Traces like PopTorch (fake tensors: nothing is computed) and returns the report. Raises
-    :class:`PopTorchError` for what :func:`trace_like_poptorch` refuses, and with ``strict``
-    also for ops PopTorch has no handler for, listing each with the modules it came from.
-    """
-    report = trace_like_poptorch(model, *inputs).report
-    if strict and not report.ok:
-        raise PopTorchError(str(report))
-    return report

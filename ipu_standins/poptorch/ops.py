@@ -1,8 +1,8 @@
 """``poptorch.ops``: the functions a PopTorch model calls inside ``forward``.
 
 Blocks (``Block``, ``BeginBlock``, ``BlockFunction``) tell the executor which IPU runs what;
-:func:`identity_loss` marks the loss; :func:`custom_op` runs the package's own PopART custom
-ops (``ai.graphcore.unit_scaling``) as their ``torch.library`` ops and refuses any other.
+:func:`identity_loss` marks the loss; :func:`custom_op` runs the host numerics an op library
+registered (:mod:`ipu_standins.poptorch_custom_ops`) and refuses any other op.
 Ops that only steer IPU memory or scheduling (``set_available_memory``,
 ``recomputationCheckpoint``, ``set_overlap_for_input``, ``serializedMatMul``'s plan,
 ``MultiConv``, ``NameScope``) compute what they wrap.
@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
+from ..poptorch_custom_ops import find_op, running_custom_op
 from . import _state, enums
 from ._args import flatten, rebuild
 from ._graph_ops import identity_loss_op, print_op
@@ -262,54 +263,20 @@ def BlockFunction(user_id: Optional[str] = None, ipu_id: Optional[int] = None
 
 
 # ---------------------------------------------------------------- custom ops
-_PACKAGE_DOMAIN = "ai.graphcore.unit_scaling"
-
-
-def _package_op(name: str, x: torch.Tensor, attributes: Dict[str, Any]) -> Optional[List[Any]]:
-    from ...fp8 import cast_ops  # noqa: F401  (registers the package's ops)
-    from ...ops import scaled_identity  # noqa: F401
-
-    ops = torch.ops.ipu_unit_scaling
-
-    def scale() -> Optional[int]:
-        return int(attributes["log2_scale"]) if attributes.get("has_log2_scale") else None
-
-    if name == "Fp8Quantise":
-        return [ops.fp8_quantise(x, attributes["format"], int(attributes["margin"]),
-                                 bool(attributes["saturate"]), scale())]
-    if name == "Fp8GradientQuantise":
-        return [ops.fp8_quantise_gradient(x, attributes["format"], int(attributes["margin"]),
-                                          bool(attributes["saturate"]), scale())]
-    if name == "ScaledIdentity":
-        return [ops.scaled_identity(x, float(attributes["fwd_scale"]),
-                                    float(attributes["bwd_scale"]))]
-    if name == "Fp8AmaxCast":
-        from ...fp8 import cast_to_fp8
-
-        cast = cast_to_fp8(x, attributes["format"], log2_scale=scale(),
-                           margin=int(attributes["margin"]),
-                           overflow="saturate" if attributes["saturate"] else "nan")
-        return [cast.codes, torch.tensor(cast.log2_scale, dtype=torch.int32),
-                torch.tensor(0, dtype=torch.int32)]
-    return None
-
-
 def custom_op(inputs: Sequence[torch.Tensor], name: str, domain: str, domain_version: int,
               example_outputs: Sequence[torch.Tensor],
               attributes: Optional[Dict[str, Any]] = None) -> List[torch.Tensor]:
-    """A PopART custom op. The stand-in runs the package's own ops (domain
-    ``ai.graphcore.unit_scaling``: ``Fp8Quantise``, ``Fp8GradientQuantise``,
-    ``ScaledIdentity``, ``Fp8AmaxCast``) as their ``torch.library`` ops; any other op has no
-    host implementation and is refused."""
-    attributes = dict(attributes or {})
-    outputs = None
-    if domain == _PACKAGE_DOMAIN and len(inputs) == 1:
-        outputs = _package_op(name, inputs[0], attributes)
-    if outputs is None:
+    """A PopART custom op, run with the host numerics its op library registered
+    (:mod:`ipu_standins.poptorch_custom_ops`): one op of the traced graph. An op no library
+    registered has no host implementation and is refused."""
+    numerics = find_op(domain, name)
+    if numerics is None:
         raise createPoptorchError(
             f"custom_op {domain}::{name} (version {domain_version}): no host implementation; "
-            f"the stand-in runs only the {_PACKAGE_DOMAIN} ops of this package")
-    return outputs
+            "the stand-in runs the ops whose library registered their numerics with "
+            "ipu_standins.poptorch_custom_ops")
+    with running_custom_op():
+        return list(numerics(list(inputs), dict(attributes or {})))
 
 
 class CPU:

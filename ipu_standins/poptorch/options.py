@@ -335,7 +335,7 @@ class Options(OptionsDict):
     def loadFromFile(self, filepath: str) -> Options:
         """Run each line of ``filepath`` as ``options.<line>`` (blank lines and ``#`` comments
         skipped); a line that does not parse raises :class:`ConfigFileError`."""
-        from .. import poptorch_standin as poptorch  # the package, for the file's names
+        from .. import poptorch  # the package, for the file's names
 
         with open(filepath) as handle:
             lines = ["options." + line.strip() for line in handle

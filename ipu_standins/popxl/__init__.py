@@ -1,4 +1,4 @@
-"""A torch stand-in for the subset of PopXL that :mod:`ipu_unit_scaling.backends.popxl` uses.
+"""A torch stand-in for the subset of PopXL that the PopXL backend of ``ipu_unit_scaling`` uses.
 
 This is **not PopXL**. It implements, in torch on the CPU, exactly the ``popxl`` /
 ``popxl.ops`` / ``popxl.transforms`` names the PopXL model code calls, each following the
@@ -26,7 +26,7 @@ The module exposes only names real PopXL exposes in the same place: its top leve
 ``tensor`` (``Variable`` and ``Constant`` are there only), ``ops`` and ``transforms``.
 Stand-in only, for tests, with no PopXL counterpart: ``Session.keep_values = True`` makes
 ``Session.values`` hold every tensor value the last run computed (tests read intermediate FP8
-codes from it), and ``with reference_settings.fp8_matmul_output(torch.float32):`` (a module
+codes from it), and ``with ipu_standins.popxl_settings.fp8_matmul_output(torch.float32):`` (a module
 of its own, outside the PopXL namespace) makes ``matmul_pow2scaled`` return its float32 sum
 unrounded, which is what ``transforms.simulate_fp8`` computes.
 """
@@ -34,11 +34,11 @@ from __future__ import annotations
 
 from typing import List
 
-from . import _reference_ops as ops
-from . import _reference_tensor as tensor  # noqa: F401  (popxl.tensor)
-from . import _reference_transforms as transforms
-from ._reference_core import *  # noqa: F403
-from ._reference_core import __all__ as _CORE_NAMES
+from . import _ops as ops
+from . import _tensor as tensor  # noqa: F401  (popxl.tensor)
+from . import _transforms as transforms
+from ._core import *  # noqa: F403
+from ._core import __all__ as _CORE_NAMES
 
 # Only names real PopXL has at its top level (popart: python/popxl/__init__.py.in), plus its
 # submodules ops, transforms and tensor; Variable and Constant live in `tensor`, as there.

@@ -1,6 +1,6 @@
 """The core of the PopXL stand-in: dtypes, tensors, graphs, the IR and the session.
 
-Its namespace, with ``ops``, ``transforms`` and ``tensor``, is :mod:`.reference`; the op
+Its namespace, with ``ops``, ``transforms`` and ``tensor``, is :mod:`ipu_standins.popxl`; the op
 modules build on this one, which imports none of them. The ops that ``Tensor``'s operators add
 (``+``, ``@``, ``.T``, ...) are written here, and ``ops`` serves them under PopXL's names (real
 PopXL's ``Tensor`` imports ``popxl.ops`` when an operator runs; here no module imports one that
@@ -16,9 +16,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import numpy as np
 import torch
 
-from ...fp8.fp8_formats import F143, F152, FP8Format
+from ._float8 import F143, F152, Float8Format
 
-# The top-level names of the stand-in (see :mod:`.reference`, which adds ops, transforms, tensor).
+# The top-level names of the stand-in (:mod:`ipu_standins.popxl` adds ops, transforms, tensor).
 __all__ = [
     "dtype", "float16", "float32", "int32", "float8_143", "float8_152",
     "Tensor", "TensorSpec", "Graph", "Ir", "Session",
@@ -36,13 +36,13 @@ class dtype:
     FP8 tensors hold their codes in uint8, as PopART does on the device ("we reinterpret here
     as unsigned char", willow/src/popx/op/pow2scalethencastx.cpp)."""
 
-    def __init__(self, name: str, torch_dtype: torch.dtype, fp8: Optional[FP8Format] = None):
+    def __init__(self, name: str, torch_dtype: torch.dtype, fp8: Optional[Float8Format] = None):
         self.name = name
         self.torch_dtype = torch_dtype
         self.fp8 = fp8
 
     def __repr__(self) -> str:
-        return f"reference.{self.name}"
+        return f"popxl.{self.name}"
 
 
 float16 = dtype("float16", torch.float16)
@@ -58,7 +58,7 @@ def _from_torch(value: torch.Tensor) -> dtype:
     for candidate in _DTYPES:
         if candidate.torch_dtype == value.dtype:
             return candidate
-    raise TypeError(f"no reference dtype for torch {value.dtype}")
+    raise TypeError(f"no PopXL stand-in dtype for torch {value.dtype}")
 
 
 # ----------------------------------------------------------------------------------- tensors

@@ -1,8 +1,8 @@
-"""``reference.ops``: the ``popxl.ops`` subset the PopXL model uses, in torch.
+"""``popxl.ops``: the ``popxl.ops`` subset the PopXL model uses, in torch.
 
 Each op cites the file of Graphcore's ``popart`` repository whose docstring (and, where the
 docstring is silent, C++ op) it follows; paths are relative to ``python/popxl/python_files/ops/``
-unless they say otherwise. See :mod:`ipu_unit_scaling.backends.popxl.reference` for what this is.
+unless they say otherwise. See :mod:`ipu_standins.popxl` for what this is.
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from ...fp8.codec import decode, encode
-from . import _reference_core as _r
-from ._reference_core import (  # popxl.ops has these too: Tensor's operators use them
+from ..popxl_settings import fp8_matmul_output_dtype
+from . import _core as _r
+from ._core import (  # popxl.ops has these too: Tensor's operators use them
     Run,
     Tensor,
     Variable,
@@ -31,7 +31,7 @@ from ._reference_core import (  # popxl.ops has these too: Tensor's operators us
     sub,
     transpose,
 )
-from .reference_settings import fp8_matmul_output_dtype
+from ._float8 import decode, encode
 
 __all__ = [
     "CallSiteInfo", "call", "call_with_info", "add", "sub", "mul", "div", "negate", "abs",
@@ -263,7 +263,7 @@ def nll_loss(probs: Tensor, labels: Tensor, ignore_index: Optional[int] = None,
     """negative_log_likelihood.py ``nll_loss`` with probabilities (``log_prob=False``):
     ``-log(probs[i, labels[i]])`` per row, then the mean (or sum, or none)."""
     if ignore_index is not None:
-        raise NotImplementedError("the reference does not implement ignore_index")
+        raise NotImplementedError("the stand-in does not implement ignore_index")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction {reduction!r}")
 
@@ -299,7 +299,7 @@ def _pow2(log2_scale: torch.Tensor) -> float:
 def pow2scale_cast_to_fp8(t: Tensor, log2_scale: Tensor, data_type: _r.dtype) -> Tensor:
     """cast.py: "a fused operation ``cast(src * pow2(log2_scale), dtype)``" from float16/32
     to ``float8_143`` or ``float8_152``, rounding to nearest even; overflow gives NaN (see the
-    module docstring of :mod:`~ipu_unit_scaling.backends.popxl.reference`)."""
+    module docstring of :mod:`ipu_standins.popxl`)."""
     fmt = data_type.fp8
     if fmt is None:
         raise TypeError(f"Data type {data_type} not supported for pow2scale_cast_to_fp8")
@@ -308,7 +308,7 @@ def pow2scale_cast_to_fp8(t: Tensor, log2_scale: Tensor, data_type: _r.dtype) ->
     _check_log2_scale(log2_scale)
 
     def fn(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-        return encode(x.float() * _pow2(s), fmt, overflow="nan")
+        return encode(x.float() * _pow2(s), fmt)
     return add_op("pow2scale_cast_to_fp8", fn, [t, log2_scale], [data_type])[0]
 
 
@@ -362,7 +362,7 @@ class _VarUpdates:
     @staticmethod
     def _update(name: str, t: Tensor, inputs: List[Tensor], compute: Any) -> Tensor:
         if not isinstance(t, Variable):
-            raise TypeError(f"{name}: the reference only updates variables, got {t}")
+            raise TypeError(f"{name}: the stand-in only updates variables, got {t}")
 
         def fn(state: Run, *values: torch.Tensor) -> Tuple[torch.Tensor]:
             new = compute(state.variables[t], *values).to(t.dtype.torch_dtype).detach()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import List
 
-from ._reference_core import (
+from ._core import (
     Constant,
     Tensor,
     TensorLike,

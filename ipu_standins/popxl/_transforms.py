@@ -1,4 +1,4 @@
-"""``reference.transforms``: ``popxl.transforms.autodiff`` in torch.
+"""``popxl.transforms``: ``popxl.transforms.autodiff`` in torch.
 
 Follows popart ``python/popxl/python_files/transforms/autodiff.py``: the gradient graph's
 expected inputs start with the gradients of ``grads_provided`` (default: every output of the
@@ -14,9 +14,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _reference_core as _r
-from ._reference_core import Run, Tensor, add_stateful_op, graph_input
-from ._reference_ops import CallSiteInfo
+from . import _core as _r
+from ._core import Run, Tensor, add_stateful_op, graph_input
+from ._ops import CallSiteInfo
 
 __all__ = ["autodiff", "GradGraphInfo", "ExpectedConnection", "ExpectedConnectionType"]
 

@@ -4,7 +4,7 @@
 ``emulate -m MODULE [ARGS...]`` as ``python -m MODULE ARGS...`` (``emulate -m pytest tests/``
 runs a PopTorch test suite), with ``import poptorch`` resolved to the package's PopTorch
 stand-in and ``import popxl`` to its PopXL stand-in
-(:mod:`ipu_unit_scaling.backends.poptorch_standin.install`). Where the Poplar SDK's PopTorch
+(:mod:`ipu_standins.install`). Where the Poplar SDK's PopTorch
 or PopXL imports, it says so in one line and runs nothing: a stand-in never shadows the real
 module. The exit status is the program's.
 """
@@ -32,7 +32,10 @@ def _exit_code(stop: SystemExit) -> int:
 
 def run_emulated(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``argv`` (what follows ``emulate``); returns the program's exit status."""
-    from ..backends.poptorch_standin.install import StandInError, install, shim_directory
+    from ipu_standins.install import StandInError, install, shim_directory
+    from ipu_standins.poptorch_custom_ops import LIBRARIES_ENV
+
+    from ..backends.standin_op_library import LIBRARY_MODULE
 
     args: List[str] = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -60,6 +63,10 @@ def run_emulated(argv: Optional[Sequence[str]] = None) -> int:
     shim = shim_directory()
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (shim, os.environ.get("PYTHONPATH")) if p)
+    # The package's PopART custom ops run on the stand-in, here and in those subprocesses,
+    # loaded when a program first calls one (poptorch.custom_op).
+    os.environ[LIBRARIES_ENV] = ",".join(
+        p for p in (os.environ.get(LIBRARIES_ENV), LIBRARY_MODULE) if p)
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     try:
         if module is not None:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..training.run_config import Config
+from .registry import Capabilities, TrainingBackend
 
 __all__ = [
     "launched_world_size", "join_launched_world", "writes_run_files",
@@ -423,3 +424,19 @@ class _DataParallel:
     def gather_weights(self, optimizer: torch.optim.Optimizer) -> None:
         """Replicas hold the same weights and optimizer state after every step."""
 
+
+
+class DistributedBackend(TrainingBackend):
+    """``distributed``: one process per stage and replica under torchrun
+    (:class:`DistributedTrainingModel`); its ranks evaluate alike, in eager PyTorch. It splits
+    the GPT's layers, so it trains no given model."""
+
+    name = "distributed"
+    capabilities = Capabilities(trains_given_model=False, spans_processes=True)
+
+    def build_training_model(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                             config: Config) -> DistributedTrainingModel:
+        return DistributedTrainingModel(model, optimizer, config)
+
+
+DISTRIBUTED_BACKEND = DistributedBackend()

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backends import build_training_model, make_optimizer
+from ..backends import build_training_model, capabilities, make_optimizer
 from ..backends.distributed import (
     done_by_rank_zero,
     failure_of_another_rank,
@@ -172,7 +172,8 @@ class TrainingSession:
                 ) from error
             # Under torchrun, a stage on another rank that diverged leaves this one a broken
             # connection: rank 0 takes over its cause, and records the run as diverged.
-            relayed = failure_of_another_rank() if self.run.backend == "distributed" else None
+            spans = capabilities(self.run.backend).spans_processes
+            relayed = failure_of_another_rank() if spans else None
             if isinstance(relayed, TrainingDiverged):
                 raise TrainingDiverged(str(relayed), relayed.step, self.last_checkpoint) \
                     from None

@@ -82,7 +82,7 @@ def test_module_runs_as_python_m(tmp_path):
     done = _emulate(["-m", "prog", "a", "--b"], cwd=tmp_path)
     assert done.returncode == 3, done.stderr
     assert "argv ['a', '--b'] True" in done.stdout
-    assert "module ipu_unit_scaling.backends.poptorch_standin " in done.stdout
+    assert "module ipu_standins.poptorch " in done.stdout
     assert "hardware False" in done.stdout
 
 
@@ -129,7 +129,7 @@ def test_usage_errors(args, capsys):
 def test_install_serves_both_standins_in_process():
     import importlib
 
-    from ipu_unit_scaling.backends.poptorch_standin import install
+    from ipu_standins import install
 
     install.install(("poptorch", "popxl"))
     try:
@@ -137,8 +137,8 @@ def test_install_serves_both_standins_in_process():
         options = importlib.import_module("poptorch.options")
         popxl_ops = importlib.import_module("popxl.ops")
         assert poptorch.Options is options.Options
-        assert poptorch.__name__ == "ipu_unit_scaling.backends.poptorch_standin"
-        assert popxl_ops.__name__.startswith("ipu_unit_scaling.backends.popxl")
+        assert poptorch.__name__ == "ipu_standins.poptorch"
+        assert popxl_ops.__name__ == "ipu_standins.popxl._ops"
     finally:
         install.uninstall()
     with pytest.raises(ImportError):

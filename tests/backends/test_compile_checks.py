@@ -16,7 +16,6 @@ import torch
 from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.apps.pretrained import evaluate_run, open_run, sample_run
 from ipu_unit_scaling.backends import build_inference_model, build_training_model
-from ipu_unit_scaling.backends.poptorch import poptorch_module
 from ipu_unit_scaling.backends.poptorch.compile_checks import (
     CompileOptions,
     PopTorchError,
@@ -24,6 +23,7 @@ from ipu_unit_scaling.backends.poptorch.compile_checks import (
     forward_stages,
 )
 from ipu_unit_scaling.backends.poptorch.poptorch_options import New, option_calls
+from ipu_unit_scaling.backends.poptorch_backend import poptorch_module
 from ipu_unit_scaling.loop.training_loop import train
 from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
 from ipu_unit_scaling.training.precision import build_model, regime_config
@@ -212,7 +212,8 @@ def test_ipu_inference_model_compiles_sharded_and_again_for_new_shapes(standin_m
     standin, executors = standin_models
     config = load_config("tiny", ["precision.dtype=fp32"])  # no custom op library to load
     model = tiny_model(config)
-    runner = IPUInferenceModel(model, config, use_ipu_model=True, poptorch=standin)
+    runner = IPUInferenceModel(model, config, use_ipu_model=True, poptorch=standin,
+                               needs_library=False)
     options = runner.options
     strategy = options._execution_strategy
     assert type(strategy) is standin.ShardedExecution
@@ -249,8 +250,9 @@ def test_ipu_backend_refuses_before_asking_poptorch_for_a_model(standin_models):
                                   "precision.dtype=fp32"])
     model = tiny_model(config)
     with pytest.raises(PopTorchError, match="128 IPUs"):
-        IPUInferenceModel(model, config, use_ipu_model=False, poptorch=standin)
+        IPUInferenceModel(model, config, use_ipu_model=False, poptorch=standin,
+                          needs_library=False)
     with pytest.raises(PopTorchError, match="128 IPUs"):
         IPUTrainingModel(model, torch.optim.SGD(model.parameters(), lr=0.1), config,
-                         use_ipu_model=False, poptorch=standin)
+                         use_ipu_model=False, poptorch=standin, needs_library=False)
     assert not executors and not _blocks(model)  # no block, no model

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ipu_unit_scaling.backends import poptorch_standin as poptorch
-from ipu_unit_scaling.backends.poptorch_standin._numerics import half_partials_matmul
+import ipu_standins.poptorch as poptorch
+from ipu_standins.poptorch._numerics import half_partials_matmul
 from ipu_unit_scaling.ops.ipu_lowering import popart_gelu_slope
 
 

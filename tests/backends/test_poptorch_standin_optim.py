@@ -12,7 +12,9 @@ from typing import Callable, Dict, List
 import pytest
 import torch
 
-from ipu_unit_scaling.backends.poptorch_standin import optim as popt
+from ipu_standins.poptorch import _device_optimizer as device_optimizer
+from ipu_standins.poptorch import _optimizer_state as optimizer_state
+from ipu_standins.poptorch import optim as popt
 
 U32 = 2.0**-24  # float32 unit roundoff
 STEPS = 3
@@ -402,53 +404,53 @@ def test_accumulation_types_refused(make) -> None:
 def test_what_poptorch_refuses_when_the_model_is_built() -> None:
     ps = _params()
     with pytest.raises(ValueError, match="Only non-amsgrad Adam/AdamW optimizers are supported."):
-        popt.to_ipu_optimizer(torch.optim.Adam(ps, amsgrad=True))
+        device_optimizer.to_ipu_optimizer(torch.optim.Adam(ps, amsgrad=True))
     with pytest.raises(ValueError, match="Only non-amsgrad"):
-        popt.to_ipu_optimizer(popt.AdamW(ps, amsgrad=True))
+        device_optimizer.to_ipu_optimizer(popt.AdamW(ps, amsgrad=True))
     with pytest.raises(AssertionError, match="Unsupported optimizer type"):
-        popt.to_ipu_optimizer(torch.optim.Adagrad(ps))
+        device_optimizer.to_ipu_optimizer(torch.optim.Adagrad(ps))
     rms = popt.RMSprop([{"params": ps[:1]}, {"params": ps[1:], "centered": True}])
     with pytest.raises(AssertionError, match="same value for the 'centered' attribute"):
-        popt.to_ipu_optimizer(rms)
+        device_optimizer.to_ipu_optimizer(rms)
     adam = popt.Adam(ps)
     adam.accum_type = torch.bfloat16
     with pytest.raises(ValueError, match="accum_type must be set to either torch.float16"):
-        popt.to_ipu_optimizer(adam)
+        device_optimizer.to_ipu_optimizer(adam)
     with pytest.raises(ValueError, match="Nesterov momentum requires"):
         popt.SGD(ps, lr=0.1, nesterov=True)  # torch's own check, inherited as in PopTorch
     with pytest.raises(RuntimeError, match="Only IPU optimizer states can be loaded onto the IPU."):
         popt.Adam(ps).load_state_dict(torch.optim.Adam(ps).state_dict())
-    assert popt.requires_running_mean_reduction(popt.Adam(ps, accum_type=torch.float16))
-    assert not popt.requires_running_mean_reduction(
+    assert device_optimizer.requires_running_mean_reduction(popt.Adam(ps, accum_type=torch.float16))
+    assert not device_optimizer.requires_running_mean_reduction(
         popt.SGD(ps, lr=0.1, accum_type=torch.float16, use_combined_accum=True))
 
 
 def test_to_ipu_optimizer_copies_and_keeps_state() -> None:
     ps = _params()
     user = torch.optim.SGD(ps, lr=0.1, momentum=0.9)
-    dev = popt.to_ipu_optimizer(user)
+    dev = device_optimizer.to_ipu_optimizer(user)
     assert type(dev) is popt.SGD and dev.variable_attrs is None
     assert dev.param_groups[0]["lr"] == 0.1 and dev.param_groups[0]["momentum"] == 0.9
     assert dev.param_groups[0]["params"][0] is ps[0]
     user.param_groups[0]["lr"] = 0.5  # seen only through setOptimizer
     assert dev.param_groups[0]["lr"] == 0.1
     _one_step_half(dev, ps)
-    again = popt.to_ipu_optimizer(user, previous=dev)
+    again = device_optimizer.to_ipu_optimizer(user, previous=dev)
     assert again.param_groups[0]["lr"] == 0.5
     assert again.state[ps[0]]["momentum_buffer"] is dev.state[ps[0]]["momentum_buffer"]
     pop = popt.AdamW(ps, lr=0.2, loss_scaling=16.0, accum_type=torch.float16)
-    dev = popt.to_ipu_optimizer(pop)
+    dev = device_optimizer.to_ipu_optimizer(pop)
     assert dev is not pop and type(dev) is popt.AdamW
     assert dev.loss_scaling == 16.0 and dev.accum_type == torch.float16
-    assert popt.from_torch_optimizer(torch.optim.AdamW(ps)).__class__ is popt.AdamW
+    assert device_optimizer.from_torch_optimizer(torch.optim.AdamW(ps)).__class__ is popt.AdamW
 
 
 def test_ipu_state_dict_names_and_values() -> None:
     lin = torch.nn.Linear(3, 3)
     named = dict(("lin." + n, p) for n, p in lin.named_parameters())
-    sgd = popt.to_ipu_optimizer(popt.SGD(lin.parameters(), lr=0.05, weight_decay=0.025,
+    sgd = device_optimizer.to_ipu_optimizer(popt.SGD(lin.parameters(), lr=0.05, weight_decay=0.025,
                                          loss_scaling=0.75))
-    s = popt.ipu_state_dict(sgd, named)
+    s = optimizer_state.ipu_state_dict(sgd, named)
     p = s["ipu_param"]
     # PopART's SGD0 compound scalars: wdsf0 = 1 - lr(1-dm)wd, slr0 = lr(1-dm)/ls
     assert math.isclose(float(p["weightDecayScaleFactor0___specific___lin.bias"]),
@@ -456,33 +458,34 @@ def test_ipu_state_dict_names_and_values() -> None:
     assert math.isclose(float(p["scaledLearningRate0___specific___lin.weight"]), 0.05 / 0.75,
                         rel_tol=2 * U32)
     assert math.isclose(float(p["lossScaling_FLOAT"]), 0.75, rel_tol=U32)
-    adam = popt.to_ipu_optimizer(popt.Adam(lin.parameters(), lr=0.05, weight_decay=0.025))
-    s0 = popt.ipu_state_dict(adam, named)
+    adam = device_optimizer.to_ipu_optimizer(
+        popt.Adam(lin.parameters(), lr=0.05, weight_decay=0.025))
+    s0 = optimizer_state.ipu_state_dict(adam, named)
     assert {"Accl1___lin.weight", "Accl2___lin.bias", "Step___lin.weight"} <= set(s0["ipu_state"])
     assert float(s0["ipu_param"]["learningRate___specific___lin.bias"]) == pytest.approx(0.05)
     for q in lin.parameters():
         q.grad = torch.ones_like(q)
     adam.step()
-    s1 = popt.ipu_state_dict(adam, named)
+    s1 = optimizer_state.ipu_state_dict(adam, named)
     key = "Accl1___lin.weight"
     assert not torch.equal(s0["ipu_state"][key], s1["ipu_state"][key])
     # writing a state back: the moments and the per-weight learning rate are those written
     s1["ipu_state"]["Accl1___lin.weight"] = torch.full((3, 3), 0.25)
     s1["ipu_param"]["learningRate___specific___lin.weight"] = torch.tensor(0.125)
-    popt.load_ipu_state_dict(adam, s1, named)
-    s2 = popt.ipu_state_dict(adam, named)
+    optimizer_state.load_ipu_state_dict(adam, s1, named)
+    s2 = optimizer_state.ipu_state_dict(adam, named)
     assert torch.equal(s2["ipu_state"]["Accl1___lin.weight"], torch.full((3, 3), 0.25))
     assert float(s2["ipu_param"]["learningRate___specific___lin.weight"]) == 0.125
     assert float(s2["ipu_param"]["learningRate___specific___lin.bias"]) == pytest.approx(0.05)
     # setOptimizer with an unchanged optimizer sends nothing: the written value stays;
     # a changed one overwrites it
     user = popt.Adam(lin.parameters(), lr=0.05, weight_decay=0.025)
-    same = popt.to_ipu_optimizer(user, previous=adam)
-    assert float(popt.ipu_state_dict(same, named)["ipu_param"][
+    same = device_optimizer.to_ipu_optimizer(user, previous=adam)
+    assert float(optimizer_state.ipu_state_dict(same, named)["ipu_param"][
         "learningRate___specific___lin.weight"]) == 0.125
     user.param_groups[0]["lr"] = 0.5
-    changed = popt.to_ipu_optimizer(user, previous=same)
-    assert float(popt.ipu_state_dict(changed, named)["ipu_param"][
+    changed = device_optimizer.to_ipu_optimizer(user, previous=same)
+    assert float(optimizer_state.ipu_state_dict(changed, named)["ipu_param"][
         "learningRate___specific___lin.weight"]) == 0.5
 
 
@@ -500,47 +503,15 @@ def test_state_dict_carries_ipu_keys_and_lr_scheduler_works() -> None:
     assert opt.has_state() and opt.ipu_state_is_dirty
 
 
-def test_state_dict_protocol_reads_and_writes_the_device() -> None:
-    """PopTorch's protocol: empty before compiling, read back after the device ran, a loaded
-    state written (merged) before the next run, a replaced optimizer keeps its last copy."""
-    lin = torch.nn.Linear(2, 2)
-    named = {"lin." + n: p for n, p in lin.named_parameters()}
-    user = popt.Adam(lin.parameters(), lr=0.1)
-    device: List[popt.Optimizer] = []
-    popt.attach_ipu_state(user, lambda: device[0] if device else None, lambda: named)
-    empty = user.state_dict()
-    assert empty["ipu_state"] is None and empty["ipu_param"] is None
-    device.append(popt.to_ipu_optimizer(user))  # compile
-    popt.sync_ipu_state(user, device[0], named)
-    s0 = user.state_dict()
-    assert torch.equal(s0["ipu_state"]["Accl1___lin.weight"], torch.zeros(2, 2))
-    for p in lin.parameters():  # one run
-        p.grad = torch.ones_like(p)
-    popt.sync_ipu_state(user, device[0], named)
-    device[0].step()
-    s1 = user.state_dict()
-    assert float(s1["ipu_state"]["Accl1___lin.weight"].abs().min()) > 0  # (1-b1)*1 = 0.1
-    assert user.state_dict() is not s1 and user.host_state_is_dirty is False  # cached
-    s1["ipu_state"]["Accl2___lin.bias"] = torch.full((2,), 3.0)
-    user.load_state_dict(s1)
-    popt.sync_ipu_state(user, device[0], named)  # before the next run
-    assert torch.equal(device[0].state[named["lin.bias"]]["exp_avg_sq"], torch.full((2,), 3.0))
-    popt.detach_ipu_state(user)
-    assert user.state_dict()["ipu_state"]["Accl2___lin.bias"][0] == 3.0
-    plain = torch.optim.SGD(lin.parameters(), lr=0.1)
-    popt.attach_ipu_state(plain, lambda: device[0], lambda: named)
-    assert "ipu_state" not in plain.state_dict()  # torch optimizers are left alone
-
-
 def test_popart_optimizer_ops() -> None:
     lin = torch.nn.Linear(2, 2)
     named = dict(lin.named_parameters())
 
     def types(opt: popt.Optimizer) -> List[str]:
-        return [op["type"] for op in popt.popart_optimizer_ops(opt, named)]
+        return [op["type"] for op in optimizer_state.popart_optimizer_ops(opt, named)]
 
     assert types(popt.SGD(lin.parameters(), lr=0.1)).count("SGD0VarUpdate") == 2
-    adamw = types(popt.to_ipu_optimizer(torch.optim.AdamW(lin.parameters())))
+    adamw = types(device_optimizer.to_ipu_optimizer(torch.optim.AdamW(lin.parameters())))
     assert adamw.count("AdamUpdater") == 2 and adamw.count("AdamVarUpdate") == 2
     assert "SGD0VarUpdate" not in adamw
     sgd2 = types(popt.SGD(lin.parameters(), lr=0.1, momentum=0.9))
@@ -552,28 +523,28 @@ def test_replacing_the_optimizer_of_a_compiled_model() -> None:
     """PopART's validReplacement: explicit arguments are variables and may change; a constant
     (an argument left to its default) may not, nor the optimizer's kind or clipping."""
     ps = _params()
-    first = popt.to_ipu_optimizer(popt.SGD(ps, lr=0.1, loss_scaling=2.0))
+    first = device_optimizer.to_ipu_optimizer(popt.SGD(ps, lr=0.1, loss_scaling=2.0))
     ok = popt.SGD(ps, lr=0.5, loss_scaling=4.0)  # lr and loss_scaling are variables
-    popt.to_ipu_optimizer(ok, previous=first)
+    device_optimizer.to_ipu_optimizer(ok, previous=first)
     constant = popt.SGD(ps, lr=0.1, loss_scaling=2.0)
     constant.param_groups[0]["weight_decay"] = 0.1  # weight_decay was left constant
     with pytest.raises(RuntimeError, match="Problem with weight decays.*Values are constant "
                                            "but do not match"):
-        popt.to_ipu_optimizer(constant, previous=first)
+        device_optimizer.to_ipu_optimizer(constant, previous=first)
     with pytest.raises(RuntimeError, match="Can not replace a constant value with a non constant"):
-        popt.to_ipu_optimizer(popt.SGD(ps, lr=0.1, loss_scaling=2.0, weight_decay=0.0),
+        device_optimizer.to_ipu_optimizer(popt.SGD(ps, lr=0.1, loss_scaling=2.0, weight_decay=0.0),
                               previous=first)
     with pytest.raises(RuntimeError, match="Can not replace optimizer of type SGD with new "
                                            "optimizer of type Adam"):
-        popt.to_ipu_optimizer(popt.Adam(ps, lr=0.1, loss_scaling=2.0), previous=first)
+        device_optimizer.to_ipu_optimizer(popt.Adam(ps, lr=0.1, loss_scaling=2.0), previous=first)
     with pytest.raises(RuntimeError, match="Clip norm settings do not match"):
-        popt.to_ipu_optimizer(popt.SGD(ps, lr=0.1, loss_scaling=2.0, max_grad_norm=1.0),
+        device_optimizer.to_ipu_optimizer(popt.SGD(ps, lr=0.1, loss_scaling=2.0, max_grad_norm=1.0),
                               previous=first)
     with pytest.raises(RuntimeError, match="Weight decay modes do not match"):
-        popt.to_ipu_optimizer(torch.optim.AdamW(ps),
-                              previous=popt.to_ipu_optimizer(torch.optim.Adam(ps)))
+        device_optimizer.to_ipu_optimizer(torch.optim.AdamW(ps),
+                              previous=device_optimizer.to_ipu_optimizer(torch.optim.Adam(ps)))
     # a torch optimizer: constant where it equals torch's default, lr always variable
-    adam = popt.to_ipu_optimizer(torch.optim.Adam(ps, lr=0.1))
-    popt.to_ipu_optimizer(torch.optim.Adam(ps, lr=0.01), previous=adam)
+    adam = device_optimizer.to_ipu_optimizer(torch.optim.Adam(ps, lr=0.1))
+    device_optimizer.to_ipu_optimizer(torch.optim.Adam(ps, lr=0.01), previous=adam)
     with pytest.raises(RuntimeError, match="Problem with eps"):
-        popt.to_ipu_optimizer(torch.optim.Adam(ps, lr=0.1, eps=1e-6), previous=adam)
+        device_optimizer.to_ipu_optimizer(torch.optim.Adam(ps, lr=0.1, eps=1e-6), previous=adam)

@@ -1,4 +1,4 @@
-"""The torch stand-in for PopXL (``ipu_unit_scaling/backends/popxl/reference.py``) against
+"""The torch stand-in for PopXL (``ipu_standins/popxl/``) against
 independent oracles (ml_dtypes, float64, exact fractions), and the FP8 pieces of the PopXL model on
 it.
 
@@ -13,10 +13,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import ipu_standins.popxl as popxl_standin
 from ipu_unit_scaling.backends.popxl import (
     popxl_cast_to_fp8,
     popxl_fp8_matmul,
-    reference,
     scaled,
     scaling_bias,
 )
@@ -25,7 +25,7 @@ from ipu_unit_scaling.fp8 import F143, F152, FP8Config, log2_scale
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
 pytestmark = pytest.mark.numerics
 
-xl = reference
+xl = popxl_standin
 ML_DTYPES = {"F143": ml_dtypes.float8_e4m3fnuz, "F152": ml_dtypes.float8_e5m2fnuz}
 
 

@@ -118,7 +118,7 @@ def apply_option_calls(options: Any, calls: List[OptionCall], poptorch: Any) -> 
 def build_options(config: Config, use_ipu_model: bool = False, inference: bool = False,
                   poptorch: Any = None) -> Any:
     """``poptorch.Options`` for ``config``, of the ``poptorch`` module given (the SDK's or the
-    stand-in, :func:`ipu_unit_scaling.backends.poptorch.poptorch_module`); by default
+    stand-in, :func:`ipu_unit_scaling.backends.poptorch_backend.poptorch_module`); by default
     ``import poptorch``."""
     if poptorch is None:
         poptorch = importlib.import_module("poptorch")
