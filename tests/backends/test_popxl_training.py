@@ -64,7 +64,7 @@ def torch_step(model):
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
-def test_fp32_loss_and_every_gradient_match_torch_on_the_reference(bias):
+def test_fp32_loss_and_every_gradient_match_torch_on_the_standin(bias):
     model = tiny_decoder(bias)
     loss, logits, grads = torch_step(model)
     result = loss_and_gradients(model, *batch(), xl=popxl_standin)
@@ -139,7 +139,7 @@ def assert_cast_within_float32_drift(codes: torch.Tensor, log2_scale: int, x: to
 
 
 @pytest.mark.parametrize("scaling", ["amax", "static"])
-def test_fp8_with_unrounded_matmul_output_equals_simulate_fp8_on_the_reference(scaling):
+def test_fp8_with_unrounded_matmul_output_equals_simulate_fp8_on_the_standin(scaling):
     """With matmul_pow2scaled's sum left in float32 (a stand-in knob), the PopXL model and
     simulate_fp8 are the same computation up to float32 rounding: the weights' casts are
     identical, every other cast, forward and backward, is what simulate_fp8's input gives
@@ -175,7 +175,7 @@ def test_fp8_with_unrounded_matmul_output_equals_simulate_fp8_on_the_reference(s
                                    msg=name)
 
 
-def test_fp8_amax_with_float16_matmul_output_is_within_fp8_rounding_on_the_reference():
+def test_fp8_amax_with_float16_matmul_output_is_within_fp8_rounding_on_the_standin():
     """As PopXL documents it, matmul_pow2scaled returns float16. The casts of the first layer
     still give simulate_fp8's codes; later ones see slightly different inputs, and the loss and
     gradients then differ from simulate_fp8 by less than FP8 itself moves them from FP32."""
@@ -197,7 +197,7 @@ def test_fp8_amax_with_float16_matmul_output_is_within_fp8_rounding_on_the_refer
     assert sum(to_simulated) < 0.8 * sum(fp8_effect)
 
 
-def test_a_non_finite_amax_stops_the_step_on_the_reference():
+def test_a_non_finite_amax_stops_the_step_on_the_standin():
     model = tiny_decoder()
     with torch.no_grad():
         model.layers[1].mlp.up.weight[0, 0] = float("inf")
@@ -253,7 +253,7 @@ def train_both(config, steps: int):
             popxl_optimizer)
 
 
-def test_30_fp32_adam_steps_with_accumulation_track_the_cpu_backend_on_the_reference():
+def test_30_fp32_adam_steps_with_accumulation_track_the_cpu_backend_on_the_standin():
     config = small_config("fp32", "adam", "ipu.gradient_accumulation=2")
     cpu, popxl, cpu_model, popxl_model, optimizer = train_both(config, 30)
     assert cpu.numel() == 60 and cpu[-10:].mean() < cpu[:10].mean()  # it learns
@@ -264,7 +264,7 @@ def test_30_fp32_adam_steps_with_accumulation_track_the_cpu_backend_on_the_refer
     assert float(state["step"]) == 30 and state["exp_avg"].abs().sum() > 0
 
 
-def test_30_fp8_sgd_steps_with_clipping_track_the_cpu_backend_on_the_reference():
+def test_30_fp8_sgd_steps_with_clipping_track_the_cpu_backend_on_the_standin():
     config = small_config("fp8", "sgd", "training.learning_rate=0.5", "training.grad_clip=1.0",
                           "ipu.device_iterations=3", "training.steps=30")
     cpu, popxl, *_ = train_both(config, 30)
@@ -272,14 +272,14 @@ def test_30_fp8_sgd_steps_with_clipping_track_the_cpu_backend_on_the_reference()
     torch.testing.assert_close(popxl, cpu, rtol=2e-2, atol=0)
 
 
-def test_adamw_and_weight_decay_track_the_cpu_backend_on_the_reference():
+def test_adamw_and_weight_decay_track_the_cpu_backend_on_the_standin():
     config = small_config("fp32", "adamw", "training.weight_decay=0.1",
                           "ipu.replication_factor=2")
     cpu, popxl, *_ = train_both(config, 6)
     torch.testing.assert_close(popxl, cpu, rtol=1e-4, atol=1e-4)
 
 
-def test_weights_and_adam_state_carry_over_to_a_new_training_model_on_the_reference():
+def test_weights_and_adam_state_carry_over_to_a_new_training_model_on_the_standin():
     """Train 3 steps, copy weights and moments to the host, build a fresh training model from
     them and train 3 more: the same as 6 steps in one training model."""
     config = small_config("fp32", "adam", "training.learning_rate=0.05")
@@ -309,7 +309,7 @@ def test_weights_and_adam_state_carry_over_to_a_new_training_model_on_the_refere
         assert not torch.equal(value, start[name]), name  # every weight trained
 
 
-def test_the_training_loop_checkpoints_and_resumes_the_popxl_training_model_on_the_reference(
+def test_the_training_loop_checkpoints_and_resumes_the_popxl_training_model_on_the_standin(
         monkeypatch, tmp_path):
     """train() with the PopXL training model in place of the backend's wrapper: 10 steps in one
     go equal 5 steps, a checkpoint (weights and Adam state) and 5 resumed steps."""
@@ -376,7 +376,7 @@ def host_codelets():
         pytest.skip(f"host library of the codelets not built: {_host.fast_path_status()}")
 
 
-def test_codelet_amax_gives_the_same_step_as_popxl_ops_on_the_reference(host_codelets):
+def test_codelet_amax_gives_the_same_step_as_popxl_ops_on_the_standin(host_codelets):
     """amax="codelets": the custom op's stand-in runs the codelets' host build (emulator);
     every cast, loss and gradient equals those of the PopXL-ops scaling bias."""
     model, config = tiny_decoder(), FP8Config()
@@ -394,7 +394,7 @@ def test_codelet_amax_gives_the_same_step_as_popxl_ops_on_the_reference(host_cod
         assert torch.equal(by_codelets.gradients[name], grad), name
 
 
-def test_codelet_amax_flags_a_non_finite_amax_on_the_reference(host_codelets):
+def test_codelet_amax_flags_a_non_finite_amax_on_the_standin(host_codelets):
     model = tiny_decoder()
     with torch.no_grad():
         model.head.weight[0, 0] = float("nan")

@@ -60,7 +60,7 @@ def exact_bias(amax: float, max_value: float, margin: int) -> int:
 
 @pytest.mark.parametrize("fmt", [F143, F152], ids=lambda f: f.name)
 @pytest.mark.parametrize("margin", [0, 3, 31])
-def test_scaling_bias_equals_log2_scale_on_the_reference(fmt, margin):
+def test_scaling_bias_equals_log2_scale_on_the_standin(fmt, margin):
     """Amaxes 2^-40..2^40, at and one float32 ulp around powers of two and around fmt.max
     times powers of two, and zero: the PopXL graph's bias is the package rule's."""
     amaxes = [0.0]
@@ -83,7 +83,7 @@ def test_scaling_bias_equals_log2_scale_on_the_reference(fmt, margin):
     assert not out["flag"].any()
 
 
-def test_non_finite_amax_gives_bias_zero_and_the_flag_on_the_reference():
+def test_non_finite_amax_gives_bias_zero_and_the_flag_on_the_standin():
     amax = np.array([np.inf, np.nan, 1.0, 0.0, -np.inf], np.float32)
 
     def build(ir):
@@ -109,7 +109,7 @@ def _random(count, seed=0):
 
 @pytest.mark.parametrize("fmt", [F143, F152], ids=lambda f: f.name)
 @pytest.mark.parametrize("bias", [-5, 0, 9])
-def test_pow2scale_cast_to_fp8_matches_ml_dtypes_on_the_reference(fmt, bias):
+def test_pow2scale_cast_to_fp8_matches_ml_dtypes_on_the_standin(fmt, bias):
     """cast(x * 2^s): round to nearest even; overflow and inf to NaN, like ml_dtypes' fnuz."""
     special = [0.0, -0.0, np.inf, -np.inf, np.nan, fmt.max, 2 * fmt.max, -3 * fmt.max]
     x = np.concatenate([_random(3000), special]).astype(np.float32)
@@ -124,7 +124,7 @@ def test_pow2scale_cast_to_fp8_matches_ml_dtypes_on_the_reference(fmt, bias):
 
 
 @pytest.mark.parametrize("bias", [-9, 0, 4])
-def test_matmul_pow2scaled_is_the_float16_of_the_exact_product_on_the_reference(bias):
+def test_matmul_pow2scaled_is_the_float16_of_the_exact_product_on_the_standin(bias):
     """matmul_pow2scaled(a, b, s) = (a @ b) * 2^s in float16, from the FP8 values (float64
     oracle; the float32 sum of these small products is exact)."""
     gen = np.random.default_rng(1)
@@ -144,7 +144,7 @@ def test_matmul_pow2scaled_is_the_float16_of_the_exact_product_on_the_reference(
     assert np.array_equal(y, exact.astype(np.float16))
 
 
-def test_matmul_pow2scaled_refuses_a_bias_outside_its_range_on_the_reference():
+def test_matmul_pow2scaled_refuses_a_bias_outside_its_range_on_the_standin():
     def build(ir):
         ones = xl.ops.pow2scale_cast_to_fp8(xl.constant(np.ones((2, 2), np.float32), xl.float32),
                                             xl.constant(0, xl.int32), xl.float8_143)
@@ -154,7 +154,7 @@ def test_matmul_pow2scaled_refuses_a_bias_outside_its_range_on_the_reference():
         run(build)
 
 
-def test_fp8_matmul_undoes_biases_beyond_the_fused_range_on_the_reference():
+def test_fp8_matmul_undoes_biases_beyond_the_fused_range_on_the_standin():
     """Tiny operands get biases near 31 each; their sum (-62) exceeds matmul_pow2scaled's
     range, and the rest is applied exactly: the product is that of the FP8 values."""
     gen = np.random.default_rng(2)
@@ -179,7 +179,7 @@ def test_fp8_matmul_undoes_biases_beyond_the_fused_range_on_the_reference():
                                      / scale).astype(np.float32))
 
 
-def test_static_cast_saturates_before_the_cast_on_the_reference():
+def test_static_cast_saturates_before_the_cast_on_the_standin():
     x = np.array([1.0, 300.0, -1e6, np.inf], np.float32)
 
     def build(ir):
@@ -197,7 +197,7 @@ def test_static_cast_saturates_before_the_cast_on_the_reference():
 # ---------------------------------------------------------------- autodiff and the detach form
 
 
-def test_detach_form_has_the_forward_value_and_the_backward_scale_on_the_reference():
+def test_detach_form_has_the_forward_value_and_the_backward_scale_on_the_standin():
     """scaled(x, a, b): the value x*a exactly; autodiff's gradient b times the incoming one."""
     x = _random(12, seed=3).astype(np.float32).reshape(3, 4)
     incoming = _random(12, seed=4).astype(np.float32).reshape(3, 4)
@@ -216,7 +216,7 @@ def test_detach_form_has_the_forward_value_and_the_backward_scale_on_the_referen
     assert np.array_equal(out["dx"], incoming * np.float32(5.0))
 
 
-def test_autodiff_refuses_fp8_ops_like_popart_on_the_reference():
+def test_autodiff_refuses_fp8_ops_like_popart_on_the_standin():
     def cast(t):
         return xl.ops.pow2scale_cast_to_fp8(t, xl.constant(0, xl.int32), xl.float8_143)
 
@@ -227,7 +227,7 @@ def test_autodiff_refuses_fp8_ops_like_popart_on_the_reference():
             xl.transforms.autodiff(graph)
 
 
-def test_graphs_refuse_outside_tensors_and_wrong_inputs_on_the_reference():
+def test_graphs_refuse_outside_tensors_and_wrong_inputs_on_the_standin():
     ir = xl.Ir()
     with ir.main_graph:
         outside = xl.constant(np.ones(3, np.float32), xl.float32)
@@ -240,7 +240,7 @@ def test_graphs_refuse_outside_tensors_and_wrong_inputs_on_the_reference():
             outside + xl.constant(np.ones(3, np.int32), xl.int32)
 
 
-def test_host_transfers_feed_one_row_per_load_on_the_reference():
+def test_host_transfers_feed_one_row_per_load_on_the_standin():
     ir = xl.Ir()
     ir.num_host_transfers = 2
     with ir.main_graph, xl.in_sequence():
