@@ -712,7 +712,7 @@ STANDIN_UNTESTED_TODAY = {
     "poptorch._logging", "poptorch._lowering_table", "poptorch._numerics",
     "poptorch._options_dict", "poptorch._popart_updates", "poptorch._saving", "poptorch._state",
     "poptorch._strategies", "poptorch.enums", "poptorch.ops", "poptorch.options",
-    "poptorch.poptorch_core", "poptorch.testing", "poptorch_settings", "poptorch_trace",
+    "poptorch.poptorch_core", "poptorch.testing",
     "popxl._core", "popxl._ops", "popxl._tensor", "popxl._transforms", "popxl_custom_ops",
     "popxl_settings",
 }

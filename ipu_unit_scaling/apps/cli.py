@@ -1,5 +1,6 @@
-"""The ``ipu-unit-scaling`` command: ``train``, ``compare``, ``sweep``, ``analyse``,
-``evaluate`` and ``sample``.
+"""The ``ipu-unit-scaling`` command line: ``train``, ``compare``, ``sweep``, ``analyse``,
+``evaluate``, ``sample`` and ``emulate``, each an entry of :data:`COMMANDS`; the process's
+signals and streams are :mod:`.process`'s.
 
 Exit status: 0 done, 1 diverged (a non-finite or exploding training loss, or non-finite sampled
 logits), 2 bad arguments, config, data or run directory (one line on stderr, never a traceback),

@@ -15,7 +15,11 @@ import runpy
 import sys
 from typing import List, Optional, Sequence
 
-__all__ = ["run_emulated", "USAGE"]
+__all__ = ["run_emulated", "USAGE", "STANDIN_OP_LIBRARY"]
+
+# The module that registers the package's custom ops with the PopTorch stand-in, by name: the
+# stand-in imports it when a program first asks for one of them.
+STANDIN_OP_LIBRARY = "ipu_unit_scaling.backends.standin_op_library"
 
 USAGE = ("usage: ipu-unit-scaling emulate SCRIPT [ARGS...] | "
          "ipu-unit-scaling emulate -m MODULE [ARGS...]")
@@ -34,8 +38,6 @@ def run_emulated(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``argv`` (what follows ``emulate``); returns the program's exit status."""
     from ipu_standins.install import StandInError, install, shim_directory
     from ipu_standins.poptorch_custom_ops import LIBRARIES_ENV
-
-    from ..backends.standin_op_library import LIBRARY_MODULE
 
     args: List[str] = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -64,9 +66,10 @@ def run_emulated(argv: Optional[Sequence[str]] = None) -> int:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (shim, os.environ.get("PYTHONPATH")) if p)
     # The package's PopART custom ops run on the stand-in, here and in those subprocesses,
-    # loaded when a program first calls one (poptorch.custom_op).
+    # loaded when a program first calls one (poptorch.custom_op): nothing of the package
+    # loads before.
     os.environ[LIBRARIES_ENV] = ",".join(
-        p for p in (os.environ.get(LIBRARIES_ENV), LIBRARY_MODULE) if p)
+        p for p in (os.environ.get(LIBRARIES_ENV), STANDIN_OP_LIBRARY) if p)
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     try:
         if module is not None:
