@@ -10,6 +10,7 @@ module. The exit status is the program's.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import runpy
 import sys
@@ -34,8 +35,18 @@ def _exit_code(stop: SystemExit) -> int:
     return 1
 
 
+def _find_the_standins() -> None:
+    """ipu_standins ships beside ipu_unit_scaling, in the same directory; an editable install
+    made before the stand-ins had a package of their own does not map it yet."""
+    if importlib.util.find_spec("ipu_standins") is None:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+        if os.path.isdir(os.path.join(root, "ipu_standins")):
+            sys.path.append(root)
+
+
 def run_emulated(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``argv`` (what follows ``emulate``); returns the program's exit status."""
+    _find_the_standins()
     from ipu_standins.install import StandInError, install, shim_directory
     from ipu_standins.poptorch_custom_ops import LIBRARIES_ENV
 

@@ -82,7 +82,7 @@ def select_backend(name: str = "auto", config: Optional[Config] = None,
         if spans or (chosen is None and world > 1):
             return "cpu"
     elif spans or (chosen is None and world > 1):
-        check_launch(config)
+        check_launch(config.ipu if config is not None else None)
         return _multi_process_backend()
     elif world > 1:
         raise BackendError(f"torchrun started {world} processes, but backend {name!r} trains "

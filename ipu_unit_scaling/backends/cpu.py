@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..training.run_config import Config
-from .pipeline_stages import Stage, stages
+from .pipeline_stages import Stage, ipu_stages
 from .registry import TrainingBackend
 
 
@@ -118,7 +118,7 @@ class CPUBackend(TrainingBackend):
             gradient_accumulation=ipu.gradient_accumulation,
             replication_factor=ipu.replication_factor,
             max_grad_norm=config.training.grad_clip,
-            split=stages(model, config),
+            split=ipu_stages(model, ipu),
         )
 
 
