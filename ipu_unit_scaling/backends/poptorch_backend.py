@@ -80,15 +80,18 @@ class PopTorchBackend(TrainingBackend):
         from .poptorch.poptorch_training import IPUTrainingModel
 
         poptorch = self.poptorch()
-        return IPUTrainingModel(model, optimizer, config, use_ipu_model=self.use_ipu_model,
-                                poptorch=poptorch, needs_library=self._needs_library(poptorch))
+        return IPUTrainingModel(model, optimizer, config.ipu,
+                                fp8=config.precision.dtype == "fp8",
+                                use_ipu_model=self.use_ipu_model, poptorch=poptorch,
+                                needs_library=self._needs_library(poptorch))
 
     def build_inference_model(self, model: nn.Module, config: Config) -> InferenceModel:
         from .poptorch.poptorch_training import IPUInferenceModel
 
         poptorch = self.poptorch()
-        return IPUInferenceModel(model, config, use_ipu_model=self.use_ipu_model,
-                                 poptorch=poptorch, needs_library=self._needs_library(poptorch))
+        return IPUInferenceModel(model, config.ipu, fp8=config.precision.dtype == "fp8",
+                                 use_ipu_model=self.use_ipu_model, poptorch=poptorch,
+                                 needs_library=self._needs_library(poptorch))
 
 
 IPU_BACKEND = PopTorchBackend("ipu", standin=False, use_ipu_model=False, on_device=True)

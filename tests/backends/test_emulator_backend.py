@@ -222,7 +222,8 @@ def test_the_configs_ipu_settings_reach_the_standins_compile():
         model = build_model(config)
         optimizer = make_optimizer(model, config, "emulator")
         if ipu_model:
-            wrapper: Any = IPUTrainingModel(model, optimizer, config, use_ipu_model=True,
+            wrapper: Any = IPUTrainingModel(model, optimizer, config.ipu, fp8=False,
+                                            use_ipu_model=True,
                                             poptorch=standin, needs_library=False)
         else:
             wrapper = build_training_model(model, optimizer, config, "emulator")

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from ...ops.trace_switch import FP8CustomOps, ipu_tracing
-from ...training.run_config import Config, TrainingConfig
+from ...training.run_config import IPUConfig, TrainingConfig
 from ..cpu import TrainingModule
-from ..pipeline_stages import Stage, stages
+from ..pipeline_stages import Stage, ipu_stages
 from . import poptorch_by_name
 from .compile_checks import PopTorchError, check_config_compiles, check_inputs
 from .fp8_custom_op import PopTorchFP8CustomOps, load_custom_op_library
@@ -105,11 +105,10 @@ def make_ipu_optimizer(parameters: Any, training: TrainingConfig, poptorch: Modu
     )
 
 
-def _fp8_ops(config: Config, poptorch: ModuleType, needs_library: bool
-             ) -> PopTorchFP8CustomOps:
+def _fp8_ops(fp8: bool, poptorch: ModuleType, needs_library: bool) -> PopTorchFP8CustomOps:
     """The custom ops through ``poptorch.custom_op``; where PopART ``needs_library``, it is
-    loaded now (a missing one fails here, not mid-compilation)."""
-    if config.precision.dtype == "fp8" and needs_library:
+    loaded now for an ``fp8`` model (a missing one fails here, not mid-compilation)."""
+    if fp8 and needs_library:
         load_custom_op_library()
     return PopTorchFP8CustomOps(poptorch=poptorch.__name__, needs_library=needs_library)
 
@@ -117,24 +116,26 @@ def _fp8_ops(config: Config, poptorch: ModuleType, needs_library: bool
 class IPUTrainingModel:
     """A compiled-on-first-call ``poptorch.trainingModel`` with the fallback's interface.
 
-    ``poptorch`` is the module to run against; ``needs_library``: whether PopART needs
-    ``custom_ops/``'s library loaded for the FP8 custom ops (not on the stand-in). A step calls
-    PopTorch once, and ``setOptimizer`` when the learning rates change.
+    Built from the config's ``ipu`` section; ``fp8``: whether the model casts to FP8 (its
+    custom ops then need PopART's library). ``poptorch`` is the module to run against;
+    ``needs_library``: whether PopART needs ``custom_ops/``'s library for the custom ops (not
+    on the stand-in). A step calls PopTorch once, and ``setOptimizer`` when the learning rates
+    change.
     """
 
-    def __init__(self, model: nn.Module, optimizer: Any, config: Config, use_ipu_model: bool,
-                 poptorch: ModuleType, needs_library: bool = True):
+    def __init__(self, model: nn.Module, optimizer: Any, ipu: IPUConfig, *, fp8: bool,
+                 use_ipu_model: bool, poptorch: ModuleType, needs_library: bool = True):
         self.poptorch = poptorch
         self._compiled = False
         self.model = model
-        self.stages = stages(model, config)
+        self.stages = ipu_stages(model, ipu)
         # PopTorch's own compile checks, before an IPU is asked for.
-        check_config_compiles(config, self.stages, training=True, use_ipu_model=use_ipu_model)
-        if config.ipu.ipus_per_replica > 1:
+        check_config_compiles(ipu, self.stages, training=True, use_ipu_model=use_ipu_model)
+        if ipu.ipus_per_replica > 1:
             annotate_pipeline(model, self.stages, poptorch)
-        self.options = build_options(config, use_ipu_model, poptorch=poptorch)
+        self.options = build_options(ipu, use_ipu_model, poptorch=poptorch)
         self.optimizer = optimizer
-        module = IPUTrainingModule(model, _fp8_ops(config, poptorch, needs_library),
+        module = IPUTrainingModule(model, _fp8_ops(fp8, poptorch, needs_library),
                                    poptorch.__name__)
         self.executor = poptorch.trainingModel(module, options=self.options,
                                                optimizer=optimizer)
@@ -182,19 +183,19 @@ class IPUInferenceModel:
     input shapes of the first call and refuses others; a call with new shapes compiles again.
     """
 
-    def __init__(self, model: nn.Module, config: Config, use_ipu_model: bool,
+    def __init__(self, model: nn.Module, ipu: IPUConfig, *, fp8: bool, use_ipu_model: bool,
                  poptorch: ModuleType, needs_library: bool = True):
         self.poptorch = poptorch
         self.model = model
-        self.stages = stages(model, config)
-        self.compile_options = check_config_compiles(config, self.stages, training=False,
+        self.stages = ipu_stages(model, ipu)
+        self.compile_options = check_config_compiles(ipu, self.stages, training=False,
                                                      use_ipu_model=use_ipu_model)
         self.rows_per_call = self.compile_options.rows_per_call
-        if config.ipu.ipus_per_replica > 1:
+        if ipu.ipus_per_replica > 1:
             annotate_pipeline(model, self.stages, poptorch)
-        self.fp8_ops = _fp8_ops(config, poptorch, needs_library)
+        self.fp8_ops = _fp8_ops(fp8, poptorch, needs_library)
         model.eval()
-        self.options = build_options(config, use_ipu_model, inference=True, poptorch=poptorch)
+        self.options = build_options(ipu, use_ipu_model, inference=True, poptorch=poptorch)
         self.executor: Any = None
         self._signature: Optional[Tuple[Any, ...]] = None
         self._compiled = False
