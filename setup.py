@@ -63,7 +63,10 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.8",
-    packages=find_packages(include=["ipu_unit_scaling", "ipu_unit_scaling.*"]),
+    # ipu_standins: the stand-ins for the Poplar SDK's PopTorch and PopXL, a package of their
+    # own that depends on torch alone (`ipu-unit-scaling emulate` serves them).
+    packages=find_packages(include=["ipu_unit_scaling", "ipu_unit_scaling.*", "ipu_standins",
+                                    "ipu_standins.*"]),
     # The C++ transformer-layer nodes, compiled on first use against the installed torch.
     package_data={"ipu_unit_scaling.ops": ["native_layers.cpp"]},
     # matplotlib draws the loss curves every run writes: the main job needs it.

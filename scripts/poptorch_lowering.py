@@ -1,4 +1,4 @@
-"""Write ``ipu_unit_scaling/ops/poptorch_lowering_table.py``: what PopTorch lowers each ATen op
+"""Write ``ipu_standins/poptorch/_lowering_table.py``: what PopTorch lowers each ATen op
 of this project's models to, read from a poptorch checkout.
 
     python scripts/poptorch_lowering.py PATH_TO_POPTORCH_CHECKOUT [--check]
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
-TABLE = REPO / "ipu_unit_scaling" / "ops" / "poptorch_lowering_table.py"
+TABLE = REPO / "ipu_standins" / "poptorch" / "_lowering_table.py"
 CANONICALIZATION = "poptorch/source/popart_canonicalization"
 
 VERDICTS = ("same", "differs", "random", "stochastic-rounding", "constant")
@@ -435,7 +435,7 @@ def traced_ops() -> Set[str]:
     for _, module, inputs in project_models():
         ops |= ops_poptorch_sees(module, *inputs)
     try:
-        from ipu_unit_scaling.ops.poptorch_lowering_table import LOWERINGS
+        from ipu_standins.poptorch._lowering_table import LOWERINGS
     except ImportError:
         return ops
     return ops | set(LOWERINGS)
@@ -452,8 +452,8 @@ def render(rows: Sequence[Row], gelu: Dict[str, str], commit: str) -> str:
         "",
         "Each row names the op's handler (``poptorch/source/popart_canonicalization/``), the",
         "PopART builders it calls, and a verdict: ``same`` (PopART computes what eager torch",
-        "computes), ``differs`` (another function: the emulator computes it, see",
-        ":mod:`.lowering`), ``random`` (the same distribution, drawn from the IPU's random",
+        "computes), ``differs`` (another function: the stand-in computes it, see",
+        ":mod:`._lowering`), ``random`` (the same distribution, drawn from the IPU's random",
         "generator), ``stochastic-rounding`` (the same unless",
         "``Precision.enableStochasticRounding`` is on, then float to half rounds",
         "stochastically) and ``constant`` (accepted only where PopTorch folds it into a",

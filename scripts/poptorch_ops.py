@@ -1,4 +1,4 @@
-"""Print the ATen ops a PopTorch source tree lowers, for ``backends/poptorch_ops.py``.
+"""Print the ATen ops a PopTorch source tree lowers, for ``ipu_standins/poptorch/_handlers.py``.
 
     python scripts/poptorch_ops.py PATH_TO_POPTORCH_CHECKOUT
     python scripts/poptorch_ops.py PATH_TO_POPTORCH_CHECKOUT --refusals

@@ -107,7 +107,7 @@ def word_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def standin_calls(monkeypatch):
     """The PopTorch stand-in's ``custom_op`` calls, recorded on their way to it (the stand-in
     computes them: the package's ``torch.library`` ops)."""
-    from ipu_unit_scaling.backends.poptorch import poptorch_module
+    from ipu_unit_scaling.backends.poptorch_backend import poptorch_module
 
     standin = poptorch_module("emulator")
     calls: list = []

@@ -135,7 +135,7 @@ def test_make_optimizer_gives_u_mup_groups_on_every_backend():
     # are how PopTorch takes per-parameter hyperparameters); the emulator backend runs that
     # code on the PopTorch stand-in, whose poptorch.optim keeps them.
     from ipu_unit_scaling.backends import make_optimizer
-    from ipu_unit_scaling.backends.poptorch import poptorch_module
+    from ipu_unit_scaling.backends.poptorch_backend import poptorch_module
     from ipu_unit_scaling.training.run_config import load_config
 
     standin = poptorch_module("emulator")

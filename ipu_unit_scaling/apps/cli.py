@@ -1,5 +1,6 @@
-"""The ``ipu-unit-scaling`` command: ``train``, ``compare``, ``sweep``, ``analyse``,
-``evaluate`` and ``sample``.
+"""The ``ipu-unit-scaling`` command line: ``train``, ``compare``, ``sweep``, ``analyse``,
+``evaluate``, ``sample`` and ``emulate``, each an entry of :data:`COMMANDS`; the process's
+signals and streams are :mod:`.process`'s.
 
 Exit status: 0 done, 1 diverged (a non-finite or exploding training loss, or non-finite sampled
 logits), 2 bad arguments, config, data or run directory (one line on stderr, never a traceback),
@@ -9,42 +10,18 @@ the other commands then go on without their log.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import errno
-import importlib
 import math
 import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, List, NoReturn, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NoReturn, Optional, Sequence
 
+from .process import hold_ctrl_c_from_the_start
 
-def _held_from_the_start() -> List[int]:
-    """Where this process is the command itself (its console script, ``python -m
-    ipu_unit_scaling``), Ctrl-C waits from here until the command's imports are done (see
-    :func:`_ctrl_c_held`), instead of cutting an import with a traceback; the list collects
-    the signals that came. Imported by other code, nothing changes."""
-    held: List[int] = []
-    program = sys.argv[0] if sys.argv and isinstance(sys.argv[0], str) else ""
-    if (os.path.basename(program) == "ipu-unit-scaling"
-            or program.endswith(os.path.join("ipu_unit_scaling", "__main__.py"))) \
-            and threading.current_thread() is threading.main_thread() \
-            and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-        signal.signal(signal.SIGINT, _EarlyHandler(held))
-    return held
-
-
-class _EarlyHandler:
-    def __init__(self, held: List[int]) -> None:
-        self.held = held
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        self.held.append(signum)
-
-
-_HELD_FROM_THE_START = _held_from_the_start()
+hold_ctrl_c_from_the_start()  # before the imports below, which Ctrl-C may otherwise cut
 
 from .. import __version__  # noqa: E402  (after the handler: these imports may be cut)
 from ..training.config_names import (  # noqa: E402
@@ -63,6 +40,13 @@ from .commands import (  # noqa: E402
     PROG,
     REGIME_HELP,
     one_line_message,
+)
+from .process import (  # noqa: E402
+    ReaderMayLeave,
+    ctrl_c_held,
+    escape_what_the_terminal_cannot_show,
+    keep_standard_descriptors_taken,
+    torchrun_rank_and_size,
 )
 
 __all__ = ["main", "build_parser"]
@@ -138,7 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
+    for command in COMMANDS.values():
+        command.add_parser(commands)
+    return parser
 
+
+def _train_parser(commands: Any) -> argparse.ArgumentParser:
     train = commands.add_parser(
         "train", help="train one model (default: unit-scaled GPT in FP8 on the embedded corpus)",
         description="Train the config's GPT. Writes config.yaml, tokenizer.json, metrics.csv, "
@@ -167,7 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--scale-report", metavar="N", type=_positive_int, nargs="?", const=100,
         help="record per-tensor scales every N steps (default 100) into the run directory",
     )
+    return train
 
+
+def _compare_parser(commands: Any) -> argparse.ArgumentParser:
     compare = commands.add_parser(
         "compare", help="train one model per precision regime and compare validation losses",
         description="Train the same data, steps and seed under each regime, then print a table "
@@ -200,7 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
              "standard deviation of the final validation loss and of the gap to fp32; the "
              "figure shows mean curves with +-1 std bands",
     )
+    return compare
 
+
+def _sweep_parser(commands: Any) -> argparse.ArgumentParser:
     sweep = commands.add_parser(
         "sweep", help="learning-rate (or any key's) sweep across widths: does the best transfer?",
         description="Train a grid of learning rates (powers of two) x widths (x depths) for each "
@@ -236,7 +231,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="keep each finished point's checkpoint.pt (by default a point keeps "
                             "its config, metrics, summary and figure, and its checkpoint only "
                             "until it finishes)")
+    return sweep
 
+
+def _analyse_parser(commands: Any) -> argparse.ArgumentParser:
     analyse = commands.add_parser(
         "analyse", help="compare tensor scales of the plain and unit-scaled model",
         description="Measure the scales of activations, weights and gradients of the config's "
@@ -249,7 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
                          dest="overrides", help="override config values")
     analyse.add_argument("--run-dir", metavar="DIR", type=Path,
                          help="where to write the figure and table (default: runs/analyse-...)")
-    _add_inference_commands(commands)
+    return analyse
+
+
+def _health_parser(commands: Any) -> argparse.ArgumentParser:
     health = commands.add_parser(
         "health", help="is a run healthy? its FP8 telemetry per site, and its warnings",
         description="Read a run directory (finished, killed or still training) and print, per "
@@ -265,13 +266,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="also the u-μP inspector: each parameter's role, multipliers, "
                              "init std, effective learning rate and measured update/weight "
                              "ratio, outliers flagged")
-    commands.add_parser(  # dispatched in main() before parsing: see apps/emulate.py
-        "emulate", help="run an unchanged PopTorch program on the CPU, `import poptorch` "
-        "resolved to the stand-in: emulate SCRIPT [ARGS...] | emulate -m MODULE [ARGS...]")
-    return parser
+    return health
 
 
-def _add_inference_commands(commands: Any) -> None:
+def _evaluate_parser(commands: Any) -> argparse.ArgumentParser:
     evaluate = commands.add_parser(
         "evaluate", help="a trained run's loss in fp32, fp16 and post-training FP8",
         description="Evaluate a trained run's checkpoint in each precision: fp32, fp16 "
@@ -295,7 +293,11 @@ def _add_inference_commands(commands: Any) -> None:
     evaluate.add_argument("--out", metavar="DIR", type=Path,
                           help="where to write evaluate.md and evaluate.json (default: RUN_DIR)")
     evaluate.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_threads(evaluate)
+    return evaluate
 
+
+def _sample_parser(commands: Any) -> argparse.ArgumentParser:
     sample = commands.add_parser(
         "sample", help="write text with a trained run's checkpoint",
         description="Continue a prompt with characters drawn one at a time from a trained "
@@ -320,9 +322,20 @@ def _add_inference_commands(commands: Any) -> None:
     sample.add_argument("--precision", choices=PRECISION_NAMES, metavar="PRECISION",
                         help=f"one of {', '.join(PRECISION_NAMES)} (default: the precision the run "
                              "trained in)")
-    for parser in (evaluate, sample):
-        parser.add_argument("--threads", metavar="N", type=_thread_count, default=1,
-                            help="CPU threads for torch (default 1)")
+    _add_threads(sample)
+    return sample
+
+
+def _add_threads(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--threads", metavar="N", type=_thread_count, default=1,
+                        help="CPU threads for torch (default 1)")
+
+
+def _emulate_parser(commands: Any) -> argparse.ArgumentParser:
+    # Its arguments are the program's, passed on unparsed (see main()); this is its --help.
+    return commands.add_parser(
+        "emulate", help="run an unchanged PopTorch program on the CPU, `import poptorch` "
+        "resolved to the stand-in: emulate SCRIPT [ARGS...] | emulate -m MODULE [ARGS...]")
 
 
 def _seed(text: str) -> int:
@@ -345,79 +358,103 @@ def _temperature(text: str) -> float:
     return value
 
 
-# Each command, and the module of apps/ that runs it (imported when the command runs).
-COMMANDS = {"train": "commands", "compare": "compare", "sweep": "commands",
-            "analyse": "commands", "evaluate": "commands", "sample": "commands",
-            "health": "health"}
+# ------------------------------------------------------------------------ the commands
+# A command's loader imports the module that runs it (when the command runs, with Ctrl-C held)
+# and gives its function.
+Runner = Callable[[Any], int]
 
 
-def command_for(name: str) -> Callable[[argparse.Namespace], int]:
+def _load_train() -> Runner:
+    from .commands import command_train
+
+    return command_train
+
+
+def _load_compare() -> Runner:
+    from .compare import command_compare
+
+    return command_compare
+
+
+def _load_sweep() -> Runner:
+    from .commands import command_sweep
+
+    return command_sweep
+
+
+def _load_analyse() -> Runner:
+    from .commands import command_analyse
+
+    return command_analyse
+
+
+def _load_evaluate() -> Runner:
+    from .commands import command_evaluate
+
+    return command_evaluate
+
+
+def _load_sample() -> Runner:
+    from .commands import command_sample
+
+    return command_sample
+
+
+def _load_health() -> Runner:
+    from .health import command_health
+
+    return command_health
+
+
+def _load_emulate() -> Runner:
+    from .emulate import run_emulated
+
+    return run_emulated
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command: its parser (added to the command line's) and its loader. A command that
+    ``runs_a_program`` takes the rest of the line unparsed, as the program's own arguments,
+    and the process as the program would have it (its streams, its signals, its errors)."""
+
+    add_parser: Callable[[Any], argparse.ArgumentParser]
+    load: Callable[[], Runner]
+    runs_a_program: bool = False
+
+
+# The command line's commands, in the order --help lists them: adding one is a line here, with
+# its parser and its runner above.
+COMMANDS = {
+    "train": Command(_train_parser, _load_train),
+    "compare": Command(_compare_parser, _load_compare),
+    "sweep": Command(_sweep_parser, _load_sweep),
+    "analyse": Command(_analyse_parser, _load_analyse),
+    "evaluate": Command(_evaluate_parser, _load_evaluate),
+    "sample": Command(_sample_parser, _load_sample),
+    "health": Command(_health_parser, _load_health),
+    "emulate": Command(_emulate_parser, _load_emulate, runs_a_program=True),
+}
+
+
+def command_for(name: str) -> Runner:
     """The function that runs the command ``name``, its module imported now."""
-    module = importlib.import_module(f".{COMMANDS[name]}", __package__)
-    return getattr(module, f"command_{name}")  # type: ignore[no-any-return]
-
-
-class _ReaderMayLeave:
-    """stdout or stderr, whose reader may go away (``... | head``): from then on what is
-    written is dropped (``left`` says so), so that a run goes on to its end and its files
-    instead of dying of its log. A stream that cannot be written (closed, ``>&-``; full,
-    ``>/dev/full``) is dropped the same way; ``failed`` then says why (an OSError naming
-    ``name``), for the command to report at its end."""
-
-    def __init__(self, stream: Any, name: str) -> None:
-        self.name = name
-        self.left = False
-        self.failed: Optional[OSError] = None
-        if stream is None:  # the shell closed it: Python gives no stream at all
-            stream = open(os.devnull, "w")
-            self.left = True
-            self.failed = OSError(errno.EBADF, "it is closed", name)
-        self._stream = stream
-
-    def write(self, text: str) -> int:
-        if not self.left:
-            try:
-                return int(self._stream.write(text))
-            except OSError as error:
-                self._leave(error)
-        return len(text)
-
-    def flush(self) -> None:
-        if not self.left:
-            try:
-                self._stream.flush()
-            except OSError as error:
-                self._leave(error)
-
-    def _leave(self, error: OSError) -> None:
-        self.left = True
-        if not isinstance(error, BrokenPipeError):
-            self.failed = OSError(error.errno, error.strerror or str(error), self.name)
-        try:  # the interpreter flushes the stream once more at exit: into the null device
-            null = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(null, self._stream.fileno())
-            os.close(null)
-        except (OSError, ValueError, AttributeError):  # not a file (a test's capture)
-            pass
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._stream, name)
+    return COMMANDS[name].load()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line ``argv`` (default: ``sys.argv[1:]``); returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["emulate"]:  # the program's own arguments follow: no parsing here
-        from .emulate import run_emulated
-
-        with _ctrl_c_held() as held:
-            pass  # the program takes Ctrl-C as it would alone
-        return EXIT_INTERRUPTED if held else run_emulated(argv[1:])
-    _keep_standard_descriptors_taken()
-    _escape_what_the_terminal_cannot_show()
+    command = COMMANDS.get(argv[0]) if argv else None
+    if command is not None and command.runs_a_program:
+        with ctrl_c_held() as held:  # the program then takes Ctrl-C as it would alone
+            run_program = command.load()
+        return EXIT_INTERRUPTED if held else run_program(argv[1:])
+    keep_standard_descriptors_taken()
+    escape_what_the_terminal_cannot_show()
     streams = sys.stdout, sys.stderr
-    out = _ReaderMayLeave(sys.stdout, "standard output")
-    sys.stdout, sys.stderr = out, _ReaderMayLeave(sys.stderr, "standard error")
+    out = ReaderMayLeave(sys.stdout, "standard output")
+    sys.stdout, sys.stderr = out, ReaderMayLeave(sys.stderr, "standard error")
     try:
         try:
             status = _run(argv)
@@ -434,44 +471,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sys.stdout, sys.stderr = streams
 
 
-@contextlib.contextmanager
-def _ctrl_c_held() -> Iterator[List[int]]:
-    """Ctrl-C (SIGINT) waits until the block ends; the list yielded then holds the signal if
-    one came. Off the main thread, where no handler can be set, nothing is held."""
-    held: List[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield held
-        return
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
-    if isinstance(previous, _EarlyHandler):  # held since the process started: Ctrl-C stops
-        held += previous.held                 # the command as usual from now on
-        previous = signal.default_int_handler
-    try:
-        yield held
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _keep_standard_descriptors_taken() -> None:
-    """A descriptor 0, 1 or 2 that the shell closed (``>&-``) is opened on the null device:
-    else the next file a run opens would get its number, and whatever writes to standard
-    output (a library's C code, a child process) would write into it."""
-    for descriptor in (0, 1, 2):
-        try:
-            os.fstat(descriptor)
-        except OSError:
-            try:
-                null = os.open(os.devnull, os.O_RDWR)
-                if null != descriptor:
-                    os.dup2(null, descriptor)
-                    os.close(null)
-            except OSError:
-                pass
-
-
 def _run(argv: List[str]) -> int:
     if not argv:
-        *others, last = [*COMMANDS, "emulate"]
+        *others, last = COMMANDS
         print(f"{PROG}: error: no command; use '{PROG} train' to train the default config, or "
               f"see '{PROG} --help' for {', '.join(others)} and {last}", file=sys.stderr)
         return EXIT_USAGE
@@ -479,7 +481,7 @@ def _run(argv: List[str]) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as stop:  # --help (0), or one line on bad arguments (2)
         return stop.code if isinstance(stop.code, int) else EXIT_USAGE
-    with _ctrl_c_held() as held:  # an import cut by Ctrl-C can leave a library half-loaded
+    with ctrl_c_held() as held:  # an import cut by Ctrl-C can leave a library half-loaded
         if getattr(args, "threads", None):
             import torch
 
@@ -498,7 +500,7 @@ def _run(argv: List[str]) -> int:
         print(f"{PROG}: interrupted before {args.command} started", file=sys.stderr)
         return EXIT_INTERRUPTED
 
-    rank, world = _torchrun_rank_and_size()
+    rank, world = torchrun_rank_and_size()
     if world > 1 and args.command != "train":
         return _fail(f"{args.command} runs in one process; of the commands only train runs "
                      "under torchrun", speaks=rank == 0)
@@ -548,31 +550,10 @@ def command() -> NoReturn:
     sys.exit(status)
 
 
-def _escape_what_the_terminal_cannot_show() -> None:
-    # Characters the output's encoding lacks (u-μP where it is ASCII, a path of undecodable
-    # bytes) come out as backslash escapes instead of stopping the command with a traceback.
-    for stream in (sys.stdout, sys.stderr):
-        reconfigure = getattr(stream, "reconfigure", None)
-        if reconfigure is not None:
-            try:
-                reconfigure(errors="backslashreplace")
-            except (ValueError, OSError):  # a stream that cannot change now: leave it
-                pass
-
-
 def _fail(message: str, speaks: bool = True) -> int:
     if speaks:
         print(f"{PROG}: error: {message}", file=sys.stderr)
     return EXIT_USAGE
-
-
-def _torchrun_rank_and_size() -> Tuple[int, int]:
-    """This process's rank and the number of processes, as torchrun set them; (0, 1) when it
-    did not start this one."""
-    try:
-        return int(os.environ.get("RANK") or 0), int(os.environ.get("WORLD_SIZE") or 1)
-    except ValueError:
-        return 0, 1
 
 
 if __name__ == "__main__":

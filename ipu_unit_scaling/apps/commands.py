@@ -148,13 +148,6 @@ def command_train(args: argparse.Namespace) -> int:
     from ..loop.training_loop import train
     from ..training.run_config import absolute_path_override
 
-    if args.scale_report:
-        try:
-            from ..analysis import ScaleReporter  # type: ignore[attr-defined]  # noqa: F401
-        except ImportError as error:
-            raise UsageError(
-                "--scale-report needs ipu_unit_scaling.analysis, which this installation lacks"
-            ) from error
     directory: Any
     if args.resume is not None:
         if args.config is not None or args.data is not None or args.run_dir is not None \
@@ -316,12 +309,7 @@ def command_analyse(args: argparse.Namespace) -> int:
     from ..training.run_config import load_config
 
     config = load_config(_config_path(args), command_overrides(args))
-    try:
-        from ..analysis import analyse  # type: ignore[attr-defined]
-    except ImportError as error:
-        raise UsageError(
-            "'analyse' needs ipu_unit_scaling.analysis, which this installation lacks"
-        ) from error
+    from ..analysis import analyse
     check_memory(config)
     with command_run_directory(args.run_dir, runs_root(config), "analyse") as run_dir:
         table, figure = analyse(config, run_dir)

@@ -4,18 +4,23 @@
 ``emulate -m MODULE [ARGS...]`` as ``python -m MODULE ARGS...`` (``emulate -m pytest tests/``
 runs a PopTorch test suite), with ``import poptorch`` resolved to the package's PopTorch
 stand-in and ``import popxl`` to its PopXL stand-in
-(:mod:`ipu_unit_scaling.backends.poptorch_standin.install`). Where the Poplar SDK's PopTorch
+(:mod:`ipu_standins.install`). Where the Poplar SDK's PopTorch
 or PopXL imports, it says so in one line and runs nothing: a stand-in never shadows the real
 module. The exit status is the program's.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import runpy
 import sys
 from typing import List, Optional, Sequence
 
-__all__ = ["run_emulated", "USAGE"]
+__all__ = ["run_emulated", "USAGE", "STANDIN_OP_LIBRARY"]
+
+# The module that registers the package's custom ops with the PopTorch stand-in, by name: the
+# stand-in imports it when a program first asks for one of them.
+STANDIN_OP_LIBRARY = "ipu_unit_scaling.backends.standin_op_library"
 
 USAGE = ("usage: ipu-unit-scaling emulate SCRIPT [ARGS...] | "
          "ipu-unit-scaling emulate -m MODULE [ARGS...]")
@@ -30,9 +35,20 @@ def _exit_code(stop: SystemExit) -> int:
     return 1
 
 
+def _find_the_standins() -> None:
+    """ipu_standins ships beside ipu_unit_scaling, in the same directory; an editable install
+    made before the stand-ins had a package of their own does not map it yet."""
+    if importlib.util.find_spec("ipu_standins") is None:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+        if os.path.isdir(os.path.join(root, "ipu_standins")):
+            sys.path.append(root)
+
+
 def run_emulated(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``argv`` (what follows ``emulate``); returns the program's exit status."""
-    from ..backends.poptorch_standin.install import StandInError, install, shim_directory
+    _find_the_standins()
+    from ipu_standins.install import StandInError, install, shim_directory
+    from ipu_standins.poptorch_custom_ops import LIBRARIES_ENV
 
     args: List[str] = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
@@ -60,6 +76,11 @@ def run_emulated(argv: Optional[Sequence[str]] = None) -> int:
     shim = shim_directory()
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (shim, os.environ.get("PYTHONPATH")) if p)
+    # The package's PopART custom ops run on the stand-in, here and in those subprocesses,
+    # loaded when a program first calls one (poptorch.custom_op): nothing of the package
+    # loads before.
+    os.environ[LIBRARIES_ENV] = ",".join(
+        p for p in (os.environ.get(LIBRARIES_ENV), STANDIN_OP_LIBRARY) if p)
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     try:
         if module is not None:

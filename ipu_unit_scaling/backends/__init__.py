@@ -3,17 +3,19 @@
 ``build_training_model(model, optimizer, config)`` returns a wrapper called PopTorch-style,
 ``wrapper(inputs, labels) -> (output, loss)``, that runs backward and the optimizer step with
 ``poptorch.trainingModel``'s semantics (device iterations, gradient accumulation with mean
-reduction, one loss per micro-batch). The backends:
+reduction, one loss per micro-batch). Each backend is one object (:mod:`.registry`), registered
+by name, that carries its capabilities and builds its optimizer, training and inference models:
 
 - ``ipu``: PopTorch on IPU hardware; ``ipu_model``: PopTorch on the IPU Model (no hardware);
 - ``emulator``: the same IPU backend code (:mod:`.poptorch`: options, pipeline blocks,
   ``poptorch.trainingModel``, ``poptorch.optim``, the FP8 custom ops) run against the PopTorch
-  stand-in (:mod:`.poptorch_standin`) instead of the SDK's poptorch, on the CPU: the model is
-  traced forward as PopTorch traces it, its gradients come from the traced graph as PopART's
+  stand-in (:mod:`ipu_standins.poptorch`) instead of the SDK's poptorch, on the CPU: the model
+  is traced forward as PopTorch traces it, its gradients come from the traced graph as PopART's
   autodiff takes them, and the stand-in applies the options' batching, output mode and
-  compile checks. It computes what ``ipu`` computes on hardware (not the IPU Model);
-- ``cpu``: eager PyTorch;
-- ``popxl``: the unit-scaled GPT written in PopXL, with real FP8 matmuls (:mod:`.popxl`);
+  compile checks. It computes what ``ipu`` computes on hardware (not the IPU Model)
+  (:mod:`.poptorch_backend`);
+- ``cpu``: eager PyTorch (:mod:`.cpu`);
+- ``popxl``: the unit-scaled GPT written in PopXL, with real FP8 matmuls (:mod:`.popxl_backend`);
 - ``distributed``: processes started by torchrun, one per stage and replica of the config's
   IPU layout, on ``torch.distributed`` (:mod:`.distributed`).
 
@@ -27,26 +29,24 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any, Dict, Iterable, List, Optional, Protocol, Union
+from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 from torch import nn
 
-from ..training.run_config import BACKEND_NAMES, Config
+from ..training.run_config import Config
 from .backend_error import BackendError
-from .cpu import CPUTrainingModel, TrainingModule
 from .distributed import check_launch, launched_world_size
 from .pipeline_stages import Stage, stages
+from .registry import Capabilities, InferenceModel, TrainingBackend, backend_named, registered_names
 
 __all__ = [
-    "BACKEND_ENV", "BackendError", "Stage", "stages", "select_backend",
-    "make_optimizer", "build_training_model", "build_inference_model", "InferenceModel",
+    "BACKEND_ENV", "BackendError", "Stage", "stages", "select_backend", "make_optimizer",
+    "build_training_model", "build_inference_model", "InferenceModel", "TrainingBackend",
+    "Capabilities", "backend_named", "capabilities",
 ]
 
 BACKEND_ENV = "IPU_UNIT_SCALING_BACKEND"
-# The backends that run the IPU backend code (.poptorch): on the SDK's poptorch, or on the
-# stand-in (emulator).
-IPU_BACKENDS = ("ipu", "ipu_model", "emulator")
 
 
 def _import_poptorch() -> Optional[Any]:
@@ -54,6 +54,16 @@ def _import_poptorch() -> Optional[Any]:
         return importlib.import_module("poptorch")
     except Exception:  # an SDK that is present but broken counts as absent
         return None
+
+
+def _multi_process_backend() -> str:
+    return next(name for name in registered_names()
+                if backend_named(name).capabilities.spans_processes)
+
+
+def capabilities(name: str) -> Capabilities:
+    """What the backend ``name`` can do (see :class:`.registry.Capabilities`)."""
+    return backend_named(name).capabilities
 
 
 def select_backend(name: str = "auto", config: Optional[Config] = None,
@@ -65,39 +75,25 @@ def select_backend(name: str = "auto", config: Optional[Config] = None,
     ``distributed`` is ``cpu``.
     """
     name = os.environ.get(BACKEND_ENV) or name
-    if name not in BACKEND_NAMES:
-        raise BackendError(f"backend {name!r} unknown; allowed: {', '.join(BACKEND_NAMES)}")
+    chosen = backend_named(name) if name != "auto" else None
+    spans = chosen is not None and chosen.capabilities.spans_processes
     world = launched_world_size()
     if not training:
-        if name == "distributed" or (name == "auto" and world > 1):
+        if spans or (chosen is None and world > 1):
             return "cpu"
-    elif name == "distributed" or (name == "auto" and world > 1):
-        check_launch(config)
-        return "distributed"
+    elif spans or (chosen is None and world > 1):
+        check_launch(config.ipu if config is not None else None)
+        return _multi_process_backend()
     elif world > 1:
         raise BackendError(f"torchrun started {world} processes, but backend {name!r} trains "
                            "on one; use 'auto' or 'distributed', or launch without torchrun")
-    if name in ("cpu", "emulator"):
-        return name
-    if name == "popxl":
-        from .popxl import popxl_available
-
-        if not popxl_available():
-            raise BackendError(
-                "backend 'popxl' needs PopXL (the Poplar SDK's popxl), which does not import "
-                f"here; use 'emulator', 'cpu' or 'auto', or unset {BACKEND_ENV}")
+    if chosen is not None:
+        chosen.check_available()
         return name
     poptorch = _import_poptorch()
-    if name == "auto":
-        if poptorch is None:
-            return "cpu"
-        return "ipu" if poptorch.ipuHardwareIsAvailable() else "ipu_model"
     if poptorch is None:
-        raise BackendError(
-            f"backend {name!r} needs PopTorch (Poplar SDK), which does not import here; "
-            f"use 'emulator', 'cpu' or 'auto', or unset {BACKEND_ENV}"
-        )
-    return name
+        return "cpu"
+    return "ipu" if poptorch.ipuHardwareIsAvailable() else "ipu_model"
 
 
 def make_optimizer(
@@ -133,16 +129,7 @@ def make_optimizer(
         umup_rules = getattr(model, "umup_rules", None)
         rules = umup_rules() if callable(umup_rules) else None
         params = param_groups(model, lr, decay, training.optimizer != "adam", parameters, rules)
-    if backend in IPU_BACKENDS:
-        from .poptorch import poptorch_module
-        from .poptorch.poptorch_training import make_ipu_optimizer
-
-        return make_ipu_optimizer(params, config, poptorch_module(backend))
-    if training.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=lr, weight_decay=decay)
-    if training.optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=decay)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=decay)
+    return backend_named(backend).make_optimizer(params, training)
 
 
 def build_training_model(
@@ -150,7 +137,7 @@ def build_training_model(
     optimizer: torch.optim.Optimizer,
     config: Config,
     backend: Optional[str] = None,
-) -> Union[CPUTrainingModel, Any]:
+) -> Any:
     """Wrap ``model`` so that ``wrapper(inputs, labels) -> (output, loss)`` trains it.
 
     Each call runs ``config.ipu.device_iterations`` optimizer steps over inputs whose leading
@@ -159,45 +146,7 @@ def build_training_model(
     changing learning rates), ``copy_weights_to_host()`` and ``destroy()``.
     """
     backend = backend or select_backend(config.backend)
-    if backend == "cpu":
-        split = stages(model, config)
-        ipu = config.ipu
-        return CPUTrainingModel(
-            TrainingModule(model),
-            optimizer,
-            device_iterations=ipu.device_iterations,
-            gradient_accumulation=ipu.gradient_accumulation,
-            replication_factor=ipu.replication_factor,
-            max_grad_norm=config.training.grad_clip,
-            split=split,
-        )
-    if backend in IPU_BACKENDS:
-        from .poptorch import poptorch_module
-        from .poptorch.poptorch_training import IPUTrainingModel
-
-        return IPUTrainingModel(model, optimizer, config, use_ipu_model=backend == "ipu_model",
-                                poptorch=poptorch_module(backend))
-    if backend == "popxl":
-        from .popxl import PopXLTrainingModel
-
-        return PopXLTrainingModel(model, optimizer, config)
-    if backend == "distributed":
-        from .distributed import DistributedTrainingModel
-
-        return DistributedTrainingModel(model, optimizer, config)
-    raise BackendError(f"backend {backend!r} cannot build a training model")
-
-
-class InferenceModel(Protocol):
-    """What :func:`build_inference_model` returns."""
-
-    rows_per_call: int  # a call's rows must be a multiple of it
-
-    def __call__(self, *inputs: Any) -> Any:
-        ...
-
-    def destroy(self) -> None:
-        ...
+    return backend_named(backend).build_training_model(model, optimizer, config)
 
 
 def build_inference_model(model: nn.Module, config: Config,
@@ -211,28 +160,4 @@ def build_inference_model(model: nn.Module, config: Config,
     alike) run eager PyTorch, the code path of training's evaluation.
     """
     backend = backend or select_backend(config.backend)
-    if backend in IPU_BACKENDS:
-        from .poptorch import poptorch_module
-        from .poptorch.poptorch_training import IPUInferenceModel
-
-        return IPUInferenceModel(model, config, use_ipu_model=backend == "ipu_model",
-                                 poptorch=poptorch_module(backend))
-    if backend in ("cpu", "popxl", "distributed"):
-        return _EvalWrapper(model, model)
-    raise BackendError(f"backend {backend!r} cannot build an inference model")
-
-
-class _EvalWrapper:
-    rows_per_call = 1
-
-    def __init__(self, runner: nn.Module, model: nn.Module):
-        self.runner = runner
-        self.model = model
-
-    def __call__(self, *inputs: Any) -> Any:
-        self.model.eval()
-        with torch.no_grad():
-            return self.runner(*inputs)
-
-    def destroy(self) -> None:
-        """Nothing to release off the IPU."""
+    return backend_named(backend).build_inference_model(model, config)

@@ -20,7 +20,9 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .pipeline_stages import Stage
+from ..training.run_config import Config
+from .pipeline_stages import Stage, ipu_stages
+from .registry import TrainingBackend
 
 
 class TrainingModule(nn.Module):
@@ -99,3 +101,25 @@ class CPUTrainingModel:
 
     def destroy(self) -> None:
         """Nothing to release on the host."""
+
+
+class CPUBackend(TrainingBackend):
+    """``cpu``: eager PyTorch on the host, with PopTorch's batching (:class:`CPUTrainingModel`)."""
+
+    name = "cpu"
+
+    def build_training_model(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                             config: Config) -> CPUTrainingModel:
+        ipu = config.ipu
+        return CPUTrainingModel(
+            TrainingModule(model),
+            optimizer,
+            device_iterations=ipu.device_iterations,
+            gradient_accumulation=ipu.gradient_accumulation,
+            replication_factor=ipu.replication_factor,
+            max_grad_norm=config.training.grad_clip,
+            split=ipu_stages(model, ipu),
+        )
+
+
+CPU_BACKEND = CPUBackend()

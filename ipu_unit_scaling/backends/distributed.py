@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..training.run_config import Config
+from ..training.run_config import Config, IPUConfig
+from .registry import Capabilities, TrainingBackend
 
 __all__ = [
     "launched_world_size", "join_launched_world", "writes_run_files",
@@ -171,9 +172,9 @@ def _has_pipelining() -> bool:
     return True
 
 
-def check_launch(config: Optional[Config] = None) -> None:
+def check_launch(ipu: Optional[IPUConfig] = None) -> None:
     """Refuse, in one line, a ``distributed`` run that cannot work: not under torchrun, a world
-    that is not the config's layout, or stages without torch.distributed.pipelining."""
+    that is not ``ipu``'s layout, or stages without torch.distributed.pipelining."""
     from .backend_error import BackendError
 
     world = launched_world_size()
@@ -181,9 +182,8 @@ def check_launch(config: Optional[Config] = None) -> None:
         raise BackendError(
             "backend 'distributed' runs under torchrun, which sets WORLD_SIZE: e.g. torchrun "
             "--nproc-per-node 2 -m ipu_unit_scaling train ...; without it use 'auto' or 'cpu'")
-    if config is None:
+    if ipu is None:
         return
-    ipu = config.ipu
     layout = ipu.ipus_per_replica * ipu.replication_factor
     if world != layout:
         hint = ""
@@ -297,32 +297,36 @@ class DistributedTrainingModel:
     order (gathered from the last stages), so ``loss.view(device_iterations, -1).mean(1)`` is
     each step's loss on every rank. ``output`` holds this rank's outputs only: the logits of
     its micro-batches with one stage, nothing (an empty tensor) on pipeline stages.
+
+    ``ipu`` lays the model out; ``grad_clip`` is the training's gradient clipping, ``dropout``
+    the model's, and ``micro_batch`` the ``(samples, sequence length)`` of one micro-batch,
+    the shape the pipeline stages exchange activations for.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, config: Config):
-        from .pipeline_stages import stages
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ipu: IPUConfig, *,
+                 grad_clip: Optional[float], dropout: float, micro_batch: Tuple[int, int]):
+        from .pipeline_stages import ipu_stages
 
-        check_launch(config)
-        ipu = config.ipu
+        check_launch(ipu)
         self.model = model
         self.optimizer = optimizer
-        self.config = config
         self.device_iterations = ipu.device_iterations
         self.gradient_accumulation = ipu.gradient_accumulation
         self.replicas = ipu.replication_factor
         self.num_stages = ipu.ipus_per_replica
-        self.max_grad_norm = config.training.grad_clip
+        self.max_grad_norm = grad_clip
         self.rank, self.world_size = _world()
         self.replica, self.stage_index = divmod(self.rank, self.num_stages)
-        self.stages = stages(model, config)
-        self.fresh_dropout = config.model.dropout > 0
+        self.stages = ipu_stages(model, ipu)
+        self.fresh_dropout = dropout > 0
         self._runner: Any
         if self.num_stages == 1:
             self._runner = _DataParallel(model, self.gradient_accumulation)
         else:
             from .pipeline import PipelineReplica
 
-            self._runner = PipelineReplica(model, self.stages, config, self.replica,
+            self._runner = PipelineReplica(model, self.stages, micro_batch, self.replicas,
+                                           ipu.gradient_accumulation, self.replica,
                                            self.stage_index)
 
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, ...]:
@@ -423,3 +427,22 @@ class _DataParallel:
     def gather_weights(self, optimizer: torch.optim.Optimizer) -> None:
         """Replicas hold the same weights and optimizer state after every step."""
 
+
+
+class DistributedBackend(TrainingBackend):
+    """``distributed``: one process per stage and replica under torchrun
+    (:class:`DistributedTrainingModel`); its ranks evaluate alike, in eager PyTorch. It splits
+    the GPT's layers, so it trains no given model."""
+
+    name = "distributed"
+    capabilities = Capabilities(trains_given_model=False, spans_processes=True)
+
+    def build_training_model(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                             config: Config) -> DistributedTrainingModel:
+        return DistributedTrainingModel(
+            model, optimizer, config.ipu, grad_clip=config.training.grad_clip,
+            dropout=config.model.dropout,
+            micro_batch=(config.micro_batch_size, config.model.seq_len))
+
+
+DISTRIBUTED_BACKEND = DistributedBackend()

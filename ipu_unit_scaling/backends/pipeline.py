@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..training.run_config import Config
 from .pipeline_stages import Stage, check_no_shared_parameters, layer_bounds, stage_parameters
 
 __all__ = ["PipelineReplica", "StageModule", "boundary_module"]
@@ -123,7 +122,7 @@ def _shallow_copy(model: nn.Module) -> nn.Module:
     return copy
 
 
-def _boundary_examples(model: nn.Module, config: Config,
+def _boundary_examples(model: nn.Module, micro_batch: Tuple[int, int],
                        boundaries: Sequence[int]) -> Tuple[Dict[int, torch.Tensor], torch.Tensor]:
     """Tensors shaped as the activations entering each boundary, and the loss, of one
     micro-batch: what the stages send each other (and gradients of), known before the first
@@ -134,7 +133,7 @@ def _boundary_examples(model: nn.Module, config: Config,
         def record(module: nn.Module, args: Tuple[Any, ...], boundary: int = boundary) -> None:
             examples.setdefault(boundary, torch.zeros_like(args[0]).requires_grad_())
         handles.append(boundary_module(model, boundary).register_forward_pre_hook(record))
-    ids = torch.zeros(config.micro_batch_size, config.model.seq_len, dtype=torch.long)
+    ids = torch.zeros(micro_batch, dtype=torch.long)
     was_training = model.training
     try:
         # (no randomness drawn: the run's random stream stays that of a run on one process)
@@ -152,17 +151,17 @@ class PipelineReplica:
     """This process's stage of one replica's pipeline; replicas of a stage are
     ``DistributedDataParallel`` over the ranks that run it."""
 
-    def __init__(self, model: nn.Module, split: List[Stage], config: Config, replica: int,
-                 stage_index: int):
+    def __init__(self, model: nn.Module, split: List[Stage], micro_batch: Tuple[int, int],
+                 replicas: int, accumulation: int, replica: int, stage_index: int):
         from torch.distributed import pipelining
         from torch.nn.parallel import DistributedDataParallel
 
         check_no_shared_parameters(model, split)
         self.model = model
         self.num_stages = len(split)
-        self.replicas = config.ipu.replication_factor
+        self.replicas = replicas
         self.replica = replica
-        self.accumulation = config.ipu.gradient_accumulation
+        self.accumulation = accumulation
         self.pipeline_group, data_parallel_group = self._groups(stage_index)
 
         owned = {id(p) for p in stage_parameters(model, split[stage_index])}
@@ -174,13 +173,12 @@ class PipelineReplica:
         bounds = layer_bounds(split)
         start, end = bounds[stage_index]
         examples, loss_example = _boundary_examples(
-            model, config, sorted({first for first, _ in bounds[1:]}))
+            model, micro_batch, sorted({first for first, _ in bounds[1:]}))
         self.module = StageModule(model, start, end)
         runner: nn.Module = self.module
         if self.replicas > 1 and self.owned:
             runner = DistributedDataParallel(self.module, process_group=data_parallel_group)
-        ids_example = torch.zeros(config.micro_batch_size, config.model.seq_len,
-                                  dtype=torch.long)
+        ids_example = torch.zeros(micro_batch, dtype=torch.long)
         stage = pipelining.PipelineStage(
             runner, stage_index, self.num_stages, torch.device("cpu"),
             input_args=ids_example if self.module.is_first else examples[start],

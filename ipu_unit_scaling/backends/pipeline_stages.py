@@ -13,7 +13,7 @@ from torch import nn
 from ..training.run_config import resolve_layers_per_ipu
 
 if TYPE_CHECKING:
-    from ..training.run_config import Config
+    from ..training.run_config import Config, IPUConfig
 
 # Children that must sit with the first or last stage whatever their registration order.
 INPUT_SIDE = ("embedding", "position_embedding")
@@ -70,16 +70,20 @@ def split_stages(model: nn.Module, layers_per_stage: Sequence[int]) -> List[Stag
 
 
 def stages(model: nn.Module, config: Config) -> List[Stage]:
-    """The stage split ``config.ipu.layers_per_ipu`` gives ``model``: the stages every backend
-    shows, and those the ``distributed`` backend trains on separate processes. On one IPU a
-    model without the GPT's ``layers`` list (a given model) is one stage."""
-    if config.ipu.ipus_per_replica == 1 and not isinstance(getattr(model, "layers", None),
-                                                           nn.ModuleList):
+    """The stage split ``config.ipu.layers_per_ipu`` gives ``model`` (:func:`ipu_stages`)."""
+    return ipu_stages(model, config.ipu)
+
+
+def ipu_stages(model: nn.Module, ipu: IPUConfig) -> List[Stage]:
+    """The stage split ``ipu.layers_per_ipu`` gives ``model``: the stages every backend shows,
+    and those the ``distributed`` backend trains on separate processes. On one IPU a model
+    without the GPT's ``layers`` list (a given model) is one stage."""
+    if ipu.ipus_per_replica == 1 and not isinstance(getattr(model, "layers", None),
+                                                    nn.ModuleList):
         return [Stage(index=0, modules=tuple(name for name, _ in model.named_children()),
                       layers=())]
     counts = resolve_layers_per_ipu(
-        config.ipu.layers_per_ipu, len(getattr(model, "layers", ())), config.ipu.ipus_per_replica
-    )
+        ipu.layers_per_ipu, len(getattr(model, "layers", ())), ipu.ipus_per_replica)
     return split_stages(model, counts)
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from ..backends import capabilities
 from ..training.config_files import ConfigError, read_yaml_file
 from ..training.data import CharTokenizer, Corpus, DataError, load_corpus
 from ..training.finetune import check_same_model, encode_with, extend_model_state, extend_tokenizer
@@ -49,9 +50,10 @@ from .tasks import CAUSAL_LM, CausalLM, Task, read_task
 
 # ------------------------------------------------------------------------ opening a run
 
-# Backends whose activations live in IPU memory, not the host's (the IPU Model and the
-# emulator simulate on the host).
-_ON_IPU = ("ipu", "popxl")
+def _host_activations(backend: str) -> bool:
+    """Whether the activations live in the host's memory (the IPU Model and the emulator
+    simulate on the host; an IPU holds them in its own)."""
+    return not capabilities(backend).activations_on_device
 
 
 @dataclass
@@ -191,7 +193,7 @@ def open_new_run(config: Config, run_dir: Path, backend: str, task: Task,
         if task.name != CAUSAL_LM:
             raise RunError(f"fine-tuning trains the causal LM, not a {task.name}")
         run = _fine_tuning(config, run_dir, backend, Path(init_from))
-    run.notes.insert(0, check_memory(run.config, host_activations=backend not in _ON_IPU))
+    run.notes.insert(0, check_memory(run.config, host_activations=_host_activations(backend)))
     if old:
         run.notes.append(f"{run_dir} held a run that never saved a checkpoint; starting afresh")
     _remove(old)
@@ -318,7 +320,7 @@ def open_resumed_run(config: Config, run_dir: Path, backend: str, task: Task) ->
             f"cannot resume {run_dir} at step {step}: the {steps - step} remaining steps are "
             f"not a multiple of ipu.device_iterations ({iterations})"
         )
-    notes = [check_memory(config, host_activations=backend not in _ON_IPU)]
+    notes = [check_memory(config, host_activations=_host_activations(backend))]
     schedule_note = _schedule_change(state, run_dir, config.training, step)
     if schedule_note:
         notes.append(schedule_note)

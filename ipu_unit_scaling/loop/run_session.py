@@ -12,7 +12,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..backends import build_training_model, make_optimizer
+from ..backends import build_training_model, capabilities, make_optimizer
 from ..backends.distributed import (
     done_by_rank_zero,
     failure_of_another_rank,
@@ -124,7 +124,7 @@ class TrainingSession:
             run.notes.append(self.tensorboard.note)
         # A backend that traces the model (PopTorch, PopXL) runs no hook: its sampled steps
         # are replayed on the host (Telemetry.replay).
-        self.traces_the_model = run.backend in ("ipu", "ipu_model", "emulator", "popxl")
+        self.traces_the_model = capabilities(run.backend).traces_the_model
         self.telemetry = self._open_telemetry(run)
         # Elapsed time counts on from the checkpoint's: a resumed run's figures are the run's.
         self.started = time.perf_counter() - self.elapsed_before
@@ -225,7 +225,8 @@ class TrainingSession:
                 ) from error
             # Under torchrun, a stage on another rank that diverged leaves this one a broken
             # connection: rank 0 takes over its cause, and records the run as diverged.
-            relayed = failure_of_another_rank() if self.run.backend == "distributed" else None
+            spans = capabilities(self.run.backend).spans_processes
+            relayed = failure_of_another_rank() if spans else None
             if isinstance(relayed, TrainingDiverged):
                 raise TrainingDiverged(str(relayed), relayed.step, self.last_checkpoint) \
                     from None

@@ -90,9 +90,10 @@ class CausalLM(Task):
     model_name = "GPT"
 
     def check(self, config: Config, backend: str) -> None:
+        from ..backends import capabilities
         from ..training.given_model import check_given_model
 
-        check_given_model(config, backend)
+        check_given_model(config, backend, capabilities(backend).trains_given_model)
 
     def build_model(self, config: Config) -> nn.Module:
         from ..training.precision import build_model
@@ -155,8 +156,10 @@ class MaskedLM(Task):
         if not 0 < self.mask_prob < 1:
             errors.append(("", f"the masked LM's mask_prob must be in (0, 1), got "
                                f"{self.mask_prob!r}"))
-        if backend == "popxl":
-            errors.append(("backend", "popxl trains the GPT written in PopXL; a masked LM "
+        from ..backends import capabilities
+
+        if not capabilities(backend).trains_masked_lm:
+            errors.append(("backend", f"{backend} trains the GPT written in PopXL; a masked LM "
                                       "trains on cpu, emulator, ipu or ipu_model"))
         if errors:
             raise ConfigError(errors)

@@ -1,49 +1,37 @@
-"""What an IPU computes where PopTorch's lowering departs from eager torch, and how the emulator
-computes the same.
+"""What GELU an IPU runs, for the constants of ``U.gelu`` in its PopTorch form.
 
-:mod:`.poptorch_lowering_table`, generated from poptorch's source by
-``scripts/poptorch_lowering.py``, records for every ATen op this project's models trace to which
-PopART ops PopTorch lowers it to and whether PopART then computes what eager torch computes. Two
-rows change numbers:
+PopTorch lowers both ``approximate`` values of ``aten::gelu`` to PopART's Gelu
+(``popart_canonicalization/ActivationOps.cpp``, recorded in the PopTorch stand-in's lowering
+table, generated from poptorch's source): the tanh approximation ``0.5 x (1 + tanh(a (x + b
+x**3)))`` (``a = sqrt(2/pi)``, ``b = 0.044715``), whose gradient (popnn's GELU gradient) is
+``0.5 (1 + tanh(a (x + b x**3)) + a x exp(-x**2/2))``: not the derivative of that forward, nor
+of torch's erf form. The unit-scaling constants of ``U.gelu`` under ``ipu_tracing()`` are
+those of this function (:func:`gelu_on_ipu`). A test holds :data:`GELU_ON_IPU` to the
+stand-in's table and :func:`popart_gelu` to the stand-in's lowering.
 
-- ``aten::gelu`` (``differs``): both ``approximate`` values are lowered to PopART's Gelu, the
-  tanh approximation ``0.5 x (1 + tanh(a (x + b x**3)))`` (``a = sqrt(2/pi)``, ``b =
-  0.044715``), whose gradient (popnn's GELU gradient) is ``0.5 (1 + tanh(a (x + b x**3)) + a x
-  exp(-x**2/2))``: not the derivative of that forward, nor of torch's erf form. The
-  unit-scaling constants of ``U.gelu`` under ``ipu_tracing()`` are those of this function
-  (:func:`gelu_on_ipu`).
-- ``aten::_to_copy`` (``stochastic-rounding``): with ``Precision.enableStochasticRounding`` a
-  float-to-half cast rounds stochastically, in the forward pass and, for a half-to-float cast,
-  in the gradient.
-
-:func:`lower_graph` rewrites a graph traced like PopTorch
-(:mod:`ipu_unit_scaling.backends.poptorch_emulator`) to compute these. Inside :func:`torch_numerics`
-neither the rewrite nor the constants change: the traced forms can then be checked against eager
-torch apart from what PopART computes differently. Dropout (``random``) keeps torch's random draw:
-the IPU's generator is not reproduced.
+Inside :func:`torch_numerics` ``U.gelu`` keeps torch's constants under ``ipu_tracing()``, and
+the PopTorch stand-in computes each op as eager torch does: the traced forms can then be
+checked against eager torch apart from what PopART computes differently.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, fx
-
-from .poptorch_lowering_table import GELU_LOWERING
+from torch import Tensor
 
 __all__ = [
-    "GELU_FORMS", "gelu_on_ipu", "gelu_of_form", "popart_gelu", "popart_gelu_slope",
-    "stochastic_round_to_half", "stochastic_cast", "lower_graph", "torch_numerics",
-    "follows_ipu_numerics", "REWRITTEN_OPS",
+    "GELU_FORMS", "GELU_ON_IPU", "gelu_on_ipu", "gelu_of_form", "popart_gelu",
+    "popart_gelu_slope", "torch_numerics", "follows_ipu_numerics",
 ]
 
 # The GELUs that can run: torch's two forms, and PopART's Gelu (tanh forward, popnn's gradient).
 GELU_FORMS = ("none", "tanh", "popart")
-# What each PopART op geluHandler can build computes, as a form above.
-_POPART_GELU_FORMS = {"Gelu": "popart", "GeluErf": "none"}
+# aten::gelu's `approximate` -> the GELU form an IPU runs for it (PopART's Gelu for both).
+GELU_ON_IPU: Dict[str, str] = {"none": "popart", "tanh": "popart"}
 
 _ALPHA = math.sqrt(2.0 / math.pi)
 _BETA = 0.044715
@@ -53,28 +41,31 @@ _torch_numerics_depth = [0]
 
 @contextlib.contextmanager
 def torch_numerics() -> Iterator[None]:
-    """Inside this context traced graphs compute each op as eager torch defines it: the
-    emulator does not rewrite them and ``U.gelu`` keeps torch's constants under
-    ``ipu_tracing()``. For checking the traced forms against eager torch."""
-    _torch_numerics_depth[0] += 1
-    try:
-        yield
-    finally:
-        _torch_numerics_depth[0] -= 1
+    """Inside this context ``U.gelu`` keeps torch's constants under ``ipu_tracing()`` and the
+    PopTorch stand-in, where it is loaded, computes each op as eager torch defines it. For
+    checking the traced forms against eager torch."""
+    from ipu_standins.poptorch_settings import torch_numerics as standin_torch_numerics
+
+    with standin_torch_numerics():
+        _torch_numerics_depth[0] += 1
+        try:
+            yield
+        finally:
+            _torch_numerics_depth[0] -= 1
 
 
 def follows_ipu_numerics() -> bool:
-    """Whether traces compute what an IPU computes (outside :func:`torch_numerics`)."""
+    """Whether the PopTorch forms use what an IPU computes (outside :func:`torch_numerics`)."""
     return _torch_numerics_depth[0] == 0
 
 
 def gelu_on_ipu(approximate: str) -> str:
     """The GELU form (one of :data:`GELU_FORMS`) an IPU runs for ``aten::gelu(approximate)``."""
-    op = GELU_LOWERING.get(approximate)
-    if op is None:
+    form = GELU_ON_IPU.get(approximate)
+    if form is None:
         raise ValueError(f"approximate={approximate!r}: PopTorch lowers GELU only for "
-                         f"{', '.join(sorted(GELU_LOWERING))}")
-    return _POPART_GELU_FORMS[op]
+                         f"{', '.join(sorted(GELU_ON_IPU))}")
+    return form
 
 
 def popart_gelu_slope(x: Tensor) -> Tensor:
@@ -111,95 +102,3 @@ def gelu_of_form(x: Tensor, form: str) -> Tensor:
     if form == "popart":
         return popart_gelu(x)
     return F.gelu(x, approximate=form)
-
-
-def stochastic_round_to_half(x: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
-    """``x`` (float32 or float64) rounded to float16 stochastically: to the float16 value below
-    or above it, the one above with probability ``(x - below) / (above - below)``, so that the
-    mean is ``x``. Values float16 holds, infinities and NaN are cast as they are. Past 65504 the
-    value above is infinity, counted as 65536 in the probability."""
-    if x.dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"stochastic rounding to half takes float32 or float64, not {x.dtype}")
-    magnitude = x.abs()
-    nearest = magnitude.to(torch.float16)
-    nearest_bits = nearest.view(torch.int16)
-    # Positive float16 bit patterns count up with the value: the neighbours are one apart.
-    below_bits = torch.where(nearest.to(x.dtype) > magnitude, nearest_bits - 1, nearest_bits)
-    above_bits = below_bits + 1
-    below = below_bits.view(torch.float16).to(x.dtype)
-    above = above_bits.view(torch.float16).to(x.dtype)
-    above = torch.where(torch.isinf(above), torch.full_like(above, 65536.0), above)
-    # Both differences are exact: below is within one float16 step of magnitude.
-    probability_above = (magnitude - below) / (above - below)
-    draw = torch.rand(x.shape, generator=generator, dtype=x.dtype, device=x.device)
-    rounded = torch.where(draw < probability_above, above_bits, below_bits).view(torch.float16)
-    rounded = torch.where(x < 0, -rounded, rounded)
-    kept = (nearest.to(x.dtype) == magnitude) | ~torch.isfinite(x)
-    return torch.where(kept, x.to(torch.float16), rounded)
-
-
-def _cast(x: Tensor, dtype: torch.dtype) -> Tensor:
-    if dtype == torch.float16 and x.dtype in (torch.float32, torch.float64):
-        return stochastic_round_to_half(x)
-    return x.to(dtype)
-
-
-class _StochasticCast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, dtype: torch.dtype) -> Tensor:
-        ctx.source_dtype = x.dtype
-        return _cast(x, dtype)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:
-        return _cast(grad, ctx.source_dtype), None
-
-
-def stochastic_cast(x: Tensor, dtype: torch.dtype) -> Tensor:
-    """``x.to(dtype)`` as an IPU casts with stochastic rounding on: a cast to float16 rounds
-    stochastically, and so does the gradient of a cast from float16."""
-    return _StochasticCast.apply(x, dtype)
-
-
-# The ops of the lowering table whose verdict is neither "same" nor one the emulator leaves to
-# torch ("random": the IPU's generator; "constant": folded to the same values).
-REWRITTEN_OPS = frozenset(("gelu", "_to_copy"))
-
-_LOWERED_GELU: Dict[str, Callable[[Tensor], Tensor]] = {
-    "popart": popart_gelu,
-    "none": F.gelu,
-}
-_HALF_CASTS = {frozenset((torch.float16, torch.float32)), frozenset((torch.float16, torch.float64))}
-
-
-def _dtype_of(node: Any) -> Optional[torch.dtype]:
-    value = node.meta.get("val") if isinstance(node, fx.Node) else None
-    return getattr(value, "dtype", None)
-
-
-def lower_graph(graph: fx.GraphModule, stochastic_rounding: bool = False) -> fx.GraphModule:
-    """Rewrite ``graph`` (ATen ops traced like PopTorch, with ``meta["val"]`` on its nodes) to
-    compute what an IPU computes: ``aten::gelu`` as PopTorch lowers it and, with
-    ``stochastic_rounding``, casts between float and half rounded stochastically both ways.
-    Returns ``graph``, rewritten in place; unchanged inside :func:`torch_numerics`."""
-    if not follows_ipu_numerics():
-        return graph
-    changed = False
-    for node in graph.graph.nodes:
-        packet = getattr(node.target, "overloadpacket", None) if node.op == "call_function" \
-            else None
-        if packet is torch.ops.aten.gelu:
-            approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1
-                                          else "none")
-            node.target = _LOWERED_GELU[gelu_on_ipu(approximate)]
-            node.args, node.kwargs = (node.args[0],), {}
-            changed = True
-        elif stochastic_rounding and packet is torch.ops.aten._to_copy:
-            source, target = _dtype_of(node.args[0]), node.kwargs.get("dtype")
-            if frozenset((source, target)) in _HALF_CASTS:
-                node.target = stochastic_cast
-                node.args, node.kwargs = (node.args[0], target), {}
-                changed = True
-    if changed:
-        graph.recompile()
-    return graph

@@ -19,6 +19,7 @@ outside the backend layer imports poptorch.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Iterator, List, Optional, Protocol
 
 import torch
@@ -66,8 +67,13 @@ def ipu_tracing(custom_ops: Optional[FP8CustomOps] = None) -> Iterator[None]:
 
 
 def is_ipu_tracing() -> bool:
-    """Whether ops must take their PopTorch form now."""
-    return bool(_frames)
+    """Whether ops must take their PopTorch form now: inside :func:`ipu_tracing`, or while a
+    program's ``poptorch`` (the SDK's, or the stand-in under ``ipu-unit-scaling emulate``)
+    traces a model (``poptorch.isRunningOnIpu()``)."""
+    if _frames:
+        return True
+    poptorch = sys.modules.get("poptorch")  # only a program's own import: never imported here
+    return poptorch is not None and bool(poptorch.isRunningOnIpu())
 
 
 def fp8_custom_ops() -> Optional[FP8CustomOps]:

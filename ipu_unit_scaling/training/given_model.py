@@ -53,7 +53,6 @@ __all__ = ["FACTORY_KEY", "GivenLanguageModel", "load_factory",
            "check_given_model", "build_given_model"]
 
 FACTORY_KEY = "model.factory"
-SUPPORTED_BACKENDS = ("cpu", "emulator", "ipu", "ipu_model")
 
 # unit_scaling's parameter types -> this package's (an embedding table is a "weight" there).
 _WEIGHT_TYPE_OF_MUP_TYPE = {"weight": "hidden", "output": "output", "norm": "norm",
@@ -114,16 +113,16 @@ def load_factory(path: str) -> Callable[[GPTConfig], Any]:
     return target  # type: ignore[no-any-return]
 
 
-def check_given_model(config: Config, backend: str) -> None:
+def check_given_model(config: Config, backend: str, trains_given_model: bool = True) -> None:
     """ConfigError if ``config.model.factory`` does not import, or names a model that
-    ``backend`` or ``config``'s IPU layout cannot train; nothing when it is not set."""
+    ``backend`` (``trains_given_model``: its capability) or ``config``'s IPU layout cannot
+    train; nothing when it is not set."""
     path = config.model.factory
     if path is None:
         return
-    if backend not in SUPPORTED_BACKENDS:
-        raise _refuse(f"a given model trains on {', '.join(SUPPORTED_BACKENDS)}, not backend "
-                      f"{backend!r}" + (" (it trains the GPT it writes in PopXL)"
-                                        if backend == "popxl" else ""))
+    if not trains_given_model:
+        raise _refuse(f"a given model trains on a backend that takes any model, not backend "
+                      f"{backend!r} (it trains the GPT it splits or writes itself)")
     if config.ipu.ipus_per_replica > 1:
         raise _refuse(f"a given model trains on one IPU per replica, not "
                       f"ipu.ipus_per_replica={config.ipu.ipus_per_replica} (the pipeline split "

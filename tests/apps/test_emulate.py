@@ -82,7 +82,7 @@ def test_module_runs_as_python_m(tmp_path):
     done = _emulate(["-m", "prog", "a", "--b"], cwd=tmp_path)
     assert done.returncode == 3, done.stderr
     assert "argv ['a', '--b'] True" in done.stdout
-    assert "module ipu_unit_scaling.backends.poptorch_standin " in done.stdout
+    assert "module ipu_standins.poptorch " in done.stdout
     assert "hardware False" in done.stdout
 
 
@@ -129,7 +129,7 @@ def test_usage_errors(args, capsys):
 def test_install_serves_both_standins_in_process():
     import importlib
 
-    from ipu_unit_scaling.backends.poptorch_standin import install
+    from ipu_standins import install
 
     install.install(("poptorch", "popxl"))
     try:
@@ -137,9 +137,35 @@ def test_install_serves_both_standins_in_process():
         options = importlib.import_module("poptorch.options")
         popxl_ops = importlib.import_module("popxl.ops")
         assert poptorch.Options is options.Options
-        assert poptorch.__name__ == "ipu_unit_scaling.backends.poptorch_standin"
-        assert popxl_ops.__name__.startswith("ipu_unit_scaling.backends.popxl")
+        assert poptorch.__name__ == "ipu_standins.poptorch"
+        assert popxl_ops.__name__ == "ipu_standins.popxl._ops"
     finally:
         install.uninstall()
     with pytest.raises(ImportError):
         importlib.import_module("poptorch")
+
+
+def test_the_op_library_emulate_names_is_the_one_that_registers_the_custom_ops():
+    from ipu_unit_scaling.apps.emulate import STANDIN_OP_LIBRARY
+    from ipu_unit_scaling.backends import standin_op_library
+
+    assert STANDIN_OP_LIBRARY == standin_op_library.LIBRARY_MODULE
+
+
+def test_a_program_under_emulate_calls_the_packages_custom_ops(tmp_path):
+    """``poptorch.custom_op`` of the package's ops: their numerics load when first asked for,
+    in the program's process and in its subprocesses."""
+    (tmp_path / "prog.py").write_text(textwrap.dedent("""
+        import subprocess, sys
+        import torch
+        import poptorch
+        code = ("import torch, poptorch; print(poptorch.custom_op([torch.tensor([3.0])], "
+                "'ScaledIdentity', 'ai.graphcore.unit_scaling', 1, [], "
+                "{'fwd_scale': 2.0, 'bwd_scale': 1.0})[0].tolist())")
+        exec(code)
+        print(subprocess.run([sys.executable, "-c", code], capture_output=True,
+                             text=True).stdout.strip())
+    """))
+    done = _emulate([str(tmp_path / "prog.py")])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[6.0]", "[6.0]"]

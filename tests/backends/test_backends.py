@@ -10,7 +10,6 @@ import torch
 
 from ipu_unit_scaling import backends
 from ipu_unit_scaling.backends import BACKEND_ENV, BackendError, select_backend
-from ipu_unit_scaling.backends.poptorch import poptorch_module
 from ipu_unit_scaling.backends.poptorch.poptorch_options import (
     New,
     OptionCall,
@@ -18,6 +17,7 @@ from ipu_unit_scaling.backends.poptorch.poptorch_options import (
     apply_option_calls,
     option_calls,
 )
+from ipu_unit_scaling.backends.poptorch_backend import poptorch_module
 from ipu_unit_scaling.training.run_config import load_config
 
 
@@ -59,7 +59,7 @@ def test_environment_variable_overrides(monkeypatch, standin):
 
 def test_asking_for_ipu_without_poptorch_says_why(monkeypatch):
     monkeypatch.delenv(BACKEND_ENV, raising=False)
-    monkeypatch.setattr(backends, "_import_poptorch", lambda: None)
+    monkeypatch.setitem(sys.modules, "poptorch", None)  # `import poptorch` fails
     with pytest.raises(BackendError, match="needs PopTorch"):
         select_backend("ipu_model")
 
@@ -70,7 +70,7 @@ def test_package_imports_without_poptorch():
         "import sys; sys.modules['poptorch'] = None\n"
         "import ipu_unit_scaling, ipu_unit_scaling.backends, ipu_unit_scaling.ipu\n"
         "import ipu_unit_scaling.backends.poptorch.poptorch_training\n"
-        "import ipu_unit_scaling.backends.poptorch_emulator\n"
+        "import ipu_unit_scaling.backends.standin_op_library\n"
         "import ipu_unit_scaling.backends.poptorch.poptorch_options\n"
         "import ipu_unit_scaling.backends.distributed\n"
         "from ipu_unit_scaling.backends import select_backend\n"
@@ -81,7 +81,7 @@ def test_package_imports_without_poptorch():
 
 
 def test_four_ipu_config_maps_to_these_option_calls():
-    calls = option_calls(load_config("ipu-4"))
+    calls = option_calls(load_config("ipu-4").ipu)
     assert calls == [
         OptionCall("deviceIterations", (4,)),
         OptionCall("replicationFactor", (2,)),
@@ -102,7 +102,7 @@ def test_four_ipu_config_maps_to_these_option_calls():
 def test_single_ipu_options_are_not_pipelined():
     config = load_config(None, ["ipu.partials_type=half", "ipu.stochastic_rounding=true",
                                 "ipu.available_memory_proportion=0.3"])
-    calls = {call.method: call.args for call in option_calls(config, use_ipu_model=True)}
+    calls = {call.method: call.args for call in option_calls(config.ipu, use_ipu_model=True)}
     assert "setExecutionStrategy" not in calls and "enableExecutableCaching" not in calls
     assert calls["Precision.setPartialsType"] == (Ref("half", module="torch"),)
     assert calls["Precision.enableStochasticRounding"] == (True,)
@@ -111,7 +111,7 @@ def test_single_ipu_options_are_not_pipelined():
 
 
 def test_calls_apply_through_getattr_chains_with_resolved_arguments(standin):
-    calls = option_calls(load_config("ipu-4"))
+    calls = option_calls(load_config("ipu-4").ipu)
     options = apply_option_calls(standin.Options(), calls, standin)
     assert isinstance(options, standin.Options)
     assert options.device_iterations == 4 and options.replication_factor == 2
@@ -132,7 +132,7 @@ def test_calls_apply_through_getattr_chains_with_resolved_arguments(standin):
 
 def test_half_partials_and_the_ipu_model_reach_the_options(standin):
     config = load_config(None, ["ipu.partials_type=half", "ipu.stochastic_rounding=true"])
-    options = apply_option_calls(standin.Options(), option_calls(config, use_ipu_model=True),
+    options = apply_option_calls(standin.Options(), option_calls(config.ipu, use_ipu_model=True),
                                  standin)
     assert options._Popart.options["partialsTypeMatMuls"] == "half"
     assert options._Popart.options["enableStochasticRounding"] is True

@@ -16,7 +16,6 @@ import torch
 from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.apps.pretrained import evaluate_run, open_run, sample_run
 from ipu_unit_scaling.backends import build_inference_model, build_training_model
-from ipu_unit_scaling.backends.poptorch import poptorch_module
 from ipu_unit_scaling.backends.poptorch.compile_checks import (
     CompileOptions,
     PopTorchError,
@@ -24,6 +23,7 @@ from ipu_unit_scaling.backends.poptorch.compile_checks import (
     forward_stages,
 )
 from ipu_unit_scaling.backends.poptorch.poptorch_options import New, option_calls
+from ipu_unit_scaling.backends.poptorch_backend import poptorch_module
 from ipu_unit_scaling.loop.training_loop import train
 from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
 from ipu_unit_scaling.training.precision import build_model, regime_config
@@ -42,7 +42,7 @@ def inference_options(config: Config) -> CompileOptions:
     """The options the IPU backend compiles an inference model of ``config`` with, one batch
     per call as evaluation and sampling run it."""
     config = replace(config, ipu=replace(config.ipu, device_iterations=1))
-    return CompileOptions.from_calls(option_calls(config, inference=True))
+    return CompileOptions.from_calls(option_calls(config.ipu, inference=True))
 
 
 # ------------------------------------------------------------------------ the checks
@@ -60,13 +60,13 @@ def test_pipelined_configs_evaluate_in_a_layout_poptorch_compiles(name):
     message = refusal(pipelined, training=False, stages=ipus, ipus=ipus)
     assert "deviceIterations" in message and f"{ipus} pipeline stages" in message
     # Training keeps the pipeline, and its accumulation fills 2 x stages - 1.
-    training = CompileOptions.from_calls(option_calls(config))
+    training = CompileOptions.from_calls(option_calls(config.ipu))
     assert training.strategy == "PipelinedExecution"
     check_compile(training, training=True, stages=ipus, ipus=ipus)
 
 
 def test_option_calls_for_inference_set_no_training_options():
-    calls = option_calls(load_config("ipu-4"), inference=True)
+    calls = option_calls(load_config("ipu-4").ipu, inference=True)
     assert not [c for c in calls if c.method.startswith("Training.")]
     (strategy,) = [c.args[0] for c in calls if c.method == "setExecutionStrategy"]
     assert isinstance(strategy, New) and strategy.path == "ShardedExecution"
@@ -212,7 +212,8 @@ def test_ipu_inference_model_compiles_sharded_and_again_for_new_shapes(standin_m
     standin, executors = standin_models
     config = load_config("tiny", ["precision.dtype=fp32"])  # no custom op library to load
     model = tiny_model(config)
-    runner = IPUInferenceModel(model, config, use_ipu_model=True, poptorch=standin)
+    runner = IPUInferenceModel(model, config.ipu, fp8=False, use_ipu_model=True, poptorch=standin,
+                               needs_library=False)
     options = runner.options
     strategy = options._execution_strategy
     assert type(strategy) is standin.ShardedExecution
@@ -249,8 +250,9 @@ def test_ipu_backend_refuses_before_asking_poptorch_for_a_model(standin_models):
                                   "precision.dtype=fp32"])
     model = tiny_model(config)
     with pytest.raises(PopTorchError, match="128 IPUs"):
-        IPUInferenceModel(model, config, use_ipu_model=False, poptorch=standin)
+        IPUInferenceModel(model, config.ipu, fp8=False, use_ipu_model=False, poptorch=standin,
+                          needs_library=False)
     with pytest.raises(PopTorchError, match="128 IPUs"):
-        IPUTrainingModel(model, torch.optim.SGD(model.parameters(), lr=0.1), config,
-                         use_ipu_model=False, poptorch=standin)
+        IPUTrainingModel(model, torch.optim.SGD(model.parameters(), lr=0.1), config.ipu, fp8=False,
+                         use_ipu_model=False, poptorch=standin, needs_library=False)
     assert not executors and not _blocks(model)  # no block, no model

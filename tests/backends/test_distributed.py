@@ -254,7 +254,7 @@ def test_pipelined_config_without_pipelining_is_refused_in_one_line(monkeypatch)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setitem(sys.modules, "torch.distributed.pipelining", None)  # as torch 2.0.1
     with pytest.raises(BackendError) as refused:
-        check_launch(load_config("tiny"))  # two stages
+        check_launch(load_config("tiny").ipu)  # two stages
     message = str(refused.value)
     assert "\n" not in message and "needs torch.distributed.pipelining" in message
     assert f"missing from torch {torch.__version__}" in message

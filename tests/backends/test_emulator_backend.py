@@ -10,8 +10,10 @@ the options the config builds, and stepped by ``poptorch.optim`` in PopART's upd
 from __future__ import annotations
 
 import copy
+import os
+import sys
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
@@ -20,9 +22,9 @@ from torch import nn
 from ipu_unit_scaling.apps.cli import main
 from ipu_unit_scaling.backends import build_training_model, make_optimizer
 from ipu_unit_scaling.backends.cpu import CPUTrainingModel, TrainingModule
-from ipu_unit_scaling.backends.poptorch import poptorch_module
 from ipu_unit_scaling.backends.poptorch.poptorch_training import IPUTrainingModel
-from ipu_unit_scaling.backends.poptorch_emulator import PopTorchTrace, trace_like_poptorch
+from ipu_unit_scaling.backends.poptorch_backend import poptorch_module
+from ipu_unit_scaling.ipu import PopTorchTrace, trace_like_poptorch
 from ipu_unit_scaling.loop import run_session
 from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
 from ipu_unit_scaling.training.precision import build_model
@@ -208,8 +210,8 @@ def test_train_with_backend_emulator_runs_the_ipu_backend_on_the_standin(tmp_pat
 def test_the_configs_ipu_settings_reach_the_standins_compile():
     """Replication, half partials and hardware's GELU on the emulator; the IPU Model's GELU
     gradient when the same code asks for ``useIpuModel``."""
-    from ipu_unit_scaling.backends.poptorch_standin._numerics import ipu_model_gelu
-    from ipu_unit_scaling.ops.ipu_lowering import popart_gelu
+    from ipu_standins.poptorch._lowering import popart_gelu
+    from ipu_standins.poptorch._numerics import ipu_model_gelu
 
     standin = poptorch_module("emulator")
     config = tiny(*FP32, "ipu.replication_factor=2", "ipu.partials_type=half",
@@ -220,8 +222,9 @@ def test_the_configs_ipu_settings_reach_the_standins_compile():
         model = build_model(config)
         optimizer = make_optimizer(model, config, "emulator")
         if ipu_model:
-            wrapper: Any = IPUTrainingModel(model, optimizer, config, use_ipu_model=True,
-                                            poptorch=standin)
+            wrapper: Any = IPUTrainingModel(model, optimizer, config.ipu, fp8=False,
+                                            use_ipu_model=True,
+                                            poptorch=standin, needs_library=False)
         else:
             wrapper = build_training_model(model, optimizer, config, "emulator")
         options = wrapper.executor.options
@@ -238,3 +241,48 @@ def test_the_configs_ipu_settings_reach_the_standins_compile():
                             if n.target in (popart_gelu, ipu_model_gelu)}
         wrapper.destroy()
     assert gelus == {False: {popart_gelu}, True: {ipu_model_gelu}}
+
+
+def _crossings(run: Callable[[], Any]) -> List[str]:
+    """The stand-in's functions that code of the package calls while ``run()`` runs, in order:
+    each a crossing from the backend into the stand-in."""
+    package = os.sep + "ipu_unit_scaling" + os.sep
+    standin = os.sep + "ipu_standins" + os.sep
+    calls: List[str] = []
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        caller = frame.f_back
+        if event == "call" and caller is not None and standin in frame.f_code.co_filename \
+                and package in caller.f_code.co_filename:
+            calls.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_a_training_step_crosses_into_the_standin_as_poptorchs_api_requires():
+    """After compiling, a step of the training loop is a call of the compiled model and, with
+    the learning rate changed, ``setOptimizer``: PopTorch's API calls, and nothing else of the
+    stand-in; the weights come back only when asked (``copyWeightsToHost``)."""
+    config = tiny(*FP32)
+    torch.manual_seed(0)
+    model = build_model(config)
+    wrapper = build_training_model(model, make_optimizer(model, config, "emulator"), config,
+                                   "emulator")
+    ids = torch.randint(0, config.model.vocab_size,
+                        (config.samples_per_call, config.model.seq_len + 1))
+
+    def step() -> None:
+        wrapper(ids[:, :-1], ids[:, 1:])
+        for group in wrapper.optimizer.param_groups:
+            group["lr"] *= 0.5
+        wrapper.update_optimizer()
+
+    step()  # compiles
+    assert _crossings(lambda: [step() for _ in range(3)]) == ["__call__", "setOptimizer"] * 3
+    assert _crossings(wrapper.copy_weights_to_host) == ["copyWeightsToHost"]
+    wrapper.destroy()

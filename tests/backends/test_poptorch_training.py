@@ -29,7 +29,7 @@ def test_options_apply_to_a_real_poptorch_options():
     poptorch = pytest.importorskip("poptorch")
     from ipu_unit_scaling.backends.poptorch.poptorch_options import build_options
 
-    options = build_options(load_config("ipu-4"), use_ipu_model=True)
+    options = build_options(load_config("ipu-4").ipu, use_ipu_model=True)
     assert isinstance(options, poptorch.Options)
     assert options.device_iterations == 4
     assert options.replication_factor == 2

@@ -1,5 +1,5 @@
 """The PopXL decoder and training model, run on the torch stand-in for PopXL
-(``ipu_unit_scaling/backends/popxl/reference.py``), against the PyTorch model and the CPU
+(``ipu_standins/popxl/``), against the PyTorch model and the CPU
 backend.
 
 Every test here runs on the stand-in, not on PopXL;
@@ -14,15 +14,15 @@ import pytest
 import torch
 from helpers import relative
 
+import ipu_standins.popxl as popxl_standin
 import ipu_unit_scaling as uu
+from ipu_standins import popxl_settings
 from ipu_unit_scaling.backends import build_training_model, make_optimizer
 from ipu_unit_scaling.backends.popxl import (
     PopXLTrainingModel,
     check_config,
     loss_and_gradients,
     popxl_available,
-    reference,
-    reference_settings,
 )
 from ipu_unit_scaling.fp8 import (
     FP8Config,
@@ -64,10 +64,10 @@ def torch_step(model):
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
-def test_fp32_loss_and_every_gradient_match_torch_on_the_reference(bias):
+def test_fp32_loss_and_every_gradient_match_torch_on_the_standin(bias):
     model = tiny_decoder(bias)
     loss, logits, grads = torch_step(model)
-    result = loss_and_gradients(model, *batch(), xl=reference)
+    result = loss_and_gradients(model, *batch(), xl=popxl_standin)
     assert result.loss == pytest.approx(loss, rel=1e-5)
     torch.testing.assert_close(result.logits, logits, rtol=1e-5, atol=1e-5)
     assert set(result.gradients) == set(grads) and len(grads) == (29 if bias else 16)
@@ -139,7 +139,7 @@ def assert_cast_within_float32_drift(codes: torch.Tensor, log2_scale: int, x: to
 
 
 @pytest.mark.parametrize("scaling", ["amax", "static"])
-def test_fp8_with_unrounded_matmul_output_equals_simulate_fp8_on_the_reference(scaling):
+def test_fp8_with_unrounded_matmul_output_equals_simulate_fp8_on_the_standin(scaling):
     """With matmul_pow2scaled's sum left in float32 (a stand-in knob), the PopXL model and
     simulate_fp8 are the same computation up to float32 rounding: the weights' casts are
     identical, every other cast, forward and backward, is what simulate_fp8's input gives
@@ -149,8 +149,8 @@ def test_fp8_with_unrounded_matmul_output_equals_simulate_fp8_on_the_reference(s
     would test the CPU's SIMD kernels, not the model.)"""
     model, config = tiny_decoder(), FP8Config(scaling=scaling)
     loss, grads, casts, cast_inputs = simulated_fp8(model, config)
-    with reference_settings.fp8_matmul_output(torch.float32):
-        result = loss_and_gradients(model, *batch(), fp8=config, xl=reference,
+    with popxl_settings.fp8_matmul_output(torch.float32):
+        result = loss_and_gradients(model, *batch(), fp8=config, xl=popxl_standin,
                                     keep_values=True)
     values = result.session.values
     assert len(result.casts) == len(casts) == 9 * 3  # 9 linear layers: input, weight, grad
@@ -175,14 +175,14 @@ def test_fp8_with_unrounded_matmul_output_equals_simulate_fp8_on_the_reference(s
                                    msg=name)
 
 
-def test_fp8_amax_with_float16_matmul_output_is_within_fp8_rounding_on_the_reference():
+def test_fp8_amax_with_float16_matmul_output_is_within_fp8_rounding_on_the_standin():
     """As PopXL documents it, matmul_pow2scaled returns float16. The casts of the first layer
     still give simulate_fp8's codes; later ones see slightly different inputs, and the loss and
     gradients then differ from simulate_fp8 by less than FP8 itself moves them from FP32."""
     model, config = tiny_decoder(), FP8Config()
     loss, grads, casts, _ = simulated_fp8(model, config)
     _, _, fp32_grads = torch_step(model)
-    result = loss_and_gradients(model, *batch(), fp8=config, xl=reference, keep_values=True)
+    result = loss_and_gradients(model, *batch(), fp8=config, xl=popxl_standin, keep_values=True)
     values = result.session.values
     for cast in result.casts:
         expected = casts[f"{cast.site}.{cast.role}"]
@@ -197,16 +197,16 @@ def test_fp8_amax_with_float16_matmul_output_is_within_fp8_rounding_on_the_refer
     assert sum(to_simulated) < 0.8 * sum(fp8_effect)
 
 
-def test_a_non_finite_amax_stops_the_step_on_the_reference():
+def test_a_non_finite_amax_stops_the_step_on_the_standin():
     model = tiny_decoder()
     with torch.no_grad():
         model.layers[1].mlp.up.weight[0, 0] = float("inf")
     config = small_config("fp8", "sgd")
-    wrapper = PopXLTrainingModel(model, None, config, xl=reference, device="ipu_model")
+    wrapper = PopXLTrainingModel(model, None, config, xl=popxl_standin, device="ipu_model")
     ids, labels = batch(rows=config.samples_per_call)
     with pytest.raises(NonFiniteAmaxError):
         wrapper(ids, labels)
-    result = loss_and_gradients(model, *batch(), fp8=FP8Config(), xl=reference)
+    result = loss_and_gradients(model, *batch(), fp8=FP8Config(), xl=popxl_standin)
     assert result.non_finite >= 1
 
 
@@ -230,7 +230,7 @@ def train_both(config, steps: int):
     cpu_optimizer = make_optimizer(cpu_model.parameters(), config, "cpu")
     popxl_optimizer = make_optimizer(popxl_model.parameters(), config, "cpu")
     cpu = build_training_model(cpu_model, cpu_optimizer, config, "cpu")
-    popxl = PopXLTrainingModel(popxl_model, popxl_optimizer, config, xl=reference,
+    popxl = PopXLTrainingModel(popxl_model, popxl_optimizer, config, xl=popxl_standin,
                                device="ipu_model")
     gen = torch.Generator().manual_seed(1)
     cpu_losses, popxl_losses = [], []
@@ -253,7 +253,7 @@ def train_both(config, steps: int):
             popxl_optimizer)
 
 
-def test_30_fp32_adam_steps_with_accumulation_track_the_cpu_backend_on_the_reference():
+def test_30_fp32_adam_steps_with_accumulation_track_the_cpu_backend_on_the_standin():
     config = small_config("fp32", "adam", "ipu.gradient_accumulation=2")
     cpu, popxl, cpu_model, popxl_model, optimizer = train_both(config, 30)
     assert cpu.numel() == 60 and cpu[-10:].mean() < cpu[:10].mean()  # it learns
@@ -264,7 +264,7 @@ def test_30_fp32_adam_steps_with_accumulation_track_the_cpu_backend_on_the_refer
     assert float(state["step"]) == 30 and state["exp_avg"].abs().sum() > 0
 
 
-def test_30_fp8_sgd_steps_with_clipping_track_the_cpu_backend_on_the_reference():
+def test_30_fp8_sgd_steps_with_clipping_track_the_cpu_backend_on_the_standin():
     config = small_config("fp8", "sgd", "training.learning_rate=0.5", "training.grad_clip=1.0",
                           "ipu.device_iterations=3", "training.steps=30")
     cpu, popxl, *_ = train_both(config, 30)
@@ -272,14 +272,14 @@ def test_30_fp8_sgd_steps_with_clipping_track_the_cpu_backend_on_the_reference()
     torch.testing.assert_close(popxl, cpu, rtol=2e-2, atol=0)
 
 
-def test_adamw_and_weight_decay_track_the_cpu_backend_on_the_reference():
+def test_adamw_and_weight_decay_track_the_cpu_backend_on_the_standin():
     config = small_config("fp32", "adamw", "training.weight_decay=0.1",
                           "ipu.replication_factor=2")
     cpu, popxl, *_ = train_both(config, 6)
     torch.testing.assert_close(popxl, cpu, rtol=1e-4, atol=1e-4)
 
 
-def test_weights_and_adam_state_carry_over_to_a_new_training_model_on_the_reference():
+def test_weights_and_adam_state_carry_over_to_a_new_training_model_on_the_standin():
     """Train 3 steps, copy weights and moments to the host, build a fresh training model from
     them and train 3 more: the same as 6 steps in one training model."""
     config = small_config("fp32", "adam", "training.learning_rate=0.05")
@@ -291,7 +291,7 @@ def test_weights_and_adam_state_carry_over_to_a_new_training_model_on_the_refere
         optimizer = make_optimizer(model.parameters(), config, "cpu")
         losses = []
         for piece in pieces:
-            wrapper = PopXLTrainingModel(model, optimizer, config, xl=reference,
+            wrapper = PopXLTrainingModel(model, optimizer, config, xl=popxl_standin,
                                          device="ipu_model")
             for step in piece:
                 losses.append(wrapper(ids[4 * step:4 * step + 4], labels[4 * step:4 * step + 4])[1])
@@ -309,7 +309,7 @@ def test_weights_and_adam_state_carry_over_to_a_new_training_model_on_the_refere
         assert not torch.equal(value, start[name]), name  # every weight trained
 
 
-def test_the_training_loop_checkpoints_and_resumes_the_popxl_training_model_on_the_reference(
+def test_the_training_loop_checkpoints_and_resumes_the_popxl_training_model_on_the_standin(
         monkeypatch, tmp_path):
     """train() with the PopXL training model in place of the backend's wrapper: 10 steps in one
     go equal 5 steps, a checkpoint (weights and Adam state) and 5 resumed steps."""
@@ -317,7 +317,7 @@ def test_the_training_loop_checkpoints_and_resumes_the_popxl_training_model_on_t
     from ipu_unit_scaling.loop import run_session
 
     def build(model, optimizer, config, backend=None):
-        return PopXLTrainingModel(model, optimizer, config, xl=reference, device="ipu_model")
+        return PopXLTrainingModel(model, optimizer, config, xl=popxl_standin, device="ipu_model")
 
     monkeypatch.setattr(run_session, "build_training_model", build)
     monkeypatch.setattr(train_module, "select_backend", lambda name="auto", config=None: "popxl")
@@ -353,7 +353,7 @@ def test_configs_it_does_not_build_are_refused_by_key(override, key):
     with pytest.raises(ConfigError, match=key):
         check_config(config)
     with pytest.raises(ConfigError, match=key):
-        PopXLTrainingModel(build_model(config), None, config, xl=reference)
+        PopXLTrainingModel(build_model(config), None, config, xl=popxl_standin)
 
 
 def test_popxl_is_a_backend_name_and_needs_popxl():
@@ -376,12 +376,12 @@ def host_codelets():
         pytest.skip(f"host library of the codelets not built: {_host.fast_path_status()}")
 
 
-def test_codelet_amax_gives_the_same_step_as_popxl_ops_on_the_reference(host_codelets):
+def test_codelet_amax_gives_the_same_step_as_popxl_ops_on_the_standin(host_codelets):
     """amax="codelets": the custom op's stand-in runs the codelets' host build (emulator);
     every cast, loss and gradient equals those of the PopXL-ops scaling bias."""
     model, config = tiny_decoder(), FP8Config()
-    by_ops = loss_and_gradients(model, *batch(), fp8=config, xl=reference, keep_values=True)
-    by_codelets = loss_and_gradients(model, *batch(), fp8=config, xl=reference,
+    by_ops = loss_and_gradients(model, *batch(), fp8=config, xl=popxl_standin, keep_values=True)
+    by_codelets = loss_and_gradients(model, *batch(), fp8=config, xl=popxl_standin,
                                      keep_values=True, amax="codelets")
     assert len(by_codelets.casts) == len(by_ops.casts) == 27
     for a, b in zip(by_ops.casts, by_codelets.casts):
@@ -394,13 +394,13 @@ def test_codelet_amax_gives_the_same_step_as_popxl_ops_on_the_reference(host_cod
         assert torch.equal(by_codelets.gradients[name], grad), name
 
 
-def test_codelet_amax_flags_a_non_finite_amax_on_the_reference(host_codelets):
+def test_codelet_amax_flags_a_non_finite_amax_on_the_standin(host_codelets):
     model = tiny_decoder()
     with torch.no_grad():
         model.head.weight[0, 0] = float("nan")
-    result = loss_and_gradients(model, *batch(), fp8=FP8Config(), xl=reference,
+    result = loss_and_gradients(model, *batch(), fp8=FP8Config(), xl=popxl_standin,
                                 amax="codelets")
     assert result.non_finite >= 1
     with pytest.raises(ValueError, match="amax"):
-        PopXLTrainingModel(model, None, small_config("fp8", "adam"), xl=reference,
+        PopXLTrainingModel(model, None, small_config("fp8", "adam"), xl=popxl_standin,
                            amax="tiles")

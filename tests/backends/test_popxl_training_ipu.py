@@ -2,7 +2,7 @@
 
 Skipped where ``popxl`` does not import (everywhere but a Poplar SDK environment). The same
 model code runs in ``tests/backends/test_popxl_training.py`` on the stand-in
-(``ipu_unit_scaling/backends/popxl/reference.py``); here the real IR is built, compiled and
+(``ipu_standins/popxl/``); here the real IR is built, compiled and
 run once per test, and compared with the stand-in's numbers.
 """
 from __future__ import annotations
@@ -13,8 +13,9 @@ import pytest
 import torch
 from helpers import relative
 
+import ipu_standins.popxl as popxl_standin
 import ipu_unit_scaling as uu
-from ipu_unit_scaling.backends.popxl import PopXLTrainingModel, loss_and_gradients, reference
+from ipu_unit_scaling.backends.popxl import PopXLTrainingModel, loss_and_gradients
 from ipu_unit_scaling.fp8 import FP8Config
 from ipu_unit_scaling.training.precision import build_model
 from ipu_unit_scaling.training.run_config import load_config
@@ -40,7 +41,7 @@ def test_one_fp32_step_on_the_ipu_model_matches_the_reference():
     popxl = pytest.importorskip("popxl")
     model = tiny_decoder()
     real = loss_and_gradients(model, *batch(), xl=popxl, device="ipu_model")
-    stand_in = loss_and_gradients(model, *batch(), xl=reference)
+    stand_in = loss_and_gradients(model, *batch(), xl=popxl_standin)
     assert real.loss == pytest.approx(stand_in.loss, rel=1e-4)
     torch.testing.assert_close(real.logits, stand_in.logits, rtol=1e-4, atol=1e-4)
     for name, grad in stand_in.gradients.items():
@@ -54,7 +55,7 @@ def test_one_fp8_step_on_the_ipu_model_matches_the_reference(scaling):
     popxl = pytest.importorskip("popxl")
     model, config = tiny_decoder(), FP8Config(scaling=scaling)
     real = loss_and_gradients(model, *batch(), fp8=config, xl=popxl, device="ipu_model")
-    stand_in = loss_and_gradients(model, *batch(), fp8=config, xl=reference)
+    stand_in = loss_and_gradients(model, *batch(), fp8=config, xl=popxl_standin)
     assert real.non_finite == stand_in.non_finite == 0
     assert real.loss == pytest.approx(stand_in.loss, rel=1e-2)
     for name, grad in stand_in.gradients.items():
@@ -74,7 +75,7 @@ def test_a_training_call_on_the_ipu_model_matches_the_reference():
     models.append(copy.deepcopy(models[0]))
     ids, labels = batch(rows=config.samples_per_call)
     losses = []
-    for model, xl in zip(models, (popxl, reference)):
+    for model, xl in zip(models, (popxl, popxl_standin)):
         wrapper = PopXLTrainingModel(model, None, config, xl=xl, device="ipu_model")
         losses.append(wrapper(ids, labels)[1])
         wrapper.copy_weights_to_host()
@@ -96,7 +97,7 @@ def test_the_codelets_custom_op_on_the_ipu_model_matches_the_reference():
     model, config = tiny_decoder(), FP8Config()
     real = loss_and_gradients(model, *batch(), fp8=config, xl=popxl, device="ipu_model",
                               amax="codelets")
-    stand_in = loss_and_gradients(model, *batch(), fp8=config, xl=reference, amax="codelets")
+    stand_in = loss_and_gradients(model, *batch(), fp8=config, xl=popxl_standin, amax="codelets")
     assert real.non_finite == 0
     assert real.loss == pytest.approx(stand_in.loss, rel=1e-2)
     for name, grad in stand_in.gradients.items():

@@ -18,8 +18,8 @@ from helpers import ROOT as REPO
 from helpers import require_host_library
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ipu_unit_scaling.backends.poptorch import STANDIN_MODULE
 from ipu_unit_scaling.backends.poptorch import fp8_custom_op as custom_op
+from ipu_unit_scaling.backends.poptorch_backend import STANDIN_MODULE
 from ipu_unit_scaling.backends.popxl import codelets as popxl_codelets
 from ipu_unit_scaling.fp8 import F143, F152, fp8_quantise, fp8_quantise_gradient
 from ipu_unit_scaling.fp8 import cast_ops as ops

@@ -17,11 +17,13 @@ from helpers import ROOT as REPO
 from torch import nn
 
 import ipu_unit_scaling.functional as U
+from ipu_standins.poptorch import _lowering as lowering
+from ipu_standins.poptorch._lowering import stochastic_round_to_half
+from ipu_standins.poptorch._lowering_table import GELU_LOWERING, LOWERINGS, POPTORCH_COMMIT
 from ipu_unit_scaling.ipu import trace_like_poptorch
 from ipu_unit_scaling.ops import activation_ops
-from ipu_unit_scaling.ops import ipu_lowering as lowering
-from ipu_unit_scaling.ops.ipu_lowering import stochastic_round_to_half, torch_numerics
-from ipu_unit_scaling.ops.poptorch_lowering_table import GELU_LOWERING, LOWERINGS, POPTORCH_COMMIT
+from ipu_unit_scaling.ops import ipu_lowering as package_lowering
+from ipu_unit_scaling.ops.ipu_lowering import torch_numerics
 from ipu_unit_scaling.training.precision import round_to_half
 
 pytestmark = pytest.mark.numerics
@@ -106,7 +108,7 @@ def _value_and_gradient(module: nn.Module, run: Callable[[], torch.Tensor],
 
 def test_table_names_its_poptorch_commit_and_a_known_verdict_per_row(script):
     assert len(POPTORCH_COMMIT) == 40 and int(POPTORCH_COMMIT, 16) >= 0
-    table = REPO / "ipu_unit_scaling" / "ops" / "poptorch_lowering_table.py"
+    table = REPO / "ipu_standins" / "poptorch" / "_lowering_table.py"
     assert POPTORCH_COMMIT in table.read_text()
     for op, row in LOWERINGS.items():
         assert row.verdict in script.VERDICTS, op
@@ -423,3 +425,15 @@ def test_emulator_backend_passes_the_stochastic_rounding_option():
         casts = [n for n in graph.graph.nodes if n.target is lowering.stochastic_cast]
         assert bool(casts) == rounding
         wrapper.destroy()
+
+
+def test_the_packages_gelu_on_ipu_is_the_standins_lowering():
+    """``U.gelu``'s PopTorch form takes the constants of the GELU the stand-in's table (from
+    poptorch's source) lowers to, with the gradient the stand-in computes (element-wise: the
+    same values bit for bit)."""
+    forms = {"Gelu": "popart", "GeluErf": "none"}
+    assert package_lowering.GELU_ON_IPU == {k: forms[v] for k, v in GELU_LOWERING.items()}
+    x = torch.linspace(-14.0, 14.0, 4001, dtype=torch.float64)
+    for dtype in (torch.float16, torch.float32, torch.float64):
+        assert torch.equal(package_lowering.popart_gelu_slope(x.to(dtype)),
+                           lowering.popart_gelu_slope(x.to(dtype)))

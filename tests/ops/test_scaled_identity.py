@@ -12,10 +12,12 @@ from helpers import ROOT as REPO
 from helpers import relative_error
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import ipu_unit_scaling.ipu as ipu_module
+from ipu_standins import poptorch_custom_ops
 from ipu_unit_scaling import GPT
-from ipu_unit_scaling.backends import poptorch_ops
-from ipu_unit_scaling.backends.poptorch import STANDIN_MODULE
+from ipu_unit_scaling.backends import standin_op_library
 from ipu_unit_scaling.backends.poptorch import fp8_custom_op as custom_op
+from ipu_unit_scaling.backends.poptorch_backend import STANDIN_MODULE
 from ipu_unit_scaling.ipu import check_poptorch, ipu_tracing, trace_like_poptorch
 from ipu_unit_scaling.ops.scaled_identity import composite_scales, scaled_identity
 from ipu_unit_scaling.scale import scale
@@ -112,9 +114,12 @@ def test_emulator_counts_one_op_and_differentiates_it_by_its_gradient():
 
 def test_emulator_accepts_only_the_package_ops_that_have_a_popart_op(monkeypatch):
     module = Scale(torch.randn(4), 0.5, 2.0)
-    without = {k: v for k, v in poptorch_ops.CUSTOM_OPS.items() if k != "scaled_identity"}
-    monkeypatch.setattr(poptorch_ops, "CUSTOM_OPS", without)
-    report = check_poptorch(module, strict=False)
+    monkeypatch.setattr(ipu_module, "register_standin_op_library", lambda: None)
+    poptorch_custom_ops.unregister_op(custom_op.DOMAIN, custom_op.SCALED_IDENTITY_OP)
+    try:
+        report = check_poptorch(module, strict=False)
+    finally:
+        standin_op_library.register_with_standin()
     assert list(report.unsupported) == ["ipu_unit_scaling::scaled_identity"]
 
 
@@ -235,11 +240,12 @@ def test_python_and_cpp_agree_on_scaled_identity():
     source = (REPO / "custom_ops" / "scaled_identity.cpp").read_text()
     registered = set(re.findall(r'\{kDomain,\s*"(\w+)",\s*1,', source))
     assert registered == {"ScaledIdentity", "ScaledIdentityGrad", "ScaledIdentityInplace"}
-    assert poptorch_ops.CUSTOM_OPS["scaled_identity"] == custom_op.SCALED_IDENTITY_OP
+    torch_ops = standin_op_library.HOST_TORCH_OPS
+    assert torch_ops[custom_op.SCALED_IDENTITY_OP] == "ipu_unit_scaling::scaled_identity"
     every_source = "".join(p.read_text() for p in (REPO / "custom_ops").glob("*.cpp"))
     every_registered = set(re.findall(r'\{kDomain,\s*"(\w+)",\s*1,', every_source))
     every_registered |= set(re.findall(r'\{kDomain,\s*"(\w+)",\s*1,', (
         REPO / "custom_ops" / "fp8_ops.hpp").read_text()))
-    assert set(poptorch_ops.CUSTOM_OPS.values()) <= every_registered
+    assert set(torch_ops) <= every_registered
     read = set(re.findall(r'requiredScale\(info\.attributes,\s*"(\w+)"\)', source))
     assert read == set(custom_op.scaled_identity_attributes(1.0, 2.0))

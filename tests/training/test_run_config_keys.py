@@ -90,7 +90,7 @@ def _stages(tmp_path: Path, monkeypatch: Any, overrides: List[str]) -> Any:
 def _options(tmp_path: Path, monkeypatch: Any, overrides: List[str]) -> Any:
     from ipu_unit_scaling.backends.poptorch.poptorch_options import option_calls
 
-    return option_calls(_config(*overrides))
+    return option_calls(_config(*overrides).ipu)
 
 
 def _overflow_behaviour(tmp_path: Path, monkeypatch: Any, overrides: List[str]) -> Any:

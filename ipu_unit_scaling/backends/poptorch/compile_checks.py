@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ...training.run_config import Config
+from ...training.run_config import IPUConfig
 from ..backend_error import BackendError
 from ..pipeline_stages import Stage
 from .poptorch_options import New, OptionCall, option_calls
@@ -155,12 +155,12 @@ def check_inputs(options: CompileOptions, inputs: Sequence[Any]) -> None:
                 "(python/_poplar_executor.py)")
 
 
-def check_config_compiles(config: Config, split: Sequence[Stage], *, training: bool,
+def check_config_compiles(ipu: IPUConfig, split: Sequence[Stage], *, training: bool,
                           use_ipu_model: bool = False) -> CompileOptions:
-    """Apply :func:`check_compile` to the options the IPU backend builds from ``config`` for a
+    """Apply :func:`check_compile` to the options the IPU backend builds from ``ipu`` for a
     training (or inference) model placed by ``split``; returns those options."""
     options = CompileOptions.from_calls(
-        option_calls(config, use_ipu_model, inference=not training))
+        option_calls(ipu, use_ipu_model, inference=not training))
     used = [stage.index for stage in split if stage.modules]
     check_compile(options, training=training,
                   stages=forward_stages([stage.modules for stage in split]),

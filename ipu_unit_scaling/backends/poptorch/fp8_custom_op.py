@@ -165,9 +165,10 @@ class PopTorchFP8CustomOps:
     checked by the callers (:func:`ipu_unit_scaling.fp8.fp8_quantise`), as for the
     ``torch.library`` ops.
 
-    ``poptorch`` names the module to call (:func:`ipu_unit_scaling.backends.poptorch.
-    poptorch_module`); ``needs_library`` is False for the PopTorch stand-in, which runs these
-    ops as the package's ``torch.library`` ops and loads no PopART library.
+    ``poptorch`` names the module to call (the SDK's or the stand-in:
+    :func:`ipu_unit_scaling.backends.poptorch_backend.poptorch_module`); ``needs_library`` is
+    False for the PopTorch stand-in, which runs these ops with the host numerics the package
+    registers with it (:mod:`ipu_unit_scaling.backends.standin_op_library`).
 
     Unit scaling needs no FP8, so a model may train on an IPU without the library built: then
     :meth:`scaled_identity` gives the composite form (six graph ops instead of one; the same

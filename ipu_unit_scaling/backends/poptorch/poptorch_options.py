@@ -1,6 +1,6 @@
 """Config -> ``poptorch.Options``, as data.
 
-``option_calls(config)`` is a pure function returning the method calls to make on a fresh
+``option_calls(config.ipu)`` is a pure function returning the method calls to make on a fresh
 ``poptorch.Options()``, e.g. ``OptionCall("Training.gradientAccumulation", (16,))``. Arguments
 that are PopTorch or torch objects are written as ``Ref("ReductionType.Mean")`` (an attribute
 path in poptorch) or ``Ref("half", module="torch")``, and ``New("PipelinedExecution", ...)``
@@ -14,7 +14,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
-from ...training.run_config import Config
+from ...training.run_config import IPUConfig
 
 
 @dataclass(frozen=True)
@@ -39,17 +39,16 @@ class OptionCall:
     args: Tuple[Any, ...] = ()
 
 
-def option_calls(config: Config, use_ipu_model: bool = False,
+def option_calls(ipu: IPUConfig, use_ipu_model: bool = False,
                  inference: bool = False) -> List[OptionCall]:
-    """The ``poptorch.Options`` calls that realise ``config`` for training, or with
-    ``inference`` for a ``poptorch.inferenceModel``.
+    """The ``poptorch.Options`` calls that realise the config's ``ipu`` section for training,
+    or with ``inference`` for a ``poptorch.inferenceModel``.
 
     Inference sets no ``Training`` options (PopTorch takes gradient accumulation 1 only) and
     runs a multi-IPU split as ``ShardedExecution``: one micro-batch passes the IPUs in turn.
     ``PipelinedExecution`` would need at least as many device iterations as IPUs, that is as
     many windows per call, while sampling draws one token at a time from one window.
     """
-    ipu = config.ipu
     calls = [
         OptionCall("deviceIterations", (ipu.device_iterations,)),
         OptionCall("replicationFactor", (ipu.replication_factor,)),
@@ -64,7 +63,7 @@ def option_calls(config: Config, use_ipu_model: bool = False,
         ]
     # One result per micro-batch comes back, like the CPU fallback returns.
     calls.append(OptionCall("outputMode", (Ref("OutputMode.All"),)))
-    memory = _memory_proportions(config)
+    memory = _memory_proportions(ipu)
     if memory is not None:
         calls.append(OptionCall("setAvailableMemoryProportion", (memory,)))
     partials = "half" if ipu.partials_type == "half" else "float"
@@ -83,11 +82,11 @@ def option_calls(config: Config, use_ipu_model: bool = False,
     return calls
 
 
-def _memory_proportions(config: Config) -> Optional[dict]:
-    proportion = config.ipu.available_memory_proportion
+def _memory_proportions(ipu: IPUConfig) -> Optional[dict]:
+    proportion = ipu.available_memory_proportion
     if proportion is None:
         return None
-    ipus = config.ipu.ipus_per_replica
+    ipus = ipu.ipus_per_replica
     values = proportion if isinstance(proportion, list) else [proportion] * ipus
     return {f"IPU{i}": float(v) for i, v in enumerate(values)}
 
@@ -115,12 +114,12 @@ def apply_option_calls(options: Any, calls: List[OptionCall], poptorch: Any) -> 
     return options
 
 
-def build_options(config: Config, use_ipu_model: bool = False, inference: bool = False,
+def build_options(ipu: IPUConfig, use_ipu_model: bool = False, inference: bool = False,
                   poptorch: Any = None) -> Any:
     """``poptorch.Options`` for ``config``, of the ``poptorch`` module given (the SDK's or the
-    stand-in, :func:`ipu_unit_scaling.backends.poptorch.poptorch_module`); by default
+    stand-in, :func:`ipu_unit_scaling.backends.poptorch_backend.poptorch_module`); by default
     ``import poptorch``."""
     if poptorch is None:
         poptorch = importlib.import_module("poptorch")
-    calls = option_calls(config, use_ipu_model, inference)
+    calls = option_calls(ipu, use_ipu_model, inference)
     return apply_option_calls(poptorch.Options(), calls, poptorch)

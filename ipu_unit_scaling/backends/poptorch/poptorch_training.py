@@ -1,8 +1,8 @@
 """``poptorch.trainingModel`` built from a config: options, pipeline annotation, optimizer.
 
-Every function takes the ``poptorch`` module to run against (:func:`.poptorch_module`: the
-SDK's, or the stand-in for the ``emulator`` backend); none imports it, so this module imports
-anywhere.
+Every function takes the ``poptorch`` module to run against (the SDK's, or the stand-in for
+the ``emulator`` backend: :mod:`ipu_unit_scaling.backends.poptorch_backend` chooses) and uses
+only PopTorch's public API; none imports it, so this module imports anywhere.
 """
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from ...ops.trace_switch import FP8CustomOps, ipu_tracing
-from ...training.run_config import Config
+from ...training.run_config import IPUConfig, TrainingConfig
 from ..cpu import TrainingModule
-from ..pipeline_stages import Stage, stages
-from . import is_standin, poptorch_by_name
+from ..pipeline_stages import Stage, ipu_stages
+from . import poptorch_by_name
 from .compile_checks import PopTorchError, check_config_compiles, check_inputs
 from .fp8_custom_op import PopTorchFP8CustomOps, load_custom_op_library
 from .poptorch_options import build_options
@@ -35,11 +35,11 @@ def _poptorch_forms(fp8_ops: Optional[FP8CustomOps], tracing: bool) -> Iterator[
         yield
 
 
-def _run(executor: Any, poptorch: ModuleType, *inputs: Any) -> Any:
-    """Call ``executor``; what PopTorch refuses while compiling (its ``poptorch.Error``: an op
-    it cannot trace, a loss rule, a pipeline check) is a :class:`PopTorchError`, which the
-    command line reports in one line."""
-    if executor.isCompiled():
+def _run(executor: Any, poptorch: ModuleType, compiled: bool, *inputs: Any) -> Any:
+    """Call ``executor`` (``compiled``: it has compiled before); what PopTorch refuses while
+    compiling (its ``poptorch.Error``: an op it cannot trace, a loss rule, a pipeline check) is
+    a :class:`PopTorchError`, which the command line reports in one line."""
+    if compiled:
         return executor(*inputs)
     try:
         return executor(*inputs)
@@ -81,9 +81,9 @@ def annotate_pipeline(model: nn.Module, split: Sequence[Stage], poptorch: Any) -
             poptorch.BeginBlock(model.get_submodule(name), f"ipu{stage.index}", stage.index)
 
 
-def make_ipu_optimizer(parameters: Any, config: Config, poptorch: ModuleType
+def make_ipu_optimizer(parameters: Any, training: TrainingConfig, poptorch: ModuleType
                        ) -> torch.optim.Optimizer:
-    """The PopTorch optimizer for ``config.training`` (gradient clipping runs on the IPU).
+    """The PopTorch optimizer ``training`` names (gradient clipping runs on the IPU).
 
     ``parameters`` may be parameter groups, each with its own ``lr`` and ``weight_decay`` (u-μP's,
     from :func:`ipu_unit_scaling.parametrization.mup_optimizers.param_groups`): PopTorch takes
@@ -92,7 +92,6 @@ def make_ipu_optimizer(parameters: Any, config: Config, poptorch: ModuleType
     The groups' ``lr_scale`` key is for the host's schedule; PopTorch ignores keys it does not
     use.
     """
-    training = config.training
     classes = {
         "sgd": poptorch.optim.SGD,
         "adam": poptorch.optim.Adam,
@@ -106,39 +105,45 @@ def make_ipu_optimizer(parameters: Any, config: Config, poptorch: ModuleType
     )
 
 
-def _fp8_ops(config: Config, poptorch: ModuleType) -> PopTorchFP8CustomOps:
-    """The custom ops through ``poptorch.custom_op``; the SDK's PopART needs the library
-    loaded (a missing one fails here, not mid-compilation), the stand-in runs the package's
-    ``torch.library`` ops in its place."""
-    standin = is_standin(poptorch)
-    if config.precision.dtype == "fp8" and not standin:
+def _fp8_ops(fp8: bool, poptorch: ModuleType, needs_library: bool) -> PopTorchFP8CustomOps:
+    """The custom ops through ``poptorch.custom_op``; where PopART ``needs_library``, it is
+    loaded now for an ``fp8`` model (a missing one fails here, not mid-compilation)."""
+    if fp8 and needs_library:
         load_custom_op_library()
-    return PopTorchFP8CustomOps(poptorch=poptorch.__name__, needs_library=not standin)
+    return PopTorchFP8CustomOps(poptorch=poptorch.__name__, needs_library=needs_library)
 
 
 class IPUTrainingModel:
     """A compiled-on-first-call ``poptorch.trainingModel`` with the fallback's interface.
 
-    ``poptorch`` is the module to run against (:func:`.poptorch_module`).
+    Built from the config's ``ipu`` section; ``fp8``: whether the model casts to FP8 (its
+    custom ops then need PopART's library). ``poptorch`` is the module to run against;
+    ``needs_library``: whether PopART needs ``custom_ops/``'s library for the custom ops (not
+    on the stand-in). A step calls PopTorch once, and ``setOptimizer`` when the learning rates
+    change.
     """
 
-    def __init__(self, model: nn.Module, optimizer: Any, config: Config, use_ipu_model: bool,
-                 poptorch: ModuleType):
+    def __init__(self, model: nn.Module, optimizer: Any, ipu: IPUConfig, *, fp8: bool,
+                 use_ipu_model: bool, poptorch: ModuleType, needs_library: bool = True):
         self.poptorch = poptorch
+        self._compiled = False
         self.model = model
-        self.stages = stages(model, config)
+        self.stages = ipu_stages(model, ipu)
         # PopTorch's own compile checks, before an IPU is asked for.
-        check_config_compiles(config, self.stages, training=True, use_ipu_model=use_ipu_model)
-        if config.ipu.ipus_per_replica > 1:
+        check_config_compiles(ipu, self.stages, training=True, use_ipu_model=use_ipu_model)
+        if ipu.ipus_per_replica > 1:
             annotate_pipeline(model, self.stages, poptorch)
-        self.options = build_options(config, use_ipu_model, poptorch=poptorch)
+        self.options = build_options(ipu, use_ipu_model, poptorch=poptorch)
         self.optimizer = optimizer
-        module = IPUTrainingModule(model, _fp8_ops(config, poptorch), poptorch.__name__)
+        module = IPUTrainingModule(model, _fp8_ops(fp8, poptorch, needs_library),
+                                   poptorch.__name__)
         self.executor = poptorch.trainingModel(module, options=self.options,
                                                optimizer=optimizer)
 
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> Any:
-        return _run(self.executor, self.poptorch, inputs, labels)
+        out = _run(self.executor, self.poptorch, self._compiled, inputs, labels)
+        self._compiled = True
+        return out
 
     def update_optimizer(self) -> None:
         """Send changed learning rates (or other hyperparameters) to the device."""
@@ -178,21 +183,22 @@ class IPUInferenceModel:
     input shapes of the first call and refuses others; a call with new shapes compiles again.
     """
 
-    def __init__(self, model: nn.Module, config: Config, use_ipu_model: bool,
-                 poptorch: ModuleType):
+    def __init__(self, model: nn.Module, ipu: IPUConfig, *, fp8: bool, use_ipu_model: bool,
+                 poptorch: ModuleType, needs_library: bool = True):
         self.poptorch = poptorch
         self.model = model
-        self.stages = stages(model, config)
-        self.compile_options = check_config_compiles(config, self.stages, training=False,
+        self.stages = ipu_stages(model, ipu)
+        self.compile_options = check_config_compiles(ipu, self.stages, training=False,
                                                      use_ipu_model=use_ipu_model)
         self.rows_per_call = self.compile_options.rows_per_call
-        if config.ipu.ipus_per_replica > 1:
+        if ipu.ipus_per_replica > 1:
             annotate_pipeline(model, self.stages, poptorch)
-        self.fp8_ops = _fp8_ops(config, poptorch)
+        self.fp8_ops = _fp8_ops(fp8, poptorch, needs_library)
         model.eval()
-        self.options = build_options(config, use_ipu_model, inference=True, poptorch=poptorch)
+        self.options = build_options(ipu, use_ipu_model, inference=True, poptorch=poptorch)
         self.executor: Any = None
         self._signature: Optional[Tuple[Any, ...]] = None
+        self._compiled = False
 
     def __call__(self, *inputs: torch.Tensor) -> Any:
         poptorch = self.poptorch
@@ -206,7 +212,9 @@ class IPUInferenceModel:
                 IPUInferenceModule(self.model, self.fp8_ops, poptorch.__name__),
                 options=self.options)
             self._signature = signature
-        return _run(self.executor, poptorch, *inputs)
+            self._compiled = False
+        compiled, self._compiled = self._compiled, True
+        return _run(self.executor, poptorch, compiled, *inputs)
 
     def destroy(self) -> None:
         if self.executor is not None:

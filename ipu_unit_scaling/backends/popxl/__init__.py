@@ -2,7 +2,8 @@
 
 Nothing here imports ``popxl`` until it is asked to run on it, so the package imports anywhere.
 The model code (:mod:`.popxl_model`, :mod:`.fp8_ops`) is written once against the ``popxl`` module;
-:mod:`.reference` is a torch stand-in for the part of PopXL it uses, on which it is tested here.
+the PopXL stand-in (:mod:`ipu_standins.popxl`) is a torch stand-in for the part of PopXL it uses,
+on which it is tested here.
 
 - :class:`PopXLTrainingModel`: ``poptorch.trainingModel``'s interface on PopXL.
 - :func:`loss_and_gradients`: one forward and backward pass of a ``uu.GPT``.

@@ -8,10 +8,10 @@ On PopXL it is the op ``Fp8AmaxCastFloat8`` of ``custom_ops/popxl_fp8_amax_cast.
 Python extension module that :func:`load_binding` builds with cppimport on first use and
 creates in the graph as PopXL's user guide does for custom ops (``create_op_in_graph`` of its
 ParameterizedOp bindings, cppimport, pybind11 2.6.2: the release ``popart._internal.ir`` is
-built with, whose types the binding's functions take). On the stand-in (:mod:`.reference`)
-the same vertices run on the host, through :mod:`ipu_unit_scaling.fp8.codelet_emulator`, over a few
-tiles
-(the result does not depend on the split; ``tests/fp8/test_codelet_emulator.py`` shows it).
+built with, whose types the binding's functions take). On the PopXL stand-in
+(:mod:`ipu_standins.popxl`) the same vertices run on the host, through
+:mod:`ipu_unit_scaling.fp8.codelet_emulator`, over a few tiles (the result does not depend on
+the split; ``tests/fp8/test_codelet_emulator.py`` shows it).
 """
 from __future__ import annotations
 
@@ -49,9 +49,9 @@ def fp8_dtype(xl: Any, fmt: FP8Format) -> Any:
 
 def popxl_fp8_amax_cast(xl: Any, x: Tensor, fmt: FP8Format, margin: int, saturate: bool
                   ) -> Tuple[Tensor, Tensor, Tensor]:
-    from . import reference
+    import ipu_standins.popxl as standin
 
-    if xl is reference:
+    if xl is standin:
         return _stand_in(x, fmt, margin, saturate)
     return _popxl(x, fmt, margin, saturate)
 
@@ -138,9 +138,10 @@ def _popxl(x: Tensor, fmt: FP8Format, margin: int, saturate: bool
 
 def _stand_in(x: Tensor, fmt: FP8Format, margin: int, saturate: bool
               ) -> Tuple[Tensor, Tensor, Tensor]:
+    import ipu_standins.popxl as standin
+    from ipu_standins.popxl_custom_ops import add_op
+
     from ...fp8 import codelet_emulator as emulator
-    from . import reference
-    from ._reference_core import add_op
 
     overflow = "saturate" if saturate else "nan"
 
@@ -154,5 +155,5 @@ def _stand_in(x: Tensor, fmt: FP8Format, margin: int, saturate: bool
                 torch.tensor(int(non_finite), dtype=torch.int32))
 
     codes, scale, non_finite = add_op(
-        "fp8_amax_cast", run, [x], [fp8_dtype(reference, fmt), reference.int32, reference.int32])
+        "fp8_amax_cast", run, [x], [fp8_dtype(standin, fmt), standin.int32, standin.int32])
     return codes, scale, non_finite

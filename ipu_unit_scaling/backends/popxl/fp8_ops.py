@@ -1,7 +1,7 @@
 """FP8 in PopXL: the AMAX scaling bias from PopXL ops, scaled casts, and the FP8 linear layer.
 
 Written once against ``xl``, the ``popxl`` module or its stand-in
-:mod:`ipu_unit_scaling.backends.popxl.reference`. The sign convention is the package's:
+:mod:`ipu_standins.popxl`. The sign convention is the package's:
 ``q = cast(x * 2**s)``, ``x ~= q * 2**-s``, ``s = clamp(floor(log2(fmt.max / amax)) - margin,
 -31, 31)``, which is also what ``ops.pow2scale_cast_to_fp8(x, s, dtype)`` computes. A matmul of
 two FP8 tensors cast with biases ``sa`` and ``sb`` is undone with ``matmul_pow2scaled(...,
@@ -30,7 +30,7 @@ from .codelets import fp8_dtype
 __all__ = ["AMAX_SOURCES", "scaling_bias", "popxl_cast_to_fp8", "popxl_fp8_matmul",
            "FP8LinearBlock", "CastSite"]
 
-Tensor = Any  # a popxl.Tensor or a reference.Tensor
+Tensor = Any  # a popxl.Tensor, the real one's or the stand-in's
 
 # matmul_pow2scaled takes biases in [-32, 32) (docs/popxl/datatype.rst); two casts can ask for
 # up to +-62, so the rest is applied as an exact power of two looked up from this table.

@@ -1,7 +1,7 @@
 """The unit-scaled decoder of ``uu.GPT``, written in PopXL.
 
 Written once against ``xl``: the real ``popxl`` module, or its torch stand-in
-:mod:`ipu_unit_scaling.backends.popxl.reference`. Every unit-scaling rule is the one
+:mod:`ipu_standins.popxl`. Every unit-scaling rule is the one
 :mod:`ipu_unit_scaling.functional` applies; the scales themselves come from there.
 
 **Structure.** The model is a chain of *blocks*, each a PopXL graph called once per
@@ -44,7 +44,7 @@ from .fp8_ops import AMAX_SOURCES, CastSite, FP8LinearBlock
 
 __all__ = ["DecoderSpec", "LayerSpec", "PopXLDecoder", "Tape", "scaled"]
 
-Tensor = Any  # a popxl.Tensor or a reference.Tensor
+Tensor = Any  # a popxl.Tensor, the real one's or the stand-in's
 # A large finite negative rather than -inf: the IPU traps invalid float operations by
 # default, and exp() of it is exactly 0 in float32 all the same.
 _MASKED = -1e9

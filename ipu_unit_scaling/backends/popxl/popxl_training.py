@@ -396,7 +396,7 @@ class PopXLTrainingModel:
     ``optimizer``: a torch SGD / Adam / AdamW over the model's parameters (its learning rate is
     read again by :meth:`update_optimizer`, its state filled by :meth:`copy_weights_to_host`),
     a ``TrainingConfig``, or None for ``config.training``. ``xl``: the ``popxl`` module (the
-    default) or :mod:`ipu_unit_scaling.backends.popxl.reference`. ``device``: "ipu_hw", "ipu_model"
+    default) or the stand-in :mod:`ipu_standins.popxl`. ``device``: "ipu_hw", "ipu_model"
     (default: hardware where PopART sees it) or "cpu". ``amax``: where FP8 AMAX casts get their
     scale, "ops" (PopXL ops, the default) or "codelets" (the package's custom op; see
     :mod:`.codelets`).

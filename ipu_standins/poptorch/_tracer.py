@@ -1,0 +1,422 @@
+"""PopTorch's trace without the Poplar SDK: trace forward, differentiate the traced graph.
+
+PopTorch compiles a model in steps that decide what it computes:
+
+1. it runs the forward pass once, recording the ATen ops that reach its dispatcher (after
+   PyTorch's own decompositions); ``.item()`` and other reads of a tensor on the host are
+   refused, so are moves to the CPU, and float8 tensors cannot cross;
+2. ops whose inputs are all compile-time constants are evaluated on the host; every other op
+   needs a handler, and some handlers refuse some arguments (:mod:`._handlers`);
+3. PopART differentiates that forward graph: a ``torch.autograd.Function``'s ``forward`` is
+   recorded like any other code and its ``backward`` is never used; a PopART custom op
+   (``poptorch.custom_op``) is one op, differentiated by its grad op.
+
+This module does these steps on the host. :func:`trace_like_poptorch` traces a module with fake
+tensors, checks every op against PopTorch's rules and returns a :class:`PopTorchTrace`: the
+recorded graph, run with the module's live parameters, so autograd of the graph plays PopART's
+autodiff. The stand-in compiles every model with this trace (:mod:`._compile`), and adds its
+checks after tracing; its executor runs the optimizer with ``trainingModel``'s semantics.
+Refusals are the stand-in's ``poptorch.Error``.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.fx import GraphModule
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from ..poptorch_custom_ops import inside_custom_op, is_library_torch_op
+from ._handlers import ARGUMENT_RULES, HOST_READ_OPS, base_name, is_supported
+from ._lowering import lower_graph
+from .poptorch_core import Error as PopTorchError
+
+__all__ = ["PopTorchReport", "PopTorchTrace", "trace_like_poptorch"]
+
+
+@dataclass
+class PopTorchReport:
+    """What tracing found: op counts and the ops PopTorch has no handler for, by module."""
+
+    op_counts: Dict[str, int]
+    unsupported: Dict[str, List[str]] = field(default_factory=dict)  # op -> module paths
+
+    @property
+    def ok(self) -> bool:
+        return not self.unsupported
+
+    def __str__(self) -> str:
+        total = sum(self.op_counts.values())
+        if self.ok:
+            return f"PopTorch check passed: {total} ops, all supported"
+        lines = [f"PopTorch check: {len(self.unsupported)} unsupported op(s) of {total} ops"]
+        for op, modules in sorted(self.unsupported.items()):
+            lines.append(f"  {op} in {', '.join(sorted(set(modules)))}")
+        return "\n".join(lines)
+
+
+def _is_float8(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and str(value.dtype).startswith("torch.float8")
+
+
+def _tensors(value: Any) -> List[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def _named_arguments(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The op's arguments by their schema names, defaults filled in."""
+    named: Dict[str, Any] = {}
+    for index, argument in enumerate(func._schema.arguments):
+        if index < len(args):
+            named[argument.name] = args[index]
+        elif argument.name in kwargs:
+            named[argument.name] = kwargs[argument.name]
+        elif argument.has_default_value():
+            named[argument.name] = argument.default_value
+    return named
+
+
+class _PopTorchRules(TorchDispatchMode):
+    """Checks each op as PopTorch's dispatcher would see it, naming the module it came from.
+
+    It also follows which tensors are compile-time constants: the trace's inputs, parameters
+    and buffers are not, nor is anything computed from them or drawn at random. An ATen op on
+    constants only is evaluated on the host by PopTorch before any handler runs, so it is
+    neither checked against the handler list nor against the handlers' argument rules.
+    """
+
+    def __init__(self, scopes: List[str]):
+        super().__init__()
+        self.scopes = scopes
+        self.unsupported: Dict[str, List[str]] = collections.defaultdict(list)
+        # > 0 inside an op PopTorch's dispatcher takes whole (see `_PopTorchCalls`).
+        self.inside_dispatcher_op = 0
+        # id -> tensor (kept alive so that ids stay unique) of the tensors that are not
+        # compile-time constants.
+        self._variable: Dict[int, torch.Tensor] = {}
+        # id -> device object of the tensors of the trace: on an IPU these are the IPU.
+        self.devices: Dict[int, Any] = {}
+
+    def where(self) -> str:
+        return self.scopes[-1] if self.scopes else "<model>"
+
+    def refusal(self, op: str, reason: str) -> PopTorchError:
+        return PopTorchError(f"{op} in {self.where()}: {reason}")
+
+    def mark_variable(self, value: Any) -> None:
+        for tensor in _tensors(value):
+            self._variable[id(tensor)] = tensor
+            self.devices[id(tensor.device)] = tensor.device
+
+    def is_constant(self, value: Any) -> bool:
+        return not any(id(t) in self._variable for t in _tensors(value))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if func.namespace == "aten" and name in HOST_READ_OPS:
+            raise self.refusal(
+                f"aten::{name}",
+                "a tensor is read on the host (.item(), .tolist(), int()/float()/bool() of a "
+                "tensor, or control flow on a tensor's value). PopTorch refuses it while "
+                "tracing; keep the value a tensor.")
+        if any(_is_float8(a) for a in tree_flatten((args, kwargs))[0]):
+            raise self.refusal(
+                str(func), "takes a float8 tensor, which cannot cross PopTorch: carry FP8 as "
+                "uint8 codes through custom ops")
+        if func.namespace == "prim":  # metadata queries (prim::device), not graph ops
+            return func(*args, **kwargs)
+        variable = not self.is_constant((args, kwargs)) or (
+            torch.Tag.nondeterministic_seeded in func.tags)
+        if self.inside_dispatcher_op == 0 and not inside_custom_op():
+            if func.namespace != "aten":
+                if func.namespace != "poptorch" and not is_library_torch_op(
+                        f"{func.namespace}::{name}"):
+                    self.unsupported[f"{func.namespace}::{name}"].append(self.where())
+            elif variable:
+                self._check_arguments(func, name, args, kwargs)
+                if not is_supported(name):
+                    self.unsupported[f"aten::{name}"].append(self.where())
+        out = func(*args, **kwargs)
+        if any(_is_float8(o) for o in tree_flatten(out)[0]):
+            raise self.refusal(str(func), "makes a float8 tensor, which cannot cross PopTorch")
+        for tensor in _tensors(out):
+            device = tensor.device  # one object per fake tensor: `.to(t.device)` is found
+            self.devices[id(device)] = device
+        if variable:
+            self.mark_variable(out)
+            for value, argument in zip(args, func._schema.arguments):
+                if argument.alias_info is not None and argument.alias_info.is_write:
+                    self.mark_variable(value)  # written in place with a variable value
+        return out
+
+    def _check_arguments(self, func: Any, name: str, args: Sequence[Any],
+                         kwargs: Dict[str, Any]) -> None:
+        rules = ARGUMENT_RULES.get(name) or ARGUMENT_RULES.get(base_name(name), ())
+        if not rules:
+            return
+        named = _named_arguments(func, args, kwargs)
+        for rule in rules:
+            if rule.refuses(named, self.is_constant):
+                raise self.refusal(f"aten::{name}", f"{rule.reason} "
+                                   f"(poptorch/source/popart_canonicalization/{rule.source})")
+
+
+# Functions PopTorch's dispatcher implements itself (`RegisterOptionalAtenOps.cpp.inc`), which
+# a dispatch mode would only see decomposed: dropout into `empty_like`, `bernoulli_` and
+# `div_`, one_hot and adaptive pooling into other ops. Ops inside them are not checked.
+_DISPATCHER_LEVEL_FUNCTIONS = frozenset((
+    torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
+    torch.nn.functional.dropout3d, torch.dropout, torch.feature_dropout,
+    torch.nn.functional.one_hot, torch.nn.functional.adaptive_avg_pool1d,
+    torch.nn.functional.adaptive_avg_pool2d, torch.nn.functional.adaptive_avg_pool3d,
+))
+_DISPATCHER_LEVEL_ATEN = frozenset(("dropout", "feature_dropout"))
+_ADAPTIVE_POOLS = {torch.nn.functional.adaptive_avg_pool1d: 1,
+                   torch.nn.functional.adaptive_avg_pool2d: 2,
+                   torch.nn.functional.adaptive_avg_pool3d: 3}
+_HOST_READ_METHODS = {torch.Tensor.numpy: "Tensor.numpy", torch.Tensor.tolist: "Tensor.tolist"}
+_DEVICE_PROPERTY = torch.Tensor.device
+
+
+def _one_hot_without_checks(indices: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
+    classes = torch.arange(num_classes, dtype=indices.dtype, device=indices.device)
+    return (indices.unsqueeze(-1) == classes).to(torch.long)
+
+
+def _is_device_getter(func: Any) -> bool:
+    """``tensor.device`` (each access to the getter makes a new method-wrapper object)."""
+    return getattr(func, "__self__", None) is _DEVICE_PROPERTY and (
+        getattr(func, "__name__", "") == "__get__")
+
+
+class _PopTorchCalls(TorchFunctionMode):
+    """What PopTorch decides from the Python call rather than the ATen op.
+
+    - Dropout, one_hot and adaptive average pooling as PopTorch's dispatcher takes them: whole
+      (see `_DISPATCHER_LEVEL_FUNCTIONS`), with their handlers' argument checks.
+    - Moves to the CPU inside ``forward`` (``.cpu()``, ``.to("cpu")``): PopTorch traces on the
+      IPU device, and its ``copy_`` refuses an IPU to CPU copy except for the outputs
+      (``RegisterAtenOverloads.cpp``). ``.to(t.device)`` stays on the IPU there, so devices
+      read from tensors are remembered and let through.
+    - Reads of a tensor's data on the host (``.numpy()``, ``.tolist()``).
+    """
+
+    def __init__(self, rules: _PopTorchRules):
+        super().__init__()
+        self.rules = rules
+        self._tensor_devices: Dict[int, Any] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        kwargs = kwargs or {}
+        if _is_device_getter(func):
+            device = func(*args, **kwargs)
+            self._tensor_devices[id(device)] = device
+            return device
+        self._refuse_host_access(func, args, kwargs)
+        packet = getattr(func, "overloadpacket", None)
+        whole = func in _DISPATCHER_LEVEL_FUNCTIONS or (
+            packet is not None and getattr(func, "namespace", "") == "aten"
+            and packet.__name__ in _DISPATCHER_LEVEL_ATEN)
+        if not whole:
+            return func(*args, **kwargs)
+        if func is torch.nn.functional.one_hot:
+            classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+            if classes == -1 and not self.rules.is_constant(args[0]):
+                raise self.rules.refusal(
+                    "aten::one_hot", "num_classes must be given: the handler needs the class "
+                    "count at compile time (poptorch/source/popart_canonicalization/"
+                    "EmbeddingOps.cpp)")
+            if classes != -1:
+                # The same values without torch's range checks, which read the indices on
+                # the host; PopTorch takes one_hot whole.
+                func = _one_hot_without_checks
+        self.rules.inside_dispatcher_op += 1
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.rules.inside_dispatcher_op -= 1
+        dims = _ADAPTIVE_POOLS.get(func)
+        if dims is not None and not self.rules.is_constant(args[0]):
+            sizes_in, sizes_out = args[0].shape[-dims:], out.shape[-dims:]
+            if any(o and i % o for i, o in zip(sizes_in, sizes_out)):
+                raise self.rules.refusal(
+                    f"aten::adaptive_avg_pool{dims}d",
+                    f"input sizes {tuple(sizes_in)} are not multiples of the output sizes "
+                    f"{tuple(sizes_out)}, which the handler refuses "
+                    "(poptorch/source/popart_canonicalization/PoolingOps.cpp)")
+        return out
+
+    def _refuse_host_access(self, func: Any, args: Sequence[Any],
+                            kwargs: Dict[str, Any]) -> None:
+        if func is torch.Tensor.cpu or (func is torch.Tensor.to and self._moves_to_cpu(
+                args, kwargs)):
+            call = "Tensor.cpu" if func is torch.Tensor.cpu else "Tensor.to"
+            raise self.rules.refusal(
+                call, "a move to the CPU inside forward. PopTorch refuses it while tracing "
+                "(illegal move to CPU, RegisterAtenOverloads.cpp): return the tensor as an "
+                "output instead")
+        if func in _HOST_READ_METHODS:
+            raise self.rules.refusal(
+                _HOST_READ_METHODS[func], "a tensor is read on the host. PopTorch refuses it "
+                "while tracing; keep the value a tensor.")
+
+    def _moves_to_cpu(self, args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
+        if any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())):
+            return False  # .to(other): other's device, the IPU for any tensor in the trace
+        device = kwargs.get("device", args[1] if len(args) > 1 else None)
+        if self._is_tensor_device(device, args[0]):
+            return False  # a device read from a tensor of the trace: the IPU on an IPU
+        parsed = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
+        return parsed is not None and parsed.type == "cpu"
+
+    def _is_tensor_device(self, device: Any, tensor: torch.Tensor) -> bool:
+        # Fake tensors keep one device object each, which the rules record; real tensors
+        # make one per access, which the getter above records.
+        return (id(device) in self._tensor_devices or id(device) in self.rules.devices
+                or device is tensor.device)
+
+
+@contextlib.contextmanager
+def _module_scopes(module: nn.Module, scopes: List[str]) -> Iterator[None]:
+    """Keep ``scopes[-1]`` the qualified name of the module whose forward is running."""
+    handles = []
+    for name, child in module.named_modules():
+        label = name or type(module).__name__
+
+        def enter(_: nn.Module, __: Any, label: str = label) -> None:
+            scopes.append(label)
+
+        def leave(_: nn.Module, __: Any, ___: Any) -> None:
+            scopes.pop()
+
+        handles.append(child.register_forward_pre_hook(enter))
+        handles.append(child.register_forward_hook(leave))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class PopTorchTrace:
+    """A module's forward as PopTorch records it, callable with the module's live parameters.
+
+    Calling it runs the recorded ATen graph (and the package's custom ops, each one node whose
+    gradient comes from the op's Autograd kernel, as PopART's comes from the grad op) on real
+    tensors; autograd of that graph is what PopART's autodiff computes. It is valid for inputs
+    of the traced shapes and dtypes and the traced train/eval mode.
+    """
+
+    def __init__(self, module: nn.Module, graph: GraphModule, report: PopTorchReport,
+                 parameter_names: List[str], buffer_names: List[str]):
+        self.module = module
+        self.graph = graph
+        self.report = report
+        self.parameter_names = parameter_names
+        self.buffer_names = buffer_names
+
+    def __call__(self, *inputs: Any) -> Any:
+        parameters = dict(self.module.named_parameters())
+        buffers = dict(self.module.named_buffers())
+        return self.graph([parameters[n] for n in self.parameter_names],
+                          [buffers[n] for n in self.buffer_names], *inputs)
+
+    def ops(self) -> List[str]:
+        """The ops of the graph in execution order, e.g. ``aten::mm``."""
+        names = []
+        for node in self.graph.graph.nodes:
+            if node.op == "call_function" and hasattr(node.target, "overloadpacket"):
+                names.append(f"{node.target.namespace}::{node.target.overloadpacket.__name__}")
+        return names
+
+
+def _make_fx() -> Callable[..., Any]:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx
+
+
+def _functional_call(module: nn.Module, state: Dict[str, torch.Tensor],
+                     inputs: Tuple[Any, ...]) -> Any:
+    from torch.func import functional_call
+
+    return functional_call(module, state, inputs)
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a plain tensor (an alias) if it is of a subclass, such as the parameters
+    PopTorch wraps once it has trained a model: the trace only reads its metadata, and torch
+    2.0.1's fake tensors do not convert subclasses."""
+    if type(tensor) in (torch.Tensor, nn.Parameter):
+        return tensor
+    with torch._C.DisableTorchFunction():
+        return torch.Tensor._make_subclass(torch.Tensor, tensor.detach(), tensor.requires_grad)
+
+
+def trace_like_poptorch(module: nn.Module, *inputs: Any, stochastic_rounding: bool = False,
+                        allow_constants: bool = False,
+                        context: Optional[Callable[[], ContextManager[Any]]] = None
+                        ) -> PopTorchTrace:
+    """Trace ``module(*inputs)`` the way PopTorch does (see the module docstring).
+
+    Raises :class:`PopTorchError` for what PopTorch refuses while tracing (host reads of a
+    tensor, moves to the CPU, float8 tensors, arguments a handler refuses), naming the op and
+    the module; unsupported ops are collected in ``trace.report``. The module's train/eval
+    mode is traced as it is.
+
+    The trace computes what an IPU computes where PopART departs from eager torch (GELU; with
+    ``stochastic_rounding``, as ``Precision.enableStochasticRounding``, the float-half casts):
+    see :mod:`._lowering`.
+
+    With ``allow_constants``, tensors the model holds outside its parameters and buffers (a
+    closure's target, a global table) become constants of the graph, as PopTorch uploads them,
+    instead of being refused by the fake tensors. ``context`` makes a context manager entered
+    around the module's forward, innermost (a library's switch into its traced forms).
+    """
+    parameter_names = [name for name, _ in module.named_parameters()]
+    buffer_names = [name for name, _ in module.named_buffers()]
+    scopes: List[str] = []
+    rules = _PopTorchRules(scopes)
+
+    def forward(parameters: List[torch.Tensor], buffers: List[torch.Tensor], *args: Any) -> Any:
+        state = dict(zip(parameter_names, parameters))
+        state.update(zip(buffer_names, buffers))
+        rules.mark_variable((parameters, buffers, args))  # graph inputs, never constants
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_module_scopes(module, scopes))
+            stack.enter_context(rules)
+            stack.enter_context(_PopTorchCalls(rules))
+            if context is not None:  # the caller's, innermost: as if inside forward
+                stack.enter_context(context())
+            return _functional_call(module, state, args)
+
+    parameters = [_plain(p) for _, p in module.named_parameters()]
+    buffers = [_plain(b) for _, b in module.named_buffers()]
+    try:
+        graph = _make_fx()(forward, tracing_mode="fake", _allow_non_fake_inputs=allow_constants)(
+            parameters, buffers, *inputs)
+    except PopTorchError:
+        raise
+    except Exception as error:
+        cause = error
+        while cause is not None and not isinstance(cause, PopTorchError):
+            cause = cause.__cause__ or cause.__context__  # type: ignore[assignment]
+        if isinstance(cause, PopTorchError):
+            raise PopTorchError(str(cause)) from None
+        raise
+    counts: Dict[str, int] = collections.Counter()
+    for node in graph.graph.nodes:
+        if node.op == "call_function" and hasattr(node.target, "overloadpacket"):
+            counts[f"{node.target.namespace}::{node.target.overloadpacket.__name__}"] += 1
+    report = PopTorchReport(dict(counts), {k: list(v) for k, v in rules.unsupported.items()})
+    graph = lower_graph(graph, stochastic_rounding)
+    return PopTorchTrace(module, graph, report, parameter_names, buffer_names)
