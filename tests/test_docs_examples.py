@@ -250,6 +250,15 @@ def _readme_unit(block: Block, namespace: Namespace) -> None:
             _between(_std(tensor), 1.125, 1.175, name)
 
 
+@check("telemetry_api")
+def _telemetry_api(block: Block, namespace: Namespace) -> None:
+    """The guide's own-loop example: the plain model's flushed gradients warned of at step 1."""
+    warnings = namespace["warnings"]
+    assert warnings and {row["step"] for row in warnings} == {1}
+    assert all(row["role"] == "flushed" and row["site"].endswith(".grad_output")
+               for row in warnings)
+
+
 @check("readme_fp8")
 def _readme_fp8(block: Block, namespace: Namespace) -> None:
     """The README's FP8 example prints what its last comment says, over a few seeds: most of the

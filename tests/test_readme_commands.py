@@ -20,7 +20,7 @@ README = ROOT / "README.md"
 # Options whose value names a run directory the command reads.
 READS = ("--resume", "--init-from")
 # Commands whose first positional argument names a run directory they read.
-READ_FIRST = ("evaluate", "sample")
+READ_FIRST = ("evaluate", "sample", "health")
 
 
 def readme_commands() -> List[List[str]]:
