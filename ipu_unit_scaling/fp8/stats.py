@@ -14,7 +14,8 @@ import torch
 from .codec import decode
 from .fp8_formats import FP8Format
 
-__all__ = ["CastRecord", "Fp8Stats", "fp8_stats", "stats_enabled", "record_cast"]
+__all__ = ["CastRecord", "Fp8Stats", "fp8_stats", "stats_enabled", "record_cast",
+           "recorded_only_by"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,19 @@ def fp8_stats() -> Iterator[Fp8Stats]:
         # By identity: two collections with the same records are equal, and a block may sit
         # inside another (a run's telemetry inside a user's fp8_stats).
         _active[:] = [other for other in _active if other is not stats]
+
+
+@contextmanager
+def recorded_only_by(stats: Fp8Stats) -> Iterator[None]:
+    """Inside the block, casts are recorded by ``stats`` alone, not by the other active
+    collections: for casts made only to be measured (run telemetry's casts beside a model
+    without FP8), which a user's own ``fp8_stats`` around the step must not see."""
+    saved = list(_active)
+    _active[:] = [stats]
+    try:
+        yield
+    finally:
+        _active[:] = saved
 
 
 def stats_enabled() -> bool:

@@ -32,7 +32,7 @@ from torch import nn
 from ..fp8 import FP8Config, fp8_stats
 from ..fp8.linear import FP8Linear
 from ..fp8.scaling import cast_to_fp8
-from ..fp8.stats import CastRecord
+from ..fp8.stats import CastRecord, Fp8Stats, recorded_only_by
 from ..modules.gpt_blocks import SelfAttention
 from ..parametrization.inspector import parameter_roles
 from .run_health import HealthMonitor, TelemetryConfig, telemetry_problems
@@ -89,6 +89,7 @@ class TelemetryRecorder:
         self._grad_rms: Dict[str, float] = {}
         self._rates: Dict[str, float] = {}
         self._updated: Dict[str, torch.Tensor] = {}
+        self._stats = Fp8Stats()
 
     @contextmanager
     def recording(self) -> Iterator[List[CastRecord]]:
@@ -98,6 +99,7 @@ class TelemetryRecorder:
         self._updated = {}
         with ExitStack() as stack:
             stats = stack.enter_context(fp8_stats())
+            self._stats = stats
             for handle in self._hooks(self.optimizer):
                 stack.callback(handle.remove)
             yield stats.records
@@ -121,13 +123,16 @@ class TelemetryRecorder:
         def hook(module: nn.Module, inputs: Tuple[Any, ...], output: Any) -> None:
             if not inputs or not isinstance(inputs[0], torch.Tensor):
                 return
-            cast_to_fp8(inputs[0].detach(), fp8.activation, 0, site=prefix + "input")
-            weight = module.weight
-            assert isinstance(weight, torch.Tensor)
-            cast_to_fp8(weight.detach(), fp8.weight, 0, site=prefix + "weight")
+            stats = self._stats
+            with recorded_only_by(stats):
+                cast_to_fp8(inputs[0].detach(), fp8.activation, 0, site=prefix + "input")
+                weight = module.weight
+                assert isinstance(weight, torch.Tensor)
+                cast_to_fp8(weight.detach(), fp8.weight, 0, site=prefix + "weight")
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 def on_gradient(grad: torch.Tensor) -> None:
-                    cast_to_fp8(grad.detach(), fp8.gradient, 0, site=prefix + "grad_output")
+                    with recorded_only_by(stats):
+                        cast_to_fp8(grad.detach(), fp8.gradient, 0, site=prefix + "grad_output")
                 output.register_hook(on_gradient)
 
         return hook
