@@ -48,6 +48,7 @@ def test_telemetry_is_on_by_default_and_off_at_interval_0(data, tmp_path):
 _KILLER = """
 import os, signal, sys
 from dataclasses import replace
+import torch
 from pathlib import Path
 from ipu_unit_scaling.loop.run_session import TrainingSession
 from ipu_unit_scaling.loop.training_loop import train
@@ -61,7 +62,8 @@ def log_then_die(self, lr, loss, val_loss):
         os.kill(os.getpid(), signal.SIGKILL)
 
 TrainingSession.log_step = log_then_die
-config = load_config("tiny", sys.argv[4:])
+torch.set_num_threads(int(sys.argv[4]))
+config = load_config("tiny", sys.argv[5:])
 config = replace(config, data=replace(config.data, path=sys.argv[3]))
 train(config, Path(sys.argv[1]), quiet=True)
 """
@@ -70,9 +72,12 @@ train(config, Path(sys.argv[1]), quiet=True)
 def _killed_after_step(overrides: List[str], data: Path, run_dir: Path, step: int) -> None:
     """Train in a new process that SIGKILLs itself once the metrics row of ``step`` is
     written (a new process, not a fork: a fork of a process that has run torch's threads can
-    hang)."""
+    hang), on this process's thread count (another count sums in another order)."""
+    import torch
+
     done = subprocess.run([sys.executable, "-c", _KILLER, str(run_dir), str(step), str(data),
-                           *overrides], capture_output=True, text=True, timeout=300)
+                           str(torch.get_num_threads()), *overrides], capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == -signal.SIGKILL, done.stderr
 
 
