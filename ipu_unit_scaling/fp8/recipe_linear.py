@@ -1,0 +1,198 @@
+"""The FP8 linear layer under the delayed and the grouped recipes (rowwise, block, mx, nvfp4).
+
+A linear layer runs three GEMMs, and each casts its two operands with groups along its own
+reduction dimension (``x`` is M x K, the weight N x K, the output gradient M x N):
+
+- forward, ``y = x @ w.T``, reduces over K: rows of ``x`` and of ``w``;
+- input gradient, ``dx = dy @ w``, reduces over N: rows of ``dy`` and columns of ``w``;
+- weight gradient, ``dw = dy.T @ x``, reduces over M: columns of ``dy`` and of ``x``.
+
+A transposed operand is cast again from the high-precision tensor, never from the FP8 copy
+(as TransformerEngine and torchao do), so the forward pass keeps ``x`` and ``w`` in float32 for
+the backward pass. ``grad_weight_high_precision`` computes ``dw`` from float32 operands.
+
+Under "delayed" scaling each role (input, weight, output gradient) has one per-tensor scale:
+the AMAX rule applied to the max (or the most recent) of the amaxes of that role's previous
+casts, kept in an ``amax_history`` tensor of shape (3, ``amax_history_length``), newest first,
+which the layer registers as a buffer (so checkpoints hold it). A cast reads the history, then
+pushes its own amax, when ``update_history`` is set (training steps; not evaluation). Before
+any cast the history is zero, which the AMAX rule maps to scale 0. An inf or NaN amax raises
+:class:`~.scaling.NonFiniteAmaxError` before it can enter the history.
+
+Values are computed in float32 (inputs of other float dtypes are converted, the results
+converted back), on any device.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .fp8_config import FP8Config
+from .group_cast import Grouping, group_cast
+from .scaling import NonFiniteAmaxError, log2_scale
+
+__all__ = ["ROLES", "recipe_applies", "recipe_linear", "new_amax_history", "delayed_log2_scale",
+           "role_cast"]
+
+ROLES = ("input", "weight", "grad_output")
+_UNSCALED = (1.0, 1.0, 1.0, 1.0)
+
+
+def recipe_applies(config: FP8Config) -> bool:
+    """Whether ``config``'s recipe runs through :func:`recipe_linear` (delayed and grouped)."""
+    return config.scaling == "delayed" or config.grouped
+
+
+def new_amax_history(config: FP8Config, device: Optional[torch.device] = None) -> torch.Tensor:
+    """An all-zero amax history for the three roles: (3, ``amax_history_length``) float32."""
+    return torch.zeros(len(ROLES), config.amax_history_length, dtype=torch.float32,
+                       device=device)
+
+
+def _role_format(config: FP8Config, role: str):
+    return {"input": config.activation, "weight": config.weight,
+            "grad_output": config.gradient}[role]
+
+
+def _role_margin(config: FP8Config, role: str) -> int:
+    return {"input": config.activation_margin, "weight": config.weight_margin,
+            "grad_output": config.gradient_margin}[role]
+
+
+def delayed_log2_scale(history: torch.Tensor, config: FP8Config, role: str) -> int:
+    """The delayed recipe's scale for ``role`` from its row of ``history``."""
+    row = history[ROLES.index(role)]
+    amax = row.max() if config.amax_reduction == "max" else row[0]
+    return log2_scale(float(amax), _role_format(config, role), _role_margin(config, role))
+
+
+def _push_amax(history: torch.Tensor, role: str, x: torch.Tensor) -> None:
+    amax = x.detach().abs().max().to(torch.float32) if x.numel() else torch.zeros(())
+    if not bool(torch.isfinite(amax)):
+        raise NonFiniteAmaxError(f"the amax of the {role} is {float(amax)}; it cannot enter "
+                                 "the delayed recipe's amax history")
+    row = history[ROLES.index(role)]
+    row.copy_(torch.cat([amax.reshape(1).to(row.device), row[:-1]]))
+
+
+def _grouping(config: FP8Config, role: str) -> Tuple[Grouping, str]:
+    scaling = config.scaling
+    if scaling == "rowwise":
+        return Grouping("row"), "amax"
+    size = config.group_size
+    assert size is not None
+    if scaling == "block":
+        return Grouping("block" if role == "weight" else "tile", size), "amax"
+    return Grouping("tile", size), scaling  # "mx" and "nvfp4"
+
+
+def role_cast(t: torch.Tensor, config: FP8Config, role: str, site: str,
+              log2_scale: Optional[int] = None) -> torch.Tensor:
+    """The FP8 values (float32) of the 2-D operand ``t`` in ``role``, grouped along its last
+    dimension (the consuming GEMM's reduction dimension). ``log2_scale`` is the delayed
+    recipe's per-tensor scale."""
+    fmt = _role_format(config, role)
+    if config.scaling == "delayed":
+        grouping, rule = Grouping("tensor"), "amax"
+    else:
+        grouping, rule = _grouping(config, role)
+    return group_cast(t, fmt, grouping, rule, _role_margin(config, role), config.overflow,
+                      config.rounding, config.scale_rounding, log2_scale, site=site).values
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    out = a @ b
+    return out if alpha == 1.0 else out.mul_(alpha)
+
+
+class _RecipeLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, config, site, scales, history,  # type: ignore[override]
+                update_history):
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
+        w = weight.to(torch.float32)
+        delayed = config.scaling == "delayed"
+        scale_x = scale_w = None
+        if delayed:
+            scale_x = delayed_log2_scale(history, config, "input")
+            scale_w = delayed_log2_scale(history, config, "weight")
+            if update_history:
+                _push_amax(history, "input", x2)
+                _push_amax(history, "weight", w)
+        xq = role_cast(x2, config, "input", f"{site}.input", scale_x)
+        wq = role_cast(w, config, "weight", f"{site}.weight", scale_w)
+        y = _gemm(xq, wq.t(), scales[0])
+        if bias is not None:
+            y = y.add_(bias.to(torch.float32))
+        # A per-tensor scale casts a transposed operand to the transposed values: keep those.
+        ctx.save_for_backward(*((xq, wq) if delayed else (x2, w)))
+        ctx.meta = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype,
+                    config, site, scales, history, update_history)
+        return y.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        saved_x, saved_w = ctx.saved_tensors
+        x_shape, x_dtype, w_dtype, b_dtype, config, site, scales, history, update = ctx.meta
+        g2 = grad_output.reshape(-1, grad_output.shape[-1]).to(torch.float32)
+        grad_x = grad_w = grad_b = None
+        if config.scaling == "delayed":
+            scale_g = delayed_log2_scale(history, config, "grad_output")
+            if update:
+                _push_amax(history, "grad_output", g2)
+            gq = role_cast(g2, config, "grad_output", f"{site}.grad_output", scale_g)
+            if ctx.needs_input_grad[0]:
+                grad_x = _gemm(gq, saved_w, scales[1])
+            if ctx.needs_input_grad[1]:
+                grad_w = _gemm(gq.t(), saved_x, scales[2])
+        else:
+            if ctx.needs_input_grad[0]:
+                gq = role_cast(g2, config, "grad_output", f"{site}.grad_output")
+                wq_t = role_cast(saved_w.t().contiguous(), config, "weight", f"{site}.weight_t")
+                grad_x = _gemm(gq, wq_t.t(), scales[1])
+            if ctx.needs_input_grad[1]:
+                if config.grad_weight_high_precision:
+                    grad_w = _gemm(g2.t(), saved_x, scales[2])
+                else:
+                    gq_t = role_cast(g2.t().contiguous(), config, "grad_output",
+                                     f"{site}.grad_output_t")
+                    xq_t = role_cast(saved_x.t().contiguous(), config, "input", f"{site}.input_t")
+                    grad_w = _gemm(gq_t, xq_t.t(), scales[2])
+        if grad_x is not None:
+            grad_x = grad_x.reshape(x_shape).to(x_dtype)
+        if grad_w is not None:
+            grad_w = grad_w.to(w_dtype)
+        if b_dtype is not None and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0)
+            grad_b = (grad_b.mul_(scales[3]) if scales[3] != 1.0 else grad_b).to(b_dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+def recipe_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  config: FP8Config, site: str = "linear",
+                  scales: Tuple[float, float, float, float] = _UNSCALED,
+                  amax_history: Optional[torch.Tensor] = None,
+                  update_history: Optional[bool] = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` under a delayed or grouped recipe (see the module docstring).
+
+    ``scales`` are unit scaling's (output, input gradient, weight gradient, bias gradient)
+    factors, applied to the GEMMs' products. ``amax_history`` is the delayed recipe's state
+    (:func:`new_amax_history`), updated in place when ``update_history`` (default: whether
+    autograd records this call).
+    """
+    if not recipe_applies(config):
+        raise ValueError(f"recipe_linear is for the delayed and grouped recipes, not "
+                         f"{config.scaling!r}")
+    if config.scaling == "delayed":
+        if amax_history is None:
+            raise ValueError("delayed scaling keeps an amax history: use an FP8Linear (e.g. "
+                             "from simulate_fp8), or pass amax_history")
+        expected = (len(ROLES), config.amax_history_length)
+        if tuple(amax_history.shape) != expected:
+            raise ValueError(f"amax_history has shape {tuple(amax_history.shape)}; this "
+                             f"config needs {expected}")
+    if update_history is None:
+        update_history = torch.is_grad_enabled()
+    return _RecipeLinear.apply(x, weight, bias, config, site, scales, amax_history,
+                               update_history)
