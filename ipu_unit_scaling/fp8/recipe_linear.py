@@ -32,10 +32,10 @@ from .fp8_config import FP8Config
 from .group_cast import Grouping, group_cast
 from .scaling import NonFiniteAmaxError, log2_scale
 
-__all__ = ["ROLES", "recipe_applies", "recipe_linear", "new_amax_history", "delayed_log2_scale",
-           "role_cast"]
+__all__ = ["HISTORY_ROLES", "recipe_applies", "recipe_linear", "new_amax_history",
+           "delayed_log2_scale", "role_cast"]
 
-ROLES = ("input", "weight", "grad_output")
+HISTORY_ROLES = ("input", "weight", "grad_output")
 _UNSCALED = (1.0, 1.0, 1.0, 1.0)
 
 
@@ -46,7 +46,7 @@ def recipe_applies(config: FP8Config) -> bool:
 
 def new_amax_history(config: FP8Config, device: Optional[torch.device] = None) -> torch.Tensor:
     """An all-zero amax history for the three roles: (3, ``amax_history_length``) float32."""
-    return torch.zeros(len(ROLES), config.amax_history_length, dtype=torch.float32,
+    return torch.zeros(len(HISTORY_ROLES), config.amax_history_length, dtype=torch.float32,
                        device=device)
 
 
@@ -62,7 +62,7 @@ def _role_margin(config: FP8Config, role: str) -> int:
 
 def delayed_log2_scale(history: torch.Tensor, config: FP8Config, role: str) -> int:
     """The delayed recipe's scale for ``role`` from its row of ``history``."""
-    row = history[ROLES.index(role)]
+    row = history[HISTORY_ROLES.index(role)]
     amax = row.max() if config.amax_reduction == "max" else row[0]
     return log2_scale(float(amax), _role_format(config, role), _role_margin(config, role))
 
@@ -72,7 +72,7 @@ def _push_amax(history: torch.Tensor, role: str, x: torch.Tensor) -> None:
     if not bool(torch.isfinite(amax)):
         raise NonFiniteAmaxError(f"the amax of the {role} is {float(amax)}; it cannot enter "
                                  "the delayed recipe's amax history")
-    row = history[ROLES.index(role)]
+    row = history[HISTORY_ROLES.index(role)]
     row.copy_(torch.cat([amax.reshape(1).to(row.device), row[:-1]]))
 
 
@@ -188,7 +188,7 @@ def recipe_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         if amax_history is None:
             raise ValueError("delayed scaling keeps an amax history: use an FP8Linear (e.g. "
                              "from simulate_fp8), or pass amax_history")
-        expected = (len(ROLES), config.amax_history_length)
+        expected = (len(HISTORY_ROLES), config.amax_history_length)
         if tuple(amax_history.shape) != expected:
             raise ValueError(f"amax_history has shape {tuple(amax_history.shape)}; this "
                              f"config needs {expected}")
