@@ -304,7 +304,8 @@ def fp8_linear(
         raise ValueError(f"x has {x.shape[-1]} features but weight expects {weight.shape[-1]}")
     config = config or _DEFAULT_CONFIG
     if recipe_applies(config) and not is_ipu_tracing():
-        return recipe_linear(x, weight, bias, config, site, amax_history=amax_history)
+        return recipe_linear(x, weight, bias, config, site, amax_history=amax_history,
+                             use_scaled_mm=use_scaled_mm)
     if is_ipu_tracing():
         return _traced_fp8_linear(x, weight, bias, config or _DEFAULT_CONFIG)
     if values_path_applies(x, weight, bias, use_scaled_mm):
@@ -407,7 +408,8 @@ class FP8Linear(nn.Linear):
                         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         history = getattr(self, "amax_history", None)
         return recipe_linear(x, self.weight, bias, self.config, self.site, scales, history,
-                             update_history=self.training and torch.is_grad_enabled())
+                             update_history=self.training and torch.is_grad_enabled(),
+                             use_scaled_mm=self.use_scaled_mm)
 
     @classmethod
     def from_linear(cls: Type[_LinearT], linear: nn.Linear, config: Optional[FP8Config] = None,

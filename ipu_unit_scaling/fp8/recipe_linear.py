@@ -20,7 +20,11 @@ any cast the history is zero, which the AMAX rule maps to scale 0. An inf or NaN
 :class:`~.scaling.NonFiniteAmaxError` before it can enter the history.
 
 Values are computed in float32 (inputs of other float dtypes are converted, the results
-converted back), on any device.
+converted back), on any device. Under "rowwise", ``use_scaled_mm`` multiplies the operands as
+float8 tensors with ``torch._scaled_mm`` and the per-row power-of-two scales (by default on CUDA
+with OCP formats and sizes that divide by 16; forced on, it runs on CPU too, to check it): the
+products of FP8 values are exact in float32, so it differs from the simulation only in the
+order of the float32 sums.
 """
 from __future__ import annotations
 
@@ -29,11 +33,12 @@ from typing import Optional, Tuple
 import torch
 
 from .fp8_config import FP8Config
-from .group_cast import Grouping, group_cast
+from .fp8_formats import FP8Format
+from .group_cast import GroupCast, Grouping, group_cast
 from .scaling import NonFiniteAmaxError, log2_scale
 
 __all__ = ["HISTORY_ROLES", "recipe_applies", "recipe_linear", "new_amax_history",
-           "delayed_log2_scale", "role_cast"]
+           "delayed_log2_scale", "role_cast", "rowwise_scaled_mm_supported"]
 
 HISTORY_ROLES = ("input", "weight", "grad_output")
 _UNSCALED = (1.0, 1.0, 1.0, 1.0)
@@ -88,17 +93,17 @@ def _grouping(config: FP8Config, role: str) -> Tuple[Grouping, str]:
 
 
 def role_cast(t: torch.Tensor, config: FP8Config, role: str, site: str,
-              log2_scale: Optional[int] = None) -> torch.Tensor:
-    """The FP8 values (float32) of the 2-D operand ``t`` in ``role``, grouped along its last
-    dimension (the consuming GEMM's reduction dimension). ``log2_scale`` is the delayed
-    recipe's per-tensor scale."""
+              log2_scale: Optional[int] = None) -> GroupCast:
+    """The FP8 cast of the 2-D operand ``t`` in ``role``, grouped along its last dimension
+    (the consuming GEMM's reduction dimension). ``log2_scale`` is the delayed recipe's
+    per-tensor scale."""
     fmt = _role_format(config, role)
     if config.scaling == "delayed":
         grouping, rule = Grouping("tensor"), "amax"
     else:
         grouping, rule = _grouping(config, role)
     return group_cast(t, fmt, grouping, rule, _role_margin(config, role), config.overflow,
-                      config.rounding, config.scale_rounding, log2_scale, site=site).values
+                      config.rounding, config.scale_rounding, log2_scale, site=site)
 
 
 def _gemm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -106,13 +111,57 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
     return out if alpha == 1.0 else out.mul_(alpha)
 
 
+def rowwise_scaled_mm_supported(a: torch.Tensor, b: torch.Tensor, a_fmt: FP8Format,
+                                b_fmt: FP8Format) -> bool:
+    """Whether ``torch._scaled_mm`` is used by default for ``a @ b.T`` under "rowwise": on
+    CUDA, with OCP formats, not both E5M2, and sizes that are multiples of 16."""
+    if not hasattr(torch, "_scaled_mm") or a.device.type != "cuda":
+        return False
+    names = {a_fmt.name, b_fmt.name}
+    if names - {"E4M3FN", "E5M2"} or names == {"E5M2"}:
+        return False
+    return all(size % 16 == 0 for size in (*a.shape, b.shape[0]))
+
+
+def _as_float8(cast: GroupCast, fmt: FP8Format) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(float8 codes, float32 per-row decode scales ``2**-s``) of a rowwise cast; exact, as
+    ``values * 2**s`` is an FP8 value."""
+    dtype = fmt.torch_dtype
+    if dtype is None or not hasattr(torch, "_scaled_mm") or cast.log2_scales is None:
+        raise RuntimeError(f"torch._scaled_mm or torch's {fmt.name} dtype is missing in this "
+                           f"torch ({torch.__version__})")
+    scales = cast.log2_scales.to(torch.float64).reshape(-1, 1)
+    codes = (cast.values * torch.exp2(scales).to(torch.float32)).to(dtype)
+    return codes, torch.exp2(-scales).to(torch.float32)
+
+
+def _product(a: GroupCast, b: GroupCast, a_fmt: FP8Format, b_fmt: FP8Format, alpha: float,
+             use_scaled_mm: Optional[bool]) -> torch.Tensor:
+    """``alpha * a @ b.T`` of two casts grouped along their last dimension, by a float32 GEMM
+    of their values or, for rowwise casts, by ``torch._scaled_mm`` on float8 codes."""
+    if use_scaled_mm is None:
+        use_scaled_mm = (a.log2_scales is not None and a.log2_scales.dim() == 2
+                         and rowwise_scaled_mm_supported(a.values, b.values, a_fmt, b_fmt))
+    if not use_scaled_mm:
+        return _gemm(a.values, b.values.t(), alpha)
+    a8, a_scale = _as_float8(a, a_fmt)
+    b8, b_scale = _as_float8(b, b_fmt)
+    out = torch._scaled_mm(a8, b8.t(), scale_a=a_scale, scale_b=b_scale.reshape(1, -1),
+                           out_dtype=torch.float32)
+    if isinstance(out, tuple):  # torch 2.1-2.3 also returned the output's amax
+        out = out[0]
+    return out if alpha == 1.0 else out.mul_(alpha)
+
+
 class _RecipeLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, config, site, scales, history,  # type: ignore[override]
-                update_history):
+                update_history, use_scaled_mm):
         x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
         w = weight.to(torch.float32)
         delayed = config.scaling == "delayed"
+        if config.scaling != "rowwise":
+            use_scaled_mm = False
         scale_x = scale_w = None
         if delayed:
             scale_x = delayed_log2_scale(history, config, "input")
@@ -122,35 +171,37 @@ class _RecipeLinear(torch.autograd.Function):
                 _push_amax(history, "weight", w)
         xq = role_cast(x2, config, "input", f"{site}.input", scale_x)
         wq = role_cast(w, config, "weight", f"{site}.weight", scale_w)
-        y = _gemm(xq, wq.t(), scales[0])
+        y = _product(xq, wq, config.activation, config.weight, scales[0], use_scaled_mm)
         if bias is not None:
             y = y.add_(bias.to(torch.float32))
         # A per-tensor scale casts a transposed operand to the transposed values: keep those.
-        ctx.save_for_backward(*((xq, wq) if delayed else (x2, w)))
+        ctx.save_for_backward(*((xq.values, wq.values) if delayed else (x2, w)))
         ctx.meta = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype,
-                    config, site, scales, history, update_history)
+                    config, site, scales, history, update_history, use_scaled_mm)
         return y.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
         saved_x, saved_w = ctx.saved_tensors
-        x_shape, x_dtype, w_dtype, b_dtype, config, site, scales, history, update = ctx.meta
+        (x_shape, x_dtype, w_dtype, b_dtype, config, site, scales, history, update,
+         use_scaled_mm) = ctx.meta
         g2 = grad_output.reshape(-1, grad_output.shape[-1]).to(torch.float32)
         grad_x = grad_w = grad_b = None
         if config.scaling == "delayed":
             scale_g = delayed_log2_scale(history, config, "grad_output")
             if update:
                 _push_amax(history, "grad_output", g2)
-            gq = role_cast(g2, config, "grad_output", f"{site}.grad_output", scale_g)
+            gq = role_cast(g2, config, "grad_output", f"{site}.grad_output", scale_g).values
             if ctx.needs_input_grad[0]:
                 grad_x = _gemm(gq, saved_w, scales[1])
             if ctx.needs_input_grad[1]:
                 grad_w = _gemm(gq.t(), saved_x, scales[2])
         else:
             if ctx.needs_input_grad[0]:
-                gq = role_cast(g2, config, "grad_output", f"{site}.grad_output")
+                g_rows = role_cast(g2, config, "grad_output", f"{site}.grad_output")
                 wq_t = role_cast(saved_w.t().contiguous(), config, "weight", f"{site}.weight_t")
-                grad_x = _gemm(gq, wq_t.t(), scales[1])
+                grad_x = _product(g_rows, wq_t, config.gradient, config.weight, scales[1],
+                                  use_scaled_mm)
             if ctx.needs_input_grad[1]:
                 if config.grad_weight_high_precision:
                     grad_w = _gemm(g2.t(), saved_x, scales[2])
@@ -158,7 +209,8 @@ class _RecipeLinear(torch.autograd.Function):
                     gq_t = role_cast(g2.t().contiguous(), config, "grad_output",
                                      f"{site}.grad_output_t")
                     xq_t = role_cast(saved_x.t().contiguous(), config, "input", f"{site}.input_t")
-                    grad_w = _gemm(gq_t, xq_t.t(), scales[2])
+                    grad_w = _product(gq_t, xq_t, config.gradient, config.activation, scales[2],
+                                      use_scaled_mm)
         if grad_x is not None:
             grad_x = grad_x.reshape(x_shape).to(x_dtype)
         if grad_w is not None:
@@ -166,20 +218,23 @@ class _RecipeLinear(torch.autograd.Function):
         if b_dtype is not None and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0)
             grad_b = (grad_b.mul_(scales[3]) if scales[3] != 1.0 else grad_b).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def recipe_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   config: FP8Config, site: str = "linear",
                   scales: Tuple[float, float, float, float] = _UNSCALED,
                   amax_history: Optional[torch.Tensor] = None,
-                  update_history: Optional[bool] = None) -> torch.Tensor:
+                  update_history: Optional[bool] = None,
+                  use_scaled_mm: Optional[bool] = None) -> torch.Tensor:
     """``x @ weight.T + bias`` under a delayed or grouped recipe (see the module docstring).
 
     ``scales`` are unit scaling's (output, input gradient, weight gradient, bias gradient)
     factors, applied to the GEMMs' products. ``amax_history`` is the delayed recipe's state
     (:func:`new_amax_history`), updated in place when ``update_history`` (default: whether
-    autograd records this call).
+    autograd records this call). ``use_scaled_mm`` (rowwise only): None picks
+    ``torch._scaled_mm`` where :func:`rowwise_scaled_mm_supported` says so, True forces it,
+    False never uses it.
     """
     if not recipe_applies(config):
         raise ValueError(f"recipe_linear is for the delayed and grouped recipes, not "
@@ -192,7 +247,10 @@ def recipe_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
         if tuple(amax_history.shape) != expected:
             raise ValueError(f"amax_history has shape {tuple(amax_history.shape)}; this "
                              f"config needs {expected}")
+    if use_scaled_mm and config.scaling != "rowwise":
+        raise ValueError(f"the torch._scaled_mm path takes per-tensor (static, amax) and "
+                         f"rowwise scales, not {config.scaling!r}")
     if update_history is None:
         update_history = torch.is_grad_enabled()
     return _RecipeLinear.apply(x, weight, bias, config, site, scales, amax_history,
-                               update_history)
+                               update_history, use_scaled_mm)

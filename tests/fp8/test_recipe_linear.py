@@ -254,3 +254,41 @@ def test_recipes_without_an_ipu_form_say_so(name):
         fp8_linear(x, weight, None, config)
     with pytest.raises(ValueError, match="per tensor"):
         fp8_matmul(x, weight.t(), config)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fnuz"),
+                    reason="needs torch._scaled_mm and torch's float8 dtypes")
+@pytest.mark.parametrize("formats", [("F143", "F143", "F152"), ("E4M3FN", "E4M3FN", "E5M2")])
+def test_rowwise_scaled_mm_gives_the_simulation_to_float32_sum_order(formats):
+    """The products of FP8 values with power-of-two scales are exact in float32: the float8
+    GEMMs and the simulated ones differ only in the order of their float32 sums."""
+    config = FP8Config(scaling="rowwise", activation_format=formats[0],
+                       weight_format=formats[1], gradient_format=formats[2])
+    x, weight, grad = operands(3)
+    results = []
+    for use_scaled_mm in (False, True):
+        xi, wi = x.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        try:
+            y = fp8_linear(xi, wi, None, config, use_scaled_mm=use_scaled_mm)
+        except RuntimeError as error:  # a torch whose CPU _scaled_mm refuses these dtypes
+            pytest.skip(f"torch._scaled_mm does not run here: {error}")
+        y.backward(grad)
+        results.append((y.detach().reshape(-1, 48), xi.grad.reshape(-1, 160), wi.grad))
+    x2, g2 = x.reshape(-1, 160), grad.reshape(-1, 48)
+    xq, wq = (reference_cast(config, "rowwise", t, role)
+              for t, role in ((x2, "input"), (weight, "weight")))
+    gq, wq_t = (reference_cast(config, "rowwise", t, role)
+                for t, role in ((g2, "grad_output"), (weight.t(), "weight")))
+    gq_t, xq_t = (reference_cast(config, "rowwise", t, role)
+                  for t, role in ((g2.t(), "grad_output"), (x2.t(), "input")))
+    for (y, grad_x, grad_w) in results:
+        assert_gemm_close(y, xq, wq.t())
+        assert_gemm_close(grad_x, gq, wq_t.t())
+        assert_gemm_close(grad_w, gq_t, xq_t.t())
+    assert not torch.equal(results[0][0], torch.zeros_like(results[0][0]))
+
+
+def test_scaled_mm_is_refused_for_block_recipes():
+    x, weight, _ = operands()
+    with pytest.raises(ValueError, match="rowwise"):
+        fp8_linear(x, weight, None, FP8Config.from_recipe("mx"), use_scaled_mm=True)
