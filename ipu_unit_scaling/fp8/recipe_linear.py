@@ -174,8 +174,10 @@ class _RecipeLinear(torch.autograd.Function):
         y = _product(xq, wq, config.activation, config.weight, scales[0], use_scaled_mm)
         if bias is not None:
             y = y.add_(bias.to(torch.float32))
-        # A per-tensor scale casts a transposed operand to the transposed values: keep those.
+        # A per-tensor scale casts a transposed operand to the transposed values, and so do the
+        # block recipe's square weight blocks: keep those values; the rest is cast again.
         ctx.save_for_backward(*((xq.values, wq.values) if delayed else (x2, w)))
+        ctx.weight_values = wq.values if config.scaling == "block" else None
         ctx.meta = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype,
                     config, site, scales, history, update_history, use_scaled_mm)
         return y.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
@@ -199,7 +201,11 @@ class _RecipeLinear(torch.autograd.Function):
         else:
             if ctx.needs_input_grad[0]:
                 g_rows = role_cast(g2, config, "grad_output", f"{site}.grad_output")
-                wq_t = role_cast(saved_w.t().contiguous(), config, "weight", f"{site}.weight_t")
+                if ctx.weight_values is not None:
+                    wq_t = GroupCast(ctx.weight_values.t(), None)
+                else:
+                    wq_t = role_cast(saved_w.t().contiguous(), config, "weight",
+                                     f"{site}.weight_t")
                 grad_x = _product(g_rows, wq_t, config.gradient, config.weight, scales[1],
                                   use_scaled_mm)
             if ctx.needs_input_grad[1]:
