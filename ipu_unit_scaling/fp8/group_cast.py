@@ -44,12 +44,12 @@ from .scaling import MAX_LOG2_SCALE, NonFiniteAmaxError, check_margin
 from .stats import record_cast, stats_enabled
 
 __all__ = [
-    "GROUPINGS", "RULES", "Grouping", "GroupCast", "group_cast", "group_log2_scales",
+    "GROUPINGS", "SCALE_RULES", "Grouping", "GroupCast", "group_cast", "group_log2_scales",
     "mx_shared_exponents", "MX_SCALE_LIMIT", "NVFP4_BLOCK_SCALE_MAX",
 ]
 
 GROUPINGS = ("tensor", "row", "tile", "block")
-RULES = ("amax", "mx", "nvfp4")
+SCALE_RULES = ("amax", "mx", "nvfp4")
 MX_SCALE_LIMIT = 127  # E8M0 encodes 2**-127 .. 2**127 (code 255 is NaN)
 NVFP4_BLOCK_SCALE_MAX = E4M3FN.max  # 448
 _NVFP4_ELEMENT_MAX = 6.0  # E2M1's largest value
@@ -210,7 +210,7 @@ def group_cast(
     """
     if x.dim() != 2:
         raise ValueError(f"group_cast takes a 2-D tensor, got shape {tuple(x.shape)}")
-    check_choice(rule, RULES, "scale rule")
+    check_choice(rule, SCALE_RULES, "scale rule")
     check_margin(margin)
     x32 = x.detach().to(torch.float32)
     if x32.numel() == 0:

@@ -26,7 +26,7 @@ GROUPED = ["rowwise", "block", "block32", "mx", "mx_round_up", "mxfp4", "nvfp4"]
 
 def recipe_config(name: str) -> FP8Config:
     if name == "block32":  # small blocks: several whole ones and a ragged one per operand
-        return FP8Config.from_recipe("block").__class__(scaling="block", block_size=32)
+        return FP8Config(scaling="block", block_size=32)
     return FP8Config.from_recipe(name)
 
 
