@@ -126,3 +126,13 @@ def test_the_command_line_knows_every_recipe():
     from ipu_unit_scaling.training.config_names import FP8_RECIPE_NAMES
 
     assert FP8_RECIPE_NAMES == tuple(RECIPES)
+
+
+def test_the_popxl_backend_refuses_recipes_it_cannot_cast():
+    from ipu_unit_scaling.backends.popxl.popxl_training import check_config
+    from ipu_unit_scaling.training.config_files import ConfigError
+
+    config = load_config(None, ["precision.fp8.scaling=delayed", "ipu.ipus_per_replica=1",
+                                "ipu.layers_per_ipu=[-1]"])
+    with pytest.raises(ConfigError, match="precision.fp8.scaling"):
+        check_config(config)
