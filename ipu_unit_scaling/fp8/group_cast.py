@@ -221,7 +221,8 @@ def group_cast(
     if log2_scale is not None:
         if grouping.kind != "tensor":
             raise ValueError("a fixed log2_scale needs the 'tensor' grouping")
-        scales = torch.full([1] * view.dim(), log2_scale, dtype=torch.int32)
+        scales = torch.full([1] * view.dim(), log2_scale, dtype=torch.int32,
+                            device=view.device)
     else:
         # (torch's vector_norm over some dimensions is ten times slower than this.)
         amax = torch.amax(view.abs(), dim=axes, keepdim=True)
