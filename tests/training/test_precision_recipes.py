@@ -136,3 +136,20 @@ def test_the_popxl_backend_refuses_recipes_it_cannot_cast():
                                 "ipu.layers_per_ipu=[-1]"])
     with pytest.raises(ConfigError, match="precision.fp8.scaling"):
         check_config(config)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "nvfp4"])
+def test_a_recipe_run_is_evaluated_in_other_precisions(recipe, data, tmp_path, capsys):
+    """evaluate: the run's own recipe, then the per-tensor ones (the delayed history is left
+    out of their models; an FP4 run's formats go back to the defaults)."""
+    from ipu_unit_scaling.training.inference import precision_config, precision_of
+
+    config = recipe_config(recipe, data, "training.steps=2")
+    train(config, tmp_path / "run", quiet=True)
+    assert precision_of(config) == f"fp8-{config.precision.fp8.scaling}"
+    assert precision_config(config, precision_of(config)) == config
+    assert precision_config(config, "fp8-amax").precision.fp8.scaling == "amax"
+    code, out, err = run(capsys, "evaluate", tmp_path / "run", "--precision", "fp32",
+                         "fp8-amax", "fp8-static")
+    assert code == 0, err
+    assert "| fp8-amax |" in out and "| fp8-static |" in out
