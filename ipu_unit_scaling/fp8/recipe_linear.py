@@ -36,6 +36,8 @@ from .fp8_config import FP8Config
 from .fp8_formats import FP8Format
 from .group_cast import GroupCast, Grouping, group_cast
 from .scaling import NonFiniteAmaxError, log2_scale
+from .stats import stats_enabled
+from .values import quantise_values
 
 __all__ = ["HISTORY_ROLES", "recipe_applies", "recipe_linear", "new_amax_history",
            "delayed_log2_scale", "role_cast", "rowwise_scaled_mm_supported"]
@@ -99,6 +101,11 @@ def role_cast(t: torch.Tensor, config: FP8Config, role: str, site: str,
     per-tensor scale."""
     fmt = _role_format(config, role)
     if config.scaling == "delayed":
+        if config.rounding == "nearest" and log2_scale is not None and not stats_enabled():
+            # The per-tensor values path (one pass of the host kernel where it applies): the
+            # same values as the grouped cast with one group.
+            values, scale = quantise_values(t, fmt, log2_scale, 0, config.overflow)
+            return GroupCast(values, torch.full((1, 1), scale, dtype=torch.int32))
         grouping, rule = Grouping("tensor"), "amax"
     else:
         grouping, rule = _grouping(config, role)
