@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -154,10 +154,10 @@ _HOST_GRIDS = {"F143": (F143, 1.0), "F152": (F152, 1.0), "E4M3FN": (F143, 2.0),
                "E5M2": (F152, 2.0)}
 
 
-def _host_round(scaled: torch.Tensor, fmt: FP8Format) -> Optional[torch.Tensor]:
-    """Round-to-nearest, saturating FP8 values of finite ``scaled`` by the host library's
-    one-pass kernel, or None where it does not apply."""
-    if fmt.name not in _HOST_GRIDS or scaled.device.type != "cpu":
+def _host_grid(fmt: FP8Format, x: torch.Tensor) -> Optional[Tuple[Any, FP8Format, float]]:
+    """(the host library, the IPU grid, its step) that round ``fmt`` for ``x`` in one pass,
+    or None where the host library does not apply."""
+    if fmt.name not in _HOST_GRIDS or x.device.type != "cpu":
         return None
     try:
         from . import host_library as _host
@@ -166,20 +166,13 @@ def _host_round(scaled: torch.Tensor, fmt: FP8Format) -> Optional[torch.Tensor]:
     if not _host.fused_cast_available():
         return None
     grid, step = _HOST_GRIDS[fmt.name]
-    if step != 1.0:
-        scaled = torch.clamp(scaled, -fmt.max, fmt.max).mul_(1.0 / step)
-    values, _, _ = _host.quantise_float32(scaled.contiguous(), grid.name, 0, 0, True)
-    return values.mul_(step) if step != 1.0 else values
+    return _host, grid, step
 
 
 def _round_elements(scaled: torch.Tensor, fmt: FP8Format, rounding: str, overflow: str,
                     generator: Optional[torch.Generator]) -> Tuple[torch.Tensor,
                                                                Optional[torch.Tensor]]:
     """(FP8 values of ``scaled`` in float32, their codes where the codec made them)."""
-    if rounding == "nearest" and overflow == "saturate":
-        host = _host_round(scaled, fmt)
-        if host is not None:
-            return host, None
     dtype = fmt.torch_dtype
     if rounding == "nearest" and overflow == "saturate" and dtype is not None:
         # The codec's float8-dtype path for finite saturating input: a clamp and the cast.
@@ -232,14 +225,27 @@ def group_cast(
         else:
             scales = -mx_shared_exponents(amax, fmt, scale_rounding)
     factors = _powers_of_two(scales)
-    scaled = view * factors
-    values, codes = _round_elements(scaled, fmt, rounding, overflow, generator)
+    host = (_host_grid(fmt, view) if rounding == "nearest" and overflow == "saturate"
+            else None)
+    if host is not None:
+        # The scale and the grid's step in one multiply each way (powers of two: exact).
+        library, grid, step = host
+        scaled = view * (factors / step)
+        if step != 1.0:
+            scaled.clamp_(-fmt.max / step, fmt.max / step)
+        values = library.quantise_float32(scaled, grid.name, 0, 0, True)[0]
+        values.mul_(factors.reciprocal_().mul_(step))
+        codes = None
+    else:
+        scaled = view * factors
+        values, codes = _round_elements(scaled, fmt, rounding, overflow, generator)
+        values.mul_(factors.reciprocal_())  # exact: powers of two down to 2**-149
     if stats_enabled():
+        scaled = view * _powers_of_two(scales)
         if codes is None:
             codes = encode(scaled, fmt, rounding="nearest", overflow=overflow)
         record_cast(site, _ungroup(scaled, x32.shape), _ungroup(codes, x32.shape), fmt,
                     int(scales.min()))
-    values = values.mul_(factors.reciprocal_())  # exact: powers of two down to 2**-149
     return GroupCast(_ungroup(values, x32.shape), scales)
 
 

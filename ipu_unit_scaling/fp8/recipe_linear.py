@@ -113,9 +113,16 @@ def role_cast(t: torch.Tensor, config: FP8Config, role: str, site: str,
                       config.rounding, config.scale_rounding, log2_scale, site=site)
 
 
+_ZERO = torch.zeros(())
+
+
 def _gemm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
-    out = a @ b
-    return out if alpha == 1.0 else out.mul_(alpha)
+    """``alpha * a @ b``; on the CPU with the scale inside the GEMM (no pass of its own)."""
+    if alpha == 1.0:
+        return a @ b
+    if a.device.type == "cpu":
+        return torch.addmm(_ZERO, a, b, beta=0, alpha=alpha)
+    return (a @ b).mul_(alpha)
 
 
 def rowwise_scaled_mm_supported(a: torch.Tensor, b: torch.Tensor, a_fmt: FP8Format,
