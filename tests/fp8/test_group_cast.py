@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from recipe_references import (
     ML_ELEMENTS,
-    MX_BLOCKS,
+    MX_NAMES,
     gfloat_mx,
     gfloat_nvfp4,
     per_tensor_reference,
@@ -40,7 +40,7 @@ shapes = st.tuples(st.integers(1, 6), st.integers(1, 100))
 
 
 @settings(max_examples=40, deadline=None)
-@given(shape=shapes, seed=st.integers(0, 2**31), name=st.sampled_from(sorted(MX_BLOCKS)))
+@given(shape=shapes, seed=st.integers(0, 2**31), name=st.sampled_from(sorted(MX_NAMES)))
 def test_mx_matches_gfloat_block_quantiser(shape, seed, name):
     x = wide_tensor(*shape, seed)
     ours = group_cast(x, get_format(name), Grouping("tile", 32), rule="mx").values
@@ -58,7 +58,7 @@ def smallest_unsaturating_exponent(amax: float, fmt_max: float) -> int:
     return e
 
 
-@pytest.mark.parametrize("name", sorted(MX_BLOCKS))
+@pytest.mark.parametrize("name", sorted(MX_NAMES))
 def test_mx_round_up_scales_never_saturate_and_elements_match_ml_dtypes(name):
     dtype = getattr(ml_dtypes, ML_ELEMENTS[name], None)
     if dtype is None:
