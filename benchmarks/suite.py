@@ -13,6 +13,7 @@ from ipu_unit_scaling.ops import native_layers
 
 from .gpu import gpu_rows
 from .measure import Timings, peak_step_bytes, time_interleaved
+from .recipes import recipe_rows
 from .variants import (
     OURS,
     PUBLISHED,
@@ -519,6 +520,9 @@ def run_suite(settings: Settings, log: Callable[[str], None] = print) -> Results
             _skip(results, key, label, target, no_compile)
     log("FP8-simulated step ...")
     _fp8_rows(results, settings, names)
+    log("FP8 recipes ...")
+    results.rows += recipe_rows(Row, settings.shape, settings.rounds, settings.min_run_time,
+                                settings.clock, results.step_ms)
     log("telemetry ...")
     _telemetry_rows(results, settings)
     log("second shape ...")

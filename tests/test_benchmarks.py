@@ -43,6 +43,10 @@ ROW_KEYS = {
     "gpu_fp8_static_vs_amax",
     "traced_ops_ours",
     "traced_ops_vs_torch",
+    "fp8_block_ours",
+    "fp8_mx_ours",
+    "fp8_rowwise_ours",
+    "fp8_delayed_ours",
 }
 SWEEP_WIDTHS = (8, 16)
 

@@ -25,6 +25,7 @@ hold_ctrl_c_from_the_start()  # before the imports below, which Ctrl-C may other
 
 from .. import __version__  # noqa: E402  (after the handler: these imports may be cut)
 from ..training.config_names import (  # noqa: E402
+    FP8_RECIPE_NAMES,
     MAX_SEED,
     MODEL_KINDS,
     PRECISION_NAMES,
@@ -175,6 +176,12 @@ def _compare_parser(commands: Any) -> argparse.ArgumentParser:
     compare.add_argument(
         "--regimes", nargs="+", choices=REGIMES, metavar="REGIME",
         help=f"regimes to run (default: compare.regimes); any of {', '.join(REGIMES)}",
+    )
+    compare.add_argument(
+        "--recipes", nargs="+", choices=FP8_RECIPE_NAMES, metavar="RECIPE",
+        help="instead of --regimes: fp32 and each FP8 recipe, on the plain and the unit-scaled "
+             f"GPT (regimes fp8-<recipe> and unit-fp8-<recipe>); any of "
+             f"{', '.join(FP8_RECIPE_NAMES)} (see docs/guide/fp8.md)",
     )
     compare.add_argument(
         "--model", choices=("gpt", "bert"), default="gpt",

@@ -44,6 +44,7 @@ def run_compare(
     """
     from ..training.config_names import REGIMES
     from ..training.data import load_corpus
+    from ..training.precision import is_regime
     from ..training.run_directory import (
         COMPARE_FILES,
         RunLock,
@@ -55,7 +56,7 @@ def run_compare(
     make_run_dir(run_dir)
     with RunLock(run_dir):
         remove_temporaries(run_dir)
-        check_own_kind(run_dir, "compare", COMPARE_FILES, lambda name: name in REGIMES)
+        check_own_kind(run_dir, "compare", COMPARE_FILES, is_regime)
         corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
         plans = [(regime, *_regime_plan(config, regime, run_dir / regime, corpus))
                  for regime in regimes]
@@ -195,7 +196,15 @@ def _precision_name(config: Config) -> str:
     dtype = config.precision.dtype
     if dtype != "fp8":
         return dtype
-    return f"fp8 {config.precision.fp8.scaling}"
+    fp8 = config.precision.fp8
+    if fp8.scaling in ("static", "amax"):
+        return f"fp8 {fp8.scaling}"
+    # The recipes beyond the IPU's name their element formats (mx's may be FP8, FP6 or FP4).
+    formats = "/".join(dict.fromkeys((fp8.activation_format, fp8.weight_format,
+                                      fp8.gradient_format)))
+    extra = (" round-up" if fp8.scale_rounding == "up" else "") + (
+        " hp-wgrad" if fp8.grad_weight_high_precision else "")
+    return f"{fp8.scaling}{extra} {formats}"
 
 
 def format_compare_table(rows: Sequence[Dict[str, Any]], baseline: Optional[float]) -> str:
@@ -270,6 +279,14 @@ def command_compare(args: argparse.Namespace) -> int:
     config = load_command_config(args)
     seeds = args.seeds or 1
     regimes = list(args.regimes or config.compare.regimes)
+    if getattr(args, "recipes", None):
+        from ..training.precision import recipe_regimes
+
+        if args.regimes:
+            raise UsageError("give --regimes or --recipes, not both")
+        if len(set(args.recipes)) != len(args.recipes):
+            raise UsageError(f"--recipes lists a recipe twice: {' '.join(args.recipes)}")
+        regimes = recipe_regimes(args.recipes)
     if len(set(regimes)) != len(regimes):
         raise UsageError(f"--regimes lists a regime twice: {' '.join(regimes)}")
     with command_run_directory(args.run_dir, runs_root(config), "compare") as run_dir, \

@@ -90,8 +90,15 @@ class TrainedRun:
     def model(self, precision: str) -> nn.Module:
         """The checkpoint's model with ``precision``'s casts."""
         model = build_model(precision_config(self.config, precision))
+        state = self.checkpoint["model"]
+        if isinstance(state, dict):
+            # The delayed recipe's amax histories are state of its casts, not of the model:
+            # another precision's model has none to load.
+            own = model.state_dict()
+            state = {key: value for key, value in state.items()
+                     if key in own or not key.endswith("amax_history")}
         try:
-            model.load_state_dict(self.checkpoint["model"])
+            model.load_state_dict(state)
         except (RuntimeError, KeyError, TypeError, AttributeError) as error:
             raise RunError(f"{self.run_dir / CHECKPOINT_FILE} is not a checkpoint of this run: "
                            f"its model does not fit {CONFIG_FILE} ({state_mismatch(error)})"

@@ -16,6 +16,10 @@ Two interchangeable backends give the same bits:
    +-max. ``"nan"``: they give what the format's own conversion gives (ml_dtypes): +-inf for
    E5M2, NaN otherwise. NaN input always gives the format's NaN (sign kept where it has one).
 4. A zero result keeps its sign where the format has a negative zero; otherwise it is +0.
+
+The MX element formats (E2M1, E2M3, E3M2) have neither NaN nor infinity: a NaN input is a
+ValueError (a block recipe reports it from the block's amax first), and only ``"saturate"``
+applies to them.
 """
 from __future__ import annotations
 
@@ -103,12 +107,14 @@ def _apply_policy(
     if fmt.tie_at_threshold_overflows:
         overflow = overflow | (magnitude == fmt.overflow_threshold)
     if saturate:
-        pos, neg = fmt.max_code, fmt.max_code | 0x80
+        pos, neg = fmt.max_code, fmt.max_code | fmt.sign_bit
     else:
         pos, neg = fmt.overflow_code(False), fmt.overflow_code(True)
     codes = torch.where(overflow & ~negative, torch.full_like(codes, pos), codes)
     codes = torch.where(overflow & negative, torch.full_like(codes, neg), codes)
     nan = torch.isnan(x32)
+    if not fmt.nan_codes:
+        return codes  # encode() refused NaN input already
     codes = torch.where(nan & ~negative, torch.full_like(codes, fmt.nan_code(False)), codes)
     codes = torch.where(nan & negative, torch.full_like(codes, fmt.nan_code(True)), codes)
     return codes
@@ -133,7 +139,7 @@ def _encode_bits(x32: torch.Tensor, fmt: FP8Format, saturate: bool) -> torch.Ten
                                  code_magnitude)
     # Out-of-range and special entries are fixed by _apply_policy; keep them in int range here.
     code_magnitude = torch.clamp(code_magnitude, max=fmt.max_code)
-    sign = negative.to(torch.int32) << 7
+    sign = negative.to(torch.int32) * fmt.sign_bit
     if not fmt.has_negative_zero:
         sign = torch.where(code_magnitude == 0, torch.zeros_like(sign), sign)
     codes = (code_magnitude | sign).to(torch.uint8)
@@ -202,6 +208,12 @@ def encode(
         # Already on the grid, so the nearest-even step below is exact.
         x32 = stochastic_round_to_grid(x32, fmt, generator)
     saturate = overflow == "saturate"
+    if not fmt.nan_codes:
+        if not saturate:
+            raise ValueError(f"{fmt.name} has no NaN and no infinity: its overflow policy can "
+                             "only be 'saturate'")
+        if bool(torch.isnan(x32).any()):
+            raise ValueError(f"{fmt.name} has no NaN code: cannot encode a NaN input")
     if chosen == "dtype":
         return _encode_dtype(x32, fmt, saturate)
     return _encode_bits(x32, fmt, saturate)

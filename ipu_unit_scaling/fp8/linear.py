@@ -25,6 +25,7 @@ from torch import nn
 from ..ops.trace_switch import is_ipu_tracing
 from .fp8_config import FP8Config
 from .fp8_formats import FP8Format
+from .recipe_linear import new_amax_history, recipe_applies, recipe_linear
 from .scaling import Fp8Tensor, cast_from_fp8, cast_to_fp8
 from .stats import stats_enabled
 from .values import quantise_values
@@ -38,10 +39,19 @@ _DEFAULT_CONFIG = FP8Config()
 _LinearT = TypeVar("_LinearT", bound="FP8Linear")
 
 
+def per_tensor_scale(config: FP8Config) -> Optional[int]:
+    """The scale of the per-tensor casts: None (from the amax) for "amax", 0 for "static".
+    The other recipes cast through :func:`~.recipe_linear.recipe_linear`."""
+    if config.scaling not in ("amax", "static"):
+        raise ValueError(f"scaling {config.scaling!r} casts through recipe_linear, not per "
+                         "tensor here")
+    return None if config.scaling == "amax" else 0
+
+
 def cast_for_role(x: torch.Tensor, fmt: FP8Format, margin: int, config: FP8Config,
                   site: str) -> Fp8Tensor:
     """Cast with the config's scaling mode: AMAX with ``margin``, or static scale 0."""
-    scale = None if config.scaling == "amax" else 0
+    scale = per_tensor_scale(config)
     return cast_to_fp8(x, fmt, log2_scale=scale, margin=margin, overflow=config.overflow,
                        rounding=config.rounding, site=site)
 
@@ -117,7 +127,7 @@ def values_for_role(x: torch.Tensor, fmt: FP8Format, margin: int, config: FP8Con
     are observed or the rounding is stochastic.
     """
     if config.rounding == "nearest" and not _casts_observed():
-        scale = None if config.scaling == "amax" else 0
+        scale = per_tensor_scale(config)
         return quantise_values(x, fmt, scale, margin, config.overflow)[0]
     return cast_from_fp8(cast_for_role(x, fmt, margin, config, site), torch.float32)
 
@@ -245,7 +255,11 @@ def _traced_casts(config: FP8Config) -> Tuple[Optional[int], bool]:
         raise ValueError(
             "FP8 under ipu_tracing() rounds to nearest: the FP8 custom ops have no stochastic "
             "rounding (set rounding: nearest)")
-    return (None if config.scaling == "amax" else 0), config.overflow == "saturate"
+    if config.scaling not in ("amax", "static"):
+        raise ValueError(
+            f"FP8 under ipu_tracing() casts per tensor (static or amax): the FP8 custom ops "
+            f"have no {config.scaling!r} form")
+    return per_tensor_scale(config), config.overflow == "saturate"
 
 
 def _traced_fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -275,6 +289,7 @@ def fp8_linear(
     config: Optional[FP8Config] = None,
     site: str = "linear",
     use_scaled_mm: Optional[bool] = None,
+    amax_history: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` with FP8 casts of ``x``, ``weight`` and the output gradient.
 
@@ -282,9 +297,15 @@ def fp8_linear(
     ``site`` prefixes the names under which casts are recorded by :func:`fp8_stats`.
     ``use_scaled_mm``: None picks ``torch._scaled_mm`` where :func:`scaled_mm_supported`
     says so, True forces it (e.g. on CPU to compare), False always dequantises.
+    The delayed and grouped recipes run :func:`~.recipe_linear.recipe_linear` (the delayed
+    one with ``amax_history``, its state).
     """
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"x has {x.shape[-1]} features but weight expects {weight.shape[-1]}")
+    config = config or _DEFAULT_CONFIG
+    if recipe_applies(config) and not is_ipu_tracing():
+        return recipe_linear(x, weight, bias, config, site, amax_history=amax_history,
+                             use_scaled_mm=use_scaled_mm)
     if is_ipu_tracing():
         return _traced_fp8_linear(x, weight, bias, config or _DEFAULT_CONFIG)
     if values_path_applies(x, weight, bias, use_scaled_mm):
@@ -346,6 +367,9 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, config: Optional[FP8Config] = N
     if a.dim() < 2 or b.dim() < 2:
         raise ValueError("fp8_matmul needs operands with at least 2 dimensions")
     config = config or _DEFAULT_CONFIG
+    if recipe_applies(config):
+        raise ValueError(f"fp8_matmul casts per tensor (static or amax), not with scaling "
+                         f"{config.scaling!r}")
     if is_ipu_tracing():
         from .cast_ops import fp8_quantise, fp8_quantise_gradient
 
@@ -371,6 +395,21 @@ class FP8Linear(nn.Linear):
         self.config = config or _DEFAULT_CONFIG
         self.site = site
         self.use_scaled_mm: Optional[bool] = None
+        self._add_recipe_state()
+
+    def _add_recipe_state(self) -> None:
+        """The delayed recipe's amax history, a buffer so that checkpoints keep it."""
+        if self.config.scaling == "delayed":
+            self.register_buffer("amax_history",
+                                 new_amax_history(self.config, self.weight.device))
+
+    def _recipe_forward(self, x: torch.Tensor,
+                        scales: Tuple[float, float, float, float] = _UNSCALED,
+                        bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        history = getattr(self, "amax_history", None)
+        return recipe_linear(x, self.weight, bias, self.config, self.site, scales, history,
+                             update_history=self.training and torch.is_grad_enabled(),
+                             use_scaled_mm=self.use_scaled_mm)
 
     @classmethod
     def from_linear(cls: Type[_LinearT], linear: nn.Linear, config: Optional[FP8Config] = None,
@@ -384,9 +423,12 @@ class FP8Linear(nn.Linear):
         new.config = config or _DEFAULT_CONFIG
         new.site = site
         new.use_scaled_mm = None
+        new._add_recipe_state()
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if recipe_applies(self.config) and not is_ipu_tracing():
+            return self._recipe_forward(x, bias=self.bias)
         return fp8_linear(x, self.weight, self.bias, self.config, self.site, self.use_scaled_mm)
 
     def extra_repr(self) -> str:
@@ -427,7 +469,7 @@ class FP8UnitScaledLinear(FP8Linear):
         "grad_output". None where this layer does not compute on FP8 values in float32 for
         `x` (see `values_path_applies`), has a bias, or scales otherwise than `U.linear`."""
         if (self.bias is not None or tuple(self.scale_power) != (0.5, 0.5, 0.5)
-                or self.attention_projection is not None
+                or recipe_applies(self.config) or self.attention_projection is not None
                 or not values_path_applies(x, self.weight, None, self.use_scaled_mm)):
             return None
         config, site = self.config, self.site
@@ -455,6 +497,9 @@ class FP8UnitScaledLinear(FP8Linear):
         if rule is not None and x.dim() >= 2:
             grad_weight_scale *= rule.weight_grad_scale(x.shape[-2])
             bias_scale *= rule.bias_grad_scale(x.shape[-2])
+        if recipe_applies(self.config) and not is_ipu_tracing():
+            scales = (output_scale, grad_input_scale, grad_weight_scale, bias_scale)
+            return self._recipe_forward(x, scales, self.bias)
         if values_path_applies(x, self.weight, self.bias, self.use_scaled_mm):
             # One autograd node: the scales ride in the GEMMs around the FP8 values.
             scales = (output_scale, grad_input_scale, grad_weight_scale, bias_scale)

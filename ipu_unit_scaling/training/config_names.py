@@ -18,6 +18,9 @@ REGIMES = (
     "umup-fp8-amax",
 )
 MAX_SEED = 2**63 - 1
+# The FP8 recipes of ``compare --recipes`` (``fp8.fp8_config.RECIPES``, kept equal by a test).
+FP8_RECIPE_NAMES = ("static", "amax", "delayed", "rowwise", "rowwise_with_gw_hp", "block", "mx",
+                    "mx_round_up", "mxfp4", "nvfp4")
 # The model kinds a regime trains (``training.precision.with_model_kind``).
 MODEL_KINDS = ("plain", "unit", "u-mup")
 # The post-training precisions of ``evaluate`` and ``sample`` (``training.inference.PRECISIONS``

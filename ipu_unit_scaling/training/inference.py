@@ -54,19 +54,30 @@ class SamplingError(ValueError):
 
 
 def precision_of(config: Config) -> str:
-    """The name in :data:`PRECISIONS` of the precision ``config`` trains in."""
+    """The name of the precision ``config`` trains in: one of :data:`PRECISIONS`, or
+    ``fp8-<scaling>`` for the other FP8 recipes (delayed, rowwise, block, mx, nvfp4)."""
     dtype = config.precision.dtype
     return f"fp8-{config.precision.fp8.scaling}" if dtype == "fp8" else dtype
 
 
 def precision_config(config: Config, precision: str) -> Config:
-    """``config`` with its precision set to ``precision`` (other FP8 settings kept)."""
+    """``config`` with its precision set to ``precision`` (other FP8 settings kept where the
+    new scaling takes them; an FP4 run's formats go back to the defaults). The precision the
+    run trained in gives ``config`` itself, whatever its recipe."""
+    if precision == precision_of(config):
+        return config
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; allowed: {', '.join(PRECISIONS)}")
     dtype, scaling = PRECISIONS[precision]
+    fp8 = config.precision.fp8
+    try:
+        fp8 = dataclasses.replace(fp8.with_recipe(scaling), activation_format=fp8.activation_format,
+                                  weight_format=fp8.weight_format,
+                                  gradient_format=fp8.gradient_format)
+    except ValueError:  # formats the per-tensor casts cannot take (E2M1, ...)
+        fp8 = fp8.with_recipe(scaling)
     return dataclasses.replace(config, precision=dataclasses.replace(
-        config.precision, dtype=dtype,
-        fp8=dataclasses.replace(config.precision.fp8, scaling=scaling)))
+        config.precision, dtype=dtype, fp8=fp8))
 
 
 # ---------------------------------------------------------------------------------- batches

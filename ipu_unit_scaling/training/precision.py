@@ -6,20 +6,22 @@ built, so every key of the ``model`` and ``precision`` sections reaches it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops as U
+from ..fp8.fp8_config import RECIPES, FP8Config
 from ..models.gpt import GPTConfig, build_gpt
 from ..modules.layers import LinearReadout
 from .config_files import ConfigError
 from .config_names import MODEL_KINDS, REGIMES
 from .run_config import UMUP_MULTIPLIERS, UMUP_RULE_CHOICES, Config
 
-__all__ = ["REGIME_SETTINGS", "COMPARE_EVAL_POINTS", "regime_config",
+__all__ = ["REGIME_SETTINGS", "COMPARE_EVAL_POINTS", "regime_config", "RECIPE_NAMES",
+           "recipe_regimes", "regime_settings", "is_regime",
            "with_model_kind", "model_kind", "model_label", "round_to_half",
            "FP16Linear", "simulate_fp16", "build_model"]
 
@@ -43,29 +45,82 @@ assert {kind for kind, _, _ in REGIME_SETTINGS.values()} == set(MODEL_KINDS)
 # compare draws one validation curve per regime: at least this many points where steps allow.
 COMPARE_EVAL_POINTS = 10
 
+# FP8 recipes ``compare --recipes`` trains, each on the plain and the unit-scaled GPT: regimes
+# ``fp8-<recipe>`` and ``unit-fp8-<recipe>`` (static and amax are the regimes fp8-naive,
+# unit-fp8, fp8-amax and unit-fp8-amax). Their learning rates are the amax regimes'.
+RECIPE_NAMES = tuple(RECIPES)
+_NAMED_RECIPE_REGIMES = {("plain", "static"): "fp8-naive", ("unit", "static"): "unit-fp8",
+                         ("plain", "amax"): "fp8-amax", ("unit", "amax"): "unit-fp8-amax"}
+_RECIPE_PREFIXES = {"plain": "fp8-", "unit": "unit-fp8-"}
+
+
+def recipe_regimes(recipes: Sequence[str]) -> List[str]:
+    """The regimes of ``compare --recipes``: fp32 on both models, then each recipe on both."""
+    unknown = [name for name in recipes if name not in RECIPES]
+    if unknown:
+        raise ValueError(f"unknown FP8 recipe {unknown[0]!r}; allowed: {', '.join(RECIPES)}")
+    regimes = ["fp32", "unit-fp32"]
+    for recipe in recipes:
+        for kind in ("plain", "unit"):
+            regimes.append(_NAMED_RECIPE_REGIMES.get((kind, recipe),
+                                                     _RECIPE_PREFIXES[kind] + recipe))
+    return regimes
+
+
+def regime_settings(regime: str) -> Tuple[str, str, str]:
+    """(model kind, precision dtype, FP8 recipe) of a regime of REGIME_SETTINGS or a recipe
+    regime (``fp8-mx``, ``unit-fp8-block``, ...); ValueError for others."""
+    if regime in REGIME_SETTINGS:
+        return REGIME_SETTINGS[regime]
+    for kind in ("unit", "plain"):
+        recipe = regime[len(_RECIPE_PREFIXES[kind]):]
+        if regime.startswith(_RECIPE_PREFIXES[kind]) and recipe in RECIPES:
+            return kind, "fp8", recipe
+    raise ValueError(f"unknown regime {regime!r}; allowed: {', '.join(REGIMES)}, or "
+                     f"fp8-<recipe> and unit-fp8-<recipe> for the recipes "
+                     f"{', '.join(RECIPES)}")
+
+
+def is_regime(name: str) -> bool:
+    """Whether ``name`` is a regime (of REGIME_SETTINGS, or a recipe regime)."""
+    try:
+        regime_settings(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _regime_fp8(fp8: FP8Config, recipe: str) -> FP8Config:
+    """The run's FP8 section in ``recipe``: static and amax keep the configured formats (as
+    the regimes always have); the other recipes bring their own fields (``with_recipe``)."""
+    if recipe in ("static", "amax"):
+        return dataclasses.replace(fp8.with_recipe(recipe), activation_format=fp8.activation_format,
+                                   weight_format=fp8.weight_format,
+                                   gradient_format=fp8.gradient_format)
+    return fp8.with_recipe(recipe)
+
 
 
 def regime_config(config: Config, regime: str) -> Config:
     """``config`` set to one comparison regime: model build, precision, learning rate, and an
     evaluation interval that gives every curve at least ten points."""
-    if regime not in REGIME_SETTINGS:
-        raise ValueError(f"unknown regime {regime!r}; allowed: {', '.join(REGIMES)}")
+    model, dtype, recipe = regime_settings(regime)
     if config.model.factory is not None:
         raise ConfigError([("model.factory", (
             "compare trains the GPT plain, unit-scaled and in u-μP; a given model has one form: "
             "train it with 'train', once per --set precision.dtype=fp32/fp16/fp8"))])
-    model, dtype, scaling = REGIME_SETTINGS[regime]
     training = config.training
     most = max(1, training.steps // COMPARE_EVAL_POINTS)
     eval_interval = (most if training.eval_interval == 0 or training.eval_interval > most
                      else training.eval_interval)
+    rates = config.compare.learning_rates
+    rate = rates[regime] if regime in rates else rates[
+        "unit-fp8-amax" if model == "unit" else "fp8-amax"]
     return dataclasses.replace(
         config, model=with_model_kind(config.model, model),
         precision=dataclasses.replace(
-            config.precision, dtype=dtype,
-            fp8=dataclasses.replace(config.precision.fp8, scaling=scaling)),
-        training=dataclasses.replace(training, learning_rate=config.compare.learning_rates[regime],
-                                     eval_interval=eval_interval),
+            config.precision, dtype=dtype, fp8=_regime_fp8(config.precision.fp8, recipe)),
+        training=dataclasses.replace(training, learning_rate=rate, eval_interval=eval_interval),
     )
 
 

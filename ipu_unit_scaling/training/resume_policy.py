@@ -41,7 +41,8 @@ RESUME_RULES: Dict[str, Tuple[str, str]] = {
     **{f"precision.fp8.{key}": (KEPT, _ARITHMETIC) for key in (
         "activation_format", "weight_format", "gradient_format", "scaling",
         "activation_margin", "weight_margin", "gradient_margin", "rounding", "overflow",
-        "attention")},
+        "attention", "amax_history_length", "amax_reduction", "block_size", "scale_rounding",
+        "grad_weight_high_precision")},
     "ipu.ipus_per_replica": (MAY_CHANGE, _LAYOUT),
     "ipu.layers_per_ipu": (MAY_CHANGE, _LAYOUT),
     "ipu.replication_factor": (MAY_CHANGE, _LAYOUT),

@@ -108,6 +108,35 @@ def _overflow_behaviour(tmp_path: Path, monkeypatch: Any, overrides: List[str]) 
         return type(error).__name__
 
 
+def _amax_history(tmp_path: Path, monkeypatch: Any, overrides: List[str]) -> Any:
+    """The delayed recipe's history of the model's first FP8 layer after an input 1000 times
+    larger than the next: its shape, and the input scale it gives."""
+    from ipu_unit_scaling.fp8 import FP8Linear
+    from ipu_unit_scaling.fp8.recipe_linear import delayed_log2_scale
+
+    config = _config(*overrides)
+    torch.manual_seed(0)
+    layer = next(m for m in build_model(config).modules() if isinstance(m, FP8Linear))
+    x = torch.randn(4, layer.in_features)
+    layer(x * 1000.0)
+    layer(x)
+    history = layer.amax_history
+    return tuple(history.shape), delayed_log2_scale(history, config.precision.fp8, "input")
+
+
+def _wide_row_output(tmp_path: Path, monkeypatch: Any, overrides: List[str]) -> Any:
+    """The model's first FP8 layer on rows whose first element is 2**20 times the others: what
+    the other elements keep depends on which of them share its scale."""
+    from ipu_unit_scaling.fp8 import FP8Linear
+
+    torch.manual_seed(0)
+    layer = next(m for m in build_model(_config(*overrides)).modules()
+                 if isinstance(m, FP8Linear))
+    x = torch.randn(4, layer.in_features)
+    x[:, 0] = 2.0**20
+    return layer(x).tolist()
+
+
 def _refusal(tmp_path: Path, monkeypatch: Any, overrides: List[str]) -> Any:
     try:
         return _losses(tmp_path, monkeypatch, overrides)
@@ -215,6 +244,13 @@ KEYS: Dict[str, Any] = {
     "precision.fp8.rounding": ("stochastic", _losses, []),
     "precision.fp8.overflow": ("nan", _overflow_behaviour, []),
     "precision.fp8.attention": ("true", _losses, []),
+    "precision.fp8.amax_history_length": ("4", _amax_history, ["precision.fp8.scaling=delayed"]),
+    "precision.fp8.amax_reduction": ("most_recent", _amax_history,
+                                     ["precision.fp8.scaling=delayed"]),
+    "precision.fp8.block_size": ("8", _wide_row_output, ["precision.fp8.scaling=block"]),
+    "precision.fp8.scale_rounding": ("up", _losses, ["precision.fp8.scaling=mx"]),
+    "precision.fp8.grad_weight_high_precision": ("true", _losses,
+                                                 ["precision.fp8.scaling=rowwise"]),
     # (the layers must be spread over the new IPU count too)
     "ipu.ipus_per_replica": (["ipu.ipus_per_replica=2", "ipu.layers_per_ipu=[-1, -1]"],
                              _stages, ["ipu.gradient_accumulation=4"]),

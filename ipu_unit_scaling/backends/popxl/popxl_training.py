@@ -77,6 +77,9 @@ def check_config(config: Config) -> None:
                                f"got {name!r}; PopXL's FP8 types are F143 and F152"))
         if fp8.rounding != "nearest":
             errors.append(("precision.fp8.rounding", "the popxl backend rounds to nearest"))
+        if fp8.scaling not in ("static", "amax"):
+            errors.append(("precision.fp8.scaling", f"got {fp8.scaling!r}; the popxl backend "
+                                                    "casts per tensor: static or amax"))
         if fp8.attention:
             errors.append(("precision.fp8.attention", "the popxl backend keeps attention in "
                                                       "fp32; set it to false"))

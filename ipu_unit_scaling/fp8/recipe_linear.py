@@ -1,0 +1,276 @@
+"""The FP8 linear layer under the delayed and the grouped recipes (rowwise, block, mx, nvfp4).
+
+A linear layer runs three GEMMs, and each casts its two operands with groups along its own
+reduction dimension (``x`` is M x K, the weight N x K, the output gradient M x N):
+
+- forward, ``y = x @ w.T``, reduces over K: rows of ``x`` and of ``w``;
+- input gradient, ``dx = dy @ w``, reduces over N: rows of ``dy`` and columns of ``w``;
+- weight gradient, ``dw = dy.T @ x``, reduces over M: columns of ``dy`` and of ``x``.
+
+A transposed operand is cast again from the high-precision tensor, never from the FP8 copy
+(as TransformerEngine and torchao do), so the forward pass keeps ``x`` and ``w`` in float32 for
+the backward pass. ``grad_weight_high_precision`` computes ``dw`` from float32 operands.
+
+Under "delayed" scaling each role (input, weight, output gradient) has one per-tensor scale:
+the AMAX rule applied to the max (or the most recent) of the amaxes of that role's previous
+casts, kept in an ``amax_history`` tensor of shape (3, ``amax_history_length``), newest first,
+which the layer registers as a buffer (so checkpoints hold it). A cast reads the history, then
+pushes its own amax, when ``update_history`` is set (training steps; not evaluation). Before
+any cast the history is zero, which the AMAX rule maps to scale 0. An inf or NaN amax raises
+:class:`~.scaling.NonFiniteAmaxError` before it can enter the history.
+
+Values are computed in float32 (inputs of other float dtypes are converted, the results
+converted back), on any device. Under "rowwise", ``use_scaled_mm`` multiplies the operands as
+float8 tensors with ``torch._scaled_mm`` and the per-row power-of-two scales (by default on CUDA
+with OCP formats and sizes that divide by 16; forced on, it runs on CPU too, to check it): the
+products of FP8 values are exact in float32, so it differs from the simulation only in the
+order of the float32 sums.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .fp8_config import FP8Config
+from .fp8_formats import FP8Format
+from .group_cast import GroupCast, Grouping, group_cast
+from .scaling import NonFiniteAmaxError, log2_scale
+from .stats import stats_enabled
+from .values import quantise_values
+
+__all__ = ["HISTORY_ROLES", "recipe_applies", "recipe_linear", "new_amax_history",
+           "delayed_log2_scale", "role_cast", "rowwise_scaled_mm_supported"]
+
+HISTORY_ROLES = ("input", "weight", "grad_output")
+_UNSCALED = (1.0, 1.0, 1.0, 1.0)
+
+
+def recipe_applies(config: FP8Config) -> bool:
+    """Whether ``config``'s recipe runs through :func:`recipe_linear` (delayed and grouped)."""
+    return config.scaling == "delayed" or config.grouped
+
+
+def new_amax_history(config: FP8Config, device: Optional[torch.device] = None) -> torch.Tensor:
+    """An all-zero amax history for the three roles: (3, ``amax_history_length``) float32."""
+    return torch.zeros(len(HISTORY_ROLES), config.amax_history_length, dtype=torch.float32,
+                       device=device)
+
+
+def _role_format(config: FP8Config, role: str):
+    return {"input": config.activation, "weight": config.weight,
+            "grad_output": config.gradient}[role]
+
+
+def _role_margin(config: FP8Config, role: str) -> int:
+    return {"input": config.activation_margin, "weight": config.weight_margin,
+            "grad_output": config.gradient_margin}[role]
+
+
+def delayed_log2_scale(history: torch.Tensor, config: FP8Config, role: str) -> int:
+    """The delayed recipe's scale for ``role`` from its row of ``history``."""
+    row = history[HISTORY_ROLES.index(role)]
+    amax = row.max() if config.amax_reduction == "max" else row[0]
+    return log2_scale(float(amax), _role_format(config, role), _role_margin(config, role))
+
+
+def _push_amax(history: torch.Tensor, role: str, x: torch.Tensor) -> None:
+    amax = x.detach().abs().max().to(torch.float32) if x.numel() else torch.zeros(())
+    if not bool(torch.isfinite(amax)):
+        raise NonFiniteAmaxError(f"the amax of the {role} is {float(amax)}; it cannot enter "
+                                 "the delayed recipe's amax history")
+    row = history[HISTORY_ROLES.index(role)]
+    row.copy_(torch.cat([amax.reshape(1).to(row.device), row[:-1]]))
+
+
+def _grouping(config: FP8Config, role: str) -> Tuple[Grouping, str]:
+    scaling = config.scaling
+    if scaling == "rowwise":
+        return Grouping("row"), "amax"
+    size = config.group_size
+    assert size is not None
+    if scaling == "block":
+        return Grouping("block" if role == "weight" else "tile", size), "amax"
+    return Grouping("tile", size), scaling  # "mx" and "nvfp4"
+
+
+def role_cast(t: torch.Tensor, config: FP8Config, role: str, site: str,
+              log2_scale: Optional[int] = None) -> GroupCast:
+    """The FP8 cast of the 2-D operand ``t`` in ``role``, grouped along its last dimension
+    (the consuming GEMM's reduction dimension). ``log2_scale`` is the delayed recipe's
+    per-tensor scale."""
+    fmt = _role_format(config, role)
+    if config.scaling == "delayed":
+        if config.rounding == "nearest" and log2_scale is not None and not stats_enabled():
+            # The per-tensor values path (one pass of the host kernel where it applies): the
+            # same values as the grouped cast with one group.
+            values, scale = quantise_values(t, fmt, log2_scale, 0, config.overflow)
+            return GroupCast(values, torch.full((1, 1), scale, dtype=torch.int32))
+        grouping, rule = Grouping("tensor"), "amax"
+    else:
+        grouping, rule = _grouping(config, role)
+    return group_cast(t, fmt, grouping, rule, _role_margin(config, role), config.overflow,
+                      config.rounding, config.scale_rounding, log2_scale, site=site)
+
+
+_ZERO = torch.zeros(())
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, alpha: float) -> torch.Tensor:
+    """``alpha * a @ b``; on the CPU with the scale inside the GEMM (no pass of its own)."""
+    if alpha == 1.0:
+        return a @ b
+    if a.device.type == "cpu":
+        return torch.addmm(_ZERO, a, b, beta=0, alpha=alpha)
+    return (a @ b).mul_(alpha)
+
+
+def rowwise_scaled_mm_supported(a: torch.Tensor, b: torch.Tensor, a_fmt: FP8Format,
+                                b_fmt: FP8Format) -> bool:
+    """Whether ``torch._scaled_mm`` is used by default for ``a @ b.T`` under "rowwise": on
+    CUDA, with OCP formats, not both E5M2, and sizes that are multiples of 16."""
+    if not hasattr(torch, "_scaled_mm") or a.device.type != "cuda":
+        return False
+    names = {a_fmt.name, b_fmt.name}
+    if names - {"E4M3FN", "E5M2"} or names == {"E5M2"}:
+        return False
+    return all(size % 16 == 0 for size in (*a.shape, b.shape[0]))
+
+
+def _as_float8(cast: GroupCast, fmt: FP8Format) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(float8 codes, float32 per-row decode scales ``2**-s``) of a rowwise cast; exact, as
+    ``values * 2**s`` is an FP8 value."""
+    dtype = fmt.torch_dtype
+    if dtype is None or not hasattr(torch, "_scaled_mm") or cast.log2_scales is None:
+        raise RuntimeError(f"torch._scaled_mm or torch's {fmt.name} dtype is missing in this "
+                           f"torch ({torch.__version__})")
+    scales = cast.log2_scales.to(torch.float64).reshape(-1, 1)
+    codes = (cast.values * torch.exp2(scales).to(torch.float32)).to(dtype)
+    return codes, torch.exp2(-scales).to(torch.float32)
+
+
+def _product(a: GroupCast, b: GroupCast, a_fmt: FP8Format, b_fmt: FP8Format, alpha: float,
+             use_scaled_mm: Optional[bool]) -> torch.Tensor:
+    """``alpha * a @ b.T`` of two casts grouped along their last dimension, by a float32 GEMM
+    of their values or, for rowwise casts, by ``torch._scaled_mm`` on float8 codes."""
+    if use_scaled_mm is None:
+        use_scaled_mm = (a.log2_scales is not None and a.log2_scales.dim() == 2
+                         and rowwise_scaled_mm_supported(a.values, b.values, a_fmt, b_fmt))
+    if not use_scaled_mm:
+        return _gemm(a.values, b.values.t(), alpha)
+    a8, a_scale = _as_float8(a, a_fmt)
+    b8, b_scale = _as_float8(b, b_fmt)
+    out = torch._scaled_mm(a8, b8.t(), scale_a=a_scale, scale_b=b_scale.reshape(1, -1),
+                           out_dtype=torch.float32)
+    if isinstance(out, tuple):  # torch 2.1-2.3 also returned the output's amax
+        out = out[0]
+    return out if alpha == 1.0 else out.mul_(alpha)
+
+
+class _RecipeLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, config, site, scales, history,  # type: ignore[override]
+                update_history, use_scaled_mm):
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
+        w = weight.to(torch.float32)
+        delayed = config.scaling == "delayed"
+        if config.scaling != "rowwise":
+            use_scaled_mm = False
+        scale_x = scale_w = None
+        if delayed:
+            scale_x = delayed_log2_scale(history, config, "input")
+            scale_w = delayed_log2_scale(history, config, "weight")
+            if update_history:
+                _push_amax(history, "input", x2)
+                _push_amax(history, "weight", w)
+        xq = role_cast(x2, config, "input", f"{site}.input", scale_x)
+        wq = role_cast(w, config, "weight", f"{site}.weight", scale_w)
+        y = _product(xq, wq, config.activation, config.weight, scales[0], use_scaled_mm)
+        if bias is not None:
+            y = y.add_(bias.to(torch.float32))
+        # A per-tensor scale casts a transposed operand to the transposed values, and so do the
+        # block recipe's square weight blocks: keep those values; the rest is cast again.
+        ctx.save_for_backward(*((xq.values, wq.values) if delayed else (x2, w)))
+        ctx.weight_values = wq.values if config.scaling == "block" else None
+        ctx.meta = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype,
+                    config, site, scales, history, update_history, use_scaled_mm)
+        return y.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        saved_x, saved_w = ctx.saved_tensors
+        (x_shape, x_dtype, w_dtype, b_dtype, config, site, scales, history, update,
+         use_scaled_mm) = ctx.meta
+        g2 = grad_output.reshape(-1, grad_output.shape[-1]).to(torch.float32)
+        grad_x = grad_w = grad_b = None
+        if config.scaling == "delayed":
+            scale_g = delayed_log2_scale(history, config, "grad_output")
+            if update:
+                _push_amax(history, "grad_output", g2)
+            gq = role_cast(g2, config, "grad_output", f"{site}.grad_output", scale_g).values
+            if ctx.needs_input_grad[0]:
+                grad_x = _gemm(gq, saved_w, scales[1])
+            if ctx.needs_input_grad[1]:
+                grad_w = _gemm(gq.t(), saved_x, scales[2])
+        else:
+            if ctx.needs_input_grad[0]:
+                g_rows = role_cast(g2, config, "grad_output", f"{site}.grad_output")
+                if ctx.weight_values is not None:
+                    wq_t = GroupCast(ctx.weight_values.t(), None)
+                else:
+                    wq_t = role_cast(saved_w.t().contiguous(), config, "weight",
+                                     f"{site}.weight_t")
+                grad_x = _product(g_rows, wq_t, config.gradient, config.weight, scales[1],
+                                  use_scaled_mm)
+            if ctx.needs_input_grad[1]:
+                if config.grad_weight_high_precision:
+                    grad_w = _gemm(g2.t(), saved_x, scales[2])
+                else:
+                    gq_t = role_cast(g2.t().contiguous(), config, "grad_output",
+                                     f"{site}.grad_output_t")
+                    xq_t = role_cast(saved_x.t().contiguous(), config, "input", f"{site}.input_t")
+                    grad_w = _product(gq_t, xq_t, config.gradient, config.activation, scales[2],
+                                      use_scaled_mm)
+        if grad_x is not None:
+            grad_x = grad_x.reshape(x_shape).to(x_dtype)
+        if grad_w is not None:
+            grad_w = grad_w.to(w_dtype)
+        if b_dtype is not None and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0)
+            grad_b = (grad_b.mul_(scales[3]) if scales[3] != 1.0 else grad_b).to(b_dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+
+
+def recipe_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  config: FP8Config, site: str = "linear",
+                  scales: Tuple[float, float, float, float] = _UNSCALED,
+                  amax_history: Optional[torch.Tensor] = None,
+                  update_history: Optional[bool] = None,
+                  use_scaled_mm: Optional[bool] = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` under a delayed or grouped recipe (see the module docstring).
+
+    ``scales`` are unit scaling's (output, input gradient, weight gradient, bias gradient)
+    factors, applied to the GEMMs' products. ``amax_history`` is the delayed recipe's state
+    (:func:`new_amax_history`), updated in place when ``update_history`` (default: whether
+    autograd records this call). ``use_scaled_mm`` (rowwise only): None picks
+    ``torch._scaled_mm`` where :func:`rowwise_scaled_mm_supported` says so, True forces it,
+    False never uses it.
+    """
+    if not recipe_applies(config):
+        raise ValueError(f"recipe_linear is for the delayed and grouped recipes, not "
+                         f"{config.scaling!r}")
+    if config.scaling == "delayed":
+        if amax_history is None:
+            raise ValueError("delayed scaling keeps an amax history: use an FP8Linear (e.g. "
+                             "from simulate_fp8), or pass amax_history")
+        expected = (len(HISTORY_ROLES), config.amax_history_length)
+        if tuple(amax_history.shape) != expected:
+            raise ValueError(f"amax_history has shape {tuple(amax_history.shape)}; this "
+                             f"config needs {expected}")
+    if use_scaled_mm and config.scaling != "rowwise":
+        raise ValueError(f"the torch._scaled_mm path takes per-tensor (static, amax) and "
+                         f"rowwise scales, not {config.scaling!r}")
+    if update_history is None:
+        update_history = torch.is_grad_enabled()
+    return _RecipeLinear.apply(x, weight, bias, config, site, scales, amax_history,
+                               update_history, use_scaled_mm)
