@@ -47,6 +47,7 @@ ROW_KEYS = {
     "fp8_mx_ours",
     "fp8_rowwise_ours",
     "fp8_delayed_ours",
+    "telemetry_cost",
 }
 SWEEP_WIDTHS = (8, 16)
 

@@ -130,7 +130,7 @@ def record_cast(
         nonfinite = flat.numel() - finite_count
         zero_codes = torch.count_nonzero(codes == 0)
         if fmt.has_negative_zero:
-            zero_codes = zero_codes + torch.count_nonzero(codes == 0x80)
+            zero_codes = zero_codes + torch.count_nonzero(codes == fmt.sign_bit)
         # A dot product per energy, one pass each: float32 sums are ample for a ratio in dB.
         error = flat - decoded
         figures = torch.stack([
