@@ -80,6 +80,10 @@ RESUME_RULES: Dict[str, Tuple[str, str]] = {
     "compare.learning_rates": (MAY_CHANGE, "read by compare, not by a run"),
     "backend": (MAY_CHANGE, "where the steps run; the checkpoint is the same on every "
                             "backend"),
+    **{f"telemetry.{key}": (MAY_CHANGE, "what the run records and warns of, not what it "
+                                        "computes") for key in (
+        "interval", "flushed_warning", "saturated_warning", "range_margin",
+        "update_ratio_spread", "update_ratio_max", "attention_logit_max", "loss_spike")},
 }
 
 # Values that are settings as a whole, not sections.
