@@ -23,19 +23,13 @@ Each row has a ``kind``:
 from __future__ import annotations
 
 import csv
-import io
 import math
 import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from .run_directory import (
-    RunError,
-    atomic_write,
-    error_naming,
-    os_error_reason,
-    read_regular_file,
-)
+from .run_directory import RunError, os_error_reason, read_regular_file
+from .run_records import MetricsLog
 
 __all__ = ["TELEMETRY_FIELDS", "TelemetryLog", "TelemetryFileError",
            "read_telemetry", "format_value"]
@@ -64,53 +58,27 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
-class TelemetryLog:
-    """``telemetry.csv`` of one run, appended a row per write call; ``sync`` makes rows durable.
-    ``path`` None writes nothing (a distributed run's ranks other than 0)."""
+class TelemetryLog(MetricsLog):
+    """``telemetry.csv`` of one run: :class:`~.run_records.MetricsLog`'s appending of whole
+    rows, with the telemetry's columns and number formats. ``path`` None writes nothing (a
+    distributed run's ranks other than 0)."""
 
     def __init__(self, path: Optional[Path], fresh: bool) -> None:
-        self.path = None if path is None else Path(path)
         self._fd = -1
-        if self.path is None:
+        if path is None:
             return
-        if fresh or not os.path.exists(self.path):
-            atomic_write(self.path, _csv_line(TELEMETRY_FIELDS))
-        try:
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-        except OSError as error:
-            raise RunError(f"cannot write {self.path}: {os_error_reason(error)}") from None
+        # (a run resumed from a version without telemetry starts the file)
+        super().__init__(path, fresh or not os.path.exists(path), TELEMETRY_FIELDS)
 
-    def write(self, rows: Sequence[Dict[str, Any]]) -> None:
-        if self._fd < 0 or not rows:
-            return
+    def write(self, rows: Sequence[Dict[str, Any]]) -> None:  # type: ignore[override]
         # One write per row: a kill leaves whole rows and at most one cut short, which the
         # reader drops.
         for row in rows:
-            view = memoryview(_csv_line([format_value(row.get(name)) for name in
-                                         TELEMETRY_FIELDS]))
-            try:
-                while view:
-                    view = view[os.write(self._fd, view):]
-            except OSError as error:
-                raise error_naming(Path(str(self.path)), error) from None
+            super().write({name: format_value(row.get(name)) for name in TELEMETRY_FIELDS})
 
     def sync(self) -> None:
         if self._fd >= 0:
-            try:
-                os.fsync(self._fd)
-            except OSError as error:
-                raise error_naming(Path(str(self.path)), error) from None
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
-def _csv_line(values: Sequence[Any]) -> bytes:
-    text = io.StringIO()
-    csv.writer(text, lineterminator="\n").writerow(values)
-    return text.getvalue().encode("utf-8")
+            super().sync()
 
 
 def read_telemetry(path: Path) -> List[Dict[str, Any]]:
