@@ -71,6 +71,8 @@ class TelemetryLog(MetricsLog):
         super().__init__(path, fresh or not os.path.exists(path), TELEMETRY_FIELDS)
 
     def write(self, rows: Sequence[Dict[str, Any]]) -> None:  # type: ignore[override]
+        if self._fd < 0:
+            return
         # One write per row: a kill leaves whole rows and at most one cut short, which the
         # reader drops.
         for row in rows:

@@ -33,6 +33,16 @@ def test_rows_round_trip_and_a_cut_row_is_dropped(tmp_path):
     assert read_telemetry(path) == [row]
 
 
+def test_a_log_without_a_path_writes_nothing(tmp_path, monkeypatch):
+    # a distributed run's ranks other than 0 record and write no file
+    monkeypatch.chdir(tmp_path)
+    log = TelemetryLog(None, fresh=True)
+    log.write([dict(step=1, kind="loss", site="loss", amax=2.0)])
+    log.sync()
+    log.close()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_values_keep_seven_digits():
     assert format_value(1 / 3) == "0.3333333" and format_value(None) == ""
     assert format_value(7) == "7" and format_value(-math.inf) == "-inf"
