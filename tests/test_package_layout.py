@@ -572,7 +572,6 @@ UNTESTED_TODAY = {
     "apps.progress",
     # loop layer
     "loop",
-    "loop.masked_lm",
     "loop.run_opening",
     "loop.run_outcomes",
     "loop.stop_signals",

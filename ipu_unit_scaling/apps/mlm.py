@@ -29,17 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-import torch
-from torch import Tensor, nn
+from torch import nn
 
+from ..backends.registry import registered_names
 from ..loop.masked_lm import (
     ENCODER_OPS,
     encoder_from_config,
-    masked_batch,
 )
 from ..training.precision import REGIME_SETTINGS
 from ..training.run_config import (
-    BACKEND_NAMES,
     MAX_TAU,
     Config,
     learning_rate_in_range,
@@ -47,7 +45,7 @@ from ..training.run_config import (
 )
 
 __all__ = [
-    "MLMConfig", "MLM_KEYS", "mlm_preset", "MLMBatches", "build_encoder", "run_config",
+    "MLMConfig", "MLM_KEYS", "mlm_preset", "build_encoder", "run_config",
     "train_mlm", "run_mlm_compare", "format_mlm_table", "check_mlm_regimes", "encoder_kind",
     "MLM_REGIMES", "MLM_ALLOWED_REGIMES",
 ]
@@ -187,8 +185,9 @@ class MLMConfig:
         for name in ("attn_tau", "mlp_tau"):
             if not getattr(self, name) <= MAX_TAU:
                 problems.append(f"{name} must be at most {MAX_TAU:g}, got {getattr(self, name)}")
-        if self.backend not in BACKEND_NAMES:
-            problems.append(f"backend must be one of {', '.join(BACKEND_NAMES)}, got "
+        known = ("auto",) + registered_names()
+        if self.backend not in known:
+            problems.append(f"backend must be one of {', '.join(known)}, got "
                             f"{self.backend!r}")
         if not problems:  # the training loop's own rules, on the run of one regime
             from ..training.config_files import ConfigError
@@ -278,20 +277,6 @@ def _number(item: str, value: Any, kind: type) -> Any:
 
 
 # ---------------------------------------------------------------- data
-
-
-class MLMBatches:
-    """Padded, masked batches of one text split, from a seeded generator."""
-
-    def __init__(self, tokens: Tensor, vocab: int, config: MLMConfig, seed: int) -> None:
-        self.tokens, self.vocab, self.config = tokens, vocab, config
-        self.pad_id, self.mask_id = vocab, vocab + 1
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def next(self) -> Tuple[Tensor, Tensor]:
-        c = self.config
-        return masked_batch(self.tokens, self.vocab, c.batch_size, c.seq_len, c.min_len,
-                            c.mask_prob, self.generator)
 
 
 # ---------------------------------------------------------------- models and regimes

@@ -15,6 +15,7 @@ from typing import Any, Dict, Iterable, List, Protocol, Tuple, Union
 import torch
 from torch import nn
 
+from ..training.config_files import short_repr
 from ..training.run_config import Config, TrainingConfig
 from .backend_error import BackendError
 
@@ -144,7 +145,7 @@ def backend_named(name: str) -> TrainingBackend:
     """The backend registered as ``name``; BackendError naming the others if there is none."""
     entry = _registered.get(name)
     if entry is None:
-        raise BackendError(f"backend {name!r} unknown; allowed: auto, "
+        raise BackendError(f"backend {short_repr(name)} unknown; allowed: auto, "
                            f"{', '.join(registered_names())}")
     if isinstance(entry, str):
         module, _, attribute = entry.partition(":")

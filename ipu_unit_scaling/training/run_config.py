@@ -27,6 +27,7 @@ import difflib
 import json
 import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +50,9 @@ from .config_files import (
 from .config_names import MAX_SEED, REGIMES
 from .run_health import TelemetryConfig, telemetry_problems
 
-BACKEND_NAMES = ("auto", "ipu", "ipu_model", "emulator", "cpu", "popxl", "distributed")
+# A backend is named here and chosen by the registry of backends
+# (:mod:`ipu_unit_scaling.backends.registry`), which refuses a name it does not hold.
+BACKEND_NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
 DTYPES = ("fp32", "fp16", "fp8")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine")
@@ -298,7 +301,10 @@ def _check_rules(config: Config, errors: List[Tuple[str, str]]) -> None:
         choice(f"compare.learning_rates.{regime}", regime, REGIMES)
         learning_rate_in_range(f"compare.learning_rates.{regime}", rate, error)
 
-    choice("backend", config.backend, BACKEND_NAMES)
+    if not BACKEND_NAME.fullmatch(config.backend):
+        error("backend", f"got {short_repr(config.backend)}; a backend's name is lowercase "
+                         "letters, digits and underscores, at most 40 characters (auto, cpu, "
+                         "emulator, ipu, ...)")
 
 
 def learning_rate_in_range(path: str, rate: float, error: Any) -> None:

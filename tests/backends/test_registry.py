@@ -21,14 +21,21 @@ from ipu_unit_scaling.backends.registry import (
     unregister,
 )
 from ipu_unit_scaling.loop.training_loop import train
-from ipu_unit_scaling.training.run_config import BACKEND_NAMES, Config, load_config
+from ipu_unit_scaling.training.config_files import ConfigError
+from ipu_unit_scaling.training.run_config import Config, load_config
 from ipu_unit_scaling.training.run_records import read_metrics
 
 
-def test_the_builtin_backends_are_the_configs_names():
-    assert set(BUILTIN) == set(BACKEND_NAMES) - {"auto"}
+def test_the_builtin_backends_are_registered_under_their_names():
+    assert set(BUILTIN) == {"ipu", "ipu_model", "emulator", "cpu", "popxl", "distributed"}
     for name in BUILTIN:
         assert backend_named(name).name == name
+        assert load_config("tiny", [f"backend={name}"]).backend == name
+
+
+def test_a_config_refuses_what_cannot_be_a_backends_name():
+    with pytest.raises(ConfigError, match="backend: got 'CPU!'; a backend's name is lowercase"):
+        load_config("tiny", ["backend=CPU!"])
 
 
 def test_capabilities_say_what_each_backend_can_do():
@@ -82,8 +89,10 @@ def test_a_registered_backend_trains_through_the_loop(tmp_path, monkeypatch):
         assert "halving" in registered_names()
         monkeypatch.setenv(BACKEND_ENV, "halving")
         assert select_backend("auto") == "halving"
+        monkeypatch.delenv(BACKEND_ENV)
+        # the config names it as it names a built-in one
         config = load_config("tiny", ["training.steps=4", "training.optimizer=sgd",
-                                      "ipu.executable_cache_dir=null"])
+                                      "ipu.executable_cache_dir=null", "backend=halving"])
         summary = train(config, tmp_path / "run", quiet=True, log=lambda _: None)
     finally:
         unregister("halving")
