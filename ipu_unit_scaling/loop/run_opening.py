@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..backends import capabilities
+from ..backends.registry import registered_names
 from ..training.config_files import ConfigError, read_yaml_file
 from ..training.data import CharTokenizer, Corpus, DataError, load_corpus
 from ..training.finetune import check_same_model, encode_with, extend_model_state, extend_tokenizer
@@ -111,6 +112,11 @@ def load_run_config(
     except ConfigError as error:
         problems = "; ".join(f"{p}: {m}" if p else m for p, m in error.errors)
         raise RunError(f"{refuse} is damaged: {' '.join(problems.split())}") from None
+    known = ("auto",) + registered_names()
+    if raw["backend"] not in known:  # (a config checks only the form of a backend's name)
+        raise RunError(f"{refuse} names backend {raw['backend']!r}, which no backend is "
+                       f"registered under (allowed: {', '.join(known)}): damaged, or a backend "
+                       "this process did not register")
     if action != "resume":
         task = read_task(run_dir, action)
         if task.name != CAUSAL_LM:

@@ -222,7 +222,7 @@ DAMAGE = {
     "config-truncated": (lambda d: (d / "config.yaml").write_text(_first_lines(
         (d / "config.yaml").read_text(), 300)), "config.yaml is incomplete"),
     "config-cut-value": (lambda d: (d / "config.yaml").write_text(
-        (d / "config.yaml").read_text()[:-3]), "config.yaml is damaged"),
+        (d / "config.yaml").read_text()[:-3]), "config.yaml names backend 'au'"),
     "config-binary": (lambda d: (d / "config.yaml").write_bytes(b"\x00\xff" * 50),
                       "config.yaml"),
     "config-list": (lambda d: (d / "config.yaml").write_text("[1, 2]\n"),
