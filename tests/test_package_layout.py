@@ -710,7 +710,6 @@ STANDIN_UNTESTED_TODAY = {
     "poptorch._lowering_table", "poptorch._numerics",
     "poptorch._popart_updates", "poptorch._state",
     "poptorch._strategies", "poptorch.ops",
-    "poptorch.poptorch_core",
     "popxl._core", "popxl._ops", "popxl._tensor", "popxl._transforms", "popxl_custom_ops",
     "popxl_settings",
 }
