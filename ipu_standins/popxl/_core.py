@@ -42,8 +42,8 @@ class dtype:
         self.torch_dtype = torch_dtype
         self.fp8 = fp8
 
-    def __repr__(self) -> str:
-        return f"popxl.{self.name}"
+    def __repr__(self) -> str:  # dtypes.py: the module's path and the name
+        return f"popxl.dtypes.{self.name}"
 
 
 float16 = dtype("float16", torch.float16)
