@@ -709,8 +709,6 @@ STANDIN_UNTESTED_TODAY = {
     "poptorch._executor", "poptorch._graph_ops", "poptorch._handlers", "poptorch._impl",
     "poptorch._lowering_table", "poptorch._numerics",
     "poptorch._popart_updates", "poptorch.ops",
-    "popxl_custom_ops",
-    "popxl_settings",
 }
 
 
