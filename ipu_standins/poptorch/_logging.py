@@ -1,8 +1,10 @@
 """``poptorch._logging``: PopTorch's log levels (accepted; the stand-in logs through Python's
-``logging`` under the name ``poptorch::python``)."""
+``logging`` under the name ``poptorch::python``, at the level ``POPTORCH_LOG_LEVEL`` names, WARN
+without it)."""
 from __future__ import annotations
 
 import logging
+import os
 from typing import Union
 
 __all__ = ["logger", "setLogLevel", "setPopartLogLevel"]
@@ -37,3 +39,6 @@ def setPopartLogLevel(level: Union[str, int]) -> None:
     if not isinstance(level, str) or level not in _LEVELS:
         raise ValueError("Level must be one of " + ", ".join(_LEVELS))
     _popart_level = level
+
+
+setLogLevel(os.environ.get("POPTORCH_LOG_LEVEL", "WARN"))

@@ -1,10 +1,12 @@
 """The option containers behind ``poptorch.Options``: a dictionary whose keys are fixed when
 it is made (a name PopTorch does not have is refused, as PopTorch refuses it), frozen once a
-model or a data loader has taken the options."""
+model or a data loader has taken the options; merging them logs the warnings they hold."""
 from __future__ import annotations
 
 import copy
 from typing import Any, Dict
+
+from ._logging import logger
 
 __all__ = ["OptionsDict", "FROZEN_MESSAGE"]
 
@@ -48,6 +50,9 @@ class OptionsDict:
         self._values.pop(option, None)
 
     def update(self, other: Dict[str, Any]) -> Dict[str, Any]:
+        for warning in self._warnings.values():
+            if warning not in self._warnings_disabled:
+                logger.warning(warning)
         assert not set(self._values).intersection(other), (
             "Can't merge dictionaries, they have some keys in common")
         other.update(self._values)

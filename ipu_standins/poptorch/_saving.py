@@ -2,13 +2,13 @@
 "executable" is the model, options, optimizer and compiled inputs, saved with ``torch.save``."""
 from __future__ import annotations
 
-import copy
 import os
 from typing import Any, Callable, Optional
 
 import torch
 
-from ._impl import unwrapIfWrapped
+from ._executor import NO_EXECUTABLE_ERR
+from ._impl import createPoptorchError, unwrapIfWrapped
 
 __all__ = ["save_executor", "load"]
 
@@ -16,21 +16,27 @@ _MAGIC = "poptorch-standin-executable"
 
 
 def save_executor(executor: Any, filename: str, export_model: bool = True) -> None:
+    if not executor.isCompiled():
+        raise createPoptorchError(NO_EXECUTABLE_ERR)
+    folder = os.path.dirname(filename)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
     if os.path.isdir(filename):
         filename = os.path.join(filename, "model.poptorch")
-    model = None
-    if export_model:
-        executor.copyWeightsToHostIfNeeded() if executor.isCompiled() else None
-        wrapper = type(executor._user_model)
-        model = unwrapIfWrapped(executor._user_model)
-        try:
-            model = copy.deepcopy(model)
-        finally:
-            executor._user_model.__class__ = wrapper
-    data = {"magic": _MAGIC, "model": model, "training": executor.training,
-            "options": executor.options.clone(), "optimizer": executor._optimizer,
-            "inputs": executor._executable_inputs}
-    torch.save(data, filename)
+    data = {"magic": _MAGIC, "model": None, "training": None, "optimizer": None,
+            "options": executor.options.clone(), "inputs": executor._executable_inputs}
+    if not export_model:
+        torch.save(data, filename)
+        return
+    executor.copyWeightsToHostIfNeeded()
+    wrapper = type(executor._user_model)
+    data.update(model=unwrapIfWrapped(executor._user_model), training=executor.training,
+                optimizer=executor._optimizer)
+    try:
+        # One pickle, as PopTorch's: the loaded optimizer updates the loaded model's parameters.
+        torch.save(data, filename)
+    finally:
+        executor._user_model.__class__ = wrapper
 
 
 def read(filename: str) -> Any:

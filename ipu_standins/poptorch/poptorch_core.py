@@ -78,8 +78,8 @@ def isCompilingWithDispatcher() -> bool:
     return _state.ON_IPU
 
 
-def ipuHardwareVersion() -> int:
-    """No IPU is attached: 0, as PopTorch reports without hardware."""
+def ipuHardwareVersion(numIpus: int = 1) -> int:
+    """No IPU is attached: 0, as PopTorch reports without hardware (for any ``numIpus``)."""
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -41,8 +42,8 @@ class dtype:
         self.torch_dtype = torch_dtype
         self.fp8 = fp8
 
-    def __repr__(self) -> str:
-        return f"popxl.{self.name}"
+    def __repr__(self) -> str:  # dtypes.py: the module's path and the name
+        return f"popxl.dtypes.{self.name}"
 
 
 float16 = dtype("float16", torch.float16)
@@ -105,8 +106,18 @@ class Tensor:
     def detach(self) -> Tensor:
         return detach(self)
 
+    def __len__(self) -> int:
+        if not self.shape:
+            raise ValueError("Tensor is a scalar and doesn't have a length.")
+        return self.shape[0]
+
     def _ensure_tensor(self, value: TensorLike) -> Tensor:
-        return value if isinstance(value, Tensor) else constant(value, self.dtype)
+        if isinstance(value, Tensor):
+            return value
+        made = constant(value, self.dtype)
+        if made.nelms == 0:  # tensor.py: most likely a mistake
+            raise ValueError(f"The value has 0 elements: {value!r} ({type(value).__name__})")
+        return made
 
     def __add__(self, other: TensorLike) -> Tensor:
         return add(self, self._ensure_tensor(other))
@@ -493,22 +504,27 @@ class Session:
         self._variables = {v: v.data.clone() for v in ir._variables}
         self.keep_values = False
         self.values: Dict[Tensor, torch.Tensor] = {}
+        self.is_attached = False
         self._loads: Dict[HostToDeviceStream, int] = {}
         for op in ir.main_graph._ops:
             if op.stream is not None:
                 self._loads[op.stream] = self._loads.get(op.stream, 0) + 1
 
     def __enter__(self) -> Session:
+        self.is_attached = True
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        pass
+        self.is_attached = False
 
     def expected_inputs(self) -> List[HostToDeviceStream]:
         return list(self._loads)
 
     def run(self, inputs: Optional[Dict[HostToDeviceStream, np.ndarray]] = None
             ) -> Dict[DeviceToHostStream, np.ndarray]:
+        if not self.is_attached:  # session.py: runtime functions need the device
+            raise ValueError("Must be attached to device before calling a runtime function: "
+                             "run inside `with session:`")
         inputs = inputs or {}
         if set(inputs) != set(self._loads):
             raise ValueError(f"expected inputs for {sorted(s.tensor_id for s in self._loads)}, "
@@ -544,10 +560,19 @@ class Session:
 
     def write_variables_data(self, tensors: Dict[Variable, np.ndarray]) -> None:
         for t, data in tensors.items():
-            value = torch.from_numpy(np.array(data))
-            if tuple(value.shape) != t.shape or value.dtype != t.dtype.torch_dtype:
-                raise ValueError(f"{t} needs {t.dtype} data of shape {t.shape}, got "
-                                 f"{value.dtype} {tuple(value.shape)}")
+            if not isinstance(t, Variable):
+                raise TypeError(f"{t} is not a Variable: only variables can be written")
+            if isinstance(data, numbers.Number):  # session.py: a number takes the dtype
+                if t.dtype.fp8 is not None:
+                    raise TypeError(f"FP8 data for {t} must be cast with "
+                                    "host_pow2scale_cast_to_fp8 first")
+                value = torch.tensor(data, dtype=t.dtype.torch_dtype)
+            else:
+                value = torch.from_numpy(np.array(data))
+            if value.dtype != t.dtype.torch_dtype:
+                raise TypeError(f"{t} needs {t.dtype} data, got {value.dtype}")
+            if tuple(value.shape) != t.shape:
+                raise ValueError(f"{t} needs data of shape {t.shape}, got {tuple(value.shape)}")
             self._variables[t] = value
 
     def write_variable_data(self, tensor: Variable,  # noqa: F811 (PopXL's name)

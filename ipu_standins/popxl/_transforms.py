@@ -74,6 +74,13 @@ class GradGraphInfo:
             if connection.connection_type is ExpectedConnectionType.Fwd
         }
 
+    def fwd_graph_ins_to_grad_parent_outs(self, grad_call_info: CallSiteInfo
+                                          ) -> Dict[Tensor, Tensor]:
+        """Forward-graph inputs whose gradients the gradient graph gives, mapped to the
+        parent tensors of one call of the gradient graph."""
+        return {t: grad_call_info.graph_to_parent(self.graph.outputs[index])
+                for index, t in enumerate(self.outputs)}
+
     def fwd_parent_ins_to_grad_parent_outs(self, fwd_call_info: CallSiteInfo,
                                            grad_call_info: CallSiteInfo) -> Dict[Tensor, Tensor]:
         return {
