@@ -10,6 +10,7 @@ asked.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Dict, Iterator, List, Optional, Union
 
 import torch
@@ -179,6 +180,7 @@ class DataLoader(torch.utils.data.DataLoader):
                 "rebatched_size in async_options")
             self._accessor = AsynchronousDataAccessor(self, **async_options,
                                                       rebatched_size=rebatched_size)
+            self._accessor._belong_to(self)
 
     def __len__(self) -> int:
         if self._accessor is not None and self._accessor.rebatched_size:
@@ -251,10 +253,22 @@ class AsynchronousDataAccessor:
                 "'rebatched_size' is specified too.")
         if rebatched_size is not None:
             assert rebatched_size > 1, "rebatched_size must be None or greater than 1"
-        self._dataset = dataset
+        self._source_data: Any = dataset
         self.rebatched_size = rebatched_size
         self._alive = True
         self._iterator: Optional[Iterator[Any]] = None
+
+    @property
+    def _dataset(self) -> Any:
+        source = self._source_data
+        return source() if isinstance(source, weakref.ref) else source
+
+    def _belong_to(self, loader: DataLoader) -> None:
+        """A loader's own accessor refers to it weakly. A reference cycle between the two
+        would leave the loader to the cycle collector, which closes its worker queues before
+        torch's iterator can send its workers the word to stop: every worker of a persistent
+        loader then cost a 5 s join time-out at exit."""
+        self._source_data = weakref.ref(loader)
 
     def terminate(self) -> None:
         self._alive = False
