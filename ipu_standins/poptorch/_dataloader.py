@@ -73,7 +73,13 @@ class _SubDataset(torch.utils.data.Dataset):
             generator.manual_seed(self._seed)
         else:
             generator.set_state(self._generator_state)
-        self._order = torch.randperm(len(self._dataset), generator=generator)
+        order = torch.randperm(len(self._dataset), generator=generator)
+        # In shared memory, rewritten in place: persistent workers (which hold a copy of this
+        # dataset since their start) see each epoch's order too.
+        if self._order is None:
+            self._order = order.share_memory_()
+        else:
+            self._order.copy_(order)
         self._generator_state = generator.get_state()
 
     def swap_range(self) -> None:

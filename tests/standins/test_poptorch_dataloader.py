@@ -44,3 +44,14 @@ def test_an_accessor_of_a_users_loader_keeps_that_loader():
     accessor = poptorch.AsynchronousDataAccessor(loader)
     del loader
     assert [tuple(b.shape) for b in accessor] == [(4, 2)] * 6
+
+
+def test_persistent_workers_see_each_epochs_global_shuffle():
+    """With ``Distributed`` processes and ``shuffle``, the order is drawn anew each epoch in
+    the main process; persistent workers read it from shared memory."""
+    options = poptorch.Options().randomSeed(0)
+    options.Distributed.configureProcessId(0, 2)
+    loader = poptorch.DataLoader(options, _Rows(), batch_size=4, shuffle=True, num_workers=2)
+    epochs = [sorted(torch.cat(list(loader))[:, 0].tolist()) for _ in range(3)]
+    assert all(len(epoch) == 12 for epoch in epochs)
+    assert epochs[0] != epochs[1] and epochs[1] != epochs[2]
