@@ -38,6 +38,25 @@ def _rows(batch: Any) -> int:
     return tensors[0].shape[0] if tensors and tensors[0].dim() else 1
 
 
+def _rebatched(batches: Iterator[Any], size: int, drop_last: bool) -> Iterator[Any]:
+    """``batches`` regrouped into batches of ``size`` rows. A function, not a method of the
+    accessor that keeps the generator: a generator holding its accessor would be a reference
+    cycle, and a torch iterator in a cycle stops its workers slowly (see
+    ``AsynchronousDataAccessor._belong_to``)."""
+    pending, rows = [], 0
+    for batch in batches:
+        pending.append(batch)
+        rows += _rows(batch)
+        while rows >= size:
+            joined = _concat(pending)
+            yield _split(joined, 0, size)
+            rest = rows - size
+            pending = [_split(joined, size, rows)] if rest else []
+            rows = rest
+    if pending and rows and not drop_last:
+        yield _concat(pending)
+
+
 class _SubDataset(torch.utils.data.Dataset):
     """This process's share of a dataset split between ``Distributed`` processes. With
     ``drop_last`` each share is a multiple of the combined batch and the elements left over
@@ -291,22 +310,11 @@ class AsynchronousDataAccessor:
         return iter(self._dataset)
 
     def _batches(self) -> Iterator[Any]:
+        source = self._source()
         if not self.rebatched_size:
-            yield from self._source()
-            return
-        size, pending, rows = self.rebatched_size, [], 0
-        for batch in self._source():
-            pending.append(batch)
-            rows += _rows(batch)
-            while rows >= size:
-                joined = _concat(pending)
-                yield _split(joined, 0, size)
-                rest = rows - size
-                pending = [_split(joined, size, rows)] if rest else []
-                rows = rest
-        drop = getattr(self._dataset, "rebatched_drop_last", True)
-        if pending and rows and not drop:
-            yield _concat(pending)
+            return source
+        drop_last = getattr(self._dataset, "rebatched_drop_last", True)
+        return _rebatched(source, self.rebatched_size, drop_last)
 
     def __iter__(self) -> AsynchronousDataAccessor:
         assert self._alive, "The AsynchronousDataAccessor has been terminated"

@@ -55,3 +55,18 @@ def test_persistent_workers_see_each_epochs_global_shuffle():
     epochs = [sorted(torch.cat(list(loader))[:, 0].tolist()) for _ in range(3)]
     assert all(len(epoch) == 12 for epoch in epochs)
     assert epochs[0] != epochs[1] and epochs[1] != epochs[2]
+
+
+@pytest.mark.parametrize("mode", [poptorch.DataLoaderMode.Async,
+                                  poptorch.DataLoaderMode.AsyncRebatched],
+                         ids=lambda mode: mode.name)
+def test_a_loader_left_mid_epoch_stops_its_workers_when_dropped(mode):
+    loader = poptorch.DataLoader(poptorch.Options(), _Rows(), batch_size=2, num_workers=2,
+                                 mode=mode)
+    for batch in loader:
+        assert tuple(batch.shape) == (2, 2)
+        break
+    freed = weakref.ref(loader._accessor)
+    del loader, batch
+    assert freed() is None
+    assert multiprocessing.active_children() == []
