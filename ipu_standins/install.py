@@ -1,10 +1,16 @@
-"""Make ``import poptorch`` (and ``import popxl``) resolve to the stand-ins, when asked.
+"""Make ``import poptorch`` (and ``import popxl``, ``import popart``) resolve to the stand-ins,
+when asked.
 
 :func:`install` puts a finder first on ``sys.meta_path`` that maps ``poptorch`` and
 ``poptorch.<sub>`` to :mod:`ipu_standins.poptorch` and its modules (one
-module object each, so ``poptorch.Options is poptorch.options.Options``), and ``popxl`` to the
-project's PopXL stand-in. It refuses, running nothing, where the Poplar SDK's PopTorch (or
-PopXL) can be imported: a stand-in never shadows the real one.
+module object each, so ``poptorch.Options is poptorch.options.Options``), ``popxl`` to the
+project's PopXL stand-in and ``popart`` to :mod:`ipu_standins.popart`. It refuses, running
+nothing, where the Poplar SDK's PopTorch (or PopXL, or PopART) can be imported: a stand-in never
+shadows the real one. Being first on ``sys.meta_path``, the finder also wins over a
+``poptorch.py`` in the program's own directory.
+
+:data:`SHIM_DIRECTORY` holds a ``sitecustomize`` that installs the finder at start-up: with it
+first on ``PYTHONPATH`` every interpreter a program starts serves the stand-ins too.
 """
 from __future__ import annotations
 
@@ -14,28 +20,19 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
-import tempfile
 import types
 from typing import Any, List, Optional, Sequence
 
 __all__ = ["install", "uninstall", "real_module_available", "StandInError", "STANDINS",
-           "SHIM_ENV", "shim_directory"]
+           "SHIM_DIRECTORY"]
 
-# A directory with a ``poptorch`` and a ``popxl`` package that serve the stand-ins: put on
-# PYTHONPATH by ``emulate`` so that the program's own subprocesses import them too.
-SHIM_ENV = "IPU_UNIT_SCALING_STANDIN_SHIM"
-# The shim finds ipu_standins where this process found it (appended: it shadows nothing).
-_SHIM_CODE = ("import sys\n"
-              "if {root!r} not in sys.path:\n"
-              "    sys.path.append({root!r})\n"
-              "from ipu_standins.install import serve_from_shim\n"
-              "serve_from_shim(__name__)\n")
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHIM_DIRECTORY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_shim")
 
 # name -> the module that stands in for it
 STANDINS = {
     "poptorch": "ipu_standins.poptorch",
     "popxl": "ipu_standins.popxl",
+    "popart": "ipu_standins.popart",
 }
 
 
@@ -43,35 +40,9 @@ class StandInError(RuntimeError):
     """A stand-in was asked for where the real module imports."""
 
 
-def _is_shim(spec: Any) -> bool:
-    shim = os.environ.get(SHIM_ENV) or ""
-    origin = getattr(spec, "origin", None) or ""
-    return bool(shim) and os.path.abspath(origin).startswith(os.path.abspath(shim) + os.sep)
-
-
-def shim_directory() -> str:
-    """The shim directory of this process (made on first use, in the temporary directory)."""
-    existing = os.environ.get(SHIM_ENV)
-    if existing and os.path.isdir(existing):
-        return existing
-    directory = tempfile.mkdtemp(prefix="ipu-unit-scaling-standins-")
-    for name in STANDINS:
-        os.makedirs(os.path.join(directory, name))
-        with open(os.path.join(directory, name, "__init__.py"), "w") as handle:
-            handle.write(_SHIM_CODE.format(root=_ROOT))
-    os.environ[SHIM_ENV] = directory
-    return directory
-
-
-def serve_from_shim(name: str) -> None:
-    """Run by a shim package: install the stand-ins and become the stand-in module."""
-    if not any(isinstance(f, _StandInFinder) for f in sys.meta_path):
-        install(tuple(STANDINS))
-    sys.modules[name] = importlib.import_module(STANDINS[name])
-
-
-def real_module_available(name: str) -> bool:
-    """Whether ``name`` can be imported from ``sys.path`` without the stand-in."""
+def real_module_available(name: str, path: Optional[Sequence[str]] = None) -> bool:
+    """Whether ``name`` can be imported without the stand-in: from ``sys.path``, or from
+    ``path`` where given (what another interpreter will search)."""
     for finder in sys.meta_path:
         if isinstance(finder, _StandInFinder):
             continue
@@ -79,8 +50,11 @@ def real_module_available(name: str) -> bool:
         if find is None:
             continue
         try:
-            spec = find(name, None)
-            if spec is not None and not _is_shim(spec):
+            if finder is importlib.machinery.PathFinder and path is not None:
+                spec = importlib.machinery.PathFinder.find_spec(name, list(path))
+            else:
+                spec = find(name, None)
+            if spec is not None:
                 return True
         except (ImportError, ValueError):
             continue
@@ -127,7 +101,7 @@ class _StandInFinder(importlib.abc.MetaPathFinder):
                                               is_package=not rest)
 
 
-def install(names: Sequence[str] = ("poptorch", "popxl")) -> List[str]:
+def install(names: Sequence[str] = tuple(STANDINS)) -> List[str]:
     """Install the finder for ``names``; returns the names now served by a stand-in.
 
     Raises :class:`StandInError` if a real module of one of ``names`` imports."""
@@ -135,8 +109,7 @@ def install(names: Sequence[str] = ("poptorch", "popxl")) -> List[str]:
     for name in names:
         if name not in STANDINS:
             raise ValueError(f"no stand-in for {name!r}; there are {sorted(STANDINS)}")
-        if name in sys.modules and not _is_standin(sys.modules[name], name) and not _is_shim(
-                getattr(sys.modules[name], "__spec__", None)):
+        if name in sys.modules and not _is_standin(sys.modules[name], name):
             raise StandInError(f"the real {name} is already imported; not replacing it")
         if real_module_available(name):
             raise StandInError(

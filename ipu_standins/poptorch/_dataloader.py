@@ -10,6 +10,7 @@ asked.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Dict, Iterator, List, Optional, Union
 
 import torch
@@ -35,6 +36,25 @@ def _split(batch: Any, start: int, stop: int) -> Any:
 def _rows(batch: Any) -> int:
     tensors = flatten(batch)
     return tensors[0].shape[0] if tensors and tensors[0].dim() else 1
+
+
+def _rebatched(batches: Iterator[Any], size: int, drop_last: bool) -> Iterator[Any]:
+    """``batches`` regrouped into batches of ``size`` rows. A function, not a method of the
+    accessor that keeps the generator: a generator holding its accessor would be a reference
+    cycle, and a torch iterator in a cycle stops its workers slowly (see
+    ``AsynchronousDataAccessor._belong_to``)."""
+    pending, rows = [], 0
+    for batch in batches:
+        pending.append(batch)
+        rows += _rows(batch)
+        while rows >= size:
+            joined = _concat(pending)
+            yield _split(joined, 0, size)
+            rest = rows - size
+            pending = [_split(joined, size, rows)] if rest else []
+            rows = rest
+    if pending and rows and not drop_last:
+        yield _concat(pending)
 
 
 class _SubDataset(torch.utils.data.Dataset):
@@ -72,7 +92,13 @@ class _SubDataset(torch.utils.data.Dataset):
             generator.manual_seed(self._seed)
         else:
             generator.set_state(self._generator_state)
-        self._order = torch.randperm(len(self._dataset), generator=generator)
+        order = torch.randperm(len(self._dataset), generator=generator)
+        # In shared memory, rewritten in place: persistent workers (which hold a copy of this
+        # dataset since their start) see each epoch's order too.
+        if self._order is None:
+            self._order = order.share_memory_()
+        else:
+            self._order.copy_(order)
         self._generator_state = generator.get_state()
 
     def swap_range(self) -> None:
@@ -179,6 +205,7 @@ class DataLoader(torch.utils.data.DataLoader):
                 "rebatched_size in async_options")
             self._accessor = AsynchronousDataAccessor(self, **async_options,
                                                       rebatched_size=rebatched_size)
+            self._accessor._belong_to(self)
 
     def __len__(self) -> int:
         if self._accessor is not None and self._accessor.rebatched_size:
@@ -251,10 +278,22 @@ class AsynchronousDataAccessor:
                 "'rebatched_size' is specified too.")
         if rebatched_size is not None:
             assert rebatched_size > 1, "rebatched_size must be None or greater than 1"
-        self._dataset = dataset
+        self._source_data: Any = dataset
         self.rebatched_size = rebatched_size
         self._alive = True
         self._iterator: Optional[Iterator[Any]] = None
+
+    @property
+    def _dataset(self) -> Any:
+        source = self._source_data
+        return source() if isinstance(source, weakref.ref) else source
+
+    def _belong_to(self, loader: DataLoader) -> None:
+        """A loader's own accessor refers to it weakly. A reference cycle between the two
+        would leave the loader to the cycle collector, which closes its worker queues before
+        torch's iterator can send its workers the word to stop: every worker of a persistent
+        loader then cost a 5 s join time-out at exit."""
+        self._source_data = weakref.ref(loader)
 
     def terminate(self) -> None:
         self._alive = False
@@ -271,22 +310,11 @@ class AsynchronousDataAccessor:
         return iter(self._dataset)
 
     def _batches(self) -> Iterator[Any]:
+        source = self._source()
         if not self.rebatched_size:
-            yield from self._source()
-            return
-        size, pending, rows = self.rebatched_size, [], 0
-        for batch in self._source():
-            pending.append(batch)
-            rows += _rows(batch)
-            while rows >= size:
-                joined = _concat(pending)
-                yield _split(joined, 0, size)
-                rest = rows - size
-                pending = [_split(joined, size, rows)] if rest else []
-                rows = rest
-        drop = getattr(self._dataset, "rebatched_drop_last", True)
-        if pending and rows and not drop:
-            yield _concat(pending)
+            return source
+        drop_last = getattr(self._dataset, "rebatched_drop_last", True)
+        return _rebatched(source, self.rebatched_size, drop_last)
 
     def __iter__(self) -> AsynchronousDataAccessor:
         assert self._alive, "The AsynchronousDataAccessor has been terminated"
