@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "fp8_block_codelets.cpp"
+#include "placement.hpp"
 
 #define IUS_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -176,4 +177,24 @@ IUS_EXPORT int ius_vertex_group_cast_from_fp8(const std::uint8_t* const* in, voi
     return dispatchCastFrom<half>(in, out, segments, exponentBits, ocp, log2Scales);
   }
   return kBadArguments;
+}
+
+// The graph's plan of the groups (ius::planGroups): with null arrays, only the
+// segment and group counts; else also the segments and group ends, into
+// arrays of those sizes.
+IUS_EXPORT int ius_group_plan(Index rows, Index cols, int kind, Index size, Index* segments,
+                              Index* groups, Index* starts, Index* lengths, Index* groupEnds) {
+  if (kind != ius::kGroupRow && kind != ius::kGroupTile && kind != ius::kGroupBlock) {
+    return kBadArguments;
+  }
+  const ius::GroupPlan plan = ius::planGroups(rows, cols, kind, size);
+  *segments = static_cast<Index>(plan.starts.size());
+  *groups = static_cast<Index>(plan.groupEnds.size());
+  if (starts == nullptr || lengths == nullptr || groupEnds == nullptr) return 0;
+  for (std::size_t s = 0; s < plan.starts.size(); ++s) {
+    starts[s] = plan.starts[s];
+    lengths[s] = plan.lengths[s];
+  }
+  for (std::size_t g = 0; g < plan.groupEnds.size(); ++g) groupEnds[g] = plan.groupEnds[g];
+  return 0;
 }

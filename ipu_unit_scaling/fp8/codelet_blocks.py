@@ -55,6 +55,8 @@ _DEFAULT_WORKERS = 6
 _c_void_p = ctypes.c_void_p
 _c_int64 = ctypes.c_int64
 _SIGNATURES: Dict[str, Tuple[Any, List[Any]]] = {
+    "ius_group_plan": (ctypes.c_int, [_c_int64, _c_int64, ctypes.c_int, _c_int64, _c_void_p,
+                                      _c_void_p, _c_void_p, _c_void_p, _c_void_p]),
     "ius_vertex_group_cast_to_fp8": (ctypes.c_int, [
         _c_void_p, _c_void_p, _c_void_p, _c_int64, _c_void_p, _c_int64, ctypes.c_int,
         ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint,
@@ -105,31 +107,33 @@ class GroupLayout(NamedTuple):
         return int(self.group_ends.size)
 
 
+_GROUP_KINDS = {"row": 0, "tile": 1, "block": 2}  # ius::kGroupRow, kGroupTile, kGroupBlock
+
+
 def group_layout(rows: int, cols: int, grouping: Grouping) -> GroupLayout:
     """The groups of ``grouping`` ("row", "tile" or "block") over a ``rows`` x ``cols``
-    tensor, ragged last groups included, in the order the graph deals them to tiles."""
+    tensor, ragged last groups included, in the order the graph deals them to tiles: the C++
+    plan the custom op builds from (``ius::planGroups`` in ``codelets/placement.hpp``)."""
     if grouping.kind == "tensor":
         raise ValueError("a 'tensor' grouping is the per-tensor Fp8Quantise op, not a group op")
     size = cols if grouping.kind == "row" else grouping.size
-    per_row = -(-cols // size) if cols else 0
-    col_starts = np.arange(per_row, dtype=np.int64) * size
-    col_lengths = np.minimum(size, cols - col_starts)
-    if grouping.kind in ("row", "tile"):
-        starts = (np.arange(rows, dtype=np.int64)[:, None] * cols + col_starts).reshape(-1)
-        lengths = np.tile(col_lengths, rows)
-        group_ends = np.arange(1, starts.size + 1, dtype=np.int64)
-        shape: Tuple[int, ...] = (rows, 1) if grouping.kind == "row" else (rows, per_row, 1)
-        return GroupLayout(rows, cols, shape, starts, lengths, group_ends)
-    block_rows = -(-rows // size) if rows else 0
-    # (block row, block column, row within the block), keeping the rows that exist
-    b_row, b_col, inner = np.meshgrid(np.arange(block_rows), np.arange(per_row),
-                                      np.arange(size), indexing="ij")
-    row = b_row * size + inner
-    present = row < rows
-    starts = (row * cols + col_starts[b_col])[present].astype(np.int64)
-    lengths = col_lengths[b_col][present].astype(np.int64)
-    group_ends = np.cumsum(present.sum(axis=2).reshape(-1)).astype(np.int64)
-    return GroupLayout(rows, cols, (block_rows, 1, per_row, 1), starts, lengths, group_ends)
+    per_row = -(-cols // size) if cols and size else 0
+    if grouping.kind == "row":
+        shape: Tuple[int, ...] = (rows, 1)
+    elif grouping.kind == "tile":
+        shape = (rows, per_row, 1)
+    else:
+        shape = (-(-rows // size), 1, per_row, 1)
+    plan = _vertex("ius_group_plan")
+    counts = np.zeros(2, dtype=np.int64)
+    arguments = (rows, cols, _GROUP_KINDS[grouping.kind], grouping.size,
+                 _address(counts, 0), _address(counts, 1))
+    _check(plan(*arguments, None, None, None), "planGroups")
+    starts, lengths = np.zeros(int(counts[0]), np.int64), np.zeros(int(counts[0]), np.int64)
+    group_ends = np.zeros(int(counts[1]), np.int64)
+    _check(plan(*arguments, _address(starts), _address(lengths), _address(group_ends)),
+           "planGroups")
+    return GroupLayout(rows, cols, shape, starts, lengths, group_ends)
 
 
 class _SegmentMemory:

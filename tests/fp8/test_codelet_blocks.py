@@ -9,6 +9,7 @@ import torch
 
 from ipu_unit_scaling.fp8 import NonFiniteAmaxError, get_format
 from ipu_unit_scaling.fp8 import codelet_blocks as blocks
+from ipu_unit_scaling.fp8 import host_library as _host
 from ipu_unit_scaling.fp8.group_cast import Grouping, group_cast
 
 pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("host_library")]
@@ -123,9 +124,11 @@ def test_layout_covers_every_element_once_and_tiles_get_whole_groups():
             covered[start:start + length] += 1
         assert bool((covered == 1).all()), grouping
         assert layout.groups == int(torch.tensor(layout.scale_shape).prod())
-    runs = blocks.deal_groups(10, 4)
-    assert runs == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    assert blocks.deal_groups(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
     assert blocks.deal_groups(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+    for groups, tiles in [(10, 4), (131072, 1472), (5, 1472)]:  # splitRange, grain 1
+        bounds = _host.partition(groups * 8, tiles, 1).reshape(tiles, 2) // 8
+        assert blocks.deal_groups(groups, tiles) == [tuple(b) for b in bounds.tolist()]
 
 
 @pytest.mark.parametrize("arguments,message", [
