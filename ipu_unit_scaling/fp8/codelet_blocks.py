@@ -31,16 +31,18 @@ from typing import Any, Dict, List, NamedTuple, Tuple
 import numpy as np
 import torch
 
+from ..ops.op_library import LIBRARY
+from ..ops.op_library import below_autograd as _below_autograd
 from . import host_library as _host
 from .codec import check_choice
 from .fp8_formats import FP8Format, get_format
-from .group_cast import Grouping
+from .group_cast import Grouping, group_cast
 from .scaling import check_margin
 
 __all__ = [
     "GROUP_QUANTISE_OP", "GROUP_RULES", "ELEMENT_GRIDS", "GroupLayout", "GroupCodes",
-    "deal_groups", "group_layout", "group_cast_to_fp8_vertices",
-    "group_cast_from_fp8_vertices", "group_quantise_graph",
+    "deal_groups", "group_scale_shape", "group_layout", "fp8_group_quantise",
+    "group_cast_to_fp8_vertices", "group_cast_from_fp8_vertices", "group_quantise_graph",
 ]
 
 GROUP_QUANTISE_OP = "Fp8GroupQuantise"  # the PopART op (domain ai.graphcore.unit_scaling)
@@ -110,20 +112,25 @@ class GroupLayout(NamedTuple):
 _GROUP_KINDS = {"row": 0, "tile": 1, "block": 2}  # ius::kGroupRow, kGroupTile, kGroupBlock
 
 
+def group_scale_shape(rows: int, cols: int, grouping: Grouping) -> Tuple[int, ...]:
+    """The shape of a ``rows`` x ``cols`` tensor's per-group scales, as
+    :func:`~.group_cast.group_cast` shapes them: the grouped view with the group's own axes of
+    size 1."""
+    if grouping.kind == "row":
+        return (rows, 1)
+    per_row = -(-cols // grouping.size)
+    if grouping.kind == "tile":
+        return (rows, per_row, 1)
+    return (-(-rows // grouping.size), 1, per_row, 1)
+
+
 def group_layout(rows: int, cols: int, grouping: Grouping) -> GroupLayout:
     """The groups of ``grouping`` ("row", "tile" or "block") over a ``rows`` x ``cols``
     tensor, ragged last groups included, in the order the graph deals them to tiles: the C++
     plan the custom op builds from (``ius::planGroups`` in ``codelets/placement.hpp``)."""
     if grouping.kind == "tensor":
         raise ValueError("a 'tensor' grouping is the per-tensor Fp8Quantise op, not a group op")
-    size = cols if grouping.kind == "row" else grouping.size
-    per_row = -(-cols // size) if cols and size else 0
-    if grouping.kind == "row":
-        shape: Tuple[int, ...] = (rows, 1)
-    elif grouping.kind == "tile":
-        shape = (rows, per_row, 1)
-    else:
-        shape = (-(-rows // size), 1, per_row, 1)
+    shape = group_scale_shape(rows, cols, grouping)
     plan = _vertex("ius_group_plan")
     counts = np.zeros(2, dtype=np.int64)
     arguments = (rows, cols, _GROUP_KINDS[grouping.kind], grouping.size,
@@ -293,3 +300,74 @@ def group_quantise_graph(x: torch.Tensor, fmt: object, grouping: Grouping, rule:
     values = group_cast_from_fp8_vertices(cast.codes, cast.log2_scales, fmt, grouping, x.dtype,
                                           tiles, workers)
     return GroupCodes(values, cast.log2_scales, cast.non_finite)
+
+
+# ---------------------------------------------------------------------------------------------
+# The op's numerics as a torch.library op: one node of a traced graph (the PopTorch stand-in
+# runs it for poptorch.custom_op), with the PopART op's straight-through gradient.
+
+LIBRARY.define("fp8_group_quantise(Tensor x, str format, str grouping, int group_size, "
+               "str rule, str scale_rounding, int margin, bool saturate) "
+               "-> (Tensor, Tensor, Tensor)")
+
+
+def _group_quantise_kernel(x: torch.Tensor, format: str, grouping: str, group_size: int,
+                           rule: str, scale_rounding: str, margin: int, saturate: bool
+                           ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    groups = Grouping(grouping, group_size)
+    overflow = "saturate" if saturate else "nan"
+    try:
+        result = group_quantise_graph(x, format, groups, rule, margin, overflow, scale_rounding)
+        return result.codes, result.log2_scales, result.non_finite.to(torch.int32)
+    except _host.HostLibraryUnavailable:
+        # group_cast gives the same bits, but raises on an inf/NaN group
+        cast = group_cast(x, get_format(format), groups, rule=rule, margin=margin,
+                          overflow=overflow, scale_rounding=scale_rounding)
+        assert cast.log2_scales is not None
+        return (cast.values.to(x.dtype), cast.log2_scales.to(torch.int32),
+                torch.zeros_like(cast.log2_scales, dtype=torch.int32))
+
+
+def _group_quantise_meta(x: torch.Tensor, format: str, grouping: str, group_size: int,
+                         rule: str, scale_rounding: str, margin: int, saturate: bool
+                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    shape = group_scale_shape(x.shape[0], x.shape[1], Grouping(grouping, group_size))
+    return (torch.empty_like(x), x.new_empty(shape, dtype=torch.int32),
+            x.new_empty(shape, dtype=torch.int32))
+
+
+class _GroupQuantise(torch.autograd.Function):
+    """The Autograd kernel: the values' gradient passes straight through, as the grad op's."""
+
+    @staticmethod
+    def forward(ctx, x, *attributes):  # type: ignore[override]
+        with _below_autograd():
+            values, scales, flags = torch.ops.ipu_unit_scaling.fp8_group_quantise(x, *attributes)
+        ctx.mark_non_differentiable(scales, flags)
+        ctx.attributes = len(attributes)
+        return values, scales, flags
+
+    @staticmethod
+    def backward(ctx, grad, *_):  # type: ignore[override]
+        return (grad,) + (None,) * ctx.attributes
+
+
+def _group_quantise_autograd(x: torch.Tensor, format: str, grouping: str, group_size: int,
+                             rule: str, scale_rounding: str, margin: int, saturate: bool
+                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _GroupQuantise.apply(x, format, grouping, group_size, rule,  # type: ignore[no-any-return]
+                                scale_rounding, margin, saturate)
+
+
+LIBRARY.impl("fp8_group_quantise", _group_quantise_kernel, "CPU")
+LIBRARY.impl("fp8_group_quantise", _group_quantise_meta, "Meta")
+LIBRARY.impl("fp8_group_quantise", _group_quantise_autograd, "Autograd")
+
+
+def fp8_group_quantise(x: torch.Tensor, fmt: str, grouping: Grouping, rule: str = "amax",
+                       margin: int = 0, saturate: bool = True, scale_rounding: str = "floor"
+                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.ops.ipu_unit_scaling.fp8_group_quantise``: what ``Fp8GroupQuantise`` computes
+    (values in x's dtype, int32 scales, int32 non-finite flags), one node when traced."""
+    return torch.ops.ipu_unit_scaling.fp8_group_quantise(  # type: ignore[no-any-return]
+        x, fmt, grouping.kind, grouping.size, rule, scale_rounding, margin, saturate)

@@ -142,3 +142,24 @@ def test_bad_arguments_get_one_line(arguments, message):
     with pytest.raises(ValueError, match=message) as error:
         blocks.group_cast_to_fp8_vertices(torch.ones(2, 64), *arguments)
     assert "\n" not in str(error.value)
+
+
+def test_the_torch_library_op_is_one_node_with_a_straight_through_gradient():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    grouping = Grouping("tile", 32)
+    x = torch.randn(6, 80, requires_grad=True)
+    values, scales, flags = blocks.fp8_group_quantise(x, "E4M3FN", grouping, "mx")
+    ref = group_cast(x.detach(), get_format("E4M3FN"), grouping, rule="mx")
+    assert torch.equal(_bits(values), _bits(ref.values))
+    assert torch.equal(scales, ref.log2_scales) and flags.dtype == torch.int32
+    dy = torch.randn(6, 80)
+    values.backward(dy)
+    assert torch.equal(x.grad, dy)
+    graph = make_fx(lambda t: blocks.fp8_group_quantise(t, "F143", grouping),
+                    tracing_mode="fake")(torch.randn(6, 80))
+    calls = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+    assert sum("fp8_group_quantise" in str(c) for c in calls) == 1
+    shapes = [n.meta["val"].shape for n in graph.graph.nodes if n.op == "call_function"
+              and "getitem" in str(n.target)]
+    assert torch.Size([6, 3, 1]) in shapes
