@@ -26,7 +26,7 @@ its non-finite flag is set.
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Dict, List, NamedTuple, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Tuple
 
 import numpy as np
 import torch
@@ -176,7 +176,7 @@ def _address(array: np.ndarray, first: int = 0) -> ctypes.c_void_p:
     return ctypes.c_void_p(array.ctypes.data + first * array.itemsize)
 
 
-def _tile_runs(layout: GroupLayout, tiles: int):  # type: ignore[no-untyped-def]
+def _tile_runs(layout: GroupLayout, tiles: int) -> Iterator[Tuple[int, int, int, np.ndarray]]:
     """Per tile holding groups: (first group, end group, first segment, local group ends)."""
     for first, end in deal_groups(layout.groups, tiles):
         if end > first:
