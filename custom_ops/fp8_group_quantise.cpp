@@ -287,6 +287,20 @@ class Fp8GroupQuantiseOpx : public popart::popx::Opx {
     const popart::Shape scaleShape = attributes.scaleShape(inInfo(0).shape());
     const auto rows = static_cast<std::int64_t>(x.dim(0));
     const auto cols = static_cast<std::int64_t>(x.dim(1));
+    const std::vector<std::size_t> scaleDims(scaleShape.begin(), scaleShape.end());
+    if (x.numElements() == 0) {  // no vertex runs; a group without elements has amax 0
+      const int emptyScale = attributes.rule == "amax" ? 0 : ius::kMxScaleLimit;
+      const poplar::Tensor scales =
+          g.addConstant(poplar::INT, scaleDims, emptyScale, debugContext("log2Scales"));
+      const poplar::Tensor flags =
+          g.addConstant(poplar::INT, scaleDims, 0, debugContext("nonFinite"));
+      g.setTileMapping(scales, 0);
+      g.setTileMapping(flags, 0);
+      setOutTensor(0, g.clone(x, debugContext("empty")));
+      setOutTensor(1, scales);
+      setOutTensor(2, flags);
+      return;
+    }
     const ius::GroupPlan plan = ius::planGroups(rows, cols, attributes.kind(),
                                                 attributes.groupSize);
     const std::size_t groups = plan.groupEnds.size();
@@ -310,10 +324,8 @@ class Fp8GroupQuantiseOpx : public popart::popx::Opx {
     const auto codes =
         segmentViews(g, poplar::UNSIGNED_CHAR, plan, tileSegments, debugContext("codes"));
     const auto values = segmentViews(g, type, plan, tileSegments, debugContext("values"));
-    if (!plan.starts.empty()) {
-      prog.add(poplar::program::Copy(x.flatten(), inTensorOrder(in, byStart), false,
-                                     debugContext("toGroupLayout")));
-    }
+    prog.add(poplar::program::Copy(x.flatten(), inTensorOrder(in, byStart), false,
+                                   debugContext("toGroupLayout")));
 
     const poplar::Tensor scales =
         g.addVariable(poplar::INT, {groups}, debugContext("log2Scales"));
@@ -366,9 +378,7 @@ class Fp8GroupQuantiseOpx : public popart::popx::Opx {
     prog.add(poplar::program::Execute(castTo, debugContext("groupCastToFp8")));
     prog.add(poplar::program::Execute(castFrom, debugContext("groupCastFromFp8")));
 
-    const std::vector<std::size_t> scaleDims(scaleShape.begin(), scaleShape.end());
-    setOutTensor(0, plan.starts.empty() ? g.clone(x, debugContext("empty"))
-                                        : inTensorOrder(values, byStart).reshape(x.shape()));
+    setOutTensor(0, inTensorOrder(values, byStart).reshape(x.shape()));
     setOutTensor(1, scales.reshape(scaleDims));
     setOutTensor(2, flags.reshape(scaleDims));
   }

@@ -36,7 +36,7 @@ from ..ops.op_library import below_autograd as _below_autograd
 from . import host_library as _host
 from .codec import check_choice
 from .fp8_formats import FP8Format, get_format
-from .group_cast import Grouping, group_cast
+from .group_cast import MX_SCALE_LIMIT, Grouping, group_cast
 from .scaling import check_margin
 
 __all__ = [
@@ -116,6 +116,8 @@ def group_scale_shape(rows: int, cols: int, grouping: Grouping) -> Tuple[int, ..
     """The shape of a ``rows`` x ``cols`` tensor's per-group scales, as
     :func:`~.group_cast.group_cast` shapes them: the grouped view with the group's own axes of
     size 1."""
+    if grouping.kind == "tensor":
+        raise ValueError("a 'tensor' grouping is the per-tensor Fp8Quantise op, not a group op")
     if grouping.kind == "row":
         return (rows, 1)
     per_row = -(-cols // grouping.size)
@@ -128,8 +130,6 @@ def group_layout(rows: int, cols: int, grouping: Grouping) -> GroupLayout:
     """The groups of ``grouping`` ("row", "tile" or "block") over a ``rows`` x ``cols``
     tensor, ragged last groups included, in the order the graph deals them to tiles: the C++
     plan the custom op builds from (``ius::planGroups`` in ``codelets/placement.hpp``)."""
-    if grouping.kind == "tensor":
-        raise ValueError("a 'tensor' grouping is the per-tensor Fp8Quantise op, not a group op")
     shape = group_scale_shape(rows, cols, grouping)
     plan = _vertex("ius_group_plan")
     counts = np.zeros(2, dtype=np.int64)
@@ -236,6 +236,12 @@ def group_cast_to_fp8_vertices(x: torch.Tensor, fmt: object, grouping: Grouping,
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     flat = _input(x)
+    if flat.numel() == 0:  # no vertex runs; a group without elements has amax 0
+        shape = group_scale_shape(x.shape[0], x.shape[1], grouping)
+        empty_scale = 0 if rule == "amax" else MX_SCALE_LIMIT
+        return GroupCodes(torch.zeros(x.shape, dtype=torch.uint8),
+                          torch.full(shape, empty_scale, dtype=torch.int32),
+                          torch.zeros(shape, dtype=torch.bool))
     layout = group_layout(x.shape[0], x.shape[1], grouping)
     memory = _SegmentMemory(layout)
     buffer = memory.gather(flat)
@@ -268,6 +274,8 @@ def group_cast_from_fp8_vertices(codes: torch.Tensor, log2_scales: torch.Tensor,
     if codes.dtype != torch.uint8 or codes.dim() != 2:
         raise TypeError(f"codes must be 2-D uint8, got {codes.dtype} of shape "
                         f"{tuple(codes.shape)}")
+    if codes.numel() == 0:
+        return torch.zeros(codes.shape, dtype=dtype)
     layout = group_layout(codes.shape[0], codes.shape[1], grouping)
     if log2_scales.numel() != layout.groups:
         raise ValueError(f"{layout.groups} groups need as many scales, got "

@@ -83,6 +83,8 @@ def test_zeros_and_float32_subnormal_groups():
         _assert_matches(x, cast, grouping, tiles=5, workers=6)
     mx = blocks.group_quantise_graph(torch.zeros(2, 64), "E4M3FN", Grouping("tile", 32), "mx")
     assert mx.log2_scales.flatten().tolist() == [127] * 4  # E8M0's smallest, e = -127
+    empty = blocks.group_quantise_graph(torch.zeros(3, 0), "F143", Grouping("row"))
+    assert empty.codes.shape == (3, 0) and empty.log2_scales.tolist() == [[0]] * 3
 
 
 def test_non_finite_groups_are_flagged_with_scale_zero_and_the_rest_is_group_cast():
