@@ -13,7 +13,8 @@ the custom op also where a program calls the ``torch.library`` op directly.
 
 A process that has not registered an op library imports, the first time an op is not found,
 the modules named in ``$POPTORCH_STANDIN_OP_LIBRARIES`` (comma-separated), which register
-theirs: that is how a program's subprocesses get the op libraries its parent registered.
+theirs: that is how a program's subprocesses get the op libraries its parent registered. They
+load outside any trace, also when the first call comes from a model being traced.
 """
 from __future__ import annotations
 
