@@ -32,9 +32,10 @@ class BuildHostLibrary(build_ext):
 
 host_library = Extension(
     "ipu_unit_scaling.fp8._fp8_host",
-    sources=["codelets/host/fp8_host.cpp"],
+    sources=["codelets/host/fp8_host.cpp", "codelets/fp8_block_host.cpp"],
     include_dirs=["codelets/host_shim"],
-    depends=["codelets/fp8_codelets.cpp", "codelets/fp8_arith.hpp", "codelets/partition.hpp",
+    depends=["codelets/fp8_codelets.cpp", "codelets/fp8_block_codelets.cpp",
+             "codelets/fp8_arith.hpp", "codelets/partition.hpp",
              "codelets/placement.hpp",
              "codelets/host/fp8_fused.hpp", "codelets/host/fp8_fast.hpp",
              "codelets/host/fp8_simd.hpp",

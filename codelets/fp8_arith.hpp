@@ -64,6 +64,13 @@ inline float powerOfTwo(int exponent) {
   return floatFromBits(static_cast<unsigned>(127 + exponent) << 23);
 }
 
+// 2^exponent as a float, exact for -149 <= exponent <= 127 (float32 subnormals
+// below -126): the range of the MX recipe's E8M0 scales.
+inline float powerOfTwoWide(int exponent) {
+  return exponent >= -126 ? powerOfTwo(exponent)
+                          : floatFromBits(1u << static_cast<unsigned>(exponent + 149));
+}
+
 // |x| as an unsigned key whose integer order is the order of magnitudes with
 // every NaN above +inf. A max over keys is therefore a NaN-aware amax (a NaN
 // wins, as x.abs().max() does), which std::max / fmax would not give.
@@ -260,6 +267,97 @@ inline ScalingBias scalingBias(float amax, float formatMax, int margin) {
   scale = scale > kMaxLog2Scale ? kMaxLog2Scale : scale;
   scale = scale < -kMaxLog2Scale ? -kMaxLog2Scale : scale;
   return ScalingBias{static_cast<int>(scale), false};
+}
+
+// ---------------------------------------------------------------------------
+// Grouped recipes (rowwise, block, MX): a scale per group of elements.
+
+// How a group's scale follows from its amax (the values of the vertices'
+// `rule` field, and of the custom op's attribute):
+//   kRuleAmax:    the AMAX rule above, with the margin;
+//   kRuleMxFloor: OCP MX's E8M0 exponent e = floor(log2(amax)) - emax, emax the
+//                 element format's largest exponent (elements above max saturate);
+//   kRuleMxUp:    the smallest e with amax <= max * 2^e (nothing saturates).
+// Both MX rules clamp e to -127..127 and give e = -127 for an all-zero group;
+// in the package's convention s = -e.
+constexpr int kRuleAmax = 0;
+constexpr int kRuleMxFloor = 1;
+constexpr int kRuleMxUp = 2;
+constexpr int kMxScaleLimit = 127;
+
+// An element grid: the IPU format with ExponentBits, or with Ocp the OCP
+// format with the same bits (E4M3FN, max 448; E5M2, max 57344). Each OCP grid
+// is twice the IPU one (one less exponent bias, the same subnormal steps) up
+// to the OCP max, so an OCP value is encoded as the IPU code of half of it,
+// clamped to half the OCP max: the IPU's own FP8 arithmetic then reads it.
+template <unsigned ExponentBits, bool Ocp>
+struct ElementGrid {
+  static constexpr float maxValue =
+      Ocp ? (ExponentBits == 4 ? 448.0f : 57344.0f) : Fp8Spec<ExponentBits>::maxValue;
+  // log2 of the grid's step relative to the IPU format's.
+  static constexpr int shift = Ocp ? 1 : 0;
+};
+
+inline ScalingBias mxScalingBias(float amax, float formatMax, bool roundUp) {
+  const unsigned key = floatBits(amax) & kFloatMagnitudeMask;
+  if (!keyIsFinite(key)) {
+    return ScalingBias{0, true};
+  }
+  if (key == 0) {
+    return ScalingBias{kMxScaleLimit, false};
+  }
+  const Normalised top = normalise(formatMax);
+  const Normalised bottom = normalise(floatFromBits(key));
+  int shared = roundUp ? bottom.exponent - top.exponent +
+                             (bottom.significand > top.significand ? 1 : 0)
+                       : bottom.exponent - top.exponent;
+  shared = shared > kMxScaleLimit ? kMxScaleLimit : shared;
+  shared = shared < -kMxScaleLimit ? -kMxScaleLimit : shared;
+  return ScalingBias{-shared, false};
+}
+
+// A group's scale from its amax by `rule`; an unknown rule flags the group
+// as non-finite (s = 0), so a bad graph cannot pass unnoticed.
+inline ScalingBias groupScalingBias(float amax, float formatMax, int rule, int margin) {
+  if (rule == kRuleAmax) return scalingBias(amax, formatMax, margin);
+  if (rule == kRuleMxFloor || rule == kRuleMxUp) {
+    return mxScalingBias(amax, formatMax, rule == kRuleMxUp);
+  }
+  return ScalingBias{0, true};
+}
+
+// codes = encode(clamp(x * 2^(s - shift))) on the grid: with Ocp, values are
+// clamped to half the OCP max first (saturating: the OCP formats' overflow
+// is not the IPU format's). The multiply is exact as in castToFp8Span.
+template <unsigned ExponentBits, bool Saturate, bool Ocp, typename T, typename Index>
+inline void castToGridSpan(const T* __restrict__ x, Index count, int log2Scale,
+                           unsigned char* __restrict__ codes) {
+  static_assert(Saturate || !Ocp, "the OCP grids saturate");
+  using Grid = ElementGrid<ExponentBits, Ocp>;
+  const float scale = powerOfTwoWide(log2Scale - Grid::shift);
+  if (Ocp) {
+    const int clampBits = static_cast<int>(floatBits(Grid::maxValue * 0.5f));
+    for (Index i = 0; i < count; ++i) {
+      const int bits = static_cast<int>(floatBits(static_cast<float>(x[i]) * scale));
+      const int magnitude = bits & 0x7fffffff;
+      // Integer compares: NaN (above the infinity bits) passes unclamped.
+      const int clamped = magnitude > clampBits && magnitude <= 0x7f800000
+                              ? (bits & static_cast<int>(0x80000000u)) | clampBits
+                              : bits;
+      codes[i] = encodeFp8<ExponentBits, true>(floatFromBits(static_cast<unsigned>(clamped)));
+    }
+  } else {
+    castToFp8Span<ExponentBits, Saturate>(x, count, scale, codes);
+  }
+}
+
+// values = decode(codes) * 2^(shift - s), exact: decode has at most 4
+// significant bits, none below 2^-17, and |s| <= 127.
+template <unsigned ExponentBits, bool Ocp, typename T, typename Index>
+inline void castFromGridSpan(const unsigned char* __restrict__ codes, Index count, int log2Scale,
+                             T* __restrict__ y) {
+  const float scale = powerOfTwoWide(ElementGrid<ExponentBits, Ocp>::shift - log2Scale);
+  castFromFp8Span<ExponentBits>(codes, count, scale, y);
 }
 
 }  // namespace ius

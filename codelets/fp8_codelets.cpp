@@ -21,12 +21,10 @@
 
 using namespace poplar;
 
-// Sub-word outputs (uint8 codes, half values) are 64-bit aligned, as poplibs
-// does for its casts: a store narrower than 32 bits is a read-modify-write of
-// its word, so two workers must never share one. Worker slices start on
-// multiples of ius::kPartitionGrain (8) elements of an aligned region, so they
-// start on 8-byte boundaries too.
-constexpr unsigned kSubWordAlignment = 8;
+// Sub-word outputs are ius::kSubWordAlignment (8-byte) aligned. Worker slices
+// start on multiples of ius::kPartitionGrain (8) elements of an aligned
+// region, so they start on 8-byte boundaries too.
+using ius::kSubWordAlignment;
 
 // The absolute maximum of this worker's slice of the tile's input, NaN-aware.
 template <typename T>

@@ -13,6 +13,11 @@ namespace ius {
 // and 8 elements keep float, half and uint8 slices 64-bit aligned.
 constexpr unsigned kPartitionGrain = 8;
 
+// Sub-word outputs (uint8 codes, half values) are 64-bit aligned, as poplibs
+// does for its casts: a store narrower than 32 bits is a read-modify-write of
+// its word, so two workers must never share one.
+constexpr unsigned kSubWordAlignment = 8;
+
 template <typename Index>
 struct Range {
   Index begin;

@@ -76,4 +76,44 @@ inline AmaxTree planAmaxTree(const std::vector<unsigned>& leafTiles, std::uint64
   return tree;
 }
 
+// The grouped recipes' plan (custom_ops/fp8_group_quantise.cpp builds its
+// graph from it; the emulator, ipu_unit_scaling/fp8/codelet_blocks.py, is
+// checked against it through the host library). The groups of a rows x cols
+// tensor: each row (kGroupRow), each 1 x size tile of a row (kGroupTile) or
+// each size x size block (kGroupBlock), ragged at the ends, in row-major order
+// of the grouped view (blocks: block row, then block column). A group is its
+// row pieces (segments), listed group after group. The graph deals the groups
+// to the tiles as splitRange deals elements, with a grain of one group.
+constexpr int kGroupRow = 0;
+constexpr int kGroupTile = 1;
+constexpr int kGroupBlock = 2;
+
+struct GroupPlan {
+  std::vector<std::int64_t> starts;     // per segment: flat index of its first element
+  std::vector<std::int64_t> lengths;    // per segment
+  std::vector<std::int64_t> groupEnds;  // per group: one past its last segment
+};
+
+inline GroupPlan planGroups(std::int64_t rows, std::int64_t cols, int kind, std::int64_t size) {
+  GroupPlan plan;
+  if (kind == kGroupRow) size = cols;
+  if (rows <= 0 || cols <= 0 || size <= 0) return plan;
+  const std::int64_t perRow = (cols + size - 1) / size;
+  const std::int64_t groupRows = kind == kGroupBlock ? size : 1;
+  const std::int64_t bands = (rows + groupRows - 1) / groupRows;
+  for (std::int64_t band = 0; band < bands; ++band) {
+    for (std::int64_t column = 0; column < perRow; ++column) {
+      const std::int64_t col = column * size;
+      const std::int64_t length = cols - col < size ? cols - col : size;
+      for (std::int64_t row = band * groupRows; row < (band + 1) * groupRows && row < rows;
+           ++row) {
+        plan.starts.push_back(row * cols + col);
+        plan.lengths.push_back(length);
+      }
+      plan.groupEnds.push_back(static_cast<std::int64_t>(plan.starts.size()));
+    }
+  }
+  return plan;
+}
+
 }  // namespace ius

@@ -84,9 +84,16 @@ poplar::VertexRef addTileVertex(poplar::Graph& graph, poplar::ComputeSet& comput
   return vertex;
 }
 
-// The popc-compiled codelets when the build made them, else the C++ source,
-// which Poplar then compiles itself. IPU_UNIT_SCALING_CODELETS overrides both.
-void addCodeletsOnce(poplar::Graph& graph) {
+poplar::Type poplarType(const popart::TensorInfo& info) {
+  return info.dataType() == popart::DataType::FLOAT16 ? poplar::HALF : poplar::FLOAT;
+}
+
+}  // namespace
+
+// The popc-compiled codelets when the build made them (one .gp holding the
+// per-tensor and the grouped vertices), else the C++ sources, which Poplar then
+// compiles itself. IPU_UNIT_SCALING_CODELETS (a .gp) overrides both.
+void addFp8Codelets(poplar::Graph& graph) {
   if (graph.hasCodelet("PartialAmax<float>")) return;
   const char* override = std::getenv("IPU_UNIT_SCALING_CODELETS");
   const std::string precompiled = IUS_CODELETS_GP;
@@ -96,16 +103,12 @@ void addCodeletsOnce(poplar::Graph& graph) {
   } else if (!precompiled.empty()) {
     graph.addCodelets(precompiled);
   } else {
-    graph.addCodelets(directory + "/fp8_codelets.cpp", poplar::CodeletFileType::Auto,
-                      "-O3 -I" + directory);
+    for (const char* source : {"/fp8_codelets.cpp", "/fp8_block_codelets.cpp"}) {
+      graph.addCodelets(directory + source, poplar::CodeletFileType::Auto,
+                        "-O3 -I" + directory);
+    }
   }
 }
-
-poplar::Type poplarType(const popart::TensorInfo& info) {
-  return info.dataType() == popart::DataType::FLOAT16 ? poplar::HALF : poplar::FLOAT;
-}
-
-}  // namespace
 
 Fp8Attributes Fp8Attributes::read(const popart::Attributes& attributes,
                                   const std::string& defaultFormat, int64_t defaultMargin) {
@@ -167,7 +170,7 @@ CodeletOpx::Scale CodeletOpx::growScale(poplar::program::Sequence& prog,
                                         const poplar::Tensor& flat,
                                         const Fp8Attributes& attributes) const {
   poplar::Graph& g = graph();
-  addCodeletsOnce(g);
+  addFp8Codelets(g);
   Scale scale;
   if (attributes.hasLog2Scale) {
     scale.log2Scale = g.addConstant(poplar::INT, {}, static_cast<int>(attributes.log2Scale),
@@ -248,7 +251,7 @@ poplar::Tensor CodeletOpx::growCastToFp8(poplar::program::Sequence& prog,
                                          const poplar::Tensor& log2Scale,
                                          const Fp8Attributes& attributes) const {
   poplar::Graph& g = graph();
-  addCodeletsOnce(g);
+  addFp8Codelets(g);
   const poplar::Tensor codes = g.clone(poplar::UNSIGNED_CHAR, flat, debugContext("codes"));
   const std::vector<TileRegions> regions = regionsByTile(g, codes);
   poplar::ComputeSet cast = g.addComputeSet(debugContext("CastToFp8"));
@@ -273,7 +276,7 @@ poplar::Tensor CodeletOpx::growCastFromFp8(poplar::program::Sequence& prog,
                                            const poplar::Type& type,
                                            const Fp8Attributes& attributes) const {
   poplar::Graph& g = graph();
-  addCodeletsOnce(g);
+  addFp8Codelets(g);
   const poplar::Tensor values = g.clone(type, codes, debugContext("values"));
   const std::vector<TileRegions> regions = regionsByTile(g, values);
   poplar::ComputeSet decode = g.addComputeSet(debugContext("CastFromFp8"));

@@ -8,6 +8,9 @@
 //   Fp8GradientQuantise  x -> x
 //                          grad op: dx = decode(cast(dy * 2^s)) * 2^-s, s from amax(dy)
 //                          or the given log2_scale
+//   Fp8GroupQuantise     x -> decode(cast(x * 2^s)) * 2^-s with s per group (rowwise,
+//                          block, MX), log2_scales, non_finite    (fp8_group_quantise.cpp)
+//                          grad op: dx = dy
 //
 // Scaling-bias convention, as everywhere in the project: q = cast(x * 2^s),
 // s = clamp(floor(log2(max / amax)) - margin, -31, 31), s = 0 for amax 0.
@@ -65,6 +68,10 @@ struct Fp8Attributes {
   // The codelets' template argument: 4 for F143, 5 for F152.
   unsigned exponentBits() const { return format == "F152" ? 5u : 4u; }
 };
+
+// Adds the codelets (codelets/fp8_codelets.cpp and fp8_block_codelets.cpp) to
+// the graph, once.
+void addFp8Codelets(poplar::Graph& graph);
 
 // An Opx that builds its program from the FP8 codelets (fp8_graph.cpp). Its
 // vertices follow the input's tile mapping, and its outputs take the input's

@@ -13,7 +13,8 @@ the custom op also where a program calls the ``torch.library`` op directly.
 
 A process that has not registered an op library imports, the first time an op is not found,
 the modules named in ``$POPTORCH_STANDIN_OP_LIBRARIES`` (comma-separated), which register
-theirs: that is how a program's subprocesses get the op libraries its parent registered.
+theirs: that is how a program's subprocesses get the op libraries its parent registered. They
+load outside any trace, also when the first call comes from a model being traced.
 """
 from __future__ import annotations
 
@@ -54,11 +55,26 @@ def unregister_op(domain: str, name: str) -> None:
     _torch_ops.pop((domain, name), None)
 
 
+@contextlib.contextmanager
+def _outside_any_trace() -> Iterator[None]:
+    """No torch function or dispatch mode (the tracer's) sees what runs inside."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with torch._C.DisableTorchFunction(), _disable_current_modes():
+        yield
+
+
 def _import_named_libraries() -> None:
-    for module in filter(None, os.environ.get(LIBRARIES_ENV, "").split(",")):
-        if module not in _imported:
-            _imported.add(module)
-            importlib.import_module(module.strip())
+    # The first call may come while a model is traced: a library loads outside the trace, as
+    # a real one is loaded (ctypes) before PopART sees the op.
+    names = [name.strip() for name in os.environ.get(LIBRARIES_ENV, "").split(",")]
+    if all(not name or name in _imported for name in names):
+        return
+    with _outside_any_trace():
+        for module in names:
+            if module and module not in _imported:
+                _imported.add(module)
+                importlib.import_module(module)
 
 
 def find_op(domain: str, name: str) -> Optional[Numerics]:

@@ -428,6 +428,22 @@ def _emulator(block: Block, namespace: Namespace) -> None:
     assert namespace["mapped"].log2_scale == flat.log2_scale
 
 
+@check("group_quantise")
+def _group_quantise(block: Block, namespace: Namespace) -> None:
+    from ipu_unit_scaling.fp8 import get_format
+    from ipu_unit_scaling.fp8.group_cast import Grouping, group_cast
+
+    x = namespace["x"].detach()
+    mx = group_cast(x, get_format("E4M3FN"), Grouping("tile", 32), rule="mx")
+    result = namespace["result"]
+    assert torch.equal(result.codes, mx.values) and torch.equal(result.log2_scales,
+                                                                mx.log2_scales)
+    assert not bool(result.non_finite.any())
+    blocks = group_cast(x, get_format("F143"), Grouping("block", 32))
+    assert torch.equal(namespace["values"], blocks.values)
+    assert torch.equal(namespace["scales"], blocks.log2_scales)
+
+
 # ---------------------------------------------------------------------------- running
 
 

@@ -52,6 +52,26 @@ from .run_outcomes import (
 
 # ------------------------------------------------------------------------------ a session
 
+# The buffer the delayed FP8 recipe keeps its past amaxes in (ipu_unit_scaling.fp8.linear).
+RECIPE_STATE_SUFFIX = "amax_history"
+
+
+def recipe_state_for(own: Dict[str, Any], weights: Dict[str, Any]) -> Dict[str, Any]:
+    """``weights`` for a fine-tuning model whose own state is ``own``: the FP8 recipe's amax
+    histories are state of the casts, not weights, so those the model lacks (another recipe)
+    are dropped, and those it has that ``weights`` lack or shape otherwise (another recipe or
+    history length) start fresh, as the model built them. Every other key is left to the
+    strict load."""
+    fitted = {key: value for key, value in weights.items()
+              if not key.endswith(RECIPE_STATE_SUFFIX) or key in own}
+    for key, value in own.items():
+        if key.endswith(RECIPE_STATE_SUFFIX):
+            given = fitted.get(key)
+            if not isinstance(given, Tensor) or given.shape != value.shape:
+                fitted[key] = value
+    return fitted
+
+
 
 def _caused_by(error: BaseException, kind: type) -> bool:
     """Whether ``error`` or an exception it was raised from or during is a ``kind``."""
@@ -104,7 +124,8 @@ class TrainingSession:
             done_by_rank_zero(lambda: self._rewrite_for_resume(run))
         elif run.weights is not None:
             try:
-                self.model.load_state_dict(run.weights)
+                self.model.load_state_dict(
+                    recipe_state_for(self.model.state_dict(), run.weights))
             except RuntimeError as error:
                 raise RunError(f"cannot fine-tune from {run.init_from}: its {CHECKPOINT_FILE} "
                                f"does not fit its {CONFIG_FILE}: {state_mismatch(error)}") from None

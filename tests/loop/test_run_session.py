@@ -17,7 +17,7 @@ from helpers import ONE_IPU, run
 from ipu_unit_scaling.loop.run_outcomes import TrainingDiverged
 from ipu_unit_scaling.loop.training_loop import train
 from ipu_unit_scaling.training.run_config import Config, load_config
-from ipu_unit_scaling.training.run_records import load_checkpoint, read_metrics
+from ipu_unit_scaling.training.run_records import load_checkpoint, read_metrics, save_checkpoint
 from ipu_unit_scaling.training.telemetry_log import read_telemetry
 
 SHORT = [*ONE_IPU, "training.eval_batches=1", "training.steps=6", "training.eval_interval=2",
@@ -156,3 +156,41 @@ def test_a_learning_rate_far_too_high_warns_before_the_validation_loss_moves(dat
     warned = [int(line.split(": ")[1].split()[1]) for line in said if "warning:" in line]
     assert warned and moved and min(warned) < moved[0], (warned, moved)
     assert any("update/weight ratio" in line for line in said)
+
+
+def _history_keys(run_dir: Path) -> Dict[str, Any]:
+    model = load_checkpoint(run_dir / "checkpoint.pt")["model"]
+    return {key: value for key, value in model.items() if key.endswith("amax_history")}
+
+
+def test_fine_tuning_crosses_fp8_recipes_and_resuming_stays_strict(data, tmp_path, capsys):
+    def train_cli(run_dir: Path, *arguments: str) -> int:
+        return run(capsys, "train", *arguments, "--run-dir", run_dir, "--quiet", "--set",
+                   *ONE_IPU, "training.eval_batches=1", "training.steps=2",
+                   "training.eval_interval=2")[0]
+
+    delayed = ["precision.dtype=fp8", "precision.fp8.scaling=delayed"]
+    assert train_cli(tmp_path / "delayed", "--config", "tiny", "--data", data, "--set",
+                     *delayed) == 0
+    pretrained = _history_keys(tmp_path / "delayed")
+    assert pretrained and all(bool(h.abs().sum() > 0) for h in pretrained.values())
+    for name, precision in [("rowwise", ["precision.dtype=fp8", "precision.fp8.scaling=rowwise"]),
+                            ("fp32", ["precision.dtype=fp32"]),
+                            ("delayed_longer", [*delayed, "precision.fp8.amax_history_length=4"])]:
+        assert train_cli(tmp_path / name, "--init-from", tmp_path / "delayed", "--data", data,
+                         "--set", *precision) == 0, name
+        histories = _history_keys(tmp_path / name)
+        assert set(histories) == (set() if name in ("rowwise", "fp32") else set(pretrained))
+        assert all(history.shape[1] == 4 for history in histories.values())
+    # and back into delayed from a run without histories: they start fresh (all zero), then fill
+    assert train_cli(tmp_path / "back", "--init-from", tmp_path / "rowwise", "--data", data,
+                     "--set", *delayed) == 0
+    assert set(_history_keys(tmp_path / "back")) == set(pretrained)
+    # a resumed run is the same run: a checkpoint without its history is refused, not refilled
+    state = load_checkpoint(tmp_path / "back" / "checkpoint.pt")
+    key = sorted(pretrained)[0]
+    del state["model"][key]
+    save_checkpoint(tmp_path / "back" / "checkpoint.pt", state)
+    status, _, err = run(capsys, "train", "--resume", tmp_path / "back", "--quiet", "--set",
+                         "training.steps=3")
+    assert status != 0 and key in err

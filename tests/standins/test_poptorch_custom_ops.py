@@ -63,3 +63,28 @@ def test_named_libraries_are_imported_when_an_op_is_not_found(tmp_path):
                           env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[-1.0, -1.0]"
+
+
+def test_a_library_first_needed_inside_a_traced_model_loads_outside_the_trace(tmp_path):
+    # The library reads a tensor on the host as it loads, which the tracer would refuse in a
+    # model: it loads outside the trace, as a real library is loaded before PopART sees the op.
+    (tmp_path / "library_at_trace.py").write_text(
+        "import torch\n"
+        "from ipu_standins import poptorch_custom_ops\n"
+        "FACTOR = float(torch.ones(1).numpy()[0]) * 3\n"
+        "poptorch_custom_ops.register_op('test.trace', 'Triple', lambda i, a: [i[0] * FACTOR])\n")
+    code = ("import torch, ipu_standins.poptorch as p\n"
+            "from ipu_standins.poptorch_trace import trace_like_poptorch\n"
+            "class M(torch.nn.Module):\n"
+            "    def forward(self, x):\n"
+            "        return p.custom_op([x], 'Triple', 'test.trace', 1, [x])[0]\n"
+            "x = torch.ones(2)\n"
+            "trace = trace_like_poptorch(M(), x)\n"
+            "assert trace.report.ok, str(trace.report)\n"
+            "print(trace(x).tolist())\n")
+    env = {"PYTHONPATH": f"{tmp_path}:{':'.join(sys.path)}",
+           poptorch_custom_ops.LIBRARIES_ENV: "library_at_trace"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[3.0, 3.0]"
