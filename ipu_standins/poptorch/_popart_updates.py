@@ -10,7 +10,7 @@ holds them, the loss scaling and PopART's gradient clipping.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -77,7 +77,7 @@ class AutoLossScale:
         """Whether this step's gradients are counted (the first step of each period)."""
         return self.steps % self.period == 0
 
-    def observe(self, grads: List[Optional[torch.Tensor]]) -> None:
+    def observe(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
         """Count one micro-batch's float16 gradients into the two bins."""
         if not self.counting():
             return
