@@ -289,19 +289,19 @@ class PoplarExecutor:
                 for n, p in zip(self._graph.trace.parameter_names, self._device_parameters)}
 
     def _read_optimizer_state(self, optimizer: Any) -> Dict[str, Any]:
-        """PopTorch's ``optimizer.state_dict()`` once compiled (:func:`._optimizer_state.
-        state_to_host`): the device's state, read if the device ran since."""
+        """``optimizer.state_dict()`` once compiled: the device's state if it ran since."""
         _optimizer_state.state_to_host(optimizer, self._device_optimizer,
                                        self._named_device_parameters)
         return optimizer.get_state_dict()
 
-    def _write_optimizer_state(self, optimizer: Any) -> None:
-        _optimizer_state.state_to_device(optimizer, self._device_optimizer,
-                                         self._named_device_parameters)
+    def _write_optimizer_state(self, optimizer: Any, attaching: bool = False) -> None:
+        (_optimizer_state.state_on_attach if attaching else _optimizer_state.state_to_device)(
+            optimizer, self._device_optimizer, self._named_device_parameters)
 
-    def _attach_optimizer_state(self) -> None:
-        _optimizer_state.state_on_attach(self._optimizer, self._device_optimizer,
-                                         self._named_device_parameters)
+    def _debugGetPopartIR(self) -> str:
+        self._require_compiled()
+        return _optimizer_state.popart_ir_json(self._device_optimizer,
+                                               self._named_device_parameters())
 
     # ------------------------------------------------------------------ compiling
     def _micro_batches(self) -> int:
@@ -352,7 +352,7 @@ class PoplarExecutor:
         if self._training and self._optimizer is not None:
             self._device_optimizer = self._map_optimizer(self._optimizer)
             if self._options.connection_type != enums.ConnectionType.Never:
-                self._attach_optimizer_state()
+                self._write_optimizer_state(self._optimizer, attaching=True)
         self._is_attached = True
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
@@ -498,7 +498,7 @@ class PoplarExecutor:
         self._is_attached = True
         self.copyWeightsToDevice()
         if self._training:
-            self._attach_optimizer_state()
+            self._write_optimizer_state(self._optimizer, attaching=True)
 
     def destroy(self) -> None:
         """Release the executable: the next call compiles again; a trained model's weights

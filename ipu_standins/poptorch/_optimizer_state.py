@@ -9,6 +9,7 @@ automatic loss scaling ``lossScaleUpdateFactor``...);
 """
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -18,7 +19,8 @@ from . import enums
 from ._popart_updates import AdamRule
 from .optim import FP16_MAX, LAMB, SGD, AdamW, Optimizer, RMSprop
 
-__all__ = ["ipu_state_dict", "load_ipu_state_dict", "popart_optimizer_ops", "state_to_host",
+__all__ = ["ipu_state_dict", "load_ipu_state_dict", "popart_optimizer_ops", "popart_ir_json",
+           "state_to_host",
            "state_to_device", "state_on_attach"]
 
 logger = logging.getLogger("poptorch::python")
@@ -264,3 +266,10 @@ def popart_optimizer_ops(opt: Optimizer, named_parameters: Dict[str, torch.Tenso
     return ops
 
 
+
+
+def popart_ir_json(opt: Optional[Any], named_parameters: Dict[str, torch.Tensor]) -> str:
+    """``_debugGetPopartIR()``: PopART's IR as JSON, ``{"maingraph": [ops]}``, with the
+    optimizer ops of :func:`popart_optimizer_ops` (none for an inference model)."""
+    ops = popart_optimizer_ops(opt, named_parameters) if isinstance(opt, Optimizer) else []
+    return json.dumps({"maingraph": ops})

@@ -145,3 +145,18 @@ def test_an_empty_or_host_only_state_is_refused() -> None:
     host_only = torch.optim.SGD(model.parameters(), lr=0.05).state_dict()
     with pytest.raises(RuntimeError, match="Only IPU optimizer states"):
         optimizer.load_state_dict(host_only)
+
+
+def test_the_popart_ir_lists_the_optimizer_ops_of_each_weight() -> None:
+    import json
+
+    x, target = _data()
+    for make, op, count in ((lambda ps: poptorch.optim.SGD(ps, lr=0.05), "SGD0VarUpdate", 2),
+                            (lambda ps: torch.optim.AdamW(ps, lr=0.01), "AdamVarUpdate", 2)):
+        model = _Model()
+        training = poptorch.trainingModel(model, optimizer=make(model.parameters()))
+        training(x, target)
+        ops = json.loads(training._debugGetPopartIR())["maingraph"]
+        assert sum(o["type"] == op for o in ops) == count
+        assert {o["name"] for o in ops if o["type"] == op} == {f"{op}___lin.weight",
+                                                                f"{op}___lin.bias"}
