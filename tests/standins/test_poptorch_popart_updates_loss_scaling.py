@@ -50,6 +50,20 @@ def test_the_update_period_counts_the_first_step_of_each_period() -> None:
     assert factors == [2.0, 1.0, 1.0, 2.0, 1.0, 1.0]
 
 
+def test_each_micro_batch_is_counted_and_the_gradients_still_accumulate() -> None:
+    # PopART sums the counts of every micro-batch's gradients over gradient accumulation: one
+    # micro-batch past the edge, whose sum with the other would not be, still counts.
+    als = AutoLossScale(threshold=0.4)
+    w = torch.zeros(2, dtype=torch.float16, requires_grad=True)
+    for grad in ([EDGE, 1.0], [-EDGE, 1.0]):
+        target = torch.tensor(grad, dtype=torch.float16)
+        als.backward([w], lambda t=target: (w * t).sum().backward())
+    assert w.grad is not None and w.grad.tolist() == [0.0, 2.0]
+    assert als.counts == [2, 2]
+    als.update()  # 2 upper > (0.4 / 0.6) * 2 lower
+    assert float(als.update_factor) == 0.5
+
+
 @pytest.mark.parametrize("kwargs", [dict(bin_edge=1.5), dict(threshold=-0.1), dict(period=0)])
 def test_settings_out_of_range_are_refused(kwargs) -> None:
     with pytest.raises(ValueError, match="automaticLossScalingSettings"):
@@ -71,9 +85,10 @@ class _Half(torch.nn.Module):
 
 
 def _train(optimizer_cls, steps: int, scale: float, initial_ls: float, period: int = 1,
-           lr: float = 1e-3, **kwargs):
+           lr: float = 1e-3, accumulation: int = 1, **kwargs):
     model = _Half(scale)
     opts = poptorch.Options().deviceIterations(steps)
+    opts.Training.gradientAccumulation(accumulation)
     opts.Training.setAutomaticLossScaling(True)
     if period != 1:
         opts._Popart.set("automaticLossScalingSettings.updatePeriod", period)
@@ -81,8 +96,8 @@ def _train(optimizer_cls, steps: int, scale: float, initial_ls: float, period: i
     optimizer = optimizer_cls(model.parameters(), lr=lr, loss_scaling=initial_ls, **kwargs)
     training = poptorch.trainingModel(model, opts, optimizer)
     torch.manual_seed(1)
-    x = torch.randn(steps * 2, 8).half()
-    target = torch.randn(steps * 2, 4)
+    x = torch.randn(steps * 2 * accumulation, 8).half()
+    target = torch.randn(steps * 2 * accumulation, 4)
     training(x, target)
     scales = [float(v) for v in training.getAnchoredTensor("ls")]
     return model, optimizer, training, scales
@@ -152,8 +167,10 @@ def test_an_overflowing_step_backs_off_and_is_applied_as_on_the_ipu() -> None:
     assert not all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
-def test_the_update_period_option_is_read() -> None:
-    _, _, _, scales = _train(poptorch.optim.Adam, 6, 1.0, 1.0, period=2)
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_the_update_period_option_is_read(accumulation: int) -> None:
+    _, _, _, scales = _train(poptorch.optim.Adam, 6, 1.0, 1.0, period=2,
+                             accumulation=accumulation)
     assert scales == [1.0, 2.0, 2.0, 4.0, 4.0, 8.0]
 
 
