@@ -56,8 +56,8 @@ def test_each_micro_batch_is_counted_and_the_gradients_still_accumulate() -> Non
     als = AutoLossScale(threshold=0.4)
     w = torch.zeros(2, dtype=torch.float16, requires_grad=True)
     for grad in ([EDGE, 1.0], [-EDGE, 1.0]):
-        target = torch.tensor(grad, dtype=torch.float16)
-        als.backward([w], lambda t=target: (w * t).sum().backward())
+        loss = (w * torch.tensor(grad, dtype=torch.float16)).sum()
+        als.backward([w], loss.backward)
     assert w.grad is not None and w.grad.tolist() == [0.0, 2.0]
     assert als.counts == [2, 2]
     als.update()  # 2 upper > (0.4 / 0.6) * 2 lower
