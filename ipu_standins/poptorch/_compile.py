@@ -306,6 +306,8 @@ def compile_graph(model: torch.nn.Module, template: Args, example: List[torch.Te
                 "buffer broadcasting using poptorch.Options.broadcastBuffers(False).")
     check_pipeline(options, training, pipeline_stages(blocks))
     _numerics.apply(trace.graph, half_partials=popart.get("partialsTypeMatMuls") == "half",
-                    ipu_model=bool(options._values.get("use_model", False)))
+                    ipu_model=bool(options._values.get("use_model", False)),
+                    half_conv_partials=dict(popart.get("convolutionOptions") or {}).get(
+                        "partialsType") == "half")
     return CompiledGraph(trace, training, blocks, module)
 

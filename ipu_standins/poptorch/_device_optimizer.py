@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Tuple, Type
 
 import torch
 
+from ._popart_updates import AutoLossScale
 from .optim import ACCUM_TYPES, FP16_MAX, LAMB, SGD, Adam, AdamW, Optimizer, RMSprop
 
 __all__ = ["check_ipu_optimizer", "requires_running_mean_reduction", "to_ipu_optimizer",
@@ -112,11 +113,14 @@ _GLOBAL_ATTRS = ("loss_scaling", "accum_type", "velocity_accum_type",
                  "max_weight_norm")
 
 
-def to_ipu_optimizer(optimizer: Any, previous: Optional[torch.optim.Optimizer] = None) -> Any:
+def to_ipu_optimizer(optimizer: Any, previous: Optional[torch.optim.Optimizer] = None,
+                     popart_options: Optional[Dict[str, Any]] = None) -> Any:
     """The device-side optimizer for a PopTorch or plain torch optimizer (see the module's
     docstring). Its param groups are copies over the same parameters; with ``previous`` (the
     device optimizer before ``setOptimizer``) of the same class, the optimizer state carries over
-    as it stays on the IPU. Raises what PopTorch raises for an optimizer it does not accept."""
+    as it stays on the IPU. ``popart_options`` (``opts._Popart.options``) may enable automatic
+    loss scaling (:class:`._popart_updates.AutoLossScale`), whose update factor carries over
+    from ``previous`` too. Raises what PopTorch raises for an optimizer it does not accept."""
     check_ipu_optimizer(optimizer)
     groups = [dict(g) for g in optimizer.param_groups]
     for g in groups:
@@ -140,7 +144,27 @@ def to_ipu_optimizer(optimizer: Any, previous: Optional[torch.optim.Optimizer] =
             # PopTorch sends nothing when the optimizer is unchanged: values written with
             # load_ipu_state_dict stay on the device.
             dev.__dict__["_ipu_param_overrides"] = previous._overrides()  # type: ignore
+    _attach_auto_loss_scale(dev, previous, popart_options or {})
     return dev
+
+
+def _attach_auto_loss_scale(dev: Any, previous: Any, popart: Dict[str, Any]) -> None:
+    """Automatic loss scaling: the update factor is a variable of the graph, kept when the
+    optimizer is replaced. PopTorch makes the loss scaling a variable then
+    (``_optimizer_attributes.py``); PopART needs float16 gradients to track."""
+    als = previous.auto_loss_scale() if previous is not None else None
+    if als is None:
+        als = AutoLossScale.from_options(popart)
+    if als is None:
+        return
+    params = [p for g in dev.param_groups for p in g["params"] if p.requires_grad]
+    if not any(p.dtype == torch.float16 for p in params):
+        raise RuntimeError("Automatic loss scaling tracks float16 gradients, and no weight the "
+                           "optimizer trains is float16 (use a loss scale of your own instead)")
+    dev.__dict__["_auto_loss_scale"] = als
+    va = getattr(dev, "variable_attrs", None)
+    if va is not None:
+        va.markAsVariable("loss_scaling")
 
 
 def _snapshot(opt: Any) -> Tuple[Any, ...]:

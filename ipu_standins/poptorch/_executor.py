@@ -234,7 +234,8 @@ class PoplarExecutor:
 
         assert self._graph is not None
         mapping = {id(h): d for h, d in zip(self._graph.parameters, self._device_parameters)}
-        device = _device_optimizer.to_ipu_optimizer(optimizer, previous=self._device_optimizer)
+        device = _device_optimizer.to_ipu_optimizer(optimizer, previous=self._device_optimizer,
+                                                    popart_options=self._options._Popart.options)
         for group in device.param_groups:
             group["params"] = [mapping.get(id(p), p) for p in group["params"]]
         return device
@@ -267,9 +268,12 @@ class PoplarExecutor:
         previous = self._optimizer
         if previous is not None and previous is not optimizer and isinstance(
                 previous, optim.Optimizer) and self.isCompiled():
-            # The old optimizer keeps the device state it had, and stops reading it.
-            previous.set_state_dict(self._read_optimizer_state(previous))
+            # The old optimizer keeps the device state it had, and stops reading it; a new
+            # one's own state (a checkpoint's) is written to the device.
+            self._read_optimizer_state(previous)
             previous.__dict__.pop("state_dict", None)
+            if isinstance(optimizer, optim.Optimizer):
+                optimizer.ipu_state_is_dirty = True
         self._optimizer = optimizer
         if isinstance(optimizer, optim.Optimizer):
             optimizer.state_dict = types.MethodType(  # type: ignore[method-assign]
@@ -285,26 +289,19 @@ class PoplarExecutor:
                 for n, p in zip(self._graph.trace.parameter_names, self._device_parameters)}
 
     def _read_optimizer_state(self, optimizer: Any) -> Dict[str, Any]:
-        """PopTorch's ``optimizer.state_dict()`` once compiled: the device's state
-        (``ipu_state``, ``ipu_param``) with torch's state dict."""
-        from . import optim
+        """``optimizer.state_dict()`` once compiled: the device's state if it ran since."""
+        _optimizer_state.state_to_host(optimizer, self._device_optimizer,
+                                       self._named_device_parameters)
+        return optimizer.get_state_dict()
 
-        if self._device_optimizer is None or not isinstance(self._device_optimizer,
-                                                              optim.Optimizer):
-            return optimizer.get_state_dict()
-        state = _optimizer_state.ipu_state_dict(self._device_optimizer,
-                                                self._named_device_parameters())
-        return {**state, **torch.optim.Optimizer.state_dict(optimizer)}
+    def _write_optimizer_state(self, optimizer: Any, attaching: bool = False) -> None:
+        (_optimizer_state.state_on_attach if attaching else _optimizer_state.state_to_device)(
+            optimizer, self._device_optimizer, self._named_device_parameters)
 
-    def _write_optimizer_state(self, optimizer: Any) -> None:
-        """A state the user's optimizer carries (a loaded checkpoint) goes to the device."""
-        from . import optim
-
-        if isinstance(optimizer, optim.Optimizer) and optimizer.has_state() and isinstance(
-                self._device_optimizer, optim.Optimizer):
-            _optimizer_state.load_ipu_state_dict(self._device_optimizer, optimizer._state_dict,
-                                      self._named_device_parameters())
-            optimizer.ipu_state_is_dirty = False
+    def _debugGetPopartIR(self) -> str:
+        self._require_compiled()
+        return _optimizer_state.popart_ir_json(self._device_optimizer,
+                                               self._named_device_parameters())
 
     # ------------------------------------------------------------------ compiling
     def _micro_batches(self) -> int:
@@ -354,7 +351,8 @@ class PoplarExecutor:
         self._compilation_time = datetime.timedelta(seconds=time.time() - started)
         if self._training and self._optimizer is not None:
             self._device_optimizer = self._map_optimizer(self._optimizer)
-            self._write_optimizer_state(self._optimizer)
+            if self._options.connection_type != enums.ConnectionType.Never:
+                self._write_optimizer_state(self._optimizer, attaching=True)
         self._is_attached = True
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
@@ -408,33 +406,47 @@ class PoplarExecutor:
         assert self._graph is not None
         opts = self._options
         per_step = len(micro) // opts.device_iterations
-        optimizer = self._device_optimizer
-        scale = float(getattr(optimizer, "loss_scaling", None) or 1.0)
+        scale = 1.0  # times each step's loss scale
         if opts.Training.meanAccumulationAndReplicationReductionStrategy == (
                 enums.MeanReductionStrategy.Running):
             pass  # the same mean, accumulated as a running mean on the IPU
         if opts.Training.accumulation_and_replication_reduction_type == enums.ReductionType.Mean:
             scale /= per_step
+        self._write_optimizer_state(self._optimizer)
         with self._half_kernels(micro):
-            return self._train_steps(micro, per_step, scale)
+            outputs = self._train_steps(micro, per_step, scale)
+        _optimizer_state.state_after_run(self._optimizer)
+        return outputs
 
     def _train_steps(self, micro: List[List[torch.Tensor]], per_step: int,
                      scale: float) -> List[Any]:
         assert self._graph is not None
-        optimizer = self._device_optimizer
+        optimizer: Any = self._device_optimizer
         parameters = [p for p in self._device_parameters if p.requires_grad]
-        outputs = []
+        als = optimizer.auto_loss_scale() if optimizer is not None else None
+        outputs, loss_scales = [], []
         for step in range(self._options.device_iterations):
             for parameter in parameters:
                 parameter.grad = None
+            loss_scale = optimizer.final_loss_scale() if optimizer is not None else 1.0
+            loss_scales.append(loss_scale)
             for batch in micro[step * per_step:(step + 1) * per_step]:
                 out, loss = self._graph(self._device_parameters, self._device_buffers, *batch)
                 if loss.requires_grad:
                     total = loss if loss.dim() == 0 else loss.sum()
-                    (total.float() * scale).backward()
+                    backward = (total.float() * (scale * loss_scale)).backward
+                    if als is not None:
+                        als.backward(parameters, backward)
+                    else:
+                        backward()
                 outputs.append(out)
             if optimizer is not None:
                 type(optimizer).step(optimizer)
+            if als is not None:
+                als.update()
+        if als is not None:
+            self._anchor_memory.update(
+                _optimizer_state.loss_scale_anchors(self._options, loss_scales))
         return [[t.detach() for t in out] for out in outputs]
 
     def _select(self, outputs: List[Any]) -> Any:
@@ -473,6 +485,8 @@ class PoplarExecutor:
             raise _impl.createPoptorchError("Device is not attached")
         if self._training:
             self.copyWeightsToHostIfNeeded()
+            if getattr(self._optimizer, "host_state_is_dirty", False):
+                self._read_optimizer_state(self._optimizer)
         self._is_attached = False
 
     def attachToDevice(self) -> None:
@@ -483,6 +497,8 @@ class PoplarExecutor:
             raise _impl.createPoptorchError("Device is already attached")
         self._is_attached = True
         self.copyWeightsToDevice()
+        if self._training:
+            self._write_optimizer_state(self._optimizer, attaching=True)
 
     def destroy(self) -> None:
         """Release the executable: the next call compiles again; a trained model's weights

@@ -1,11 +1,18 @@
 """Where the stand-in's numerics follow an IPU option rather than eager torch.
 
-- ``Precision.setPartialsType(torch.half)``: a float16 matmul accumulates its partial sums in
-  float16. The stand-in sums the products of the reduced dimension one at a time, rounding
-  each running sum to float16 (each product is exact in float32). With float partials (the
-  default) a float16 matmul accumulates in float32 and rounds once to float16: the stand-in
-  computes it in float32 and casts the result (torch's own float16 matmul on a CPU does the
-  same arithmetic, much more slowly).
+- ``Precision.setPartialsType(torch.half)``: float16 matmuls and convolutions (the option sets
+  both, as PopTorch's does) accumulate their partial sums in float16. The stand-in's model of
+  that rounding: the reduced dimension is cut into blocks of ``PARTIALS_BLOCK`` (16)
+  consecutive elements (a convolution's: 16 input channels, with the whole kernel window);
+  each block's sum of products is computed in float32 (float16 products are exact there) and
+  rounded once to float16; then the block sums are added pairwise, as a tree, each addition
+  rounded to float16. Its error is at most about ``(ceil(log2(blocks)) + 1)`` float16
+  roundings of the sum of the products' magnitudes (plus ``16`` float32 roundings), where
+  float partials round once. The block size is the stand-in's choice, not a measured property
+  of the IPU's AMP units. A convolution's backward pass keeps float partials. With float
+  partials (the default) a float16 matmul accumulates in float32 and rounds once to float16:
+  the stand-in computes it in float32 and casts the result (torch's own float16 matmul on a
+  CPU does the same arithmetic, much more slowly).
 - ``useIpuModel(True)``: the IPU Model runs popnn's C++ GELU codelet, whose gradient is the
   exact derivative of the tanh-form forward (``NonLinearity.hpp``); hardware runs the assembly
   codelet's formula, which the stand-in's lowering computes (:func:`._lowering.popart_gelu`).
@@ -27,7 +34,8 @@ from torch.utils._pytree import tree_map
 
 from ._lowering import popart_gelu
 
-__all__ = ["apply", "half_partials_matmul", "ipu_model_gelu", "HalfKernels"]
+__all__ = ["apply", "half_partials_matmul", "half_partials_convolution", "ipu_model_gelu",
+           "HalfKernels", "PARTIALS_BLOCK"]
 
 
 def _to_float(value: Any) -> Any:
@@ -64,14 +72,54 @@ class HalfKernels(TorchDispatchMode):
         return any(isinstance(t, torch.Tensor) and t.dtype == torch.float16 for t in tensors)
 
 
+PARTIALS_BLOCK = 16  # products summed in float32 before a float16 partial sum
+_PARTIALS_BYTES = 1 << 26  # float32 block sums held at once (64 MiB)
+
+
+def _tree_sum_half(parts: torch.Tensor) -> torch.Tensor:
+    """Sum float16 ``parts`` over dim 0 pairwise, each addition rounded to float16."""
+    while parts.shape[0] > 1:
+        if parts.shape[0] % 2:
+            parts = torch.cat([parts, torch.zeros_like(parts[:1])])
+        parts = (parts[0::2].float() + parts[1::2].float()).half()
+    return parts[0]
+
+
 def half_partials_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` (float16, ``[..., m, k] @ [..., k, n]``) with float16 partial sums."""
-    total: Optional[torch.Tensor] = None
-    for index in range(a.shape[-1]):
-        term = (a[..., index:index + 1].float() * b[..., index:index + 1, :].float())
-        total = term.half() if total is None else (total.float() + term).half()
-    assert total is not None
-    return total
+    """``a @ b`` (float16, ``[..., m, k] @ [..., k, n]``) with float16 partial sums: blocks of
+    ``PARTIALS_BLOCK`` products summed in float32 and rounded to float16, the block sums added
+    as a tree in float16 (see the module's docstring)."""
+    k = a.shape[-1]
+    blocks = -(-k // PARTIALS_BLOCK)
+    pad = blocks * PARTIALS_BLOCK - k  # zero products add nothing
+    # [..., m, k] -> [blocks, ..., m, B]; [..., k, n] -> [blocks, ..., n, B] (b is often a
+    # transposed weight: its transpose is then contiguous, and cheap to cast and pad)
+    a_blocks = F.pad(a.float(), (0, pad)).reshape(
+        *a.shape[:-1], blocks, PARTIALS_BLOCK).movedim(-2, 0)
+    b_blocks = F.pad(b.transpose(-1, -2).float(), (0, pad)).reshape(
+        *b.shape[:-2], b.shape[-1], blocks, PARTIALS_BLOCK).movedim(-2, 0)
+    per_block = 4 * a.shape[-2] * b.shape[-1] * max(1, a[..., 0, 0].numel())
+    step = max(1, _PARTIALS_BYTES // per_block)
+    sums = [torch.matmul(a_blocks[i:i + step], b_blocks[i:i + step].transpose(-1, -2)).half()
+            for i in range(0, blocks, step)]
+    return _tree_sum_half(torch.cat(sums) if len(sums) > 1 else sums[0])
+
+
+def half_partials_convolution(x: torch.Tensor, weight: torch.Tensor, stride: Any, padding: Any,
+                              dilation: Any, groups: int) -> torch.Tensor:
+    """A float16 convolution (not transposed, no bias) with float16 partial sums: blocks of
+    ``PARTIALS_BLOCK`` input channels of each group convolved in float32 (the kernel window
+    with them) and rounded to float16, the block results added as a tree in float16."""
+    per_group = weight.shape[1]
+    parts = []
+    for start in range(0, per_group, PARTIALS_BLOCK):
+        stop = min(start + PARTIALS_BLOCK, per_group)
+        channels = [g * per_group + c for g in range(groups) for c in range(start, stop)]
+        part = torch.ops.aten.convolution(
+            x[:, channels].float(), weight[:, start:stop].float(), None, stride, padding,
+            dilation, False, [0] * (weight.dim() - 2), groups)
+        parts.append(part.half())
+    return _tree_sum_half(torch.stack(parts))
 
 
 def _float_partials_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -96,6 +144,42 @@ class _HalfMatmul(torch.autograd.Function):
                 half_partials_matmul(a.transpose(-1, -2), grad))
 
 
+class _HalfConvolution(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                stride: Any, padding: Any, dilation: Any, groups: int) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, bias)
+        ctx.settings = (stride, padding, dilation, groups)
+        out = half_partials_convolution(x, weight, stride, padding, dilation, groups)
+        if bias is not None:
+            shape = [1, -1] + [1] * (out.dim() - 2)
+            out = (out.float() + bias.float().reshape(shape)).half()
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        x, weight, bias = ctx.saved_tensors
+        stride, padding, dilation, groups = ctx.settings
+        inputs = [t.detach().float().requires_grad_() if t is not None else None
+                  for t in (x, weight, bias)]
+        with torch.enable_grad():
+            out = torch.ops.aten.convolution(inputs[0], inputs[1], inputs[2], stride, padding,
+                                             dilation, False, [0] * (weight.dim() - 2), groups)
+            wanted = [t for t in inputs if t is not None]
+            grads = iter(torch.autograd.grad(out, wanted, grad.float()))
+        found = [next(grads).half() if t is not None else None for t in inputs]
+        return (*found, None, None, None, None)
+
+
+def _convolution_autograd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                          stride: Any, padding: Any, dilation: Any, transposed: bool,
+                          output_padding: Any, groups: int) -> torch.Tensor:
+    if transposed:  # the stand-in models half partials for forward convolutions only
+        return torch.ops.aten.convolution(x, weight, bias, stride, padding, dilation, transposed,
+                                          output_padding, groups)
+    return _HalfConvolution.apply(x, weight, bias, stride, padding, dilation, groups)
+
+
 def _mm_autograd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _HalfMatmul.apply(a, b)
 
@@ -116,7 +200,10 @@ def _is_half(node: Any) -> bool:
     return getattr(value, "dtype", None) == torch.float16
 
 
-def apply(graph: fx.GraphModule, half_partials: bool, ipu_model: bool) -> None:
+def apply(graph: fx.GraphModule, half_partials: bool, ipu_model: bool,
+          half_conv_partials: bool = False) -> None:
+    """Rewrite ``graph`` for the IPU's numerics: half partials for float16 matmuls
+    (``half_partials``) and convolutions (``half_conv_partials``), the IPU Model's GELU."""
     changed = False
     for node in graph.graph.nodes:
         if node.op != "call_function":
@@ -128,6 +215,10 @@ def apply(graph: fx.GraphModule, half_partials: bool, ipu_model: bool) -> None:
         if packet in (torch.ops.aten.mm, torch.ops.aten.bmm) and all(
                 _is_half(a) for a in node.args[:2]):
             node.target = _mm_autograd if half_partials else _float_partials_mm
+            changed = True
+        elif packet is torch.ops.aten.convolution and half_conv_partials and all(
+                _is_half(a) for a in node.args[:2]):
+            node.target = _convolution_autograd
             changed = True
         elif packet is torch.ops.aten.addmm and all(_is_half(a) for a in node.args[:3]):
             node.target = _addmm_autograd if half_partials else _float_partials_addmm

@@ -2,22 +2,32 @@
 
 :func:`ipu_state_dict` and :func:`load_ipu_state_dict` give and set the ``{"ipu_state",
 "ipu_param"}`` dictionaries PopTorch reads from and writes to the device, with PopART's tensor
-names (``Accl1___lin.weight``, ``learningRate___specific___lin.bias``, ``lossScaling_FLOAT``...);
+names (``Accl1___lin.weight``, ``learningRate___specific___lin.bias``, ``lossScaling_FLOAT``, with
+automatic loss scaling ``lossScaleUpdateFactor``...);
 :func:`popart_optimizer_ops` lists the optimizer ops PopART's IR holds per weight
 (``SGD0VarUpdate``, ``AdamUpdater``...).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+import json
+import logging
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from . import enums
 from ._popart_updates import AdamRule
 from .optim import FP16_MAX, LAMB, SGD, AdamW, Optimizer, RMSprop
 
-__all__ = ["ipu_state_dict", "load_ipu_state_dict", "popart_optimizer_ops"]
+__all__ = ["ipu_state_dict", "load_ipu_state_dict", "popart_optimizer_ops", "popart_ir_json",
+           "state_to_host",
+           "state_to_device", "state_on_attach"]
+
+logger = logging.getLogger("poptorch::python")
 
 # ---- the device state as PopTorch reads and writes it ---------------------------------------
+
+_UPDATE_FACTOR = "lossScaleUpdateFactor"  # automatic loss scaling's variable (PopART's name)
 
 def _state_names(opt: Optimizer, group: Dict[str, Any]) -> Dict[str, str]:
     """PopART state tensor prefix -> key in ``opt.state[p]``."""
@@ -108,8 +118,11 @@ def ipu_state_dict(opt: Optimizer, named_parameters: Dict[str, torch.Tensor]
         for pname, value in _param_scalars(opt, p, group).items():
             ipu_param[_tensor_name(opt, pname) + "___specific___" + name] = \
                 torch.tensor(value, dtype=torch.float32)
-    if _is_variable(opt, "loss_scaling", opt._loss_scaling(), 1.0):
+    als = opt.auto_loss_scale()
+    if als is not None or _is_variable(opt, "loss_scaling", opt._loss_scaling(), 1.0):
         ipu_param["lossScaling_FLOAT"] = torch.tensor(opt._loss_scaling(), dtype=torch.float32)
+    if als is not None:
+        ipu_state[_UPDATE_FACTOR] = als.update_factor.detach().clone()
     return {"ipu_state": ipu_state, "ipu_param": ipu_param}
 
 
@@ -137,9 +150,88 @@ def load_ipu_state_dict(opt: Optimizer, state: Dict[str, Any],
                 short = tname[: -len(suffix)]
                 overrides[(id(p), reverse.get(short, short))] = \
                     torch.as_tensor(value, dtype=torch.float32).reshape(())
+    als = opt.auto_loss_scale()
+    if als is not None and ipu_state.get(_UPDATE_FACTOR) is not None:
+        als.update_factor = torch.as_tensor(ipu_state[_UPDATE_FACTOR],
+                                            dtype=torch.float32).reshape(()).clone()
     if "lossScaling_FLOAT" in ipu_param:
         overrides[(0, "lossScaling")] = torch.as_tensor(ipu_param["lossScaling_FLOAT"],
                                                         dtype=torch.float32).reshape(())
+
+
+# ---- when the state moves between host and device (PopTorch's _poplar_executor.py) ---------
+# ``host_state_is_dirty``: the device ran since the host copy was read, so ``state_dict()``
+# reads the device. ``ipu_state_is_dirty``: a state loaded with ``load_state_dict`` waits to be
+# written to the device (merged into it) before the next run or on attaching.
+
+Named = Callable[[], Dict[str, torch.Tensor]]
+
+
+def state_to_host(optimizer: Any, device: Optional[Any], named: Named) -> None:
+    """Before ``optimizer.state_dict()`` answers: read the device's state if it is newer."""
+    if not isinstance(optimizer, Optimizer):
+        return
+    if optimizer.host_state_is_dirty and isinstance(device, Optimizer):
+        logger.debug("Writing optimiser state tensors from IPU to host.")
+        state = ipu_state_dict(device, named())
+        host = torch.optim.Optimizer.state_dict(optimizer)  # type: ignore[arg-type]
+        optimizer.set_state_dict({**state, **host})
+        optimizer.ipu_state_is_dirty = False
+    else:
+        logger.debug("Using cached optimiser state dict")
+
+
+def state_to_device(optimizer: Any, device: Optional[Any], named: Named) -> None:
+    """Before a run: write a state loaded into ``optimizer`` to the device."""
+    if not (isinstance(optimizer, Optimizer) and optimizer.ipu_state_is_dirty
+            and isinstance(device, Optimizer)):
+        return
+    if optimizer.has_state():
+        logger.debug("Writing optimiser state tensors from host to IPU memory")
+        load_ipu_state_dict(device, optimizer._state_dict, named())
+    optimizer.ipu_state_is_dirty = False
+
+
+def state_on_attach(optimizer: Any, device: Optional[Any], named: Named) -> None:
+    """On compiling or attaching: the optimizer's own state (a checkpoint) goes to the device;
+    without one, the device's state is what ``state_dict()`` reads next."""
+    if not isinstance(optimizer, Optimizer) or device is None:
+        return
+    if optimizer.has_state():
+        optimizer.ipu_state_is_dirty = True
+        optimizer.host_state_is_dirty = False
+        state_to_device(optimizer, device, named)
+    else:
+        optimizer.host_state_is_dirty = True
+        optimizer.ipu_state_is_dirty = False
+
+
+def state_after_run(optimizer: Any) -> None:
+    """After a run: the device's state is newer than the host's copy."""
+    if isinstance(optimizer, Optimizer):
+        optimizer.host_state_is_dirty = True
+
+
+def loss_scale_anchors(options: Any, loss_scales: List[float]) -> Dict[str, torch.Tensor]:
+    """The anchored ``finalLossScale`` (automatic loss scaling's loss scale of each step, float32)
+    by its short name, as the anchor's output mode (or the model's) returns it."""
+    out: Dict[str, torch.Tensor] = {}
+    values = [torch.tensor(v, dtype=torch.float32) for v in loss_scales]
+    for short, (long_name, use_default, mode, period) in options.anchored_tensors.items():
+        if long_name != "finalLossScale" or not values:
+            continue
+        if use_default or mode is None:
+            mode, period = options.output_mode, options.output_return_period
+        mode = enums.OutputMode(mode)
+        if mode == enums.OutputMode.All:
+            out[short] = torch.stack(values)
+        elif mode == enums.OutputMode.Sum:
+            out[short] = torch.stack(values).sum()
+        elif mode == enums.OutputMode.EveryN:
+            out[short] = torch.stack(values[int(period) - 1::int(period)] or values[-1:])
+        else:
+            out[short] = values[-1]
+    return out
 
 
 def popart_optimizer_ops(opt: Optimizer, named_parameters: Dict[str, torch.Tensor]
@@ -174,3 +266,10 @@ def popart_optimizer_ops(opt: Optimizer, named_parameters: Dict[str, torch.Tenso
     return ops
 
 
+
+
+def popart_ir_json(opt: Optional[Any], named_parameters: Dict[str, torch.Tensor]) -> str:
+    """``_debugGetPopartIR()``: PopART's IR as JSON, ``{"maingraph": [ops]}``, with the
+    optimizer ops of :func:`popart_optimizer_ops` (none for an inference model)."""
+    ops = popart_optimizer_ops(opt, named_parameters) if isinstance(opt, Optimizer) else []
+    return json.dumps({"maingraph": ops})

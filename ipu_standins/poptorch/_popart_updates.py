@@ -10,12 +10,14 @@ holds them, the loss scaling and PopART's gradient clipping.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["DeviceUpdate", "SGDRule", "AdamRule", "RMSpropRule", "sqrt_in_dtype",
-           "update_weight"]
+__all__ = ["AutoLossScale", "DeviceUpdate", "SGDRule", "AdamRule", "RMSpropRule",
+           "sqrt_in_dtype", "update_weight"]
+
+_FP16_MAX = 65504.0  # the largest float16: the scale of the histogram's bin edge
 
 
 def sqrt_in_dtype(t: torch.Tensor) -> torch.Tensor:
@@ -27,6 +29,91 @@ def sqrt_in_dtype(t: torch.Tensor) -> torch.Tensor:
 def update_weight(p: torch.Tensor, update: torch.Tensor, scale: float) -> None:
     """``p += scale * update``, computed in float32 and rounded once to the weight's dtype."""
     p.copy_((p.float() + scale * update.float()).to(p.dtype))
+
+
+class AutoLossScale:
+    """PopART's automatic loss scaling (``transforms/automaticlossscaling.cpp``,
+    ``popx/op/lossscaleupdatex.cpp``): a loss scale update factor (a float32 variable, one at
+    first) multiplies the optimizer's loss scaling into the final loss scale the backward pass
+    starts from, and divides the inverse loss scale of the weight update. Every ``period``-th
+    optimizer step (the first of each period) the absolute values of the tracked float16
+    gradients are counted into two bins, below and from ``bin_edge * 65504`` upwards; then the
+    factor halves if the upper count is more than ``threshold / (1 - threshold)`` times the
+    lower count, and doubles otherwise, for the next step.
+
+    PopART tracks the float16 outputs of the gradient ops (activation gradients too); the
+    stand-in tracks the float16 weights' gradients, one micro-batch at a time as PopART sums
+    its counts over gradient accumulation, and counts a NaN as an overflow (upper bin)."""
+
+    def __init__(self, bin_edge: float = 0.125, threshold: float = 1e-7,
+                 period: int = 1) -> None:
+        if not 0.0 <= bin_edge <= 1.0:
+            raise ValueError(f"automaticLossScalingSettings.binEdgeLocation must be in [0, 1], "
+                             f"not {bin_edge}")
+        if not 0.0 <= threshold <= 1.0:
+            raise ValueError("automaticLossScalingSettings.thresholdUpperCountProportion must "
+                             f"be in [0, 1], not {threshold}")
+        if period < 1:
+            raise ValueError(f"automaticLossScalingSettings.updatePeriod must be at least 1, "
+                             f"not {period}")
+        self.edge = _FP16_MAX * bin_edge
+        self.threshold = threshold
+        self.period = period
+        self.update_factor = torch.ones((), dtype=torch.float32)
+        self.steps = 0
+        self.counts = [0, 0]  # lower, upper
+
+    @classmethod
+    def from_options(cls, popart: Dict[str, Any]) -> Optional[AutoLossScale]:
+        """The settings of PopTorch's ``opts._Popart`` options, or None if not enabled."""
+        prefix = "automaticLossScalingSettings."
+        if not popart.get(prefix + "enabled", False):
+            return None
+        return cls(float(popart.get(prefix + "binEdgeLocation", 0.125)),
+                   float(popart.get(prefix + "thresholdUpperCountProportion", 1e-7)),
+                   int(popart.get(prefix + "updatePeriod", 1)))
+
+    def counting(self) -> bool:
+        """Whether this step's gradients are counted (the first step of each period)."""
+        return self.steps % self.period == 0
+
+    def observe(self, grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Count one micro-batch's float16 gradients into the two bins."""
+        if not self.counting():
+            return
+        for g in grads:
+            if g is None or g.dtype != torch.float16:
+                continue
+            magnitude = g.detach().float().abs()
+            upper = int(((magnitude >= self.edge) | magnitude.isnan()).sum())
+            self.counts[0] += g.numel() - upper
+            self.counts[1] += upper
+
+    def backward(self, params: List[torch.Tensor], run: Callable[[], Any]) -> None:
+        """Run one micro-batch's backward pass (``run``), counting the gradients it adds to
+        ``params`` on a counting step."""
+        if not self.counting():
+            run()
+            return
+        before = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        run()
+        self.observe([p.grad for p in params])
+        for p, g in zip(params, before):
+            if g is not None:
+                p.grad = g if p.grad is None else g.add_(p.grad)
+
+    def update(self) -> None:
+        """After the optimizer step: halve or double the factor from the counts."""
+        if self.counting():
+            lower, upper = self.counts
+            ratio = self.threshold / (1.0 - self.threshold) if self.threshold < 1.0 \
+                else math.inf
+            scale_down = float(upper) > ratio * float(lower)
+            self.update_factor = self.update_factor * (0.5 if scale_down else 2.0)
+            self.counts = [0, 0]
+        self.steps += 1
 
 
 class DeviceUpdate:
@@ -56,8 +143,21 @@ class DeviceUpdate:
         return float(ov) if ov is not None else float(value)
 
     def _loss_scaling(self) -> float:
+        """The optimizer's loss scaling, as PopART's ``lossScaling_FLOAT`` holds it."""
         ov = self._overrides().get((0, "lossScaling"))
         return float(ov) if ov is not None else float(self.loss_scaling)
+
+    def auto_loss_scale(self) -> Optional[AutoLossScale]:
+        return self.__dict__.get("_auto_loss_scale")
+
+    def _ls_factor(self) -> float:
+        als = self.auto_loss_scale()
+        return float(als.update_factor) if als is not None else 1.0
+
+    def final_loss_scale(self) -> float:
+        """The loss scale the backward pass starts from (and the update divides by): the loss
+        scaling times the automatic loss scaling's update factor."""
+        return self._loss_scaling() * self._ls_factor()
 
     def _params_with_grad(self) -> List[Tuple[Dict[str, Any], torch.Tensor]]:
         return [(g, p) for g in self.param_groups for p in g["params"]  # type: ignore[attr-defined]
@@ -121,7 +221,7 @@ class AdamRule(DeviceUpdate):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        ls = self._loss_scaling()
+        ls = self.final_loss_scale()
         items = self._params_with_grad()
         grads = []
         for group, p in items:
@@ -180,6 +280,17 @@ class AdamRule(DeviceUpdate):
 class SGDRule(DeviceUpdate):
     """PopART's SGD0 / SGD1 (combined) / SGD2 (separate)."""
 
+    # Dampening on the first step. torch.optim.SGD starts the momentum buffer at the first
+    # gradient, undamped (buf = g), and dampens from the second step on. PopART keeps no step
+    # count: its rule (willow/include/popart/sgd.hpp, "Basic SGD Update Equation") is
+    # v = v * mm + (1 - dm) * g + (1 - dm) * wd * w on every step, from v_0 = 0 unless the
+    # model holds an initial value (willow/src/op/sgd2acclupdate.cpp, "Initial v"; SGD1's
+    # combined tensor starts at (1 - dm) * wd * vs * w, willow/src/patterns/sgd1decompose.cpp),
+    # so the first velocity is (1 - dm) * (g + wd * w). PopTorch runs PopART's optimizer (its
+    # optim.py passes the hyperparameters on and runs no update of its own), so the "identical
+    # to PyTorch" of its SGD docstring holds for dm = 0 only; with dampening the stand-in follows
+    # PopART and applies it from the first step.
+
 
     def _with_velocity(self, group: Dict[str, Any]) -> bool:
         """PopART keeps a velocity when the momentum is non-zero or a variable."""
@@ -234,8 +345,18 @@ class SGDRule(DeviceUpdate):
         items = self._params_with_grad()
         updaters: List[torch.Tensor] = []
         plans: List[Tuple[Dict[str, float], bool]] = []
+        # Automatic loss scaling divides PopART's inverse loss scale tensors (the SGD0 scaled
+        # learning rate, the dampening scale factor) by its update factor (util.cpp's
+        # getInverseLossScaleTensors, sgd.cpp's getInverseLossScalingTensorId).
+        factor = self._ls_factor()
         for group, p in items:
             s = self._sgd_scalars(p, group)
+            if factor != 1.0:
+                s = dict(s)
+                for name in ("scaledLearningRate0", "dampeningScaleFactor1",
+                             "dampeningScaleFactor2"):
+                    if name in s:
+                        s[name] = s[name] / factor
             g = p.grad
             assert g is not None
             if not self._with_velocity(group):
@@ -253,16 +374,16 @@ class SGDRule(DeviceUpdate):
             if group.get("nesterov", False):
                 # SGD1Nesterov: u = ngsf * (g / ls + wd * w) + mm * v
                 u = (s["nesterovGradScaleFactor" + k]
-                     * (g.float() / self._loss_scaling() + s["sgdWeightDecay"] * p.float())
+                     * (g.float() / self.final_loss_scale() + s["sgdWeightDecay"] * p.float())
                      + s["sgdMomentum"] * v.float())
             else:
                 u = v
             updaters.append(u)
             plans.append((s, True))
-        factor = self._clip_factor(updaters)
+        clip = self._clip_factor(updaters)
         for (_group, p), u, (s, with_v) in zip(items, updaters, plans):
-            if factor is not None:
-                u = u * factor
+            if clip is not None:
+                u = u * clip
             if not with_v:
                 # SGD0: w = wdsf0 * w - slr0 * g
                 new = (s["weightDecayScaleFactor0"] * p.float()
@@ -314,7 +435,7 @@ class RMSpropRule(DeviceUpdate):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        ls = self._loss_scaling()
+        ls = self.final_loss_scale()
         for group, p in self._params_with_grad():
             state = self._rms_state(p, group)
             lr = self._scalar(p, "learningRate", group["lr"])

@@ -32,7 +32,8 @@ Where PopTorch hands the optimizer to PopART, which runs it on the IPU, the stan
   (default) keeps the velocity scaled by the loss scaling (PopTorch sets the velocity scaling to
   the loss scaling) in ``velocity_accum_type``; the combined variant
   (``use_combined_accum=True``) keeps it scaled by ``velocity_scaling`` in the weight's dtype. The
-  first velocity is ``(1-dm)(g + wd*w)`` (torch uses ``g + wd*w``); the rest is torch's rule.
+  first velocity is ``(1-dm)(g + wd*w)`` (torch uses ``g + wd*w``; PopART dampens every step, see
+  :class:`._popart_updates.SGDRule`); the rest is torch's rule.
 * ``RMSprop`` follows PopART's ``Adaptive``: L2 weight decay; ``first_order_momentum_accum_type``
   is the dtype of the mean square, ``second_order_momentum_accum_type`` of the centred mean, the
   momentum buffer is float32; ``use_tf_variant=True`` starts the mean square at one, takes ``eps``
@@ -54,9 +55,13 @@ step of a ``trainingModel``)::
     ipu_opt.zero_grad()
     ipu_opt = to_ipu_optimizer(new_opt, previous=ipu_opt)   # setOptimizer: the state stays
 
+Automatic loss scaling (``opts.Training.setAutomaticLossScaling(True)``) is PopART's: see
+:class:`._popart_updates.AutoLossScale`; the update divides by the loss scaling times its update
+factor.
+
 Not modelled: the gradient accumulator's dtype over micro-batches (``accum_type`` with gradient
 accumulation: the executor sums micro-batch gradients in the weight's dtype), the running mean
-reduction's rounding, automatic loss scaling and replica sharding of the optimizer state.
+reduction's rounding and replica sharding of the optimizer state.
 
 Calling ``step()`` of a PopTorch optimizer directly (on the host, outside a ``trainingModel``) also
 divides by ``loss_scaling``, where PopTorch would run torch's rule on the unscaled gradient.
