@@ -169,6 +169,41 @@ def _host_grid(fmt: FP8Format, x: torch.Tensor) -> Optional[Tuple[Any, FP8Format
     return _host, grid, step
 
 
+def _host_group_cast(x32: torch.Tensor, fmt: FP8Format, grouping: Grouping, rule: str,
+                     margin: int, scale_rounding: str) -> Optional[GroupCast]:
+    """The cast by the host library's block kernels (one call, no padding), or None where they
+    do not apply or a group's amax is not finite (the torch path then names the group).
+
+    A transposed view of a contiguous matrix (a GEMM operand cast along the other dimension)
+    is rounded in place with column groups and returned as the transposed view of the values,
+    so it is never copied into a transposed layout first.
+    """
+    host = _host_grid(fmt, x32)
+    if host is None:
+        return None
+    library, grid, step = host
+    rows, cols = x32.shape
+    size = grouping.size
+    shape = {"tensor": (rows, cols), "row": (1, cols), "tile": (1, size),
+             "block": (size, size)}[grouping.kind]
+    transposed = not x32.is_contiguous() and x32.t().is_contiguous()
+    physical = x32.t() if transposed else x32.contiguous()
+    group_rows, group_cols = (shape[1], shape[0]) if transposed else shape
+    kernel_rule = "amax" if rule == "amax" else f"mx_{scale_rounding}"
+    values, scales, finite = library.group_quantise(
+        physical, group_rows, group_cols, grid.name, kernel_rule, fmt.max, fmt.max_exponent,
+        margin, 1 if step != 1.0 else 0)
+    if not finite:
+        return None
+    if transposed:
+        values, scales = values.t(), scales.t()
+    if grouping.kind == "tile":
+        scales = scales.unsqueeze(-1)
+    elif grouping.kind == "block":
+        scales = scales.reshape(scales.shape[0], 1, scales.shape[1], 1)
+    return GroupCast(values, scales)
+
+
 def _round_elements(scaled: torch.Tensor, fmt: FP8Format, rounding: str, overflow: str,
                     generator: Optional[torch.Generator]) -> Tuple[torch.Tensor,
                                                                Optional[torch.Tensor]]:
@@ -208,6 +243,11 @@ def group_cast(
     x32 = x.detach().to(torch.float32)
     if x32.numel() == 0:
         return GroupCast(x32.clone(), torch.zeros((), dtype=torch.int32))
+    if (log2_scale is None and rule != "nvfp4" and rounding == "nearest"
+            and overflow == "saturate" and not stats_enabled()):
+        fused = _host_group_cast(x32, fmt, grouping, rule, margin, scale_rounding)
+        if fused is not None:
+            return fused
     view, axes = _grouped_view(x32, grouping)
     if rule == "nvfp4":
         return _nvfp4_cast(x32, view, axes, fmt, rounding, generator, site)

@@ -9,6 +9,8 @@ this file (a plain C ABI library, loaded with ctypes). It gives two things:
 * the CPU kernel of the FP8 quantise custom ops (:func:`fused_quantise`, used by
   :mod:`ipu_unit_scaling.fp8.cast_ops`), and :func:`quantise_float32`, the same rounding straight
   to float32 values in one pass, for FP8 simulation;
+* :func:`group_quantise`, the block forms of that rounding: one scale per row, 1 x n tile,
+  n x 1 column tile or n x n block, for the grouped FP8 recipes;
 * the vertices themselves, which :mod:`ipu_unit_scaling.fp8.codelet_emulator` runs tile by tile.
 
 This module sits below everything else in the package and imports none of it: it reports
@@ -35,11 +37,12 @@ __all__ = [
     "fused_cast_to_fp8",
     "fused_cast_from_fp8", "fused_quantise", "quantise_float32", "fused_tuning", "fast_selftest",
     "exponent_bits", "partition", "partition_grain", "dtype_code", "num_threads",
+    "group_quantise", "GROUP_RULES",
 ]
 
 LIBRARY_PATH = Path(__file__).with_name("_fp8_host.so")
 DISABLE_ENV = "IPU_UNIT_SCALING_HOST_LIB"
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1}
 # The IPU formats the codelets implement, by FP8Format.name, keyed to their exponent bits.
 _EXPONENT_BITS = {"F143": 4, "F152": 5}
@@ -70,7 +73,12 @@ _SIGNATURES = {
     "ius_fused_tuning": (_c_int, [_c_int64, _c_int]),
     "ius_fast_selftest": (_c_int64, [ctypes.c_uint32, ctypes.c_uint32, _c_int64, _c_int]),
     "ius_fused_amax": (_c_int, [_c_void_p, _c_int64, _c_int, _c_int, _c_void_p]),
+    "ius_group_quantise": (
+        _c_int, [_c_void_p, _c_int64, _c_int64, _c_int64, _c_int64, _c_int, _c_int, _c_int,
+                 ctypes.c_float, _c_int, _c_int, _c_int, _c_int, _c_void_p, _c_void_p]),
 }
+# The scale rules of group_quantise, by the names group_cast uses.
+GROUP_RULES = {"amax": 0, "mx_floor": 1, "mx_up": 2}
 
 
 class HostLibraryUnavailable(RuntimeError):
@@ -368,3 +376,48 @@ def partition(numel: int, tiles: int, workers: int) -> torch.Tensor:
     bounds = torch.empty((tiles, workers, 2), dtype=torch.int64)
     library().ius_partition(numel, tiles, workers, _pointer(bounds))
     return bounds
+
+
+def group_quantise(
+    x: torch.Tensor,
+    group_rows: int,
+    group_cols: int,
+    fmt_name: str,
+    rule: str,
+    format_max: float,
+    emax: int = 0,
+    margin: int = 0,
+    step_log2: int = 0,
+    saturate: bool = True,
+    out: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, bool]:
+    """Round the rows x cols matrix ``x`` to the F143/F152 grid ``fmt_name`` with one scale
+    ``2**s`` per ``group_rows x group_cols`` group (ragged last groups are smaller), in one
+    pass per group over :func:`num_threads` threads.
+
+    ``rule`` (:data:`GROUP_RULES`): "amax" is the AMAX rule against ``format_max`` with
+    ``margin``; "mx_floor" and "mx_up" are OCP MX's E8M0 exponent ``e`` (``s = -e``) from
+    ``emax`` or ``format_max``. ``step_log2=1`` rounds an OCP format on the IPU grid at half
+    scale, clamped to ``format_max / 2`` first. Returns (float32 values shaped like ``x``, new
+    or ``out``; int32 scales ``[ceil(rows / group_rows), ceil(cols / group_cols)]``; whether
+    every group's amax was finite: where not, values and that group's scale are unspecified).
+    """
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2
+            or not x.is_contiguous()):
+        raise ValueError("group_quantise needs a contiguous 2-D CPU float32 tensor")
+    if group_rows < 1 or group_cols < 1:
+        raise ValueError(f"group_quantise needs groups of at least 1 x 1, got "
+                         f"{group_rows} x {group_cols}")
+    code = GROUP_RULES.get(rule)
+    if code is None:
+        raise ValueError(f"group_quantise rule {rule!r}; allowed: {', '.join(GROUP_RULES)}")
+    rows, cols = x.shape
+    out = _output(x, torch.float32, out)
+    scales = torch.empty((-(-rows // group_rows), -(-cols // group_cols)), dtype=torch.int32)
+    status = library().ius_group_quantise(
+        _pointer(x), rows, cols, group_rows, group_cols, exponent_bits(fmt_name),
+        int(saturate), code, float(format_max), int(emax), int(margin), int(step_log2),
+        num_threads(), _pointer(out), _pointer(scales))
+    if status not in (0, 1):
+        raise ValueError(f"group_quantise rejected its arguments (status {status})")
+    return out.view(x.shape), scales, status == 0

@@ -9,7 +9,9 @@ reduction dimension (``x`` is M x K, the weight N x K, the output gradient M x N
 
 A transposed operand is cast again from the high-precision tensor, never from the FP8 copy
 (as TransformerEngine and torchao do), so the forward pass keeps ``x`` and ``w`` in float32 for
-the backward pass. ``grad_weight_high_precision`` computes ``dw`` from float32 operands.
+the backward pass. It is passed as a transposed view: the host library's block kernels then
+cast it with column groups in its own layout, and the GEMM takes the transposed result, so no
+transposing copy is made. ``grad_weight_high_precision`` computes ``dw`` from float32 operands.
 
 Under "delayed" scaling each role (input, weight, output gradient) has one per-tensor scale:
 the AMAX rule applied to the max (or the most recent) of the amaxes of that role's previous
@@ -145,7 +147,8 @@ def _as_float8(cast: GroupCast, fmt: FP8Format) -> Tuple[torch.Tensor, torch.Ten
         raise RuntimeError(f"torch._scaled_mm or torch's {fmt.name} dtype is missing in this "
                            f"torch ({torch.__version__})")
     scales = cast.log2_scales.to(torch.float64).reshape(-1, 1)
-    codes = (cast.values * torch.exp2(scales).to(torch.float32)).to(dtype)
+    # (contiguous: torch._scaled_mm takes a row-major first and column-major second operand)
+    codes = (cast.values * torch.exp2(scales).to(torch.float32)).to(dtype).contiguous()
     return codes, torch.exp2(-scales).to(torch.float32)
 
 
@@ -218,7 +221,7 @@ class _RecipeLinear(torch.autograd.Function):
                 if ctx.weight_values is not None:
                     wq_t = GroupCast(ctx.weight_values.t(), None)
                 else:
-                    wq_t = role_cast(saved_w.t().contiguous(), config, "weight",
+                    wq_t = role_cast(saved_w.t(), config, "weight",
                                      f"{site}.weight_t")
                 grad_x = _product(g_rows, wq_t, config.gradient, config.weight, scales[1],
                                   use_scaled_mm)
@@ -226,9 +229,9 @@ class _RecipeLinear(torch.autograd.Function):
                 if config.grad_weight_high_precision:
                     grad_w = _gemm(g2.t(), saved_x, scales[2])
                 else:
-                    gq_t = role_cast(g2.t().contiguous(), config, "grad_output",
+                    gq_t = role_cast(g2.t(), config, "grad_output",
                                      f"{site}.grad_output_t")
-                    xq_t = role_cast(saved_x.t().contiguous(), config, "input", f"{site}.input_t")
+                    xq_t = role_cast(saved_x.t(), config, "input", f"{site}.input_t")
                     grad_w = _product(gq_t, xq_t, config.gradient, config.activation, scales[2],
                                       use_scaled_mm)
         if grad_x is not None:
