@@ -17,14 +17,13 @@
 // for bit. A group whose amax is not finite makes the call return 1 without rounding it.
 //
 // Two loops, both reading each group twice while it is in cache (amax, then round):
-//  * span groups (groupCols > 1): per group, the amax of its row segments, one scalar scale,
-//    the segments rounded with fp8_simd.hpp's span kernels;
+//  * span groups (groupCols > 1): in batches of groups, the amax keys of each group's row
+//    segments, then the scales, then the segments rounded with one scale each;
 //  * lane groups (groupCols == 1): a band of groupRows rows is taken in column chunks small
 //    enough for L1/L2; the amax runs down the rows with one column per SIMD lane, and each
 //    row segment is rounded with a vector of per-column scales.
 #pragma once
 
-#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -61,21 +60,21 @@ inline float exactPowerOfTwo(int e) {
   return floatFromBits(1u << (e + 149));
 }
 
-// The scale s of a group with this amax key, or kNonFiniteScale.
-inline int groupScale(unsigned key, const ScaleRule& rule) {
+// The scale s of a group with this amax key, or kNonFiniteScale. Integer arithmetic on the
+// normalised significands and exponents (as scalingBias), the format's max normalised once.
+inline int groupScale(unsigned key, const ScaleRule& rule, const Normalised& top) {
   if (!keyIsFinite(key)) return kNonFiniteScale;
-  if (rule.rule == kAmaxRule) return scalingBias(floatFromKey(key), rule.formatMax, rule.margin).log2Scale;
-  if (key == 0) return kMxScaleLimit;  // e = -127
-  int exponent = 0;
-  const float mantissa = std::frexp(floatFromKey(key), &exponent);
-  int shared;
-  if (rule.rule == kMxFloor) {
-    shared = exponent - 1 - rule.emax;
-  } else {
-    int maxExponent = 0;
-    const float maxMantissa = std::frexp(rule.formatMax, &maxExponent);
-    shared = exponent - maxExponent + (mantissa > maxMantissa ? 1 : 0);
+  if (key == 0) return rule.rule == kAmaxRule ? 0 : kMxScaleLimit;  // MX: e = -127
+  const Normalised amax = normalise(floatFromKey(key));  // amax = significand * 2^(exponent - 23)
+  if (rule.rule == kAmaxRule) {
+    const int floorLog2 = top.exponent - amax.exponent - (top.significand < amax.significand ? 1 : 0);
+    const int scale = floorLog2 - rule.margin;
+    return scale > kMaxLog2Scale ? kMaxLog2Scale : (scale < -kMaxLog2Scale ? -kMaxLog2Scale : scale);
   }
+  // MX: floor(log2(amax)) - emax, or the smallest e with amax <= formatMax * 2^e.
+  int shared = rule.rule == kMxFloor
+                   ? amax.exponent - rule.emax
+                   : amax.exponent - top.exponent + (amax.significand > top.significand ? 1 : 0);
   shared = shared > kMxScaleLimit ? kMxScaleLimit : (shared < -kMxScaleLimit ? -kMxScaleLimit : shared);
   return -shared;
 }
@@ -85,14 +84,14 @@ struct Factors {
   float scale, inverse;
 };
 
+// (2^s / 2^step is 2^(s - step) exactly: |s| <= 127 and step <= 1 stay above 2^-149.)
 inline Factors factorsOf(int s, const ScaleRule& rule) {
-  const float step = powerOfTwo(rule.stepLog2);
-  return Factors{exactPowerOfTwo(s) / step, exactPowerOfTwo(-s) * step};
+  return Factors{exactPowerOfTwo(s - rule.stepLog2), exactPowerOfTwo(-s) * powerOfTwo(rule.stepLog2)};
 }
 
 inline float clampTo(float y, float limit) { return y < -limit ? -limit : (y > limit ? limit : y); }
 
-// ---------------------------------------------------------------- per-level row segments
+// ---------------------------------------------------------------- element rounding
 
 template <unsigned E, bool S>
 IUS_HOT inline void quantisePortable(const float* x, Index n, Factors f, float clampMax, float* out) {
@@ -101,14 +100,6 @@ IUS_HOT inline void quantisePortable(const float* x, Index n, Factors f, float c
   } else {
     for (Index i = 0; i < n; ++i) out[i] = fast::quantise<E, S>(x[i] * f.scale) * f.inverse;
   }
-}
-
-inline unsigned amaxSpan(const float* x, Index n, int level) {
-#ifdef IUS_HAVE_AVX2_KERNELS
-  if (level == 2) return simd512::amaxKey(x, n);
-  if (level == 1) return simd::amaxKey(x, n);
-#endif
-  return fused::amaxFloatPortable(x, n);
 }
 
 #ifdef IUS_HAVE_AVX2_KERNELS
@@ -130,26 +121,6 @@ IUS_AVX2 inline __m256 quantiseLanes256(__m256 x, __m256 scale, __m256 inverse, 
     return simd::quantise8<E, S>(y, _mm256_set1_ps(1.0f), inverse);
   }
   return simd::quantise8<E, S>(x, scale, inverse);
-}
-
-template <unsigned E, bool S>
-IUS_AVX512 void quantiseSpan512(const float* x, Index n, Factors f, float clampMax, float* out) {
-  const __m512 scale = _mm512_set1_ps(f.scale), inverse = _mm512_set1_ps(f.inverse);
-  Index i = 0;
-  for (; i + 16 <= n; i += 16) {
-    _mm512_storeu_ps(out + i, quantiseLanes512<E, S>(_mm512_loadu_ps(x + i), scale, inverse, clampMax));
-  }
-  quantisePortable<E, S>(x + i, n - i, f, clampMax, out + i);
-}
-
-template <unsigned E, bool S>
-IUS_AVX2 void quantiseSpan256(const float* x, Index n, Factors f, float clampMax, float* out) {
-  const __m256 scale = _mm256_set1_ps(f.scale), inverse = _mm256_set1_ps(f.inverse);
-  Index i = 0;
-  for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(out + i, quantiseLanes256<E, S>(_mm256_loadu_ps(x + i), scale, inverse, clampMax));
-  }
-  quantisePortable<E, S>(x + i, n - i, f, clampMax, out + i);
 }
 
 // Per-column amax keys of rows [r0, r1), columns [c0, c0 + width), for the whole vectors of
@@ -204,33 +175,172 @@ IUS_AVX2 inline Index lanesQuantise256(const float* row, Index width, const floa
 }
 #endif
 
-template <unsigned E, bool S>
-inline void quantiseSpan(const float* x, Index n, Factors f, float clampMax, float* out, int level) {
-#ifdef IUS_HAVE_AVX2_KERNELS
-  if (level == 2) return quantiseSpan512<E, S>(x, n, f, clampMax, out);
-  if (level == 1) return quantiseSpan256<E, S>(x, n, f, clampMax, out);
-#endif
-  quantisePortable<E, S>(x, n, f, clampMax, out);
-}
-
 // ---------------------------------------------------------------- span groups
 
-// Group (band, groupColumn); writes its scale, returns false when its amax is not finite.
-template <unsigned E, bool S>
-bool spanGroup(const float* in, float* out, const Layout& l, const ScaleRule& rule, Index band,
-               Index column, int level, int* scales) {
-  const Index r0 = band * l.groupRows, r1 = r0 + l.groupRows < l.rows ? r0 + l.groupRows : l.rows;
-  const Index c0 = column * l.groupCols, c1 = c0 + l.groupCols < l.cols ? c0 + l.groupCols : l.cols;
-  unsigned key = 0;
-  for (Index r = r0; r < r1; ++r) key = maxKey(key, amaxSpan(in + r * l.cols + c0, c1 - c0, level));
-  const int s = groupScale(key, rule);
-  scales[band * l.groupColumns() + column] = s;
-  if (s == kNonFiniteScale) return false;
-  const Factors f = factorsOf(s, rule);
-  for (Index r = r0; r < r1; ++r) {
-    quantiseSpan<E, S>(in + r * l.cols + c0, c1 - c0, f, rule.clampMax, out + r * l.cols + c0, level);
+// A span group's rows and columns, [r0, r1) x [c0, c1).
+struct Span {
+  Index r0, r1, c0, c1;
+};
+
+inline Span spanOf(const Layout& l, Index band, Index column) {
+  const Index r0 = band * l.groupRows, c0 = column * l.groupCols;
+  return Span{r0, r0 + l.groupRows < l.rows ? r0 + l.groupRows : l.rows, c0,
+              c0 + l.groupCols < l.cols ? c0 + l.groupCols : l.cols};
+}
+
+// Span groups are taken in batches of kBatch, in three passes over a batch (its data stays
+// in L1/L2): the amax keys, the scales, the rounding. No pass waits on the one before for
+// each group, so the CPU overlaps consecutive groups: MX's 32-element tiles are two AVX-512
+// vectors each, too short to hide a chain of amax, reduction, scale and rounding per group.
+constexpr Index kBatch = 64;
+
+// Passes 1 and 3 for each SIMD level: keys[i] of group first + i, and the rounding of group
+// first + i with factors scale[i], inverse[i].
+IUS_HOT inline void spanKeysPortable(const float* in, const Layout& l, Index first, Index n,
+                                     unsigned* keys) {
+  const Index perBand = l.groupColumns();
+  for (Index i = 0; i < n; ++i) {
+    const Span g = spanOf(l, (first + i) / perBand, (first + i) % perBand);
+    unsigned key = 0;
+    for (Index r = g.r0; r < g.r1; ++r) key = maxKey(key, amaxKeyOfSpan(in + r * l.cols + g.c0, g.c1 - g.c0));
+    keys[i] = key;
   }
-  return true;
+}
+
+template <unsigned E, bool S>
+IUS_HOT void spanRoundPortable(const float* in, float* out, const Layout& l, const ScaleRule& rule,
+                               Index first, Index n, const float* scale, const float* inverse) {
+  const Index perBand = l.groupColumns();
+  for (Index i = 0; i < n; ++i) {
+    const Span g = spanOf(l, (first + i) / perBand, (first + i) % perBand);
+    for (Index r = g.r0; r < g.r1; ++r) {
+      quantisePortable<E, S>(in + r * l.cols + g.c0, g.c1 - g.c0, Factors{scale[i], inverse[i]}, rule.clampMax,
+                             out + r * l.cols + g.c0);
+    }
+  }
+}
+
+#ifdef IUS_HAVE_AVX2_KERNELS
+IUS_AVX512 void spanKeys512(const float* in, const Layout& l, Index first, Index n, unsigned* keys) {
+  const Index perBand = l.groupColumns();
+  for (Index i = 0; i < n; ++i) {
+    const Span g = spanOf(l, (first + i) / perBand, (first + i) % perBand);
+    const Index width = g.c1 - g.c0, vectors = width / 16 * 16;
+    __m512i key = _mm512_setzero_si512();
+    unsigned tail = 0;
+    for (Index r = g.r0; r < g.r1; ++r) {
+      const float* row = in + r * l.cols + g.c0;
+      for (Index c = 0; c < vectors; c += 16) key = simd512::maxKey16(key, row + c);
+      for (Index c = vectors; c < width; ++c) tail = maxKey(tail, magnitudeKey(row[c]));
+    }
+    keys[i] = maxKey(tail, _mm512_reduce_max_epu32(key));
+  }
+}
+
+template <unsigned E, bool S>
+IUS_AVX512 void spanRound512(const float* in, float* out, const Layout& l, const ScaleRule& rule,
+                             Index first, Index n, const float* scale, const float* inverse) {
+  const Index perBand = l.groupColumns();
+  for (Index i = 0; i < n; ++i) {
+    const Span g = spanOf(l, (first + i) / perBand, (first + i) % perBand);
+    const Index width = g.c1 - g.c0, vectors = width / 16 * 16;
+    const __m512 scales = _mm512_set1_ps(scale[i]), inverses = _mm512_set1_ps(inverse[i]);
+    for (Index r = g.r0; r < g.r1; ++r) {
+      const float* row = in + r * l.cols + g.c0;
+      float* target = out + r * l.cols + g.c0;
+      for (Index c = 0; c < vectors; c += 16) {
+        _mm512_storeu_ps(target + c, quantiseLanes512<E, S>(_mm512_loadu_ps(row + c), scales, inverses, rule.clampMax));
+      }
+      if (vectors < width) {
+        quantisePortable<E, S>(row + vectors, width - vectors, Factors{scale[i], inverse[i]}, rule.clampMax,
+                               target + vectors);
+      }
+    }
+  }
+}
+
+IUS_AVX2 void spanKeys256(const float* in, const Layout& l, Index first, Index n, unsigned* keys) {
+  const Index perBand = l.groupColumns();
+  for (Index i = 0; i < n; ++i) {
+    const Span g = spanOf(l, (first + i) / perBand, (first + i) % perBand);
+    const Index width = g.c1 - g.c0, vectors = width / 8 * 8;
+    __m256i key = _mm256_setzero_si256();
+    unsigned tail = 0;
+    for (Index r = g.r0; r < g.r1; ++r) {
+      const float* row = in + r * l.cols + g.c0;
+      for (Index c = 0; c < vectors; c += 8) key = simd::maxKey8(key, row + c);
+      for (Index c = vectors; c < width; ++c) tail = maxKey(tail, magnitudeKey(row[c]));
+    }
+    keys[i] = maxKey(tail, simd::reduceMaxKey(key));
+  }
+}
+
+template <unsigned E, bool S>
+IUS_AVX2 void spanRound256(const float* in, float* out, const Layout& l, const ScaleRule& rule,
+                           Index first, Index n, const float* scale, const float* inverse) {
+  const Index perBand = l.groupColumns();
+  for (Index i = 0; i < n; ++i) {
+    const Span g = spanOf(l, (first + i) / perBand, (first + i) % perBand);
+    const Index width = g.c1 - g.c0, vectors = width / 8 * 8;
+    const __m256 scales = _mm256_set1_ps(scale[i]), inverses = _mm256_set1_ps(inverse[i]);
+    for (Index r = g.r0; r < g.r1; ++r) {
+      const float* row = in + r * l.cols + g.c0;
+      float* target = out + r * l.cols + g.c0;
+      for (Index c = 0; c < vectors; c += 8) {
+        _mm256_storeu_ps(target + c, quantiseLanes256<E, S>(_mm256_loadu_ps(row + c), scales, inverses, rule.clampMax));
+      }
+      if (vectors < width) {
+        quantisePortable<E, S>(row + vectors, width - vectors, Factors{scale[i], inverse[i]}, rule.clampMax,
+                               target + vectors);
+      }
+    }
+  }
+}
+#endif
+
+// Groups [begin, end) in (band, groupColumn) order, each writing its scale; returns false when
+// some group's amax is not finite (that group is rounded with scale 0: unspecified values).
+template <unsigned E, bool S>
+bool spanGroups(const float* in, float* out, const Layout& l, const ScaleRule& rule, Index begin,
+                Index end, int level, int* scales) {
+  const Normalised top = normalise(rule.formatMax);
+  unsigned keys[kBatch];
+  float scale[kBatch], inverse[kBatch];
+  bool finite = true;
+  for (Index first = begin; first < end; first += kBatch) {
+    const Index n = end - first < kBatch ? end - first : kBatch;
+#ifdef IUS_HAVE_AVX2_KERNELS
+    if (level == 2) {
+      spanKeys512(in, l, first, n, keys);
+    } else if (level == 1) {
+      spanKeys256(in, l, first, n, keys);
+    } else {
+      spanKeysPortable(in, l, first, n, keys);
+    }
+#else
+    spanKeysPortable(in, l, first, n, keys);
+#endif
+    for (Index i = 0; i < n; ++i) {
+      const int s = groupScale(keys[i], rule, top);
+      scales[first + i] = s;
+      finite = finite && s != kNonFiniteScale;
+      const Factors f = factorsOf(s == kNonFiniteScale ? 0 : s, rule);
+      scale[i] = f.scale;
+      inverse[i] = f.inverse;
+    }
+#ifdef IUS_HAVE_AVX2_KERNELS
+    if (level == 2) {
+      spanRound512<E, S>(in, out, l, rule, first, n, scale, inverse);
+    } else if (level == 1) {
+      spanRound256<E, S>(in, out, l, rule, first, n, scale, inverse);
+    } else {
+      spanRoundPortable<E, S>(in, out, l, rule, first, n, scale, inverse);
+    }
+#else
+    spanRoundPortable<E, S>(in, out, l, rule, first, n, scale, inverse);
+#endif
+  }
+  return finite;
 }
 
 // ---------------------------------------------------------------- lane groups
@@ -264,9 +374,10 @@ bool laneChunk(const float* in, float* out, const Layout& l, const ScaleRule& ru
   }
   float* scale = factors.data();
   float* inverse = scale + width;
+  const Normalised top = normalise(rule.formatMax);
   bool finite = true;
   for (Index c = 0; c < width; ++c) {
-    const int s = groupScale(key[c], rule);
+    const int s = groupScale(key[c], rule, top);
     scales[band * l.cols + c0 + c] = s;
     // A non-finite column is rounded with scale 0 and reported; its values are unspecified.
     const Factors f = factorsOf(s == kNonFiniteScale ? 0 : s, rule);
@@ -294,26 +405,47 @@ bool laneChunk(const float* in, float* out, const Layout& l, const ScaleRule& ru
 // Rounds `in` (rows x cols, row-major) into `out` with one scale per group, written to
 // `scales` (bands x groupColumns, row-major). Returns 0, or 1 when some group's amax is not
 // finite (its scale is kNonFiniteScale, the values unspecified).
+//
+// With `tiles` (lane groups of size x 1 only), the same call also rounds `in` into
+// tiles->out with 1 x size tiles (scales tiles->scales, rows x ceil(cols / size)): both casts
+// a GEMM operand needs, the one along its rows and the one along its columns, from one read
+// of the input, as each band chunk is rounded both ways while it is in cache.
+struct TileOutput {
+  float* out;
+  int* scales;
+};
+
 template <unsigned E, bool S>
-int run(const float* in, float* out, const Layout& l, const ScaleRule& rule, int threads, int* scales) {
+int run(const float* in, float* out, const Layout& l, const ScaleRule& rule, int threads,
+        int* scales, const TileOutput* tiles = nullptr) {
   const int level = fused::simdLevel();
-  const bool lanes = l.groupCols == 1 && l.cols > 1;
-  const Index chunk = lanes ? laneChunkWidth(l.groupRows < l.rows ? l.groupRows : l.rows) : 1;
+  const bool lanes = l.groupCols == 1 && (l.cols > 1 || tiles != nullptr);
+  const Index size = l.groupRows;
+  Index chunk = lanes ? laneChunkWidth(l.groupRows < l.rows ? l.groupRows : l.rows) : 1;
+  if (tiles != nullptr) chunk = (chunk + size - 1) / size * size;  // whole tiles per chunk
   const Index perBand = lanes ? (l.cols + chunk - 1) / chunk : l.groupColumns();
   const Index items = l.bands() * perBand;
+  const Layout tileLayout{l.rows, l.cols, 1, size};
+  const Index tilesPerRow = tileLayout.groupColumns();
   const unsigned parts = fused::threadsFor(l.rows * l.cols, threads);
   std::vector<char> finite(parts, 1);
   fused::parallelChunks(items, parts, [&](unsigned part, Index begin, Index end) {
+    if (!lanes) {
+      finite[part] = spanGroups<E, S>(in, out, l, rule, begin, end, level, scales);
+      return;
+    }
     std::vector<unsigned> keys;
     std::vector<float> factors;
     bool ok = true;
     for (Index item = begin; item < end; ++item) {
-      const Index band = item / perBand, within = item % perBand;
-      if (lanes) {
-        const Index c0 = within * chunk, c1 = c0 + chunk < l.cols ? c0 + chunk : l.cols;
-        ok = laneChunk<E, S>(in, out, l, rule, band, c0, c1, level, scales, keys, factors) && ok;
-      } else {
-        ok = spanGroup<E, S>(in, out, l, rule, band, within, level, scales) && ok;
+      const Index band = item / perBand, c0 = item % perBand * chunk;
+      const Index c1 = c0 + chunk < l.cols ? c0 + chunk : l.cols;
+      ok = laneChunk<E, S>(in, out, l, rule, band, c0, c1, level, scales, keys, factors) && ok;
+      if (tiles == nullptr) continue;
+      const Index r1 = (band + 1) * size < l.rows ? (band + 1) * size : l.rows;
+      for (Index r = band * size; r < r1; ++r) {
+        const Index first = r * tilesPerRow + c0 / size, last = r * tilesPerRow + (c1 + size - 1) / size;
+        ok = spanGroups<E, S>(in, tiles->out, tileLayout, rule, first, last, level, tiles->scales) && ok;
       }
     }
     finite[part] = ok;

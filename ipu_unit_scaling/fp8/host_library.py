@@ -37,7 +37,7 @@ __all__ = [
     "fused_cast_to_fp8",
     "fused_cast_from_fp8", "fused_quantise", "quantise_float32", "fused_tuning", "fast_selftest",
     "exponent_bits", "partition", "partition_grain", "dtype_code", "num_threads",
-    "group_quantise", "GROUP_RULES",
+    "group_quantise", "group_quantise_pair", "GROUP_RULES",
 ]
 
 LIBRARY_PATH = Path(__file__).with_name("_fp8_host.so")
@@ -76,6 +76,10 @@ _SIGNATURES = {
     "ius_group_quantise": (
         _c_int, [_c_void_p, _c_int64, _c_int64, _c_int64, _c_int64, _c_int, _c_int, _c_int,
                  ctypes.c_float, _c_int, _c_int, _c_int, _c_int, _c_void_p, _c_void_p]),
+    "ius_group_quantise_pair": (
+        _c_int, [_c_void_p, _c_int64, _c_int64, _c_int64, _c_int, _c_int, _c_int,
+                 ctypes.c_float, _c_int, _c_int, _c_int, _c_int, _c_void_p, _c_void_p,
+                 _c_void_p, _c_void_p]),
 }
 # The scale rules of group_quantise, by the names group_cast uses.
 GROUP_RULES = {"amax": 0, "mx_floor": 1, "mx_up": 2}
@@ -378,6 +382,21 @@ def partition(numel: int, tiles: int, workers: int) -> torch.Tensor:
     return bounds
 
 
+def _check_group_input(x: torch.Tensor, group_rows: int, group_cols: int, rule: str,
+                       name: str) -> int:
+    """The rule's code, after checking the arguments the block kernels share."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2
+            or not x.is_contiguous()):
+        raise ValueError(f"{name} needs a contiguous 2-D CPU float32 tensor")
+    if group_rows < 1 or group_cols < 1:
+        raise ValueError(f"{name} needs groups of at least 1 x 1, got {group_rows} x "
+                         f"{group_cols}")
+    code = GROUP_RULES.get(rule)
+    if code is None:
+        raise ValueError(f"{name} rule {rule!r}; allowed: {', '.join(GROUP_RULES)}")
+    return code
+
+
 def group_quantise(
     x: torch.Tensor,
     group_rows: int,
@@ -402,15 +421,7 @@ def group_quantise(
     or ``out``; int32 scales ``[ceil(rows / group_rows), ceil(cols / group_cols)]``; whether
     every group's amax was finite: where not, values and that group's scale are unspecified).
     """
-    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2
-            or not x.is_contiguous()):
-        raise ValueError("group_quantise needs a contiguous 2-D CPU float32 tensor")
-    if group_rows < 1 or group_cols < 1:
-        raise ValueError(f"group_quantise needs groups of at least 1 x 1, got "
-                         f"{group_rows} x {group_cols}")
-    code = GROUP_RULES.get(rule)
-    if code is None:
-        raise ValueError(f"group_quantise rule {rule!r}; allowed: {', '.join(GROUP_RULES)}")
+    code = _check_group_input(x, group_rows, group_cols, rule, "group_quantise")
     rows, cols = x.shape
     out = _output(x, torch.float32, out)
     scales = torch.empty((-(-rows // group_rows), -(-cols // group_cols)), dtype=torch.int32)
@@ -421,3 +432,34 @@ def group_quantise(
     if status not in (0, 1):
         raise ValueError(f"group_quantise rejected its arguments (status {status})")
     return out.view(x.shape), scales, status == 0
+
+
+def group_quantise_pair(
+    x: torch.Tensor,
+    size: int,
+    fmt_name: str,
+    rule: str,
+    format_max: float,
+    emax: int = 0,
+    margin: int = 0,
+    step_log2: int = 0,
+    saturate: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """Both tile casts of the matrix ``x`` from one read of it: :func:`group_quantise` with
+    ``1 x size`` tiles and with ``size x 1`` column tiles (arguments as there). Returns (row
+    tile values, their scales, column tile values, their scales, whether every amax was
+    finite)."""
+    code = _check_group_input(x, size, size, rule, "group_quantise_pair")
+    rows, cols = x.shape
+    row_values = torch.empty(x.shape, dtype=torch.float32)
+    col_values = torch.empty(x.shape, dtype=torch.float32)
+    row_scales = torch.empty((rows, -(-cols // size)), dtype=torch.int32)
+    col_scales = torch.empty((-(-rows // size), cols), dtype=torch.int32)
+    status = library().ius_group_quantise_pair(
+        _pointer(x), rows, cols, size, exponent_bits(fmt_name), int(saturate), code,
+        float(format_max), int(emax), int(margin), int(step_log2), num_threads(),
+        _pointer(row_values), _pointer(row_scales), _pointer(col_values),
+        _pointer(col_scales))
+    if status not in (0, 1):
+        raise ValueError(f"group_quantise_pair rejected its arguments (status {status})")
+    return row_values, row_scales, col_values, col_scales, status == 0
