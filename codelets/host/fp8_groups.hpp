@@ -13,8 +13,9 @@
 // round-up of log2(amax) against the element format's emax, clamped to +-127, -127 for an
 // all-zero group; s = -e). The element rounding is fp8_fast.hpp's on the F143/F152 grid; the
 // OCP formats run on that grid at half scale (stepLog2 = 1), clamped to half their max first,
-// exactly as ipu_unit_scaling/fp8/group_cast.py composes them, so the values are its values bit
-// for bit. A group whose amax is not finite makes the call return 1 without rounding it.
+// exactly as ipu_unit_scaling/fp8/group_cast.py composes them, a zero keeping its input's sign
+// (the OCP formats have -0), so the values are its torch path's values bit for bit. A group
+// whose amax is not finite makes the call return 1 (its values are then unspecified).
 //
 // Two loops, both reading each group twice while it is in cache (amax, then round):
 //  * span groups (groupCols > 1): in batches of groups, the amax keys of each group's row
@@ -93,10 +94,19 @@ inline float clampTo(float y, float limit) { return y < -limit ? -limit : (y > l
 
 // ---------------------------------------------------------------- element rounding
 
+// With clampMax (an OCP format on the IPU grid) a zero keeps the sign of its input: the OCP
+// formats have -0, F143 and F152 do not.
+inline float withSignOf(float value, float input) {
+  return floatFromBits(floatBits(value) | (floatBits(input) & 0x80000000u));
+}
+
 template <unsigned E, bool S>
 IUS_HOT inline void quantisePortable(const float* x, Index n, Factors f, float clampMax, float* out) {
   if (clampMax > 0) {
-    for (Index i = 0; i < n; ++i) out[i] = fast::quantise<E, S>(clampTo(x[i] * f.scale, clampMax)) * f.inverse;
+    for (Index i = 0; i < n; ++i) {
+      const float y = clampTo(x[i] * f.scale, clampMax);
+      out[i] = withSignOf(fast::quantise<E, S>(y) * f.inverse, y);
+    }
   } else {
     for (Index i = 0; i < n; ++i) out[i] = fast::quantise<E, S>(x[i] * f.scale) * f.inverse;
   }
@@ -108,7 +118,9 @@ IUS_AVX512 inline __m512 quantiseLanes512(__m512 x, __m512 scale, __m512 inverse
   if (clampMax > 0) {
     const __m512 limit = _mm512_set1_ps(clampMax);
     const __m512 y = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x, scale), _mm512_sub_ps(_mm512_setzero_ps(), limit)), limit);
-    return simd512::quantise16<E, S>(y, _mm512_set1_ps(1.0f), inverse);
+    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+    return _mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_castps_si512(simd512::quantise16<E, S>(y, _mm512_set1_ps(1.0f), inverse)), sign));
   }
   return simd512::quantise16<E, S>(x, scale, inverse);
 }
@@ -118,7 +130,8 @@ IUS_AVX2 inline __m256 quantiseLanes256(__m256 x, __m256 scale, __m256 inverse, 
   if (clampMax > 0) {
     const __m256 limit = _mm256_set1_ps(clampMax);
     const __m256 y = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(x, scale), _mm256_sub_ps(_mm256_setzero_ps(), limit)), limit);
-    return simd::quantise8<E, S>(y, _mm256_set1_ps(1.0f), inverse);
+    const __m256 sign = _mm256_and_ps(y, _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u))));
+    return _mm256_or_ps(simd::quantise8<E, S>(y, _mm256_set1_ps(1.0f), inverse), sign);
   }
   return simd::quantise8<E, S>(x, scale, inverse);
 }

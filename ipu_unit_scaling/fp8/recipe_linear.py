@@ -210,10 +210,10 @@ class _RecipeLinear(torch.autograd.Function):
         xq, ctx.x_t = _casts(x2, config, "input", f"{site}.input", scale_x, need_x_t)
         wq, ctx.w_t = _casts(w, config, "weight", f"{site}.weight", scale_w,
                              need_w_t and config.scaling != "block")
+        assert xq is not None and wq is not None
         if need_w_t and config.scaling == "block":
             # Square weight blocks: the transposed cast is the forward cast transposed.
             ctx.w_t = GroupCast(wq.values.t(), None)
-        assert xq is not None and wq is not None
         y = _product(xq, wq, config.activation, config.weight, scales[0], use_scaled_mm)
         if bias is not None:
             y = y.add_(bias.to(torch.float32))
