@@ -96,7 +96,9 @@ def _kernels(x: torch.Tensor) -> Dict[str, Callable[[], object]]:
                                             fmt_max, emax, 0, step, out=matrix_values)
 
     blocks = {name: block_form(rows, cols, mx) for name, rows, cols, mx in BLOCK_FORMS}
-    blocks[PAIR] = lambda: _host.group_quantise_pair(matrix, 32, "F143", "mx_floor", 448.0, 8, 0, 1)
+    pair_out = (matrix_values, torch.empty_like(matrix))
+    blocks[PAIR] = lambda: _host.group_quantise_pair(matrix, 32, "F143", "mx_floor", 448.0, 8, 0,
+                                                     1, out=pair_out)
     return {
         COPY: lambda: values.copy_(x),
         AMAX: lambda: _host.fused_amax(x),

@@ -365,6 +365,17 @@ inline Index laneChunkWidth(Index bandRows) {
   return rounded < 64 ? 64 : rounded;
 }
 
+// A scalar element with per-column factors: a plain inline loop body, as the lane tails run
+// it once per element (quantisePortable is a target_clones function, called, not inlined).
+template <unsigned E, bool S>
+inline float quantiseOne(float x, float scale, float inverse, float clampMax) {
+  if (clampMax > 0) {
+    const float y = clampTo(x * scale, clampMax);
+    return withSignOf(fast::quantise<E, S>(y) * inverse, y);
+  }
+  return fast::quantise<E, S>(x * scale) * inverse;
+}
+
 // Chunk [c0, c1) of a band: per-column amax keys down the rows, then the scales, then the rows
 // rounded. Returns false when a column's amax is not finite (that column is left unrounded).
 template <unsigned E, bool S>
@@ -406,9 +417,7 @@ bool laneChunk(const float* in, float* out, const Layout& l, const ScaleRule& ru
     if (level == 2) c = lanesQuantise512<E, S>(row, width, scale, inverse, rule.clampMax, target);
     else if (level == 1) c = lanesQuantise256<E, S>(row, width, scale, inverse, rule.clampMax, target);
 #endif
-    for (; c < width; ++c) {
-      quantisePortable<E, S>(row + c, 1, Factors{scale[c], inverse[c]}, rule.clampMax, target + c);
-    }
+    for (; c < width; ++c) target[c] = quantiseOne<E, S>(row[c], scale[c], inverse[c], rule.clampMax);
   }
   return finite;
 }

@@ -444,15 +444,16 @@ def group_quantise_pair(
     margin: int = 0,
     step_log2: int = 0,
     saturate: bool = True,
+    out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
     """Both tile casts of the matrix ``x`` from one read of it: :func:`group_quantise` with
-    ``1 x size`` tiles and with ``size x 1`` column tiles (arguments as there). Returns (row
-    tile values, their scales, column tile values, their scales, whether every amax was
-    finite)."""
+    ``1 x size`` tiles and with ``size x 1`` column tiles (arguments as there; ``out``: the
+    two float32 tensors to write them to). Returns (row tile values, their scales, column tile
+    values, their scales, whether every amax was finite)."""
     code = _check_group_input(x, size, size, rule, "group_quantise_pair")
     rows, cols = x.shape
-    row_values = torch.empty(x.shape, dtype=torch.float32)
-    col_values = torch.empty(x.shape, dtype=torch.float32)
+    row_values = _output(x, torch.float32, None if out is None else out[0]).view(x.shape)
+    col_values = _output(x, torch.float32, None if out is None else out[1]).view(x.shape)
     row_scales = torch.empty((rows, -(-cols // size)), dtype=torch.int32)
     col_scales = torch.empty((-(-rows // size), cols), dtype=torch.int32)
     status = library().ius_group_quantise_pair(
