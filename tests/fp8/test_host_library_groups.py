@@ -183,3 +183,26 @@ def test_a_non_finite_group_raises_as_on_the_torch_path(grouping):
     assert str(host.value) == str(reference.value)
     with pytest.raises(NonFiniteAmaxError):
         group_cast_pair(x, fmt, grouping)
+
+
+@pytest.mark.parametrize("group", ["tile 32", "column tile 32", "block 128", "row", "tensor"])
+def test_threads_split_the_groups_without_changing_them(group):
+    """A tensor large enough for several threads (the kernels give each at least 64K
+    elements) gives what one thread gives."""
+    x = edge_tensor(513, 1031, 7)
+    group_rows, group_cols = GROUPS[group](*x.shape)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 3):
+            torch.set_num_threads(count)
+            results.append(_host.group_quantise(x, group_rows, group_cols, "F143", "amax", 240.0))
+            results.append(_host.group_quantise_pair(x, 32, "F143", "mx_floor", 448.0, 8, 0, 1))
+    finally:
+        torch.set_num_threads(threads)
+    for one, several in zip(results[:2], results[2:]):
+        for a, b in zip(one, several):
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+            else:
+                assert a == b
