@@ -38,7 +38,7 @@ host_library = Extension(
              "codelets/fp8_arith.hpp", "codelets/partition.hpp",
              "codelets/placement.hpp",
              "codelets/host/fp8_fused.hpp", "codelets/host/fp8_fast.hpp",
-             "codelets/host/fp8_simd.hpp",
+             "codelets/host/fp8_simd.hpp", "codelets/host/fp8_groups.hpp",
              "codelets/host_shim/poplar/Vertex.hpp", "codelets/host_shim/poplar/HalfFloat.hpp"],
     language="c++",
     # -fno-trapping-math lets the branch-free selects vectorise; it does not change results.

@@ -19,6 +19,15 @@ RECIPE_ROWS = (
 )
 
 
+def _cast_note() -> str:
+    from ipu_unit_scaling.fp8 import host_library as _host
+
+    if not _host.fused_cast_available():
+        return f"grouped casts in torch ops: host library {_host.fast_path_status()}"
+    return ("grouped casts by the host library's block kernels, both casts of each GEMM operand "
+            "from one read")
+
+
 def recipe_rows(row: Callable[..., Any], shape: Shape, rounds: int, min_run_time: float,
                 clock: str, step_ms: Dict[str, float]) -> List[Any]:
     """The rows of :data:`RECIPE_ROWS` as ``row(key, label, value, target, note, spread)``;
@@ -37,7 +46,5 @@ def recipe_rows(row: Callable[..., Any], shape: Shape, rounds: int, min_run_time
     for key, recipe, label, target in RECIPE_ROWS:
         step_ms[f"fp8 {recipe}"] = timings.median_ms(recipe)
         rows.append(row(key, label, timings.ratio(recipe, "fp32"), target,
-                        "grouped casts in torch ops around the host library's rounding; no "
-                        "block-form host kernel yet" if target else "",
-                        timings.spread(recipe, "fp32")))
+                        _cast_note() if target else "", timings.spread(recipe, "fp32")))
     return rows

@@ -10,11 +10,15 @@ round times the copy and every kernel in turn (wall clock: the kernels use sever
 and a kernel's fraction of its bound is taken within the round; the table gives the median and
 quartiles over rounds. Also measured: the AVX-512 and AVX2 kernels and the portable loops, and the
 fused amax + cast at several block sizes (the block is cast from cache while the next streams
-in).
+in). The block forms of the grouped recipes (one scale per 1x128 tile, 128x128 block, MX's
+32-element block with its E8M0 scale, and the column tiles of a transposed operand) round to
+float32 values as those recipes do, on the tensor viewed as a matrix of 4096 columns: 8 bytes
+per element, 12 for both tile casts of an operand from one read.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 from dataclasses import dataclass
@@ -31,8 +35,21 @@ AMAX_CAST = "amax + cast to F143 codes"
 QUANTISE = "quantise to F143 values, given scale"
 AMAX_QUANTISE = "amax + quantise to F143 values"
 
+# The grouped recipes' block forms: (kernel, group rows, group cols, MX). The MX forms round
+# to E4M3FN as the "mx" recipe does (on the F143 grid at half scale), the others to F143.
+BLOCK_FORMS = (
+    ("amax + quantise, 1x128 tiles", 1, 128, False),
+    ("amax + quantise, 128x128 blocks", 128, 128, False),
+    ("amax + quantise, 128x1 column tiles", 128, 1, False),
+    ("MX amax + quantise, 1x32 blocks (E8M0)", 1, 32, True),
+    ("MX amax + quantise, 32x1 column blocks (E8M0)", 32, 1, True),
+)
+PAIR = "MX amax + quantise, 1x32 and 32x1 blocks from one read"
+BLOCK_COLUMNS = 4096
+
 # Bytes each kernel must move per element.
-BYTES = {COPY: 8, AMAX: 4, CAST: 5, AMAX_CAST: 5, QUANTISE: 8, AMAX_QUANTISE: 8}
+BYTES = {COPY: 8, AMAX: 4, CAST: 5, AMAX_CAST: 5, QUANTISE: 8, AMAX_QUANTISE: 8, PAIR: 12,
+         **{form[0]: 8 for form in BLOCK_FORMS}}
 
 
 @dataclass
@@ -69,6 +86,19 @@ def _kernels(x: torch.Tensor) -> Dict[str, Callable[[], object]]:
     # buffer is mapped page by page on first touch, which costs more than the kernel).
     values = torch.empty_like(x)
     codes = torch.empty(x.shape, dtype=torch.uint8)
+    matrix = x.view(-1, math.gcd(x.numel(), BLOCK_COLUMNS))
+    matrix_values = values.view(matrix.shape)
+
+    def block_form(group_rows: int, group_cols: int, mx: bool) -> Callable[[], object]:
+        # MX rounds to E4M3FN: max 448, emax 8, on the F143 grid at half scale.
+        rule, fmt_max, emax, step = ("mx_floor", 448.0, 8, 1) if mx else ("amax", 240.0, 0, 0)
+        return lambda: _host.group_quantise(matrix, group_rows, group_cols, "F143", rule,
+                                            fmt_max, emax, 0, step, out=matrix_values)
+
+    blocks = {name: block_form(rows, cols, mx) for name, rows, cols, mx in BLOCK_FORMS}
+    pair_out = (matrix_values, torch.empty_like(matrix))
+    blocks[PAIR] = lambda: _host.group_quantise_pair(matrix, 32, "F143", "mx_floor", 448.0, 8, 0,
+                                                     1, out=pair_out)
     return {
         COPY: lambda: values.copy_(x),
         AMAX: lambda: _host.fused_amax(x),
@@ -76,6 +106,7 @@ def _kernels(x: torch.Tensor) -> Dict[str, Callable[[], object]]:
         AMAX_CAST: lambda: _host.fused_cast_to_fp8(x, "F143", None, 0, True, out=codes),
         QUANTISE: lambda: _host.quantise_float32(x, "F143", 0, 0, True, out=values),
         AMAX_QUANTISE: lambda: _host.quantise_float32(x, "F143", None, 0, True, out=values),
+        **blocks,
     }
 
 

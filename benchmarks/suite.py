@@ -32,7 +32,7 @@ VERSUS_PUBLISHED_TARGET = 1.0
 # "No slower than the library" once compiled: both compile to near-identical graphs, so the
 # bound carries a noise band instead of a bare 1.00.
 COMPILED_VERSUS_PUBLISHED_TARGET = 1.02
-FP8_STATIC_TARGET = 1.15
+FP8_STATIC_TARGET = 1.08  # the FP8 recipes issue's bound (1.15 before it)
 FP8_NO_HOST_TARGET = 1.5  # an install without a C++ compiler: torch's float8 round trip
 MEMORY_TARGET = 1.05
 CAST_SPEEDUP_TARGET = 8.0  # fused host amax + cast vs torch eager, at least
@@ -436,6 +436,33 @@ def _cast_rows(results: Results, settings: Settings) -> None:
     _roofline_rows(results, settings, threads)
 
 
+def block_form_keys() -> List[Tuple[str, str]]:
+    """(row key, roofline kernel) of each block form's cast-fraction row."""
+    from .roofline import BLOCK_FORMS, PAIR
+
+    kernels = [form[0] for form in BLOCK_FORMS] + [PAIR]
+    keys = ["cast_fraction_tile128", "cast_fraction_block128", "cast_fraction_column128",
+            "cast_fraction_mx32", "cast_fraction_mx_column32", "cast_fraction_mx_pair32"]
+    return list(zip(keys, kernels))
+
+
+def _block_form_rows(results: Results, threads: int, why: Optional[str]) -> None:
+    """A fraction-of-the-copy-bound row per block form of the grouped recipes' casts."""
+    for key, kernel in block_form_keys():
+        label = (f"{kernel}, {threads} threads: fraction of the copy bound (8 B/element, 12 "
+                 "for the pair) in the same run")
+        if why is not None:
+            results.rows.append(Row(key, label, None, CAST_FRACTION_TARGET, note=why,
+                                    higher_is_better=True))
+            continue
+        # The first row of a kernel is the widest SIMD level the CPU has (the default).
+        row = next(r for r in results.roofline_rows
+                   if r.kernel == kernel and r.threads == threads)
+        results.rows.append(Row(key, label, row.fraction, CAST_FRACTION_TARGET,
+                                f"{row.variant}; the roofline table below", spread=row.spread,
+                                higher_is_better=True))
+
+
 def _roofline_rows(results: Results, settings: Settings, threads: int) -> None:
     from .roofline import AMAX_CAST, COPY, available, measure
 
@@ -447,6 +474,7 @@ def _roofline_rows(results: Results, settings: Settings, threads: int) -> None:
         results.rows.append(Row("copy_bandwidth", copy_label, None, note=why))
         results.rows.append(Row("cast_fraction", fraction_label, None, CAST_FRACTION_TARGET,
                                 note=why, higher_is_better=True))
+        _block_form_rows(results, threads, why)
         return
     results.roofline_rows = measure(settings.cast_elements, rounds=max(3, settings.rounds // 2),
                                     min_run_time=settings.min_run_time)
@@ -459,6 +487,7 @@ def _roofline_rows(results: Results, settings: Settings, threads: int) -> None:
     results.rows.append(Row(
         "cast_fraction", fraction_label, fused.fraction, CAST_FRACTION_TARGET, where,
         spread=fused.spread, higher_is_better=True))
+    _block_form_rows(results, threads, None)
 
 
 def _traced_op_rows(results: Results, settings: Settings) -> None:

@@ -48,6 +48,12 @@ ROW_KEYS = {
     "fp8_rowwise_ours",
     "fp8_delayed_ours",
     "telemetry_cost",
+    "cast_fraction_tile128",
+    "cast_fraction_block128",
+    "cast_fraction_column128",
+    "cast_fraction_mx32",
+    "cast_fraction_mx_column32",
+    "cast_fraction_mx_pair32",
 }
 SWEEP_WIDTHS = (8, 16)
 

@@ -11,6 +11,9 @@
 //    (fp8_fused.hpp): amax, scale and round in one streaming pass over threads,
 //    to codes or straight to the rounded float32 values; bit for bit the
 //    vertices' results.
+//  * ius_group_quantise: the block forms of ius_fused_quantise (fp8_groups.hpp),
+//    one scale per row, tile, column tile or square block; ius_group_quantise_pair
+//    both tile casts of a GEMM operand (along its rows and its columns) at once.
 // Both use splitRange (partition.hpp), which ius_partition exposes to Python.
 //
 // Status codes: 0 done, -1 bad arguments, -2 a vertex field connected to
@@ -21,6 +24,7 @@
 
 #include "../placement.hpp"
 #include "fp8_fused.hpp"
+#include "fp8_groups.hpp"
 
 #define IUS_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -30,7 +34,7 @@ using Index = std::int64_t;
 using ius::fused::kFloat16;
 using ius::fused::kFloat32;
 
-constexpr int kAbiVersion = 2;
+constexpr int kAbiVersion = 3;
 constexpr int kBadArguments = -1;
 constexpr int kMisaligned = -2;
 
@@ -439,4 +443,52 @@ IUS_EXPORT int ius_fused_amax(const void* in, Index count, int dtype, int thread
   for (unsigned k : keys) key = ius::maxKey(key, k);
   *amax = ius::floatFromKey(key);
   return 0;
+}
+
+// out = the values of in (rows x cols, row-major float32) rounded with one scale per
+// groupRows x groupCols group (fp8_groups.hpp), each group's scale s written to
+// scales[band * groupColumns + groupColumn]. rule: 0 the AMAX rule (formatMax, margin),
+// 1 MX floor (emax), 2 MX round-up (formatMax). stepLog2 1 runs an OCP format on the IPU grid
+// (clampMax its max / 2). Returns 1, values unspecified, when a group's amax is not finite.
+IUS_EXPORT int ius_group_quantise(const float* in, Index rows, Index cols, Index groupRows,
+                                  Index groupCols, int exponentBits, int saturate, int rule,
+                                  float formatMax, int emax, int margin, int stepLog2,
+                                  int threads, float* out, int* scales) {
+  if ((exponentBits != 4 && exponentBits != 5) || rows < 0 || cols < 0 || groupRows < 1 ||
+      groupCols < 1 || rule < 0 || rule > 2 || stepLog2 < 0 || stepLog2 > 1 ||
+      !(formatMax > 0) || margin < 0 || margin > 31) {
+    return kBadArguments;
+  }
+  if (rows == 0 || cols == 0) return 0;
+  const ius::groups::Layout layout{rows, cols, groupRows, groupCols};
+  const float clampMax = stepLog2 ? formatMax / 2 : 0.0f;
+  const ius::groups::ScaleRule scaleRule{rule, formatMax, emax, margin, stepLog2, clampMax};
+  return ius::fused::withFormat(exponentBits, saturate != 0, [&](auto e, auto sat) {
+    return ius::groups::run<decltype(e)::value, decltype(sat)::value>(in, out, layout, scaleRule,
+                                                                       threads, scales);
+  });
+}
+
+// Both casts of a GEMM operand at once: rowOut with 1 x size tiles (rowScales, rows x
+// ceil(cols / size)) and colOut with size x 1 column tiles (colScales, ceil(rows / size) x
+// cols), from one read of `in`; arguments and status as ius_group_quantise.
+IUS_EXPORT int ius_group_quantise_pair(const float* in, Index rows, Index cols, Index size,
+                                       int exponentBits, int saturate, int rule, float formatMax,
+                                       int emax, int margin, int stepLog2, int threads,
+                                       float* rowOut, int* rowScales, float* colOut,
+                                       int* colScales) {
+  if ((exponentBits != 4 && exponentBits != 5) || rows < 0 || cols < 0 || size < 1 ||
+      rule < 0 || rule > 2 || stepLog2 < 0 || stepLog2 > 1 || !(formatMax > 0) || margin < 0 ||
+      margin > 31) {
+    return kBadArguments;
+  }
+  if (rows == 0 || cols == 0) return 0;
+  const ius::groups::Layout layout{rows, cols, size, 1};
+  const float clampMax = stepLog2 ? formatMax / 2 : 0.0f;
+  const ius::groups::ScaleRule scaleRule{rule, formatMax, emax, margin, stepLog2, clampMax};
+  const ius::groups::TileOutput tiles{rowOut, rowScales};
+  return ius::fused::withFormat(exponentBits, saturate != 0, [&](auto e, auto sat) {
+    return ius::groups::run<decltype(e)::value, decltype(sat)::value>(
+        in, colOut, layout, scaleRule, threads, colScales, &tiles);
+  });
 }

@@ -44,7 +44,8 @@ from .scaling import MAX_LOG2_SCALE, NonFiniteAmaxError, check_margin
 from .stats import record_cast, stats_enabled
 
 __all__ = [
-    "GROUPINGS", "SCALE_RULES", "Grouping", "GroupCast", "group_cast", "group_log2_scales",
+    "GROUPINGS", "SCALE_RULES", "Grouping", "GroupCast", "group_cast", "group_cast_pair",
+    "group_log2_scales",
     "mx_shared_exponents", "MX_SCALE_LIMIT", "NVFP4_BLOCK_SCALE_MAX",
 ]
 
@@ -169,6 +170,95 @@ def _host_grid(fmt: FP8Format, x: torch.Tensor) -> Optional[Tuple[Any, FP8Format
     return _host, grid, step
 
 
+def _host_kernel_args(fmt: FP8Format, x32: torch.Tensor, rule: str, margin: int,
+                      scale_rounding: str) -> Optional[Tuple[Any, Tuple[Any, ...]]]:
+    """(the host library, the block kernels' format and rule arguments) for ``x32``, or None
+    where they do not apply."""
+    host = _host_grid(fmt, x32)
+    if host is None:
+        return None
+    library, grid, step = host
+    kernel_rule = "amax" if rule == "amax" else f"mx_{scale_rounding}"
+    return library, (grid.name, kernel_rule, fmt.max, fmt.max_exponent, margin,
+                     1 if step != 1.0 else 0)
+
+
+def _grouped_scales(scales: torch.Tensor, grouping: Grouping) -> torch.Tensor:
+    """The kernels' (bands, group columns) scales shaped as the torch path's grouped view."""
+    if grouping.kind == "tile":
+        return scales.unsqueeze(-1)
+    if grouping.kind == "block":
+        return scales.reshape(scales.shape[0], 1, scales.shape[1], 1)
+    return scales
+
+
+def _host_group_cast(x32: torch.Tensor, fmt: FP8Format, grouping: Grouping, rule: str,
+                     margin: int, scale_rounding: str) -> Optional[GroupCast]:
+    """The cast by the host library's block kernels (one call, no padding), or None where they
+    do not apply or a group's amax is not finite (the torch path then names the group).
+
+    A transposed view of a contiguous matrix (a GEMM operand cast along the other dimension)
+    is rounded in place with column groups and returned as the transposed view of the values,
+    so it is never copied into a transposed layout first.
+    """
+    found = _host_kernel_args(fmt, x32, rule, margin, scale_rounding)
+    if found is None:
+        return None
+    library, args = found
+    rows, cols = x32.shape
+    size = grouping.size
+    shape = {"tensor": (rows, cols), "row": (1, cols), "tile": (1, size),
+             "block": (size, size)}[grouping.kind]
+    transposed = not x32.is_contiguous() and x32.t().is_contiguous()
+    physical = x32.t() if transposed else x32.contiguous()
+    group_rows, group_cols = (shape[1], shape[0]) if transposed else shape
+    values, scales, finite = library.group_quantise(physical, group_rows, group_cols, *args)
+    if not finite:
+        return None
+    if transposed:
+        values, scales = values.t(), scales.t()
+    return GroupCast(values, _grouped_scales(scales, grouping))
+
+
+def group_cast_pair(
+    x: torch.Tensor,
+    fmt: FP8Format,
+    grouping: Grouping,
+    rule: str = "amax",
+    margin: int = 0,
+    overflow: str = "saturate",
+    rounding: str = "nearest",
+    scale_rounding: str = "floor",
+    generator: Optional[torch.Generator] = None,
+    site: Optional[str] = None,
+    site_t: Optional[str] = None,
+) -> Tuple[GroupCast, GroupCast]:
+    """``group_cast(x, ...)`` and ``group_cast(x.t(), ...)``: the casts of a GEMM operand
+    along each of its dimensions (``site`` and ``site_t`` name them for the statistics).
+
+    For "tile" groupings on the host library, one call rounds both from one read of ``x``
+    (the second as a transposed view of its values); the results are those of the two
+    ``group_cast`` calls, bit for bit.
+    """
+    if (x.dim() == 2 and grouping.kind == "tile" and rule != "nvfp4" and rounding == "nearest"
+            and overflow == "saturate" and not stats_enabled() and x.numel()):
+        check_choice(rule, SCALE_RULES, "scale rule")
+        check_margin(margin)
+        x32 = x.detach().to(torch.float32).contiguous()
+        found = _host_kernel_args(fmt, x32, rule, margin, scale_rounding)
+        if found is not None:
+            library, args = found
+            rows, row_scales, cols, col_scales, finite = library.group_quantise_pair(
+                x32, grouping.size, *args)
+            if finite:
+                return (GroupCast(rows, row_scales.unsqueeze(-1)),
+                        GroupCast(cols.t(), col_scales.t().unsqueeze(-1)))
+    common = dict(rule=rule, margin=margin, overflow=overflow, rounding=rounding,
+                  scale_rounding=scale_rounding, generator=generator)
+    return (group_cast(x, fmt, grouping, site=site, **common),  # type: ignore[arg-type]
+            group_cast(x.t(), fmt, grouping, site=site_t, **common))  # type: ignore[arg-type]
+
+
 def _round_elements(scaled: torch.Tensor, fmt: FP8Format, rounding: str, overflow: str,
                     generator: Optional[torch.Generator]) -> Tuple[torch.Tensor,
                                                                Optional[torch.Tensor]]:
@@ -208,6 +298,11 @@ def group_cast(
     x32 = x.detach().to(torch.float32)
     if x32.numel() == 0:
         return GroupCast(x32.clone(), torch.zeros((), dtype=torch.int32))
+    if (log2_scale is None and rule != "nvfp4" and rounding == "nearest"
+            and overflow == "saturate" and not stats_enabled()):
+        fused = _host_group_cast(x32, fmt, grouping, rule, margin, scale_rounding)
+        if fused is not None:
+            return fused
     view, axes = _grouped_view(x32, grouping)
     if rule == "nvfp4":
         return _nvfp4_cast(x32, view, axes, fmt, rounding, generator, site)

@@ -9,6 +9,8 @@ this file (a plain C ABI library, loaded with ctypes). It gives two things:
 * the CPU kernel of the FP8 quantise custom ops (:func:`fused_quantise`, used by
   :mod:`ipu_unit_scaling.fp8.cast_ops`), and :func:`quantise_float32`, the same rounding straight
   to float32 values in one pass, for FP8 simulation;
+* :func:`group_quantise`, the block forms of that rounding: one scale per row, 1 x n tile,
+  n x 1 column tile or n x n block, for the grouped FP8 recipes;
 * the vertices themselves, which :mod:`ipu_unit_scaling.fp8.codelet_emulator` runs tile by tile.
 
 This module sits below everything else in the package and imports none of it: it reports
@@ -35,11 +37,12 @@ __all__ = [
     "fused_cast_to_fp8",
     "fused_cast_from_fp8", "fused_quantise", "quantise_float32", "fused_tuning", "fast_selftest",
     "exponent_bits", "partition", "partition_grain", "dtype_code", "num_threads",
+    "group_quantise", "group_quantise_pair", "GROUP_RULES",
 ]
 
 LIBRARY_PATH = Path(__file__).with_name("_fp8_host.so")
 DISABLE_ENV = "IPU_UNIT_SCALING_HOST_LIB"
-_ABI_VERSION = 2
+_ABI_VERSION = 3
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1}
 # The IPU formats the codelets implement, by FP8Format.name, keyed to their exponent bits.
 _EXPONENT_BITS = {"F143": 4, "F152": 5}
@@ -70,7 +73,16 @@ _SIGNATURES = {
     "ius_fused_tuning": (_c_int, [_c_int64, _c_int]),
     "ius_fast_selftest": (_c_int64, [ctypes.c_uint32, ctypes.c_uint32, _c_int64, _c_int]),
     "ius_fused_amax": (_c_int, [_c_void_p, _c_int64, _c_int, _c_int, _c_void_p]),
+    "ius_group_quantise": (
+        _c_int, [_c_void_p, _c_int64, _c_int64, _c_int64, _c_int64, _c_int, _c_int, _c_int,
+                 ctypes.c_float, _c_int, _c_int, _c_int, _c_int, _c_void_p, _c_void_p]),
+    "ius_group_quantise_pair": (
+        _c_int, [_c_void_p, _c_int64, _c_int64, _c_int64, _c_int, _c_int, _c_int,
+                 ctypes.c_float, _c_int, _c_int, _c_int, _c_int, _c_void_p, _c_void_p,
+                 _c_void_p, _c_void_p]),
 }
+# The scale rules of group_quantise, by the names group_cast uses.
+GROUP_RULES = {"amax": 0, "mx_floor": 1, "mx_up": 2}
 
 
 class HostLibraryUnavailable(RuntimeError):
@@ -368,3 +380,87 @@ def partition(numel: int, tiles: int, workers: int) -> torch.Tensor:
     bounds = torch.empty((tiles, workers, 2), dtype=torch.int64)
     library().ius_partition(numel, tiles, workers, _pointer(bounds))
     return bounds
+
+
+def _check_group_input(x: torch.Tensor, group_rows: int, group_cols: int, rule: str,
+                       name: str) -> int:
+    """The rule's code, after checking the arguments the block kernels share."""
+    if (x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2
+            or not x.is_contiguous()):
+        raise ValueError(f"{name} needs a contiguous 2-D CPU float32 tensor")
+    if group_rows < 1 or group_cols < 1:
+        raise ValueError(f"{name} needs groups of at least 1 x 1, got {group_rows} x "
+                         f"{group_cols}")
+    code = GROUP_RULES.get(rule)
+    if code is None:
+        raise ValueError(f"{name} rule {rule!r}; allowed: {', '.join(GROUP_RULES)}")
+    return code
+
+
+def group_quantise(
+    x: torch.Tensor,
+    group_rows: int,
+    group_cols: int,
+    fmt_name: str,
+    rule: str,
+    format_max: float,
+    emax: int = 0,
+    margin: int = 0,
+    step_log2: int = 0,
+    saturate: bool = True,
+    out: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, bool]:
+    """Round the rows x cols matrix ``x`` to the F143/F152 grid ``fmt_name`` with one scale
+    ``2**s`` per ``group_rows x group_cols`` group (ragged last groups are smaller), in one
+    pass per group over :func:`num_threads` threads.
+
+    ``rule`` (:data:`GROUP_RULES`): "amax" is the AMAX rule against ``format_max`` with
+    ``margin``; "mx_floor" and "mx_up" are OCP MX's E8M0 exponent ``e`` (``s = -e``) from
+    ``emax`` or ``format_max``. ``step_log2=1`` rounds an OCP format on the IPU grid at half
+    scale, clamped to ``format_max / 2`` first. Returns (float32 values shaped like ``x``, new
+    or ``out``; int32 scales ``[ceil(rows / group_rows), ceil(cols / group_cols)]``; whether
+    every group's amax was finite: where not, values and that group's scale are unspecified).
+    """
+    code = _check_group_input(x, group_rows, group_cols, rule, "group_quantise")
+    rows, cols = x.shape
+    out = _output(x, torch.float32, out)
+    scales = torch.empty((-(-rows // group_rows), -(-cols // group_cols)), dtype=torch.int32)
+    status = library().ius_group_quantise(
+        _pointer(x), rows, cols, group_rows, group_cols, exponent_bits(fmt_name),
+        int(saturate), code, float(format_max), int(emax), int(margin), int(step_log2),
+        num_threads(), _pointer(out), _pointer(scales))
+    if status not in (0, 1):
+        raise ValueError(f"group_quantise rejected its arguments (status {status})")
+    return out.view(x.shape), scales, status == 0
+
+
+def group_quantise_pair(
+    x: torch.Tensor,
+    size: int,
+    fmt_name: str,
+    rule: str,
+    format_max: float,
+    emax: int = 0,
+    margin: int = 0,
+    step_log2: int = 0,
+    saturate: bool = True,
+    out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """Both tile casts of the matrix ``x`` from one read of it: :func:`group_quantise` with
+    ``1 x size`` tiles and with ``size x 1`` column tiles (arguments as there; ``out``: the
+    two float32 tensors to write them to). Returns (row tile values, their scales, column tile
+    values, their scales, whether every amax was finite)."""
+    code = _check_group_input(x, size, size, rule, "group_quantise_pair")
+    rows, cols = x.shape
+    row_values = _output(x, torch.float32, None if out is None else out[0]).view(x.shape)
+    col_values = _output(x, torch.float32, None if out is None else out[1]).view(x.shape)
+    row_scales = torch.empty((rows, -(-cols // size)), dtype=torch.int32)
+    col_scales = torch.empty((-(-rows // size), cols), dtype=torch.int32)
+    status = library().ius_group_quantise_pair(
+        _pointer(x), rows, cols, size, exponent_bits(fmt_name), int(saturate), code,
+        float(format_max), int(emax), int(margin), int(step_log2), num_threads(),
+        _pointer(row_values), _pointer(row_scales), _pointer(col_values),
+        _pointer(col_scales))
+    if status not in (0, 1):
+        raise ValueError(f"group_quantise_pair rejected its arguments (status {status})")
+    return row_values, row_scales, col_values, col_scales, status == 0

@@ -9,7 +9,9 @@ reduction dimension (``x`` is M x K, the weight N x K, the output gradient M x N
 
 A transposed operand is cast again from the high-precision tensor, never from the FP8 copy
 (as TransformerEngine and torchao do), so the forward pass keeps ``x`` and ``w`` in float32 for
-the backward pass. ``grad_weight_high_precision`` computes ``dw`` from float32 operands.
+the backward pass. It is passed as a transposed view: the host library's block kernels then
+cast it with column groups in its own layout, and the GEMM takes the transposed result, so no
+transposing copy is made. ``grad_weight_high_precision`` computes ``dw`` from float32 operands.
 
 Under "delayed" scaling each role (input, weight, output gradient) has one per-tensor scale:
 the AMAX rule applied to the max (or the most recent) of the amaxes of that role's previous
@@ -34,7 +36,7 @@ import torch
 
 from .fp8_config import FP8Config
 from .fp8_formats import FP8Format
-from .group_cast import GroupCast, Grouping, group_cast
+from .group_cast import GroupCast, Grouping, group_cast, group_cast_pair
 from .scaling import NonFiniteAmaxError, log2_scale
 from .stats import stats_enabled
 from .values import quantise_values
@@ -113,6 +115,22 @@ def role_cast(t: torch.Tensor, config: FP8Config, role: str, site: str,
                       config.rounding, config.scale_rounding, log2_scale, site=site)
 
 
+def _casts(t: torch.Tensor, config: FP8Config, role: str, site: str,
+           log2_scale: Optional[int], transposed: bool, rows: bool = True
+           ) -> Tuple[Optional[GroupCast], Optional[GroupCast]]:
+    """The casts of ``t`` in ``role`` that are asked for: along its rows (``rows``) and, for
+    a grouped recipe, along its columns (``transposed``: the cast of ``t.t()``, site
+    ``<site>_t``), the two from one read of ``t`` where the host library's kernels apply."""
+    if rows and transposed:
+        grouping, rule = _grouping(config, role)
+        return group_cast_pair(t, _role_format(config, role), grouping, rule,
+                               _role_margin(config, role), config.overflow, config.rounding,
+                               config.scale_rounding, site=site, site_t=f"{site}_t")
+    along_rows = role_cast(t, config, role, site, log2_scale) if rows else None
+    along_columns = role_cast(t.t(), config, role, f"{site}_t") if transposed else None
+    return along_rows, along_columns
+
+
 _ZERO = torch.zeros(())
 
 
@@ -145,7 +163,8 @@ def _as_float8(cast: GroupCast, fmt: FP8Format) -> Tuple[torch.Tensor, torch.Ten
         raise RuntimeError(f"torch._scaled_mm or torch's {fmt.name} dtype is missing in this "
                            f"torch ({torch.__version__})")
     scales = cast.log2_scales.to(torch.float64).reshape(-1, 1)
-    codes = (cast.values * torch.exp2(scales).to(torch.float32)).to(dtype)
+    # (contiguous: torch._scaled_mm takes a row-major first and column-major second operand)
+    codes = (cast.values * torch.exp2(scales).to(torch.float32)).to(dtype).contiguous()
     return codes, torch.exp2(-scales).to(torch.float32)
 
 
@@ -183,54 +202,61 @@ class _RecipeLinear(torch.autograd.Function):
             if update_history:
                 _push_amax(history, "input", x2)
                 _push_amax(history, "weight", w)
-        xq = role_cast(x2, config, "input", f"{site}.input", scale_x)
-        wq = role_cast(w, config, "weight", f"{site}.weight", scale_w)
+        # Each operand's cast along its other dimension (for a backward GEMM) is made here,
+        # from the same read of it, and kept instead of the float32 operand.
+        need_w_t = not delayed and ctx.needs_input_grad[0]
+        need_x_t = (not delayed and ctx.needs_input_grad[1]
+                    and not config.grad_weight_high_precision)
+        xq, ctx.x_t = _casts(x2, config, "input", f"{site}.input", scale_x, need_x_t)
+        wq, ctx.w_t = _casts(w, config, "weight", f"{site}.weight", scale_w,
+                             need_w_t and config.scaling != "block")
+        assert xq is not None and wq is not None
+        if need_w_t and config.scaling == "block":
+            # Square weight blocks: the transposed cast is the forward cast transposed.
+            ctx.w_t = GroupCast(wq.values.t(), None)
         y = _product(xq, wq, config.activation, config.weight, scales[0], use_scaled_mm)
         if bias is not None:
             y = y.add_(bias.to(torch.float32))
-        # A per-tensor scale casts a transposed operand to the transposed values, and so do the
-        # block recipe's square weight blocks: keep those values; the rest is cast again.
-        ctx.save_for_backward(*((xq.values, wq.values) if delayed else (x2, w)))
-        ctx.weight_values = wq.values if config.scaling == "block" else None
+        # A per-tensor scale casts a transposed operand to the transposed values: keep those.
+        if delayed:
+            ctx.save_for_backward(xq.values, wq.values)
+        else:
+            ctx.save_for_backward(x2 if config.grad_weight_high_precision else None)
         ctx.meta = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype,
                     config, site, scales, history, update_history, use_scaled_mm)
         return y.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
-        saved_x, saved_w = ctx.saved_tensors
         (x_shape, x_dtype, w_dtype, b_dtype, config, site, scales, history, update,
          use_scaled_mm) = ctx.meta
         g2 = grad_output.reshape(-1, grad_output.shape[-1]).to(torch.float32)
         grad_x = grad_w = grad_b = None
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if config.scaling == "delayed":
+            saved_x, saved_w = ctx.saved_tensors
             scale_g = delayed_log2_scale(history, config, "grad_output")
             if update:
                 _push_amax(history, "grad_output", g2)
             gq = role_cast(g2, config, "grad_output", f"{site}.grad_output", scale_g).values
-            if ctx.needs_input_grad[0]:
+            if need_x:
                 grad_x = _gemm(gq, saved_w, scales[1])
-            if ctx.needs_input_grad[1]:
+            if need_w:
                 grad_w = _gemm(gq.t(), saved_x, scales[2])
         else:
-            if ctx.needs_input_grad[0]:
-                g_rows = role_cast(g2, config, "grad_output", f"{site}.grad_output")
-                if ctx.weight_values is not None:
-                    wq_t = GroupCast(ctx.weight_values.t(), None)
-                else:
-                    wq_t = role_cast(saved_w.t().contiguous(), config, "weight",
-                                     f"{site}.weight_t")
-                grad_x = _product(g_rows, wq_t, config.gradient, config.weight, scales[1],
+            high_precision = config.grad_weight_high_precision
+            g_rows, g_t = _casts(g2, config, "grad_output", f"{site}.grad_output", None,
+                                 need_w and not high_precision, rows=need_x)
+            if need_x:
+                assert g_rows is not None
+                grad_x = _product(g_rows, ctx.w_t, config.gradient, config.weight, scales[1],
                                   use_scaled_mm)
-            if ctx.needs_input_grad[1]:
-                if config.grad_weight_high_precision:
-                    grad_w = _gemm(g2.t(), saved_x, scales[2])
-                else:
-                    gq_t = role_cast(g2.t().contiguous(), config, "grad_output",
-                                     f"{site}.grad_output_t")
-                    xq_t = role_cast(saved_x.t().contiguous(), config, "input", f"{site}.input_t")
-                    grad_w = _product(gq_t, xq_t, config.gradient, config.activation, scales[2],
-                                      use_scaled_mm)
+            if need_w and high_precision:
+                grad_w = _gemm(g2.t(), ctx.saved_tensors[0], scales[2])
+            elif need_w:
+                assert g_t is not None
+                grad_w = _product(g_t, ctx.x_t, config.gradient, config.activation, scales[2],
+                                  use_scaled_mm)
         if grad_x is not None:
             grad_x = grad_x.reshape(x_shape).to(x_dtype)
         if grad_w is not None:

@@ -1,0 +1,482 @@
+// Block forms of the host fast path: amax + scale + round to float32 values with one scale per
+// group of a row-major float32 matrix, the groups being rectangles of groupRows x groupCols:
+//
+//   1 x size      a tile along a row (the block recipe's 1x128 tiles, MX's 32-element blocks);
+//   size x size   a square block (the block recipe's 128x128 weight blocks);
+//   size x 1      a tile down a column: the same tiles for the transposed matrix, so that a GEMM
+//                 reducing over the rows gets its operand without a transposing copy;
+//   1 x cols, rows x 1, rows x cols: per row, per column, per tensor.
+//
+// A ragged last group (a size that does not divide the matrix) is a smaller group. Each group's
+// scale 2^s follows from its amax by one of two rules: the package's AMAX rule (scalingBias,
+// clamped to +-31, 0 for an all-zero group) or OCP MX's E8M0 shared exponent e (floor or
+// round-up of log2(amax) against the element format's emax, clamped to +-127, -127 for an
+// all-zero group; s = -e). The element rounding is fp8_fast.hpp's on the F143/F152 grid; the
+// OCP formats run on that grid at half scale (stepLog2 = 1), clamped to half their max first,
+// exactly as ipu_unit_scaling/fp8/group_cast.py composes them, a zero keeping its input's sign
+// (the OCP formats have -0), so the values are its torch path's values bit for bit. A group
+// whose amax is not finite makes the call return 1 (its values are then unspecified).
+//
+// Two loops, both reading each group twice while it is in cache (amax, then round):
+//  * span groups (groupCols > 1): in batches of groups, the amax keys of each group's row
+//    segments, then the scales, then the segments rounded with one scale each;
+//  * lane groups (groupCols == 1): a band of groupRows rows is taken in column chunks small
+//    enough for L1/L2; the amax runs down the rows with one column per SIMD lane, and each
+//    row segment is rounded with a vector of per-column scales.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "fp8_fused.hpp"
+
+namespace ius {
+namespace groups {
+
+using Index = std::int64_t;
+
+enum Rule : int { kAmaxRule = 0, kMxFloor = 1, kMxUp = 2 };
+
+constexpr int kMxScaleLimit = 127;
+constexpr int kNonFiniteScale = 1 << 30;
+
+struct Layout {
+  Index rows, cols, groupRows, groupCols;
+  Index bands() const { return (rows + groupRows - 1) / groupRows; }
+  Index groupColumns() const { return (cols + groupCols - 1) / groupCols; }
+};
+
+struct ScaleRule {
+  int rule;
+  float formatMax;  // the target format's max (AMAX rule, MX round-up)
+  int emax;         // its largest exponent (MX floor)
+  int margin;       // AMAX rule only
+  int stepLog2;     // 1 for the OCP formats on the IPU grid, else 0
+  float clampMax;   // formatMax / 2^stepLog2 when stepLog2 != 0, else 0 (no clamp)
+};
+
+// 2^e in float32 for -149 <= e <= 127 (subnormal below -126), exactly.
+inline float exactPowerOfTwo(int e) {
+  if (e >= -126) return powerOfTwo(e);
+  return floatFromBits(1u << (e + 149));
+}
+
+// The scale s of a group with this amax key, or kNonFiniteScale. Integer arithmetic on the
+// normalised significands and exponents (as scalingBias), the format's max normalised once.
+inline int groupScale(unsigned key, const ScaleRule& rule, const Normalised& top) {
+  if (!keyIsFinite(key)) return kNonFiniteScale;
+  if (key == 0) return rule.rule == kAmaxRule ? 0 : kMxScaleLimit;  // MX: e = -127
+  const Normalised amax = normalise(floatFromKey(key));  // amax = significand * 2^(exponent - 23)
+  if (rule.rule == kAmaxRule) {
+    const int floorLog2 = top.exponent - amax.exponent - (top.significand < amax.significand ? 1 : 0);
+    const int scale = floorLog2 - rule.margin;
+    return scale > kMaxLog2Scale ? kMaxLog2Scale : (scale < -kMaxLog2Scale ? -kMaxLog2Scale : scale);
+  }
+  // MX: floor(log2(amax)) - emax, or the smallest e with amax <= formatMax * 2^e.
+  int shared = rule.rule == kMxFloor
+                   ? amax.exponent - rule.emax
+                   : amax.exponent - top.exponent + (amax.significand > top.significand ? 1 : 0);
+  shared = shared > kMxScaleLimit ? kMxScaleLimit : (shared < -kMxScaleLimit ? -kMxScaleLimit : shared);
+  return -shared;
+}
+
+// The multiplier into the grid and the one back, as group_cast.py computes them in float32.
+struct Factors {
+  float scale, inverse;
+};
+
+// (2^s / 2^step is 2^(s - step) exactly: |s| <= 127 and step <= 1 stay above 2^-149.)
+inline Factors factorsOf(int s, const ScaleRule& rule) {
+  return Factors{exactPowerOfTwo(s - rule.stepLog2), exactPowerOfTwo(-s) * powerOfTwo(rule.stepLog2)};
+}
+
+inline float clampTo(float y, float limit) { return y < -limit ? -limit : (y > limit ? limit : y); }
+
+// ---------------------------------------------------------------- element rounding
+
+// With clampMax (an OCP format on the IPU grid) a zero keeps the sign of its input: the OCP
+// formats have -0, F143 and F152 do not.
+inline float withSignOf(float value, float input) {
+  return floatFromBits(floatBits(value) | (floatBits(input) & 0x80000000u));
+}
+
+template <unsigned E, bool S>
+IUS_HOT inline void quantisePortable(const float* x, Index n, Factors f, float clampMax, float* out) {
+  if (clampMax > 0) {
+    for (Index i = 0; i < n; ++i) {
+      const float y = clampTo(x[i] * f.scale, clampMax);
+      out[i] = withSignOf(fast::quantise<E, S>(y) * f.inverse, y);
+    }
+  } else {
+    for (Index i = 0; i < n; ++i) out[i] = fast::quantise<E, S>(x[i] * f.scale) * f.inverse;
+  }
+}
+
+#ifdef IUS_HAVE_AVX2_KERNELS
+template <unsigned E, bool S>
+IUS_AVX512 inline __m512 quantiseLanes512(__m512 x, __m512 scale, __m512 inverse, float clampMax) {
+  if (clampMax > 0) {
+    const __m512 limit = _mm512_set1_ps(clampMax);
+    const __m512 y = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x, scale), _mm512_sub_ps(_mm512_setzero_ps(), limit)), limit);
+    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+    return _mm512_castsi512_ps(_mm512_or_si512(
+        _mm512_castps_si512(simd512::quantise16<E, S>(y, _mm512_set1_ps(1.0f), inverse)), sign));
+  }
+  return simd512::quantise16<E, S>(x, scale, inverse);
+}
+
+template <unsigned E, bool S>
+IUS_AVX2 inline __m256 quantiseLanes256(__m256 x, __m256 scale, __m256 inverse, float clampMax) {
+  if (clampMax > 0) {
+    const __m256 limit = _mm256_set1_ps(clampMax);
+    const __m256 y = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(x, scale), _mm256_sub_ps(_mm256_setzero_ps(), limit)), limit);
+    const __m256 sign = _mm256_and_ps(y, _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u))));
+    return _mm256_or_ps(simd::quantise8<E, S>(y, _mm256_set1_ps(1.0f), inverse), sign);
+  }
+  return simd::quantise8<E, S>(x, scale, inverse);
+}
+
+// Per-column amax keys of rows [r0, r1), columns [c0, c0 + width), for the whole vectors of
+// the chunk; returns how many columns they covered.
+IUS_AVX512 inline Index lanesAmax512(const float* in, Index cols, Index r0, Index r1, Index c0,
+                                     Index width, unsigned* key) {
+  const Index vectors = width / 16 * 16;
+  for (Index r = r0; r < r1; ++r) {
+    const float* row = in + r * cols + c0;
+    for (Index c = 0; c < vectors; c += 16) {
+      const __m512i k = _mm512_loadu_si512(key + c);
+      _mm512_storeu_si512(key + c, simd512::maxKey16(k, row + c));
+    }
+  }
+  return vectors;
+}
+
+IUS_AVX2 inline Index lanesAmax256(const float* in, Index cols, Index r0, Index r1, Index c0,
+                                   Index width, unsigned* key) {
+  const Index vectors = width / 8 * 8;
+  for (Index r = r0; r < r1; ++r) {
+    const float* row = in + r * cols + c0;
+    for (Index c = 0; c < vectors; c += 8) {
+      const __m256i k = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(key + c));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(key + c), simd::maxKey8(k, row + c));
+    }
+  }
+  return vectors;
+}
+
+// One row segment rounded with per-column factors; returns the columns done.
+template <unsigned E, bool S>
+IUS_AVX512 inline Index lanesQuantise512(const float* row, Index width, const float* scale,
+                                         const float* inverse, float clampMax, float* out) {
+  Index c = 0;
+  for (; c + 16 <= width; c += 16) {
+    _mm512_storeu_ps(out + c, quantiseLanes512<E, S>(_mm512_loadu_ps(row + c), _mm512_loadu_ps(scale + c),
+                                                     _mm512_loadu_ps(inverse + c), clampMax));
+  }
+  return c;
+}
+
+template <unsigned E, bool S>
+IUS_AVX2 inline Index lanesQuantise256(const float* row, Index width, const float* scale,
+                                       const float* inverse, float clampMax, float* out) {
+  Index c = 0;
+  for (; c + 8 <= width; c += 8) {
+    _mm256_storeu_ps(out + c, quantiseLanes256<E, S>(_mm256_loadu_ps(row + c), _mm256_loadu_ps(scale + c),
+                                                     _mm256_loadu_ps(inverse + c), clampMax));
+  }
+  return c;
+}
+#endif
+
+// ---------------------------------------------------------------- span groups
+
+// A span group's rows and columns, [r0, r1) x [c0, c1).
+struct Span {
+  Index r0, r1, c0, c1;
+};
+
+inline Span spanOf(const Layout& l, Index band, Index column) {
+  const Index r0 = band * l.groupRows, c0 = column * l.groupCols;
+  return Span{r0, r0 + l.groupRows < l.rows ? r0 + l.groupRows : l.rows, c0,
+              c0 + l.groupCols < l.cols ? c0 + l.groupCols : l.cols};
+}
+
+// Span groups are taken in batches of kBatch, in three passes over a batch (its data stays
+// in L1/L2): the amax keys, the scales, the rounding. No pass waits on the one before for
+// each group, so the CPU overlaps consecutive groups: MX's 32-element tiles are two AVX-512
+// vectors each, too short to hide a chain of amax, reduction, scale and rounding per group.
+constexpr Index kBatch = 64;
+
+// Passes 1 and 3 for each SIMD level: keys[i] of group first + i, and the rounding of group
+// first + i with factors scale[i], inverse[i].
+IUS_HOT inline void spanKeysPortable(const float* in, const Layout& l, Index first, Index n,
+                                     unsigned* keys) {
+  const Index perBand = l.groupColumns();
+  for (Index i = 0; i < n; ++i) {
+    const Span g = spanOf(l, (first + i) / perBand, (first + i) % perBand);
+    unsigned key = 0;
+    for (Index r = g.r0; r < g.r1; ++r) key = maxKey(key, amaxKeyOfSpan(in + r * l.cols + g.c0, g.c1 - g.c0));
+    keys[i] = key;
+  }
+}
+
+template <unsigned E, bool S>
+IUS_HOT void spanRoundPortable(const float* in, float* out, const Layout& l, const ScaleRule& rule,
+                               Index first, Index n, const float* scale, const float* inverse) {
+  const Index perBand = l.groupColumns();
+  for (Index i = 0; i < n; ++i) {
+    const Span g = spanOf(l, (first + i) / perBand, (first + i) % perBand);
+    for (Index r = g.r0; r < g.r1; ++r) {
+      quantisePortable<E, S>(in + r * l.cols + g.c0, g.c1 - g.c0, Factors{scale[i], inverse[i]}, rule.clampMax,
+                             out + r * l.cols + g.c0);
+    }
+  }
+}
+
+#ifdef IUS_HAVE_AVX2_KERNELS
+IUS_AVX512 void spanKeys512(const float* in, const Layout& l, Index first, Index n, unsigned* keys) {
+  const Index perBand = l.groupColumns();
+  for (Index i = 0; i < n; ++i) {
+    const Span g = spanOf(l, (first + i) / perBand, (first + i) % perBand);
+    const Index width = g.c1 - g.c0, vectors = width / 16 * 16;
+    __m512i key = _mm512_setzero_si512();
+    unsigned tail = 0;
+    for (Index r = g.r0; r < g.r1; ++r) {
+      const float* row = in + r * l.cols + g.c0;
+      for (Index c = 0; c < vectors; c += 16) key = simd512::maxKey16(key, row + c);
+      for (Index c = vectors; c < width; ++c) tail = maxKey(tail, magnitudeKey(row[c]));
+    }
+    keys[i] = maxKey(tail, _mm512_reduce_max_epu32(key));
+  }
+}
+
+template <unsigned E, bool S>
+IUS_AVX512 void spanRound512(const float* in, float* out, const Layout& l, const ScaleRule& rule,
+                             Index first, Index n, const float* scale, const float* inverse) {
+  const Index perBand = l.groupColumns();
+  for (Index i = 0; i < n; ++i) {
+    const Span g = spanOf(l, (first + i) / perBand, (first + i) % perBand);
+    const Index width = g.c1 - g.c0, vectors = width / 16 * 16;
+    const __m512 scales = _mm512_set1_ps(scale[i]), inverses = _mm512_set1_ps(inverse[i]);
+    for (Index r = g.r0; r < g.r1; ++r) {
+      const float* row = in + r * l.cols + g.c0;
+      float* target = out + r * l.cols + g.c0;
+      for (Index c = 0; c < vectors; c += 16) {
+        _mm512_storeu_ps(target + c, quantiseLanes512<E, S>(_mm512_loadu_ps(row + c), scales, inverses, rule.clampMax));
+      }
+      if (vectors < width) {
+        quantisePortable<E, S>(row + vectors, width - vectors, Factors{scale[i], inverse[i]}, rule.clampMax,
+                               target + vectors);
+      }
+    }
+  }
+}
+
+IUS_AVX2 void spanKeys256(const float* in, const Layout& l, Index first, Index n, unsigned* keys) {
+  const Index perBand = l.groupColumns();
+  for (Index i = 0; i < n; ++i) {
+    const Span g = spanOf(l, (first + i) / perBand, (first + i) % perBand);
+    const Index width = g.c1 - g.c0, vectors = width / 8 * 8;
+    __m256i key = _mm256_setzero_si256();
+    unsigned tail = 0;
+    for (Index r = g.r0; r < g.r1; ++r) {
+      const float* row = in + r * l.cols + g.c0;
+      for (Index c = 0; c < vectors; c += 8) key = simd::maxKey8(key, row + c);
+      for (Index c = vectors; c < width; ++c) tail = maxKey(tail, magnitudeKey(row[c]));
+    }
+    keys[i] = maxKey(tail, simd::reduceMaxKey(key));
+  }
+}
+
+template <unsigned E, bool S>
+IUS_AVX2 void spanRound256(const float* in, float* out, const Layout& l, const ScaleRule& rule,
+                           Index first, Index n, const float* scale, const float* inverse) {
+  const Index perBand = l.groupColumns();
+  for (Index i = 0; i < n; ++i) {
+    const Span g = spanOf(l, (first + i) / perBand, (first + i) % perBand);
+    const Index width = g.c1 - g.c0, vectors = width / 8 * 8;
+    const __m256 scales = _mm256_set1_ps(scale[i]), inverses = _mm256_set1_ps(inverse[i]);
+    for (Index r = g.r0; r < g.r1; ++r) {
+      const float* row = in + r * l.cols + g.c0;
+      float* target = out + r * l.cols + g.c0;
+      for (Index c = 0; c < vectors; c += 8) {
+        _mm256_storeu_ps(target + c, quantiseLanes256<E, S>(_mm256_loadu_ps(row + c), scales, inverses, rule.clampMax));
+      }
+      if (vectors < width) {
+        quantisePortable<E, S>(row + vectors, width - vectors, Factors{scale[i], inverse[i]}, rule.clampMax,
+                               target + vectors);
+      }
+    }
+  }
+}
+#endif
+
+// Groups [begin, end) in (band, groupColumn) order, each writing its scale; returns false when
+// some group's amax is not finite (that group is rounded with scale 0: unspecified values).
+template <unsigned E, bool S>
+bool spanGroups(const float* in, float* out, const Layout& l, const ScaleRule& rule, Index begin,
+                Index end, int level, int* scales) {
+  const Normalised top = normalise(rule.formatMax);
+  unsigned keys[kBatch];
+  float scale[kBatch], inverse[kBatch];
+  bool finite = true;
+  for (Index first = begin; first < end; first += kBatch) {
+    const Index n = end - first < kBatch ? end - first : kBatch;
+#ifdef IUS_HAVE_AVX2_KERNELS
+    if (level == 2) {
+      spanKeys512(in, l, first, n, keys);
+    } else if (level == 1) {
+      spanKeys256(in, l, first, n, keys);
+    } else {
+      spanKeysPortable(in, l, first, n, keys);
+    }
+#else
+    spanKeysPortable(in, l, first, n, keys);
+#endif
+    for (Index i = 0; i < n; ++i) {
+      const int s = groupScale(keys[i], rule, top);
+      scales[first + i] = s;
+      finite = finite && s != kNonFiniteScale;
+      const Factors f = factorsOf(s == kNonFiniteScale ? 0 : s, rule);
+      scale[i] = f.scale;
+      inverse[i] = f.inverse;
+    }
+#ifdef IUS_HAVE_AVX2_KERNELS
+    if (level == 2) {
+      spanRound512<E, S>(in, out, l, rule, first, n, scale, inverse);
+    } else if (level == 1) {
+      spanRound256<E, S>(in, out, l, rule, first, n, scale, inverse);
+    } else {
+      spanRoundPortable<E, S>(in, out, l, rule, first, n, scale, inverse);
+    }
+#else
+    spanRoundPortable<E, S>(in, out, l, rule, first, n, scale, inverse);
+#endif
+  }
+  return finite;
+}
+
+// ---------------------------------------------------------------- lane groups
+
+// Columns per chunk of a band: the band's chunk stays in cache between the two passes.
+inline Index laneChunkWidth(Index bandRows) {
+  const Index columns = (Index(1) << 15) / (bandRows > 0 ? bandRows : 1);  // 128 KiB of float32
+  const Index rounded = columns / 64 * 64;
+  return rounded < 64 ? 64 : rounded;
+}
+
+// A scalar element with per-column factors: a plain inline loop body, as the lane tails run
+// it once per element (quantisePortable is a target_clones function, called, not inlined).
+template <unsigned E, bool S>
+inline float quantiseOne(float x, float scale, float inverse, float clampMax) {
+  if (clampMax > 0) {
+    const float y = clampTo(x * scale, clampMax);
+    return withSignOf(fast::quantise<E, S>(y) * inverse, y);
+  }
+  return fast::quantise<E, S>(x * scale) * inverse;
+}
+
+// Chunk [c0, c1) of a band: per-column amax keys down the rows, then the scales, then the rows
+// rounded. Returns false when a column's amax is not finite (that column is left unrounded).
+template <unsigned E, bool S>
+bool laneChunk(const float* in, float* out, const Layout& l, const ScaleRule& rule, Index band,
+               Index c0, Index c1, int level, int* scales, std::vector<unsigned>& keys,
+               std::vector<float>& factors) {
+  const Index r0 = band * l.groupRows, r1 = r0 + l.groupRows < l.rows ? r0 + l.groupRows : l.rows;
+  const Index width = c1 - c0;
+  keys.assign(static_cast<std::size_t>(width), 0u);
+  factors.resize(static_cast<std::size_t>(2 * width));
+  unsigned* key = keys.data();
+  Index vectorEnd = 0;
+#ifdef IUS_HAVE_AVX2_KERNELS
+  if (level == 2) vectorEnd = lanesAmax512(in, l.cols, r0, r1, c0, width, key);
+  else if (level == 1) vectorEnd = lanesAmax256(in, l.cols, r0, r1, c0, width, key);
+#endif
+  for (Index r = r0; r < r1; ++r) {
+    const float* row = in + r * l.cols + c0;
+    for (Index c = vectorEnd; c < width; ++c) key[c] = maxKey(key[c], magnitudeKey(row[c]));
+  }
+  float* scale = factors.data();
+  float* inverse = scale + width;
+  const Normalised top = normalise(rule.formatMax);
+  bool finite = true;
+  for (Index c = 0; c < width; ++c) {
+    const int s = groupScale(key[c], rule, top);
+    scales[band * l.cols + c0 + c] = s;
+    // A non-finite column is rounded with scale 0 and reported; its values are unspecified.
+    const Factors f = factorsOf(s == kNonFiniteScale ? 0 : s, rule);
+    finite = finite && s != kNonFiniteScale;
+    scale[c] = f.scale;
+    inverse[c] = f.inverse;
+  }
+  for (Index r = r0; r < r1; ++r) {
+    const float* row = in + r * l.cols + c0;
+    float* target = out + r * l.cols + c0;
+    Index c = 0;
+#ifdef IUS_HAVE_AVX2_KERNELS
+    if (level == 2) c = lanesQuantise512<E, S>(row, width, scale, inverse, rule.clampMax, target);
+    else if (level == 1) c = lanesQuantise256<E, S>(row, width, scale, inverse, rule.clampMax, target);
+#endif
+    for (; c < width; ++c) target[c] = quantiseOne<E, S>(row[c], scale[c], inverse[c], rule.clampMax);
+  }
+  return finite;
+}
+
+// ---------------------------------------------------------------- driver
+
+// Rounds `in` (rows x cols, row-major) into `out` with one scale per group, written to
+// `scales` (bands x groupColumns, row-major). Returns 0, or 1 when some group's amax is not
+// finite (its scale is kNonFiniteScale, the values unspecified).
+//
+// With `tiles` (lane groups of size x 1 only), the same call also rounds `in` into
+// tiles->out with 1 x size tiles (scales tiles->scales, rows x ceil(cols / size)): both casts
+// a GEMM operand needs, the one along its rows and the one along its columns, from one read
+// of the input, as each band chunk is rounded both ways while it is in cache.
+struct TileOutput {
+  float* out;
+  int* scales;
+};
+
+template <unsigned E, bool S>
+int run(const float* in, float* out, const Layout& l, const ScaleRule& rule, int threads,
+        int* scales, const TileOutput* tiles = nullptr) {
+  const int level = fused::simdLevel();
+  const bool lanes = l.groupCols == 1 && (l.cols > 1 || tiles != nullptr);
+  const Index size = l.groupRows;
+  Index chunk = lanes ? laneChunkWidth(l.groupRows < l.rows ? l.groupRows : l.rows) : 1;
+  if (tiles != nullptr) chunk = (chunk + size - 1) / size * size;  // whole tiles per chunk
+  const Index perBand = lanes ? (l.cols + chunk - 1) / chunk : l.groupColumns();
+  const Index items = l.bands() * perBand;
+  const Layout tileLayout{l.rows, l.cols, 1, size};
+  const Index tilesPerRow = tileLayout.groupColumns();
+  const unsigned parts = fused::threadsFor(l.rows * l.cols, threads);
+  std::vector<char> finite(parts, 1);
+  fused::parallelChunks(items, parts, [&](unsigned part, Index begin, Index end) {
+    if (!lanes) {
+      finite[part] = spanGroups<E, S>(in, out, l, rule, begin, end, level, scales);
+      return;
+    }
+    std::vector<unsigned> keys;
+    std::vector<float> factors;
+    bool ok = true;
+    for (Index item = begin; item < end; ++item) {
+      const Index band = item / perBand, c0 = item % perBand * chunk;
+      const Index c1 = c0 + chunk < l.cols ? c0 + chunk : l.cols;
+      ok = laneChunk<E, S>(in, out, l, rule, band, c0, c1, level, scales, keys, factors) && ok;
+      if (tiles == nullptr) continue;
+      const Index r1 = (band + 1) * size < l.rows ? (band + 1) * size : l.rows;
+      for (Index r = band * size; r < r1; ++r) {
+        const Index first = r * tilesPerRow + c0 / size, last = r * tilesPerRow + (c1 + size - 1) / size;
+        ok = spanGroups<E, S>(in, tiles->out, tileLayout, rule, first, last, level, tiles->scales) && ok;
+      }
+    }
+    finite[part] = ok;
+  });
+  for (char ok : finite) {
+    if (!ok) return 1;
+  }
+  return 0;
+}
+
+}  // namespace groups
+}  // namespace ius
