@@ -225,11 +225,21 @@ def _write_faults(reference: Reference) -> List[Tuple[str, str, int, str]]:
     """Every artefact write (the first and the last checkpoint) killed at each of its points."""
     checkpoints = max(count for operation, target, count in reference.events
                       if (operation, target) == ("replace", "checkpoint.pt"))
+    telemetry_writes = max((count for operation, target, count in reference.events
+                            if (operation, target) == ("write", "telemetry.csv")), default=0)
     faults = []
     for operation, target, count in reference.events:
         if target == "<directory>":
             continue  # a kill there is one right after the rename, which is in the list
         if target == "checkpoint.pt" and count not in (1, checkpoints):
+            continue
+        if target == "telemetry.csv":
+            # Appended a row per write, as metrics.csv is, and over a hundred rows: a kill in
+            # the first, a middle and the last row's write stands for all of them.
+            if operation == "write" and count in (1, telemetry_writes // 2, telemetry_writes):
+                faults.append((operation, target, count, "half"))
+            elif operation == "fsync" and count == 2:
+                faults.append((operation, target, count, "after"))
             continue
         if target == "metrics.csv+":
             if operation == "write" and count in (1, 3, 5):
@@ -248,7 +258,7 @@ def test_kills_inside_every_artefact_write(scenario, tmp_path):
     faults = _write_faults(reference)
     targets = {fault[1] for fault in faults}
     assert {"config.yaml", "tokenizer.json", "metrics.csv", "metrics.csv+", "checkpoint.pt",
-            "summary.json", "loss.png"} <= targets
+            "summary.json", "loss.png", "telemetry.csv"} <= targets
     assert len(faults) >= 30
     for index, fault in enumerate(faults):
         run_dir = tmp_path / f"kill{index}"
