@@ -40,14 +40,21 @@ from .group_cast import MX_SCALE_LIMIT, Grouping, group_cast
 from .scaling import check_margin
 
 __all__ = [
-    "GROUP_QUANTISE_OP", "GROUP_RULES", "ELEMENT_GRIDS", "GroupLayout", "GroupCodes",
+    "GROUP_QUANTISE_OP", "ELEMENT_GRIDS", "GroupLayout", "GroupCodes",
     "deal_groups", "group_scale_shape", "group_layout", "fp8_group_quantise",
     "group_cast_to_fp8_vertices", "group_cast_from_fp8_vertices", "group_quantise_graph",
 ]
 
 GROUP_QUANTISE_OP = "Fp8GroupQuantise"  # the PopART op (domain ai.graphcore.unit_scaling)
-# (rule, scale_rounding) -> the vertices' rule field (ius::kRuleAmax, kRuleMxFloor, kRuleMxUp)
-GROUP_RULES = {("amax", "floor"): 0, ("mx", "floor"): 1, ("mx", "up"): 2}
+
+
+def _rule_code(rule: str, scale_rounding: str) -> int:
+    """The vertices' code of a scale rule: the host kernels' (:data:`.host_library.GROUP_RULES`)."""
+    key = "amax" if (rule, scale_rounding) == ("amax", "floor") else f"{rule}_{scale_rounding}"
+    if rule not in ("amax", "mx") or key not in _host.GROUP_RULES:
+        raise ValueError(f"the IPU's grouped casts take rule 'amax' (scale_rounding 'floor') or "
+                         f"'mx' ('floor' or 'up'), not {rule!r} with {scale_rounding!r}")
+    return _host.GROUP_RULES[key]
 # format name -> (exponent bits of the IPU grid, whether the OCP format on it)
 ELEMENT_GRIDS = {"F143": (4, 0), "F152": (5, 0), "E4M3FN": (4, 1), "E5M2": (5, 1)}
 _GRAIN = 8  # ius::kPartitionGrain: each segment's buffer starts on an 8-element boundary
@@ -227,9 +234,7 @@ def group_cast_to_fp8_vertices(x: torch.Tensor, fmt: object, grouping: Grouping,
     exponent_bits, ocp = _grid(fmt)
     check_choice(overflow, ("saturate", "nan"), "overflow policy")
     check_margin(margin)
-    if (rule, scale_rounding) not in GROUP_RULES:
-        raise ValueError(f"the IPU's grouped casts take rule 'amax' (scale_rounding 'floor') or "
-                         f"'mx' ('floor' or 'up'), not {rule!r} with {scale_rounding!r}")
+    rule_code = _rule_code(rule, scale_rounding)
     if overflow != "saturate" and (ocp or rule == "mx"):
         raise ValueError(f"{fmt.name} elements and MX scales saturate: overflow must be "
                          f"'saturate', not {overflow!r}")
@@ -255,7 +260,7 @@ def group_cast_to_fp8_vertices(x: torch.Tensor, fmt: object, grouping: Grouping,
         status = vertex(_address(in_pointers, segment), _address(out_pointers, segment),
                         _address(memory.lengths, segment), int(ends[-1]), _address(ends),
                         end - first, dtype, exponent_bits, int(overflow == "saturate"), ocp,
-                        GROUP_RULES[(rule, scale_rounding)], margin, workers,
+                        rule_code, margin, workers,
                         _address(scales, first), _address(flags, first))
         _check(status, "GroupCastToFp8")
     return GroupCodes(memory.scatter(codes, flat.numel()).reshape(x.shape),

@@ -325,7 +325,9 @@ def group_cast(
     if host is not None:
         # The scale and the grid's step in one multiply each way (powers of two: exact).
         library, grid, step = host
-        scaled = view * (factors / step)
+        # (contiguous: a transposed operand's product keeps its strides, which the kernel
+        # does not take)
+        scaled = (view * (factors / step)).contiguous()
         if step != 1.0:
             scaled.clamp_(-fmt.max / step, fmt.max / step)
         values = library.quantise_float32(scaled, grid.name, 0, 0, True)[0]

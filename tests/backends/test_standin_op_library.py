@@ -73,6 +73,9 @@ def test_a_poptorch_program_gets_group_casts_values_from_the_grouped_op(tmp_path
         expected = group_cast(x, get_format(fmt), grouping, rule=rule, margin=margin,
                               scale_rounding=rounding)
         values, scales, flags = outputs[3 * i:3 * i + 3]
-        assert torch.equal(values.view(torch.int32), expected.values.view(torch.int32)), fmt
+        reference = expected.values
+        if fmt in ("E4M3FN", "E5M2"):  # the IPU's grid has no -0 (docs/guide/codelets.md)
+            values, reference = values + 0.0, reference + 0.0
+        assert torch.equal(values.view(torch.int32), reference.view(torch.int32)), fmt
         assert torch.equal(scales, expected.log2_scales), fmt
         assert not bool(flags.any())

@@ -23,6 +23,7 @@ from ipu_unit_scaling.backends.poptorch_backend import STANDIN_MODULE
 from ipu_unit_scaling.backends.popxl import codelets as popxl_codelets
 from ipu_unit_scaling.fp8 import F143, F152, fp8_quantise, fp8_quantise_gradient
 from ipu_unit_scaling.fp8 import cast_ops as ops
+from ipu_unit_scaling.fp8 import codelet_blocks as blocks
 from ipu_unit_scaling.fp8 import codelet_emulator as emulator
 from ipu_unit_scaling.fp8 import host_library as _host
 from ipu_unit_scaling.ops.trace_switch import ipu_tracing
@@ -349,8 +350,9 @@ def test_poptorch_implementation_calls_the_popart_ops(monkeypatch, standin_calls
 
 def test_python_and_cpp_agree_on_op_names_and_attributes():
     # ScaledIdentity (scaled_identity.cpp) is checked with its own Python side elsewhere.
+    # The grouped op (fp8_group_quantise.cpp) is checked below, against its torch op's schema.
     sources = "".join(path.read_text() for path in sorted((REPO / "custom_ops").glob("*.?pp"))
-                      if path.name != "scaled_identity.cpp")
+                      if path.name not in ("scaled_identity.cpp", "fp8_group_quantise.cpp"))
     registered = set(re.findall(r'\{kDomain,\s*"(\w+)",\s*1,', sources))
     assert {custom_op.OP_NAME, custom_op.QUANTISE_OP, custom_op.GRADIENT_QUANTISE_OP,
             "Fp8QuantiseGrad", "Fp8GradientQuantiseGrad",
@@ -358,3 +360,12 @@ def test_python_and_cpp_agree_on_op_names_and_attributes():
     assert f'kDomain = "{custom_op.DOMAIN}"' in sources
     read = set(re.findall(r'getAttribute<popart::Attributes::\w+>\(\s*"(\w+)"', sources))
     assert set(custom_op.quantise_attributes("F143", 0, True, 3)) == read
+
+
+def test_the_grouped_ops_cpp_names_and_attributes_are_its_torch_ops():
+    source = (REPO / "custom_ops" / "fp8_group_quantise.cpp").read_text()
+    registered = set(re.findall(r'\{kDomain,\s*"(\w+)",\s*1,', source))
+    assert registered == {blocks.GROUP_QUANTISE_OP, blocks.GROUP_QUANTISE_OP + "Grad"}
+    read = set(re.findall(r'getAttribute<Attributes::\w+>\(\s*"(\w+)"', source))
+    schema = torch.ops.ipu_unit_scaling.fp8_group_quantise.default._schema
+    assert read == {argument.name for argument in schema.arguments[1:]}

@@ -52,7 +52,12 @@ def _assert_matches(x, cast, grouping, tiles, workers, margin=0, dtype=None):  #
     assert torch.equal(got.log2_scales, ref.log2_scales), (cast, grouping)
     assert not bool(got.non_finite.any())
     expected = ref.values.to(x.dtype)  # one rounding of the exact float32 value to float16
-    assert torch.equal(_bits(got.codes), _bits(expected)), (cast, grouping, tiles, workers)
+    codes = got.codes
+    if fmt in ("E4M3FN", "E5M2"):
+        # The vertices hold OCP elements on the IPU's grid, which has no negative zero: a
+        # negative value that flushes is +0 there and -0 in the OCP format (+ 0.0 makes -0 +0).
+        codes, expected = codes + 0.0, expected + 0.0
+    assert torch.equal(_bits(codes), _bits(expected)), (cast, grouping, tiles, workers)
 
 
 @pytest.mark.parametrize("cast", CASTS, ids=["-".join(c) for c in CASTS])

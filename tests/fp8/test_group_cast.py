@@ -194,3 +194,19 @@ def test_grouped_casts_are_recorded_with_their_smallest_scale():
     (record,) = stats.records
     assert record.site == "probe" and record.numel == 128
     assert record.log2_scale == log2_scale(100.0, "F143") == 1
+
+
+@pytest.mark.parametrize("grouping", [Grouping("row"), Grouping("tile", 32),
+                                      Grouping("block", 16)], ids=str)
+def test_a_transposed_operand_casts_as_its_contiguous_copy_with_statistics_on(grouping):
+    # The FP8 linear casts x.t() without copying it; recording statistics (telemetry's sampled
+    # steps) takes the path without the fused kernel, which must take the view as well.
+    x = wide_tensor(48, 40, seed=5)
+    expected = group_cast(x.t().contiguous(), get_format("F143"), grouping)
+    without = group_cast(x.t(), get_format("F143"), grouping)
+    with fp8_stats() as stats:
+        recorded = group_cast(x.t(), get_format("F143"), grouping, site="probe")
+    assert len(stats.records) == 1
+    for got in (without, recorded):
+        assert torch.equal(got.log2_scales, expected.log2_scales)
+        assert torch.equal(got.values.view(torch.int32), expected.values.view(torch.int32))
