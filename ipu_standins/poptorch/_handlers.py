@@ -106,8 +106,17 @@ DISPATCHER_OPS: FrozenSet[str] = frozenset((
 
 HOST_READ_OPS: FrozenSet[str] = frozenset(("_local_scalar_dense", "item", "is_nonzero", "equal"))
 
+
+# In-place ops whose out-of-place form is not their name without the "_"
+# (``poptorch/source/include/poptorch/InplaceOpsPyTorch.hpp_nolint``).
+_IN_PLACE_TO_OUT_OF_PLACE: Dict[str, str] = {"zero_": "zeros_like", "fill_": "full_like"}
+
+
 def base_name(aten_name: str) -> str:
-    """The out-of-place name of an in-place op (``mul_`` -> ``mul``)."""
+    """The out-of-place name of an in-place op (``mul_`` -> ``mul``, ``zero_`` ->
+    ``zeros_like``)."""
+    if aten_name in _IN_PLACE_TO_OUT_OF_PLACE:
+        return _IN_PLACE_TO_OUT_OF_PLACE[aten_name]
     if aten_name.endswith("_") and not aten_name.endswith("__"):
         return aten_name[:-1]
     return aten_name
