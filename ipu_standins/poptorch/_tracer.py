@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..poptorch_custom_ops import inside_custom_op, is_library_torch_op
 from ._handlers import ARGUMENT_RULES, HOST_READ_OPS, base_name, is_supported
+from ._losses import ctc_loss
 from ._lowering import lower_graph
 from .poptorch_core import Error as PopTorchError
 
@@ -224,12 +225,15 @@ class _PopTorchRules(TorchDispatchMode):
 
 # Functions PopTorch's dispatcher implements itself (`RegisterOptionalAtenOps.cpp.inc`), which
 # a dispatch mode would only see decomposed: dropout into `empty_like`, `bernoulli_` and
-# `div_`, one_hot and adaptive pooling into other ops. Ops inside them are not checked.
+# `div_`, one_hot, adaptive pooling and the hinge embedding and CTC losses into other ops.
+# Ops inside them are not checked.
 _DISPATCHER_LEVEL_FUNCTIONS = frozenset((
     torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
     torch.nn.functional.dropout3d, torch.dropout, torch.feature_dropout,
     torch.nn.functional.one_hot, torch.nn.functional.adaptive_avg_pool1d,
     torch.nn.functional.adaptive_avg_pool2d, torch.nn.functional.adaptive_avg_pool3d,
+    torch.nn.functional.hinge_embedding_loss, torch.hinge_embedding_loss,
+    torch.nn.functional.ctc_loss,
 ))
 _DISPATCHER_LEVEL_ATEN = frozenset(("dropout", "feature_dropout"))
 _ADAPTIVE_POOLS = {torch.nn.functional.adaptive_avg_pool1d: 1,
@@ -292,6 +296,8 @@ class _PopTorchCalls(TorchFunctionMode):
                 # The same values without torch's range checks, which read the indices on
                 # the host; PopTorch takes one_hot whole.
                 func = _one_hot_without_checks
+        if func is torch.nn.functional.ctc_loss:
+            func = ctc_loss  # torch's kernel has a value-dependent shape: see ._losses
         self.rules.inside_dispatcher_op += 1
         try:
             out = func(*args, **kwargs)
