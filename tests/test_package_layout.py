@@ -710,7 +710,7 @@ STANDIN_UNTESTED_TODAY = {
     "poptorch._graph_ops", "poptorch._handlers", "poptorch._impl",
     "poptorch._logging", "poptorch._lowering_table", "poptorch._numerics",
     "poptorch._options_dict", "poptorch._popart_updates", "poptorch._saving", "poptorch._state",
-    "poptorch._strategies", "poptorch.enums", "poptorch.ops", "poptorch.options",
+    "poptorch._strategies", "poptorch.enums", "poptorch.options",
     "poptorch.poptorch_core", "poptorch.testing",
     "popxl._core", "popxl._ops", "popxl._tensor", "popxl._transforms", "popxl_custom_ops",
     "popxl_settings",
