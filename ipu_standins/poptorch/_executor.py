@@ -336,7 +336,8 @@ class PoplarExecutor:
         self._device_buffers = [b.detach().clone() for b in self._graph.buffers]
         self._tensor_names = _outputs.tensor_names(
             self._graph, len(example), self._optimizer if self._training else None,
-            self._options.anchored_tensors)
+            self._options.anchored_tensors, bool(self._options._Popart.options.get(
+                "automaticLossScalingSettings.enabled")))
         self._compilation_time = datetime.timedelta(seconds=time.time() - started)
         if self._training and self._optimizer is not None:
             self._device_optimizer = self._map_optimizer(self._optimizer)

@@ -15,7 +15,8 @@ training the gradients (``Gradient___fc1.weight``, per micro-batch, carrying the
 PopART's do), the updated weights (``UpdatedVar___fc1.weight``, per iteration) and, for SGD
 without momentum, PopART's SGD0 scalars (``scaledLearningRate0___default___FLOAT``: ``lr (1 -
 dampening) / loss_scaling``; ``weightDecayScaleFactor0___default___FLOAT``: ``1 - lr (1 -
-dampening) weight_decay``; a second group's are ``___specific___<its first parameter>``).
+dampening) weight_decay``; a second group's are ``___specific___<its first parameter>``);
+with automatic loss scaling, ``finalLossScale``: the optimizer's loss scaling after each step.
 """
 from __future__ import annotations
 
@@ -30,10 +31,11 @@ from ._impl import createPoptorchError
 from ._tracer import SCOPE_META
 
 __all__ = ["choose_outputs", "TensorNames", "tensor_names", "AnchorRecorder", "GRADIENT",
-           "UPDATED", "ipu_dtype", "no_backward"]
+           "UPDATED", "FINAL_LOSS_SCALE", "ipu_dtype", "no_backward"]
 
 GRADIENT = "Gradient___"
 UPDATED = "UpdatedVar___"
+FINAL_LOSS_SCALE = "finalLossScale"
 
 
 def _join(values: List[Any]) -> Any:
@@ -122,10 +124,12 @@ class TensorNames:
 
     def __init__(self, graph: fx.GraphModule, inputs: int, parameter_names: List[str],
                  trained: List[str], optimizer: Optional[torch.optim.Optimizer],
-                 names_by_id: Dict[int, str], prefix: str = "model."):
+                 names_by_id: Dict[int, str], prefix: str = "model.",
+                 loss_scaling: bool = False):
         """``parameter_names`` as the user's model names them; ``trained``: those the
         optimizer updates; ``names_by_id``: the optimizer's parameters' names, by ``id``;
-        ``prefix``: the user's model's path in the traced module."""
+        ``prefix``: the user's model's path in the traced module; ``loss_scaling``: whether
+        automatic loss scaling names the loss scale after each step (``finalLossScale``)."""
         self.inputs = ["input" if i == 0 else f"input/{i}" for i in range(inputs)]
         self.parameters = list(parameter_names)
         self.nodes: Dict[str, str] = {}  # tensor name -> graph node
@@ -143,21 +147,24 @@ class TensorNames:
             self.nodes[base if seen[base] == 1 else f"{base}/{seen[base] - 1}"] = node.name
         self.trained = list(trained)
         self.scalars = _sgd0_scalars(optimizer, names_by_id) if optimizer else {}
+        self.per_step = [FINAL_LOSS_SCALE] if loss_scaling and optimizer else []
 
     def all(self) -> List[str]:
         return [*self.inputs, *self.parameters, *self.nodes,
                 *(GRADIENT + n for n in self.trained), *(UPDATED + n for n in self.trained),
-                *self.scalars]
+                *self.scalars, *self.per_step]
 
 
 def tensor_names(graph: Any, inputs: int, optimizer: Optional[torch.optim.Optimizer],
-                 anchors: Dict[str, List[Any]], prefix: str = "model.") -> TensorNames:
+                 anchors: Dict[str, List[Any]], loss_scaling: bool = False,
+                 prefix: str = "model.") -> TensorNames:
     """The tensor names of a compiled graph (``_compile.CompiledGraph``; ``optimizer`` for
     training); refuses an anchor that names none of them."""
     names = [n[len(prefix):] for n in graph.trace.parameter_names]
     trained = [n for n, p in zip(names, graph.parameters) if p.requires_grad and optimizer]
     by_id = {id(p): n for n, p in zip(names, graph.parameters)}
-    found = TensorNames(graph.trace.graph, inputs, names, trained, optimizer, by_id, prefix)
+    found = TensorNames(graph.trace.graph, inputs, names, trained, optimizer, by_id, prefix,
+                        loss_scaling)
     known = set(found.all())
     for short, anchor in anchors.items():
         if anchor[0] not in known:
@@ -220,6 +227,9 @@ class AnchorRecorder:
         for name, parameter in parameters.items():
             if UPDATED + name in self.wanted:
                 self.values[UPDATED + name].append(parameter.detach().clone())
+        if FINAL_LOSS_SCALE in self.wanted and self.names.per_step:
+            scale = float(getattr(optimizer, "loss_scaling", None) or 1.0)
+            self.values[FINAL_LOSS_SCALE].append(torch.tensor(scale))
         if optimizer is not None and any(n in self.wanted for n in self.names.scalars):
             for name, value in _sgd0_scalars(optimizer, names_by_id).items():
                 if name in self.wanted:
@@ -235,7 +245,8 @@ class AnchorRecorder:
                 continue
             if default:
                 mode, period = options.output_mode, options.output_return_period
-            per_step = long.startswith(UPDATED) or long in self.names.scalars
+            per_step = long.startswith(UPDATED) or long in self.names.scalars or (
+                long in self.names.per_step)
             chosen = choose_anchor(values, enums.OutputMode(mode), int(period or 1), iterations,
                                    1 if per_step else replicas)
             if chosen is not None:

@@ -179,3 +179,20 @@ def test_gradients_of_an_mnist_style_classifier_over_a_dataloader():
     values = torch.cat([model.getAnchoredTensor(n).flatten() for n in gradients])
     assert values.shape == (784 * 32 + 32 + 32 * 10 + 10,)
     assert torch.all(torch.isfinite(values)) and bool((values != 0).any())
+
+
+def test_with_automatic_loss_scaling_the_final_loss_scale_is_a_tensor():
+    net = _Model()
+    options = poptorch.Options()
+    options.Training.setAutomaticLossScaling(True)
+    options.anchorTensor("scale", "finalLossScale")
+    optimizer = poptorch.optim.SGD(net.parameters(), lr=0.0, loss_scaling=2.0)
+    model = poptorch.trainingModel(net, options, optimizer)
+    model(torch.rand(10, 10), torch.rand(10, 10))
+    assert "finalLossScale" in model.getTensorNames()
+    # The device optimizer's loss scaling after the step.
+    assert float(model.getAnchoredTensor("scale")) == float(
+        model._device_optimizer.loss_scaling)
+    plain = poptorch.trainingModel(_Model())
+    plain.compile(torch.rand(10, 10), torch.rand(10, 10))
+    assert "finalLossScale" not in plain.getTensorNames()
