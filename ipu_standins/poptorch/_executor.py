@@ -37,7 +37,6 @@ NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
 class PoplarExecutor:
     """A PopTorch model: compiled on its first call (or :meth:`compile`), then run."""
 
-
     def __init__(self, model: torch.nn.Module, options: Optional[Options], training: bool,
                  optimizer: Optional[torch.optim.Optimizer] = None,
                  user_model: Optional[torch.nn.Module] = None):
