@@ -707,7 +707,7 @@ STANDIN_MODULES = {".".join(p.relative_to(STANDINS).with_suffix("").parts).repla
 STANDIN_UNTESTED_TODAY = {
     "", "poptorch._args", "poptorch._compile", "poptorch._dataloader", "poptorch._dispatch",
     "poptorch._device_optimizer", "poptorch._lowering", "poptorch._optimizer_state",
-    "poptorch._graph_ops", "poptorch._handlers", "poptorch._impl",
+    "poptorch._graph_ops", "poptorch._impl",
     "poptorch._logging", "poptorch._lowering_table", "poptorch._numerics",
     "poptorch._options_dict", "poptorch._popart_updates", "poptorch._saving", "poptorch._state",
     "poptorch._strategies", "poptorch.enums", "poptorch.options",

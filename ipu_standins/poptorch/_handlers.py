@@ -167,6 +167,10 @@ _EMBEDDING = ArgumentRule(
     lambda a, _: bool(a.get("scale_grad_by_freq")) or bool(a.get("sparse")),
     "scale_grad_by_freq and sparse gradients are not supported", "EmbeddingOps.cpp")
 
+_UNSUPPORTED_UPSAMPLE = ArgumentRule(
+    lambda a, _: True, "Unsupported upsample mode: currently only 'nearest' is supported "
+    "(and bilinear, bicubic)", "ReshapeOps.cpp")
+
 ARGUMENT_RULES: Dict[str, Tuple[ArgumentRule, ...]] = {
     "triu": (ArgumentRule(
         lambda a, _: True,
@@ -180,6 +184,8 @@ ARGUMENT_RULES: Dict[str, Tuple[ArgumentRule, ...]] = {
         "TensorOps.cpp (no tril handler)"),),
     "as_strided": (ArgumentRule(
         lambda a, _: True, "the as_strided handler refuses every call", "ReshapeOps.cpp"),),
+    "upsample_linear1d": (_UNSUPPORTED_UPSAMPLE,),
+    "upsample_trilinear3d": (_UNSUPPORTED_UPSAMPLE,),
     "embedding": (_EMBEDDING,),
     "_embedding_bag": (
         _EMBEDDING,

@@ -225,9 +225,9 @@ class _PopTorchRules(TorchDispatchMode):
 
 # Functions PopTorch's dispatcher implements itself (`RegisterOptionalAtenOps.cpp.inc`), which
 # a dispatch mode would only see decomposed: dropout into `empty_like`, `bernoulli_` and
-# `div_`, one_hot, adaptive pooling, the hinge embedding and CTC losses and the recurrent
-# layers (which PopTorch lowers to PopART's LSTM, GRU and RNN) into other ops. Ops inside them
-# are not checked.
+# `div_`, one_hot, adaptive pooling, bilinear, the hinge embedding and CTC losses and the
+# recurrent layers (which PopTorch lowers to PopART's LSTM, GRU and RNN) into other ops. Ops
+# inside them are not checked.
 _DISPATCHER_LEVEL_FUNCTIONS = frozenset((
     torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
     torch.nn.functional.dropout3d, torch.dropout, torch.feature_dropout,
@@ -235,6 +235,7 @@ _DISPATCHER_LEVEL_FUNCTIONS = frozenset((
     torch.nn.functional.adaptive_avg_pool2d, torch.nn.functional.adaptive_avg_pool3d,
     torch.nn.functional.hinge_embedding_loss, torch.hinge_embedding_loss,
     torch.nn.functional.ctc_loss, torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu,
+    torch.nn.functional.bilinear, torch.bilinear,
 ))
 _DISPATCHER_LEVEL_ATEN = frozenset(("dropout", "feature_dropout"))
 _ADAPTIVE_POOLS = {torch.nn.functional.adaptive_avg_pool1d: 1,

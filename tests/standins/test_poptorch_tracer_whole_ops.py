@@ -1,5 +1,5 @@
-"""Recurrent layers as PopTorch takes them: whole (PopART's LSTM, GRU and RNN), not the CPU's
-decomposition into ops PopTorch has no handler for."""
+"""Ops PopTorch's dispatcher takes whole: recurrent layers (PopART's LSTM, GRU and RNN) and
+bilinear, not the CPU's decomposition into ops PopTorch has no handler for."""
 from __future__ import annotations
 
 import pytest
@@ -44,3 +44,15 @@ def test_a_recurrent_layer_trains():
     before = net.lstm.weight_ih_l0.detach().clone()
     poptorch.trainingModel(net)(torch.randn(5, 2, 3), torch.randn(5, 2, 4))
     assert not torch.equal(net.lstm.weight_ih_l0.detach(), before)
+
+
+def test_bilinear_compiles_and_computes_what_torch_does():
+    torch.manual_seed(0)
+    net = torch.nn.Bilinear(3, 4, 2)
+    x1, x2 = torch.randn(5, 3), torch.randn(5, 4)
+    out = poptorch.inferenceModel(net)(x1, x2)
+    expected = net(x1, x2).detach()
+    # 12 products summed per output, and the bias.
+    magnitude = torch.einsum("bi,oij,bj->bo", x1.abs(), net.weight.detach().abs(), x2.abs())
+    bound = 14 * 2.0 ** -24 / (1 - 14 * 2.0 ** -24) * (magnitude + net.bias.detach().abs())
+    assert torch.all((out - expected).abs() <= bound)
