@@ -374,7 +374,10 @@ class PoplarExecutor:
         tensors = [down_cast(t.detach())
                    for t in inputs.tensors_like(self._executable_inputs)]
         parts = self._micro_batches()
-        chunks = [list(t.chunk(parts)) if t.dim() else [t] * parts for t in tensors]
+        # Single views (not chunk's multiple ones): the graph may write into an input in
+        # place, also where autograd records it, and the write reaches the caller's tensor.
+        chunks = [[t.narrow(0, i * (t.shape[0] // parts), t.shape[0] // parts)
+                   for i in range(parts)] if t.dim() else [t] * parts for t in tensors]
         micro = [[c[i] for c in chunks] for i in range(parts)]
         anchors = self._options.anchored_tensors
         assert self._tensor_names is not None
@@ -448,7 +451,13 @@ class PoplarExecutor:
                 parameter.grad = None
             for batch in micro[step * per_step:(step + 1) * per_step]:
                 before = self._gradients() if recorder and recorder.wants_gradients() else None
-                out, loss = self._run(batch)
+                # The graph runs on copies: an in-place write into an input stays out of the
+                # other micro-batches' autograd, and is copied back to the caller's tensor.
+                own = [t.clone() for t in batch]
+                out, loss = self._run(own)
+                with torch.no_grad():
+                    for tensor, written in zip(batch, own):
+                        tensor.copy_(written)
                 if loss.requires_grad:
                     total = loss if loss.dim() == 0 else loss.sum()
                     (total.float() * scale).backward()

@@ -70,3 +70,25 @@ def test_reading_a_slice_with_a_step_is_not_refused():
 
     out = poptorch.inferenceModel(Model())(torch.ones(4, 4))
     assert torch.equal(out, torch.full((2, 4), 2.0))
+
+
+def test_a_training_model_copies_a_value_that_needs_gradients_into_its_input():
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.full((3,), 2.0))
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor):
+            y.copy_(x * self.weight)
+            return y, poptorch.identity_loss(y.sum(), "sum")
+
+    options = poptorch.Options().deviceIterations(2)
+    model = poptorch.trainingModel(Model(), options)
+    x, y = torch.ones(2, 3), torch.zeros(2, 3)
+    out, _ = model(x, y)
+    # Each micro-batch's y is a view of the caller's y, written in place: the first with the
+    # initial weight (2, exact), the second after one SGD step (lr 0.01, gradient 1): 1.99,
+    # rounded twice in float32. Final returns the last one.
+    assert torch.equal(y[0], torch.full((3,), 2.0))
+    assert torch.all((y[1] - 1.99).abs() <= 2 * 2.0 ** -24 * 2)
+    assert torch.equal(out, y[1:])
