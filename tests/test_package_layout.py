@@ -706,8 +706,7 @@ STANDIN_MODULES = {".".join(p.relative_to(STANDINS).with_suffix("").parts).repla
 STANDIN_UNTESTED_TODAY = {
     "", "poptorch._args", "poptorch._compile",
     "poptorch._device_optimizer", "poptorch._lowering",
-    "poptorch._executor", "poptorch._graph_ops", "poptorch._handlers", "poptorch._impl",
-    "poptorch._lowering_table", "poptorch.ops",
+    "poptorch._graph_ops", "poptorch._impl", "poptorch._lowering_table",
 }
 
 

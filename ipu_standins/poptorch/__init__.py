@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 import builtins
 import copy
-from typing import Any, Callable, Optional, Type
+from typing import Any, Optional, Type
 
 import torch
 
@@ -33,7 +33,12 @@ from . import (
 )
 from ._dataloader import AsynchronousDataAccessor, DataLoader
 from ._executor import PoplarExecutor
-from ._impl import createPoptorchError, isRunningOnIpu
+from ._impl import (
+    createPoptorchError,
+    isRunningOnIpu,
+    registerPostCompileHook,
+    registerPreCompileHook,
+)
 from ._logging import setLogLevel
 from ._saving import load
 from .enums import (
@@ -185,22 +190,6 @@ def registerCustomArgParser(arg_data_type: Type[Any],
     if not isinstance(arg_parser, ICustomArgParser):
         raise createPoptorchError("arg_parser must inherit from ICustomArgParser")
     _args.CUSTOM_PARSERS[arg_data_type] = arg_parser
-
-
-_pre_compile_hooks: dict = {}
-_post_compile_hooks: dict = {}
-
-
-def registerPreCompileHook(hook: Callable[[], None]) -> Any:
-    handle = torch.utils.hooks.RemovableHandle(_pre_compile_hooks)
-    _pre_compile_hooks[handle.id] = hook
-    return handle
-
-
-def registerPostCompileHook(hook: Callable[[], None]) -> Any:
-    handle = torch.utils.hooks.RemovableHandle(_post_compile_hooks)
-    _post_compile_hooks[handle.id] = hook
-    return handle
 
 
 __all__ += ["_logging"]

@@ -11,7 +11,7 @@ import torch
 
 from ._impl import createPoptorchError
 
-__all__ = ["Args", "ArgsParser", "flatten", "rebuild", "CUSTOM_PARSERS"]
+__all__ = ["Args", "ArgsParser", "flatten", "rebuild", "CUSTOM_PARSERS", "down_cast"]
 
 # type -> parser with yieldTensors(obj) and reconstruct(obj, tensors)
 CUSTOM_PARSERS: Dict[type, Any] = {}
@@ -215,3 +215,9 @@ class ArgsParser:
             else:
                 raise createPoptorchError(f"Mandatory parameter {name} missing")
         return bound.map(lambda t: t if t.is_contiguous() else t.contiguous())
+
+
+def down_cast(tensor: torch.Tensor) -> torch.Tensor:
+    """An input as PopTorch adds it to the graph: the IPU has no float64, so doubles become
+    float32 (``downCastIfNeeded``)."""
+    return tensor.float() if tensor.dtype == torch.float64 else tensor

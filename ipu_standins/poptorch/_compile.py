@@ -19,7 +19,7 @@ the blocks the model begins recorded. Then, as PopTorch does after tracing:
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -154,6 +154,27 @@ class CompiledGraph:
             return self.trace.graph(parameters, buffers, *tensors)
         finally:
             _state.ON_IPU = previous
+
+    def capturing(self, nodes: Set[str], parameters: List[torch.Tensor],
+                  buffers: List[torch.Tensor], *tensors: torch.Tensor
+                  ) -> Tuple[Any, Dict[str, torch.Tensor]]:
+        """``self(parameters, buffers, *tensors)``, and the values of the graph's ``nodes``
+        (by node name) as they were computed: detached copies (anchored tensors)."""
+        captured: Dict[str, torch.Tensor] = {}
+
+        class Capture(fx.Interpreter):
+            def run_node(self, node: fx.Node) -> Any:
+                value = super().run_node(node)
+                if node.name in nodes and isinstance(value, torch.Tensor):
+                    captured[node.name] = value.detach().clone()
+                return value
+
+        previous, _state.ON_IPU = _state.ON_IPU, True
+        try:
+            out = Capture(self.trace.graph).run(parameters, buffers, *tensors)
+        finally:
+            _state.ON_IPU = previous
+        return out, captured
 
     def rebuild(self, tensors: List[torch.Tensor]) -> Any:
         return rebuild(self.output_template, list(tensors))

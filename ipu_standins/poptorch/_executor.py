@@ -22,8 +22,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from . import _device_optimizer, _impl, _optimizer_state, enums
-from ._args import Args, ArgsParser
+from . import _device_optimizer, _impl, _optimizer_state, _outputs, enums
+from ._args import Args, ArgsParser, down_cast
 from ._compile import CompiledGraph, compile_graph
 from ._numerics import HalfKernels
 from .options import Options, PipelinedExecution, ShardedExecution
@@ -32,42 +32,6 @@ from .poptorch_core import _validateOptions
 __all__ = ["PoplarExecutor", "NO_EXECUTABLE_ERR"]
 
 NO_EXECUTABLE_ERR = "Model has not been compiled or has been destroyed."
-
-
-def _join(values: List[Any]) -> Any:
-    first = values[0]
-    if len(values) == 1:
-        return first
-    if isinstance(first, torch.Tensor):
-        return torch.stack(values) if first.dim() == 0 else torch.cat(values)
-    return first
-
-
-def _sum(values: List[Any]) -> Any:
-    first = values[0]
-    if isinstance(first, torch.Tensor):
-        total = values[0].clone()
-        for value in values[1:]:
-            total = total + value
-        return total.to(first.dtype)
-    return first
-
-
-def _combine(outputs: List[Any], how: Any) -> Any:
-    """Combine each leaf of the per-micro-batch output structures with ``how``."""
-    first = outputs[0]
-    if isinstance(first, torch.Tensor) or first is None:
-        return how(outputs) if first is not None else None
-    if isinstance(first, tuple) and hasattr(first, "_fields"):
-        return type(first)(*(_combine(list(p), how) for p in zip(*outputs)))
-    if isinstance(first, (tuple, list)):
-        return type(first)(_combine(list(p), how) for p in zip(*outputs))
-    if isinstance(first, dict):
-        joined = type(first)() if type(first) is not dict else {}
-        for key in first:
-            joined[key] = _combine([o[key] for o in outputs], how)
-        return joined
-    return first
 
 
 class PoplarExecutor:
@@ -123,6 +87,8 @@ class PoplarExecutor:
         self._dirty_host_weights = False
         self._host_weights_version = 0
         self._anchor_memory: Dict[str, torch.Tensor] = {}
+        self._tensor_names: Optional[_outputs.TensorNames] = None
+        self._recorder: Optional[_outputs.AnchorRecorder] = None
         self._compilation_time = datetime.timedelta(0)
         self.per_replica_params: Dict[str, Any] = {}
         if training:
@@ -151,14 +117,29 @@ class PoplarExecutor:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name in ("_user_model", "_model"):
             raise AttributeError(name)
-        return getattr(self._user_model, name)
+        try:
+            return getattr(self._user_model, name)
+        except AttributeError as error:
+            if f"'{name}'" not in str(error):  # raised inside one of the model's properties
+                raise
+            # Lookups fall through to the user's model: name the wrapper, not only the model.
+            raise AttributeError(
+                f"'PoplarExecutor' object has no attribute '{name}' (nor has the model it "
+                f"wraps, a '{type(self._user_model).__name__}')") from None
 
     def __repr__(self) -> str:
         from . import module_repr
 
         return module_repr(self._user_model)
 
+    def getTensorNames(self) -> List[str]:
+        """The names of the compiled graph's tensors, which ``Options.anchorTensor`` takes."""
+        assert self._tensor_names is not None, (
+            "Model must be compiled before calling getTensorNames")
+        return self._tensor_names.all()
+
     def getAnchoredTensor(self, short_name: str) -> torch.Tensor:
+        """An anchored tensor's value from the last call, by output mode (:mod:`._outputs`)."""
         assert short_name in self._anchor_memory, f"No tensor with name {short_name} found."
         return self._anchor_memory[short_name]
 
@@ -342,12 +323,17 @@ class PoplarExecutor:
         started = time.time()
         self._executable_inputs = inputs
         template = inputs.map(lambda t: t)
-        example = [self._narrow(t).detach() for t in inputs.tensors()]
-        self._graph = compile_graph(self._model, template, example, self._options,
-                                    self._training)
+        example = [down_cast(self._narrow(t).detach()) for t in inputs.tensors()]
+        with _impl.compile_hooks():
+            self._graph = compile_graph(self._model, template, example, self._options,
+                                        self._training)
         self._device_parameters = [
             p.detach().clone().requires_grad_(p.requires_grad) for p in self._graph.parameters]
         self._device_buffers = [b.detach().clone() for b in self._graph.buffers]
+        self._tensor_names = _outputs.tensor_names(
+            self._graph, len(example), self._optimizer if self._training else None,
+            self._options.anchored_tensors, bool(self._options._Popart.options.get(
+                "automaticLossScalingSettings.enabled")))
         self._compilation_time = datetime.timedelta(seconds=time.time() - started)
         if self._training and self._optimizer is not None:
             self._device_optimizer = self._map_optimizer(self._optimizer)
@@ -383,14 +369,49 @@ class PoplarExecutor:
                     self._host_weights_version = version
         assert self._executable_inputs is not None
         self._executable_inputs.validate(inputs)
-        tensors = [t.detach() for t in inputs.tensors_like(self._executable_inputs)]
+        tensors = [down_cast(t.detach())
+                   for t in inputs.tensors_like(self._executable_inputs)]
         parts = self._micro_batches()
-        chunks = [list(t.chunk(parts)) if t.dim() else [t] * parts for t in tensors]
+        # Single views (not chunk's multiple ones): the graph may write into an input in
+        # place, also where autograd records it, and the write reaches the caller's tensor.
+        chunks = [[t.narrow(0, i * (t.shape[0] // parts), t.shape[0] // parts)
+                   for i in range(parts)] if t.dim() else [t] * parts for t in tensors]
         micro = [[c[i] for c in chunks] for i in range(parts)]
+        anchors = self._options.anchored_tensors
+        assert self._tensor_names is not None
+        self._recorder = _outputs.AnchorRecorder(self._tensor_names, anchors) if anchors else None
         outputs = self._train(micro) if self._training else self._infer(micro)
         if self._training:
             self._dirty_host_weights = True
+        if self._recorder is not None:
+            self._anchor_memory.update(self._recorder.results(self._options))
+            self._recorder = None
         return self._select(outputs)
+
+    def _run(self, batch: List[torch.Tensor]) -> Any:
+        """The graph on one micro-batch, recording the anchored tensors."""
+        assert self._graph is not None
+        recorder = self._recorder
+        if recorder is None:
+            return self._graph(self._device_parameters, self._device_buffers, *batch)
+        captured: Dict[str, torch.Tensor] = {}
+        if recorder.nodes:
+            out, captured = self._graph.capturing(recorder.nodes, self._device_parameters,
+                                                  self._device_buffers, *batch)
+        else:
+            out = self._graph(self._device_parameters, self._device_buffers, *batch)
+        recorder.micro_batch(batch, self._device_parameters, captured)
+        return out
+
+    def _gradients(self) -> Dict[str, torch.Tensor]:
+        return {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+                for n, p in self._named_device_parameters().items() if p.requires_grad}
+
+    def _record_step(self) -> None:
+        if self._recorder is not None:
+            named = self._named_device_parameters()
+            device_names = {id(p): n for n, p in named.items()}
+            self._recorder.step(named, self._device_optimizer, device_names)
 
     def _half_kernels(self, micro: List[List[torch.Tensor]]) -> Any:
         tensors = [*self._device_parameters, *(t for batch in micro for t in batch)]
@@ -399,8 +420,7 @@ class PoplarExecutor:
     def _infer(self, micro: List[List[torch.Tensor]]) -> List[Any]:
         assert self._graph is not None
         with torch.no_grad(), self._half_kernels(micro):
-            return [self._graph(self._device_parameters, self._device_buffers, *batch)
-                    for batch in micro]
+            return [self._run(batch) for batch in micro]
 
     def _train(self, micro: List[List[torch.Tensor]]) -> List[Any]:
         assert self._graph is not None
@@ -423,15 +443,22 @@ class PoplarExecutor:
         assert self._graph is not None
         optimizer: Any = self._device_optimizer
         parameters = [p for p in self._device_parameters if p.requires_grad]
+        recorder = self._recorder
         als = optimizer.auto_loss_scale() if optimizer is not None else None
-        outputs, loss_scales = [], []
+        outputs = []
         for step in range(self._options.device_iterations):
             for parameter in parameters:
                 parameter.grad = None
             loss_scale = optimizer.final_loss_scale() if optimizer is not None else 1.0
-            loss_scales.append(loss_scale)
             for batch in micro[step * per_step:(step + 1) * per_step]:
-                out, loss = self._graph(self._device_parameters, self._device_buffers, *batch)
+                before = self._gradients() if recorder and recorder.wants_gradients() else None
+                # The graph runs on copies: an in-place write into an input stays out of the
+                # other micro-batches' autograd, and is copied back to the caller's tensor.
+                own = [t.clone() for t in batch]
+                out, loss = self._run(own)
+                with torch.no_grad():
+                    for tensor, written in zip(batch, own):
+                        tensor.copy_(written)
                 if loss.requires_grad:
                     total = loss if loss.dim() == 0 else loss.sum()
                     backward = (total.float() * (scale * loss_scale)).backward
@@ -439,44 +466,28 @@ class PoplarExecutor:
                         als.backward(parameters, backward)
                     else:
                         backward()
+                if recorder is not None and before is not None:
+                    # This micro-batch's gradient, loss-scaled as PopART's gradients are.
+                    recorder.gradients({n: (g - before[n]) / scale
+                                        for n, g in self._gradients().items()})
                 outputs.append(out)
             if optimizer is not None:
                 type(optimizer).step(optimizer)
+            self._record_step()  # (before the loss scale's update: the scale this step used)
             if als is not None:
                 als.update()
-        if als is not None:
-            self._anchor_memory.update(
-                _optimizer_state.loss_scale_anchors(self._options, loss_scales))
         return [[t.detach() for t in out] for out in outputs]
 
     def _select(self, outputs: List[Any]) -> Any:
         assert self._graph is not None
-        chosen = self._choose(outputs)
+        chosen = _outputs.choose_outputs(outputs, self._options)
         if chosen is None:
             return None
-        chosen = [_ipu_dtype(t) for t in chosen]
+        chosen = [_outputs.ipu_dtype(t) for t in chosen]
         for tensor in chosen:
             if isinstance(tensor, torch.Tensor):
-                tensor.backward = _no_backward  # type: ignore[method-assign]
+                tensor.backward = _outputs.no_backward  # type: ignore[method-assign]
         return self._graph.rebuild(chosen)
-
-    def _choose(self, outputs: List[Any]) -> Any:
-        opts = self._options
-        mode = enums.OutputMode(opts.output_mode)
-        replicas = opts.replication_factor // opts.input_group_size
-        per_iteration = len(outputs) // opts.device_iterations
-        if mode == enums.OutputMode.All:
-            return _combine(outputs, _join)
-        if mode == enums.OutputMode.Final:
-            last = outputs[-replicas:]
-            return last[0] if replicas == 1 else _combine(last, _join)
-        if mode == enums.OutputMode.Sum:
-            by_replica = [_combine(outputs[r::replicas], _sum) for r in range(replicas)]
-            return by_replica[0] if replicas == 1 else _combine(by_replica, _join)
-        period = opts.output_return_period
-        chosen = [o for i in range(period - 1, opts.device_iterations, period)
-                  for o in outputs[i * per_iteration:(i + 1) * per_iteration]]
-        return _combine(chosen, _join) if chosen else None
 
     # ------------------------------------------------------------------ device
     def detachFromDevice(self) -> None:
@@ -513,6 +524,7 @@ class PoplarExecutor:
         if self._training:
             _impl.unwrap_model(self._user_model)
         self._executable_inputs = None
+        self._tensor_names = None
         self._is_attached = False
 
     def save(self, filename: str, export_model: bool = True, save_rng_state: bool = True
@@ -552,21 +564,3 @@ class PoplarExecutor:
 
     def getPerfCounters(self) -> Dict[str, Any]:
         return {"input": [], "input_complete": [], "output": [], "output_complete": []}
-
-
-def _no_backward(*args: Any, **kwargs: Any) -> None:
-    raise _impl.createPoptorchError(
-        "backward() cannot be called explicitly on outputs of a PopTorch model. If you're "
-        "using a trainingModel, the backwards pass is performed automatically when invoking "
-        "the model. If you're using an inferenceModel, you should use a trainingModel "
-        "instead.")
-
-
-def _ipu_dtype(value: Any) -> Any:
-    """An output as the IPU returns it: no 64-bit types (int64 as int32, float64 as float32)."""
-    if isinstance(value, torch.Tensor):
-        if value.dtype == torch.int64:
-            return value.to(torch.int32)
-        if value.dtype == torch.float64:
-            return value.to(torch.float32)
-    return value

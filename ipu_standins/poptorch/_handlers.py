@@ -106,8 +106,17 @@ DISPATCHER_OPS: FrozenSet[str] = frozenset((
 
 HOST_READ_OPS: FrozenSet[str] = frozenset(("_local_scalar_dense", "item", "is_nonzero", "equal"))
 
+
+# In-place ops whose out-of-place form is not their name without the "_"
+# (``poptorch/source/include/poptorch/InplaceOpsPyTorch.hpp_nolint``).
+_IN_PLACE_TO_OUT_OF_PLACE: Dict[str, str] = {"zero_": "zeros_like", "fill_": "full_like"}
+
+
 def base_name(aten_name: str) -> str:
-    """The out-of-place name of an in-place op (``mul_`` -> ``mul``)."""
+    """The out-of-place name of an in-place op (``mul_`` -> ``mul``, ``zero_`` ->
+    ``zeros_like``)."""
+    if aten_name in _IN_PLACE_TO_OUT_OF_PLACE:
+        return _IN_PLACE_TO_OUT_OF_PLACE[aten_name]
     if aten_name.endswith("_") and not aten_name.endswith("__"):
         return aten_name[:-1]
     return aten_name
@@ -158,6 +167,10 @@ _EMBEDDING = ArgumentRule(
     lambda a, _: bool(a.get("scale_grad_by_freq")) or bool(a.get("sparse")),
     "scale_grad_by_freq and sparse gradients are not supported", "EmbeddingOps.cpp")
 
+_UNSUPPORTED_UPSAMPLE = ArgumentRule(
+    lambda a, _: True, "Unsupported upsample mode: currently only 'nearest' is supported "
+    "(and bilinear, bicubic)", "ReshapeOps.cpp")
+
 ARGUMENT_RULES: Dict[str, Tuple[ArgumentRule, ...]] = {
     "triu": (ArgumentRule(
         lambda a, _: True,
@@ -171,6 +184,8 @@ ARGUMENT_RULES: Dict[str, Tuple[ArgumentRule, ...]] = {
         "TensorOps.cpp (no tril handler)"),),
     "as_strided": (ArgumentRule(
         lambda a, _: True, "the as_strided handler refuses every call", "ReshapeOps.cpp"),),
+    "upsample_linear1d": (_UNSUPPORTED_UPSAMPLE,),
+    "upsample_trilinear3d": (_UNSUPPORTED_UPSAMPLE,),
     "embedding": (_EMBEDDING,),
     "_embedding_bag": (
         _EMBEDDING,

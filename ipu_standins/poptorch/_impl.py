@@ -1,12 +1,14 @@
-"""``poptorch._impl``: the IPU context flag, PopTorch's Python errors and the wrapping of a
-trained model (its class is swapped for a subclass that copies the weights back from the
-"device" before they are read, as PopTorch does)."""
+"""``poptorch._impl``: the IPU context flag, PopTorch's Python errors, the pre- and post-compile
+hooks and the wrapping of a trained model (its class is swapped for a subclass that copies the
+weights back from the "device" before they are read, as PopTorch does)."""
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 import copyreg
 import weakref
-from typing import Any, Callable, List
+from typing import Any, Callable, Dict, Iterator, List
 
 import torch
 
@@ -15,7 +17,8 @@ from .poptorch_core import Error
 
 __all__ = ["isRunningOnIpu", "setIpuContext", "createPoptorchError", "isDispatchTracing",
            "isWrapped", "unwrapIfWrapped", "wrap_trained_model", "unwrapModelIfNecessary",
-           "_restoreWrapperIfNecessary"]
+           "_restoreWrapperIfNecessary", "registerPreCompileHook", "registerPostCompileHook",
+           "compile_hooks"]
 
 
 def createPoptorchError(message: str) -> Error:
@@ -162,3 +165,41 @@ def unwrap_model(model: torch.nn.Module) -> None:
         if isWrapped(tensor):
             tensor.__class__ = type(tensor).__bases__[0]
     unwrapModelIfNecessary(model)
+
+
+# Every model's compilation runs these, in the order they were registered.
+_PRECOMPILE_HOOKS: Dict[int, Callable[[], None]] = collections.OrderedDict()
+_POSTCOMPILE_HOOKS: Dict[int, Callable[[], None]] = collections.OrderedDict()
+
+
+def _register_hook(hooks: Dict[int, Callable[[], None]], hook: Any, kind: str
+                   ) -> torch.utils.hooks.RemovableHandle:
+    if not callable(hook):
+        raise RuntimeError(f"{kind}-compile hook must be callable")
+    handle = torch.utils.hooks.RemovableHandle(hooks)
+    hooks[handle.id] = hook
+    return handle
+
+
+def registerPreCompileHook(hook: Callable[[], None]) -> torch.utils.hooks.RemovableHandle:
+    """Run ``hook()`` before each model's compilation; ``handle.remove()`` unregisters it."""
+    return _register_hook(_PRECOMPILE_HOOKS, hook, "Pre")
+
+
+def registerPostCompileHook(hook: Callable[[], None]) -> torch.utils.hooks.RemovableHandle:
+    """Run ``hook()`` after each model's compilation (also one that failed);
+    ``handle.remove()`` unregisters it."""
+    return _register_hook(_POSTCOMPILE_HOOKS, hook, "Post")
+
+
+@contextlib.contextmanager
+def compile_hooks() -> Iterator[None]:
+    """Run the pre-compile hooks, then the compilation, then the post-compile hooks (also
+    after a failed compilation, as PopTorch)."""
+    for hook in list(_PRECOMPILE_HOOKS.values()):
+        hook()
+    try:
+        yield
+    finally:
+        for hook in list(_POSTCOMPILE_HOOKS.values()):
+            hook()

@@ -15,7 +15,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import enums
 from ._popart_updates import AdamRule
 from .optim import FP16_MAX, LAMB, SGD, AdamW, Optimizer, RMSprop
 
@@ -210,28 +209,6 @@ def state_after_run(optimizer: Any) -> None:
     """After a run: the device's state is newer than the host's copy."""
     if isinstance(optimizer, Optimizer):
         optimizer.host_state_is_dirty = True
-
-
-def loss_scale_anchors(options: Any, loss_scales: List[float]) -> Dict[str, torch.Tensor]:
-    """The anchored ``finalLossScale`` (automatic loss scaling's loss scale of each step, float32)
-    by its short name, as the anchor's output mode (or the model's) returns it."""
-    out: Dict[str, torch.Tensor] = {}
-    values = [torch.tensor(v, dtype=torch.float32) for v in loss_scales]
-    for short, (long_name, use_default, mode, period) in options.anchored_tensors.items():
-        if long_name != "finalLossScale" or not values:
-            continue
-        if use_default or mode is None:
-            mode, period = options.output_mode, options.output_return_period
-        mode = enums.OutputMode(mode)
-        if mode == enums.OutputMode.All:
-            out[short] = torch.stack(values)
-        elif mode == enums.OutputMode.Sum:
-            out[short] = torch.stack(values).sum()
-        elif mode == enums.OutputMode.EveryN:
-            out[short] = torch.stack(values[int(period) - 1::int(period)] or values[-1:])
-        else:
-            out[short] = values[-1]
-    return out
 
 
 def popart_optimizer_ops(opt: Optimizer, named_parameters: Dict[str, torch.Tensor]

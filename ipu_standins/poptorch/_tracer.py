@@ -29,15 +29,19 @@ import torch
 from torch import nn
 from torch.fx import GraphModule
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
 from ..poptorch_custom_ops import inside_custom_op, is_library_torch_op
 from ._handlers import ARGUMENT_RULES, HOST_READ_OPS, base_name, is_supported
+from ._losses import ctc_loss
 from ._lowering import lower_graph
 from .poptorch_core import Error as PopTorchError
 
-__all__ = ["PopTorchReport", "PopTorchTrace", "trace_like_poptorch"]
+__all__ = ["PopTorchReport", "PopTorchTrace", "trace_like_poptorch", "SCOPE_META"]
+
+# The key of a node's ``meta`` that holds the path of the module whose forward made it.
+SCOPE_META = "poptorch_scope"
 
 
 @dataclass
@@ -82,6 +86,17 @@ def _named_arguments(func: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> 
     return named
 
 
+def _proxy_graph() -> Optional[torch.fx.Graph]:
+    """The graph ``make_fx`` is recording into, if any (torch 2.0's mode stack, or the proxy
+    mode's own slot in newer versions)."""
+    for mode in _get_current_dispatch_mode_stack():
+        if hasattr(mode, "tracer"):
+            return mode.tracer.graph
+    key = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "PROXY", None)
+    proxy: Any = torch._C._get_dispatch_mode(key) if key is not None else None
+    return proxy.tracer.graph if proxy is not None and hasattr(proxy, "tracer") else None
+
+
 class _PopTorchRules(TorchDispatchMode):
     """Checks each op as PopTorch's dispatcher would see it, naming the module it came from.
 
@@ -102,6 +117,9 @@ class _PopTorchRules(TorchDispatchMode):
         self._variable: Dict[int, torch.Tensor] = {}
         # id -> device object of the tensors of the trace: on an IPU these are the IPU.
         self.devices: Dict[int, Any] = {}
+        # id -> tensor of the views that are slices with a step other than 1 (or views of
+        # one), which PopTorch cannot modify in place.
+        self._strided: Dict[int, torch.Tensor] = {}
 
     def where(self) -> str:
         return self.scopes[-1] if self.scopes else "<model>"
@@ -121,7 +139,8 @@ class _PopTorchRules(TorchDispatchMode):
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if func.namespace == "aten" and name in HOST_READ_OPS:
+        if func.namespace == "aten" and name in HOST_READ_OPS and not self.is_constant(
+                (args, kwargs)):
             raise self.refusal(
                 f"aten::{name}",
                 "a tensor is read on the host (.item(), .tolist(), int()/float()/bool() of a "
@@ -144,7 +163,18 @@ class _PopTorchRules(TorchDispatchMode):
                 self._check_arguments(func, name, args, kwargs)
                 if not is_supported(name):
                     self.unsupported[f"aten::{name}"].append(self.where())
+        self._check_strided_write(func, name, args, kwargs)
+        graph = _proxy_graph()
+        last = graph._root.prev if graph is not None else None  # type: ignore[attr-defined]
         out = func(*args, **kwargs)
+        if graph is not None and last is not None:
+            # The module path of the nodes this op added: PopTorch's name scopes.
+            node = last.next
+            while node is not graph._root:  # type: ignore[attr-defined]
+                node.meta.setdefault(SCOPE_META, self.where())
+                node = node.next
+        if func.namespace == "aten" and variable:
+            self._follow_strided_views(func, name, args, kwargs, out)
         if any(_is_float8(o) for o in tree_flatten(out)[0]):
             raise self.refusal(str(func), "makes a float8 tensor, which cannot cross PopTorch")
         for tensor in _tensors(out):
@@ -156,6 +186,30 @@ class _PopTorchRules(TorchDispatchMode):
                 if argument.alias_info is not None and argument.alias_info.is_write:
                     self.mark_variable(value)  # written in place with a variable value
         return out
+
+    def _follow_strided_views(self, func: Any, name: str, args: Sequence[Any],
+                              kwargs: Dict[str, Any], out: Any) -> None:
+        """Remember the views that are slices with a step other than 1, or views of one."""
+        if not isinstance(out, torch.Tensor) or not func._schema.returns or (
+                func._schema.returns[0].alias_info is None) or (
+                func._schema.returns[0].alias_info.is_write):
+            return
+        strided = any(id(a) in self._strided for a in args if isinstance(a, torch.Tensor))
+        if name == "slice":
+            strided = strided or _named_arguments(func, args, kwargs).get("step", 1) != 1
+        if strided:
+            self._strided[id(out)] = out
+
+    def _check_strided_write(self, func: Any, name: str, args: Sequence[Any],
+                             kwargs: Dict[str, Any]) -> None:
+        # PopTorch writes a modified slice back with a dynamic update, which has no step
+        # (PopartCanonicalization.cpp).
+        for value, argument in zip(args, func._schema.arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write and (
+                    id(value) in self._strided):
+                raise PopTorchError("In-place modification of slices with step size other "
+                                    f"than 1 is not supported. (aten::{name} in "
+                                    f"{self.where()})")
 
     def _check_arguments(self, func: Any, name: str, args: Sequence[Any],
                          kwargs: Dict[str, Any]) -> None:
@@ -171,12 +225,17 @@ class _PopTorchRules(TorchDispatchMode):
 
 # Functions PopTorch's dispatcher implements itself (`RegisterOptionalAtenOps.cpp.inc`), which
 # a dispatch mode would only see decomposed: dropout into `empty_like`, `bernoulli_` and
-# `div_`, one_hot and adaptive pooling into other ops. Ops inside them are not checked.
+# `div_`, one_hot, adaptive pooling, bilinear, the hinge embedding and CTC losses and the
+# recurrent layers (which PopTorch lowers to PopART's LSTM, GRU and RNN) into other ops. Ops
+# inside them are not checked.
 _DISPATCHER_LEVEL_FUNCTIONS = frozenset((
     torch.nn.functional.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
     torch.nn.functional.dropout3d, torch.dropout, torch.feature_dropout,
     torch.nn.functional.one_hot, torch.nn.functional.adaptive_avg_pool1d,
     torch.nn.functional.adaptive_avg_pool2d, torch.nn.functional.adaptive_avg_pool3d,
+    torch.nn.functional.hinge_embedding_loss, torch.hinge_embedding_loss,
+    torch.nn.functional.ctc_loss, torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu,
+    torch.nn.functional.bilinear, torch.bilinear,
 ))
 _DISPATCHER_LEVEL_ATEN = frozenset(("dropout", "feature_dropout"))
 _ADAPTIVE_POOLS = {torch.nn.functional.adaptive_avg_pool1d: 1,
@@ -239,6 +298,8 @@ class _PopTorchCalls(TorchFunctionMode):
                 # The same values without torch's range checks, which read the indices on
                 # the host; PopTorch takes one_hot whole.
                 func = _one_hot_without_checks
+        if func is torch.nn.functional.ctc_loss:
+            func = ctc_loss  # torch's kernel has a value-dependent shape: see ._losses
         self.rules.inside_dispatcher_op += 1
         try:
             out = func(*args, **kwargs)

@@ -19,6 +19,7 @@ from . import _state, enums
 from ._args import flatten, rebuild
 from ._graph_ops import identity_loss_op, print_op
 from ._impl import createPoptorchError, isRunningOnIpu
+from .poptorch_core import Error
 
 __all__ = [
     "ipu_print_tensor", "for_loop", "cond", "nop", "dynamic_slice", "dynamic_update",
@@ -88,8 +89,32 @@ def nop(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone()
 
 
+def _check_slice(size: int, step: int = 1) -> None:
+    """PopTorch's slice handlers' checks (``SliceOps.cpp``)."""
+    if size == 0:
+        raise Error("The start and end of a slice must be different.")
+    if size < 0:
+        raise Error("Taking a slice of a tensor with the end less than the start is not "
+                    "supported.")
+    if step < 1:
+        raise Error("Slicing step must be at least 1")
+
+
+def _host_start(start: torch.Tensor) -> int:
+    if start.dtype not in (torch.int64, torch.int32, torch.int16):
+        raise Error("Expected integer typed start tensor")
+    return int(start.reshape(-1)[0])
+
+
+def _ipu_dtype(dtype: torch.dtype) -> torch.dtype:
+    """A dtype as the IPU holds it (no 64-bit types)."""
+    return {torch.int64: torch.int32, torch.float64: torch.float32}.get(dtype, dtype)
+
+
 def dynamic_slice(tensor: torch.Tensor, dim: int, start: torch.Tensor, size: int,
                   step: int) -> torch.Tensor:
+    """``tensor`` sliced along ``dim`` from ``start`` (a tensor) for ``size`` (an int) with
+    ``step``. On the host, PopTorch's CPU kernel: a plain slice."""
     _need_tensor(tensor, "dynamic_slice must take a torch.tensor input. {} is not supported.")
     if not isinstance(dim, int):
         raise createPoptorchError("Dimension must be an integer.")
@@ -99,12 +124,22 @@ def dynamic_slice(tensor: torch.Tensor, dim: int, start: torch.Tensor, size: int
         raise createPoptorchError("Size must be an integer.")
     if not isinstance(step, int):
         raise createPoptorchError("Step must be an integer.")
+    if not isRunningOnIpu():
+        first = _host_start(start)
+        return torch.ops.aten.slice(tensor, dim, first, first + size, step)
+    _check_slice(size, step)
+    length = tensor.shape[dim]
+    if length % size:
+        raise Error(f"The size of the slice ({size}) must be a factor of the slicing "
+                    f"dimension ({length}).")
     index = start.reshape(()).to(torch.long) + torch.arange(0, size, step)
     return tensor.index_select(dim, index)
 
 
 def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int, start: torch.Tensor,
                    size: int) -> torch.Tensor:
+    """``input`` with ``size`` elements along ``dim`` from ``start`` (a tensor) replaced by
+    ``src``'s first ones. On the host, PopTorch's CPU kernel: a slice scatter."""
     _need_tensor(input, "dynamic_update must take a torch.tensor input. {} is not supported.")
     if not isinstance(dim, int):
         raise createPoptorchError("Dimension must be an integer.")
@@ -117,11 +152,21 @@ def dynamic_update(input: torch.Tensor, src: torch.Tensor, dim: int, start: torc
     if input.dim() != src.dim():
         raise createPoptorchError("input and src tensors must have same dimensionality. "
                                   f"({input.dim()}) vs ({src.dim()})")
-    if input.dtype != src.dtype:
+    if not isRunningOnIpu():
+        first = _host_start(start)
+        return torch.slice_scatter(input, src, dim, first, first + size)
+    if _ipu_dtype(input.dtype) != _ipu_dtype(src.dtype):
         raise createPoptorchError("input and src tensor must have same dtype. "
-                                  f"({input.dtype} vs {src.dtype})")
-    index = start.reshape(()).to(torch.long) + torch.arange(size)
-    return input.index_copy(dim, index, src.narrow(dim, 0, size))
+                                  f"({_ipu_dtype(input.dtype)} vs {_ipu_dtype(src.dtype)})")
+    _check_slice(size)
+    # PopART's dynamic update, from ops PopTorch has handlers for: each position along
+    # `dim` takes src's element at its offset from start where it is inside the slice.
+    shape = [1] * input.dim()
+    shape[dim] = input.shape[dim]
+    offset = (torch.arange(input.shape[dim]) - start.reshape(()).to(torch.long)).reshape(shape)
+    inside = (offset >= 0) & (offset < size)
+    taken = src.narrow(dim, 0, size).index_select(dim, offset.reshape(-1).clamp(0, size - 1))
+    return torch.where(inside, taken.to(input.dtype), input)
 
 
 def recomputationCheckpoint(*tensors: Any) -> Any:
