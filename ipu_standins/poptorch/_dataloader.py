@@ -23,6 +23,22 @@ from .options import Options
 __all__ = ["DataLoader", "AsynchronousDataAccessor"]
 
 
+def _sampler_takes_its_data_source() -> None:
+    """PopTorch programs are written for the Poplar SDK's torch (2.0.1), whose ``Sampler``
+    takes its data source (``super().__init__(data_source)``, ignored); later torch dropped the
+    argument, so such a sampler fails with ``object.__init__() takes exactly one argument``.
+    Where ``Sampler`` has no ``__init__`` of its own, give it 2.0.1's."""
+    sampler = torch.utils.data.Sampler
+    if "__init__" not in vars(sampler):
+        def __init__(self: Any, data_source: Any = None) -> None:
+            pass
+
+        sampler.__init__ = __init__  # type: ignore[method-assign]
+
+
+_sampler_takes_its_data_source()
+
+
 def _concat(batches: List[Any]) -> Any:
     tensors = [flatten(b) for b in batches]
     joined = [torch.cat([t[i] for t in tensors]) for i in range(len(tensors[0]))]

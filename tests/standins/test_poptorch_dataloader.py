@@ -70,3 +70,22 @@ def test_a_loader_left_mid_epoch_stops_its_workers_when_dropped(mode):
     del loader, batch
     assert freed() is None
     assert multiprocessing.active_children() == []
+
+
+class _EveryOther(torch.utils.data.Sampler):
+    def __init__(self, data_source):  # as samplers written for the SDK's torch 2.0.1 do
+        super().__init__(data_source)
+        self.rows = len(data_source)
+
+    def __iter__(self):
+        return iter(range(0, self.rows, 2))
+
+    def __len__(self):
+        return (self.rows + 1) // 2
+
+
+def test_a_sampler_passing_its_data_source_to_sampler_works_as_on_the_sdks_torch():
+    data = torch.utils.data.TensorDataset(torch.arange(10.0))
+    loader = poptorch.DataLoader(poptorch.Options(), data, batch_size=1,
+                                 sampler=_EveryOther(data))
+    assert [float(batch[0]) for batch in loader] == [0.0, 2.0, 4.0, 6.0, 8.0]

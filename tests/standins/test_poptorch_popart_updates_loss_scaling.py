@@ -99,7 +99,9 @@ def _train(optimizer_cls, steps: int, scale: float, initial_ls: float, period: i
     x = torch.randn(steps * 2 * accumulation, 8).half()
     target = torch.randn(steps * 2 * accumulation, 4)
     training(x, target)
-    scales = [float(v) for v in training.getAnchoredTensor("ls")]
+    # (OutputMode.All of a scalar: one value per step, dimensions of size 1 dropped as PopART
+    # drops them)
+    scales = training.getAnchoredTensor("ls").reshape(-1).tolist()
     return model, optimizer, training, scales
 
 
