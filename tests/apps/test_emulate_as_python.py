@@ -132,8 +132,11 @@ def test_ctrl_c_in_a_training_loop_ends_as_pythons_keyboard_interrupt(tmp_path):
                             capture_output=True)
     assert process.returncode == python.returncode == -signal.SIGINT
     lines = stderr.splitlines()
-    assert lines[0] == "Traceback (most recent call last):", stderr
-    assert lines[1].startswith(f'  File "{program}"'), stderr
+    # (what the environment prints before is not the tool's: torch 2.0.1's TorchDynamo imports
+    # an installed transformers, which may warn on stderr)
+    assert "Traceback (most recent call last):" in lines, stderr
+    start = lines.index("Traceback (most recent call last):")
+    assert lines[start + 1].startswith(f'  File "{program}"'), stderr
     assert lines[-1] == "KeyboardInterrupt"
 
 
