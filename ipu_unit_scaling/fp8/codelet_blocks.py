@@ -35,6 +35,7 @@ from ..ops.op_library import LIBRARY
 from ..ops.op_library import below_autograd as _below_autograd
 from . import host_library as _host
 from .codec import check_choice
+from .codelet_emulator import PaddedBuffer
 from .fp8_formats import FP8Format, get_format
 from .group_cast import MX_SCALE_LIMIT, Grouping, group_cast
 from .scaling import check_margin
@@ -150,7 +151,7 @@ def group_layout(rows: int, cols: int, grouping: Grouping) -> GroupLayout:
     return GroupLayout(rows, cols, shape, starts, lengths, group_ends)
 
 
-class _SegmentMemory:
+class _SegmentMemory(PaddedBuffer):
     """Each segment in a buffer of its own starting on an 8-element boundary, as the graph
     allocates them; gathered from and scattered to the flat tensor."""
 
@@ -161,19 +162,8 @@ class _SegmentMemory:
         within = np.arange(total, dtype=np.int64) - np.repeat(self.offsets, padded)
         index = np.repeat(layout.starts, padded) + within
         index[within >= np.repeat(layout.lengths, padded)] = -1
-        self.index = torch.from_numpy(index)
-        self.valid = self.index >= 0
+        super().__init__(index)
         self.lengths = np.ascontiguousarray(layout.lengths)
-
-    def gather(self, flat: torch.Tensor) -> torch.Tensor:
-        buffer = torch.zeros(self.index.numel(), dtype=flat.dtype)
-        buffer[self.valid] = flat[self.index[self.valid]]
-        return buffer
-
-    def scatter(self, buffer: torch.Tensor, numel: int) -> torch.Tensor:
-        flat = torch.zeros(numel, dtype=buffer.dtype)
-        flat[self.index[self.valid]] = buffer[self.valid]
-        return flat
 
     def pointers(self, buffer: torch.Tensor) -> np.ndarray:
         return (buffer.data_ptr() + self.offsets * buffer.element_size()).astype(np.uint64)

@@ -45,7 +45,7 @@ __all__ = [
     "tile_ranges", "region_length", "AmaxTree", "amax_tree", "region_pieces", "leaf_tiles",
     "partial_amaxes",
     "scaling_bias_vertex", "AmaxReduction", "reduce_amax", "cast_to_fp8_vertices",
-    "cast_from_fp8_vertices", "fp8_quantise_graph",
+    "cast_from_fp8_vertices", "fp8_quantise_graph", "PaddedBuffer",
 ]
 
 # A Mk2 IPU (GC200): 1472 tiles, 6 hardware worker threads per tile.
@@ -244,7 +244,26 @@ def region_length(region: Region) -> int:
     return sum(end - begin for begin, end in region)
 
 
-class _TileMemory:
+class PaddedBuffer:
+    """A flat tensor's elements in a buffer with padding, as the graph allocates them:
+    ``index[i]`` is the flat position of buffer element ``i``, -1 for padding."""
+
+    def __init__(self, index: np.ndarray):
+        self.index = torch.from_numpy(index)
+        self.valid = self.index >= 0
+
+    def gather(self, flat: torch.Tensor) -> torch.Tensor:
+        buffer = torch.zeros(self.index.numel(), dtype=flat.dtype)
+        buffer[self.valid] = flat[self.index[self.valid]]
+        return buffer
+
+    def scatter(self, buffer: torch.Tensor, numel: int) -> torch.Tensor:
+        flat = torch.zeros(numel, dtype=buffer.dtype)
+        flat[self.index[self.valid]] = buffer[self.valid]
+        return flat
+
+
+class _TileMemory(PaddedBuffer):
     """Each tile's regions as separate buffers, as Poplar allocates them (each region's
     buffer starts on an 8-element boundary), gathered from and scattered to a flat tensor."""
 
@@ -262,19 +281,7 @@ class _TileMemory:
                 chunks.append(np.full(padding, -1, dtype=np.int64))
                 size += length + padding
             self.spans.append(spans)
-        index = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64)
-        self.index = torch.from_numpy(index)
-        self.valid = self.index >= 0
-
-    def gather(self, flat: torch.Tensor) -> torch.Tensor:
-        buffer = torch.zeros(self.index.numel(), dtype=flat.dtype)
-        buffer[self.valid] = flat[self.index[self.valid]]
-        return buffer
-
-    def scatter(self, buffer: torch.Tensor, numel: int) -> torch.Tensor:
-        flat = torch.empty(numel, dtype=buffer.dtype)
-        flat[self.index[self.valid]] = buffer[self.valid]
-        return flat
+        super().__init__(np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.int64))
 
     def addresses(self, buffer: torch.Tensor, tile: int) -> Tuple[Any, Any, int]:
         """The tile's region pointers and lengths as ctypes arrays, and their count."""
