@@ -92,6 +92,153 @@ inline Factors factorsOf(int s, const ScaleRule& rule) {
 
 inline float clampTo(float y, float limit) { return y < -limit ? -limit : (y > limit ? limit : y); }
 
+// ---------------------------------------------------------------- many scales at once
+
+// s, scale and inverse of n groups from their amax keys (s[i] is kNonFiniteScale for a
+// non-finite amax, whose group is then rounded with s = 0); returns whether all were finite.
+inline bool scalesPortable(const unsigned* keys, Index n, const ScaleRule& rule, const Normalised& top,
+                           int* s, float* scale, float* inverse) {
+  bool finite = true;
+  for (Index i = 0; i < n; ++i) {
+    const int value = groupScale(keys[i], rule, top);
+    s[i] = value;
+    finite = finite && value != kNonFiniteScale;
+    const Factors f = factorsOf(value == kNonFiniteScale ? 0 : value, rule);
+    scale[i] = f.scale;
+    inverse[i] = f.inverse;
+  }
+  return finite;
+}
+
+#ifdef IUS_HAVE_AVX2_KERNELS
+// The vector forms compute groupScale and factorsOf in integer lanes, the same integers for
+// a normal or zero amax; a vector holding a subnormal amax (normalising it needs a count of
+// leading zeros) takes the scalar form. Lanes hold keys <= 0x7fffffff, so signed compares
+// order them.
+
+// 2^e as float bits for -149 <= e <= 127, subnormal below -126 (exactPowerOfTwo).
+IUS_AVX512 inline __m512i powerOfTwoBits16(__m512i e) {
+  const __m512i normal = _mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(127)), 23);
+  const __m512i subnormal = _mm512_sllv_epi32(_mm512_set1_epi32(1), _mm512_add_epi32(e, _mm512_set1_epi32(149)));
+  return _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(-126)), normal, subnormal);
+}
+
+IUS_AVX512 bool scales512(const unsigned* keys, Index n, const ScaleRule& rule, const Normalised& top,
+                          int* s, float* scale, float* inverse) {
+  bool finite = true;
+  const __m512i one = _mm512_set1_epi32(1), zero = _mm512_setzero_si512();
+  const __m512i topExponent = _mm512_set1_epi32(top.exponent);
+  const __m512i topSignificand = _mm512_set1_epi32(static_cast<int>(top.significand));
+  const __m512 stepFactor = _mm512_set1_ps(powerOfTwo(rule.stepLog2));
+  Index i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i k = _mm512_loadu_si512(keys + i);
+    const __mmask16 isZero = _mm512_cmpeq_epi32_mask(k, zero);
+    if (_mm512_mask_cmplt_epi32_mask(static_cast<__mmask16>(~isZero), k, _mm512_set1_epi32(0x800000)) != 0) {
+      finite = scalesPortable(keys + i, 16, rule, top, s + i, scale + i, inverse + i) && finite;
+      continue;
+    }
+    const __mmask16 nonFinite = _mm512_cmpgt_epi32_mask(k, _mm512_set1_epi32(0x7f7fffff));
+    const __m512i exponent = _mm512_sub_epi32(_mm512_srli_epi32(k, 23), _mm512_set1_epi32(127));
+    const __m512i significand = _mm512_or_si512(_mm512_and_si512(k, _mm512_set1_epi32(0x7fffff)),
+                                                _mm512_set1_epi32(0x800000));
+    const __mmask16 above = _mm512_cmpgt_epi32_mask(significand, topSignificand);
+    __m512i value;
+    if (rule.rule == kAmaxRule) {
+      __m512i floorLog2 = _mm512_sub_epi32(topExponent, exponent);
+      floorLog2 = _mm512_mask_sub_epi32(floorLog2, above, floorLog2, one);
+      value = _mm512_sub_epi32(floorLog2, _mm512_set1_epi32(rule.margin));
+      value = _mm512_min_epi32(_mm512_max_epi32(value, _mm512_set1_epi32(-kMaxLog2Scale)),
+                               _mm512_set1_epi32(kMaxLog2Scale));
+      value = _mm512_mask_mov_epi32(value, isZero, zero);
+    } else {
+      __m512i shared;
+      if (rule.rule == kMxFloor) {
+        shared = _mm512_sub_epi32(exponent, _mm512_set1_epi32(rule.emax));
+      } else {
+        shared = _mm512_sub_epi32(exponent, topExponent);
+        shared = _mm512_mask_add_epi32(shared, above, shared, one);
+      }
+      shared = _mm512_min_epi32(_mm512_max_epi32(shared, _mm512_set1_epi32(-kMxScaleLimit)),
+                                _mm512_set1_epi32(kMxScaleLimit));
+      value = _mm512_mask_mov_epi32(_mm512_sub_epi32(zero, shared), isZero, _mm512_set1_epi32(kMxScaleLimit));
+    }
+    _mm512_storeu_si512(s + i, _mm512_mask_mov_epi32(value, nonFinite, _mm512_set1_epi32(kNonFiniteScale)));
+    finite = finite && nonFinite == 0;
+    const __m512i used = _mm512_mask_mov_epi32(value, nonFinite, zero);
+    _mm512_storeu_ps(scale + i, _mm512_castsi512_ps(powerOfTwoBits16(
+                                    _mm512_sub_epi32(used, _mm512_set1_epi32(rule.stepLog2)))));
+    _mm512_storeu_ps(inverse + i, _mm512_mul_ps(_mm512_castsi512_ps(powerOfTwoBits16(_mm512_sub_epi32(zero, used))),
+                                                stepFactor));
+  }
+  return scalesPortable(keys + i, n - i, rule, top, s + i, scale + i, inverse + i) && finite;
+}
+
+IUS_AVX2 inline __m256i powerOfTwoBits8(__m256i e) {
+  const __m256i normal = _mm256_slli_epi32(_mm256_add_epi32(e, _mm256_set1_epi32(127)), 23);
+  const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(1), _mm256_add_epi32(e, _mm256_set1_epi32(149)));
+  return _mm256_blendv_epi8(normal, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(-126), e));
+}
+
+IUS_AVX2 bool scales256(const unsigned* keys, Index n, const ScaleRule& rule, const Normalised& top,
+                        int* s, float* scale, float* inverse) {
+  bool finite = true;
+  const __m256i one = _mm256_set1_epi32(1), zero = _mm256_setzero_si256();
+  const __m256i topExponent = _mm256_set1_epi32(top.exponent);
+  const __m256i topSignificand = _mm256_set1_epi32(static_cast<int>(top.significand));
+  const __m256 stepFactor = _mm256_set1_ps(powerOfTwo(rule.stepLog2));
+  Index i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i k = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(keys + i));
+    const __m256i isZero = _mm256_cmpeq_epi32(k, zero);
+    const __m256i subnormal = _mm256_andnot_si256(isZero, _mm256_cmpgt_epi32(_mm256_set1_epi32(0x800000), k));
+    if (!_mm256_testz_si256(subnormal, subnormal)) {
+      finite = scalesPortable(keys + i, 8, rule, top, s + i, scale + i, inverse + i) && finite;
+      continue;
+    }
+    const __m256i nonFinite = _mm256_cmpgt_epi32(k, _mm256_set1_epi32(0x7f7fffff));
+    const __m256i exponent = _mm256_sub_epi32(_mm256_srli_epi32(k, 23), _mm256_set1_epi32(127));
+    const __m256i significand = _mm256_or_si256(_mm256_and_si256(k, _mm256_set1_epi32(0x7fffff)),
+                                                _mm256_set1_epi32(0x800000));
+    const __m256i above = _mm256_and_si256(_mm256_cmpgt_epi32(significand, topSignificand), one);
+    __m256i value;
+    if (rule.rule == kAmaxRule) {
+      value = _mm256_sub_epi32(_mm256_sub_epi32(_mm256_sub_epi32(topExponent, exponent), above),
+                               _mm256_set1_epi32(rule.margin));
+      value = _mm256_min_epi32(_mm256_max_epi32(value, _mm256_set1_epi32(-kMaxLog2Scale)),
+                               _mm256_set1_epi32(kMaxLog2Scale));
+      value = _mm256_andnot_si256(isZero, value);
+    } else {
+      __m256i shared = rule.rule == kMxFloor
+                           ? _mm256_sub_epi32(exponent, _mm256_set1_epi32(rule.emax))
+                           : _mm256_add_epi32(_mm256_sub_epi32(exponent, topExponent), above);
+      shared = _mm256_min_epi32(_mm256_max_epi32(shared, _mm256_set1_epi32(-kMxScaleLimit)),
+                                _mm256_set1_epi32(kMxScaleLimit));
+      value = _mm256_blendv_epi8(_mm256_sub_epi32(zero, shared), _mm256_set1_epi32(kMxScaleLimit), isZero);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(s + i),
+                        _mm256_blendv_epi8(value, _mm256_set1_epi32(kNonFiniteScale), nonFinite));
+    finite = finite && _mm256_testz_si256(nonFinite, nonFinite);
+    const __m256i used = _mm256_andnot_si256(nonFinite, value);
+    _mm256_storeu_ps(scale + i, _mm256_castsi256_ps(powerOfTwoBits8(
+                                    _mm256_sub_epi32(used, _mm256_set1_epi32(rule.stepLog2)))));
+    _mm256_storeu_ps(inverse + i, _mm256_mul_ps(_mm256_castsi256_ps(powerOfTwoBits8(_mm256_sub_epi32(zero, used))),
+                                                stepFactor));
+  }
+  return scalesPortable(keys + i, n - i, rule, top, s + i, scale + i, inverse + i) && finite;
+}
+#endif
+
+inline bool scalesOf(int level, const unsigned* keys, Index n, const ScaleRule& rule, const Normalised& top,
+                     int* s, float* scale, float* inverse) {
+#ifdef IUS_HAVE_AVX2_KERNELS
+  if (level == 2) return scales512(keys, n, rule, top, s, scale, inverse);
+  if (level == 1) return scales256(keys, n, rule, top, s, scale, inverse);
+#endif
+  (void)level;
+  return scalesPortable(keys, n, rule, top, s, scale, inverse);
+}
+
 // ---------------------------------------------------------------- element rounding
 
 // With clampMax (an OCP format on the IPU grid) a zero keeps the sign of its input: the OCP
@@ -186,7 +333,37 @@ IUS_AVX2 inline Index lanesQuantise256(const float* row, Index width, const floa
   }
   return c;
 }
+// A row segment rounded with one scale; the scalar tail as quantisePortable.
+template <unsigned E, bool S>
+IUS_AVX512 inline void roundRow512(const float* row, Index width, Factors f, float clampMax, float* target) {
+  const __m512 scales = _mm512_set1_ps(f.scale), inverses = _mm512_set1_ps(f.inverse);
+  const Index vectors = width / 16 * 16;
+  for (Index c = 0; c < vectors; c += 16) {
+    _mm512_storeu_ps(target + c, quantiseLanes512<E, S>(_mm512_loadu_ps(row + c), scales, inverses, clampMax));
+  }
+  if (vectors < width) quantisePortable<E, S>(row + vectors, width - vectors, f, clampMax, target + vectors);
+}
+
+template <unsigned E, bool S>
+IUS_AVX2 inline void roundRow256(const float* row, Index width, Factors f, float clampMax, float* target) {
+  const __m256 scales = _mm256_set1_ps(f.scale), inverses = _mm256_set1_ps(f.inverse);
+  const Index vectors = width / 8 * 8;
+  for (Index c = 0; c < vectors; c += 8) {
+    _mm256_storeu_ps(target + c, quantiseLanes256<E, S>(_mm256_loadu_ps(row + c), scales, inverses, clampMax));
+  }
+  if (vectors < width) quantisePortable<E, S>(row + vectors, width - vectors, f, clampMax, target + vectors);
+}
 #endif
+
+template <unsigned E, bool S>
+inline void roundRow(int level, const float* row, Index width, Factors f, float clampMax, float* target) {
+#ifdef IUS_HAVE_AVX2_KERNELS
+  if (level == 2) return roundRow512<E, S>(row, width, f, clampMax, target);
+  if (level == 1) return roundRow256<E, S>(row, width, f, clampMax, target);
+#endif
+  (void)level;
+  quantisePortable<E, S>(row, width, f, clampMax, target);
+}
 
 // ---------------------------------------------------------------- span groups
 
@@ -256,18 +433,10 @@ IUS_AVX512 void spanRound512(const float* in, float* out, const Layout& l, const
   const Index perBand = l.groupColumns();
   for (Index i = 0; i < n; ++i) {
     const Span g = spanOf(l, (first + i) / perBand, (first + i) % perBand);
-    const Index width = g.c1 - g.c0, vectors = width / 16 * 16;
-    const __m512 scales = _mm512_set1_ps(scale[i]), inverses = _mm512_set1_ps(inverse[i]);
+    const Index width = g.c1 - g.c0;
     for (Index r = g.r0; r < g.r1; ++r) {
-      const float* row = in + r * l.cols + g.c0;
-      float* target = out + r * l.cols + g.c0;
-      for (Index c = 0; c < vectors; c += 16) {
-        _mm512_storeu_ps(target + c, quantiseLanes512<E, S>(_mm512_loadu_ps(row + c), scales, inverses, rule.clampMax));
-      }
-      if (vectors < width) {
-        quantisePortable<E, S>(row + vectors, width - vectors, Factors{scale[i], inverse[i]}, rule.clampMax,
-                               target + vectors);
-      }
+      roundRow512<E, S>(in + r * l.cols + g.c0, width, Factors{scale[i], inverse[i]}, rule.clampMax,
+                        out + r * l.cols + g.c0);
     }
   }
 }
@@ -294,18 +463,10 @@ IUS_AVX2 void spanRound256(const float* in, float* out, const Layout& l, const S
   const Index perBand = l.groupColumns();
   for (Index i = 0; i < n; ++i) {
     const Span g = spanOf(l, (first + i) / perBand, (first + i) % perBand);
-    const Index width = g.c1 - g.c0, vectors = width / 8 * 8;
-    const __m256 scales = _mm256_set1_ps(scale[i]), inverses = _mm256_set1_ps(inverse[i]);
+    const Index width = g.c1 - g.c0;
     for (Index r = g.r0; r < g.r1; ++r) {
-      const float* row = in + r * l.cols + g.c0;
-      float* target = out + r * l.cols + g.c0;
-      for (Index c = 0; c < vectors; c += 8) {
-        _mm256_storeu_ps(target + c, quantiseLanes256<E, S>(_mm256_loadu_ps(row + c), scales, inverses, rule.clampMax));
-      }
-      if (vectors < width) {
-        quantisePortable<E, S>(row + vectors, width - vectors, Factors{scale[i], inverse[i]}, rule.clampMax,
-                               target + vectors);
-      }
+      roundRow256<E, S>(in + r * l.cols + g.c0, width, Factors{scale[i], inverse[i]}, rule.clampMax,
+                        out + r * l.cols + g.c0);
     }
   }
 }
@@ -333,14 +494,7 @@ bool spanGroups(const float* in, float* out, const Layout& l, const ScaleRule& r
 #else
     spanKeysPortable(in, l, first, n, keys);
 #endif
-    for (Index i = 0; i < n; ++i) {
-      const int s = groupScale(keys[i], rule, top);
-      scales[first + i] = s;
-      finite = finite && s != kNonFiniteScale;
-      const Factors f = factorsOf(s == kNonFiniteScale ? 0 : s, rule);
-      scale[i] = f.scale;
-      inverse[i] = f.inverse;
-    }
+    finite = scalesOf(level, keys, n, rule, top, scales + first, scale, inverse) && finite;
 #ifdef IUS_HAVE_AVX2_KERNELS
     if (level == 2) {
       spanRound512<E, S>(in, out, l, rule, first, n, scale, inverse);
@@ -356,13 +510,19 @@ bool spanGroups(const float* in, float* out, const Layout& l, const ScaleRule& r
   return finite;
 }
 
-// ---------------------------------------------------------------- lane groups
+// ---------------------------------------------------------------- band groups
 
-// Columns per chunk of a band: the band's chunk stays in cache between the two passes.
-inline Index laneChunkWidth(Index bandRows) {
-  const Index columns = (Index(1) << 15) / (bandRows > 0 ? bandRows : 1);  // 128 KiB of float32
+// Lane groups (groupCols == 1) and blocks (groupRows > 1, groupCols > 1) are taken a band of
+// groupRows rows at a time, in chunks of whole groups as wide as the matrix up to a bound, and
+// each pass reads the chunk row by row, in memory order: a block's rows lie a row apart, and
+// at a power-of-two row length (4096 float32 columns: 16 KiB) rows read in short segments
+// alias in the caches' sets. The chunk is read twice (amax, then round); the second read
+// finds it in L2 or L3.
+inline Index bandChunkWidth(Index bandRows, Index groupCols) {
+  const Index columns = (Index(1) << 22) / (bandRows > 0 ? bandRows : 1);  // 16 MiB of float32
   const Index rounded = columns / 64 * 64;
-  return rounded < 64 ? 64 : rounded;
+  const Index width = rounded < 64 ? 64 : rounded;
+  return (width + groupCols - 1) / groupCols * groupCols;
 }
 
 // A scalar element with per-column factors: a plain inline loop body, as the lane tails run
@@ -376,16 +536,17 @@ inline float quantiseOne(float x, float scale, float inverse, float clampMax) {
   return fast::quantise<E, S>(x * scale) * inverse;
 }
 
-// Chunk [c0, c1) of a band: per-column amax keys down the rows, then the scales, then the rows
-// rounded. Returns false when a column's amax is not finite (that column is left unrounded).
+// Chunk [c0, c1) of a band (c0 a multiple of groupCols): per-column amax keys down the rows,
+// each group's key the max of its columns' (blocks), the scales, then the rows rounded, with
+// a vector of per-column factors (lanes) or each group's own (blocks). Returns false when a
+// group's amax is not finite (that group is rounded with scale 0: unspecified values).
 template <unsigned E, bool S>
-bool laneChunk(const float* in, float* out, const Layout& l, const ScaleRule& rule, Index band,
+bool bandChunk(const float* in, float* out, const Layout& l, const ScaleRule& rule, Index band,
                Index c0, Index c1, int level, int* scales, std::vector<unsigned>& keys,
                std::vector<float>& factors) {
   const Index r0 = band * l.groupRows, r1 = r0 + l.groupRows < l.rows ? r0 + l.groupRows : l.rows;
-  const Index width = c1 - c0;
+  const Index width = c1 - c0, size = l.groupCols;
   keys.assign(static_cast<std::size_t>(width), 0u);
-  factors.resize(static_cast<std::size_t>(2 * width));
   unsigned* key = keys.data();
   Index vectorEnd = 0;
 #ifdef IUS_HAVE_AVX2_KERNELS
@@ -396,22 +557,31 @@ bool laneChunk(const float* in, float* out, const Layout& l, const ScaleRule& ru
     const float* row = in + r * l.cols + c0;
     for (Index c = vectorEnd; c < width; ++c) key[c] = maxKey(key[c], magnitudeKey(row[c]));
   }
-  float* scale = factors.data();
-  float* inverse = scale + width;
-  const Normalised top = normalise(rule.formatMax);
-  bool finite = true;
-  for (Index c = 0; c < width; ++c) {
-    const int s = groupScale(key[c], rule, top);
-    scales[band * l.cols + c0 + c] = s;
-    // A non-finite column is rounded with scale 0 and reported; its values are unspecified.
-    const Factors f = factorsOf(s == kNonFiniteScale ? 0 : s, rule);
-    finite = finite && s != kNonFiniteScale;
-    scale[c] = f.scale;
-    inverse[c] = f.inverse;
+  const Index groups = (width + size - 1) / size;
+  if (size > 1) {
+    for (Index j = 0; j < groups; ++j) {  // key[j] is read before it is written
+      const Index end = (j + 1) * size < width ? (j + 1) * size : width;
+      unsigned groupKey = 0;
+      for (Index c = j * size; c < end; ++c) groupKey = maxKey(groupKey, key[c]);
+      key[j] = groupKey;
+    }
   }
+  factors.resize(static_cast<std::size_t>(2 * groups));
+  float* scale = factors.data();
+  float* inverse = scale + groups;
+  const bool finite = scalesOf(level, key, groups, rule, normalise(rule.formatMax),
+                               scales + band * l.groupColumns() + c0 / size, scale, inverse);
   for (Index r = r0; r < r1; ++r) {
     const float* row = in + r * l.cols + c0;
     float* target = out + r * l.cols + c0;
+    if (size > 1) {
+      for (Index j = 0; j < groups; ++j) {
+        const Index begin = j * size, end = begin + size < width ? begin + size : width;
+        roundRow<E, S>(level, row + begin, end - begin, Factors{scale[j], inverse[j]}, rule.clampMax,
+                       target + begin);
+      }
+      continue;
+    }
     Index c = 0;
 #ifdef IUS_HAVE_AVX2_KERNELS
     if (level == 2) c = lanesQuantise512<E, S>(row, width, scale, inverse, rule.clampMax, target);
@@ -441,18 +611,19 @@ template <unsigned E, bool S>
 int run(const float* in, float* out, const Layout& l, const ScaleRule& rule, int threads,
         int* scales, const TileOutput* tiles = nullptr) {
   const int level = fused::simdLevel();
-  const bool lanes = l.groupCols == 1 && (l.cols > 1 || tiles != nullptr);
+  // Bands: column groups and blocks; span groups: tiles along a row (and a whole column).
+  const bool bands = (l.groupCols == 1 && (l.cols > 1 || tiles != nullptr)) || (l.groupRows > 1 && l.groupCols > 1);
   const Index size = l.groupRows;
-  Index chunk = lanes ? laneChunkWidth(l.groupRows < l.rows ? l.groupRows : l.rows) : 1;
+  Index chunk = bands ? bandChunkWidth(l.groupRows < l.rows ? l.groupRows : l.rows, l.groupCols) : 1;
   if (tiles != nullptr) chunk = (chunk + size - 1) / size * size;  // whole tiles per chunk
-  const Index perBand = lanes ? (l.cols + chunk - 1) / chunk : l.groupColumns();
+  const Index perBand = bands ? (l.cols + chunk - 1) / chunk : l.groupColumns();
   const Index items = l.bands() * perBand;
   const Layout tileLayout{l.rows, l.cols, 1, size};
   const Index tilesPerRow = tileLayout.groupColumns();
   const unsigned parts = fused::threadsFor(l.rows * l.cols, threads);
   std::vector<char> finite(parts, 1);
   fused::parallelChunks(items, parts, [&](unsigned part, Index begin, Index end) {
-    if (!lanes) {
+    if (!bands) {
       finite[part] = spanGroups<E, S>(in, out, l, rule, begin, end, level, scales);
       return;
     }
@@ -462,7 +633,7 @@ int run(const float* in, float* out, const Layout& l, const ScaleRule& rule, int
     for (Index item = begin; item < end; ++item) {
       const Index band = item / perBand, c0 = item % perBand * chunk;
       const Index c1 = c0 + chunk < l.cols ? c0 + chunk : l.cols;
-      ok = laneChunk<E, S>(in, out, l, rule, band, c0, c1, level, scales, keys, factors) && ok;
+      ok = bandChunk<E, S>(in, out, l, rule, band, c0, c1, level, scales, keys, factors) && ok;
       if (tiles == nullptr) continue;
       const Index r1 = (band + 1) * size < l.rows ? (band + 1) * size : l.rows;
       for (Index r = band * size; r < r1; ++r) {
