@@ -18,11 +18,14 @@
 // whose amax is not finite makes the call return 1 (its values are then unspecified).
 //
 // Two loops, both reading each group twice while it is in cache (amax, then round):
-//  * span groups (groupCols > 1): in batches of groups, the amax keys of each group's row
-//    segments, then the scales, then the segments rounded with one scale each;
-//  * lane groups (groupCols == 1): a band of groupRows rows is taken in column chunks small
-//    enough for L1/L2; the amax runs down the rows with one column per SIMD lane, and each
-//    row segment is rounded with a vector of per-column scales.
+//  * span groups (tiles along a row, groupRows == 1, and whole rows): in batches of groups, the
+//    amax keys of each group's row segments, then the scales, then the segments rounded with
+//    one scale each;
+//  * band groups (column tiles, groupCols == 1, and blocks): a band of groupRows rows is taken
+//    in chunks as wide as the matrix (up to a bound), read row by row in both passes; the amax
+//    runs down the rows with one column per SIMD lane, a block's key is the max of its
+//    columns', and each row is rounded with per-column (or per-block) scales.
+// The scales of many groups are computed at once in SIMD lanes (scalesOf).
 #pragma once
 
 #include <cstdint>
@@ -288,7 +291,17 @@ IUS_AVX2 inline __m256 quantiseLanes256(__m256 x, __m256 scale, __m256 inverse, 
 IUS_AVX512 inline Index lanesAmax512(const float* in, Index cols, Index r0, Index r1, Index c0,
                                      Index width, unsigned* key) {
   const Index vectors = width / 16 * 16;
-  for (Index r = r0; r < r1; ++r) {
+  Index r = r0;
+  for (; r + 4 <= r1; r += 4) {  // four rows a pass: one load and store of the keys for four
+    const float* row = in + r * cols + c0;
+    for (Index c = 0; c < vectors; c += 16) {
+      const __m512i a = simd512::maxKey16(_mm512_loadu_si512(key + c), row + c);
+      const __m512i b = simd512::maxKey16(a, row + cols + c);
+      const __m512i d = simd512::maxKey16(b, row + 2 * cols + c);
+      _mm512_storeu_si512(key + c, simd512::maxKey16(d, row + 3 * cols + c));
+    }
+  }
+  for (; r < r1; ++r) {
     const float* row = in + r * cols + c0;
     for (Index c = 0; c < vectors; c += 16) {
       const __m512i k = _mm512_loadu_si512(key + c);
@@ -319,6 +332,19 @@ IUS_AVX512 inline Index lanesQuantise512(const float* row, Index width, const fl
   for (; c + 16 <= width; c += 16) {
     _mm512_storeu_ps(out + c, quantiseLanes512<E, S>(_mm512_loadu_ps(row + c), _mm512_loadu_ps(scale + c),
                                                      _mm512_loadu_ps(inverse + c), clampMax));
+  }
+  return c;
+}
+
+// Two rows (a row apart in `in` and `out`) with one load of the factors.
+template <unsigned E, bool S>
+IUS_AVX512 inline Index lanesQuantiseTwo512(const float* row, Index cols, Index width, const float* scale,
+                                            const float* inverse, float clampMax, float* out) {
+  Index c = 0;
+  for (; c + 16 <= width; c += 16) {
+    const __m512 f = _mm512_loadu_ps(scale + c), g = _mm512_loadu_ps(inverse + c);
+    _mm512_storeu_ps(out + c, quantiseLanes512<E, S>(_mm512_loadu_ps(row + c), f, g, clampMax));
+    _mm512_storeu_ps(out + cols + c, quantiseLanes512<E, S>(_mm512_loadu_ps(row + cols + c), f, g, clampMax));
   }
   return c;
 }
@@ -378,6 +404,23 @@ inline Span spanOf(const Layout& l, Index band, Index column) {
               c0 + l.groupCols < l.cols ? c0 + l.groupCols : l.cols};
 }
 
+// Groups first, first + 1, ... in (band, groupColumn) order, with no division per group (an
+// integer division costs more than rounding MX's 32 elements).
+struct SpanWalk {
+  const Layout& l;
+  Index perBand, band, column;
+  SpanWalk(const Layout& layout, Index first)
+      : l(layout), perBand(layout.groupColumns()), band(first / perBand), column(first % perBand) {}
+  Span next() {
+    const Span g = spanOf(l, band, column);
+    if (++column == perBand) {
+      column = 0;
+      ++band;
+    }
+    return g;
+  }
+};
+
 // Span groups are taken in batches of kBatch, in three passes over a batch (its data stays
 // in L1/L2): the amax keys, the scales, the rounding. No pass waits on the one before for
 // each group, so the CPU overlaps consecutive groups: MX's 32-element tiles are two AVX-512
@@ -388,9 +431,9 @@ constexpr Index kBatch = 64;
 // first + i with factors scale[i], inverse[i].
 IUS_HOT inline void spanKeysPortable(const float* in, const Layout& l, Index first, Index n,
                                      unsigned* keys) {
-  const Index perBand = l.groupColumns();
+  SpanWalk walk(l, first);
   for (Index i = 0; i < n; ++i) {
-    const Span g = spanOf(l, (first + i) / perBand, (first + i) % perBand);
+    const Span g = walk.next();
     unsigned key = 0;
     for (Index r = g.r0; r < g.r1; ++r) key = maxKey(key, amaxKeyOfSpan(in + r * l.cols + g.c0, g.c1 - g.c0));
     keys[i] = key;
@@ -400,9 +443,9 @@ IUS_HOT inline void spanKeysPortable(const float* in, const Layout& l, Index fir
 template <unsigned E, bool S>
 IUS_HOT void spanRoundPortable(const float* in, float* out, const Layout& l, const ScaleRule& rule,
                                Index first, Index n, const float* scale, const float* inverse) {
-  const Index perBand = l.groupColumns();
+  SpanWalk walk(l, first);
   for (Index i = 0; i < n; ++i) {
-    const Span g = spanOf(l, (first + i) / perBand, (first + i) % perBand);
+    const Span g = walk.next();
     for (Index r = g.r0; r < g.r1; ++r) {
       quantisePortable<E, S>(in + r * l.cols + g.c0, g.c1 - g.c0, Factors{scale[i], inverse[i]}, rule.clampMax,
                              out + r * l.cols + g.c0);
@@ -412,9 +455,9 @@ IUS_HOT void spanRoundPortable(const float* in, float* out, const Layout& l, con
 
 #ifdef IUS_HAVE_AVX2_KERNELS
 IUS_AVX512 void spanKeys512(const float* in, const Layout& l, Index first, Index n, unsigned* keys) {
-  const Index perBand = l.groupColumns();
+  SpanWalk walk(l, first);
   for (Index i = 0; i < n; ++i) {
-    const Span g = spanOf(l, (first + i) / perBand, (first + i) % perBand);
+    const Span g = walk.next();
     const Index width = g.c1 - g.c0, vectors = width / 16 * 16;
     __m512i key = _mm512_setzero_si512();
     unsigned tail = 0;
@@ -430,9 +473,9 @@ IUS_AVX512 void spanKeys512(const float* in, const Layout& l, Index first, Index
 template <unsigned E, bool S>
 IUS_AVX512 void spanRound512(const float* in, float* out, const Layout& l, const ScaleRule& rule,
                              Index first, Index n, const float* scale, const float* inverse) {
-  const Index perBand = l.groupColumns();
+  SpanWalk walk(l, first);
   for (Index i = 0; i < n; ++i) {
-    const Span g = spanOf(l, (first + i) / perBand, (first + i) % perBand);
+    const Span g = walk.next();
     const Index width = g.c1 - g.c0;
     for (Index r = g.r0; r < g.r1; ++r) {
       roundRow512<E, S>(in + r * l.cols + g.c0, width, Factors{scale[i], inverse[i]}, rule.clampMax,
@@ -442,9 +485,9 @@ IUS_AVX512 void spanRound512(const float* in, float* out, const Layout& l, const
 }
 
 IUS_AVX2 void spanKeys256(const float* in, const Layout& l, Index first, Index n, unsigned* keys) {
-  const Index perBand = l.groupColumns();
+  SpanWalk walk(l, first);
   for (Index i = 0; i < n; ++i) {
-    const Span g = spanOf(l, (first + i) / perBand, (first + i) % perBand);
+    const Span g = walk.next();
     const Index width = g.c1 - g.c0, vectors = width / 8 * 8;
     __m256i key = _mm256_setzero_si256();
     unsigned tail = 0;
@@ -460,9 +503,9 @@ IUS_AVX2 void spanKeys256(const float* in, const Layout& l, Index first, Index n
 template <unsigned E, bool S>
 IUS_AVX2 void spanRound256(const float* in, float* out, const Layout& l, const ScaleRule& rule,
                            Index first, Index n, const float* scale, const float* inverse) {
-  const Index perBand = l.groupColumns();
+  SpanWalk walk(l, first);
   for (Index i = 0; i < n; ++i) {
-    const Span g = spanOf(l, (first + i) / perBand, (first + i) % perBand);
+    const Span g = walk.next();
     const Index width = g.c1 - g.c0;
     for (Index r = g.r0; r < g.r1; ++r) {
       roundRow256<E, S>(in + r * l.cols + g.c0, width, Factors{scale[i], inverse[i]}, rule.clampMax,
@@ -584,8 +627,17 @@ bool bandChunk(const float* in, float* out, const Layout& l, const ScaleRule& ru
     }
     Index c = 0;
 #ifdef IUS_HAVE_AVX2_KERNELS
-    if (level == 2) c = lanesQuantise512<E, S>(row, width, scale, inverse, rule.clampMax, target);
-    else if (level == 1) c = lanesQuantise256<E, S>(row, width, scale, inverse, rule.clampMax, target);
+    if (level == 2 && r + 1 < r1) {
+      c = lanesQuantiseTwo512<E, S>(row, l.cols, width, scale, inverse, rule.clampMax, target);
+      for (Index t = c; t < width; ++t) {
+        target[l.cols + t] = quantiseOne<E, S>(row[l.cols + t], scale[t], inverse[t], rule.clampMax);
+      }
+      ++r;  // the next row is done
+    } else if (level == 2) {
+      c = lanesQuantise512<E, S>(row, width, scale, inverse, rule.clampMax, target);
+    } else if (level == 1) {
+      c = lanesQuantise256<E, S>(row, width, scale, inverse, rule.clampMax, target);
+    }
 #endif
     for (; c < width; ++c) target[c] = quantiseOne<E, S>(row[c], scale[c], inverse[c], rule.clampMax);
   }
