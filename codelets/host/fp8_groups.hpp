@@ -688,6 +688,11 @@ int run(const float* in, float* out, const Layout& l, const ScaleRule& rule, int
       ok = bandChunk<E, S>(in, out, l, rule, band, c0, c1, level, scales, keys, factors) && ok;
       if (tiles == nullptr) continue;
       const Index r1 = (band + 1) * size < l.rows ? (band + 1) * size : l.rows;
+      if (c0 == 0 && c1 == l.cols) {  // whole rows: the band's tiles are consecutive groups
+        ok = spanGroups<E, S>(in, tiles->out, tileLayout, rule, band * size * tilesPerRow, r1 * tilesPerRow,
+                              level, tiles->scales) && ok;
+        continue;
+      }
       for (Index r = band * size; r < r1; ++r) {
         const Index first = r * tilesPerRow + c0 / size, last = r * tilesPerRow + (c1 + size - 1) / size;
         ok = spanGroups<E, S>(in, tiles->out, tileLayout, rule, first, last, level, tiles->scales) && ok;
