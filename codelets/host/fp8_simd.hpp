@@ -163,16 +163,11 @@ IUS_AVX2 inline __m256 quantise8(__m256 x, __m256 scale, __m256 inverse) {
   using G = fast::Grid<ExponentBits>;
   const __m256i bits = _mm256_castps_si256(_mm256_mul_ps(x, scale));
   const __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
-  const __m256 magic = _mm256_castsi256_ps(_mm256_set1_epi32(G::magicBits));
-  const __m256i subnormal = _mm256_castps_si256(
-      _mm256_sub_ps(_mm256_add_ps(_mm256_castsi256_ps(magnitude), magic), magic));
-  constexpr std::int32_t low = (1 << G::shift) - 1;
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(magnitude, G::shift), _mm256_set1_epi32(1));
-  const __m256i normal = _mm256_andnot_si256(
-      _mm256_set1_epi32(low),
-      _mm256_add_epi32(_mm256_add_epi32(magnitude, _mm256_set1_epi32(low >> 1)), odd));
-  const __m256i isSubnormal = _mm256_cmpgt_epi32(_mm256_set1_epi32(G::minNormalBits), magnitude);
-  __m256i value = _mm256_blendv_epi8(normal, subnormal, isSubnormal);
+  // Rounding by adding and subtracting 2^(e + shift), as quantise16 does.
+  const __m256i exponent = _mm256_max_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7f800000)),
+                                            _mm256_set1_epi32(G::minNormalBits));
+  const __m256 step = _mm256_castsi256_ps(_mm256_add_epi32(exponent, _mm256_set1_epi32(G::shift << 23)));
+  __m256i value = _mm256_castps_si256(_mm256_sub_ps(_mm256_add_ps(_mm256_castsi256_ps(magnitude), step), step));
   const __m256i overflow = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(G::overflowBits - 1));
   __m256i nan = _mm256_cmpgt_epi32(magnitude, _mm256_set1_epi32(G::infBits));
   if (Saturate) {
@@ -320,16 +315,14 @@ IUS_AVX512 inline __m512 quantise16(__m512 x, __m512 scale, __m512 inverse) {
   using G = fast::Grid<ExponentBits>;
   const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(x, scale));
   const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
-  const __m512 magic = _mm512_castsi512_ps(_mm512_set1_epi32(G::magicBits));
-  const __m512i subnormal = _mm512_castps_si512(
-      _mm512_sub_ps(_mm512_add_ps(_mm512_castsi512_ps(magnitude), magic), magic));
-  constexpr std::int32_t low = (1 << G::shift) - 1;
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(magnitude, G::shift), _mm512_set1_epi32(1));
-  const __m512i normal = _mm512_andnot_si512(
-      _mm512_set1_epi32(low),
-      _mm512_add_epi32(_mm512_add_epi32(magnitude, _mm512_set1_epi32(low >> 1)), odd));
-  const __mmask16 isSubnormal = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(G::minNormalBits), magnitude);
-  __m512i value = _mm512_mask_blend_epi32(isSubnormal, normal, subnormal);
+  // Adding 2^(e + shift), e the exponent of |y| or, below the grid's normals, of its smallest
+  // normal, rounds |y| to nearest even on the grid's step at e (the subnormal step below):
+  // the sum's ulp is that step. Subtracting it again is exact. (Magnitudes whose 2^(e + shift)
+  // would overflow are past the format's max and replaced below.)
+  const __m512i exponent = _mm512_max_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7f800000)),
+                                            _mm512_set1_epi32(G::minNormalBits));
+  const __m512 step = _mm512_castsi512_ps(_mm512_add_epi32(exponent, _mm512_set1_epi32(G::shift << 23)));
+  __m512i value = _mm512_castps_si512(_mm512_sub_ps(_mm512_add_ps(_mm512_castsi512_ps(magnitude), step), step));
   const __mmask16 overflow = _mm512_cmpgt_epi32_mask(magnitude, _mm512_set1_epi32(G::overflowBits - 1));
   __mmask16 nan = _mm512_cmpgt_epi32_mask(magnitude, _mm512_set1_epi32(G::infBits));
   if (Saturate) {
