@@ -37,11 +37,11 @@ from torch import nn
 from ..training.run_config import Config
 from .backend_error import BackendError
 from .distributed import check_launch, launched_world_size
-from .pipeline_stages import Stage, stages
+from .pipeline_stages import Stage, ipu_stages
 from .registry import Capabilities, InferenceModel, TrainingBackend, backend_named, registered_names
 
 __all__ = [
-    "BACKEND_ENV", "BackendError", "Stage", "stages", "select_backend", "make_optimizer",
+    "BACKEND_ENV", "BackendError", "Stage", "ipu_stages", "select_backend", "make_optimizer",
     "build_training_model", "build_inference_model", "InferenceModel", "TrainingBackend",
     "Capabilities", "backend_named", "capabilities",
 ]
