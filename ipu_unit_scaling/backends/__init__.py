@@ -17,7 +17,9 @@ by name, that carries its capabilities and builds its optimizer, training and in
 - ``cpu``: eager PyTorch (:mod:`.cpu`);
 - ``popxl``: the unit-scaled GPT written in PopXL, with real FP8 matmuls (:mod:`.popxl_backend`);
 - ``distributed``: processes started by torchrun, one per stage and replica of the config's
-  IPU layout, on ``torch.distributed`` (:mod:`.distributed`).
+  IPU layout, on ``torch.distributed`` (:mod:`.distributed`): torchrun's data-parallel run
+  (one IPU per replica) or its pipelined run, two objects under one name, the config's layout
+  choosing between them (:mod:`.torchrun_backend`).
 
 ``auto`` picks ``distributed`` under torchrun with more than one process, else ``ipu`` when
 PopTorch imports and IPU hardware is present, else ``ipu_model`` when PopTorch imports, else
@@ -34,14 +36,14 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 import torch
 from torch import nn
 
-from ..training.run_config import Config
+from ..training.run_config import Config, IPUConfig
 from .backend_error import BackendError
 from .distributed import check_launch, launched_world_size
-from .pipeline_stages import Stage, stages
+from .pipeline_stages import Stage, ipu_stages
 from .registry import Capabilities, InferenceModel, TrainingBackend, backend_named, registered_names
 
 __all__ = [
-    "BACKEND_ENV", "BackendError", "Stage", "stages", "select_backend", "make_optimizer",
+    "BACKEND_ENV", "BackendError", "Stage", "ipu_stages", "select_backend", "make_optimizer",
     "build_training_model", "build_inference_model", "InferenceModel", "TrainingBackend",
     "Capabilities", "backend_named", "capabilities",
 ]
@@ -61,9 +63,10 @@ def _multi_process_backend() -> str:
                 if backend_named(name).capabilities.spans_processes)
 
 
-def capabilities(name: str) -> Capabilities:
-    """What the backend ``name`` can do (see :class:`.registry.Capabilities`)."""
-    return backend_named(name).capabilities
+def capabilities(name: str, ipu: Optional[IPUConfig] = None) -> Capabilities:
+    """What the backend ``name`` can do (see :class:`.registry.Capabilities`); given ``ipu``,
+    what its object for that layout can do."""
+    return backend_named(name, ipu).capabilities
 
 
 def select_backend(name: str = "auto", config: Optional[Config] = None,
@@ -129,7 +132,7 @@ def make_optimizer(
         umup_rules = getattr(model, "umup_rules", None)
         rules = umup_rules() if callable(umup_rules) else None
         params = param_groups(model, lr, decay, training.optimizer != "adam", parameters, rules)
-    return backend_named(backend).make_optimizer(params, training)
+    return backend_named(backend, config.ipu).make_optimizer(params, training)
 
 
 def build_training_model(
@@ -146,7 +149,7 @@ def build_training_model(
     changing learning rates), ``copy_weights_to_host()`` and ``destroy()``.
     """
     backend = backend or select_backend(config.backend)
-    return backend_named(backend).build_training_model(model, optimizer, config)
+    return backend_named(backend, config.ipu).build_training_model(model, optimizer, config)
 
 
 def build_inference_model(model: nn.Module, config: Config,
@@ -160,4 +163,4 @@ def build_inference_model(model: nn.Module, config: Config,
     alike) run eager PyTorch, the code path of training's evaluation.
     """
     backend = backend or select_backend(config.backend)
-    return backend_named(backend).build_inference_model(model, config)
+    return backend_named(backend, config.ipu).build_inference_model(model, config)

@@ -1,4 +1,4 @@
-"""The ``distributed`` backend: ``ipu-unit-scaling train`` on ``torch.distributed``.
+"""``ipu-unit-scaling train`` on ``torch.distributed``: the processes of torchrun's runs.
 
 Launched under torchrun, the training loop is the one of every backend, and the config's IPU
 layout says how the processes share the work::
@@ -8,7 +8,9 @@ layout says how the processes share the work::
 The world must hold ``ipu.ipus_per_replica x ipu.replication_factor`` processes: rank r runs
 stage ``r % ipus_per_replica`` of replica ``r // ipus_per_replica``. Replicas are
 ``DistributedDataParallel``; the stages of ``ipu.layers_per_ipu`` are
-``torch.distributed.pipelining`` stages (:mod:`.pipeline`). Each optimizer step takes the
+``torch.distributed.pipelining`` stages (:mod:`.pipeline`). The two are two backend objects,
+torchrun's data-parallel run and its pipelined run, both named ``distributed``
+(:mod:`.torchrun_backend`); this module holds what they share. Each optimizer step takes the
 ``gradient_accumulation x replication_factor`` micro-batches of the global batch of
 ``training.batch_size`` samples, replica r the r-th ``gradient_accumulation`` of them, and
 averages the gradients over all of them: the numbers of a single-process run of the same config.
@@ -31,19 +33,31 @@ import contextlib
 import importlib
 import os
 import sys
-from typing import Any, Callable, ContextManager, Iterator, List, Optional, Tuple, TypeVar
+from typing import (
+    Any,
+    Callable,
+    ContextManager,
+    Iterator,
+    List,
+    Optional,
+    Protocol,
+    Sequence,
+    Tuple,
+    TypeVar,
+)
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..training.run_config import Config, IPUConfig
-from .registry import Capabilities, TrainingBackend
+from ..training.run_config import IPUConfig
+from .pipeline_stages import Stage
 
 __all__ = [
     "launched_world_size", "join_launched_world", "writes_run_files",
     "opened_by_rank_zero", "done_by_rank_zero", "agreed_stop", "check_launch",
-    "DistributedTrainingModel", "hand_failure_to_rank_zero", "failure_of_another_rank",
+    "DistributedTrainingModel", "ReplicaRunner", "DataParallelReplica", "rank_place",
+    "hand_failure_to_rank_zero", "failure_of_another_rank",
 ]
 
 T = TypeVar("T")
@@ -288,6 +302,31 @@ def agreed_stop(signum: Optional[int]) -> Optional[int]:
 # ------------------------------------------------------------------------- the training model
 
 
+def rank_place(ipu: IPUConfig) -> Tuple[int, int]:
+    """(replica, stage) of this rank in ``ipu``'s layout: rank r runs stage
+    ``r % ipus_per_replica`` of replica ``r // ipus_per_replica``."""
+    return divmod(_world()[0], ipu.ipus_per_replica)
+
+
+class ReplicaRunner(Protocol):
+    """This rank's share of one replica's step: what torchrun's data-parallel run
+    (:class:`DataParallelReplica`) and its pipelined run
+    (:class:`~ipu_unit_scaling.backends.pipeline.PipelineReplica`) each bring."""
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor
+                         ) -> Tuple[Optional[List[torch.Tensor]], Optional[torch.Tensor]]:
+        """Forward and backward over the replica's micro-batches of one step: their losses
+        (None on a rank that holds none) and this rank's outputs (None where it has none)."""
+        ...
+
+    def clip_gradients(self, parameters: List[nn.Parameter], max_norm: float) -> None:
+        ...
+
+    def gather_weights(self, optimizer: torch.optim.Optimizer) -> None:
+        """Give this rank the whole model's weights and optimizer state."""
+        ...
+
+
 class DistributedTrainingModel:
     """``poptorch.trainingModel``'s call, ``wrapper(inputs, labels) -> (output, loss)``, with
     this rank's share of the work (see the module docstring).
@@ -298,16 +337,15 @@ class DistributedTrainingModel:
     each step's loss on every rank. ``output`` holds this rank's outputs only: the logits of
     its micro-batches with one stage, nothing (an empty tensor) on pipeline stages.
 
-    ``ipu`` lays the model out; ``grad_clip`` is the training's gradient clipping, ``dropout``
-    the model's, and ``micro_batch`` the ``(samples, sequence length)`` of one micro-batch,
-    the shape the pipeline stages exchange activations for.
+    ``ipu`` lays the model out, in the ``split`` of its stages; ``runner`` runs this rank's
+    share of a step (the torchrun run that builds the model chooses it, after
+    :func:`check_launch`); ``grad_clip`` is the training's gradient clipping and ``dropout``
+    the model's.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ipu: IPUConfig, *,
-                 grad_clip: Optional[float], dropout: float, micro_batch: Tuple[int, int]):
-        from .pipeline_stages import ipu_stages
-
-        check_launch(ipu)
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, ipu: IPUConfig,
+                 runner: ReplicaRunner, split: Sequence[Stage], *, grad_clip: Optional[float],
+                 dropout: float):
         self.model = model
         self.optimizer = optimizer
         self.device_iterations = ipu.device_iterations
@@ -315,19 +353,11 @@ class DistributedTrainingModel:
         self.replicas = ipu.replication_factor
         self.num_stages = ipu.ipus_per_replica
         self.max_grad_norm = grad_clip
-        self.rank, self.world_size = _world()
-        self.replica, self.stage_index = divmod(self.rank, self.num_stages)
-        self.stages = ipu_stages(model, ipu)
+        self.world_size = _world()[1]
+        self.replica, self.stage_index = rank_place(ipu)
+        self.stages = list(split)
         self.fresh_dropout = dropout > 0
-        self._runner: Any
-        if self.num_stages == 1:
-            self._runner = _DataParallel(model, self.gradient_accumulation)
-        else:
-            from .pipeline import PipelineReplica
-
-            self._runner = PipelineReplica(model, self.stages, micro_batch, self.replicas,
-                                           ipu.gradient_accumulation, self.replica,
-                                           self.stage_index)
+        self._runner = runner
 
     def __call__(self, inputs: torch.Tensor, labels: torch.Tensor) -> Tuple[torch.Tensor, ...]:
         accumulation, replicas = self.gradient_accumulation, self.replicas
@@ -393,7 +423,7 @@ class DistributedTrainingModel:
         """The process group outlives the model: the command leaves it when it ends."""
 
 
-class _DataParallel:
+class DataParallelReplica:
     """One replica of a model on one process: ``DistributedDataParallel`` averages the
     gradients of the replicas, once per step, after the last micro-batch."""
 
@@ -426,23 +456,3 @@ class _DataParallel:
 
     def gather_weights(self, optimizer: torch.optim.Optimizer) -> None:
         """Replicas hold the same weights and optimizer state after every step."""
-
-
-
-class DistributedBackend(TrainingBackend):
-    """``distributed``: one process per stage and replica under torchrun
-    (:class:`DistributedTrainingModel`); its ranks evaluate alike, in eager PyTorch. It splits
-    the GPT's layers, so it trains no given model."""
-
-    name = "distributed"
-    capabilities = Capabilities(trains_given_model=False, spans_processes=True)
-
-    def build_training_model(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                             config: Config) -> DistributedTrainingModel:
-        return DistributedTrainingModel(
-            model, optimizer, config.ipu, grad_clip=config.training.grad_clip,
-            dropout=config.model.dropout,
-            micro_batch=(config.micro_batch_size, config.model.seq_len))
-
-
-DISTRIBUTED_BACKEND = DistributedBackend()

@@ -1,5 +1,5 @@
 """The stages of ``ipu.layers_per_ipu`` as ``torch.distributed.pipelining`` stages, one process
-each (the ``distributed`` backend's pipelined configs).
+each (torchrun's pipelined run, :mod:`.torchrun_backend`).
 
 Stages reuse the model's own ``forward``: every process holds the whole model, and its stage is a
 shallow copy of it whose ``layers`` keep only the stage's own layers (the others are

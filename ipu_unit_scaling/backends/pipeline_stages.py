@@ -13,7 +13,7 @@ from torch import nn
 from ..training.run_config import resolve_layers_per_ipu
 
 if TYPE_CHECKING:
-    from ..training.run_config import Config, IPUConfig
+    from ..training.run_config import IPUConfig
 
 # Children that must sit with the first or last stage whatever their registration order.
 INPUT_SIDE = ("embedding", "position_embedding")
@@ -67,11 +67,6 @@ def split_stages(model: nn.Module, layers_per_stage: Sequence[int]) -> List[Stag
         stages.append(Stage(index=index, modules=tuple(names), layers=indices))
         start += count
     return stages
-
-
-def stages(model: nn.Module, config: Config) -> List[Stage]:
-    """The stage split ``config.ipu.layers_per_ipu`` gives ``model`` (:func:`ipu_stages`)."""
-    return ipu_stages(model, config.ipu)
 
 
 def ipu_stages(model: nn.Module, ipu: IPUConfig) -> List[Stage]:

@@ -32,9 +32,11 @@ class PopXLBackend(TrainingBackend):
 
     def build_training_model(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                              config: Config) -> Any:
-        from .popxl import PopXLTrainingModel
+        from .popxl import PopXLTrainingModel, check_config
 
-        return PopXLTrainingModel(model, optimizer, config)
+        check_config(config)  # every key it does not build, the model's among them, at once
+        return PopXLTrainingModel(model, optimizer, training=config.training,
+                                  precision=config.precision, ipu=config.ipu)
 
 
 POPXL_BACKEND = PopXLBackend()

@@ -5,18 +5,23 @@ optimizer the backend steps, the training model (``wrapper(inputs, labels) -> (o
 ``poptorch.trainingModel``'s semantics) and the inference model. :data:`BUILTIN` registers the
 package's backends, each named by where its object lives and imported only when asked for;
 :func:`register` adds another, so adding a backend is its module and one line there.
+
+A name may stand for several objects, one for each layout of the config's ``ipu`` section:
+``distributed`` is torchrun's data-parallel run or its pipelined run
+(:mod:`.torchrun_backend`). Asked with the layout, :func:`backend_named` gives the object that
+runs it (:meth:`TrainingBackend.for_layout`).
 """
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Protocol, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Protocol, Tuple, Union
 
 import torch
 from torch import nn
 
 from ..training.config_files import short_repr
-from ..training.run_config import Config, TrainingConfig
+from ..training.run_config import Config, IPUConfig, TrainingConfig
 from .backend_error import BackendError
 
 __all__ = ["Capabilities", "TrainingBackend", "InferenceModel", "EagerInference", "BUILTIN",
@@ -93,6 +98,11 @@ class TrainingBackend:
     def check_available(self) -> None:
         """Raise :class:`BackendError` saying why this backend cannot run here."""
 
+    def for_layout(self, ipu: IPUConfig) -> TrainingBackend:
+        """The object that runs ``ipu``'s layout under this name: this one, unless the name
+        stands for several runs."""
+        return self
+
     def make_optimizer(self, parameters: Parameters, training: TrainingConfig
                        ) -> torch.optim.Optimizer:
         """The optimizer ``training`` names, in the flavour this backend steps."""
@@ -116,7 +126,7 @@ BUILTIN: Dict[str, str] = {
     "emulator": "poptorch_backend:EMULATOR_BACKEND",
     "cpu": "cpu:CPU_BACKEND",
     "popxl": "popxl_backend:POPXL_BACKEND",
-    "distributed": "distributed:DISTRIBUTED_BACKEND",
+    "distributed": "torchrun_backend:TORCHRUN_BACKEND",
 }
 
 _registered: Dict[str, Union[TrainingBackend, str]] = dict(BUILTIN)
@@ -141,8 +151,9 @@ def registered_names() -> Tuple[str, ...]:
     return tuple(_registered)
 
 
-def backend_named(name: str) -> TrainingBackend:
-    """The backend registered as ``name``; BackendError naming the others if there is none."""
+def backend_named(name: str, ipu: Optional[IPUConfig] = None) -> TrainingBackend:
+    """The backend registered as ``name``, or given ``ipu``, the one of its objects that runs
+    that layout; BackendError naming the others if there is none."""
     entry = _registered.get(name)
     if entry is None:
         raise BackendError(f"backend {short_repr(name)} unknown; allowed: auto, "
@@ -152,4 +163,4 @@ def backend_named(name: str) -> TrainingBackend:
         entry = getattr(importlib.import_module(f"{__package__}.{module}"), attribute)
         assert isinstance(entry, TrainingBackend) and entry.name == name, entry
         _registered[name] = entry
-    return entry
+    return entry if ipu is None else entry.for_layout(ipu)

@@ -51,10 +51,10 @@ from .tasks import CAUSAL_LM, CausalLM, Task, read_task
 
 # ------------------------------------------------------------------------ opening a run
 
-def _host_activations(backend: str) -> bool:
+def _host_activations(backend: str, config: Config) -> bool:
     """Whether the activations live in the host's memory (the IPU Model and the emulator
     simulate on the host; an IPU holds them in its own)."""
-    return not capabilities(backend).activations_on_device
+    return not capabilities(backend, config.ipu).activations_on_device
 
 
 @dataclass
@@ -199,7 +199,8 @@ def open_new_run(config: Config, run_dir: Path, backend: str, task: Task,
         if task.name != CAUSAL_LM:
             raise RunError(f"fine-tuning trains the causal LM, not a {task.name}")
         run = _fine_tuning(config, run_dir, backend, Path(init_from))
-    run.notes.insert(0, check_memory(run.config, host_activations=_host_activations(backend)))
+    run.notes.insert(0, check_memory(
+        run.config, host_activations=_host_activations(backend, run.config)))
     if old:
         run.notes.append(f"{run_dir} held a run that never saved a checkpoint; starting afresh")
     _remove(old)
@@ -326,7 +327,7 @@ def open_resumed_run(config: Config, run_dir: Path, backend: str, task: Task) ->
             f"cannot resume {run_dir} at step {step}: the {steps - step} remaining steps are "
             f"not a multiple of ipu.device_iterations ({iterations})"
         )
-    notes = [check_memory(config, host_activations=_host_activations(backend))]
+    notes = [check_memory(config, host_activations=_host_activations(backend, config))]
     schedule_note = _schedule_change(state, run_dir, config.training, step)
     if schedule_note:
         notes.append(schedule_note)

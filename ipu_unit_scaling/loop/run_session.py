@@ -145,7 +145,7 @@ class TrainingSession:
             run.notes.append(self.tensorboard.note)
         # A backend that traces the model (PopTorch, PopXL) runs no hook: its sampled steps
         # are replayed on the host (Telemetry.replay).
-        self.traces_the_model = capabilities(run.backend).traces_the_model
+        self.traces_the_model = capabilities(run.backend, config.ipu).traces_the_model
         self.telemetry = self._open_telemetry(run)
         # Elapsed time counts on from the checkpoint's: a resumed run's figures are the run's.
         self.started = time.perf_counter() - self.elapsed_before
@@ -246,7 +246,7 @@ class TrainingSession:
                 ) from error
             # Under torchrun, a stage on another rank that diverged leaves this one a broken
             # connection: rank 0 takes over its cause, and records the run as diverged.
-            spans = capabilities(self.run.backend).spans_processes
+            spans = capabilities(self.run.backend, self.config.ipu).spans_processes
             relayed = failure_of_another_rank() if spans else None
             if isinstance(relayed, TrainingDiverged):
                 raise TrainingDiverged(str(relayed), relayed.step, self.last_checkpoint) \

@@ -93,7 +93,7 @@ class CausalLM(Task):
         from ..backends import capabilities
         from ..training.given_model import check_given_model
 
-        check_given_model(config, backend, capabilities(backend).trains_given_model)
+        check_given_model(config, backend, capabilities(backend, config.ipu).trains_given_model)
 
     def build_model(self, config: Config) -> nn.Module:
         from ..training.precision import build_model
@@ -158,7 +158,7 @@ class MaskedLM(Task):
                                f"{self.mask_prob!r}"))
         from ..backends import capabilities
 
-        if not capabilities(backend).trains_masked_lm:
+        if not capabilities(backend, config.ipu).trains_masked_lm:
             errors.append(("backend", f"{backend} trains the GPT written in PopXL; a masked LM "
                                       "trains on cpu, emulator, ipu or ipu_model"))
         if errors:

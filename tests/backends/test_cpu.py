@@ -12,8 +12,8 @@ from ipu_unit_scaling.backends import build_training_model, make_optimizer
 from ipu_unit_scaling.backends.cpu import CPUTrainingModel, TrainingModule
 from ipu_unit_scaling.backends.pipeline_stages import (
     check_no_shared_parameters,
+    ipu_stages,
     split_stages,
-    stages,
 )
 from ipu_unit_scaling.training.run_config import load_config
 
@@ -172,7 +172,7 @@ def test_build_training_model_on_cpu_uses_the_config():
     wrapper = build_training_model(model, optimizer, config, backend="cpu")
     assert isinstance(wrapper, CPUTrainingModel)
     assert [s.layers for s in wrapper.stages] == [(0,), (1, 2, 3)]
-    assert wrapper.stages == stages(model, config)
+    assert wrapper.stages == ipu_stages(model, config.ipu)
     inputs, labels = random_batch(config.samples_per_call)
     output, loss = wrapper(inputs, labels)
     per_step = config.ipu.gradient_accumulation * config.ipu.replication_factor

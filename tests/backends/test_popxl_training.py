@@ -9,6 +9,8 @@ imports.
 from __future__ import annotations
 
 import copy
+import dataclasses
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
@@ -17,7 +19,8 @@ from helpers import relative
 import ipu_standins.popxl as popxl_standin
 import ipu_unit_scaling as uu
 from ipu_standins import popxl_settings
-from ipu_unit_scaling.backends import build_training_model, make_optimizer
+from ipu_unit_scaling.backends import backend_named, build_training_model, make_optimizer
+from ipu_unit_scaling.backends.pipeline_stages import ipu_stages
 from ipu_unit_scaling.backends.popxl import (
     PopXLTrainingModel,
     check_config,
@@ -34,7 +37,12 @@ from ipu_unit_scaling.fp8 import linear as fp8_linear_module
 from ipu_unit_scaling.fp8 import log2_scale as log2_scale_of
 from ipu_unit_scaling.training.config_files import ConfigError
 from ipu_unit_scaling.training.precision import build_model
-from ipu_unit_scaling.training.run_config import load_config, scheduled_learning_rate
+from ipu_unit_scaling.training.run_config import (
+    Config,
+    PrecisionConfig,
+    load_config,
+    scheduled_learning_rate,
+)
 from ipu_unit_scaling.transforms import simulate_fp8
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
@@ -202,7 +210,8 @@ def test_a_non_finite_amax_stops_the_step_on_the_standin():
     with torch.no_grad():
         model.layers[1].mlp.up.weight[0, 0] = float("inf")
     config = small_config("fp8", "sgd")
-    wrapper = PopXLTrainingModel(model, None, config, xl=popxl_standin, device="ipu_model")
+    wrapper = PopXLTrainingModel(model, None, **sections(config), xl=popxl_standin,
+                                 device="ipu_model")
     ids, labels = batch(rows=config.samples_per_call)
     with pytest.raises(NonFiniteAmaxError):
         wrapper(ids, labels)
@@ -221,6 +230,11 @@ def small_config(dtype: str, optimizer: str, *extra: str):
         "training.warmup_steps=5", "backend=cpu", *extra])
 
 
+def sections(config: Config) -> Dict[str, Any]:
+    """The config's sections a PopXL training model is built from."""
+    return dict(training=config.training, precision=config.precision, ipu=config.ipu)
+
+
 def train_both(config, steps: int):
     """The CPU backend and the PopXL training model on the stand-in, from the same weights,
     on the same batches with the same schedule; their per-micro-batch losses."""
@@ -230,8 +244,8 @@ def train_both(config, steps: int):
     cpu_optimizer = make_optimizer(cpu_model.parameters(), config, "cpu")
     popxl_optimizer = make_optimizer(popxl_model.parameters(), config, "cpu")
     cpu = build_training_model(cpu_model, cpu_optimizer, config, "cpu")
-    popxl = PopXLTrainingModel(popxl_model, popxl_optimizer, config, xl=popxl_standin,
-                               device="ipu_model")
+    popxl = PopXLTrainingModel(popxl_model, popxl_optimizer, **sections(config),
+                               xl=popxl_standin, device="ipu_model")
     gen = torch.Generator().manual_seed(1)
     cpu_losses, popxl_losses = [], []
     for step in range(0, steps, config.ipu.device_iterations):
@@ -291,8 +305,8 @@ def test_weights_and_adam_state_carry_over_to_a_new_training_model_on_the_standi
         optimizer = make_optimizer(model.parameters(), config, "cpu")
         losses = []
         for piece in pieces:
-            wrapper = PopXLTrainingModel(model, optimizer, config, xl=popxl_standin,
-                                         device="ipu_model")
+            wrapper = PopXLTrainingModel(model, optimizer, **sections(config),
+                                         xl=popxl_standin, device="ipu_model")
             for step in piece:
                 losses.append(wrapper(ids[4 * step:4 * step + 4], labels[4 * step:4 * step + 4])[1])
             wrapper.copy_weights_to_host()
@@ -317,7 +331,8 @@ def test_the_training_loop_checkpoints_and_resumes_the_popxl_training_model_on_t
     from ipu_unit_scaling.loop import run_session
 
     def build(model, optimizer, config, backend=None):
-        return PopXLTrainingModel(model, optimizer, config, xl=popxl_standin, device="ipu_model")
+        return PopXLTrainingModel(model, optimizer, **sections(config), xl=popxl_standin,
+                                  device="ipu_model")
 
     monkeypatch.setattr(run_session, "build_training_model", build)
     monkeypatch.setattr(train_module, "select_backend", lambda name="auto", config=None: "popxl")
@@ -353,7 +368,48 @@ def test_configs_it_does_not_build_are_refused_by_key(override, key):
     with pytest.raises(ConfigError, match=key):
         check_config(config)
     with pytest.raises(ConfigError, match=key):
-        PopXLTrainingModel(build_model(config), None, config, xl=popxl_standin)
+        PopXLTrainingModel(build_model(config), None, **sections(config), xl=popxl_standin)
+
+
+def test_the_training_model_reads_the_sections_it_is_given():
+    """Each section it is built from decides what it says it decides; omitted ones are the
+    sections' defaults."""
+    config = small_config("fp32", "sgd", "training.grad_clip=0.5", "training.learning_rate=0.3",
+                          "ipu.device_iterations=3", "ipu.gradient_accumulation=2",
+                          "ipu.replication_factor=2")
+    model = build_model(config)
+    wrapper = PopXLTrainingModel(model, None, **sections(config), xl=popxl_standin,
+                                 device="ipu_model")
+    assert (wrapper.device_iterations, wrapper.micro_batches) == (3, 4)
+    assert wrapper.grad_clip == 0.5 and wrapper.fp8 is None
+    assert (wrapper.optimizer.kind, wrapper.optimizer.learning_rate) == ("sgd", 0.3)
+    assert wrapper.stages == ipu_stages(model, config.ipu)
+    defaults = PopXLTrainingModel(model, xl=popxl_standin, device="ipu_model")
+    assert (defaults.device_iterations, defaults.micro_batches, defaults.grad_clip) == (1, 1, None)
+    assert defaults.fp8 == FP8Config(**dataclasses.asdict(PrecisionConfig().fp8))
+    with pytest.raises(ConfigError, match="ipu.ipus_per_replica"):
+        PopXLTrainingModel(model, ipu=load_config("tiny").ipu, xl=popxl_standin)
+
+
+def test_the_popxl_backend_builds_its_training_model_from_the_configs_sections(monkeypatch):
+    import ipu_unit_scaling.backends.popxl as popxl_package
+
+    built: List[Tuple[Tuple[Any, ...], Dict[str, Any]]] = []
+    monkeypatch.setattr(popxl_package, "PopXLTrainingModel",
+                        lambda *args, **kwargs: built.append((args, kwargs)))
+    config = small_config("fp8", "adam", "backend=popxl")
+    model = build_model(config)
+    backend_named("popxl").build_training_model(model, None, config)
+    [(args, kwargs)] = built
+    assert args == (model, None)
+    assert kwargs.keys() == {"training", "precision", "ipu"}
+    assert all(kwargs[name] is getattr(config, name) for name in kwargs)
+    # the backend object refuses every key of the config it does not build at once, the
+    # model's among them
+    refused = small_config("fp16", "adam", "model.dropout=0.1", "backend=popxl")
+    with pytest.raises(ConfigError, match="(?s)model.dropout.*precision.dtype"):
+        backend_named("popxl").build_training_model(build_model(refused), None, refused)
+    assert len(built) == 1
 
 
 def test_popxl_is_a_backend_name_and_needs_popxl():
@@ -362,7 +418,7 @@ def test_popxl_is_a_backend_name_and_needs_popxl():
     if popxl_available():
         pytest.skip("popxl imports here")
     with pytest.raises(ImportError, match="PopXL"):
-        PopXLTrainingModel(build_model(config), None, config)
+        PopXLTrainingModel(build_model(config), None, **sections(config))
 
 
 # ---------------------------------------------------------------------- the codelets' custom op
@@ -402,5 +458,5 @@ def test_codelet_amax_flags_a_non_finite_amax_on_the_standin(host_codelets):
                                 amax="codelets")
     assert result.non_finite >= 1
     with pytest.raises(ValueError, match="amax"):
-        PopXLTrainingModel(model, None, small_config("fp8", "adam"), xl=popxl_standin,
-                           amax="tiles")
+        PopXLTrainingModel(model, None, **sections(small_config("fp8", "adam")),
+                           xl=popxl_standin, amax="tiles")

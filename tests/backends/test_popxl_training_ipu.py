@@ -76,7 +76,9 @@ def test_a_training_call_on_the_ipu_model_matches_the_reference():
     ids, labels = batch(rows=config.samples_per_call)
     losses = []
     for model, xl in zip(models, (popxl, popxl_standin)):
-        wrapper = PopXLTrainingModel(model, None, config, xl=xl, device="ipu_model")
+        wrapper = PopXLTrainingModel(model, None, training=config.training,
+                                     precision=config.precision, ipu=config.ipu, xl=xl,
+                                     device="ipu_model")
         losses.append(wrapper(ids, labels)[1])
         wrapper.copy_weights_to_host()
         wrapper.destroy()

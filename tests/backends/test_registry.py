@@ -102,3 +102,31 @@ def test_a_registered_backend_trains_through_the_loop(tmp_path, monkeypatch):
     assert [int(row["step"]) for row in metrics] == [1, 2, 3, 4] and summary is not None
     assert all(math.isfinite(float(row["train_loss"])) for row in metrics)
     assert "halving" not in registered_names()
+
+
+def test_the_backends_models_are_built_from_config_sections_not_the_whole_config():
+    """The training models and what they are made of take the sections they read; only a
+    backend object's factories receive the whole Config, to hand them on."""
+    import inspect
+    import re
+
+    from ipu_unit_scaling.backends.distributed import DataParallelReplica, DistributedTrainingModel
+    from ipu_unit_scaling.backends.pipeline import PipelineReplica
+    from ipu_unit_scaling.backends.pipeline_stages import ipu_stages
+    from ipu_unit_scaling.backends.poptorch.poptorch_training import (
+        IPUInferenceModel,
+        IPUTrainingModel,
+    )
+    from ipu_unit_scaling.backends.popxl import PopXLTrainingModel
+
+    built = [CPUTrainingModel, DistributedTrainingModel, DataParallelReplica, PipelineReplica,
+             PopXLTrainingModel, IPUTrainingModel, IPUInferenceModel, ipu_stages]
+    whole = []
+    for thing in built:
+        for parameter in inspect.signature(thing).parameters.values():
+            if re.search(r"\bConfig\b", str(parameter.annotation)):
+                whole.append(f"{thing.__name__}({parameter.name})")
+    assert not whole, f"built from the whole Config: {whole}"
+    # the check sees a whole Config where there is one
+    factory = inspect.signature(TrainingBackend.build_training_model).parameters["config"]
+    assert re.search(r"\bConfig\b", str(factory.annotation))

@@ -29,6 +29,7 @@ from .popxl_training import (
     StepResult,
     TrainingProgram,
     check_config,
+    check_sections,
     default_device,
     import_popxl,
     loss_and_gradients,
@@ -37,7 +38,8 @@ from .popxl_training import (
 
 __all__ = [
     "PopXLTrainingModel", "loss_and_gradients", "StepResult", "popxl_available",
-    "import_popxl", "default_device", "check_config", "OptimizerSpec", "TrainingProgram",
+    "import_popxl", "default_device", "check_config", "check_sections", "OptimizerSpec",
+    "TrainingProgram",
     "DecoderSpec", "PopXLDecoder", "Tape", "scaled", "scaling_bias", "popxl_cast_to_fp8",
     "popxl_fp8_matmul", "FP8LinearBlock", "CastSite", "AMAX_SOURCES",
 ]

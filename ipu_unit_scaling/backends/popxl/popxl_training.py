@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -18,13 +18,15 @@ from torch import nn
 
 from ...fp8.fp8_config import FP8Config
 from ...fp8.scaling import NonFiniteAmaxError
+from ...models.gpt import GPTConfig
 from ...training.config_files import ConfigError
-from ...training.run_config import Config, TrainingConfig
+from ...training.run_config import Config, IPUConfig, PrecisionConfig, TrainingConfig
 from .fp8_ops import AMAX_SOURCES, CastSite
 from .popxl_model import DecoderSpec, PopXLDecoder, Tape
 
 __all__ = ["popxl_available", "import_popxl", "OptimizerSpec", "StepResult",
-           "loss_and_gradients", "TrainingProgram", "PopXLTrainingModel", "check_config"]
+           "loss_and_gradients", "TrainingProgram", "PopXLTrainingModel", "check_config",
+           "check_sections"]
 
 Tensor = Any
 
@@ -59,16 +61,35 @@ def default_device() -> str:
 
 def check_config(config: Config) -> None:
     """ConfigError listing what the popxl backend does not build."""
+    errors = _model_errors(config.model) + _section_errors(config.precision, config.ipu)
+    if errors:
+        raise ConfigError(errors)
+
+
+def check_sections(precision: PrecisionConfig, ipu: IPUConfig) -> None:
+    """ConfigError listing what the popxl backend does not build of the ``precision`` and
+    ``ipu`` sections (a model it does not build, :meth:`DecoderSpec.from_module` refuses)."""
+    errors = _section_errors(precision, ipu)
+    if errors:
+        raise ConfigError(errors)
+
+
+def _model_errors(model: GPTConfig) -> List[Tuple[str, str]]:
     errors: List[Tuple[str, str]] = []
-    if not config.model.unit_scaled:
+    if not model.unit_scaled:
         errors.append(("model.unit_scaled", "the popxl backend builds the unit-scaled decoder "
                                             "only; set it to true"))
-    if config.model.dropout:
+    if model.dropout:
         errors.append(("model.dropout", "the popxl backend has no dropout; use 0"))
-    dtype = config.precision.dtype
+    return errors
+
+
+def _section_errors(precision: PrecisionConfig, ipu: IPUConfig) -> List[Tuple[str, str]]:
+    errors: List[Tuple[str, str]] = []
+    dtype = precision.dtype
     if dtype not in ("fp32", "fp8"):
         errors.append(("precision.dtype", f"got {dtype!r}; the popxl backend runs fp32 or fp8"))
-    fp8 = config.precision.fp8
+    fp8 = precision.fp8
     if dtype == "fp8":
         for role in ("activation", "weight", "gradient"):
             name = getattr(fp8, f"{role}_format")
@@ -83,11 +104,10 @@ def check_config(config: Config) -> None:
         if fp8.attention:
             errors.append(("precision.fp8.attention", "the popxl backend keeps attention in "
                                                       "fp32; set it to false"))
-    if config.ipu.ipus_per_replica != 1:
+    if ipu.ipus_per_replica != 1:
         errors.append(("ipu.ipus_per_replica", "the popxl backend runs on one IPU (no "
                                                "pipelining); set it to 1"))
-    if errors:
-        raise ConfigError(errors)
+    return errors
 
 
 # ----------------------------------------------------------------------------- the optimizer
@@ -396,38 +416,38 @@ class PopXLTrainingModel:
     the per-micro-batch logits (concatenated) and losses. The weights stay on the device until
     :meth:`copy_weights_to_host`. Built on the first call, when the batch shape is known.
 
-    ``optimizer``: a torch SGD / Adam / AdamW over the model's parameters (its learning rate is
-    read again by :meth:`update_optimizer`, its state filled by :meth:`copy_weights_to_host`),
-    a ``TrainingConfig``, or None for ``config.training``. ``xl``: the ``popxl`` module (the
-    default) or the stand-in :mod:`ipu_standins.popxl`. ``device``: "ipu_hw", "ipu_model"
-    (default: hardware where PopART sees it) or "cpu". ``amax``: where FP8 AMAX casts get their
-    scale, "ops" (PopXL ops, the default) or "codelets" (the package's custom op; see
-    :mod:`.codelets`).
+    Built from the config's sections it reads: ``training`` (the optimizer when none is given,
+    and the gradient clipping), ``precision`` (fp32 or FP8, and its casts) and ``ipu`` (device
+    iterations, accumulation, replicas, the stage split), each the section's defaults when
+    omitted. ``optimizer``: a torch SGD / Adam / AdamW over the model's parameters (its
+    learning rate is read again by :meth:`update_optimizer`, its state filled by
+    :meth:`copy_weights_to_host`), or None for the one ``training`` names. ``xl``: the
+    ``popxl`` module (the default) or the stand-in :mod:`ipu_standins.popxl`. ``device``:
+    "ipu_hw", "ipu_model" (default: hardware where PopART sees it) or "cpu". ``amax``: where
+    FP8 AMAX casts get their scale, "ops" (PopXL ops, the default) or "codelets" (the
+    package's custom op; see :mod:`.codelets`).
     """
 
-    def __init__(self, model: nn.Module,
-                 optimizer: Union[torch.optim.Optimizer, TrainingConfig, None] = None,
-                 config: Optional[Config] = None, *, xl: Any = None,
-                 device: Optional[str] = None, amax: str = "ops"):
-        from ..pipeline_stages import stages
+    def __init__(self, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None, *,
+                 training: Optional[TrainingConfig] = None,
+                 precision: Optional[PrecisionConfig] = None, ipu: Optional[IPUConfig] = None,
+                 xl: Any = None, device: Optional[str] = None, amax: str = "ops"):
+        from ..pipeline_stages import ipu_stages
 
-        config = config if config is not None else Config()
-        check_config(config)
+        training = training if training is not None else TrainingConfig()
+        precision = precision if precision is not None else PrecisionConfig()
+        ipu = ipu if ipu is not None else IPUConfig()
+        check_sections(precision, ipu)
         DecoderSpec.from_module(model)  # refuse an unsupported model now, not at the first call
         self.model = model
-        self.config = config
-        self.torch_optimizer = optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
-        if self.torch_optimizer is not None:
-            self.optimizer = OptimizerSpec.from_torch(self.torch_optimizer)
-        else:
-            training = optimizer if isinstance(optimizer, TrainingConfig) else config.training
-            self.optimizer = OptimizerSpec.from_training(training)
-        self.fp8 = (FP8Config(**asdict(config.precision.fp8))
-                    if config.precision.dtype == "fp8" else None)
-        ipu = config.ipu
+        self.torch_optimizer = optimizer
+        self.optimizer = (OptimizerSpec.from_torch(optimizer) if optimizer is not None
+                          else OptimizerSpec.from_training(training))
+        self.grad_clip = training.grad_clip
+        self.fp8 = FP8Config(**asdict(precision.fp8)) if precision.dtype == "fp8" else None
         self.device_iterations = ipu.device_iterations
         self.micro_batches = ipu.gradient_accumulation * ipu.replication_factor
-        self.stages = stages(model, config)
+        self.stages = ipu_stages(model, ipu)
         self.xl = xl if xl is not None else import_popxl()
         self.device = device or default_device()
         if amax not in AMAX_SOURCES:
@@ -446,7 +466,7 @@ class PopXLTrainingModel:
         if self._program is None:
             self._program = TrainingProgram(
                 self.xl, self.model, self.fp8, self.optimizer, shape[0], shape[1],
-                self.micro_batches, self.device_iterations, self.config.training.grad_clip,
+                self.micro_batches, self.device_iterations, self.grad_clip,
                 self.device, self.torch_optimizer, self.amax)
             self.update_optimizer()
         elif self._program.shape != shape:
