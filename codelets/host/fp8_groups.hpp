@@ -644,6 +644,77 @@ bool bandChunk(const float* in, float* out, const Layout& l, const ScaleRule& ru
   return finite;
 }
 
+#ifdef IUS_HAVE_AVX2_KERNELS
+// Both casts of a band chunk of whole tiles (size x 1 column tiles and 1 x size row tiles, size
+// a multiple of 16) in two reads of the chunk, as bandChunk's: the first takes the column keys
+// down the rows and each row's tile keys, the second rounds each vector both ways.
+struct PairBuffers {
+  std::vector<unsigned> tileKeys;
+  std::vector<float> tileFactors;
+};
+
+template <unsigned E, bool S>
+IUS_AVX512 bool pairChunk512(const float* in, float* out, const Layout& l,
+                             const ScaleRule& rule, Index band, Index c0, Index c1, int* scales,
+                             float* tileOut, int* tileScales, std::vector<unsigned>& keys,
+                             std::vector<float>& factors, PairBuffers& pair) {
+  const Index size = l.groupRows;
+  const Index r0 = band * size, r1 = r0 + size < l.rows ? r0 + size : l.rows, rows = r1 - r0;
+  const Index width = c1 - c0, perRow = width / size, tilesPerRow = (l.cols + size - 1) / size;
+  keys.assign(static_cast<std::size_t>(width), 0u);
+  pair.tileKeys.resize(static_cast<std::size_t>(rows * perRow));
+  unsigned* key = keys.data();
+  const __m512i magnitudeMask = _mm512_set1_epi32(0x7fffffff);
+  for (Index r = r0; r < r1; ++r) {
+    const float* row = in + r * l.cols + c0;
+    unsigned* tileKey = pair.tileKeys.data() + (r - r0) * perRow;
+    for (Index t = 0; t < perRow; ++t) {
+      __m512i tileMax = _mm512_setzero_si512();
+      for (Index c = t * size; c < (t + 1) * size; c += 16) {
+        const __m512i v = _mm512_and_si512(_mm512_loadu_si512(row + c), magnitudeMask);
+        _mm512_storeu_si512(key + c, _mm512_max_epu32(_mm512_loadu_si512(key + c), v));
+        tileMax = _mm512_max_epu32(tileMax, v);
+      }
+      tileKey[t] = _mm512_reduce_max_epu32(tileMax);
+    }
+  }
+  const Normalised top = normalise(rule.formatMax);
+  factors.resize(static_cast<std::size_t>(2 * width));
+  float* scale = factors.data();
+  float* inverse = scale + width;
+  bool finite = scales512(key, width, rule, top, scales + band * l.cols + c0, scale, inverse);
+  pair.tileFactors.resize(static_cast<std::size_t>(2 * rows * perRow));
+  float* tileScale = pair.tileFactors.data();
+  float* tileInverse = tileScale + rows * perRow;
+  if (perRow == tilesPerRow) {  // whole rows: the band's tile scales are consecutive
+    finite = scales512(pair.tileKeys.data(), rows * perRow, rule, top, tileScales + r0 * tilesPerRow,
+                       tileScale, tileInverse) && finite;
+  } else {
+    for (Index r = r0; r < r1; ++r) {
+      const Index k = (r - r0) * perRow;
+      finite = scales512(pair.tileKeys.data() + k, perRow, rule, top, tileScales + r * tilesPerRow + c0 / size,
+                         tileScale + k, tileInverse + k) && finite;
+    }
+  }
+  for (Index r = r0; r < r1; ++r) {
+    const float* row = in + r * l.cols + c0;
+    float* columnTarget = out + r * l.cols + c0;
+    float* tileTarget = tileOut + r * l.cols + c0;
+    const Index k = (r - r0) * perRow;
+    for (Index t = 0; t < perRow; ++t) {
+      const __m512 ts = _mm512_set1_ps(tileScale[k + t]), ti = _mm512_set1_ps(tileInverse[k + t]);
+      for (Index c = t * size; c < (t + 1) * size; c += 16) {
+        const __m512 x = _mm512_loadu_ps(row + c);
+        _mm512_storeu_ps(columnTarget + c, quantiseLanes512<E, S>(x, _mm512_loadu_ps(scale + c),
+                                                                  _mm512_loadu_ps(inverse + c), rule.clampMax));
+        _mm512_storeu_ps(tileTarget + c, quantiseLanes512<E, S>(x, ts, ti, rule.clampMax));
+      }
+    }
+  }
+  return finite;
+}
+#endif
+
 // ---------------------------------------------------------------- driver
 
 // Rounds `in` (rows x cols, row-major) into `out` with one scale per group, written to
@@ -682,9 +753,19 @@ int run(const float* in, float* out, const Layout& l, const ScaleRule& rule, int
     std::vector<unsigned> keys;
     std::vector<float> factors;
     bool ok = true;
+#ifdef IUS_HAVE_AVX2_KERNELS
+    PairBuffers pair;
+#endif
     for (Index item = begin; item < end; ++item) {
       const Index band = item / perBand, c0 = item % perBand * chunk;
       const Index c1 = c0 + chunk < l.cols ? c0 + chunk : l.cols;
+#ifdef IUS_HAVE_AVX2_KERNELS
+      if (tiles != nullptr && level == 2 && size % 16 == 0 && (c1 - c0) % size == 0) {
+        ok = pairChunk512<E, S>(in, out, l, rule, band, c0, c1, scales, tiles->out, tiles->scales, keys,
+                                factors, pair) && ok;
+        continue;
+      }
+#endif
       ok = bandChunk<E, S>(in, out, l, rule, band, c0, c1, level, scales, keys, factors) && ok;
       if (tiles == nullptr) continue;
       const Index r1 = (band + 1) * size < l.rows ? (band + 1) * size : l.rows;

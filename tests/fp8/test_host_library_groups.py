@@ -123,6 +123,22 @@ def test_the_pair_kernel_is_the_two_tile_casts(size, restore_tuning):
             assert torch.equal(col_scales, along_cols[1])
 
 
+def test_the_pair_kernel_over_several_column_chunks(restore_tuning):
+    """A band wider than one chunk (the kernels take at most 2^22 elements of a band at a
+    time): each chunk's tiles land in their own rows' places, the last chunk ragged."""
+    x = edge_tensor(130, 2 ** 16 + 48, 11)
+    for level in levels():
+        _host.fused_tuning(-1, level)
+        row_values, row_scales, col_values, col_scales, finite = _host.group_quantise_pair(
+            x, 128, "F143", "amax", 240.0)
+        along_rows = _host.group_quantise(x, 1, 128, "F143", "amax", 240.0)
+        along_cols = _host.group_quantise(x, 128, 1, "F143", "amax", 240.0)
+        assert finite
+        assert torch.equal(row_scales, along_rows[1]) and torch.equal(col_scales, along_cols[1])
+        assert torch.equal(row_values.view(torch.int32), along_rows[0].view(torch.int32))
+        assert torch.equal(col_values.view(torch.int32), along_cols[0].view(torch.int32))
+
+
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
 def test_a_non_finite_group_is_reported(value, restore_tuning):
     for level in levels():
