@@ -646,7 +646,7 @@ bool bandChunk(const float* in, float* out, const Layout& l, const ScaleRule& ru
 
 #ifdef IUS_HAVE_AVX2_KERNELS
 // Both casts of a band chunk of whole tiles (size x 1 column tiles and 1 x size row tiles, size
-// a multiple of 16) in two reads of the chunk, as bandChunk's: the first takes the column keys
+// a multiple of the SIMD width) in two reads of the chunk, as bandChunk's: the first takes the column keys
 // down the rows and each row's tile keys, the second rounds each vector both ways.
 struct PairBuffers {
   std::vector<unsigned> tileKeys;
@@ -713,6 +713,68 @@ IUS_AVX512 bool pairChunk512(const float* in, float* out, const Layout& l,
   }
   return finite;
 }
+// The AVX2 form of pairChunk512.
+template <unsigned E, bool S>
+IUS_AVX2 bool pairChunk256(const float* in, float* out, const Layout& l,
+                             const ScaleRule& rule, Index band, Index c0, Index c1, int* scales,
+                             float* tileOut, int* tileScales, std::vector<unsigned>& keys,
+                             std::vector<float>& factors, PairBuffers& pair) {
+  const Index size = l.groupRows;
+  const Index r0 = band * size, r1 = r0 + size < l.rows ? r0 + size : l.rows, rows = r1 - r0;
+  const Index width = c1 - c0, perRow = width / size, tilesPerRow = (l.cols + size - 1) / size;
+  keys.assign(static_cast<std::size_t>(width), 0u);
+  pair.tileKeys.resize(static_cast<std::size_t>(rows * perRow));
+  unsigned* key = keys.data();
+  const __m256i magnitudeMask = _mm256_set1_epi32(0x7fffffff);
+  for (Index r = r0; r < r1; ++r) {
+    const float* row = in + r * l.cols + c0;
+    unsigned* tileKey = pair.tileKeys.data() + (r - r0) * perRow;
+    for (Index t = 0; t < perRow; ++t) {
+      __m256i tileMax = _mm256_setzero_si256();
+      for (Index c = t * size; c < (t + 1) * size; c += 8) {
+        const __m256i v = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c)), magnitudeMask);
+        __m256i* k = reinterpret_cast<__m256i*>(key + c);
+        _mm256_storeu_si256(k, _mm256_max_epu32(_mm256_loadu_si256(k), v));
+        tileMax = _mm256_max_epu32(tileMax, v);
+      }
+      tileKey[t] = simd::reduceMaxKey(tileMax);
+    }
+  }
+  const Normalised top = normalise(rule.formatMax);
+  factors.resize(static_cast<std::size_t>(2 * width));
+  float* scale = factors.data();
+  float* inverse = scale + width;
+  bool finite = scales256(key, width, rule, top, scales + band * l.cols + c0, scale, inverse);
+  pair.tileFactors.resize(static_cast<std::size_t>(2 * rows * perRow));
+  float* tileScale = pair.tileFactors.data();
+  float* tileInverse = tileScale + rows * perRow;
+  if (perRow == tilesPerRow) {  // whole rows: the band's tile scales are consecutive
+    finite = scales256(pair.tileKeys.data(), rows * perRow, rule, top, tileScales + r0 * tilesPerRow,
+                       tileScale, tileInverse) && finite;
+  } else {
+    for (Index r = r0; r < r1; ++r) {
+      const Index k = (r - r0) * perRow;
+      finite = scales256(pair.tileKeys.data() + k, perRow, rule, top, tileScales + r * tilesPerRow + c0 / size,
+                         tileScale + k, tileInverse + k) && finite;
+    }
+  }
+  for (Index r = r0; r < r1; ++r) {
+    const float* row = in + r * l.cols + c0;
+    float* columnTarget = out + r * l.cols + c0;
+    float* tileTarget = tileOut + r * l.cols + c0;
+    const Index k = (r - r0) * perRow;
+    for (Index t = 0; t < perRow; ++t) {
+      const __m256 ts = _mm256_set1_ps(tileScale[k + t]), ti = _mm256_set1_ps(tileInverse[k + t]);
+      for (Index c = t * size; c < (t + 1) * size; c += 8) {
+        const __m256 x = _mm256_loadu_ps(row + c);
+        _mm256_storeu_ps(columnTarget + c, quantiseLanes256<E, S>(x, _mm256_loadu_ps(scale + c),
+                                                                  _mm256_loadu_ps(inverse + c), rule.clampMax));
+        _mm256_storeu_ps(tileTarget + c, quantiseLanes256<E, S>(x, ts, ti, rule.clampMax));
+      }
+    }
+  }
+  return finite;
+}
 #endif
 
 // ---------------------------------------------------------------- driver
@@ -762,6 +824,11 @@ int run(const float* in, float* out, const Layout& l, const ScaleRule& rule, int
 #ifdef IUS_HAVE_AVX2_KERNELS
       if (tiles != nullptr && level == 2 && size % 16 == 0 && (c1 - c0) % size == 0) {
         ok = pairChunk512<E, S>(in, out, l, rule, band, c0, c1, scales, tiles->out, tiles->scales, keys,
+                                factors, pair) && ok;
+        continue;
+      }
+      if (tiles != nullptr && level == 1 && size % 8 == 0 && (c1 - c0) % size == 0) {
+        ok = pairChunk256<E, S>(in, out, l, rule, band, c0, c1, scales, tiles->out, tiles->scales, keys,
                                 factors, pair) && ok;
         continue;
       }
