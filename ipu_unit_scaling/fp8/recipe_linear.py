@@ -325,36 +325,42 @@ def traced_recipe_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
       before the transpose, so that ``dy.T`` is cast along M: ``dw = Q(dy.T) @ Qm(x.T).T``;
       with ``grad_weight_high_precision``, ``w @ x.T`` and no casts.
 
-    These are the eager form's casts and GEMMs (the casts' values bit for bit); the program
-    holds two or three forward products instead of one. ``scales`` are applied as the eager
-    form applies them, by the package's scale ops (``ScaledIdentity`` when traced).
+    These are the eager form's casts and GEMMs (the casts' values bit for bit); a layer whose
+    input and weight both take gradients holds two (block) or three forward products instead
+    of one, a gradient no one asks for (``requires_grad``, grad mode) none. ``scales`` are
+    applied as the eager form applies them, by the package's scale ops (``ScaledIdentity``
+    when traced).
     """
     from ..ops.scaling_primitive import scale_bwd, scale_fwd
 
     _check_traced(config)
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"x has {x.shape[-1]} features but weight expects {weight.shape[-1]}")
-    x2 = x.reshape(-1, x.shape[-1])
+    # A gradient's product is there only where autograd (PopART) will ask for the gradient.
+    need_x = torch.is_grad_enabled() and x.requires_grad
+    need_w = torch.is_grad_enabled() and weight.requires_grad
     block = config.scaling == "block"
+    x2 = x.reshape(-1, x.shape[-1])
     w_rows = _traced_cast(weight.detach(), config, "weight")
-    if block:
-        x_rows = _traced_cast(scale_bwd(x2, scales[1]), config, "input")
-        y = _traced_cast(torch.nn.functional.linear(x_rows, w_rows), config, "grad_output",
-                         gradient=True)
-    else:
-        x_rows = _traced_cast(x2.detach(), config, "input")
-        y = torch.nn.functional.linear(x_rows, w_rows)
+    x_rows = _traced_cast(scale_bwd(x2, scales[1]) if block and need_x else x2.detach(),
+                          config, "input")
+    y = torch.nn.functional.linear(x_rows, w_rows)
+    if block and need_x:
+        y = _traced_cast(y, config, "grad_output", gradient=True)
+    elif need_x:
         w_columns = _traced_cast(weight.detach().t(), config, "weight")
-        grad_x = _traced_cast(torch.matmul(scale_bwd(x2, scales[1]), w_columns), config,
-                              "grad_output", gradient=True)
-        y = y + _gradient_only(grad_x)
-    w = scale_bwd(weight, scales[2])
-    if config.grad_weight_high_precision:
-        grad_w = torch.matmul(w, x2.detach().t())
-    else:
-        x_columns = _traced_cast(x2.detach().t(), config, "input")
-        grad_w = _traced_cast(torch.matmul(w, x_columns), config, "grad_output", gradient=True)
-    y = scale_fwd(y + _gradient_only(grad_w.t()), scales[0])
+        grad_x = torch.matmul(scale_bwd(x2, scales[1]), w_columns)
+        y = y + _gradient_only(_traced_cast(grad_x, config, "grad_output", gradient=True))
+    if need_w:
+        w = scale_bwd(weight, scales[2])
+        if config.grad_weight_high_precision:
+            grad_w = torch.matmul(w, x2.detach().t())
+        else:
+            x_columns = _traced_cast(x2.detach().t(), config, "input")
+            grad_w = _traced_cast(torch.matmul(w, x_columns), config, "grad_output",
+                                  gradient=True)
+        y = y + _gradient_only(grad_w.t())
+    y = scale_fwd(y, scales[0])
     if bias is not None:
         y = y + scale_bwd(bias, scales[3])
     return y.reshape(*x.shape[:-1], weight.shape[0])
