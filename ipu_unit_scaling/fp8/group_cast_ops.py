@@ -17,7 +17,7 @@ margin, saturate)``
     the IPU it is the ``Fp8GroupGradientQuantise`` PopART op, whose grad op runs the same
     codelets on the gradient (``custom_ops/fp8_group_quantise.cpp``).
 
-:func:`group_quantise` and :func:`group_quantise_gradient` choose between the two forms as
+:func:`grouped_quantise` and :func:`grouped_quantise_gradient` choose between the two forms as
 :func:`~.cast_ops.fp8_quantise` does: inside
 :func:`~ipu_unit_scaling.ops.trace_switch.ipu_tracing` with an implementation that has these
 ops (a :class:`~ipu_unit_scaling.ops.trace_switch.GroupQuantiseOps`: the IPU backend's,
@@ -39,7 +39,7 @@ from .group_cast import Grouping
 from .scaling import check_margin
 
 __all__ = ["GROUP_GRADIENT_QUANTISE_OP", "group_quantise_attributes", "check_group_cast",
-           "group_quantise", "group_quantise_gradient"]
+           "grouped_quantise", "grouped_quantise_gradient"]
 
 # The PopART op (domain ai.graphcore.unit_scaling), beside codelet_blocks.GROUP_QUANTISE_OP.
 GROUP_GRADIENT_QUANTISE_OP = "Fp8GroupGradientQuantise"
@@ -132,9 +132,9 @@ def _arguments(x: torch.Tensor, fmt_name: str, grouping: Grouping, rule: str, ma
     return arguments
 
 
-def group_quantise(x: torch.Tensor, fmt_name: str, grouping: Grouping, rule: str = "amax",
-                   margin: int = 0, saturate: bool = True, scale_rounding: str = "floor"
-                   ) -> torch.Tensor:
+def grouped_quantise(x: torch.Tensor, fmt_name: str, grouping: Grouping, rule: str = "amax",
+                     margin: int = 0, saturate: bool = True, scale_rounding: str = "floor"
+                     ) -> torch.Tensor:
     """The grouped cast's values of the 2-D ``x`` (its dtype), one op whose gradient passes
     straight through: ``Fp8GroupQuantise`` through the implementation given to
     :func:`~ipu_unit_scaling.ops.trace_switch.ipu_tracing` where it has it, else the
@@ -147,11 +147,11 @@ def group_quantise(x: torch.Tensor, fmt_name: str, grouping: Grouping, rule: str
     return values  # type: ignore[no-any-return]
 
 
-def group_quantise_gradient(x: torch.Tensor, fmt_name: str, grouping: Grouping,
-                            rule: str = "amax", margin: int = 0, saturate: bool = True,
-                            scale_rounding: str = "floor") -> torch.Tensor:
-    """The identity on the 2-D ``x``, whose gradient is cast as :func:`group_quantise` casts:
-    one op (``Fp8GroupGradientQuantise``), dispatched as :func:`group_quantise` is."""
+def grouped_quantise_gradient(x: torch.Tensor, fmt_name: str, grouping: Grouping,
+                              rule: str = "amax", margin: int = 0, saturate: bool = True,
+                              scale_rounding: str = "floor") -> torch.Tensor:
+    """The identity on the 2-D ``x``, whose gradient is cast as :func:`grouped_quantise` casts:
+    one op (``Fp8GroupGradientQuantise``), dispatched as :func:`grouped_quantise` is."""
     arguments = _arguments(x, fmt_name, grouping, rule, margin, saturate, scale_rounding)
     custom_ops = tracing.fp8_custom_ops()
     if isinstance(custom_ops, tracing.GroupQuantiseOps):

@@ -292,10 +292,12 @@ def _traced_cast(t: torch.Tensor, config: FP8Config, role: str, gradient: bool =
     """``t``'s cast in ``role`` grouped along its last dimension, as one custom op: the
     values (``Fp8GroupQuantise``), or the identity whose gradient is cast
     (``Fp8GroupGradientQuantise``)."""
-    from .group_cast_ops import group_quantise, group_quantise_gradient
+    # Imported when first traced: the ops' module loads the codelets' host emulation, which
+    # the eager form never needs.
+    from .group_cast_ops import grouped_quantise, grouped_quantise_gradient
 
     grouping, rule = _grouping(config, role)
-    cast = group_quantise_gradient if gradient else group_quantise
+    cast = grouped_quantise_gradient if gradient else grouped_quantise
     return cast(t, _role_format(config, role).name, grouping, rule, _role_margin(config, role),
                 config.overflow == "saturate", config.scale_rounding)
 

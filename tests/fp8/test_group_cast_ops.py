@@ -17,9 +17,9 @@ from ipu_unit_scaling.backends.poptorch_backend import STANDIN_MODULE, poptorch_
 from ipu_unit_scaling.fp8 import FP8Config, FP8Linear, get_format
 from ipu_unit_scaling.fp8.group_cast import Grouping, group_cast
 from ipu_unit_scaling.fp8.group_cast_ops import (
-    group_quantise,
     group_quantise_attributes,
-    group_quantise_gradient,
+    grouped_quantise,
+    grouped_quantise_gradient,
 )
 from ipu_unit_scaling.fp8.linear import FP8UnitScaledLinear
 from ipu_unit_scaling.ops.trace_switch import ipu_tracing
@@ -58,7 +58,7 @@ def reference(x: torch.Tensor, cast: Tuple) -> torch.Tensor:
 def test_group_quantise_is_the_grouped_cast_with_a_straight_through_gradient(cast):
     fmt, grouping, rule, rounding, margin, saturate = cast
     x = spread(40, 70, 1).requires_grad_()
-    y = group_quantise(x, fmt, grouping, rule, margin, saturate, rounding)
+    y = grouped_quantise(x, fmt, grouping, rule, margin, saturate, rounding)
     expected = reference(x.detach(), cast)
     assert torch.equal(y.detach() + 0.0, expected + 0.0)  # (+0.0: OCP's -0 is the IPU's +0)
     assert not torch.equal(expected, x.detach())  # the cast did round
@@ -71,7 +71,7 @@ def test_group_quantise_is_the_grouped_cast_with_a_straight_through_gradient(cas
 def test_the_gradient_op_is_the_identity_and_casts_its_gradient(cast):
     fmt, grouping, rule, rounding, margin, saturate = cast
     x = spread(40, 70, 3).requires_grad_()
-    y = group_quantise_gradient(x, fmt, grouping, rule, margin, saturate, rounding)
+    y = grouped_quantise_gradient(x, fmt, grouping, rule, margin, saturate, rounding)
     assert torch.equal(y, x) and y.data_ptr() != x.data_ptr()
     dy = spread(40, 70, 4)
     y.backward(dy)
@@ -82,15 +82,15 @@ def test_the_gradient_op_is_the_identity_and_casts_its_gradient(cast):
 def test_the_grouped_ops_check_their_arguments():
     x = torch.randn(8, 64)
     with pytest.raises(ValueError, match="E2M1"):
-        group_quantise(x, "E2M1", Grouping("tile", 32), "mx")
+        grouped_quantise(x, "E2M1", Grouping("tile", 32), "mx")
     with pytest.raises(ValueError, match="rule"):
-        group_quantise(x, "F143", Grouping("tile", 32), "nvfp4")
+        grouped_quantise(x, "F143", Grouping("tile", 32), "nvfp4")
     with pytest.raises(ValueError, match="saturate"):
-        group_quantise_gradient(x, "E4M3FN", Grouping("tile", 32), "mx", saturate=False)
+        grouped_quantise_gradient(x, "E4M3FN", Grouping("tile", 32), "mx", saturate=False)
     with pytest.raises(ValueError, match="per-tensor"):
-        group_quantise(x, "F143", Grouping("tensor"))
+        grouped_quantise(x, "F143", Grouping("tensor"))
     with pytest.raises(TypeError, match="2-D"):
-        group_quantise(torch.randn(2, 8, 64), "F143", Grouping("row"))
+        grouped_quantise(torch.randn(2, 8, 64), "F143", Grouping("row"))
     with pytest.raises(ValueError, match="F999"):  # the op checks too, for direct callers
         torch.ops.ipu_unit_scaling.fp8_group_quantise_gradient(x, "F999", "row", 0, "amax",
                                                                 "floor", 0, True)
@@ -129,17 +129,17 @@ def test_ipu_tracing_gives_the_grouped_casts_to_an_implementation_that_has_them(
     x = torch.zeros(4, 64)
     recorder = RecordingOps()
     with ipu_tracing(custom_ops=recorder):
-        assert torch.equal(group_quantise(x, "E4M3FN", Grouping("tile", 32), "mx",
-                                          scale_rounding="up"), x + 1)
+        assert torch.equal(grouped_quantise(x, "E4M3FN", Grouping("tile", 32), "mx",
+                                            scale_rounding="up"), x + 1)
         # The amax rule has one scale rounding, which the ops call "floor".
-        assert torch.equal(group_quantise_gradient(x, "F152", Grouping("row"), "amax", 3,
-                                                   scale_rounding="up"), x + 2)
+        assert torch.equal(grouped_quantise_gradient(x, "F152", Grouping("row"), "amax", 3,
+                                                     scale_rounding="up"), x + 2)
     assert recorder.calls == [("group_quantise", "E4M3FN", "tile", 32, "mx", "up", 0, True),
                               ("group_quantise_gradient", "F152", "row", 0, "amax", "floor", 3,
                                True)]
     x = spread(4, 64, 5)
     with ipu_tracing(custom_ops=PerTensorOnly()):  # without them: the torch.library ops
-        values = group_quantise(x, "F143", Grouping("row"))
+        values = grouped_quantise(x, "F143", Grouping("row"))
     assert torch.equal(values, reference(x, ("F143", Grouping("row"), "amax", "floor", 0, True)))
 
 
