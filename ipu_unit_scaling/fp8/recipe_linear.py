@@ -314,18 +314,19 @@ def traced_recipe_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     the grouped custom ops and ordinary differentiable ops.
 
     The value is the product of the operands cast along K by ``Fp8GroupQuantise``. Each
-    backward GEMM needs operands cast along another dimension, which PopART's autodiff, which
-    multiplies by the forward values of a product's operands, cannot give from that product.
-    So each gradient comes from a product of its own, added as ``p - p.detach()`` (zero in
-    value, for finite ``p``):
+    backward GEMM casts its operands along its own reduction dimension, but PopART's autodiff
+    multiplies a gradient by the forward values of a product's operands, so each gradient
+    comes from a product of its own, added as ``p - p.detach()`` (zero in value, for finite
+    ``p``). ``Q(t)`` below is ``t`` cast along its last dimension:
 
-    - input gradient: ``x @ Qn(w.T)``, its output through ``Fp8GroupGradientQuantise``, so
-      ``dx = Q(dy) @ Qn(w.T).T``. Under "block", whose weight blocks are square, ``Qn(w.T)``
-      is the forward cast transposed, and the value's product serves (its input cast passes
-      the gradient straight through): one product fewer;
-    - weight gradient: ``(w @ Qm(x.T)).T``, the product through ``Fp8GroupGradientQuantise``
-      before the transpose, so that ``dy.T`` is cast along M: ``dw = Q(dy.T) @ Qm(x.T).T``;
-      with ``grad_weight_high_precision``, ``w @ x.T`` and no casts.
+    - input gradient: ``x @ Q(w.T)`` (the weight cast along N), its output through
+      ``Fp8GroupGradientQuantise``, so ``dx = Q(dy) @ Q(w.T).T``. Under "block", whose weight
+      blocks are square, ``Q(w.T)`` is the forward cast transposed, and the value's product
+      serves (its input cast passes the gradient straight through): one product fewer;
+    - weight gradient: ``(w @ Q(x.T)).T`` (the input cast along M), the product through
+      ``Fp8GroupGradientQuantise`` before the transpose, so that ``dy.T`` is cast along M:
+      ``dw = Q(dy.T) @ Q(x.T).T``; with ``grad_weight_high_precision``, ``(w @ x.T).T`` and
+      no casts.
 
     These are the eager form's casts and GEMMs (the casts' values bit for bit); a layer whose
     input and weight both take gradients holds two (block) or three forward products instead
