@@ -28,8 +28,6 @@ from ipu_unit_scaling.ops.trace_switch import ipu_tracing
 from ipu_unit_scaling.ops.unit_ops import linear_scales
 from ipu_unit_scaling.training.run_records import read_metrics
 
-pytestmark = pytest.mark.numerics
-
 UNIT_ROUNDOFF = 2.0**-24  # float32
 CASTS = [  # (format, grouping, rule, scale_rounding, margin, saturate)
     ("F143", Grouping("row"), "amax", "floor", 0, True),
@@ -57,6 +55,7 @@ def reference(x: torch.Tensor, cast: Tuple) -> torch.Tensor:
 # ------------------------------------------------------------------------------ the two ops
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("cast", CASTS, ids=lambda c: f"{c[0]}-{c[1].kind}-{c[2]}")
 def test_group_quantise_is_the_grouped_cast_with_a_straight_through_gradient(cast):
     fmt, grouping, rule, rounding, margin, saturate = cast
@@ -70,6 +69,7 @@ def test_group_quantise_is_the_grouped_cast_with_a_straight_through_gradient(cas
     assert torch.equal(x.grad, dy)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("cast", CASTS, ids=lambda c: f"{c[0]}-{c[1].kind}-{c[2]}")
 def test_the_gradient_op_is_the_identity_and_casts_its_gradient(cast):
     fmt, grouping, rule, rounding, margin, saturate = cast
@@ -239,6 +239,7 @@ def _calls(standin_calls: list) -> Dict[str, set]:
     return found
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_the_traced_forward_calls_the_grouped_op_and_gives_the_eager_output(recipe,
                                                                            standin_calls):
@@ -282,6 +283,7 @@ GRADIENT_CASTS = {"block": ("tile", 128), "block32": ("tile", 32), "mx": ("tile"
                   "rowwise": ("row", 0), "rowwise_with_gw_hp": ("row", 0)}
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("unit_scaled", [False, True], ids=["plain", "unit-scaled"])
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_a_traced_training_step_gives_the_eager_gradients(recipe, unit_scaled, standin_calls):
