@@ -24,6 +24,7 @@ from ipu_unit_scaling.fp8.group_cast_ops import (
     grouped_quantise_gradient,
 )
 from ipu_unit_scaling.fp8.linear import FP8UnitScaledLinear
+from ipu_unit_scaling.ipu import check_poptorch
 from ipu_unit_scaling.ops.trace_switch import ipu_tracing
 from ipu_unit_scaling.ops.unit_ops import linear_scales
 from ipu_unit_scaling.training.run_records import read_metrics
@@ -318,6 +319,27 @@ def test_a_traced_training_step_gives_the_eager_gradients(recipe, unit_scaled, s
     assert _close(new_b, bias, grad_b, scales[2] * rows * UNIT_ROUNDOFF * dy2.abs().sum(0))
     # The casts change the gradients far beyond that bound: the test sees them.
     assert bool(((scales[0] * (dy @ weight) - grad_x).abs() > 100 * dx_bound).any())
+
+
+# What docs/guide/ipu.md counts in a traced layer whose input and weight take gradients:
+# (Fp8GroupQuantise, Fp8GroupGradientQuantise, forward matmuls); without gradients, (2, 0, 1).
+PROGRAMS = {"block": (3, 2, 2), "block32": (3, 2, 2), "mx": (4, 2, 3), "rowwise": (4, 2, 3),
+            "rowwise_with_gw_hp": (3, 1, 3)}
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_the_traced_program_holds_the_ops_the_guide_counts(recipe):
+    x, weight, bias, dy = operands(30)
+    layer = _layer(RECIPES[recipe], weight, bias)
+
+    def counts(model: nn.Module, *inputs: torch.Tensor) -> Tuple[int, int, int]:
+        ops = check_poptorch(model, *inputs).op_counts
+        return (ops.get("ipu_unit_scaling::fp8_group_quantise", 0),
+                ops.get("ipu_unit_scaling::fp8_group_quantise_gradient", 0),
+                ops.get("aten::mm", 0))
+
+    assert counts(Training(layer, x), dy) == PROGRAMS[recipe]
+    assert counts(Inference(layer), x) == (2, 0, 1)
 
 
 def test_the_attributes_are_the_cpp_ops():
