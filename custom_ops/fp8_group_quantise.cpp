@@ -13,6 +13,13 @@
 //       block: [block rows, 1, block columns, 1]), as group_cast returns them.
 //     Fp8GroupQuantiseGrad: dx = dy (straight through).
 //
+//   y = Fp8GroupGradientQuantise(x)   the same attributes
+//     y = x.
+//     Fp8GroupGradientQuantiseGrad: dx = decode(cast(dy * 2^s)) * 2^-s, s per
+//       group of dy: the gradient is cast as Fp8GroupQuantise casts its input.
+//       (A traced grouped-recipe linear casts each GEMM's output gradient so;
+//       ipu_unit_scaling/fp8/recipe_linear.py.)
+//
 // Each group lies whole on one tile (ius::planGroups, dealt to the tiles in
 // runs that differ by at most one group), so its amax is that tile's and no
 // partial is exchanged: GroupCastToFp8 then GroupCastFromFp8 on every tile
@@ -136,59 +143,21 @@ struct GroupAttributes {
 const popart::OperatorIdentifier kFp8GroupQuantise = {kDomain, "Fp8GroupQuantise", 1, 1, 3};
 const popart::OperatorIdentifier kFp8GroupQuantiseGrad = {kDomain, "Fp8GroupQuantiseGrad", 1,
                                                           1, 1};
+const popart::OperatorIdentifier kFp8GroupGradientQuantise = {kDomain,
+                                                              "Fp8GroupGradientQuantise", 1, 1, 1};
+const popart::OperatorIdentifier kFp8GroupGradientQuantiseGrad = {kDomain,
+                                                                  "Fp8GroupGradientQuantiseGrad",
+                                                                  1, 1, 1};
 
 }  // namespace
 
-class Fp8GroupQuantiseGradOp : public popart::Op {
+// An op with the grouped cast's attributes.
+class GroupCastOp : public popart::Op {
  public:
-  Fp8GroupQuantiseGradOp(const popart::Op& forward, const GroupAttributes& attributes)
-      : popart::Op(kFp8GroupQuantiseGrad, forward.settings), attributes_(attributes) {}
-
-  void setup() final { outInfo(0) = inInfo(0); }
-  std::unique_ptr<popart::Op> clone() const final {
-    return std::make_unique<Fp8GroupQuantiseGradOp>(*this);
-  }
-  float getSubgraphValue() const final { return getLowSubgraphValue(); }
-  void appendOutlineAttributes(popart::OpSerialiserBase& os) const final {
-    popart::Op::appendOutlineAttributes(os);
-    attributes_.appendTo(os);
-  }
-  // Reads the gradient of output 0 (y) only; the scales have none.
-  const std::vector<popart::GradInOutMapper>& gradInputInfo() const final {
-    static const std::vector<popart::GradInOutMapper> info = {
-        {0, 0, popart::GradOpInType::GradOut}};
-    return info;
-  }
-  const std::map<int, int>& gradOutToNonGradIn() const final {
-    static const std::map<int, int> info = {{0, 0}};
-    return info;
-  }
-
- private:
-  GroupAttributes attributes_;
-};
-
-class Fp8GroupQuantiseOp : public popart::Op {
- public:
-  Fp8GroupQuantiseOp(const popart::OperatorIdentifier& opid, const GroupAttributes& attributes,
-                     const popart::Op::Settings& settings)
+  GroupCastOp(const popart::OperatorIdentifier& opid, const GroupAttributes& attributes,
+              const popart::Op::Settings& settings)
       : popart::Op(opid, settings), attributes_(attributes) {}
 
-  void setup() final {
-    attributes_.validate(inInfo(0).shape());
-    const popart::Shape scales = attributes_.scaleShape(inInfo(0).shape());
-    outInfo(0) = inInfo(0);
-    outInfo(1) = popart::TensorInfo(popart::DataType::INT32, scales);
-    outInfo(2) = popart::TensorInfo(popart::DataType::INT32, scales);
-  }
-  std::unique_ptr<popart::Op> clone() const final {
-    return std::make_unique<Fp8GroupQuantiseOp>(*this);
-  }
-  std::vector<std::unique_ptr<popart::Op>> getGradOps() final {
-    std::vector<std::unique_ptr<popart::Op>> gradOps;
-    gradOps.push_back(std::make_unique<Fp8GroupQuantiseGradOp>(*this, attributes_));
-    return gradOps;
-  }
   float getSubgraphValue() const final { return getLowSubgraphValue(); }
   void appendOutlineAttributes(popart::OpSerialiserBase& os) const final {
     popart::Op::appendOutlineAttributes(os);
@@ -198,6 +167,66 @@ class Fp8GroupQuantiseOp : public popart::Op {
 
  private:
   GroupAttributes attributes_;
+};
+
+// The grad ops of both: Fp8GroupQuantiseGrad and Fp8GroupGradientQuantiseGrad,
+// told apart by their identifier. Each reads the gradient of output 0 (y)
+// only (the scales and flags have none) and gives the gradient of input 0.
+class GroupGradOp : public GroupCastOp {
+ public:
+  GroupGradOp(const popart::OperatorIdentifier& opid, const GroupCastOp& forward)
+      : GroupCastOp(opid, forward.attributes(), forward.settings) {}
+
+  void setup() final { outInfo(0) = inInfo(0); }
+  std::unique_ptr<popart::Op> clone() const final { return std::make_unique<GroupGradOp>(*this); }
+  const std::vector<popart::GradInOutMapper>& gradInputInfo() const final {
+    static const std::vector<popart::GradInOutMapper> info = {
+        {0, 0, popart::GradOpInType::GradOut}};
+    return info;
+  }
+  const std::map<int, int>& gradOutToNonGradIn() const final {
+    static const std::map<int, int> info = {{0, 0}};
+    return info;
+  }
+};
+
+class Fp8GroupQuantiseOp : public GroupCastOp {
+ public:
+  using GroupCastOp::GroupCastOp;
+
+  void setup() final {
+    attributes().validate(inInfo(0).shape());
+    const popart::Shape scales = attributes().scaleShape(inInfo(0).shape());
+    outInfo(0) = inInfo(0);
+    outInfo(1) = popart::TensorInfo(popart::DataType::INT32, scales);
+    outInfo(2) = popart::TensorInfo(popart::DataType::INT32, scales);
+  }
+  std::unique_ptr<popart::Op> clone() const final {
+    return std::make_unique<Fp8GroupQuantiseOp>(*this);
+  }
+  std::vector<std::unique_ptr<popart::Op>> getGradOps() final {
+    std::vector<std::unique_ptr<popart::Op>> gradOps;
+    gradOps.push_back(std::make_unique<GroupGradOp>(kFp8GroupQuantiseGrad, *this));
+    return gradOps;
+  }
+};
+
+class Fp8GroupGradientQuantiseOp : public GroupCastOp {
+ public:
+  using GroupCastOp::GroupCastOp;
+
+  void setup() final {
+    attributes().validate(inInfo(0).shape());
+    outInfo(0) = inInfo(0);
+  }
+  std::unique_ptr<popart::Op> clone() const final {
+    return std::make_unique<Fp8GroupGradientQuantiseOp>(*this);
+  }
+  std::vector<std::unique_ptr<popart::Op>> getGradOps() final {
+    std::vector<std::unique_ptr<popart::Op>> gradOps;
+    gradOps.push_back(std::make_unique<GroupGradOp>(kFp8GroupGradientQuantiseGrad, *this));
+    return gradOps;
+  }
 };
 
 namespace {
@@ -232,6 +261,29 @@ popart::RegisterShapeInferenceFunction fp8GroupQuantiseShapeInference(
       ctx.outInfo(0) = {ctx.inType(0), ctx.inShape(0)};
       ctx.outInfo(1) = {popart::DataType::INT32, scales};
       ctx.outInfo(2) = {popart::DataType::INT32, scales};
+    });
+
+popart::OpCreator<Fp8GroupGradientQuantiseOp> fp8GroupGradientQuantiseOpCreator(
+    popart::OpDefinitions(
+        {{kFp8GroupGradientQuantise,
+          {popart::OpDefinition::Inputs({{"x", kFloatTypes}}),
+           popart::OpDefinition::Outputs({{"y", kFloatTypes}}),
+           popart::OpDefinition::Attributes({{"format", {"*"}},
+                                             {"grouping", {"*"}},
+                                             {"group_size", {"*"}},
+                                             {"rule", {"*"}},
+                                             {"scale_rounding", {"*"}},
+                                             {"margin", {"*"}},
+                                             {"saturate", {"*"}}})}}}),
+    [](const popart::OpCreatorInfo& info) -> std::unique_ptr<popart::Op> {
+      return std::make_unique<Fp8GroupGradientQuantiseOp>(
+          info.opid, GroupAttributes::read(info.attributes), info.settings);
+    },
+    true);
+
+popart::RegisterShapeInferenceFunction fp8GroupGradientQuantiseShapeInference(
+    kFp8GroupGradientQuantise, [](popart::ShapeInferenceContext& ctx) {
+      ctx.outInfo(0) = {ctx.inType(0), ctx.inShape(0)};
     });
 
 // One tensor's segments, each tile's in one padded variable: the views of
@@ -272,19 +324,27 @@ poplar::Tensor inTensorOrder(const std::vector<poplar::Tensor>& views,
 
 }  // namespace
 
-class Fp8GroupQuantiseOpx : public popart::popx::Opx {
- public:
-  Fp8GroupQuantiseOpx(popart::Op* op, popart::popx::Devicex* devicex)
-      : popart::popx::Opx(op, devicex) {
-    verifyOp<Fp8GroupQuantiseOp>(op, kFp8GroupQuantise);
-  }
+// The grouped cast's outputs: values in x's type and shape, and per group the
+// scales and non-finite flags.
+struct GroupCastTensors {
+  poplar::Tensor values;
+  poplar::Tensor log2Scales;
+  poplar::Tensor nonFinite;
+};
 
-  void grow(poplar::program::Sequence& prog) const final {
-    const GroupAttributes& attributes = getOp<Fp8GroupQuantiseOp>().attributes();
+// An Opx that grows the grouped cast (Fp8GroupQuantise's graph) on a tensor.
+class GroupCastOpx : public popart::popx::Opx {
+ public:
+  using popart::popx::Opx::Opx;
+
+ protected:
+  GroupCastTensors growGroupCast(poplar::program::Sequence& prog, const poplar::Tensor& x,
+                                 const GroupAttributes& attributes) const {
     poplar::Graph& g = graph();
     addFp8Codelets(g);
-    const poplar::Tensor x = getInTensor(0);
-    const popart::Shape scaleShape = attributes.scaleShape(inInfo(0).shape());
+    const popart::Shape shape = {static_cast<int64_t>(x.dim(0)),
+                                 static_cast<int64_t>(x.dim(1))};
+    const popart::Shape scaleShape = attributes.scaleShape(shape);
     const auto rows = static_cast<std::int64_t>(x.dim(0));
     const auto cols = static_cast<std::int64_t>(x.dim(1));
     const std::vector<std::size_t> scaleDims(scaleShape.begin(), scaleShape.end());
@@ -296,10 +356,7 @@ class Fp8GroupQuantiseOpx : public popart::popx::Opx {
           g.addConstant(poplar::INT, scaleDims, 0, debugContext("nonFinite"));
       g.setTileMapping(scales, 0);
       g.setTileMapping(flags, 0);
-      setOutTensor(0, g.clone(x, debugContext("empty")));
-      setOutTensor(1, scales);
-      setOutTensor(2, flags);
-      return;
+      return {g.clone(x, debugContext("empty")), scales, flags};
     }
     const ius::GroupPlan plan = ius::planGroups(rows, cols, attributes.kind(),
                                                 attributes.groupSize);
@@ -378,18 +435,48 @@ class Fp8GroupQuantiseOpx : public popart::popx::Opx {
     prog.add(poplar::program::Execute(castTo, debugContext("groupCastToFp8")));
     prog.add(poplar::program::Execute(castFrom, debugContext("groupCastFromFp8")));
 
-    setOutTensor(0, inTensorOrder(values, byStart).reshape(x.shape()));
-    setOutTensor(1, scales.reshape(scaleDims));
-    setOutTensor(2, flags.reshape(scaleDims));
+    return {inTensorOrder(values, byStart).reshape(x.shape()), scales.reshape(scaleDims),
+            flags.reshape(scaleDims)};
   }
 };
 
-// Fp8GroupQuantiseGrad: the identity, as a copy so the output never aliases.
-class Fp8GroupQuantiseGradOpx : public popart::popx::Opx {
+class Fp8GroupQuantiseOpx : public GroupCastOpx {
  public:
-  Fp8GroupQuantiseGradOpx(popart::Op* op, popart::popx::Devicex* devicex)
+  Fp8GroupQuantiseOpx(popart::Op* op, popart::popx::Devicex* devicex)
+      : GroupCastOpx(op, devicex) {
+    verifyOp<Fp8GroupQuantiseOp>(op, kFp8GroupQuantise);
+  }
+
+  void grow(poplar::program::Sequence& prog) const final {
+    const GroupCastTensors cast =
+        growGroupCast(prog, getInTensor(0), getOp<Fp8GroupQuantiseOp>().attributes());
+    setOutTensor(0, cast.values);
+    setOutTensor(1, cast.log2Scales);
+    setOutTensor(2, cast.nonFinite);
+  }
+};
+
+// Fp8GroupGradientQuantiseGrad: the gradient cast as Fp8GroupQuantise casts.
+class Fp8GroupGradientQuantiseGradOpx : public GroupCastOpx {
+ public:
+  Fp8GroupGradientQuantiseGradOpx(popart::Op* op, popart::popx::Devicex* devicex)
+      : GroupCastOpx(op, devicex) {
+    verifyOp<GroupGradOp>(op, kFp8GroupGradientQuantiseGrad);
+  }
+
+  void grow(poplar::program::Sequence& prog) const final {
+    setOutTensor(0, growGroupCast(prog, getInTensor(0), getOp<GroupGradOp>().attributes())
+                        .values);
+  }
+};
+
+// Fp8GroupQuantiseGrad and Fp8GroupGradientQuantise: the identity, as a copy
+// so the output never aliases.
+class GroupIdentityOpx : public popart::popx::Opx {
+ public:
+  GroupIdentityOpx(popart::Op* op, popart::popx::Devicex* devicex)
       : popart::popx::Opx(op, devicex) {
-    verifyOp<Fp8GroupQuantiseGradOp>(op, kFp8GroupQuantiseGrad);
+    verifyOp<GroupCastOp>(op, {kFp8GroupQuantiseGrad, kFp8GroupGradientQuantise});
   }
   void grow(poplar::program::Sequence& prog) const final {
     setOutTensor(0, cloneNcopy(prog, getInTensor(0)));
@@ -398,8 +485,10 @@ class Fp8GroupQuantiseGradOpx : public popart::popx::Opx {
 
 namespace {
 popart::popx::OpxCreator<Fp8GroupQuantiseOpx> fp8GroupQuantiseOpxCreator(kFp8GroupQuantise);
-popart::popx::OpxCreator<Fp8GroupQuantiseGradOpx> fp8GroupQuantiseGradOpxCreator(
-    kFp8GroupQuantiseGrad);
+popart::popx::OpxCreator<Fp8GroupGradientQuantiseGradOpx> fp8GroupGradientQuantiseGradOpxCreator(
+    kFp8GroupGradientQuantiseGrad);
+popart::popx::OpxCreator<GroupIdentityOpx> groupIdentityOpxCreator(
+    {kFp8GroupQuantiseGrad, kFp8GroupGradientQuantise});
 }  // namespace
 
 }  // namespace ius_custom_ops

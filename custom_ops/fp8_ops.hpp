@@ -11,6 +11,8 @@
 //   Fp8GroupQuantise     x -> decode(cast(x * 2^s)) * 2^-s with s per group (rowwise,
 //                          block, MX), log2_scales, non_finite    (fp8_group_quantise.cpp)
 //                          grad op: dx = dy
+//   Fp8GroupGradientQuantise  x -> x                              (fp8_group_quantise.cpp)
+//                          grad op: dx = dy cast as Fp8GroupQuantise casts x
 //
 // Scaling-bias convention, as everywhere in the project: q = cast(x * 2^s),
 // s = clamp(floor(log2(max / amax)) - margin, -31, 31), s = 0 for amax 0.

@@ -1,25 +1,29 @@
 """The package's PopART custom ops on the PopTorch stand-in, as any op library's would run.
 
 On an IPU, ``custom_ops/`` builds a library that registers ``Fp8Quantise``,
-``Fp8GradientQuantise``, ``Fp8GroupQuantise``, ``ScaledIdentity`` and ``Fp8AmaxCast`` (domain
-``ai.graphcore.unit_scaling``) with PopART, and the IPU backend calls them through
-``poptorch.custom_op``. The stand-in has no PopART: :func:`register_with_standin` gives it
-their host numerics instead (:mod:`ipu_standins.poptorch_custom_ops`), the package's
-``torch.library`` ops, which compute what the PopART ops compute. ``Fp8GroupQuantise`` (the
-grouped recipes: rowwise, block, MX) is ``ipu_unit_scaling::fp8_group_quantise``, which runs
-its codelets tile by tile (:mod:`ipu_unit_scaling.fp8.codelet_blocks`). Importing this module
+``Fp8GradientQuantise``, ``Fp8GroupQuantise``, ``Fp8GroupGradientQuantise``,
+``ScaledIdentity`` and ``Fp8AmaxCast`` (domain ``ai.graphcore.unit_scaling``) with PopART, and
+the IPU backend calls them through ``poptorch.custom_op``. The stand-in has no PopART:
+:func:`register_with_standin` gives it their host numerics instead
+(:mod:`ipu_standins.poptorch_custom_ops`), the package's ``torch.library`` ops, which compute
+what the PopART ops compute. ``Fp8GroupQuantise`` (the grouped recipes: rowwise, block, MX) is
+``ipu_unit_scaling::fp8_group_quantise``, which runs its codelets tile by tile
+(:mod:`ipu_unit_scaling.fp8.codelet_blocks`); ``Fp8GroupGradientQuantise``, the identity whose
+gradient that op casts, is ``ipu_unit_scaling::fp8_group_quantise_gradient``
+(:mod:`ipu_unit_scaling.fp8.group_cast_ops`). Importing this module
 registers them, so that naming it in ``$POPTORCH_STANDIN_OP_LIBRARIES`` (as ``ipu-unit-scaling
 emulate`` does) gives a program's subprocesses the same ops.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from ipu_standins import poptorch_custom_ops
 
 from ..fp8.codelet_blocks import GROUP_QUANTISE_OP
+from ..fp8.group_cast_ops import GROUP_GRADIENT_QUANTISE_OP
 from .poptorch.fp8_custom_op import (
     DOMAIN,
     GRADIENT_QUANTISE_OP,
@@ -37,6 +41,7 @@ HOST_TORCH_OPS = {
     GRADIENT_QUANTISE_OP: "ipu_unit_scaling::fp8_quantise_gradient",
     SCALED_IDENTITY_OP: "ipu_unit_scaling::scaled_identity",
     GROUP_QUANTISE_OP: "ipu_unit_scaling::fp8_group_quantise",
+    GROUP_GRADIENT_QUANTISE_OP: "ipu_unit_scaling::fp8_group_quantise_gradient",
 }
 
 
@@ -73,27 +78,37 @@ def _amax_cast(inputs: List[torch.Tensor], attributes: Dict[str, Any]) -> List[t
             torch.tensor(0, dtype=torch.int32)]
 
 
+def _group_attributes(attributes: Dict[str, Any]) -> Tuple[Any, ...]:
+    """The grouped ops' attributes with the PopART ops' defaults."""
+    return (str(attributes.get("format", "F143")), str(attributes.get("grouping", "tile")),
+            int(attributes.get("group_size", 128)), str(attributes.get("rule", "amax")),
+            str(attributes.get("scale_rounding", "floor")), int(attributes.get("margin", 0)),
+            bool(attributes.get("saturate", 1)))
+
+
 def _group_quantise(inputs: List[torch.Tensor], attributes: Dict[str, Any]
                     ) -> List[torch.Tensor]:
     return list(torch.ops.ipu_unit_scaling.fp8_group_quantise(
-        inputs[0], str(attributes.get("format", "F143")),
-        str(attributes.get("grouping", "tile")), int(attributes.get("group_size", 128)),
-        str(attributes.get("rule", "amax")), str(attributes.get("scale_rounding", "floor")),
-        int(attributes.get("margin", 0)), bool(attributes.get("saturate", 1))))
+        inputs[0], *_group_attributes(attributes)))
+
+
+def _group_quantise_gradient(inputs: List[torch.Tensor], attributes: Dict[str, Any]
+                             ) -> List[torch.Tensor]:
+    return [torch.ops.ipu_unit_scaling.fp8_group_quantise_gradient(
+        inputs[0], *_group_attributes(attributes))]
 
 
 def register_with_standin() -> None:
-    """Register the five ops' host numerics with the PopTorch stand-in (again: a no-op)."""
+    """Register the six ops' host numerics with the PopTorch stand-in (again: a no-op)."""
     from ..fp8 import cast_ops  # noqa: F401  (defines the torch.library ops)
     from ..ops import scaled_identity  # noqa: F401
 
     numerics = {QUANTISE_OP: _quantise, GRADIENT_QUANTISE_OP: _quantise_gradient,
-                SCALED_IDENTITY_OP: _scaled_identity}
+                SCALED_IDENTITY_OP: _scaled_identity, GROUP_QUANTISE_OP: _group_quantise,
+                GROUP_GRADIENT_QUANTISE_OP: _group_quantise_gradient}
     for name, function in numerics.items():
         poptorch_custom_ops.register_op(DOMAIN, name, function, torch_op=HOST_TORCH_OPS[name])
     poptorch_custom_ops.register_op(DOMAIN, OP_NAME, _amax_cast)
-    poptorch_custom_ops.register_op(DOMAIN, GROUP_QUANTISE_OP, _group_quantise,
-                                    torch_op=HOST_TORCH_OPS[GROUP_QUANTISE_OP])
 
 
 register_with_standin()

@@ -36,8 +36,9 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import numpy as np
 import torch
 
-from . import MAX_LOG2_SCALE, FP8Format, NonFiniteAmaxError, get_format
 from . import host_library as _host
+from .fp8_formats import FP8Format, get_format
+from .scaling import MAX_LOG2_SCALE, NonFiniteAmaxError
 
 __all__ = [
     "IPU_TILES", "IPU_WORKERS", "EmulatedCast", "Interval", "Region", "TileMapping",

@@ -303,7 +303,7 @@ def fp8_linear(
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"x has {x.shape[-1]} features but weight expects {weight.shape[-1]}")
     config = config or _DEFAULT_CONFIG
-    if recipe_applies(config) and not is_ipu_tracing():
+    if recipe_applies(config):  # (traced too: recipe_linear has its PopTorch form)
         return recipe_linear(x, weight, bias, config, site, amax_history=amax_history,
                              use_scaled_mm=use_scaled_mm)
     if is_ipu_tracing():
@@ -427,7 +427,7 @@ class FP8Linear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if recipe_applies(self.config) and not is_ipu_tracing():
+        if recipe_applies(self.config):
             return self._recipe_forward(x, bias=self.bias)
         return fp8_linear(x, self.weight, self.bias, self.config, self.site, self.use_scaled_mm)
 
@@ -497,7 +497,7 @@ class FP8UnitScaledLinear(FP8Linear):
         if rule is not None and x.dim() >= 2:
             grad_weight_scale *= rule.weight_grad_scale(x.shape[-2])
             bias_scale *= rule.bias_grad_scale(x.shape[-2])
-        if recipe_applies(self.config) and not is_ipu_tracing():
+        if recipe_applies(self.config):
             scales = (output_scale, grad_input_scale, grad_weight_scale, bias_scale)
             return self._recipe_forward(x, scales, self.bias)
         if values_path_applies(x, self.weight, self.bias, self.use_scaled_mm):

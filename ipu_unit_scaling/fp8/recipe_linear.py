@@ -27,6 +27,11 @@ float8 tensors with ``torch._scaled_mm`` and the per-row power-of-two scales (by
 with OCP formats and sizes that divide by 16; forced on, it runs on CPU too, to check it): the
 products of FP8 values are exact in float32, so it differs from the simulation only in the
 order of the float32 sums.
+
+Traced for PopTorch (inside :func:`~ipu_unit_scaling.ops.trace_switch.ipu_tracing`, or while
+a program's ``poptorch`` traces), the rowwise, block and MX recipes take a form built from
+graph ops alone (:func:`traced_recipe_linear`), since PopART differentiates the forward graph
+and never runs this module's backward pass; delayed and NVFP4 scaling have no such form.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..ops.trace_switch import is_ipu_tracing
 from .fp8_config import FP8Config
 from .fp8_formats import FP8Format
 from .group_cast import GroupCast, Grouping, group_cast, group_cast_pair
@@ -42,7 +48,8 @@ from .stats import stats_enabled
 from .values import quantise_values
 
 __all__ = ["HISTORY_ROLES", "recipe_applies", "recipe_linear", "new_amax_history",
-           "delayed_log2_scale", "role_cast", "rowwise_scaled_mm_supported"]
+           "delayed_log2_scale", "role_cast", "rowwise_scaled_mm_supported",
+           "traced_recipe_linear"]
 
 HISTORY_ROLES = ("input", "weight", "grad_output")
 _UNSCALED = (1.0, 1.0, 1.0, 1.0)
@@ -267,6 +274,101 @@ class _RecipeLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
+def _check_traced(config: FP8Config) -> None:
+    if config.scaling == "delayed":
+        raise ValueError(
+            "the delayed recipe has no PopTorch form: its amax history is updated on the "
+            "host between steps (trace with 'amax' or a grouped recipe)")
+    if config.scaling == "nvfp4":
+        raise ValueError("the nvfp4 recipe has no PopTorch form: the IPU's grouped cast "
+                         "(Fp8GroupQuantise) has no E4M3 block scales nor E2M1 elements")
+    if config.rounding != "nearest":
+        raise ValueError("FP8 under ipu_tracing() rounds to nearest: the grouped custom ops "
+                         "have no stochastic rounding (set rounding: nearest)")
+
+
+def _traced_cast(t: torch.Tensor, config: FP8Config, role: str, gradient: bool = False
+                 ) -> torch.Tensor:
+    """``t``'s cast in ``role`` grouped along its last dimension, as one custom op: the
+    values (``Fp8GroupQuantise``), or the identity whose gradient is cast
+    (``Fp8GroupGradientQuantise``)."""
+    # Imported when first traced: the ops' module loads the codelets' host emulation, which
+    # the eager form never needs.
+    from .group_cast_ops import grouped_quantise, grouped_quantise_gradient
+
+    grouping, rule = _grouping(config, role)
+    cast = grouped_quantise_gradient if gradient else grouped_quantise
+    return cast(t, _role_format(config, role).name, grouping, rule, _role_margin(config, role),
+                config.overflow == "saturate", config.scale_rounding)
+
+
+def _gradient_only(t: torch.Tensor) -> torch.Tensor:
+    """Zero (for finite ``t``) whose gradient reaches ``t`` whole."""
+    return t - t.detach()
+
+
+def traced_recipe_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         config: FP8Config,
+                         scales: Tuple[float, float, float, float] = _UNSCALED) -> torch.Tensor:
+    """The PopTorch form of :func:`recipe_linear` for the rowwise, block and MX recipes, from
+    the grouped custom ops and ordinary differentiable ops.
+
+    The value is the product of the operands cast along K by ``Fp8GroupQuantise``. Each
+    backward GEMM casts its operands along its own reduction dimension, but PopART's autodiff
+    multiplies a gradient by the forward values of a product's operands, so each gradient
+    comes from a product of its own, added as ``p - p.detach()`` (zero in value, for finite
+    ``p``). ``Q(t)`` below is ``t`` cast along its last dimension:
+
+    - input gradient: ``x @ Q(w.T)`` (the weight cast along N), its output through
+      ``Fp8GroupGradientQuantise``, so ``dx = Q(dy) @ Q(w.T).T``. Under "block", whose weight
+      blocks are square, ``Q(w.T)`` is the forward cast transposed, and the value's product
+      serves (its input cast passes the gradient straight through): one product fewer;
+    - weight gradient: ``(w @ Q(x.T)).T`` (the input cast along M), the product through
+      ``Fp8GroupGradientQuantise`` before the transpose, so that ``dy.T`` is cast along M:
+      ``dw = Q(dy.T) @ Q(x.T).T``; with ``grad_weight_high_precision``, ``(w @ x.T).T`` and
+      no casts.
+
+    These are the eager form's casts and GEMMs (the casts' values bit for bit); a layer whose
+    input and weight both take gradients holds two (block) or three forward products instead
+    of one, a gradient no one asks for (``requires_grad``, grad mode) none. ``scales`` are
+    applied as the eager form applies them, by the package's scale ops (``ScaledIdentity``
+    when traced).
+    """
+    from ..ops.scaling_primitive import scale_bwd, scale_fwd
+
+    _check_traced(config)
+    if x.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"x has {x.shape[-1]} features but weight expects {weight.shape[-1]}")
+    # A gradient's product is there only where autograd (PopART) will ask for the gradient.
+    need_x = torch.is_grad_enabled() and x.requires_grad
+    need_w = torch.is_grad_enabled() and weight.requires_grad
+    block = config.scaling == "block"
+    x2 = x.reshape(-1, x.shape[-1])
+    w_rows = _traced_cast(weight.detach(), config, "weight")
+    x_rows = _traced_cast(scale_bwd(x2, scales[1]) if block and need_x else x2.detach(),
+                          config, "input")
+    y = torch.nn.functional.linear(x_rows, w_rows)
+    if block and need_x:
+        y = _traced_cast(y, config, "grad_output", gradient=True)
+    elif need_x:
+        w_columns = _traced_cast(weight.detach().t(), config, "weight")
+        grad_x = torch.matmul(scale_bwd(x2, scales[1]), w_columns)
+        y = y + _gradient_only(_traced_cast(grad_x, config, "grad_output", gradient=True))
+    if need_w:
+        w = scale_bwd(weight, scales[2])
+        if config.grad_weight_high_precision:
+            grad_w = torch.matmul(w, x2.detach().t())
+        else:
+            x_columns = _traced_cast(x2.detach().t(), config, "input")
+            grad_w = _traced_cast(torch.matmul(w, x_columns), config, "grad_output",
+                                  gradient=True)
+        y = y + _gradient_only(grad_w.t())
+    y = scale_fwd(y, scales[0])
+    if bias is not None:
+        y = y + scale_bwd(bias, scales[3])
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
 def recipe_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   config: FP8Config, site: str = "linear",
                   scales: Tuple[float, float, float, float] = _UNSCALED,
@@ -281,10 +383,15 @@ def recipe_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     autograd records this call). ``use_scaled_mm`` (rowwise only): None picks
     ``torch._scaled_mm`` where :func:`rowwise_scaled_mm_supported` says so, True forces it,
     False never uses it.
+
+    Traced for PopTorch it is :func:`traced_recipe_linear` (``amax_history``,
+    ``update_history`` and ``use_scaled_mm`` then play no part).
     """
     if not recipe_applies(config):
         raise ValueError(f"recipe_linear is for the delayed and grouped recipes, not "
                          f"{config.scaling!r}")
+    if is_ipu_tracing():
+        return traced_recipe_linear(x, weight, bias, config, scales)
     if config.scaling == "delayed":
         if amax_history is None:
             raise ValueError("delayed scaling keeps an amax history: use an FP8Linear (e.g. "

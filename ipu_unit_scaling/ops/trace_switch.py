@@ -14,17 +14,20 @@ The FP8 custom ops have two implementations of the same numerics: the ``torch.li
 (see :mod:`ipu_unit_scaling.fp8.cast_ops`, used on the CPU and by the emulator) and PopTorch's
 ``poptorch.custom_op`` calls into the PopART ops built from ``custom_ops/`` (used when the IPU
 backend traces). The IPU backend passes its implementation to :func:`ipu_tracing`, so nothing
-outside the backend layer imports poptorch.
+outside the backend layer imports poptorch. An implementation that also has the grouped casts
+of the rowwise, block and MX recipes is a :class:`GroupQuantiseOps` (see
+:mod:`ipu_unit_scaling.fp8.group_cast_ops`).
 """
 from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Iterator, List, Optional, Protocol
+from typing import Iterator, List, Optional, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["FP8CustomOps", "ipu_tracing", "is_ipu_tracing", "fp8_custom_ops"]
+__all__ = ["FP8CustomOps", "GroupQuantiseOps", "ipu_tracing", "is_ipu_tracing",
+           "fp8_custom_ops"]
 
 
 class FP8CustomOps(Protocol):
@@ -39,6 +42,26 @@ class FP8CustomOps(Protocol):
                           log2_scale: Optional[int] = None) -> torch.Tensor:
         """The identity; its gradient is quantised as :meth:`quantise` does (AMAX scaling when
         ``log2_scale`` is None)."""
+        ...
+
+
+@runtime_checkable
+class GroupQuantiseOps(Protocol):
+    """The grouped casts' two custom ops (``Fp8GroupQuantise`` and
+    ``Fp8GroupGradientQuantise``), in an implementation that has them: each casts a 2-D tensor
+    with one scale per group of ``grouping`` ("row", "tile" or "block", ``group_size`` wide)
+    along its last dimension."""
+
+    def group_quantise(self, x: torch.Tensor, fmt_name: str, grouping: str, group_size: int,
+                       rule: str, scale_rounding: str, margin: int, saturate: bool
+                       ) -> torch.Tensor:
+        """The grouped cast's values in x's dtype; the gradient passes straight through."""
+        ...
+
+    def group_quantise_gradient(self, x: torch.Tensor, fmt_name: str, grouping: str,
+                                group_size: int, rule: str, scale_rounding: str, margin: int,
+                                saturate: bool) -> torch.Tensor:
+        """The identity; its gradient is cast as :meth:`group_quantise` casts."""
         ...
 
 

@@ -26,6 +26,10 @@ from ipu_unit_scaling.fp8 import cast_ops as ops
 from ipu_unit_scaling.fp8 import codelet_blocks as blocks
 from ipu_unit_scaling.fp8 import codelet_emulator as emulator
 from ipu_unit_scaling.fp8 import host_library as _host
+from ipu_unit_scaling.fp8.group_cast_ops import (
+    GROUP_GRADIENT_QUANTISE_OP,
+    group_quantise_attributes,
+)
 from ipu_unit_scaling.ops.trace_switch import ipu_tracing
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
@@ -365,7 +369,10 @@ def test_python_and_cpp_agree_on_op_names_and_attributes():
 def test_the_grouped_ops_cpp_names_and_attributes_are_its_torch_ops():
     source = (REPO / "custom_ops" / "fp8_group_quantise.cpp").read_text()
     registered = set(re.findall(r'\{kDomain,\s*"(\w+)",\s*1,', source))
-    assert registered == {blocks.GROUP_QUANTISE_OP, blocks.GROUP_QUANTISE_OP + "Grad"}
+    assert registered == {blocks.GROUP_QUANTISE_OP, blocks.GROUP_QUANTISE_OP + "Grad",
+                          GROUP_GRADIENT_QUANTISE_OP, GROUP_GRADIENT_QUANTISE_OP + "Grad"}
     read = set(re.findall(r'getAttribute<Attributes::\w+>\(\s*"(\w+)"', source))
-    schema = torch.ops.ipu_unit_scaling.fp8_group_quantise.default._schema
-    assert read == {argument.name for argument in schema.arguments[1:]}
+    for op in (torch.ops.ipu_unit_scaling.fp8_group_quantise,
+               torch.ops.ipu_unit_scaling.fp8_group_quantise_gradient):
+        assert read == {argument.name for argument in op.default._schema.arguments[1:]}
+    assert read == set(group_quantise_attributes("F143", "row", 0, "amax", "floor", 0, True))

@@ -246,14 +246,21 @@ def test_delayed_needs_its_state_and_refuses_a_non_finite_amax():
     assert not history.any()
 
 
-@pytest.mark.parametrize("name", ["delayed", "rowwise", "mx"])
-def test_recipes_without_an_ipu_form_say_so(name):
+@pytest.mark.parametrize("name,error", [("delayed", "no PopTorch form"),
+                                        ("nvfp4", "no PopTorch form"), ("mxfp4", "E2M1")])
+def test_recipes_without_an_ipu_form_say_so(name, error):
+    # (rowwise, block and mx have one: tests/fp8/test_group_cast_ops.py)
     config = FP8Config.from_recipe(name)
     x, weight, _ = operands()
-    with ipu_tracing(), pytest.raises(ValueError, match="per tensor"):
+    with ipu_tracing(), pytest.raises(ValueError, match=error):
         fp8_linear(x, weight, None, config)
+
+
+@pytest.mark.parametrize("name", ["delayed", "rowwise", "mx"])
+def test_fp8_matmul_casts_per_tensor_only(name):
+    x, weight, _ = operands()
     with pytest.raises(ValueError, match="per tensor"):
-        fp8_matmul(x, weight.t(), config)
+        fp8_matmul(x, weight.t(), FP8Config.from_recipe(name))
 
 
 @pytest.mark.skipif(not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fnuz"),

@@ -4,9 +4,11 @@
   it calls ``Fp8AmaxCast``, built from ``custom_ops/``: tile-local amax, scaling bias and cast
   in the Poplar codelets. Everywhere else it runs the host path with the same numerics
   (:func:`ipu_unit_scaling.fp8.cast_to_fp8`: the compiled host cast when built, else torch).
-* :class:`PopTorchFP8CustomOps`: the ``Fp8Quantise``, ``Fp8GradientQuantise`` and
-  ``ScaledIdentity`` ops, with their PopART grad ops, through ``poptorch.custom_op``. It
-  implements :class:`ipu_unit_scaling.ops.trace_switch.FP8CustomOps` and
+* :class:`PopTorchFP8CustomOps`: the ``Fp8Quantise``, ``Fp8GradientQuantise``,
+  ``Fp8GroupQuantise``, ``Fp8GroupGradientQuantise`` and ``ScaledIdentity`` ops, with their
+  PopART grad ops, through ``poptorch.custom_op``. It implements
+  :class:`ipu_unit_scaling.ops.trace_switch.FP8CustomOps`,
+  :class:`~ipu_unit_scaling.ops.trace_switch.GroupQuantiseOps` and
   :class:`ipu_unit_scaling.ops.scaled_identity.ScaledIdentityOp`; the IPU backend passes it to
   ``ipu_tracing(custom_ops=...)`` so that :func:`ipu_unit_scaling.fp8.fp8_quantise`,
   :func:`~ipu_unit_scaling.fp8.fp8_quantise_gradient` and every unit-scaling scale become these
@@ -20,7 +22,7 @@ import ctypes
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Dict, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional
 
 import torch
 
@@ -182,14 +184,18 @@ class PopTorchFP8CustomOps:
         self.needs_library = needs_library
         self._warned_composite = False
 
-    def _custom_op(self, x: torch.Tensor, name: str, attributes: Dict[str, Any]) -> torch.Tensor:
+    def _custom_op(self, x: torch.Tensor, name: str, attributes: Dict[str, Any],
+                   example_outputs: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
+        """Output 0 of the op; the others (``example_outputs`` beyond the first) stay in the
+        graph unread."""
         import importlib
 
         poptorch = importlib.import_module(self.poptorch)
         if self.needs_library:
             load_custom_op_library(self.library_path)
-        # The output has x's shape and dtype; PopTorch only reads the example's metadata.
-        outputs = poptorch.custom_op([x], name, DOMAIN, DOMAIN_VERSION, example_outputs=[x],
+        # Output 0 has x's shape and dtype; PopTorch only reads the examples' metadata.
+        outputs = poptorch.custom_op([x], name, DOMAIN, DOMAIN_VERSION,
+                                     example_outputs=example_outputs or [x],
                                      attributes=attributes)
         return outputs[0]
 
@@ -202,6 +208,29 @@ class PopTorchFP8CustomOps:
                           log2_scale: Optional[int] = None) -> torch.Tensor:
         return self._custom_op(x, GRADIENT_QUANTISE_OP,
                                quantise_attributes(fmt_name, margin, saturate, log2_scale))
+
+    def group_quantise(self, x: torch.Tensor, fmt_name: str, grouping: str, group_size: int,
+                       rule: str, scale_rounding: str, margin: int, saturate: bool
+                       ) -> torch.Tensor:
+        """``Fp8GroupQuantise``'s values (its scales and flags are left in the graph)."""
+        from ...fp8.codelet_blocks import GROUP_QUANTISE_OP, group_scale_shape
+        from ...fp8.group_cast import Grouping
+        from ...fp8.group_cast_ops import group_quantise_attributes
+
+        shape = group_scale_shape(x.shape[0], x.shape[1], Grouping(grouping, group_size))
+        scales = torch.zeros(shape, dtype=torch.int32)
+        attributes = group_quantise_attributes(fmt_name, grouping, group_size, rule,
+                                               scale_rounding, margin, saturate)
+        return self._custom_op(x, GROUP_QUANTISE_OP, attributes, [x, scales, scales])
+
+    def group_quantise_gradient(self, x: torch.Tensor, fmt_name: str, grouping: str,
+                                group_size: int, rule: str, scale_rounding: str, margin: int,
+                                saturate: bool) -> torch.Tensor:
+        """``Fp8GroupGradientQuantise``: the identity, whose grad op casts the gradient."""
+        from ...fp8.group_cast_ops import GROUP_GRADIENT_QUANTISE_OP, group_quantise_attributes
+
+        return self._custom_op(x, GROUP_GRADIENT_QUANTISE_OP, group_quantise_attributes(
+            fmt_name, grouping, group_size, rule, scale_rounding, margin, saturate))
 
     def scaled_identity(self, x: torch.Tensor, fwd_scale: float, bwd_scale: float
                         ) -> torch.Tensor:
