@@ -19,7 +19,7 @@ from typing import List
 import torch
 
 from ipu_unit_scaling.fp8 import F143, cast_to_fp8_reference, codelet_graph
-from ipu_unit_scaling.fp8 import codelet_emulator as emulator
+from ipu_unit_scaling.fp8 import codelets_on_host as on_host
 
 HEADER = ("| layout of x | graph | busiest tile | vertices | edges | remote edges | bytes in "
           "| x elements exchanged | most elements cast on a tile |\n"
@@ -47,8 +47,8 @@ def main() -> int:
     args = parser.parse_args()
     numel = args.rows * args.cols
     layouts = {
-        "matmul (16 x 92 blocks)": emulator.block_mapping(args.rows, args.cols, 16, 92),
-        "flat (even split)": emulator.flat_mapping(numel),
+        "matmul (16 x 92 blocks)": on_host.block_mapping(args.rows, args.cols, 16, 92),
+        "flat (even split)": on_host.flat_mapping(numel),
     }
     single: List[str] = [HEADER]
     shared: List[str] = [HEADER]
@@ -65,10 +65,10 @@ def main() -> int:
     mapping = layouts["matmul (16 x 92 blocks)"]
     x = (torch.randn(args.rows, args.cols, generator=torch.Generator().manual_seed(0))
          * 30).to(torch.float16)
-    partials = emulator.partial_amaxes(x, mapping=mapping)
-    reduction = emulator.reduce_amax(partials, emulator.leaf_tiles(mapping), F143)
+    partials = on_host.partial_amaxes(x, mapping=mapping)
+    reduction = on_host.reduce_amax(partials, on_host.leaf_tiles(mapping), F143)
     exact = x.double().abs().max().item()
-    codes = emulator.cast_to_fp8_vertices(x, F143, mapping=mapping).codes
+    codes = on_host.cast_to_fp8_vertices(x, F143, mapping=mapping).codes
     same_codes = torch.equal(codes, cast_to_fp8_reference(x, F143).codes)
     print(f"\nAmax over the matmul layout, reduced up the tree: {reduction.amax!r}; float64 "
           f"amax: {exact!r}; equal: {reduction.amax == exact}; codes equal the reference: "

@@ -408,8 +408,8 @@ def _fp8_amax_cast(block: Block, namespace: Namespace) -> None:
     assert int(namespace["non_finite"]) == 0
 
 
-@check("emulator")
-def _emulator(block: Block, namespace: Namespace) -> None:
+@check("codelets_on_host")
+def _codelets_on_host(block: Block, namespace: Namespace) -> None:
     x, result = namespace["x"], namespace["result"]
     assert tuple(result.partials.shape) == (1472, 6)  # "[tiles, workers] amaxes"
     assert result.partials.max().item() == x.detach().abs().max().item()
@@ -423,7 +423,7 @@ def _emulator(block: Block, namespace: Namespace) -> None:
     assert tuple(split.shape) == (1472, 6, 2)
     assert int((split[..., 1] - split[..., 0]).sum()) == x.numel()
     # "same codes": the cast laid out as a matmul would equals the flat one.
-    flat = namespace["emulator"].cast_to_fp8_vertices(namespace["activations"], "F143")
+    flat = namespace["on_host"].cast_to_fp8_vertices(namespace["activations"], "F143")
     assert torch.equal(namespace["mapped"].codes, flat.codes)
     assert namespace["mapped"].log2_scale == flat.log2_scale
 

@@ -162,7 +162,7 @@ def test_help_opens_with_a_map_of_every_layer():
 def test_documented_paths_work_in_a_fresh_interpreter():
     """The paths the README documents, imported first thing."""
     code = ("from ipu_unit_scaling.training.run_config import load_config\n"
-            "from ipu_unit_scaling.fp8 import codelet_emulator\n"
+            "from ipu_unit_scaling.fp8 import codelets_on_host\n"
             "from ipu_unit_scaling.backends.poptorch.fp8_custom_op import fp8_amax_cast\n"
             "from ipu_unit_scaling.analysis import record_scales, analyse, ScaleReporter\n"
             "from ipu_unit_scaling.backends import build_training_model, make_optimizer\n"
@@ -170,7 +170,7 @@ def test_documented_paths_work_in_a_fresh_interpreter():
             "from ipu_unit_scaling.models import GPTConfig, build_gpt\n"
             "import ipu_unit_scaling.loop.training_loop as loop\n"
             "assert loop.__spec__.name == 'ipu_unit_scaling.loop.training_loop'\n"
-            "assert codelet_emulator.__name__.endswith('fp8.codelet_emulator')\n")
+            "assert codelets_on_host.__name__.endswith('fp8.codelets_on_host')\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 

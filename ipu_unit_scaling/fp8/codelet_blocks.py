@@ -35,7 +35,7 @@ from ..ops.op_library import LIBRARY
 from ..ops.op_library import below_autograd as _below_autograd
 from . import host_library as _host
 from .codec import check_choice
-from .codelet_emulator import PaddedBuffer
+from .codelets_on_host import PaddedBuffer
 from .fp8_formats import FP8Format, get_format
 from .group_cast import MX_SCALE_LIMIT, Grouping, group_cast
 from .scaling import check_margin
@@ -200,7 +200,7 @@ def _input(x: torch.Tensor) -> torch.Tensor:
     if x.dim() != 2:
         raise ValueError(f"the grouped casts take a 2-D tensor, got shape {tuple(x.shape)}")
     if x.device.type != "cpu":
-        raise ValueError(f"the emulator runs on CPU tensors, got {x.device}")
+        raise ValueError(f"the codelets run on the host take CPU tensors, got {x.device}")
     _host.dtype_code(x.dtype)
     return x.detach().contiguous().reshape(-1)
 

@@ -9,7 +9,7 @@ from typing import List, NamedTuple, Sequence, Tuple
 import numpy as np
 import torch
 
-from .codelet_emulator import (
+from .codelets_on_host import (
     IPU_WORKERS,
     Interval,
     Region,

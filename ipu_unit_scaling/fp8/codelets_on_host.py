@@ -14,7 +14,7 @@ and the ``Fp8Quantise`` op (and the grad op of ``Fp8GradientQuantise``) adds
 whose data lies in several regions of its memory runs the ``...Regions`` variant of a vertex. The
 tree (F = ceil(sqrt(tiles holding input))) is the C++ plan the custom op builds from
 (``codelets/placement.hpp``), and each MultiVertex picks its workers' share itself with the
-C++ split (``codelets/partition.hpp``), so the emulator runs the vertex sources compiled for
+C++ split (``codelets/partition.hpp``), so this module runs the vertex sources compiled for
 the host (``_fp8_host.so``) over the graph's own split. It needs the host library (see
 :func:`ipu_unit_scaling.fp8.host_library.fast_path_status`).
 
@@ -41,7 +41,7 @@ from .fp8_formats import FP8Format, get_format
 from .scaling import MAX_LOG2_SCALE, NonFiniteAmaxError
 
 __all__ = [
-    "IPU_TILES", "IPU_WORKERS", "EmulatedCast", "Interval", "Region", "TileMapping",
+    "IPU_TILES", "IPU_WORKERS", "TileCast", "Interval", "Region", "TileMapping",
     "python_partition", "flat_mapping", "block_mapping", "check_mapping",
     "tile_ranges", "region_length", "AmaxTree", "amax_tree", "region_pieces", "leaf_tiles",
     "partial_amaxes",
@@ -60,7 +60,7 @@ Region = Tuple[Interval, ...]
 TileMapping = List[List[Region]]
 
 
-class EmulatedCast(NamedTuple):
+class TileCast(NamedTuple):
     """What the custom op's graph produces, plus the intermediate the tests look at."""
 
     codes: torch.Tensor  # uint8, shaped like the input
@@ -306,7 +306,7 @@ def _mapping_for(numel: int, tiles: int, mapping: Optional[TileMapping]) -> Tile
 
 def _flat_input(x: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu":
-        raise ValueError(f"the emulator runs on CPU tensors, got {x.device}")
+        raise ValueError(f"the codelets run on the host take CPU tensors, got {x.device}")
     _host.dtype_code(x.dtype)
     return x.detach().contiguous().reshape(-1)
 
@@ -408,7 +408,7 @@ def cast_to_fp8_vertices(
     workers: int = IPU_WORKERS,
     mapping: Optional[TileMapping] = None,
     rotation: int = 0,
-) -> EmulatedCast:
+) -> TileCast:
     """Run ``CastToFp8`` on every tile holding x (after ``PartialAmax``, the ``MaxPartials``
     tree and ``ScalingBias`` when no scale is given): amax, scaling bias and cast to F143/F152,
     vertex by vertex and tile by tile.
@@ -458,7 +458,7 @@ def cast_to_fp8_vertices(
                 inputs, outputs, lengths, count, dtype, exponent_bits, saturate, workers,
                 int(log2_scale))
         _check(status, "CastToFp8")
-    return EmulatedCast(memory.scatter(codes, flat.numel()).reshape(x.shape), int(log2_scale),
+    return TileCast(memory.scatter(codes, flat.numel()).reshape(x.shape), int(log2_scale),
                         partials)
 
 

@@ -11,7 +11,7 @@ this file (a plain C ABI library, loaded with ctypes). It gives two things:
   to float32 values in one pass, for FP8 simulation;
 * :func:`group_quantise`, the block forms of that rounding: one scale per row, 1 x n tile,
   n x 1 column tile or n x n block, for the grouped FP8 recipes;
-* the vertices themselves, which :mod:`ipu_unit_scaling.fp8.codelet_emulator` runs tile by tile.
+* the vertices themselves, which :mod:`ipu_unit_scaling.fp8.codelets_on_host` runs tile by tile.
 
 This module sits below everything else in the package and imports none of it: it reports
 with its own types (:class:`NonFiniteAmax`, :class:`HostLibraryUnavailable`) and plain values.

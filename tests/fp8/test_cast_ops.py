@@ -24,7 +24,7 @@ from ipu_unit_scaling.backends.popxl import codelets as popxl_codelets
 from ipu_unit_scaling.fp8 import F143, F152, fp8_quantise, fp8_quantise_gradient
 from ipu_unit_scaling.fp8 import cast_ops as ops
 from ipu_unit_scaling.fp8 import codelet_blocks as blocks
-from ipu_unit_scaling.fp8 import codelet_emulator as emulator
+from ipu_unit_scaling.fp8 import codelets_on_host as on_host
 from ipu_unit_scaling.fp8 import host_library as _host
 from ipu_unit_scaling.fp8.group_cast_ops import (
     GROUP_GRADIENT_QUANTISE_OP,
@@ -176,7 +176,7 @@ def test_the_op_equals_the_emulated_ipu_graph():
         for fmt_name, margin, saturate in CASES:
             overflow = "saturate" if saturate else "nan"
             for inputs in (x[:99], x):  # a finite amax, then a non-finite one
-                values, scale, flag = emulator.fp8_quantise_graph(inputs, fmt_name, margin=margin,
+                values, scale, flag = on_host.fp8_quantise_graph(inputs, fmt_name, margin=margin,
                                                                     overflow=overflow)
                 assert flag == (inputs.numel() > 100)
                 assert_same_bits(op(inputs, fmt_name, margin, saturate), values)

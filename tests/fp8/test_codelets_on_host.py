@@ -1,4 +1,4 @@
-"""The codelet emulator: vertices run tile by tile must reproduce the torch reference exactly."""
+"""The codelets run on the host: vertices run tile by tile must reproduce the torch reference exactly."""
 from __future__ import annotations
 
 from typing import Dict, Tuple
@@ -17,7 +17,7 @@ from ipu_unit_scaling.fp8 import (
     cast_from_fp8,
     cast_to_fp8_reference,
 )
-from ipu_unit_scaling.fp8 import codelet_emulator as emulator
+from ipu_unit_scaling.fp8 import codelets_on_host as on_host
 from ipu_unit_scaling.fp8 import host_library as _host
 
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
@@ -49,7 +49,7 @@ def test_emulator_matches_torch_reference(size, tiles, dtype):
     for fmt in FORMATS:
         for overflow in POLICIES:
             workers = 6 if overflow == "saturate" else (5 if tiles < 1472 else 1)
-            result = emulator.cast_to_fp8_vertices(x, fmt, overflow=overflow, tiles=tiles,
+            result = on_host.cast_to_fp8_vertices(x, fmt, overflow=overflow, tiles=tiles,
                                                    workers=workers)
             codes, scale = reference(size, dtype, fmt, overflow)
             assert result.log2_scale == scale
@@ -60,7 +60,7 @@ def test_emulator_matches_torch_reference(size, tiles, dtype):
 @pytest.mark.parametrize("tiles,workers", [(1, 1), (4, 6), (1472, 6), (1472, 4)])
 def test_partial_amaxes_reduce_to_the_exact_amax(dtype, tiles, workers):
     x = wide_range_input(100_003, dtype)
-    partials = emulator.partial_amaxes(x, tiles, workers)
+    partials = on_host.partial_amaxes(x, tiles, workers)
     assert partials.shape == (tiles, workers)
     assert partials.max().item() == x.abs().max().float().item()
     bounds = _host.partition(x.numel(), tiles, workers).reshape(-1, 2).tolist()
@@ -73,10 +73,10 @@ def test_nan_wins_in_the_partial_amax():
     x = torch.randn(10_000)
     x[1234] = float("nan")
     x[5000] = float("inf")
-    partials = emulator.partial_amaxes(x, 4, 6)
+    partials = on_host.partial_amaxes(x, 4, 6)
     assert partials.isnan().sum() == 1 and partials.isinf().sum() == 1
     with pytest.raises(NonFiniteAmaxError):
-        emulator.cast_to_fp8_vertices(x, F143, tiles=4)
+        on_host.cast_to_fp8_vertices(x, F143, tiles=4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
@@ -90,7 +90,7 @@ def test_special_values(dtype, fmt, overflow):
               float("inf"), float("-inf"), float("nan")]
     x = torch.tensor(values * 3, dtype=torch.float32).to(dtype)
     for scale in (0, 2, -2):
-        result = emulator.cast_to_fp8_vertices(x, fmt, log2_scale=scale, overflow=overflow, tiles=4)
+        result = on_host.cast_to_fp8_vertices(x, fmt, log2_scale=scale, overflow=overflow, tiles=4)
         expected = cast_to_fp8_reference(x, fmt, log2_scale=scale, overflow=overflow)
         assert result.partials is None and result.log2_scale == scale
         assert torch.equal(result.codes, expected.codes), scale
@@ -99,10 +99,10 @@ def test_special_values(dtype, fmt, overflow):
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_zeros_and_extremes_with_amax_scaling(fmt):
     zeros = torch.zeros(1000)
-    result = emulator.cast_to_fp8_vertices(zeros, fmt, tiles=8)
+    result = on_host.cast_to_fp8_vertices(zeros, fmt, tiles=8)
     assert result.log2_scale == 0 and int(result.codes.sum()) == 0
     extremes = torch.tensor([fmt.max, -fmt.max, 1.0, -(2.0**-20)] * 50)
-    result = emulator.cast_to_fp8_vertices(extremes, fmt, margin=1, tiles=8)
+    result = on_host.cast_to_fp8_vertices(extremes, fmt, margin=1, tiles=8)
     expected = cast_to_fp8_reference(extremes, fmt, margin=1)
     assert result.log2_scale == expected.log2_scale == -1
     assert torch.equal(result.codes, expected.codes)
@@ -113,7 +113,7 @@ def test_zeros_and_extremes_with_amax_scaling(fmt):
 def test_cast_from_fp8_decodes_every_code(fmt, dtype):
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(5)
     for scale in (0, 3, -4):
-        decoded = emulator.cast_from_fp8_vertices(codes, fmt, scale, dtype=dtype, tiles=3)
+        decoded = on_host.cast_from_fp8_vertices(codes, fmt, scale, dtype=dtype, tiles=3)
         oracle = codes.numpy().view(ML_DTYPES[fmt.name]).astype(np.float32) * 2.0**-scale
         expected = torch.from_numpy(oracle.astype(np.float32)).to(dtype)
         assert torch.equal(decoded.isnan(), expected.isnan())
@@ -129,7 +129,7 @@ def test_cast_from_fp8_decodes_every_code(fmt, dtype):
 @pytest.mark.parametrize("tiles,workers", [(1, 1), (1, 6), (4, 6), (7, 3), (1472, 6)])
 def test_cpp_partition_is_the_python_one(numel, tiles, workers):
     assert torch.equal(_host.partition(numel, tiles, workers),
-                       emulator.python_partition(numel, tiles, workers, _host.partition_grain()))
+                       on_host.python_partition(numel, tiles, workers, _host.partition_grain()))
 
 
 @pytest.mark.parametrize("numel", [1, 9, 1472 * 6 + 5, 123_457, 1 << 20])
@@ -152,7 +152,7 @@ def test_partition_covers_everything_once_in_aligned_balanced_slices(numel, tile
 
 
 def test_uneven_slices_and_empty_tiles_appear_on_a_full_ipu():
-    bounds = _host.partition(1472 * 6 + 5, emulator.IPU_TILES, emulator.IPU_WORKERS)
+    bounds = _host.partition(1472 * 6 + 5, on_host.IPU_TILES, on_host.IPU_WORKERS)
     tile_sizes = (bounds[:, -1, 1] - bounds[:, 0, 0]).tolist()
     assert set(tile_sizes) == {0, 5, 8}
     assert tile_sizes.count(0) == 1472 - 1105
@@ -164,7 +164,7 @@ def test_half_decode_rounds_to_nearest_even_at_every_scale(fmt):
     # the vertex's integer conversion to half must round as numpy's float32 -> float16 does.
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     for scale in range(-31, 32):
-        decoded = emulator.cast_from_fp8_vertices(codes, fmt, scale, dtype=torch.float16, tiles=2)
+        decoded = on_host.cast_from_fp8_vertices(codes, fmt, scale, dtype=torch.float16, tiles=2)
         with np.errstate(over="ignore"):
             oracle = (codes.numpy().view(ML_DTYPES[fmt.name]).astype(np.float32)
                       * np.float32(2.0**-scale)).astype(np.float16)
@@ -182,9 +182,9 @@ def test_half_decode_hits_ties_overflow_and_subnormals():
     codes = torch.tensor([0x08, 0x0A, 0x0E, 0x7F, 0xFF], dtype=torch.uint8)  # F152 codes
     values = cast_from_fp8(Fp8Tensor(codes, 0, F152), torch.float32)
     assert values.tolist() == [2.0**-14, 1.5 * 2.0**-14, 1.5 * 2.0**-13, 57344.0, -57344.0]
-    out = emulator.cast_from_fp8_vertices(codes, F152, 11, dtype=torch.float16, tiles=1)
+    out = on_host.cast_from_fp8_vertices(codes, F152, 11, dtype=torch.float16, tiles=1)
     assert out[:3].tolist() == [0.0, 2.0**-24, 2.0**-23]
-    out = emulator.cast_from_fp8_vertices(codes, F152, -31, dtype=torch.float16, tiles=1)
+    out = on_host.cast_from_fp8_vertices(codes, F152, -31, dtype=torch.float16, tiles=1)
     assert out[3:].tolist() == [float("inf"), float("-inf")]
 
 

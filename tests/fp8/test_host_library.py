@@ -179,24 +179,24 @@ def amax_sweep() -> list:
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 def test_scaling_bias_vertex_matches_python_rule_across_the_sweep(fmt):
-    from ipu_unit_scaling.fp8 import codelet_emulator as emulator
+    from ipu_unit_scaling.fp8 import codelets_on_host as on_host
 
     for amax in amax_sweep():
         for margin in (0, 1, 3):
             expected = max(-31, min(31, exact_floor_log2_ratio(fmt.max, amax) - margin))
             assert log2_scale(amax, fmt, margin) == expected
             partials = torch.tensor([[amax / 2, -amax], [0.0, amax / 3]], dtype=torch.float32)
-            assert emulator.scaling_bias_vertex(partials, fmt, margin) == (expected, False), amax
+            assert on_host.scaling_bias_vertex(partials, fmt, margin) == (expected, False), amax
 
 
 def test_scaling_bias_edge_cases():
-    from ipu_unit_scaling.fp8 import codelet_emulator as emulator
+    from ipu_unit_scaling.fp8 import codelets_on_host as on_host
 
-    assert emulator.scaling_bias_vertex(torch.zeros(6), F143) == (0, False)
-    assert emulator.scaling_bias_vertex(torch.tensor([1.0, float("nan")]), F143) == (0, True)
-    assert emulator.scaling_bias_vertex(torch.tensor([float("inf"), 1.0]), F152) == (0, True)
-    assert emulator.scaling_bias_vertex(torch.tensor([2.0**-100]), F143) == (31, False)
-    assert emulator.scaling_bias_vertex(torch.tensor([3e38]), F152) == (-31, False)
+    assert on_host.scaling_bias_vertex(torch.zeros(6), F143) == (0, False)
+    assert on_host.scaling_bias_vertex(torch.tensor([1.0, float("nan")]), F143) == (0, True)
+    assert on_host.scaling_bias_vertex(torch.tensor([float("inf"), 1.0]), F152) == (0, True)
+    assert on_host.scaling_bias_vertex(torch.tensor([2.0**-100]), F143) == (31, False)
+    assert on_host.scaling_bias_vertex(torch.tensor([3e38]), F152) == (-31, False)
 
 
 def test_status_explains_a_missing_library(monkeypatch, tmp_path):

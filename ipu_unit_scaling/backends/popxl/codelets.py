@@ -10,8 +10,8 @@ creates in the graph as PopXL's user guide does for custom ops (``create_op_in_g
 ParameterizedOp bindings, cppimport, pybind11 2.6.2: the release ``popart._internal.ir`` is
 built with, whose types the binding's functions take). On the PopXL stand-in
 (:mod:`ipu_standins.popxl`) the same vertices run on the host, through
-:mod:`ipu_unit_scaling.fp8.codelet_emulator`, over a few tiles (the result does not depend on
-the split; ``tests/fp8/test_codelet_emulator.py`` shows it).
+:mod:`ipu_unit_scaling.fp8.codelets_on_host`, over a few tiles (the result does not depend on
+the split; ``tests/fp8/test_codelets_on_host.py`` shows it).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ MODULE_NAME = "ius_popxl_ops"  # the PYBIND11_MODULE name
 BINDING_ENV = "IPU_UNIT_SCALING_POPXL_OPS"
 SOURCE = Path(__file__).resolve().parents[3] / "custom_ops" / "popxl_fp8_amax_cast.cpp"
 POPART_PYBIND11 = "2.6.2"  # the pybind11 release PopART's Python bindings are built with
-_STAND_IN_TILES = 16  # the emulator's split, for the stand-in only
+_STAND_IN_TILES = 16  # the host run's split, for the stand-in only
 
 Tensor = Any
 
@@ -141,16 +141,16 @@ def _stand_in(x: Tensor, fmt: FP8Format, margin: int, saturate: bool
     import ipu_standins.popxl as standin
     from ipu_standins.popxl_custom_ops import add_op
 
-    from ...fp8 import codelet_emulator as emulator
+    from ...fp8 import codelets_on_host as on_host
 
     overflow = "saturate" if saturate else "nan"
 
     def run(values: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-        layout = emulator.flat_mapping(values.numel(), _STAND_IN_TILES)
-        partials = emulator.partial_amaxes(values, mapping=layout)
-        reduction = emulator.reduce_amax(partials, emulator.leaf_tiles(layout), fmt, margin)
+        layout = on_host.flat_mapping(values.numel(), _STAND_IN_TILES)
+        partials = on_host.partial_amaxes(values, mapping=layout)
+        reduction = on_host.reduce_amax(partials, on_host.leaf_tiles(layout), fmt, margin)
         scale, non_finite = reduction.log2_scale, reduction.non_finite
-        cast = emulator.cast_to_fp8_vertices(values, fmt, scale, overflow=overflow, mapping=layout)
+        cast = on_host.cast_to_fp8_vertices(values, fmt, scale, overflow=overflow, mapping=layout)
         return (cast.codes, torch.tensor(scale, dtype=torch.int32),
                 torch.tensor(int(non_finite), dtype=torch.int32))
 
