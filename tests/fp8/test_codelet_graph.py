@@ -1,8 +1,9 @@
 """Where the FP8 graph puts its vertices: the amax tree, vertices on the input's own tiles.
 
 The plan is C++ (codelets/placement.hpp, codelets/partition.hpp) shared by the custom op's
-graph construction and, through the host library, by the codelets run on the host and their graph model; these
-tests check the plan against its stated rule, run the vertices over it, and count the graph.
+graph construction and, through the host library, by the codelets run on the host and their
+graph model; these tests check the plan against its stated rule, run the vertices over it,
+and count the graph.
 """
 from __future__ import annotations
 

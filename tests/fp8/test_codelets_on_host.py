@@ -1,4 +1,4 @@
-"""The codelets run on the host: vertices run tile by tile must reproduce the torch reference exactly."""
+"""The codelets run on the host: vertices run tile by tile reproduce the torch reference exactly."""
 from __future__ import annotations
 
 from typing import Dict, Tuple

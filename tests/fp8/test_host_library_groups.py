@@ -86,7 +86,8 @@ def test_group_scales_at_every_amax_exponent_match_the_portable_loops(rule, rest
     the AMAX rule (+-31) and of MX's shared exponent (+-127), and every comparison."""
     fmt_name, kernel_rule, fmt_max, emax, margin, step = rule
     top = torch.tensor(fmt_max).frexp().mantissa.item() * 2  # the format max's significand
-    significands = torch.tensor([1.0, top - 2.0 ** -20, top, min(top + 2.0 ** -20, 2.0 - 2.0 ** -23)])
+    significands = torch.tensor([1.0, top - 2.0 ** -20, top,
+                                 min(top + 2.0 ** -20, 2.0 - 2.0 ** -23)])
     exponents = torch.arange(-126, 128, dtype=torch.float32)
     amax = (significands[:, None] * torch.exp2(exponents)[None, :]).reshape(-1)
     amax = amax[torch.isfinite(amax)]
