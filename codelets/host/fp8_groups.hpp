@@ -665,7 +665,31 @@ IUS_AVX512 bool pairChunk512(const float* in, float* out, const Layout& l,
   pair.tileKeys.resize(static_cast<std::size_t>(rows * perRow));
   unsigned* key = keys.data();
   const __m512i magnitudeMask = _mm512_set1_epi32(0x7fffffff);
-  for (Index r = r0; r < r1; ++r) {
+  Index r = r0;
+  for (; r + 4 <= r1; r += 4) {  // four rows a pass: one load and store of the column keys
+    const float* row = in + r * l.cols + c0;
+    unsigned* tileKey = pair.tileKeys.data() + (r - r0) * perRow;
+    for (Index t = 0; t < perRow; ++t) {
+      __m512i m0 = _mm512_setzero_si512(), m1 = m0, m2 = m0, m3 = m0;
+      for (Index c = t * size; c < (t + 1) * size; c += 16) {
+        const __m512i v0 = _mm512_and_si512(_mm512_loadu_si512(row + c), magnitudeMask);
+        const __m512i v1 = _mm512_and_si512(_mm512_loadu_si512(row + l.cols + c), magnitudeMask);
+        const __m512i v2 = _mm512_and_si512(_mm512_loadu_si512(row + 2 * l.cols + c), magnitudeMask);
+        const __m512i v3 = _mm512_and_si512(_mm512_loadu_si512(row + 3 * l.cols + c), magnitudeMask);
+        const __m512i rows = _mm512_max_epu32(_mm512_max_epu32(v0, v1), _mm512_max_epu32(v2, v3));
+        _mm512_storeu_si512(key + c, _mm512_max_epu32(_mm512_loadu_si512(key + c), rows));
+        m0 = _mm512_max_epu32(m0, v0);
+        m1 = _mm512_max_epu32(m1, v1);
+        m2 = _mm512_max_epu32(m2, v2);
+        m3 = _mm512_max_epu32(m3, v3);
+      }
+      tileKey[t] = _mm512_reduce_max_epu32(m0);
+      tileKey[perRow + t] = _mm512_reduce_max_epu32(m1);
+      tileKey[2 * perRow + t] = _mm512_reduce_max_epu32(m2);
+      tileKey[3 * perRow + t] = _mm512_reduce_max_epu32(m3);
+    }
+  }
+  for (; r < r1; ++r) {
     const float* row = in + r * l.cols + c0;
     unsigned* tileKey = pair.tileKeys.data() + (r - r0) * perRow;
     for (Index t = 0; t < perRow; ++t) {
