@@ -4,7 +4,8 @@ PopTorch compiles a model in steps that decide what it computes:
 
 1. it runs the forward pass once, recording the ATen ops that reach its dispatcher (after
    PyTorch's own decompositions); ``.item()`` and other reads of a tensor on the host are
-   refused, so are moves to the CPU, and float8 tensors cannot cross;
+   refused, so are moves to the CPU, and float8 tensors cannot cross; a CPU tensor made inside
+   ``forward`` (see `_IPU_FACTORIES`) cannot meet an IPU tensor in an op;
 2. ops whose inputs are all compile-time constants are evaluated on the host; every other op
    needs a handler, and some handlers refuse some arguments (:mod:`._handlers`);
 3. PopART differentiates that forward graph: a ``torch.autograd.Function``'s ``forward`` is
@@ -65,6 +66,42 @@ class PopTorchReport:
         return "\n".join(lines)
 
 
+# The factory functions that PopTorch makes on the IPU while it traces when no device is given
+# (`_SetDefaultDeviceType`, `_poplar_executor.py`). Any other way of making a tensor without a
+# device inside ``forward`` (``torch.eye``, ``torch.as_tensor``, ``torch.from_numpy``, a legacy
+# constructor such as ``torch.LongTensor([1, 0])``) makes a CPU tensor, and PopTorch's
+# dispatcher refuses a CPU tensor among an op's IPU inputs (`TypeInferenceHandler::toMeta`).
+_IPU_FACTORIES = frozenset(getattr(torch, name) for name in (
+    "arange", "empty", "full", "full_like", "linspace", "logspace", "ones", "rand", "randint",
+    "randn", "randperm", "range", "tensor", "zeros", "zeros_like", "normal")
+    if hasattr(torch, name))
+# What a legacy constructor dispatches, with no torch function around it.
+_LEGACY_CONSTRUCTOR_OPS = frozenset(("lift_fresh", "empty"))
+# Ops that take a CPU tensor next to an IPU one: a copy onto the IPU uploads a constant
+# (`copy_` in `RegisterAtenOverloads.cpp`).
+_UPLOADS = frozenset(("copy_", "copy", "_to_copy"))
+# c10's names of the dtypes, as PopTorch's errors print them.
+_C10_DTYPE_NAMES = {
+    torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short", torch.int32: "Int",
+    torch.int64: "Long", torch.float16: "Half", torch.float32: "Float", torch.float64: "Double",
+    torch.bool: "Bool", torch.bfloat16: "BFloat16"}
+
+
+def _names_ipu(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.split(":")[0] == "ipu"
+    return isinstance(value, torch.device) and value.type == "ipu"
+
+
+def _on_host(value: Any) -> Any:
+    """``device="ipu"`` (what PopTorch programs ask for while tracing) as the host's CPU."""
+    if isinstance(value, str) and _names_ipu(value):
+        return "cpu"
+    if isinstance(value, torch.device) and _names_ipu(value):
+        return torch.device("cpu")
+    return value
+
+
 def _is_float8(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and str(value.dtype).startswith("torch.float8")
 
@@ -120,6 +157,11 @@ class _PopTorchRules(TorchDispatchMode):
         # id -> tensor of the views that are slices with a step other than 1 (or views of
         # one), which PopTorch cannot modify in place.
         self._strided: Dict[int, torch.Tensor] = {}
+        # id -> tensor of the CPU tensors made inside forward (see `_IPU_FACTORIES`).
+        self._cpu: Dict[int, torch.Tensor] = {}
+        # > 0 while a torch function called from Python runs (see `_PopTorchCalls`): an op
+        # dispatched outside any comes from C++, such as a legacy constructor.
+        self.python_calls = 0
 
     def where(self) -> str:
         return self.scopes[-1] if self.scopes else "<model>"
@@ -134,6 +176,33 @@ class _PopTorchRules(TorchDispatchMode):
 
     def is_constant(self, value: Any) -> bool:
         return not any(id(t) in self._variable for t in _tensors(value))
+
+    def mark_cpu(self, value: Any, on_cpu: bool = True) -> None:
+        for tensor in _tensors(value):
+            if on_cpu:
+                self._cpu[id(tensor)] = tensor
+            else:
+                self._cpu.pop(id(tensor), None)
+
+    def _check_devices(self, func: Any, name: str, args: Sequence[Any],
+                       kwargs: Dict[str, Any]) -> bool:
+        """Whether the op's tensors are all CPU tensors (then so are its results); refuses a
+        CPU tensor among IPU tensors as PopTorch's dispatcher does."""
+        tensors = _tensors((args, kwargs))
+        cpu = [t for t in tensors if id(t) in self._cpu]
+        if not cpu:
+            return False
+        if len(cpu) == len(tensors):
+            return True
+        if func.namespace == "aten" and name not in _UPLOADS and (
+                self.inside_dispatcher_op == 0) and not inside_custom_op():
+            tensor = cpu[0]
+            dtype = _C10_DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype).replace("torch.", ""))
+            raise self.refusal(
+                f"aten::{name}", f"Expected an IPU tensor but got tensor(device=cpu, shape="
+                f"{list(tensor.shape)}, dtype={dtype}).\nConstant tensors should be moved "
+                "explicitly to the IPU, via cpu_tensor.to(\"ipu\").")
+        return False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
@@ -164,6 +233,9 @@ class _PopTorchRules(TorchDispatchMode):
                 if not is_supported(name):
                     self.unsupported[f"aten::{name}"].append(self.where())
         self._check_strided_write(func, name, args, kwargs)
+        on_cpu = self._check_devices(func, name, args, kwargs) or (
+            self.python_calls == 0 and func.namespace == "aten"
+            and name in _LEGACY_CONSTRUCTOR_OPS and not variable)
         graph = _proxy_graph()
         last = graph._root.prev if graph is not None else None  # type: ignore[attr-defined]
         out = func(*args, **kwargs)
@@ -180,6 +252,8 @@ class _PopTorchRules(TorchDispatchMode):
         for tensor in _tensors(out):
             device = tensor.device  # one object per fake tensor: `.to(t.device)` is found
             self.devices[id(device)] = device
+        if on_cpu:
+            self.mark_cpu(out)
         if variable:
             self.mark_variable(out)
             for value, argument in zip(args, func._schema.arguments):
@@ -266,6 +340,8 @@ class _PopTorchCalls(TorchFunctionMode):
       (``RegisterAtenOverloads.cpp``). ``.to(t.device)`` stays on the IPU there, so devices
       read from tensors are remembered and let through.
     - Reads of a tensor's data on the host (``.numpy()``, ``.tolist()``).
+    - Which tensors made inside ``forward`` are CPU tensors (see `_IPU_FACTORIES`); a device
+      ``"ipu"`` is the IPU, traced on the host's device.
     """
 
     def __init__(self, rules: _PopTorchRules):
@@ -280,13 +356,22 @@ class _PopTorchCalls(TorchFunctionMode):
             device = func(*args, **kwargs)
             self._tensor_devices[id(device)] = device
             return device
-        self._refuse_host_access(func, args, kwargs)
+        to_ipu = any(_names_ipu(a) for a in (*args, *kwargs.values()))
+        args = tuple(_on_host(a) for a in args)
+        kwargs = {k: _on_host(v) for k, v in kwargs.items()}
+        self._refuse_host_access(func, args, kwargs, to_ipu)
         packet = getattr(func, "overloadpacket", None)
         whole = func in _DISPATCHER_LEVEL_FUNCTIONS or (
             packet is not None and getattr(func, "namespace", "") == "aten"
             and packet.__name__ in _DISPATCHER_LEVEL_ATEN)
         if not whole:
-            return func(*args, **kwargs)
+            self.rules.python_calls += 1
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                self.rules.python_calls -= 1
+            self._follow_devices(func, args, kwargs, to_ipu, out)
+            return out
         if func is torch.nn.functional.one_hot:
             classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
             if classes == -1 and not self.rules.is_constant(args[0]):
@@ -316,10 +401,29 @@ class _PopTorchCalls(TorchFunctionMode):
                     "(poptorch/source/popart_canonicalization/PoolingOps.cpp)")
         return out
 
+    def _follow_devices(self, func: Any, args: Sequence[Any], kwargs: Dict[str, Any],
+                        to_ipu: bool, out: Any) -> None:
+        if func is torch.Tensor.to:
+            if to_ipu or not self._moves_to_cpu(args, kwargs) and (
+                    self._names_device(args, kwargs)):
+                self.rules.mark_cpu(out, on_cpu=False)  # moved to the IPU: a constant
+            return
+        if func in _IPU_FACTORIES or "device" in kwargs or getattr(
+                torch, getattr(func, "__name__", ""), None) is not func:
+            return
+        if not _tensors((args, kwargs)):
+            self.rules.mark_cpu(out)  # a factory PopTorch leaves on the CPU
+
+    @staticmethod
+    def _names_device(args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
+        """Whether ``Tensor.to``'s arguments name a device or a tensor (not only a dtype)."""
+        return any(isinstance(a, (str, torch.device, torch.Tensor)) for a in (
+            *args[1:], *kwargs.values()))
+
     def _refuse_host_access(self, func: Any, args: Sequence[Any],
-                            kwargs: Dict[str, Any]) -> None:
-        if func is torch.Tensor.cpu or (func is torch.Tensor.to and self._moves_to_cpu(
-                args, kwargs)):
+                            kwargs: Dict[str, Any], to_ipu: bool = False) -> None:
+        if func is torch.Tensor.cpu or (func is torch.Tensor.to and not to_ipu and (
+                self._moves_to_cpu(args, kwargs))):
             call = "Tensor.cpu" if func is torch.Tensor.cpu else "Tensor.to"
             raise self.rules.refusal(
                 call, "a move to the CPU inside forward. PopTorch refuses it while tracing "
