@@ -376,9 +376,8 @@ class _PopTorchCalls(TorchFunctionMode):
             classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
             if classes == -1 and not self.rules.is_constant(args[0]):
                 raise self.rules.refusal(
-                    "aten::one_hot", "num_classes must be given: the handler needs the class "
-                    "count at compile time (poptorch/source/popart_canonicalization/"
-                    "EmbeddingOps.cpp)")
+                    "aten::one_hot", "OneHot num classes must be specified and must be "
+                    "constant. (poptorch/source/popart_canonicalization/EmbeddingOps.cpp)")
             if classes != -1:
                 # The same values without torch's range checks, which read the indices on
                 # the host; PopTorch takes one_hot whole.
