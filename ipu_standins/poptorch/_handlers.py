@@ -213,6 +213,12 @@ ARGUMENT_RULES: Dict[str, Tuple[ArgumentRule, ...]] = {
                      "batch norm takes both running statistics, or neither",
                      "NormalizationOps.cpp"),
     ),
+    # The meta function's check (dispatch_tracer/RegisterMetaOps.cpp.inc): the handler makes
+    # a tensor of minlength bins.
+    "bincount": (ArgumentRule(
+        lambda a, _: int(a.get("minlength", 0)) <= 0,
+        "Bincount `minlength` must be specified and must be a constant. On the IPU MK2 "
+        "platform the minimum length is also the maximum length", "OtherOps.cpp"),),
     "bitwise_and": (_EIGHT_BIT,),
     "bitwise_or": (_EIGHT_BIT,),
     "bitwise_xor": (_EIGHT_BIT,),
