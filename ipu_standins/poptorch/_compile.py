@@ -319,6 +319,7 @@ def compile_graph(model: torch.nn.Module, template: Args, example: List[torch.Te
     _numerics.apply(trace.graph, half_partials=popart.get("partialsTypeMatMuls") == "half",
                     ipu_model=bool(options._values.get("use_model", False)),
                     half_conv_partials=dict(popart.get("convolutionOptions") or {}).get(
-                        "partialsType") == "half")
+                        "partialsType") == "half",
+                    strided_groups=bool(popart.get("groupNormStridedChannelGrouping", False)))
     return CompiledGraph(trace, training, blocks, module)
 
