@@ -28,6 +28,7 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import DynamicOutputShapeException
 from torch.fx import GraphModule
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
@@ -249,6 +250,11 @@ class _PopTorchRules(TorchDispatchMode):
             self._follow_strided_views(func, name, args, kwargs, out)
         if any(_is_float8(o) for o in tree_flatten(out)[0]):
             raise self.refusal(str(func), "makes a float8 tensor, which cannot cross PopTorch")
+        if any(not isinstance(size, int) for t in _tensors(out) for size in t.shape):
+            # A size that depends on the values (boolean-mask indexing, nonzero): PopTorch's
+            # shape inference raises this (torch 2.0's fake tensors do; newer ones trace
+            # the size as a symbol, which a static IPU graph cannot have).
+            raise DynamicOutputShapeException(func)
         for tensor in _tensors(out):
             device = tensor.device  # one object per fake tensor: `.to(t.device)` is found
             self.devices[id(device)] = device
@@ -309,7 +315,7 @@ _DISPATCHER_LEVEL_FUNCTIONS = frozenset((
     torch.nn.functional.adaptive_avg_pool2d, torch.nn.functional.adaptive_avg_pool3d,
     torch.nn.functional.hinge_embedding_loss, torch.hinge_embedding_loss,
     torch.nn.functional.ctc_loss, torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu,
-    torch.nn.functional.bilinear, torch.bilinear,
+    torch.nn.functional.bilinear, torch.bilinear, torch.bincount,
 ))
 _DISPATCHER_LEVEL_ATEN = frozenset(("dropout", "feature_dropout"))
 _ADAPTIVE_POOLS = {torch.nn.functional.adaptive_avg_pool1d: 1,
@@ -322,6 +328,20 @@ _DEVICE_PROPERTY = torch.Tensor.device
 def _one_hot_without_checks(indices: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
     classes = torch.arange(num_classes, dtype=indices.dtype, device=indices.device)
     return (indices.unsqueeze(-1) == classes).to(torch.long)
+
+
+def _static_bincount(input: torch.Tensor, weights: Optional[torch.Tensor] = None,
+                     minlength: int = 0) -> torch.Tensor:
+    """``torch.bincount`` as PopTorch's handler computes it (``OtherOps.cpp``): ``minlength``
+    bins; a value of ``minlength`` or more is counted at index ``len(input) - 1`` instead, and
+    an index past the last bin is dropped by the scatter."""
+    count = input.shape[0]
+    index = torch.where(input < minlength, input.long(), torch.full_like(input.long(), count - 1))
+    values = torch.ones(count, dtype=torch.long) if weights is None else weights
+    inside = index < minlength
+    out = torch.zeros(minlength, dtype=values.dtype)
+    return out.index_add(0, torch.where(inside, index, torch.zeros_like(index)),
+                         torch.where(inside, values, torch.zeros_like(values)))
 
 
 def _is_device_getter(func: Any) -> bool:
@@ -364,6 +384,12 @@ class _PopTorchCalls(TorchFunctionMode):
         whole = func in _DISPATCHER_LEVEL_FUNCTIONS or (
             packet is not None and getattr(func, "namespace", "") == "aten"
             and packet.__name__ in _DISPATCHER_LEVEL_ATEN)
+        if func is torch.bincount:
+            minlength = args[2] if len(args) > 2 else kwargs.get("minlength", 0)
+            if minlength <= 0 or self.rules.is_constant((args, kwargs)):
+                whole = False  # refused by the argument rule, or evaluated on the host
+            else:
+                func = _static_bincount  # a size torch would read from the values
         if not whole:
             self.rules.python_calls += 1
             try:
@@ -385,10 +411,12 @@ class _PopTorchCalls(TorchFunctionMode):
         if func is torch.nn.functional.ctc_loss:
             func = ctc_loss  # torch's kernel has a value-dependent shape: see ._losses
         self.rules.inside_dispatcher_op += 1
+        self.rules.python_calls += 1
         try:
             out = func(*args, **kwargs)
         finally:
             self.rules.inside_dispatcher_op -= 1
+            self.rules.python_calls -= 1
         dims = _ADAPTIVE_POOLS.get(func)
         if dims is not None and not self.rules.is_constant(args[0]):
             sizes_in, sizes_out = args[0].shape[-dims:], out.shape[-dims:]
