@@ -5,7 +5,7 @@ PopTorch compiles a model in steps that decide what it computes:
 1. it runs the forward pass once, recording the ATen ops that reach its dispatcher (after
    PyTorch's own decompositions); ``.item()`` and other reads of a tensor on the host are
    refused, so are moves to the CPU, and float8 tensors cannot cross; a CPU tensor made inside
-   ``forward`` (see `_IPU_FACTORIES`) cannot meet an IPU tensor in an op;
+   ``forward`` (:mod:`._devices`) cannot meet an IPU tensor in an op;
 2. ops whose inputs are all compile-time constants are evaluated on the host; every other op
    needs a handler, and some handlers refuse some arguments (:mod:`._handlers`);
 3. PopART differentiates that forward graph: a ``torch.autograd.Function``'s ``forward`` is
@@ -35,6 +35,14 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_flatten
 
 from ..poptorch_custom_ops import inside_custom_op, is_library_torch_op
+from ._devices import (
+    IPU_FACTORIES,
+    LEGACY_CONSTRUCTOR_OPS,
+    UPLOADS,
+    cpu_tensor_refusal,
+    names_ipu,
+    on_host,
+)
 from ._handlers import ARGUMENT_RULES, HOST_READ_OPS, base_name, is_supported
 from ._losses import ctc_loss
 from ._lowering import lower_graph
@@ -65,42 +73,6 @@ class PopTorchReport:
         for op, modules in sorted(self.unsupported.items()):
             lines.append(f"  {op} in {', '.join(sorted(set(modules)))}")
         return "\n".join(lines)
-
-
-# The factory functions that PopTorch makes on the IPU while it traces when no device is given
-# (`_SetDefaultDeviceType`, `_poplar_executor.py`). Any other way of making a tensor without a
-# device inside ``forward`` (``torch.eye``, ``torch.as_tensor``, ``torch.from_numpy``, a legacy
-# constructor such as ``torch.LongTensor([1, 0])``) makes a CPU tensor, and PopTorch's
-# dispatcher refuses a CPU tensor among an op's IPU inputs (`TypeInferenceHandler::toMeta`).
-_IPU_FACTORIES = frozenset(getattr(torch, name) for name in (
-    "arange", "empty", "full", "full_like", "linspace", "logspace", "ones", "rand", "randint",
-    "randn", "randperm", "range", "tensor", "zeros", "zeros_like", "normal")
-    if hasattr(torch, name))
-# What a legacy constructor dispatches, with no torch function around it.
-_LEGACY_CONSTRUCTOR_OPS = frozenset(("lift_fresh", "empty"))
-# Ops that take a CPU tensor next to an IPU one: a copy onto the IPU uploads a constant
-# (`copy_` in `RegisterAtenOverloads.cpp`).
-_UPLOADS = frozenset(("copy_", "copy", "_to_copy"))
-# c10's names of the dtypes, as PopTorch's errors print them.
-_C10_DTYPE_NAMES = {
-    torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short", torch.int32: "Int",
-    torch.int64: "Long", torch.float16: "Half", torch.float32: "Float", torch.float64: "Double",
-    torch.bool: "Bool", torch.bfloat16: "BFloat16"}
-
-
-def _names_ipu(value: Any) -> bool:
-    if isinstance(value, str):
-        return value.split(":")[0] == "ipu"
-    return isinstance(value, torch.device) and value.type == "ipu"
-
-
-def _on_host(value: Any) -> Any:
-    """``device="ipu"`` (what PopTorch programs ask for while tracing) as the host's CPU."""
-    if isinstance(value, str) and _names_ipu(value):
-        return "cpu"
-    if isinstance(value, torch.device) and _names_ipu(value):
-        return torch.device("cpu")
-    return value
 
 
 def _is_float8(value: Any) -> bool:
@@ -158,7 +130,7 @@ class _PopTorchRules(TorchDispatchMode):
         # id -> tensor of the views that are slices with a step other than 1 (or views of
         # one), which PopTorch cannot modify in place.
         self._strided: Dict[int, torch.Tensor] = {}
-        # id -> tensor of the CPU tensors made inside forward (see `_IPU_FACTORIES`).
+        # id -> tensor of the CPU tensors made inside forward (see :mod:`._devices`).
         self._cpu: Dict[int, torch.Tensor] = {}
         # > 0 while a torch function called from Python runs (see `_PopTorchCalls`): an op
         # dispatched outside any comes from C++, such as a legacy constructor.
@@ -195,14 +167,9 @@ class _PopTorchRules(TorchDispatchMode):
             return False
         if len(cpu) == len(tensors):
             return True
-        if func.namespace == "aten" and name not in _UPLOADS and (
+        if func.namespace == "aten" and name not in UPLOADS and (
                 self.inside_dispatcher_op == 0) and not inside_custom_op():
-            tensor = cpu[0]
-            dtype = _C10_DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype).replace("torch.", ""))
-            raise self.refusal(
-                f"aten::{name}", f"Expected an IPU tensor but got tensor(device=cpu, shape="
-                f"{list(tensor.shape)}, dtype={dtype}).\nConstant tensors should be moved "
-                "explicitly to the IPU, via cpu_tensor.to(\"ipu\").")
+            raise self.refusal(f"aten::{name}", cpu_tensor_refusal(cpu[0]))
         return False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (),
@@ -236,7 +203,7 @@ class _PopTorchRules(TorchDispatchMode):
         self._check_strided_write(func, name, args, kwargs)
         on_cpu = self._check_devices(func, name, args, kwargs) or (
             self.python_calls == 0 and func.namespace == "aten"
-            and name in _LEGACY_CONSTRUCTOR_OPS and not variable)
+            and name in LEGACY_CONSTRUCTOR_OPS and not variable)
         graph = _proxy_graph()
         last = graph._root.prev if graph is not None else None  # type: ignore[attr-defined]
         out = func(*args, **kwargs)
@@ -360,7 +327,7 @@ class _PopTorchCalls(TorchFunctionMode):
       (``RegisterAtenOverloads.cpp``). ``.to(t.device)`` stays on the IPU there, so devices
       read from tensors are remembered and let through.
     - Reads of a tensor's data on the host (``.numpy()``, ``.tolist()``).
-    - Which tensors made inside ``forward`` are CPU tensors (see `_IPU_FACTORIES`); a device
+    - Which tensors made inside ``forward`` are CPU tensors (:mod:`._devices`); a device
       ``"ipu"`` is the IPU, traced on the host's device.
     """
 
@@ -376,9 +343,9 @@ class _PopTorchCalls(TorchFunctionMode):
             device = func(*args, **kwargs)
             self._tensor_devices[id(device)] = device
             return device
-        to_ipu = any(_names_ipu(a) for a in (*args, *kwargs.values()))
-        args = tuple(_on_host(a) for a in args)
-        kwargs = {k: _on_host(v) for k, v in kwargs.items()}
+        to_ipu = any(names_ipu(a) for a in (*args, *kwargs.values()))
+        args = tuple(on_host(a) for a in args)
+        kwargs = {k: on_host(v) for k, v in kwargs.items()}
         self._refuse_host_access(func, args, kwargs, to_ipu)
         packet = getattr(func, "overloadpacket", None)
         whole = func in _DISPATCHER_LEVEL_FUNCTIONS or (
@@ -435,7 +402,7 @@ class _PopTorchCalls(TorchFunctionMode):
                     self._names_device(args, kwargs)):
                 self.rules.mark_cpu(out, on_cpu=False)  # moved to the IPU: a constant
             return
-        if func in _IPU_FACTORIES or "device" in kwargs or getattr(
+        if func in IPU_FACTORIES or "device" in kwargs or getattr(
                 torch, getattr(func, "__name__", ""), None) is not func:
             return
         if not _tensors((args, kwargs)):

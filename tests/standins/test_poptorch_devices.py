@@ -64,3 +64,15 @@ def test_the_factories_poptorch_forces_onto_the_ipu_and_a_device_given_are_accep
 
     out = poptorch.inferenceModel(_Forward(fn))(torch.ones(2))
     assert torch.equal(out, torch.tensor([3.0, 3.0]))
+
+
+def test_the_message_names_shape_and_dtype_as_c10_prints_them_and_ipu_devices_are_recognised():
+    from ipu_standins.poptorch._devices import cpu_tensor_refusal, names_ipu, on_host
+
+    assert cpu_tensor_refusal(torch.zeros(2, 3, dtype=torch.int32)).startswith(
+        "Expected an IPU tensor but got tensor(device=cpu, shape=[2, 3], dtype=Int).\n")
+    assert "shape=[], dtype=Half" in cpu_tensor_refusal(torch.tensor(1.0).half())
+    assert names_ipu("ipu") and names_ipu("ipu:0") and names_ipu(torch.device("ipu"))
+    assert not names_ipu("cpu") and not names_ipu(torch.float32)
+    assert on_host("ipu:0") == "cpu" and on_host(torch.device("ipu")) == torch.device("cpu")
+    assert on_host(torch.float16) is torch.float16
