@@ -189,6 +189,15 @@ class _PopTorchRules(TorchDispatchMode):
                 "uint8 codes through custom ops")
         if func.namespace == "prim":  # metadata queries (prim::device), not graph ops
             return func(*args, **kwargs)
+        if torch.is_inference_mode_enabled() and hasattr(func, "decompose") and (
+                func.has_kernel_for_dispatch_key(
+                    torch._C.DispatchKey.CompositeImplicitAutograd)):
+            # Under torch.inference_mode a composite op (broadcast_tensors in mse_loss)
+            # reaches the mode whole; PopTorch's dispatcher sees the ops it is made of.
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         variable = not self.is_constant((args, kwargs)) or (
             torch.Tag.nondeterministic_seeded in func.tags)
         if self.inside_dispatcher_op == 0 and not inside_custom_op():
