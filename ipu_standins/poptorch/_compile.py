@@ -54,15 +54,6 @@ _WEIGHTED = frozenset(getattr(F, name) for name in (
 _HALF_FLOAT = (torch.float16, torch.float32)
 
 
-def _on_host(value: Any) -> Any:
-    """``device="ipu"`` (what PopTorch programs ask for while tracing) as the host's CPU."""
-    if isinstance(value, str) and value.split(":")[0] == "ipu":
-        return "cpu"
-    if isinstance(value, torch.device) and value.type == "ipu":
-        return torch.device("cpu")
-    return value
-
-
 def _like_activation(value: Any, dtype: torch.dtype) -> Any:
     if isinstance(value, torch.Tensor) and value.dtype in _HALF_FLOAT and value.dtype != dtype:
         return value.to(dtype)
@@ -80,10 +71,9 @@ class _TraceMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
+        # ``device="ipu"`` is left to the trace's rules (`._tracer`), which tell the IPU from
+        # the CPU.
         kwargs = dict(kwargs or {})
-        if "device" in kwargs:
-            kwargs["device"] = _on_host(kwargs["device"])
-        args = tuple(_on_host(a) for a in args)
         if func in _WEIGHTED and args and isinstance(args[0], torch.Tensor) and (
                 args[0].dtype in _HALF_FLOAT):
             dtype = args[0].dtype
@@ -329,6 +319,7 @@ def compile_graph(model: torch.nn.Module, template: Args, example: List[torch.Te
     _numerics.apply(trace.graph, half_partials=popart.get("partialsTypeMatMuls") == "half",
                     ipu_model=bool(options._values.get("use_model", False)),
                     half_conv_partials=dict(popart.get("convolutionOptions") or {}).get(
-                        "partialsType") == "half")
+                        "partialsType") == "half",
+                    strided_groups=bool(popart.get("groupNormStridedChannelGrouping", False)))
     return CompiledGraph(trace, training, blocks, module)
 

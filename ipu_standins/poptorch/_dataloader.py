@@ -321,9 +321,13 @@ class AsynchronousDataAccessor:
         return length
 
     def _source(self) -> Iterator[Any]:
-        if isinstance(self._dataset, DataLoader):
-            return self._dataset._torch_iter()
-        return iter(self._dataset)
+        loader = self._dataset
+        if isinstance(loader, DataLoader):
+            if not self.rebatched_size and loader._is_user_batch_sampler_set and (
+                    loader._num_batches_to_combine not in (None, 1)):
+                return loader._combined()  # the user's batches combined, as in Sync mode
+            return loader._torch_iter()
+        return iter(loader)
 
     def _batches(self) -> Iterator[Any]:
         source = self._source()

@@ -122,8 +122,15 @@ def base_name(aten_name: str) -> str:
     return aten_name
 
 
+# Ops whose kernel for every backend (CompositeExplicitAutograd) calls an op PopTorch's
+# dispatcher implements: PopTorch sees that op, a Python dispatch mode the outer one
+# (``torch.rrelu`` in eval mode makes its unused noise with ``empty_like``).
+_EXPLICIT_COMPOSITES: Dict[str, str] = {"empty_like": "empty", "new_empty": "empty"}
+
+
 def is_supported(aten_name: str) -> bool:
     """Whether PopTorch lowers the ATen op ``aten_name`` (an overload packet name, e.g. "mm")."""
+    aten_name = _EXPLICIT_COMPOSITES.get(aten_name, aten_name)
     if aten_name in HANDLED_OPS or aten_name in DISPATCHER_OPS:
         return True
     base = base_name(aten_name)
@@ -206,6 +213,12 @@ ARGUMENT_RULES: Dict[str, Tuple[ArgumentRule, ...]] = {
                      "batch norm takes both running statistics, or neither",
                      "NormalizationOps.cpp"),
     ),
+    # The meta function's check (dispatch_tracer/RegisterMetaOps.cpp.inc): the handler makes
+    # a tensor of minlength bins.
+    "bincount": (ArgumentRule(
+        lambda a, _: int(a.get("minlength", 0)) <= 0,
+        "Bincount `minlength` must be specified and must be a constant. On the IPU MK2 "
+        "platform the minimum length is also the maximum length", "OtherOps.cpp"),),
     "bitwise_and": (_EIGHT_BIT,),
     "bitwise_or": (_EIGHT_BIT,),
     "bitwise_xor": (_EIGHT_BIT,),

@@ -17,6 +17,10 @@
   exact derivative of the tanh-form forward (``NonLinearity.hpp``); hardware runs the assembly
   codelet's formula, which the stand-in's lowering computes (:func:`._lowering.popart_gelu`).
   Without ``useIpuModel`` the hardware form runs.
+- ``_Popart.set("groupNormStridedChannelGrouping", True)``: poplibs' fast group norm puts
+  channel ``c`` in group ``c % groups`` rather than ``c // (channels / groups)`` (PopART's
+  ``groupnorm_test.py`` reference reorders the channels the same way); the affine weight and
+  bias stay per channel.
 - Float16 ops that torch's CPU has no kernel for (GELU and others on torch 2.0.1): an IPU
   computes them in float16; the stand-in computes them in float32 and rounds the result to
   float16 (:class:`HalfKernels`), which is what an IPU's float16 op with float32 internals
@@ -35,7 +39,7 @@ from torch.utils._pytree import tree_map
 from ._lowering import popart_gelu
 
 __all__ = ["apply", "half_partials_matmul", "half_partials_convolution", "ipu_model_gelu",
-           "HalfKernels", "PARTIALS_BLOCK"]
+           "strided_group_norm", "HalfKernels", "PARTIALS_BLOCK"]
 
 
 def _to_float(value: Any) -> Any:
@@ -195,15 +199,33 @@ def ipu_model_gelu(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def strided_group_norm(x: torch.Tensor, weight: Optional[torch.Tensor],
+                       bias: Optional[torch.Tensor], n: int, c: int, hxw: int, groups: int,
+                       eps: float) -> Any:
+    """``aten.native_group_norm`` with channel ``c`` in group ``c % groups``."""
+    size = c // groups
+    # Gather each strided group's channels together, normalise, then put them back.
+    gathered = x.reshape(n, size, groups, -1).transpose(1, 2).reshape(n, c, -1)
+    out, mean, rstd = torch.ops.aten.native_group_norm(gathered, None, None, n, c, hxw, groups,
+                                                       eps)
+    out = out.reshape(n, groups, size, -1).transpose(1, 2).reshape(n, c, -1)
+    if weight is not None:
+        out = out * weight.reshape(1, c, 1)
+    if bias is not None:
+        out = out + bias.reshape(1, c, 1)
+    return out.reshape(x.shape), mean, rstd
+
+
 def _is_half(node: Any) -> bool:
     value = node.meta.get("val") if isinstance(node, fx.Node) else None
     return getattr(value, "dtype", None) == torch.float16
 
 
 def apply(graph: fx.GraphModule, half_partials: bool, ipu_model: bool,
-          half_conv_partials: bool = False) -> None:
+          half_conv_partials: bool = False, strided_groups: bool = False) -> None:
     """Rewrite ``graph`` for the IPU's numerics: half partials for float16 matmuls
-    (``half_partials``) and convolutions (``half_conv_partials``), the IPU Model's GELU."""
+    (``half_partials``) and convolutions (``half_conv_partials``), the IPU Model's GELU,
+    group norms' strided channel grouping (``strided_groups``)."""
     changed = False
     for node in graph.graph.nodes:
         if node.op != "call_function":
@@ -212,6 +234,9 @@ def apply(graph: fx.GraphModule, half_partials: bool, ipu_model: bool,
             node.target = ipu_model_gelu
             changed = True
         packet = getattr(node.target, "overloadpacket", None)
+        if strided_groups and packet is torch.ops.aten.native_group_norm:
+            node.target = strided_group_norm
+            changed = True
         if packet in (torch.ops.aten.mm, torch.ops.aten.bmm) and all(
                 _is_half(a) for a in node.args[:2]):
             node.target = _mm_autograd if half_partials else _float_partials_mm

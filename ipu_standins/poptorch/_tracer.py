@@ -4,7 +4,8 @@ PopTorch compiles a model in steps that decide what it computes:
 
 1. it runs the forward pass once, recording the ATen ops that reach its dispatcher (after
    PyTorch's own decompositions); ``.item()`` and other reads of a tensor on the host are
-   refused, so are moves to the CPU, and float8 tensors cannot cross;
+   refused, so are moves to the CPU, and float8 tensors cannot cross; a CPU tensor made inside
+   ``forward`` (:mod:`._devices`) cannot meet an IPU tensor in an op;
 2. ops whose inputs are all compile-time constants are evaluated on the host; every other op
    needs a handler, and some handlers refuse some arguments (:mod:`._handlers`);
 3. PopART differentiates that forward graph: a ``torch.autograd.Function``'s ``forward`` is
@@ -27,12 +28,21 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import DynamicOutputShapeException
 from torch.fx import GraphModule
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
 from ..poptorch_custom_ops import inside_custom_op, is_library_torch_op
+from ._devices import (
+    IPU_FACTORIES,
+    LEGACY_CONSTRUCTOR_OPS,
+    UPLOADS,
+    cpu_tensor_refusal,
+    names_ipu,
+    on_host,
+)
 from ._handlers import ARGUMENT_RULES, HOST_READ_OPS, base_name, is_supported
 from ._losses import ctc_loss
 from ._lowering import lower_graph
@@ -120,6 +130,11 @@ class _PopTorchRules(TorchDispatchMode):
         # id -> tensor of the views that are slices with a step other than 1 (or views of
         # one), which PopTorch cannot modify in place.
         self._strided: Dict[int, torch.Tensor] = {}
+        # id -> tensor of the CPU tensors made inside forward (see :mod:`._devices`).
+        self._cpu: Dict[int, torch.Tensor] = {}
+        # > 0 while a torch function called from Python runs (see `_PopTorchCalls`): an op
+        # dispatched outside any comes from C++, such as a legacy constructor.
+        self.python_calls = 0
 
     def where(self) -> str:
         return self.scopes[-1] if self.scopes else "<model>"
@@ -134,6 +149,28 @@ class _PopTorchRules(TorchDispatchMode):
 
     def is_constant(self, value: Any) -> bool:
         return not any(id(t) in self._variable for t in _tensors(value))
+
+    def mark_cpu(self, value: Any, on_cpu: bool = True) -> None:
+        for tensor in _tensors(value):
+            if on_cpu:
+                self._cpu[id(tensor)] = tensor
+            else:
+                self._cpu.pop(id(tensor), None)
+
+    def _check_devices(self, func: Any, name: str, args: Sequence[Any],
+                       kwargs: Dict[str, Any]) -> bool:
+        """Whether the op's tensors are all CPU tensors (then so are its results); refuses a
+        CPU tensor among IPU tensors as PopTorch's dispatcher does."""
+        tensors = _tensors((args, kwargs))
+        cpu = [t for t in tensors if id(t) in self._cpu]
+        if not cpu:
+            return False
+        if len(cpu) == len(tensors):
+            return True
+        if func.namespace == "aten" and name not in UPLOADS and (
+                self.inside_dispatcher_op == 0) and not inside_custom_op():
+            raise self.refusal(f"aten::{name}", cpu_tensor_refusal(cpu[0]))
+        return False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
@@ -152,6 +189,15 @@ class _PopTorchRules(TorchDispatchMode):
                 "uint8 codes through custom ops")
         if func.namespace == "prim":  # metadata queries (prim::device), not graph ops
             return func(*args, **kwargs)
+        if torch.is_inference_mode_enabled() and hasattr(func, "decompose") and (
+                func.has_kernel_for_dispatch_key(
+                    torch._C.DispatchKey.CompositeImplicitAutograd)):
+            # Under torch.inference_mode a composite op (broadcast_tensors in mse_loss)
+            # reaches the mode whole; PopTorch's dispatcher sees the ops it is made of.
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         variable = not self.is_constant((args, kwargs)) or (
             torch.Tag.nondeterministic_seeded in func.tags)
         if self.inside_dispatcher_op == 0 and not inside_custom_op():
@@ -164,6 +210,9 @@ class _PopTorchRules(TorchDispatchMode):
                 if not is_supported(name):
                     self.unsupported[f"aten::{name}"].append(self.where())
         self._check_strided_write(func, name, args, kwargs)
+        on_cpu = self._check_devices(func, name, args, kwargs) or (
+            self.python_calls == 0 and func.namespace == "aten"
+            and name in LEGACY_CONSTRUCTOR_OPS and not variable)
         graph = _proxy_graph()
         last = graph._root.prev if graph is not None else None  # type: ignore[attr-defined]
         out = func(*args, **kwargs)
@@ -177,9 +226,16 @@ class _PopTorchRules(TorchDispatchMode):
             self._follow_strided_views(func, name, args, kwargs, out)
         if any(_is_float8(o) for o in tree_flatten(out)[0]):
             raise self.refusal(str(func), "makes a float8 tensor, which cannot cross PopTorch")
+        if any(not isinstance(size, int) for t in _tensors(out) for size in t.shape):
+            # A size that depends on the values (boolean-mask indexing, nonzero): PopTorch's
+            # shape inference raises this (torch 2.0's fake tensors do; newer ones trace
+            # the size as a symbol, which a static IPU graph cannot have).
+            raise DynamicOutputShapeException(func)
         for tensor in _tensors(out):
             device = tensor.device  # one object per fake tensor: `.to(t.device)` is found
             self.devices[id(device)] = device
+        if on_cpu:
+            self.mark_cpu(out)
         if variable:
             self.mark_variable(out)
             for value, argument in zip(args, func._schema.arguments):
@@ -235,7 +291,7 @@ _DISPATCHER_LEVEL_FUNCTIONS = frozenset((
     torch.nn.functional.adaptive_avg_pool2d, torch.nn.functional.adaptive_avg_pool3d,
     torch.nn.functional.hinge_embedding_loss, torch.hinge_embedding_loss,
     torch.nn.functional.ctc_loss, torch.lstm, torch.gru, torch.rnn_tanh, torch.rnn_relu,
-    torch.nn.functional.bilinear, torch.bilinear,
+    torch.nn.functional.bilinear, torch.bilinear, torch.bincount,
 ))
 _DISPATCHER_LEVEL_ATEN = frozenset(("dropout", "feature_dropout"))
 _ADAPTIVE_POOLS = {torch.nn.functional.adaptive_avg_pool1d: 1,
@@ -248,6 +304,20 @@ _DEVICE_PROPERTY = torch.Tensor.device
 def _one_hot_without_checks(indices: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
     classes = torch.arange(num_classes, dtype=indices.dtype, device=indices.device)
     return (indices.unsqueeze(-1) == classes).to(torch.long)
+
+
+def _static_bincount(input: torch.Tensor, weights: Optional[torch.Tensor] = None,
+                     minlength: int = 0) -> torch.Tensor:
+    """``torch.bincount`` as PopTorch's handler computes it (``OtherOps.cpp``): ``minlength``
+    bins; a value of ``minlength`` or more is counted at index ``len(input) - 1`` instead, and
+    an index past the last bin is dropped by the scatter."""
+    count = input.shape[0]
+    index = torch.where(input < minlength, input.long(), torch.full_like(input.long(), count - 1))
+    values = torch.ones(count, dtype=torch.long) if weights is None else weights
+    inside = index < minlength
+    out = torch.zeros(minlength, dtype=values.dtype)
+    return out.index_add(0, torch.where(inside, index, torch.zeros_like(index)),
+                         torch.where(inside, values, torch.zeros_like(values)))
 
 
 def _is_device_getter(func: Any) -> bool:
@@ -266,6 +336,8 @@ class _PopTorchCalls(TorchFunctionMode):
       (``RegisterAtenOverloads.cpp``). ``.to(t.device)`` stays on the IPU there, so devices
       read from tensors are remembered and let through.
     - Reads of a tensor's data on the host (``.numpy()``, ``.tolist()``).
+    - Which tensors made inside ``forward`` are CPU tensors (:mod:`._devices`); a device
+      ``"ipu"`` is the IPU, traced on the host's device.
     """
 
     def __init__(self, rules: _PopTorchRules):
@@ -280,20 +352,34 @@ class _PopTorchCalls(TorchFunctionMode):
             device = func(*args, **kwargs)
             self._tensor_devices[id(device)] = device
             return device
-        self._refuse_host_access(func, args, kwargs)
+        to_ipu = any(names_ipu(a) for a in (*args, *kwargs.values()))
+        args = tuple(on_host(a) for a in args)
+        kwargs = {k: on_host(v) for k, v in kwargs.items()}
+        self._refuse_host_access(func, args, kwargs, to_ipu)
         packet = getattr(func, "overloadpacket", None)
         whole = func in _DISPATCHER_LEVEL_FUNCTIONS or (
             packet is not None and getattr(func, "namespace", "") == "aten"
             and packet.__name__ in _DISPATCHER_LEVEL_ATEN)
+        if func is torch.bincount:
+            minlength = args[2] if len(args) > 2 else kwargs.get("minlength", 0)
+            if minlength <= 0 or self.rules.is_constant((args, kwargs)):
+                whole = False  # refused by the argument rule, or evaluated on the host
+            else:
+                func = _static_bincount  # a size torch would read from the values
         if not whole:
-            return func(*args, **kwargs)
+            self.rules.python_calls += 1
+            try:
+                out = func(*args, **kwargs)
+            finally:
+                self.rules.python_calls -= 1
+            self._follow_devices(func, args, kwargs, to_ipu, out)
+            return out
         if func is torch.nn.functional.one_hot:
             classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
             if classes == -1 and not self.rules.is_constant(args[0]):
                 raise self.rules.refusal(
-                    "aten::one_hot", "num_classes must be given: the handler needs the class "
-                    "count at compile time (poptorch/source/popart_canonicalization/"
-                    "EmbeddingOps.cpp)")
+                    "aten::one_hot", "OneHot num classes must be specified and must be "
+                    "constant. (poptorch/source/popart_canonicalization/EmbeddingOps.cpp)")
             if classes != -1:
                 # The same values without torch's range checks, which read the indices on
                 # the host; PopTorch takes one_hot whole.
@@ -301,10 +387,12 @@ class _PopTorchCalls(TorchFunctionMode):
         if func is torch.nn.functional.ctc_loss:
             func = ctc_loss  # torch's kernel has a value-dependent shape: see ._losses
         self.rules.inside_dispatcher_op += 1
+        self.rules.python_calls += 1
         try:
             out = func(*args, **kwargs)
         finally:
             self.rules.inside_dispatcher_op -= 1
+            self.rules.python_calls -= 1
         dims = _ADAPTIVE_POOLS.get(func)
         if dims is not None and not self.rules.is_constant(args[0]):
             sizes_in, sizes_out = args[0].shape[-dims:], out.shape[-dims:]
@@ -316,10 +404,29 @@ class _PopTorchCalls(TorchFunctionMode):
                     "(poptorch/source/popart_canonicalization/PoolingOps.cpp)")
         return out
 
+    def _follow_devices(self, func: Any, args: Sequence[Any], kwargs: Dict[str, Any],
+                        to_ipu: bool, out: Any) -> None:
+        if func is torch.Tensor.to:
+            if to_ipu or not self._moves_to_cpu(args, kwargs) and (
+                    self._names_device(args, kwargs)):
+                self.rules.mark_cpu(out, on_cpu=False)  # moved to the IPU: a constant
+            return
+        if func in IPU_FACTORIES or "device" in kwargs or getattr(
+                torch, getattr(func, "__name__", ""), None) is not func:
+            return
+        if not _tensors((args, kwargs)):
+            self.rules.mark_cpu(out)  # a factory PopTorch leaves on the CPU
+
+    @staticmethod
+    def _names_device(args: Sequence[Any], kwargs: Dict[str, Any]) -> bool:
+        """Whether ``Tensor.to``'s arguments name a device or a tensor (not only a dtype)."""
+        return any(isinstance(a, (str, torch.device, torch.Tensor)) for a in (
+            *args[1:], *kwargs.values()))
+
     def _refuse_host_access(self, func: Any, args: Sequence[Any],
-                            kwargs: Dict[str, Any]) -> None:
-        if func is torch.Tensor.cpu or (func is torch.Tensor.to and self._moves_to_cpu(
-                args, kwargs)):
+                            kwargs: Dict[str, Any], to_ipu: bool = False) -> None:
+        if func is torch.Tensor.cpu or (func is torch.Tensor.to and not to_ipu and (
+                self._moves_to_cpu(args, kwargs))):
             call = "Tensor.cpu" if func is torch.Tensor.cpu else "Tensor.to"
             raise self.rules.refusal(
                 call, "a move to the CPU inside forward. PopTorch refuses it while tracing "

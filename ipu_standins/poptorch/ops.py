@@ -75,6 +75,9 @@ def cond(condition: torch.Tensor, then_body: Callable[..., Any], then_inps: List
         raise ValueError("poptorch.cond expects then_inps and else_inps tensors to be a list of "
                          "tensors. (Object is not list)")
 
+    if _state.TRAINING and _state.ON_IPU:  # PopART's If has no gradient (Compiler.cpp)
+        raise createPoptorchError("poptorch.cond() is only supported in inference.")
+
     def as_list(value: Any) -> List[torch.Tensor]:
         return [value] if isinstance(value, torch.Tensor) else list(value)
 

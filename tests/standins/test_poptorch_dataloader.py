@@ -89,3 +89,18 @@ def test_a_sampler_passing_its_data_source_to_sampler_works_as_on_the_sdks_torch
     loader = poptorch.DataLoader(poptorch.Options(), data, batch_size=1,
                                  sampler=_EveryOther(data))
     assert [float(batch[0]) for batch in loader] == [0.0, 2.0, 4.0, 6.0, 8.0]
+
+
+@pytest.mark.parametrize("mode", [poptorch.DataLoaderMode.Sync, poptorch.DataLoaderMode.Async],
+                         ids=lambda mode: mode.name)
+def test_a_user_batch_sampler_s_batches_are_combined_in_every_mode(mode):
+    """5 device iterations of the sampler's batches of 2 rows: 2 combined batches of 10 rows
+    from the 12 batches (the last 2 dropped), whether the batches come asynchronously or not."""
+    sampler = torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(_Rows()),
+                                            batch_size=2, drop_last=True)
+    loader = poptorch.DataLoader(poptorch.Options().deviceIterations(5), _Rows(),
+                                 batch_sampler=sampler, drop_last=True, mode=mode)
+    batches = list(loader)
+    assert len(loader) == 2
+    assert [b.shape for b in batches] == [torch.Size([10, 2])] * 2
+    assert batches[1][:, 0].tolist() == [float(i) for i in range(10, 20)]

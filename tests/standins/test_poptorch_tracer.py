@@ -539,3 +539,23 @@ def test_stochastic_rounding_is_refused_in_the_poptorch_form():
     ids = torch.randint(0, 32, (2, 8))
     with pytest.raises(ValueError, match="stochastic"):
         check_poptorch(model, ids, ids)
+
+
+def test_a_model_compiled_under_inference_mode_sees_composite_ops_decomposed():
+    """Under ``torch.inference_mode`` ``F.mse_loss``'s ``broadcast_tensors`` reaches the trace
+    whole; PopTorch's dispatcher sees the expands it is made of, and compiles it."""
+    import ipu_standins.poptorch as poptorch
+
+    class Loss(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.mse_loss(self.fc(x), x)
+
+    model, x = Loss(), torch.rand(4, 3)
+    with torch.inference_mode():
+        out = poptorch.inferenceModel(model)(x)
+        expected = model(x)
+    torch.testing.assert_close(out, expected)

@@ -171,9 +171,17 @@ def test_bitwise_ops_on_8_bit_integers_are_refused(op):
     accepted(lambda m, x: getattr(torch, op)(x.int(), x.int()), codes)
 
 
+def test_bincount_without_a_minimum_length_is_refused_in_poptorchs_words():
+    ids = torch.randint(0, 4, (6,))
+    message = refused(lambda m, x: torch.bincount(x), "aten::bincount", ids)
+    assert "Bincount `minlength` must be specified and must be a constant." in message
+    accepted(lambda m, x: torch.bincount(x, minlength=4), ids)
+
+
 def test_one_hot_without_a_class_count_is_refused():
     ids = torch.randint(0, 4, (2, 3))
-    refused(lambda m, x: F.one_hot(x), "aten::one_hot", ids)
+    message = refused(lambda m, x: F.one_hot(x), "aten::one_hot", ids)
+    assert "OneHot num classes must be specified and must be constant." in message  # PopTorch's
     accepted(lambda m, x: F.one_hot(x, 4), ids)
 
 
