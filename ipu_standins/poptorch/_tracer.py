@@ -107,6 +107,16 @@ def _proxy_graph() -> Optional[torch.fx.Graph]:
     return proxy.tracer.graph if proxy is not None and hasattr(proxy, "tracer") else None
 
 
+def _is_composite(func: Any) -> bool:
+    """Whether ``func`` has a CompositeImplicitAutograd kernel (made of other ops); torch 2.0.1's
+    OpOverload has no ``has_kernel_for_dispatch_key``, its dispatcher the same query."""
+    key = torch._C.DispatchKey.CompositeImplicitAutograd
+    query = getattr(func, "has_kernel_for_dispatch_key", None)
+    if query is not None:
+        return bool(query(key))
+    return bool(torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key))
+
+
 class _PopTorchRules(TorchDispatchMode):
     """Checks each op as PopTorch's dispatcher would see it, naming the module it came from.
 
@@ -189,9 +199,8 @@ class _PopTorchRules(TorchDispatchMode):
                 "uint8 codes through custom ops")
         if func.namespace == "prim":  # metadata queries (prim::device), not graph ops
             return func(*args, **kwargs)
-        if torch.is_inference_mode_enabled() and hasattr(func, "decompose") and (
-                func.has_kernel_for_dispatch_key(
-                    torch._C.DispatchKey.CompositeImplicitAutograd)):
+        if torch.is_inference_mode_enabled() and hasattr(func, "decompose") and _is_composite(
+                func):
             # Under torch.inference_mode a composite op (broadcast_tensors in mse_loss)
             # reaches the mode whole; PopTorch's dispatcher sees the ops it is made of.
             with self:
