@@ -25,7 +25,7 @@ from torch import nn
 from ..ops.trace_switch import is_ipu_tracing
 from .fp8_config import FP8Config
 from .fp8_formats import FP8Format
-from .recipe_linear import new_amax_history, recipe_applies, recipe_linear
+from .recipe_linear import grouped_operand_values, new_amax_history, recipe_applies, recipe_linear
 from .scaling import Fp8Tensor, cast_from_fp8, cast_to_fp8
 from .stats import stats_enabled
 from .values import quantise_values
@@ -461,15 +461,20 @@ class FP8UnitScaledLinear(FP8Linear):
         new.attention_projection = getattr(linear, "attention_projection", None)
         return new
 
-    def values_quantiser(self, x: torch.Tensor
-                         ) -> Optional[Callable[[torch.Tensor, str], torch.Tensor]]:
-        """For eager forms that compute this layer's GEMM themselves (a GPT layer's
-        two-Function form, `uu.TransformerBlock`): a function (tensor, role) -> the FP8 values
-        this layer's forward pass would compute with, for role "input", "weight" or
-        "grad_output". None where this layer does not compute on FP8 values in float32 for
-        `x` (see `values_path_applies`), has a bias, or scales otherwise than `U.linear`."""
+    def values_quantiser(self, x: torch.Tensor) -> Optional[Callable[
+            [torch.Tensor, str, bool], Tuple[torch.Tensor, Optional[torch.Tensor]]]]:
+        """For eager forms that compute this layer's GEMMs themselves (a GPT layer's
+        two-Function form, `uu.TransformerBlock`): a function (operand, role, transposed) ->
+        the FP8 values this layer's GEMMs would compute with, for role "input", "weight" or
+        "grad_output": (those of the GEMM that reduces over the operand's last dimension,
+        and where ``transposed`` those of the backward GEMM that reduces over its first, in
+        the operand's shape; see `fused_blocks.Quantiser`). Per-tensor scaling rounds once
+        for both; a grouped recipe casts along each dimension
+        (`recipe_linear.grouped_operand_values`). None where this layer does not compute on
+        FP8 values in float32 for `x` (see `values_path_applies`), keeps an amax history
+        ("delayed"), has a bias, or scales otherwise than `U.linear`."""
         if (self.bias is not None or tuple(self.scale_power) != (0.5, 0.5, 0.5)
-                or recipe_applies(self.config) or self.attention_projection is not None
+                or self.config.scaling == "delayed" or self.attention_projection is not None
                 or not values_path_applies(x, self.weight, None, self.use_scaled_mm)):
             return None
         config, site = self.config, self.site
@@ -477,9 +482,13 @@ class FP8UnitScaledLinear(FP8Linear):
                  "weight": (config.weight, config.weight_margin),
                  "grad_output": (config.gradient, config.gradient_margin)}
 
-        def quantise(t: torch.Tensor, role: str) -> torch.Tensor:
+        def quantise(t: torch.Tensor, role: str, transposed: bool
+                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+            if config.grouped:
+                return grouped_operand_values(t, config, role, f"{site}.{role}", transposed)
             fmt, margin = roles[role]
-            return values_for_role(t, fmt, margin, config, f"{site}.{role}")
+            values = values_for_role(t, fmt, margin, config, f"{site}.{role}")
+            return values, values if transposed else None
 
         return quantise
 

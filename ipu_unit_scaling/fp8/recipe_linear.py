@@ -48,8 +48,8 @@ from .stats import stats_enabled
 from .values import quantise_values
 
 __all__ = ["HISTORY_ROLES", "recipe_applies", "recipe_linear", "new_amax_history",
-           "delayed_log2_scale", "role_cast", "rowwise_scaled_mm_supported",
-           "traced_recipe_linear"]
+           "delayed_log2_scale", "role_cast", "grouped_operand_values",
+           "rowwise_scaled_mm_supported", "traced_recipe_linear"]
 
 HISTORY_ROLES = ("input", "weight", "grad_output")
 _UNSCALED = (1.0, 1.0, 1.0, 1.0)
@@ -136,6 +136,27 @@ def _casts(t: torch.Tensor, config: FP8Config, role: str, site: str,
     along_rows = role_cast(t, config, role, site, log2_scale) if rows else None
     along_columns = role_cast(t.t(), config, role, f"{site}_t") if transposed else None
     return along_rows, along_columns
+
+
+def grouped_operand_values(t: torch.Tensor, config: FP8Config, role: str, site: str,
+                           transposed: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The FP8 values of the 2-D GEMM operand ``t`` in ``role`` under a grouped recipe, as
+    :func:`recipe_linear` casts it: (cast along its last dimension, for the GEMM that reduces
+    over it; where ``transposed``, the operand of the backward GEMM that reduces over its
+    first dimension, in ``t``'s shape, else None). That second operand is the cast along the
+    first dimension, the first cast itself for square weight blocks ("block"), or ``t`` in
+    float32 where ``grad_weight_high_precision`` keeps the weight gradient's GEMM unrounded.
+    ``site`` names the casts for the statistics."""
+    high_precision = config.grad_weight_high_precision and role != "weight"
+    square_blocks = config.scaling == "block" and role == "weight"
+    rows, columns = _casts(t, config, role, site, None,
+                           transposed and not (high_precision or square_blocks))
+    assert rows is not None
+    if not transposed:
+        return rows.values, None
+    if columns is not None:
+        return rows.values, columns.values.t()
+    return rows.values, t.to(torch.float32) if high_precision else rows.values
 
 
 _ZERO = torch.zeros(())

@@ -29,9 +29,13 @@ from .fused_ops import addmm_zero, applier, linear_backward, linear_forward
 
 __all__ = ["residual_norm", "mlp", "embed", "norm_qkv", "proj_norm_mlp"]
 
-# An FP8 linear's rounding of a tensor to the FP8 values it computes with, for a role
-# ("input", "weight" or "grad_output"); see `fp8.linear.FP8UnitScaledLinear.values_quantiser`.
-Quantiser = Callable[[Tensor, str], Tensor]
+# An FP8 linear's rounding of a GEMM operand to the FP8 values it computes with, for a role
+# ("input", "weight" or "grad_output"): (the values for the GEMM that reduces over the
+# operand's last dimension, the values for the backward GEMM that reduces over its first, in
+# the operand's shape, or None where not asked for by the flag). Per-tensor scaling gives one
+# tensor twice; a grouped recipe casts the operand along each dimension with its own groups.
+# See `fp8.linear.FP8UnitScaledLinear.values_quantiser`.
+Quantiser = Callable[[Tensor, str, bool], Tuple[Tensor, Optional[Tensor]]]
 
 _layer_norm_backward = torch.ops.aten.native_layer_norm_backward
 _gelu_backward = torch.ops.aten.gelu_backward
@@ -134,54 +138,61 @@ def residual_norm(x: Tensor, f: Optional[Tensor], branch_weight: float, skip_wei
 
 def _mlp_forward(rows: Tensor, up_weight: Tensor, up_bias: Optional[Tensor],
                  down_weight: Tensor, down_bias: Optional[Tensor], approximate: str,
-                 scales: Tuple[float, ...], down_quantise: Optional[Quantiser] = None
-                 ) -> Tuple[Tensor, Tensor, Tensor]:
+                 scales: Tuple[float, ...], down_quantise: Optional[Quantiser] = None,
+                 transposed: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
     """(hidden, activated, out) of the MLP on 2-D ``rows`` (``scales``: see :class:`_MLP`).
 
     With ``down_quantise`` (an FP8 down projection), ``activated`` is GELU's scaled output
-    rounded to the FP8 values the down GEMM reads, as the FP8 linear would cast it."""
+    rounded to the FP8 values the down weight's gradient GEMM reads (cast along the rows
+    where a grouped recipe casts it so; ``transposed``: that GEMM will run), as the FP8
+    linear would cast it."""
     up_out, _, _, gelu_out, _, down_out, _, _ = scales
     hidden = torch.addmm(addmm_zero(rows) if up_bias is None else up_bias, rows, up_weight.t(),
                          beta=0 if up_bias is None else 1, alpha=up_out)
     activated = F.gelu(hidden, approximate=approximate)
+    activated_t = activated
     if down_quantise is not None:
-        activated = down_quantise(activated.mul_(gelu_out), "input")
+        activated, activated_t = _quantised(activated.mul_(gelu_out), down_quantise, "input",
+                                            transposed)
         gelu_out = 1.0
     out = torch.addmm(addmm_zero(rows) if down_bias is None else down_bias, activated,
                       down_weight.t(), beta=0 if down_bias is None else 1,
                       alpha=down_out * gelu_out)
-    return hidden, activated, out
+    return hidden, activated_t, out
 
 
 def _mlp_backward(grad_rows: Tensor, rows: Tensor, intermediates: List[Tensor],
+                  recompute: Callable[[], Tuple[Tensor, Tensor, Tensor]],
                   up_weight: Tensor, up_bias: Optional[Tensor], down_weight: Tensor,
                   approximate: str, scales: Tuple[float, ...], needs: Tuple[bool, ...],
                   input_weight: float = 1.0, up_quantise: Optional[Quantiser] = None,
                   down_quantise: Optional[Quantiser] = None) -> Tuple[Optional[Tensor], ...]:
     """(rows, up weight, up bias, down weight, down bias) gradients of :func:`_mlp_forward`,
-    each where ``needs`` asks, the input's gradient times ``input_weight``. The quantisers
-    (FP8 linears) round each GEMM's incoming gradient to its FP8 values.
+    each where ``needs`` asks, the input's gradient times ``input_weight``. ``rows``, the
+    weights and the activation are the operands of the backward GEMMs (an FP8 linear's casts
+    for them); the quantisers (FP8 linears) round each GEMM's incoming gradient to its FP8
+    values.
 
     ``intermediates``: [hidden, activated], emptied here so that each is freed once used, as
     torch's per-op nodes would (held to the end, they would raise the peak memory); empty (a
-    second backward, retain_graph=True): recomputed."""
+    second backward, retain_graph=True): ``recompute()`` (the forward pass's
+    :func:`_mlp_forward`) makes them again."""
     _, up_grad_in, up_grad_w, gelu_out, gelu_grad, _, down_grad_in, down_grad_w = scales
     if intermediates:
         hidden, activated = intermediates
         intermediates.clear()
     else:
-        hidden, activated, _ = _mlp_forward(rows, up_weight, up_bias, down_weight, None,
-                                            approximate, scales, down_quantise)
-    grad_down = grad_rows
+        hidden, activated, _ = recompute()
+    grad_down = grad_down_t = grad_rows
     if down_quantise is not None:
-        grad_down = down_quantise(grad_rows, "grad_output")
+        grad_down, grad_down_t = _quantised(grad_rows, down_quantise, "grad_output", needs[3])
         gelu_out = 1.0  # (in the activation's values already)
     zero = addmm_zero(grad_rows)
     grad_down_w = grad_down_b = grad_up_w = grad_up_b = grad_x = None
     if needs[3]:
-        grad_down_w = torch.addmm(zero, grad_down.t(), activated, beta=0,
+        grad_down_w = torch.addmm(zero, grad_down_t.t(), activated, beta=0,
                                   alpha=down_grad_w * gelu_out)
-    del activated
+    del activated, grad_down_t
     if needs[4]:
         grad_down_b = grad_rows.sum(0).mul_(down_grad_w)
     if needs[0] or needs[1] or needs[2]:
@@ -189,13 +200,12 @@ def _mlp_backward(grad_rows: Tensor, rows: Tensor, intermediates: List[Tensor],
                                      alpha=down_grad_in * gelu_grad)
         grad_hidden = _gelu_backward(grad_activated, hidden, approximate=approximate)
         del grad_activated, hidden, grad_down
-        grad_up = grad_hidden if up_quantise is None else up_quantise(grad_hidden,
-                                                                      "grad_output")
+        grad_up, grad_up_t = _quantised(grad_hidden, up_quantise, "grad_output", needs[1])
         if needs[0]:
             grad_x = torch.addmm(zero, grad_up, up_weight, beta=0,
                                  alpha=up_grad_in * input_weight)
         if needs[1]:
-            grad_up_w = torch.addmm(zero, grad_up.t(), rows, beta=0, alpha=up_grad_w)
+            grad_up_w = torch.addmm(zero, grad_up_t.t(), rows, beta=0, alpha=up_grad_w)
         if needs[2]:
             grad_up_b = grad_hidden.sum(0).mul_(up_grad_w)
     return grad_x, grad_up_w, grad_up_b, grad_down_w, grad_down_b
@@ -227,8 +237,10 @@ class _MLP(torch.autograd.Function):
         x_shape, approximate, scales, has_up_bias, has_down_bias = ctx.meta
         needs = ctx.needs_input_grad
         grad_x, grad_up_w, grad_up_b, grad_down_w, grad_down_b = _mlp_backward(
-            grad.reshape(-1, grad.shape[-1]), rows, ctx.intermediates, up_weight, up_bias,
-            down_weight, approximate, scales,
+            grad.reshape(-1, grad.shape[-1]), rows, ctx.intermediates,
+            lambda: _mlp_forward(rows, up_weight, up_bias, down_weight, None, approximate,
+                                 scales),
+            up_weight, up_bias, down_weight, approximate, scales,
             (needs[0], needs[1], has_up_bias and needs[2], needs[3],
              has_down_bias and needs[4]))
         if grad_x is not None:
@@ -245,8 +257,15 @@ def mlp(x: Tensor, up_weight: Tensor, up_bias: Optional[Tensor], down_weight: Te
     return _mlp_apply(x, up_weight, up_bias, down_weight, down_bias, approximate, scales)
 
 
-def _quantised(x: Tensor, quantise: Optional[Quantiser], role: str) -> Tensor:
-    return x if quantise is None else quantise(x, role)
+def _quantised(x: Tensor, quantise: Optional[Quantiser], role: str,
+               transposed: bool) -> Tuple[Tensor, Tensor]:
+    """(the operand for the GEMM that reduces over ``x``'s last dimension, the operand for
+    the one that reduces over its first: the values of ``quantise``, or ``x`` twice for a
+    float linear; the first again where ``transposed`` is not asked for)."""
+    if quantise is None:
+        return x, x
+    values, values_t = quantise(x, role, transposed)
+    return values, values if values_t is None else values_t
 
 
 def _head_rows(row_scale: Union[float, Tensor], seq: int) -> Union[float, Tensor]:
@@ -270,10 +289,14 @@ class _NormQKV(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         normed, stream, mean, rstd = _join_norm(x, f, branch_weight, skip_weight, weight, bias,
                                                 eps)
-        rows = _quantised(normed.view(-1, normed.shape[-1]), qkv_quantise, "input")
-        qkv_weight = _quantised(qkv_weight, qkv_quantise, "weight")
+        needs = ctx.needs_input_grad
+        rows, rows_t = _quantised(normed.view(-1, normed.shape[-1]), qkv_quantise, "input",
+                                  needs[10])
+        qkv_weight, qkv_weight_t = _quantised(qkv_weight, qkv_quantise, "weight",
+                                              any(needs[:2]) or any(needs[6:8]))
         qkv = linear_forward(rows, qkv_weight, qkv_bias, qkv_scales[0])
-        ctx.save_for_backward(stream, mean, rstd, weight, bias, rows, qkv_weight)
+        # (each operand as the backward GEMM that reads it casts it)
+        ctx.save_for_backward(stream, mean, rstd, weight, bias, rows_t, qkv_weight_t)
         ctx.scales = (f is not None, next_branch_weight, next_skip_weight, param_grad_scale,
                       qkv_scales, qkv_bias is not None, qkv_quantise)
         return qkv.view(*x.shape[:-1], qkv.shape[-1]), stream
@@ -288,10 +311,12 @@ class _NormQKV(torch.autograd.Function):
         grad_normed = grad_qkv_w = grad_qkv_b = None
         if grad_qkv is not None:
             grad_rows = grad_qkv.reshape(-1, grad_qkv.shape[-1])
+            grad_cast, grad_cast_t = _quantised(grad_rows, qkv_quantise, "grad_output",
+                                                needs[10])
             grad_normed, grad_qkv_w, grad_qkv_b = linear_backward(
-                _quantised(grad_rows, qkv_quantise, "grad_output"), rows, qkv_weight,
-                qkv_scales[1] * (next_branch_weight or 1.0), qkv_scales[2], None, True,
-                needs[10], False)
+                grad_cast, rows, qkv_weight, qkv_scales[1] * (next_branch_weight or 1.0),
+                qkv_scales[2], None, True, needs[10], False, grad_cast_t)
+            del grad_cast, grad_cast_t
             if has_bias and needs[11]:
                 grad_qkv_b = grad_rows.sum(0).mul_(qkv_scales[2])
             del grad_rows
@@ -352,6 +377,9 @@ class _ProjNormMLP(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         branch_weight, skip_weight, _, _, eps, _, output_weight = residual
         proj_quantise, up_quantise, down_quantise = quantisers
+        needs = ctx.needs_input_grad
+        # Whether a gradient flows back into the MLP's input (and so through the projection).
+        need_normed = needs[0] or any(needs[4:7])
         batch, count, seq, head_dim = heads.shape
         if proj_quantise is None:
             # The row scale depends on the query position only, so it commutes with the
@@ -365,8 +393,8 @@ class _ProjNormMLP(torch.autograd.Function):
             attended = heads.new_empty((batch * seq, count * head_dim))
             torch.mul(heads.transpose(1, 2), _head_rows(row_scale, seq),
                       out=attended.view(batch, seq, count, head_dim))
-            attended = proj_quantise(attended, "input")
-        proj_weight = _quantised(proj_weight, proj_quantise, "weight")
+        attended, attended_t = _quantised(attended, proj_quantise, "input", needs[2])
+        proj_weight, proj_weight_t = _quantised(proj_weight, proj_quantise, "weight", needs[0])
         # The join's branch weight in the projection's GEMM, the skip's in one in-place pass.
         joined = linear_forward(attended, proj_weight, None, proj_scales[0] * branch_weight)
         joined = joined.view(stream.shape)
@@ -375,36 +403,61 @@ class _ProjNormMLP(torch.autograd.Function):
         joined = joined.add_(stream, alpha=skip_weight)
         normed, mean, rstd = torch.native_layer_norm(joined, (joined.shape[-1],), norm_weight,
                                                      norm_bias, eps)
-        rows = _quantised(normed.view(-1, normed.shape[-1]), up_quantise, "input")
-        up_weight = _quantised(up_weight, up_quantise, "weight")
-        down_weight = _quantised(down_weight, down_quantise, "weight")
+        rows, rows_t = _quantised(normed.view(-1, normed.shape[-1]), up_quantise, "input",
+                                  needs[8])
+        up_cast, up_cast_t = _quantised(up_weight, up_quantise, "weight", need_normed)
+        down_cast, down_cast_t = _quantised(down_weight, down_quantise, "weight",
+                                            any(needs[:10]))
         forward_scales = mlp_scales
         if output_weight != 1.0:
             forward_scales = (*mlp_scales[:5], mlp_scales[5] * output_weight, *mlp_scales[6:])
-        hidden, activated, out = _mlp_forward(rows, up_weight, up_bias, down_weight, down_bias,
-                                              approximate, forward_scales, down_quantise)
-        ctx.save_for_backward(attended, proj_weight, joined, mean, rstd, norm_weight, norm_bias,
-                              rows, up_weight, up_bias, down_weight)
+        hidden, activated, out = _mlp_forward(rows, up_cast, up_bias, down_cast, down_bias,
+                                              approximate, forward_scales, down_quantise,
+                                              needs[10])
+        # Each operand as the backward GEMM that reads it casts it; under a grouped recipe
+        # (other casts for the backward GEMMs) the float weights too, for a recomputation.
+        grouped = rows_t is not rows or up_cast_t is not up_cast
+        del rows, up_cast
+        ctx.save_for_backward(attended_t, proj_weight_t, joined, mean, rstd, norm_weight,
+                              norm_bias, rows_t, up_cast_t, up_bias, down_cast_t,
+                              up_weight if grouped else None,
+                              down_weight if grouped else None)
         ctx.intermediates = [hidden, activated]  # see _mlp_backward
         ctx.meta = (row_scale, head_dim, proj_scales, residual, approximate, mlp_scales,
-                    up_bias is not None, down_bias is not None, quantisers)
+                    up_bias is not None, down_bias is not None, quantisers, grouped)
         return out.view(*stream.shape[:-1], out.shape[-1]), joined
 
     @staticmethod
     def backward(ctx: Any, grad_out: Optional[Tensor],
                  grad_stream: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         (attended, proj_weight, joined, mean, rstd, norm_weight, norm_bias, rows, up_weight,
-         up_bias, down_weight) = ctx.saved_tensors
+         up_bias, down_weight, up_float, down_float) = ctx.saved_tensors
         (row_scale, head_dim, proj_scales, residual, approximate, mlp_scales, has_up_bias,
-         has_down_bias, quantisers) = ctx.meta
+         has_down_bias, quantisers, grouped) = ctx.meta
         proj_quantise, up_quantise, down_quantise = quantisers
-        _, _, next_branch_weight, next_skip_weight, _, param_grad_scale, _ = residual
+        _, _, next_branch_weight, next_skip_weight, eps, param_grad_scale, _ = residual
         needs = ctx.needs_input_grad
+
+        def recompute() -> Tuple[Tensor, Tensor, Tensor]:
+            if not grouped:
+                return _mlp_forward(rows, up_weight, up_bias, down_weight, None, approximate,
+                                    mlp_scales, down_quantise, needs[10])
+            # The forward GEMMs' operands, not kept: cast again from the norm's output.
+            normed = torch.native_layer_norm(joined, (joined.shape[-1],), norm_weight,
+                                             norm_bias, eps)[0]
+            normed_rows = _quantised(normed.view(-1, normed.shape[-1]), up_quantise, "input",
+                                     False)[0]
+            return _mlp_forward(normed_rows, _quantised(up_float, up_quantise, "weight",
+                                                        False)[0],
+                                up_bias, _quantised(down_float, down_quantise, "weight",
+                                                    False)[0],
+                                None, approximate, mlp_scales, down_quantise, needs[10])
+
         grad_normed = grad_up_w = grad_up_b = grad_down_w = grad_down_b = None
         if grad_out is not None:
             grad_normed, grad_up_w, grad_up_b, grad_down_w, grad_down_b = _mlp_backward(
-                grad_out.reshape(-1, grad_out.shape[-1]), rows, ctx.intermediates, up_weight,
-                up_bias, down_weight, approximate, mlp_scales,
+                grad_out.reshape(-1, grad_out.shape[-1]), rows, ctx.intermediates, recompute,
+                up_weight, up_bias, down_weight, approximate, mlp_scales,
                 (True, needs[8], has_up_bias and needs[9], needs[10],
                  has_down_bias and needs[11]), next_branch_weight or 1.0, up_quantise,
                 down_quantise)
@@ -416,14 +469,17 @@ class _ProjNormMLP(torch.autograd.Function):
         del grad_normed
         if grad_joined is None:
             return (None,) * 15
-        grad_projected = grad_joined  # (times the row scale first where that follows the GEMM)
+        # (times the row scale first where that follows the GEMM)
+        grad_projected, grad_projected_t = grad_joined, None
         if proj_quantise is not None:
-            grad_projected = proj_quantise(grad_joined.view(-1, grad_joined.shape[-1]),
-                                           "grad_output")
+            grad_projected, grad_projected_t = _quantised(
+                grad_joined.view(-1, grad_joined.shape[-1]), proj_quantise, "grad_output",
+                needs[2])
         grad_attended, grad_proj_w, _ = linear_backward(
             grad_projected, attended, proj_weight, proj_scales[1], proj_scales[2],
-            row_scale if proj_quantise is None else None, needs[0], needs[2], False)
-        del grad_projected
+            row_scale if proj_quantise is None else None, needs[0], needs[2], False,
+            grad_projected_t)
+        del grad_projected, grad_projected_t
         grad_heads = None
         if grad_attended is not None:
             batch, seq = joined.shape[:2]

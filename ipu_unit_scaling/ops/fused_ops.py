@@ -141,10 +141,13 @@ class _Linear(torch.autograd.Function):
 
 def linear_backward(grad: Tensor, x: Tensor, weight: Tensor, grad_input_scale: float,
                     grad_weight_scale: float, row_scale: Union[None, float, Tensor],
-                    need_input: bool, need_weight: bool, need_bias: bool
+                    need_input: bool, need_weight: bool, need_bias: bool,
+                    weight_grad: Optional[Tensor] = None
                     ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """The gradients (input, weight, bias) of :class:`_Linear`, each only where asked; for the
-    Functions of `fused_blocks` that end or start with a linear."""
+    Functions of `fused_blocks` that end or start with a linear. ``weight_grad``: the output
+    gradient as the weight's gradient GEMM reads it, where it differs from ``grad`` (an FP8
+    cast along its other dimension; then ``row_scale`` is None)."""
     if row_scale is not None:
         grad = grad * row_scale
     grad_rows = grad.reshape(-1, grad.shape[-1])
@@ -154,7 +157,8 @@ def linear_backward(grad: Tensor, x: Tensor, weight: Tensor, grad_input_scale: f
         grad_x = torch.addmm(zero, grad_rows, weight, beta=0,
                              alpha=grad_input_scale).view_as(x)
     if need_weight:
-        grad_w = torch.addmm(zero, grad_rows.t(), x.reshape(-1, x.shape[-1]), beta=0,
+        weight_rows = grad_rows if weight_grad is None else weight_grad
+        grad_w = torch.addmm(zero, weight_rows.t(), x.reshape(-1, x.shape[-1]), beta=0,
                              alpha=grad_weight_scale)
     if need_bias:
         grad_b = grad_rows.sum(0).mul_(grad_weight_scale)

@@ -462,6 +462,85 @@ def test_fp8_layers_cast_the_same_tensors_in_two_functions(monkeypatch, scaling)
                                        atol=1e-5 * want.abs().max().item(), msg=site)
 
 
+@pytest.mark.parametrize("recipe", ["rowwise", "block", "mx", "nvfp4"])
+def test_grouped_recipes_cast_the_same_tensors_in_two_functions(monkeypatch, recipe):
+    """Under a grouped recipe the two-Function form casts each GEMM operand as the FP8
+    linear does (`recipe_linear`): along its last dimension for the GEMM that reads it so,
+    and along its first for the backward GEMM that reduces over it, each (layer, role,
+    orientation) seeing the same tensor. Recorded unrounded, as in the test above."""
+    import ipu_unit_scaling as uu
+    from ipu_unit_scaling.fp8 import FP8Config, recipe_linear
+    from ipu_unit_scaling.fp8.group_cast import GroupCast
+    from ipu_unit_scaling.modules import gpt_blocks as modules
+    from ipu_unit_scaling.transforms import simulate_fp8
+
+    torch.manual_seed(0)
+    model = uu.GPT(vocab_size=48, hidden_size=32, depth=2, heads=4, seq_len=12)
+    simulate_fp8(model, FP8Config().with_recipe(recipe))
+    ids = torch.randint(0, 48, (3, 11))
+    names = backward_nodes(model(ids, ids))
+    assert names.count("_NormQKVBackward") == 2 and names.count("_ProjNormMLPBackward") == 2
+    seen: dict = {}
+
+    def record(t, config, role, site, log2_scale, transposed, rows=True):
+        along_rows = along_columns = None
+        if rows:
+            seen.setdefault(site, []).append(t.detach().clone())
+            along_rows = GroupCast(t.detach().to(torch.float32), None)
+        if transposed:
+            seen.setdefault(f"{site}_t", []).append(t.detach().t().clone())
+            along_columns = GroupCast(t.detach().t().to(torch.float32), None)
+        return along_rows, along_columns
+
+    monkeypatch.setattr(recipe_linear, "_casts", record)
+    _loss_and_grads(model, ids)
+    two, seen = seen, {}
+    monkeypatch.setattr(modules.TransformerBlock, "_two_function_form", lambda self, x: None)
+    _loss_and_grads(model, ids)
+    # Per linear: input, weight and gradient along rows; input and gradient along columns,
+    # and the weight too unless its blocks are square ("block" transposes its one cast).
+    per_linear = 5 if recipe == "block" else 6
+    assert sorted(two) == sorted(seen) and len(seen) == per_linear * (2 * 4 + 1)
+    for site, tensors in seen.items():
+        assert len(two[site]) == len(tensors), site
+        for got, want in zip(two[site], tensors):
+            torch.testing.assert_close(got.reshape(want.shape), want, rtol=1e-5,
+                                       atol=1e-5 * want.abs().max().item(), msg=site)
+
+
+def test_grouped_two_functions_match_the_layers_and_backward_twice():
+    """The MX recipe's two-Function layer gives the per-linear form's loss and gradients
+    (to FP8 steps where a float32 rounding difference crosses a rounding boundary: compared
+    in norm), and a second backward (retain_graph=True), which casts the MLP's forward
+    operands again from the norm's output, gives the first backward's gradients bit for
+    bit."""
+    import ipu_unit_scaling as uu
+    from ipu_unit_scaling.fp8 import FP8Config
+    from ipu_unit_scaling.modules import gpt_blocks as modules
+    from ipu_unit_scaling.transforms import simulate_fp8
+
+    torch.manual_seed(0)
+    model = uu.GPT(vocab_size=48, hidden_size=64, depth=2, heads=4, seq_len=12)
+    simulate_fp8(model, FP8Config().with_recipe("mx"))
+    ids = torch.randint(0, 48, (3, 11))
+    loss = model(ids, ids)
+    loss.backward(retain_graph=True)
+    first = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    loss.backward()
+    for a, b in zip(first, [p.grad for p in model.parameters()]):
+        assert torch.equal(a, b)
+    model.zero_grad()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(modules.TransformerBlock, "_two_function_form", lambda self, x: None)
+        layers_loss = model(ids, ids)
+        layers_loss.backward()
+    # One FP8 step (E4M3: 2**-3 relative) in a few of the values moves a sum by far less.
+    torch.testing.assert_close(loss, layers_loss, rtol=1e-3, atol=0)
+    for a, p in zip(first, model.parameters()):
+        assert torch.linalg.norm(a - p.grad) <= 0.05 * torch.linalg.norm(p.grad)
+
+
 def test_two_functions_hold_no_more_memory_than_five(monkeypatch, layer_form):
     """The two-Function layer keeps what the five Functions kept for the backward pass and no
     more: the output projection reads the attention output itself (no scaled copy held), and
