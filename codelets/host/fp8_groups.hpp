@@ -263,14 +263,25 @@ IUS_HOT inline void quantisePortable(const float* x, Index n, Factors f, float c
 }
 
 #ifdef IUS_HAVE_AVX2_KERNELS
+// With clampMax, quantisePortable's clamped branch: |y| <= clampMax, a point of the grid
+// below its max, cannot round past it, and a group with a finite amax holds no NaN or
+// infinity, so the rounding needs neither quantise16's overflow nor its NaN lanes: the add
+// and subtract of 2^(e + shift) on the magnitude, then the sign (on zeros too) and the
+// inverse scale, exact in either order.
 template <unsigned E, bool S>
 IUS_AVX512 inline __m512 quantiseLanes512(__m512 x, __m512 scale, __m512 inverse, float clampMax) {
   if (clampMax > 0) {
+    using G = fast::Grid<E>;
     const __m512 limit = _mm512_set1_ps(clampMax);
-    const __m512 y = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x, scale), _mm512_sub_ps(_mm512_setzero_ps(), limit)), limit);
-    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
-    return _mm512_castsi512_ps(_mm512_or_si512(
-        _mm512_castps_si512(simd512::quantise16<E, S>(y, _mm512_set1_ps(1.0f), inverse)), sign));
+    const __m512i y = _mm512_castps_si512(
+        _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x, scale), _mm512_sub_ps(_mm512_setzero_ps(), limit)), limit));
+    const __m512i magnitude = _mm512_and_si512(y, _mm512_set1_epi32(0x7fffffff));
+    const __m512i exponent = _mm512_max_epi32(_mm512_and_si512(y, _mm512_set1_epi32(0x7f800000)),
+                                              _mm512_set1_epi32(G::minNormalBits));
+    const __m512 step = _mm512_castsi512_ps(_mm512_add_epi32(exponent, _mm512_set1_epi32(G::shift << 23)));
+    const __m512 value = _mm512_sub_ps(_mm512_add_ps(_mm512_castsi512_ps(magnitude), step), step);
+    const __m512i sign = _mm512_and_si512(y, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(value), sign)), inverse);
   }
   return simd512::quantise16<E, S>(x, scale, inverse);
 }
@@ -278,10 +289,17 @@ IUS_AVX512 inline __m512 quantiseLanes512(__m512 x, __m512 scale, __m512 inverse
 template <unsigned E, bool S>
 IUS_AVX2 inline __m256 quantiseLanes256(__m256 x, __m256 scale, __m256 inverse, float clampMax) {
   if (clampMax > 0) {
+    using G = fast::Grid<E>;
     const __m256 limit = _mm256_set1_ps(clampMax);
-    const __m256 y = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(x, scale), _mm256_sub_ps(_mm256_setzero_ps(), limit)), limit);
-    const __m256 sign = _mm256_and_ps(y, _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(0x80000000u))));
-    return _mm256_or_ps(simd::quantise8<E, S>(y, _mm256_set1_ps(1.0f), inverse), sign);
+    const __m256i y = _mm256_castps_si256(
+        _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(x, scale), _mm256_sub_ps(_mm256_setzero_ps(), limit)), limit));
+    const __m256i magnitude = _mm256_and_si256(y, _mm256_set1_epi32(0x7fffffff));
+    const __m256i exponent = _mm256_max_epi32(_mm256_and_si256(y, _mm256_set1_epi32(0x7f800000)),
+                                              _mm256_set1_epi32(G::minNormalBits));
+    const __m256 step = _mm256_castsi256_ps(_mm256_add_epi32(exponent, _mm256_set1_epi32(G::shift << 23)));
+    const __m256 value = _mm256_sub_ps(_mm256_add_ps(_mm256_castsi256_ps(magnitude), step), step);
+    const __m256i sign = _mm256_and_si256(y, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(value), sign)), inverse);
   }
   return simd::quantise8<E, S>(x, scale, inverse);
 }
