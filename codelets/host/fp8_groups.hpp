@@ -263,6 +263,45 @@ IUS_HOT inline void quantisePortable(const float* x, Index n, Factors f, float c
 }
 
 #ifdef IUS_HAVE_AVX2_KERNELS
+// quantise16 for the values of a group with a finite amax, which hold no NaN or infinity:
+// the step 2^(e + shift) takes the value's sign, so adding and subtracting it rounds the
+// signed value (a negative one that rounds to zero comes out +0, as F143 and F152 have no
+// -0), and only the overflow lanes are replaced (reachable where the scale was clamped).
+template <unsigned E, bool S>
+IUS_AVX512 inline __m512 quantiseFinite16(__m512 x, __m512 scale, __m512 inverse) {
+  using G = fast::Grid<E>;
+  const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(x, scale));
+  const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m512i exponent = _mm512_max_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7f800000)),
+                                            _mm512_set1_epi32(G::minNormalBits));
+  const __m512 step = _mm512_castsi512_ps(
+      _mm512_or_si512(_mm512_add_epi32(exponent, _mm512_set1_epi32(G::shift << 23)), sign));
+  __m512i value = _mm512_castps_si512(_mm512_sub_ps(_mm512_add_ps(_mm512_castsi512_ps(bits), step), step));
+  const __mmask16 overflow = _mm512_cmpgt_epi32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                     _mm512_set1_epi32(G::overflowBits - 1));
+  value = S ? _mm512_mask_or_epi32(value, overflow, sign, _mm512_set1_epi32(G::maxBits))
+            : _mm512_mask_mov_epi32(value, overflow, _mm512_set1_epi32(G::quietNanBits));
+  return _mm512_mul_ps(_mm512_castsi512_ps(value), inverse);
+}
+
+template <unsigned E, bool S>
+IUS_AVX2 inline __m256 quantiseFinite8(__m256 x, __m256 scale, __m256 inverse) {
+  using G = fast::Grid<E>;
+  const __m256i bits = _mm256_castps_si256(_mm256_mul_ps(x, scale));
+  const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256i exponent = _mm256_max_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7f800000)),
+                                            _mm256_set1_epi32(G::minNormalBits));
+  const __m256 step = _mm256_castsi256_ps(
+      _mm256_or_si256(_mm256_add_epi32(exponent, _mm256_set1_epi32(G::shift << 23)), sign));
+  __m256i value = _mm256_castps_si256(_mm256_sub_ps(_mm256_add_ps(_mm256_castsi256_ps(bits), step), step));
+  const __m256i overflow = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)),
+                                              _mm256_set1_epi32(G::overflowBits - 1));
+  const __m256i replacement = S ? _mm256_or_si256(sign, _mm256_set1_epi32(G::maxBits))
+                                : _mm256_set1_epi32(G::quietNanBits);
+  value = _mm256_blendv_epi8(value, replacement, overflow);
+  return _mm256_mul_ps(_mm256_castsi256_ps(value), inverse);
+}
+
 // With clampMax, quantisePortable's clamped branch: |y| <= clampMax, a point of the grid
 // below its max, cannot round past it, and a group with a finite amax holds no NaN or
 // infinity, so the rounding needs neither quantise16's overflow nor its NaN lanes: the add
@@ -283,7 +322,7 @@ IUS_AVX512 inline __m512 quantiseLanes512(__m512 x, __m512 scale, __m512 inverse
     const __m512i sign = _mm512_and_si512(y, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
     return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(value), sign)), inverse);
   }
-  return simd512::quantise16<E, S>(x, scale, inverse);
+  return quantiseFinite16<E, S>(x, scale, inverse);
 }
 
 template <unsigned E, bool S>
@@ -301,7 +340,7 @@ IUS_AVX2 inline __m256 quantiseLanes256(__m256 x, __m256 scale, __m256 inverse, 
     const __m256i sign = _mm256_and_si256(y, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
     return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(value), sign)), inverse);
   }
-  return simd::quantise8<E, S>(x, scale, inverse);
+  return quantiseFinite8<E, S>(x, scale, inverse);
 }
 
 // Per-column amax keys of rows [r0, r1), columns [c0, c0 + width), for the whole vectors of

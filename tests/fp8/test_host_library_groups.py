@@ -80,10 +80,14 @@ def test_each_simd_level_gives_the_portable_loops_results(group, rule, restore_t
 @pytest.mark.parametrize("rule", RULES + [("F152", "amax", 57344.0, 15, 0, 0),
                                    ("F143", "amax", 240.0, 7, 31, 0)],
                          ids=lambda r: f"{r[0]}-{r[1]}-margin{r[4]}-step{r[5]}")
-def test_group_scales_at_every_amax_exponent_match_the_portable_loops(rule, restore_tuning):
+@pytest.mark.parametrize("saturate", [True, False], ids=["saturate", "overflow-nan"])
+def test_group_scales_at_every_amax_exponent_match_the_portable_loops(rule, saturate,
+                                                                     restore_tuning):
     """Column tiles whose amaxes run through every float32 exponent, each with a significand
     below, at and above the format max's: the SIMD scale computation meets every clamp of
-    the AMAX rule (+-31) and of MX's shared exponent (+-127), and every comparison."""
+    the AMAX rule (+-31) and of MX's shared exponent (+-127), and every comparison; where a
+    clamped scale leaves values past the format's max, they saturate or become NaN in every
+    form alike."""
     fmt_name, kernel_rule, fmt_max, emax, margin, step = rule
     top = torch.tensor(fmt_max).frexp().mantissa.item() * 2  # the format max's significand
     significands = torch.tensor([1.0, top - 2.0 ** -20, top,
@@ -98,13 +102,15 @@ def test_group_scales_at_every_amax_exponent_match_the_portable_loops(rule, rest
     for level in levels():
         _host.fused_tuning(-1, level)
         results.append(_host.group_quantise(x, 8, 1, fmt_name, kernel_rule, fmt_max, emax,
-                                            margin, step))
+                                            margin, step, saturate))
     for values, scales, finite in results[1:]:
         assert finite
         assert torch.equal(scales, results[0][1])
         assert torch.equal(values.view(torch.int32), results[0][0].view(torch.int32))
     if kernel_rule == "amax":  # both clamps are met
         assert (int(results[0][1].min()), int(results[0][1].max())) == (-31, 31)
+    if kernel_rule == "amax" and step == 0:  # values past the max at the -31 clamp
+        assert bool(results[0][0].isnan().any()) != saturate
 
 
 @pytest.mark.parametrize("size", [32, 128, 5])
