@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -177,10 +177,15 @@ def _host_kernel_args(fmt: FP8Format, x32: torch.Tensor, rule: str, margin: int,
     host = _host_grid(fmt, x32)
     if host is None:
         return None
-    library, grid, step = host
+    return host[0], _kernel_format_args(fmt, rule, margin, scale_rounding)
+
+
+def _kernel_format_args(fmt: FP8Format, rule: str, margin: int,
+                        scale_rounding: str) -> Tuple[Any, ...]:
+    """The block kernels' format and rule arguments for a format of ``_HOST_GRIDS``."""
+    grid, step = _HOST_GRIDS[fmt.name]
     kernel_rule = "amax" if rule == "amax" else f"mx_{scale_rounding}"
-    return library, (grid.name, kernel_rule, fmt.max, fmt.max_exponent, margin,
-                     1 if step != 1.0 else 0)
+    return (grid.name, kernel_rule, fmt.max, fmt.max_exponent, margin, 1 if step != 1.0 else 0)
 
 
 def _grouped_scales(scales: torch.Tensor, grouping: Grouping) -> torch.Tensor:
@@ -218,6 +223,33 @@ def _host_group_cast(x32: torch.Tensor, fmt: FP8Format, grouping: Grouping, rule
     if transposed:
         values, scales = values.t(), scales.t()
     return GroupCast(values, _grouped_scales(scales, grouping))
+
+
+_PAIR_ARGS: Dict[Tuple[FP8Format, str, int, str], Optional[Tuple[Any, ...]]] = {}
+
+
+def host_pair_values(x: torch.Tensor, fmt: FP8Format, size: int, rule: str, margin: int,
+                     scale_rounding: str) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """The values of ``group_cast_pair(x, fmt, Grouping("tile", size), rule, margin,
+    scale_rounding=scale_rounding)`` (round to nearest, saturating) for a 2-D float32 CPU
+    ``x``, both in ``x``'s shape, by one call of the host library's pair kernel, without
+    the scales: the training step's form. None where the kernel does not apply (the host
+    library off, a format it does not round, NVFP4) or a group's amax is not finite; the
+    caller then takes ``group_cast_pair``, which says why."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or not x.numel():
+        return None
+    try:
+        from . import host_library
+    except ImportError:
+        return None
+    key = (fmt, rule, margin, scale_rounding)
+    if key not in _PAIR_ARGS:
+        _PAIR_ARGS[key] = (host_library.pair_kernel_args(
+            *_kernel_format_args(fmt, rule, margin, scale_rounding))
+            if fmt.name in _HOST_GRIDS and rule in ("amax", "mx") else None)
+    args = _PAIR_ARGS[key]
+    return None if args is None else host_library.pair_values(x.detach().contiguous(), size,
+                                                              args)
 
 
 def group_cast_pair(

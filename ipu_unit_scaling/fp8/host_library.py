@@ -434,6 +434,45 @@ def group_quantise(
     return out.view(x.shape), scales, status == 0
 
 
+def pair_kernel_args(fmt_name: str, rule: str, format_max: float, emax: int = 0,
+                     margin: int = 0, step_log2: int = 0,
+                     saturate: bool = True) -> Tuple[int, int, int, float, int, int, int]:
+    """:func:`group_quantise_pair`'s format and rule arguments as the kernel takes them, for
+    :func:`pair_values`: prepared once per recipe rather than at every cast."""
+    code = GROUP_RULES.get(rule)
+    if code is None:
+        raise ValueError(f"group_quantise_pair rule {rule!r}; allowed: {', '.join(GROUP_RULES)}")
+    return (exponent_bits(fmt_name), int(saturate), code, float(format_max), int(emax),
+            int(margin), int(step_log2))
+
+
+def pair_values(x: torch.Tensor, size: int, kernel_args: Tuple[int, int, int, float, int,
+                                                                int, int]
+                ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """The values alone of :func:`group_quantise_pair` (``1 x size`` tiles, then ``size x 1``
+    column tiles, both in ``x``'s shape), for a contiguous 2-D CPU float32 ``x`` its caller
+    has checked and ``kernel_args`` from :func:`pair_kernel_args`: a training step casts each
+    GEMM operand this way, and the per-call work around the kernel is a visible share of
+    it at small widths. None where the library is off or a group's amax is not finite."""
+    lib = _load()[0]
+    if lib is None:
+        return None
+    rows, cols = x.shape
+    row_values = torch.empty((rows, cols))
+    col_values = torch.empty((rows, cols))
+    row_scale_count = rows * -(-cols // size)
+    scales = torch.empty(row_scale_count + -(-rows // size) * cols, dtype=torch.int32)
+    scales_at = scales.data_ptr()
+    status = lib.ius_group_quantise_pair(
+        x.data_ptr(), rows, cols, size, *kernel_args, num_threads(), row_values.data_ptr(),
+        scales_at, col_values.data_ptr(), scales_at + 4 * row_scale_count)
+    if status == 1:
+        return None
+    if status != 0:
+        raise ValueError(f"group_quantise_pair rejected its arguments (status {status})")
+    return row_values, col_values
+
+
 def group_quantise_pair(
     x: torch.Tensor,
     size: int,

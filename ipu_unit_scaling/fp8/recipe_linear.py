@@ -42,7 +42,7 @@ import torch
 from ..ops.trace_switch import is_ipu_tracing
 from .fp8_config import FP8Config
 from .fp8_formats import FP8Format
-from .group_cast import GroupCast, Grouping, group_cast, group_cast_pair
+from .group_cast import GroupCast, Grouping, group_cast, group_cast_pair, host_pair_values
 from .scaling import NonFiniteAmaxError, log2_scale
 from .stats import stats_enabled
 from .values import quantise_values
@@ -149,6 +149,14 @@ def grouped_operand_values(t: torch.Tensor, config: FP8Config, role: str, site: 
     ``site`` names the casts for the statistics."""
     high_precision = config.grad_weight_high_precision and role != "weight"
     square_blocks = config.scaling == "block" and role == "weight"
+    if (transposed and not (high_precision or square_blocks) and config.scaling != "rowwise"
+            and config.rounding == "nearest" and config.overflow == "saturate"
+            and not stats_enabled()):
+        grouping, rule = _grouping(config, role)
+        found = host_pair_values(t, _role_format(config, role), grouping.size, rule,
+                                 _role_margin(config, role), config.scale_rounding)
+        if found is not None:
+            return found
     rows, columns = _casts(t, config, role, site, None,
                            transposed and not (high_precision or square_blocks))
     assert rows is not None

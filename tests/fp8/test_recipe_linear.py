@@ -299,3 +299,35 @@ def test_scaled_mm_is_refused_for_block_recipes():
     x, weight, _ = operands()
     with pytest.raises(ValueError, match="rowwise"):
         fp8_linear(x, weight, None, FP8Config.from_recipe("mx"), use_scaled_mm=True)
+
+
+@pytest.mark.parametrize("name", GROUPED)
+@pytest.mark.parametrize("role", HISTORY_ROLES)
+def test_grouped_operand_values_are_the_casts_of_the_layer(name, role):
+    """`grouped_operand_values` (what a GPT layer's two-Function form casts with, by the host
+    kernel's values-only path where it applies) gives the layer's casts bit for bit: along
+    the rows, and along the columns in the operand's shape; a block with an infinity leaves
+    the fast path and is refused as the layer refuses it."""
+    from ipu_unit_scaling.fp8 import host_library
+    from ipu_unit_scaling.fp8.recipe_linear import _casts, grouped_operand_values
+    from ipu_unit_scaling.fp8.scaling import NonFiniteAmaxError
+
+    config = recipe_config(name)
+    generator = torch.Generator().manual_seed(5)
+    t = torch.randn(70, 45, generator=generator) * torch.exp2(
+        torch.randint(-6, 6, (70, 1), generator=generator).float())
+    rows, columns = grouped_operand_values(t, config, role, "site", True)
+    assert columns is not None
+    with host_library.disabled():
+        want_rows, want_columns = _casts(t, config, role, "site", None, True)
+    assert want_rows is not None and want_columns is not None
+    assert torch.equal(rows.view(torch.int32), want_rows.values.view(torch.int32))
+    if name.startswith("block") and role == "weight":  # square blocks: the one cast
+        assert columns is rows
+    else:
+        assert torch.equal(columns.view(torch.int32),
+                           want_columns.values.t().contiguous().view(torch.int32))
+    assert grouped_operand_values(t, config, role, "site", False)[1] is None
+    t[3, 7] = float("inf")
+    with pytest.raises((NonFiniteAmaxError, ValueError)):
+        grouped_operand_values(t, config, role, "site", True)
