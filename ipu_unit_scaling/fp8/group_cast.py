@@ -229,11 +229,13 @@ _PAIR_ARGS: Dict[Tuple[FP8Format, str, int, str], Optional[Tuple[Any, ...]]] = {
 
 
 def host_pair_values(x: torch.Tensor, fmt: FP8Format, size: int, rule: str, margin: int,
-                     scale_rounding: str) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+                     scale_rounding: str, out: Optional[torch.Tensor] = None
+                     ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     """The values of ``group_cast_pair(x, fmt, Grouping("tile", size), rule, margin,
     scale_rounding=scale_rounding)`` (round to nearest, saturating) for a 2-D float32 CPU
     ``x``, both in ``x``'s shape, by one call of the host library's pair kernel, without
-    the scales: the training step's form. None where the kernel does not apply (the host
+    the scales: the training step's form; ``out`` (contiguous float32, ``x``'s shape) takes
+    the first. None where the kernel does not apply (the host
     library off, a format it does not round, NVFP4) or a group's amax is not finite; the
     caller then takes ``group_cast_pair``, which says why."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or not x.numel():
@@ -249,7 +251,7 @@ def host_pair_values(x: torch.Tensor, fmt: FP8Format, size: int, rule: str, marg
             if fmt.name in _HOST_GRIDS and rule in ("amax", "mx") else None)
     args = _PAIR_ARGS[key]
     return None if args is None else host_library.pair_values(x.detach().contiguous(), size,
-                                                              args)
+                                                              args, out)
 
 
 def group_cast_pair(

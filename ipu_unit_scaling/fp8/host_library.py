@@ -446,19 +446,22 @@ def pair_kernel_args(fmt_name: str, rule: str, format_max: float, emax: int = 0,
             int(margin), int(step_log2))
 
 
-def pair_values(x: torch.Tensor, size: int, kernel_args: Tuple[int, int, int, float, int,
-                                                                int, int]
+def pair_values(x: torch.Tensor, size: int,
+                kernel_args: Tuple[int, int, int, float, int, int, int],
+                out: Optional[torch.Tensor] = None
                 ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     """The values alone of :func:`group_quantise_pair` (``1 x size`` tiles, then ``size x 1``
     column tiles, both in ``x``'s shape), for a contiguous 2-D CPU float32 ``x`` its caller
     has checked and ``kernel_args`` from :func:`pair_kernel_args`: a training step casts each
     GEMM operand this way, and the per-call work around the kernel is a visible share of
-    it at small widths. None where the library is off or a group's amax is not finite."""
+    it at small widths. ``out``: where to write the first (a contiguous float32 tensor of
+    ``x``'s shape). None where the library is off or a group's amax is not finite."""
     lib = _load()[0]
     if lib is None:
         return None
     rows, cols = x.shape
-    row_values = torch.empty((rows, cols))
+    row_values = (torch.empty((rows, cols)) if out is None
+                  else _output(x, torch.float32, out).view(rows, cols))
     col_values = torch.empty((rows, cols))
     row_scale_count = rows * -(-cols // size)
     scales = torch.empty(row_scale_count + -(-rows // size) * cols, dtype=torch.int32)

@@ -462,7 +462,8 @@ class FP8UnitScaledLinear(FP8Linear):
         return new
 
     def values_quantiser(self, x: torch.Tensor) -> Optional[Callable[
-            [torch.Tensor, str, bool], Tuple[torch.Tensor, Optional[torch.Tensor]]]]:
+            [torch.Tensor, str, bool, Optional[torch.Tensor]],
+            Tuple[torch.Tensor, Optional[torch.Tensor]]]]:
         """For eager forms that compute this layer's GEMMs themselves (a GPT layer's
         two-Function form, `uu.TransformerBlock`): a function (operand, role, transposed) ->
         the FP8 values this layer's GEMMs would compute with, for role "input", "weight" or
@@ -470,7 +471,7 @@ class FP8UnitScaledLinear(FP8Linear):
         and where ``transposed`` those of the backward GEMM that reduces over its first, in
         the operand's shape; see `fused_blocks.Quantiser`). Per-tensor scaling rounds once
         for both; a grouped recipe casts along each dimension
-        (`recipe_linear.grouped_operand_values`). None where this layer does not compute on
+        (`recipe_linear.grouped_operand_values`), the first into the buffer given, if any. None where this layer does not compute on
         FP8 values in float32 for `x` (see `values_path_applies`), keeps an amax history
         ("delayed"), has a bias, or scales otherwise than `U.linear`."""
         if (self.bias is not None or tuple(self.scale_power) != (0.5, 0.5, 0.5)
@@ -482,10 +483,12 @@ class FP8UnitScaledLinear(FP8Linear):
                  "weight": (config.weight, config.weight_margin),
                  "grad_output": (config.gradient, config.gradient_margin)}
 
-        def quantise(t: torch.Tensor, role: str, transposed: bool
+        def quantise(t: torch.Tensor, role: str, transposed: bool,
+                     out: Optional[torch.Tensor] = None
                      ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
             if config.grouped:
-                return grouped_operand_values(t, config, role, f"{site}.{role}", transposed)
+                return grouped_operand_values(t, config, role, f"{site}.{role}", transposed,
+                                              out)
             fmt, margin = roles[role]
             values = values_for_role(t, fmt, margin, config, f"{site}.{role}")
             return values, values if transposed else None

@@ -139,14 +139,16 @@ def _casts(t: torch.Tensor, config: FP8Config, role: str, site: str,
 
 
 def grouped_operand_values(t: torch.Tensor, config: FP8Config, role: str, site: str,
-                           transposed: bool) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+                           transposed: bool, out: Optional[torch.Tensor] = None
+                           ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The FP8 values of the 2-D GEMM operand ``t`` in ``role`` under a grouped recipe, as
     :func:`recipe_linear` casts it: (cast along its last dimension, for the GEMM that reduces
     over it; where ``transposed``, the operand of the backward GEMM that reduces over its
     first dimension, in ``t``'s shape, else None). That second operand is the cast along the
     first dimension, the first cast itself for square weight blocks ("block"), or ``t`` in
     float32 where ``grad_weight_high_precision`` keeps the weight gradient's GEMM unrounded.
-    ``site`` names the casts for the statistics."""
+    ``site`` names the casts for the statistics. ``out``: a float32 tensor shaped like
+    ``t`` that the first may be written to, where the host kernel makes both."""
     high_precision = config.grad_weight_high_precision and role != "weight"
     square_blocks = config.scaling == "block" and role == "weight"
     if (transposed and not (high_precision or square_blocks) and config.scaling != "rowwise"
@@ -154,7 +156,7 @@ def grouped_operand_values(t: torch.Tensor, config: FP8Config, role: str, site: 
             and not stats_enabled()):
         grouping, rule = _grouping(config, role)
         found = host_pair_values(t, _role_format(config, role), grouping.size, rule,
-                                 _role_margin(config, role), config.scale_rounding)
+                                 _role_margin(config, role), config.scale_rounding, out)
         if found is not None:
             return found
     rows, columns = _casts(t, config, role, site, None,

@@ -18,6 +18,7 @@ torch function mode) and their parts are the unit-scaled ones; see `modules.py`.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, List, Optional, Tuple, Union, cast
 
 import torch
@@ -33,9 +34,10 @@ __all__ = ["residual_norm", "mlp", "embed", "norm_qkv", "proj_norm_mlp"]
 # ("input", "weight" or "grad_output"): (the values for the GEMM that reduces over the
 # operand's last dimension, the values for the backward GEMM that reduces over its first, in
 # the operand's shape, or None where not asked for by the flag). Per-tensor scaling gives one
-# tensor twice; a grouped recipe casts the operand along each dimension with its own groups.
+# tensor twice; a grouped recipe casts the operand along each dimension with its own groups,
+# the first into the float32 buffer given (or None), which only the next GEMM reads.
 # See `fp8.linear.FP8UnitScaledLinear.values_quantiser`.
-Quantiser = Callable[[Tensor, str, bool], Tuple[Tensor, Optional[Tensor]]]
+Quantiser = Callable[[Tensor, str, bool, Optional[Tensor]], Tuple[Tensor, Optional[Tensor]]]
 
 _layer_norm_backward = torch.ops.aten.native_layer_norm_backward
 _gelu_backward = torch.ops.aten.gelu_backward
@@ -153,7 +155,7 @@ def _mlp_forward(rows: Tensor, up_weight: Tensor, up_bias: Optional[Tensor],
     activated_t = activated
     if down_quantise is not None:
         activated, activated_t = _quantised(activated.mul_(gelu_out), down_quantise, "input",
-                                            transposed)
+                                            transposed, "down.input")
         gelu_out = 1.0
     out = torch.addmm(addmm_zero(rows) if down_bias is None else down_bias, activated,
                       down_weight.t(), beta=0 if down_bias is None else 1,
@@ -185,7 +187,8 @@ def _mlp_backward(grad_rows: Tensor, rows: Tensor, intermediates: List[Tensor],
         hidden, activated, _ = recompute()
     grad_down = grad_down_t = grad_rows
     if down_quantise is not None:
-        grad_down, grad_down_t = _quantised(grad_rows, down_quantise, "grad_output", needs[3])
+        grad_down, grad_down_t = _quantised(grad_rows, down_quantise, "grad_output", needs[3],
+                                               "down.grad")
         gelu_out = 1.0  # (in the activation's values already)
     zero = addmm_zero(grad_rows)
     grad_down_w = grad_down_b = grad_up_w = grad_up_b = grad_x = None
@@ -200,7 +203,8 @@ def _mlp_backward(grad_rows: Tensor, rows: Tensor, intermediates: List[Tensor],
                                      alpha=down_grad_in * gelu_grad)
         grad_hidden = _gelu_backward(grad_activated, hidden, approximate=approximate)
         del grad_activated, hidden, grad_down
-        grad_up, grad_up_t = _quantised(grad_hidden, up_quantise, "grad_output", needs[1])
+        grad_up, grad_up_t = _quantised(grad_hidden, up_quantise, "grad_output", needs[1],
+                                        "up.grad")
         if needs[0]:
             grad_x = torch.addmm(zero, grad_up, up_weight, beta=0,
                                  alpha=up_grad_in * input_weight)
@@ -257,14 +261,40 @@ def mlp(x: Tensor, up_weight: Tensor, up_bias: Optional[Tensor], down_weight: Te
     return _mlp_apply(x, up_weight, up_bias, down_weight, down_bias, approximate, scales)
 
 
-def _quantised(x: Tensor, quantise: Optional[Quantiser], role: str,
-               transposed: bool) -> Tuple[Tensor, Tensor]:
+# Buffers for the casts that only the next GEMM reads, kept between calls per thread.
+_buffers = threading.local()
+# Reused only up to 2^18 elements (1 MiB): what a core's cache can keep between the write and
+# the GEMM's read, where reuse saves the allocation, its page faults and the cache misses;
+# larger operands, whose buffers would be held for the life of the process, are made afresh.
+_BUFFER_LIMIT = 1 << 18
+
+
+def _buffer(slot: str, like: Tensor) -> Optional[Tensor]:
+    """A float32 CPU buffer shaped like ``like`` for ``slot`` (one GEMM operand of these
+    Functions, e.g. "up.input"), the same one at every call with that shape; None where
+    ``like`` is larger than ``_BUFFER_LIMIT`` or not on the CPU."""
+    if like.numel() > _BUFFER_LIMIT or like.device.type != "cpu":
+        return None
+    held = getattr(_buffers, "held", None)
+    if held is None:
+        held = _buffers.held = {}
+    key = (slot, tuple(like.shape))
+    buffer = held.get(key)
+    if buffer is None:
+        buffer = held[key] = torch.empty(like.shape, dtype=torch.float32)
+    return buffer
+
+
+def _quantised(x: Tensor, quantise: Optional[Quantiser], role: str, transposed: bool,
+               slot: Optional[str] = None) -> Tuple[Tensor, Tensor]:
     """(the operand for the GEMM that reduces over ``x``'s last dimension, the operand for
     the one that reduces over its first: the values of ``quantise``, or ``x`` twice for a
-    float linear; the first again where ``transposed`` is not asked for)."""
+    float linear; the first again where ``transposed`` is not asked for). ``slot``: the
+    first is read by the next GEMM only (and by no cast of the same slot before it), so a
+    grouped cast may write it to that slot's buffer."""
     if quantise is None:
         return x, x
-    values, values_t = quantise(x, role, transposed)
+    values, values_t = quantise(x, role, transposed, None if slot is None else _buffer(slot, x))
     return values, values if values_t is None else values_t
 
 
@@ -291,9 +321,9 @@ class _NormQKV(torch.autograd.Function):
                                                 eps)
         needs = ctx.needs_input_grad
         rows, rows_t = _quantised(normed.view(-1, normed.shape[-1]), qkv_quantise, "input",
-                                  needs[10])
+                                  needs[10], "qkv.input")
         qkv_weight, qkv_weight_t = _quantised(qkv_weight, qkv_quantise, "weight",
-                                              any(needs[:2]) or any(needs[6:8]))
+                                              any(needs[:2]) or any(needs[6:8]), "qkv.weight")
         qkv = linear_forward(rows, qkv_weight, qkv_bias, qkv_scales[0])
         # (each operand as the backward GEMM that reads it casts it)
         ctx.save_for_backward(stream, mean, rstd, weight, bias, rows_t, qkv_weight_t)
@@ -312,7 +342,7 @@ class _NormQKV(torch.autograd.Function):
         if grad_qkv is not None:
             grad_rows = grad_qkv.reshape(-1, grad_qkv.shape[-1])
             grad_cast, grad_cast_t = _quantised(grad_rows, qkv_quantise, "grad_output",
-                                                needs[10])
+                                                needs[10], "qkv.grad")
             grad_normed, grad_qkv_w, grad_qkv_b = linear_backward(
                 grad_cast, rows, qkv_weight, qkv_scales[1] * (next_branch_weight or 1.0),
                 qkv_scales[2], None, True, needs[10], False, grad_cast_t)
@@ -393,8 +423,10 @@ class _ProjNormMLP(torch.autograd.Function):
             attended = heads.new_empty((batch * seq, count * head_dim))
             torch.mul(heads.transpose(1, 2), _head_rows(row_scale, seq),
                       out=attended.view(batch, seq, count, head_dim))
-        attended, attended_t = _quantised(attended, proj_quantise, "input", needs[2])
-        proj_weight, proj_weight_t = _quantised(proj_weight, proj_quantise, "weight", needs[0])
+        attended, attended_t = _quantised(attended, proj_quantise, "input", needs[2],
+                                          "proj.input")
+        proj_weight, proj_weight_t = _quantised(proj_weight, proj_quantise, "weight", needs[0],
+                                                "proj.weight")
         # The join's branch weight in the projection's GEMM, the skip's in one in-place pass.
         joined = linear_forward(attended, proj_weight, None, proj_scales[0] * branch_weight)
         joined = joined.view(stream.shape)
@@ -404,10 +436,11 @@ class _ProjNormMLP(torch.autograd.Function):
         normed, mean, rstd = torch.native_layer_norm(joined, (joined.shape[-1],), norm_weight,
                                                      norm_bias, eps)
         rows, rows_t = _quantised(normed.view(-1, normed.shape[-1]), up_quantise, "input",
-                                  needs[8])
-        up_cast, up_cast_t = _quantised(up_weight, up_quantise, "weight", need_normed)
+                                  needs[8], "up.input")
+        up_cast, up_cast_t = _quantised(up_weight, up_quantise, "weight", need_normed,
+                                        "up.weight")
         down_cast, down_cast_t = _quantised(down_weight, down_quantise, "weight",
-                                            any(needs[:10]))
+                                            any(needs[:10]), "down.weight")
         forward_scales = mlp_scales
         if output_weight != 1.0:
             forward_scales = (*mlp_scales[:5], mlp_scales[5] * output_weight, *mlp_scales[6:])
@@ -474,7 +507,7 @@ class _ProjNormMLP(torch.autograd.Function):
         if proj_quantise is not None:
             grad_projected, grad_projected_t = _quantised(
                 grad_joined.view(-1, grad_joined.shape[-1]), proj_quantise, "grad_output",
-                needs[2])
+                needs[2], "proj.grad")
         grad_attended, grad_proj_w, _ = linear_backward(
             grad_projected, attended, proj_weight, proj_scales[1], proj_scales[2],
             row_scale if proj_quantise is None else None, needs[0], needs[2], False,

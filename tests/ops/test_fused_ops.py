@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from helpers import backward_nodes
 
 import ipu_unit_scaling.functional as U
-from ipu_unit_scaling.ops import attention_ops
+from ipu_unit_scaling.ops import attention_ops, fused_blocks
 from ipu_unit_scaling.ops import fused_ops as fused
 from ipu_unit_scaling.scale import scale, scale_bwd, scale_fwd
 
@@ -541,6 +541,40 @@ def test_grouped_two_functions_match_the_layers_and_backward_twice():
     torch.testing.assert_close(loss, layers_loss, rtol=1e-3, atol=0)
     for a, p in zip(first, model.parameters()):
         assert torch.linalg.norm(a - p.grad) <= 0.05 * torch.linalg.norm(p.grad)
+
+
+@pytest.mark.parametrize("expansion", [1, 4])
+def test_grouped_casts_into_kept_buffers_change_nothing(monkeypatch, expansion):
+    """The casts only the next GEMM reads go to buffers kept between calls (one per operand
+    of the layer's Functions): two training steps' losses and gradients are those made with
+    fresh tensors, bit for bit, with the MLP's two weights the same shape (expansion 1) or
+    not."""
+    import ipu_unit_scaling as uu
+    from ipu_unit_scaling.fp8 import FP8Config
+    from ipu_unit_scaling.transforms import simulate_fp8
+
+    def two_steps() -> list:
+        torch.manual_seed(0)
+        model = uu.GPT(vocab_size=48, hidden_size=64, depth=2, heads=4, seq_len=12,
+                       mlp_expansion=expansion)
+        simulate_fp8(model, FP8Config().with_recipe("mx"))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        ids = torch.randint(0, 48, (3, 11))
+        results = []
+        for _ in range(2):
+            loss = model(ids, ids)
+            loss.backward()
+            results += [loss.detach(), *(p.grad.clone() for p in model.parameters())]
+            optimizer.step()
+            optimizer.zero_grad()
+        return results
+
+    held = fused_blocks._buffers.held = {}
+    kept = two_steps()
+    assert len(held) >= 10  # (every slot of both Functions took its buffer)
+    monkeypatch.setattr(fused_blocks, "_buffer", lambda slot, like: None)
+    for got, want in zip(kept, two_steps()):
+        assert torch.equal(got, want)
 
 
 def test_two_functions_hold_no_more_memory_than_five(monkeypatch, layer_form):
