@@ -465,15 +465,16 @@ class FP8UnitScaledLinear(FP8Linear):
             [torch.Tensor, str, bool, Optional[torch.Tensor]],
             Tuple[torch.Tensor, Optional[torch.Tensor]]]]:
         """For eager forms that compute this layer's GEMMs themselves (a GPT layer's
-        two-Function form, `uu.TransformerBlock`): a function (operand, role, transposed) ->
-        the FP8 values this layer's GEMMs would compute with, for role "input", "weight" or
-        "grad_output": (those of the GEMM that reduces over the operand's last dimension,
-        and where ``transposed`` those of the backward GEMM that reduces over its first, in
-        the operand's shape; see `fused_blocks.Quantiser`). Per-tensor scaling rounds once
-        for both; a grouped recipe casts along each dimension
-        (`recipe_linear.grouped_operand_values`), the first into the buffer given, if any. None where this layer does not compute on
-        FP8 values in float32 for `x` (see `values_path_applies`), keeps an amax history
-        ("delayed"), has a bias, or scales otherwise than `U.linear`."""
+        two-Function form, `uu.TransformerBlock`): a function (operand, role, transposed,
+        out) -> the FP8 values this layer's GEMMs would compute with, for role "input",
+        "weight" or "grad_output": (those of the GEMM that reduces over the operand's last
+        dimension, and where ``transposed`` those of the backward GEMM that reduces over its
+        first, in the operand's shape; see `fused_blocks.Quantiser`). Per-tensor scaling
+        rounds once for both; a grouped recipe casts along each dimension
+        (`recipe_linear.grouped_operand_values`), the first into ``out`` where given. None
+        where this layer does not compute on FP8 values in float32 for `x` (see
+        `values_path_applies`), keeps an amax history ("delayed"), has a bias, or scales
+        otherwise than `U.linear`."""
         if (self.bias is not None or tuple(self.scale_power) != (0.5, 0.5, 0.5)
                 or self.config.scaling == "delayed" or self.attention_projection is not None
                 or not values_path_applies(x, self.weight, None, self.use_scaled_mm)):
