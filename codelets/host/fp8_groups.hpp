@@ -306,21 +306,40 @@ IUS_AVX2 inline __m256 quantiseFinite8(__m256 x, __m256 scale, __m256 inverse) {
 // below its max, cannot round past it, and a group with a finite amax holds no NaN or
 // infinity, so the rounding needs neither quantise16's overflow nor its NaN lanes: the add
 // and subtract of 2^(e + shift) on the magnitude, then the sign (on zeros too) and the
-// inverse scale, exact in either order.
+// inverse scale, exact in either order. It starts from |x| and x's sign, which the pair
+// kernel takes once for its two roundings of each value: |clamp(x * s)| = min(|x| * s,
+// clampMax), and x * s has the sign of x.
+template <unsigned E>
+IUS_AVX512 inline __m512 roundClamped512(__m512i magnitudeOfX, __m512i sign, __m512 scale, __m512 inverse,
+                                         __m512 limit) {
+  using G = fast::Grid<E>;
+  const __m512 y = _mm512_min_ps(_mm512_mul_ps(_mm512_castsi512_ps(magnitudeOfX), scale), limit);
+  const __m512i exponent = _mm512_max_epi32(_mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(0x7f800000)),
+                                            _mm512_set1_epi32(G::minNormalBits));
+  const __m512 step = _mm512_castsi512_ps(_mm512_add_epi32(exponent, _mm512_set1_epi32(G::shift << 23)));
+  const __m512 value = _mm512_sub_ps(_mm512_add_ps(y, step), step);
+  return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(value), sign)), inverse);
+}
+
+template <unsigned E>
+IUS_AVX2 inline __m256 roundClamped256(__m256i magnitudeOfX, __m256i sign, __m256 scale, __m256 inverse,
+                                       __m256 limit) {
+  using G = fast::Grid<E>;
+  const __m256 y = _mm256_min_ps(_mm256_mul_ps(_mm256_castsi256_ps(magnitudeOfX), scale), limit);
+  const __m256i exponent = _mm256_max_epi32(_mm256_and_si256(_mm256_castps_si256(y), _mm256_set1_epi32(0x7f800000)),
+                                            _mm256_set1_epi32(G::minNormalBits));
+  const __m256 step = _mm256_castsi256_ps(_mm256_add_epi32(exponent, _mm256_set1_epi32(G::shift << 23)));
+  const __m256 value = _mm256_sub_ps(_mm256_add_ps(y, step), step);
+  return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(value), sign)), inverse);
+}
+
 template <unsigned E, bool S>
 IUS_AVX512 inline __m512 quantiseLanes512(__m512 x, __m512 scale, __m512 inverse, float clampMax) {
   if (clampMax > 0) {
-    using G = fast::Grid<E>;
-    const __m512 limit = _mm512_set1_ps(clampMax);
-    const __m512i y = _mm512_castps_si512(
-        _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(x, scale), _mm512_sub_ps(_mm512_setzero_ps(), limit)), limit));
-    const __m512i magnitude = _mm512_and_si512(y, _mm512_set1_epi32(0x7fffffff));
-    const __m512i exponent = _mm512_max_epi32(_mm512_and_si512(y, _mm512_set1_epi32(0x7f800000)),
-                                              _mm512_set1_epi32(G::minNormalBits));
-    const __m512 step = _mm512_castsi512_ps(_mm512_add_epi32(exponent, _mm512_set1_epi32(G::shift << 23)));
-    const __m512 value = _mm512_sub_ps(_mm512_add_ps(_mm512_castsi512_ps(magnitude), step), step);
-    const __m512i sign = _mm512_and_si512(y, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
-    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(value), sign)), inverse);
+    const __m512i bits = _mm512_castps_si512(x);
+    return roundClamped512<E>(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                              _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0x80000000u))), scale,
+                              inverse, _mm512_set1_ps(clampMax));
   }
   return quantiseFinite16<E, S>(x, scale, inverse);
 }
@@ -328,17 +347,10 @@ IUS_AVX512 inline __m512 quantiseLanes512(__m512 x, __m512 scale, __m512 inverse
 template <unsigned E, bool S>
 IUS_AVX2 inline __m256 quantiseLanes256(__m256 x, __m256 scale, __m256 inverse, float clampMax) {
   if (clampMax > 0) {
-    using G = fast::Grid<E>;
-    const __m256 limit = _mm256_set1_ps(clampMax);
-    const __m256i y = _mm256_castps_si256(
-        _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(x, scale), _mm256_sub_ps(_mm256_setzero_ps(), limit)), limit));
-    const __m256i magnitude = _mm256_and_si256(y, _mm256_set1_epi32(0x7fffffff));
-    const __m256i exponent = _mm256_max_epi32(_mm256_and_si256(y, _mm256_set1_epi32(0x7f800000)),
-                                              _mm256_set1_epi32(G::minNormalBits));
-    const __m256 step = _mm256_castsi256_ps(_mm256_add_epi32(exponent, _mm256_set1_epi32(G::shift << 23)));
-    const __m256 value = _mm256_sub_ps(_mm256_add_ps(_mm256_castsi256_ps(magnitude), step), step);
-    const __m256i sign = _mm256_and_si256(y, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
-    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(value), sign)), inverse);
+    const __m256i bits = _mm256_castps_si256(x);
+    return roundClamped256<E>(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)),
+                              _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0x80000000u))), scale,
+                              inverse, _mm256_set1_ps(clampMax));
   }
   return quantiseFinite8<E, S>(x, scale, inverse);
 }
@@ -784,6 +796,18 @@ IUS_AVX512 bool pairChunk512(const float* in, float* out, const Layout& l,
     const Index k = (r - r0) * perRow;
     for (Index t = 0; t < perRow; ++t) {
       const __m512 ts = _mm512_set1_ps(tileScale[k + t]), ti = _mm512_set1_ps(tileInverse[k + t]);
+      if (rule.clampMax > 0) {  // |x| and its sign once for both roundings
+        const __m512 limit = _mm512_set1_ps(rule.clampMax);
+        for (Index c = t * size; c < (t + 1) * size; c += 16) {
+          const __m512i bits = _mm512_loadu_si512(row + c);
+          const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+          const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+          _mm512_storeu_ps(columnTarget + c, roundClamped512<E>(magnitude, sign, _mm512_loadu_ps(scale + c),
+                                                                _mm512_loadu_ps(inverse + c), limit));
+          _mm512_storeu_ps(tileTarget + c, roundClamped512<E>(magnitude, sign, ts, ti, limit));
+        }
+        continue;
+      }
       for (Index c = t * size; c < (t + 1) * size; c += 16) {
         const __m512 x = _mm512_loadu_ps(row + c);
         _mm512_storeu_ps(columnTarget + c, quantiseLanes512<E, S>(x, _mm512_loadu_ps(scale + c),
@@ -846,6 +870,18 @@ IUS_AVX2 bool pairChunk256(const float* in, float* out, const Layout& l,
     const Index k = (r - r0) * perRow;
     for (Index t = 0; t < perRow; ++t) {
       const __m256 ts = _mm256_set1_ps(tileScale[k + t]), ti = _mm256_set1_ps(tileInverse[k + t]);
+      if (rule.clampMax > 0) {  // |x| and its sign once for both roundings
+        const __m256 limit = _mm256_set1_ps(rule.clampMax);
+        for (Index c = t * size; c < (t + 1) * size; c += 8) {
+          const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c));
+          const __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+          const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+          _mm256_storeu_ps(columnTarget + c, roundClamped256<E>(magnitude, sign, _mm256_loadu_ps(scale + c),
+                                                                _mm256_loadu_ps(inverse + c), limit));
+          _mm256_storeu_ps(tileTarget + c, roundClamped256<E>(magnitude, sign, ts, ti, limit));
+        }
+        continue;
+      }
       for (Index c = t * size; c < (t + 1) * size; c += 8) {
         const __m256 x = _mm256_loadu_ps(row + c);
         _mm256_storeu_ps(columnTarget + c, quantiseLanes256<E, S>(x, _mm256_loadu_ps(scale + c),
