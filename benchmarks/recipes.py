@@ -25,7 +25,7 @@ def _cast_note() -> str:
     if not _host.fused_cast_available():
         return f"grouped casts in torch ops: host library {_host.fast_path_status()}"
     return ("grouped casts by the host library's block kernels, both casts of each GEMM operand "
-            "from one read")
+            "from one read, in the layers' two Functions")
 
 
 def recipe_rows(row: Callable[..., Any], shape: Shape, rounds: int, min_run_time: float,
