@@ -261,11 +261,11 @@ def mlp(x: Tensor, up_weight: Tensor, up_bias: Optional[Tensor], down_weight: Te
     return _mlp_apply(x, up_weight, up_bias, down_weight, down_bias, approximate, scales)
 
 
-# Buffers for the casts that only the next GEMM reads, kept between calls per thread.
+# Buffers for the casts that only the next GEMM reads, kept between calls per thread, up to
+# 2^18 elements (1 MiB: what a core's cache keeps from the write to the GEMM's read, where the
+# reuse saves the allocation, its page faults and the cache misses). Larger casts, whose
+# buffers would be held for the life of the process, are made afresh.
 _buffers = threading.local()
-# Reused only up to 2^18 elements (1 MiB): what a core's cache can keep between the write and
-# the GEMM's read, where reuse saves the allocation, its page faults and the cache misses;
-# larger operands, whose buffers would be held for the life of the process, are made afresh.
 _BUFFER_LIMIT = 1 << 18
 
 
@@ -275,14 +275,11 @@ def _buffer(slot: str, like: Tensor) -> Optional[Tensor]:
     ``like`` is larger than ``_BUFFER_LIMIT`` or not on the CPU."""
     if like.numel() > _BUFFER_LIMIT or like.device.type != "cpu":
         return None
-    held = getattr(_buffers, "held", None)
-    if held is None:
-        held = _buffers.held = {}
+    held = _buffers.__dict__.setdefault("held", {})
     key = (slot, tuple(like.shape))
-    buffer = held.get(key)
-    if buffer is None:
-        buffer = held[key] = torch.empty(like.shape, dtype=torch.float32)
-    return buffer
+    if key not in held:
+        held[key] = torch.empty(like.shape, dtype=torch.float32)
+    return held[key]
 
 
 def _quantised(x: Tensor, quantise: Optional[Quantiser], role: str, transposed: bool,
