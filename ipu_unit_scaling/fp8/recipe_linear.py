@@ -245,21 +245,32 @@ class _RecipeLinear(torch.autograd.Function):
         need_w_t = not delayed and ctx.needs_input_grad[0]
         need_x_t = (not delayed and ctx.needs_input_grad[1]
                     and not config.grad_weight_high_precision)
-        xq, ctx.x_t = _casts(x2, config, "input", f"{site}.input", scale_x, need_x_t)
-        wq, ctx.w_t = _casts(w, config, "weight", f"{site}.weight", scale_w,
-                             need_w_t and config.scaling != "block")
-        assert xq is not None and wq is not None
-        if need_w_t and config.scaling == "block":
-            # Square weight blocks: the transposed cast is the forward cast transposed.
-            ctx.w_t = GroupCast(wq.values.t(), None)
-        y = _product(xq, wq, config.activation, config.weight, scales[0], use_scaled_mm)
+        # On the CPU, without torch._scaled_mm, the grouped recipes' GEMMs read float32
+        # values alone, cast as the two-Function layer casts them (no scales made).
+        ctx.values_only = not delayed and not use_scaled_mm and x2.device.type == "cpu"
+        if ctx.values_only:
+            x_rows, ctx.x_t = grouped_operand_values(x2, config, "input", f"{site}.input",
+                                                     ctx.needs_input_grad[1])
+            w_rows, ctx.w_t = grouped_operand_values(w, config, "weight", f"{site}.weight",
+                                                     need_w_t)
+            y = _gemm(x_rows, w_rows.t(), scales[0])
+        else:
+            xq, ctx.x_t = _casts(x2, config, "input", f"{site}.input", scale_x, need_x_t)
+            wq, ctx.w_t = _casts(w, config, "weight", f"{site}.weight", scale_w,
+                                 need_w_t and config.scaling != "block")
+            assert xq is not None and wq is not None
+            if need_w_t and config.scaling == "block":
+                # Square weight blocks: the transposed cast is the forward cast transposed.
+                ctx.w_t = GroupCast(wq.values.t(), None)
+            y = _product(xq, wq, config.activation, config.weight, scales[0], use_scaled_mm)
+            # A per-tensor scale casts a transposed operand to the transposed values: keep
+            # those.
+            if delayed:
+                ctx.save_for_backward(xq.values, wq.values)
+            else:
+                ctx.save_for_backward(x2 if config.grad_weight_high_precision else None)
         if bias is not None:
             y = y.add_(bias.to(torch.float32))
-        # A per-tensor scale casts a transposed operand to the transposed values: keep those.
-        if delayed:
-            ctx.save_for_backward(xq.values, wq.values)
-        else:
-            ctx.save_for_backward(x2 if config.grad_weight_high_precision else None)
         ctx.meta = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype,
                     config, site, scales, history, update_history, use_scaled_mm)
         return y.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
@@ -281,6 +292,14 @@ class _RecipeLinear(torch.autograd.Function):
                 grad_x = _gemm(gq, saved_w, scales[1])
             if need_w:
                 grad_w = _gemm(gq.t(), saved_x, scales[2])
+        elif ctx.values_only:
+            g_values, g_values_t = grouped_operand_values(g2, config, "grad_output",
+                                                          f"{site}.grad_output", need_w)
+            if need_x:
+                grad_x = _gemm(g_values, ctx.w_t, scales[1])
+            if need_w:
+                assert g_values_t is not None
+                grad_w = _gemm(g_values_t.t(), ctx.x_t, scales[2])
         else:
             high_precision = config.grad_weight_high_precision
             g_rows, g_t = _casts(g2, config, "grad_output", f"{site}.grad_output", None,
