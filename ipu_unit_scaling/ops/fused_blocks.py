@@ -35,7 +35,7 @@ __all__ = ["residual_norm", "mlp", "embed", "norm_qkv", "proj_norm_mlp"]
 # operand's last dimension, the values for the backward GEMM that reduces over its first, in
 # the operand's shape, or None where not asked for by the flag). Per-tensor scaling gives one
 # tensor twice; a grouped recipe casts the operand along each dimension with its own groups,
-# the first into the float32 buffer given (or None), which only the next GEMM reads.
+# the first into the float32 buffer given (or None), which only the GEMMs of the call read.
 # See `fp8.linear.FP8UnitScaledLinear.values_quantiser`.
 Quantiser = Callable[[Tensor, str, bool, Optional[Tensor]], Tuple[Tensor, Optional[Tensor]]]
 
@@ -261,10 +261,10 @@ def mlp(x: Tensor, up_weight: Tensor, up_bias: Optional[Tensor], down_weight: Te
     return _mlp_apply(x, up_weight, up_bias, down_weight, down_bias, approximate, scales)
 
 
-# Buffers for the casts that only the next GEMM reads, kept between calls per thread, up to
-# 2^18 elements (1 MiB: what a core's cache keeps from the write to the GEMM's read, where the
-# reuse saves the allocation, its page faults and the cache misses). Larger casts, whose
-# buffers would be held for the life of the process, are made afresh.
+# Buffers for the casts that only the GEMMs of the call read, kept between calls per thread,
+# up to 2^18 elements (1 MiB: what a core's cache keeps from the write to the GEMM's read,
+# where the reuse saves the allocation, its page faults and the cache misses). Larger casts,
+# whose buffers would be held for the life of the process, are made afresh.
 _buffers = threading.local()
 _BUFFER_LIMIT = 1 << 18
 
@@ -287,8 +287,8 @@ def _quantised(x: Tensor, quantise: Optional[Quantiser], role: str, transposed: 
     """(the operand for the GEMM that reduces over ``x``'s last dimension, the operand for
     the one that reduces over its first: the values of ``quantise``, or ``x`` twice for a
     float linear; the first again where ``transposed`` is not asked for). ``slot``: the
-    first is read by the next GEMM only (and by no cast of the same slot before it), so a
-    grouped cast may write it to that slot's buffer."""
+    first is read only by the GEMMs of this call, before the next cast for the same slot, so
+    a grouped cast may write it to that slot's buffer."""
     if quantise is None:
         return x, x
     values, values_t = quantise(x, role, transposed, None if slot is None else _buffer(slot, x))
