@@ -235,9 +235,9 @@ def host_pair_values(x: torch.Tensor, fmt: FP8Format, size: int, rule: str, marg
     scale_rounding=scale_rounding)`` (round to nearest, saturating) for a 2-D float32 CPU
     ``x``, both in ``x``'s shape, by one call of the host library's pair kernel, without
     the scales: the training step's form; ``out`` (contiguous float32, ``x``'s shape) takes
-    the first. None where the kernel does not apply (the host
-    library off, a format it does not round, NVFP4) or a group's amax is not finite; the
-    caller then takes ``group_cast_pair``, which says why."""
+    the first. None where the kernel does not apply (the host library off, a format it does
+    not round, NVFP4) or a group's amax is not finite; the caller then takes
+    ``group_cast_pair``, which says why."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or not x.numel():
         return None
     try:
