@@ -151,10 +151,10 @@ def grouped_operand_values(t: torch.Tensor, config: FP8Config, role: str, site: 
     ``t`` that the first may be written to, where the host kernel makes both."""
     high_precision = config.grad_weight_high_precision and role != "weight"
     square_blocks = config.scaling == "block" and role == "weight"
-    if (transposed and not (high_precision or square_blocks) and config.scaling != "rowwise"
+    grouping, rule = _grouping(config, role)
+    if (transposed and not (high_precision or square_blocks) and grouping.kind == "tile"
             and config.rounding == "nearest" and config.overflow == "saturate"
             and not stats_enabled()):
-        grouping, rule = _grouping(config, role)
         found = host_pair_values(t, _role_format(config, role), grouping.size, rule,
                                  _role_margin(config, role), config.scale_rounding, out)
         if found is not None:
