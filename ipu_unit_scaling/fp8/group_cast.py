@@ -228,30 +228,40 @@ def _host_group_cast(x32: torch.Tensor, fmt: FP8Format, grouping: Grouping, rule
 _PAIR_ARGS: Dict[Tuple[FP8Format, str, int, str], Optional[Tuple[Any, ...]]] = {}
 
 
-def host_pair_values(x: torch.Tensor, fmt: FP8Format, size: int, rule: str, margin: int,
-                     scale_rounding: str, out: Optional[torch.Tensor] = None
-                     ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """The values of ``group_cast_pair(x, fmt, Grouping("tile", size), rule, margin,
-    scale_rounding=scale_rounding)`` (round to nearest, saturating) for a 2-D float32 CPU
-    ``x``, both in ``x``'s shape, by one call of the host library's pair kernel, without
-    the scales: the training step's form; ``out`` (contiguous float32, ``x``'s shape) takes
-    the first. None where the kernel does not apply (the host library off, a format it does
-    not round, NVFP4) or a group's amax is not finite; the caller then takes
-    ``group_cast_pair``, which says why."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or not x.numel():
-        return None
+def pair_arguments(fmt: FP8Format, rule: str, margin: int,
+                   scale_rounding: str) -> Optional[Tuple[Any, ...]]:
+    """The host library's pair kernel's format and rule arguments for ``group_cast_pair``'s
+    tile casts with these fields (round to nearest, saturating), prepared once; None where
+    the kernel does not make them (the host library off, a format it does not round,
+    NVFP4)."""
     try:
         from . import host_library
     except ImportError:
+        return None
+    if not host_library.fused_cast_available():
         return None
     key = (fmt, rule, margin, scale_rounding)
     if key not in _PAIR_ARGS:
         _PAIR_ARGS[key] = (host_library.pair_kernel_args(
             *_kernel_format_args(fmt, rule, margin, scale_rounding))
             if fmt.name in _HOST_GRIDS and rule in ("amax", "mx") else None)
-    args = _PAIR_ARGS[key]
-    return None if args is None else host_library.pair_values(x.detach().contiguous(), size,
-                                                              args, out)
+    return _PAIR_ARGS[key]
+
+
+def host_pair_values(x: torch.Tensor, size: int, args: Tuple[Any, ...],
+                     out: Optional[torch.Tensor] = None
+                     ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """The values of ``group_cast_pair(x, ...)`` with ``1 x size`` tiles and the fields
+    ``args`` stands for (:func:`pair_arguments`) for a 2-D float32 CPU ``x``, both in
+    ``x``'s shape, by one call of the host library's pair kernel, without the scales: the
+    training step's form; ``out`` (contiguous float32, ``x``'s shape) takes the first. None
+    where the kernel does not take ``x`` or a group's amax is not finite; the caller then
+    takes ``group_cast_pair``, which says why."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or not x.numel():
+        return None
+    from . import host_library
+
+    return host_library.pair_values(x.detach().contiguous(), size, args, out)
 
 
 def group_cast_pair(

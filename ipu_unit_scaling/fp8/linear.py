@@ -17,7 +17,7 @@ quantise_values`) and those values are what the backward pass keeps. Recorded ca
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional, Tuple, Type, TypeVar
+from typing import Any, Callable, List, Optional, Tuple, Type, TypeVar
 
 import torch
 from torch import nn
@@ -130,6 +130,42 @@ def values_for_role(x: torch.Tensor, fmt: FP8Format, margin: int, config: FP8Con
         scale = per_tensor_scale(config)
         return quantise_values(x, fmt, scale, margin, config.overflow)[0]
     return cast_from_fp8(cast_for_role(x, fmt, margin, config, site), torch.float32)
+
+
+class ValuesQuantiser:
+    """An FP8 linear's casts of its GEMM operands, for eager forms that compute its GEMMs
+    themselves (`fused_blocks.Quantiser`): ``quantiser(operand, role, transposed, out)``.
+    ``native``: the same casts as the C++ layer nodes make them (`native_casts.layer_casts`),
+    or None where those cannot make them, as where something observes the casts."""
+
+    __slots__ = ("config", "site", "native")
+
+    def __init__(self, config: FP8Config, site: str) -> None:
+        self.config, self.site = config, site
+        self.native: Optional[Tuple[List[float], ...]] = None
+        if not _casts_observed():
+            from .native_casts import layer_casts
+
+            scale = None if config.grouped else per_tensor_scale(config)
+            self.native = layer_casts(config, site, scale, self._cast_for)
+
+    def __call__(self, t: torch.Tensor, role: str, transposed: bool,
+                 out: Optional[torch.Tensor] = None
+                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        config = self.config
+        if config.grouped:
+            return grouped_operand_values(t, config, role, f"{self.site}.{role}", transposed,
+                                          out)
+        fmt, margin = {"input": (config.activation, config.activation_margin),
+                       "weight": (config.weight, config.weight_margin),
+                       "grad_output": (config.gradient, config.gradient_margin)}[role]
+        values = values_for_role(t, fmt, margin, config, f"{self.site}.{role}")
+        return values, values if transposed else None
+
+    def _cast_for(self, role: str) -> Callable[
+            [torch.Tensor, bool, Optional[torch.Tensor]],
+            Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        return lambda t, transposed, out: self(t, role, transposed, out)
 
 
 _ZERO = torch.zeros(())
@@ -461,9 +497,7 @@ class FP8UnitScaledLinear(FP8Linear):
         new.attention_projection = getattr(linear, "attention_projection", None)
         return new
 
-    def values_quantiser(self, x: torch.Tensor) -> Optional[Callable[
-            [torch.Tensor, str, bool, Optional[torch.Tensor]],
-            Tuple[torch.Tensor, Optional[torch.Tensor]]]]:
+    def values_quantiser(self, x: torch.Tensor) -> Optional[ValuesQuantiser]:
         """For eager forms that compute this layer's GEMMs themselves (a GPT layer's
         two-Function form, `uu.TransformerBlock`): a function (operand, role, transposed,
         out) -> the FP8 values this layer's GEMMs would compute with, for role "input",
@@ -479,22 +513,7 @@ class FP8UnitScaledLinear(FP8Linear):
                 or self.config.scaling == "delayed" or self.attention_projection is not None
                 or not values_path_applies(x, self.weight, None, self.use_scaled_mm)):
             return None
-        config, site = self.config, self.site
-        roles = {"input": (config.activation, config.activation_margin),
-                 "weight": (config.weight, config.weight_margin),
-                 "grad_output": (config.gradient, config.gradient_margin)}
-
-        def quantise(t: torch.Tensor, role: str, transposed: bool,
-                     out: Optional[torch.Tensor] = None
-                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-            if config.grouped:
-                return grouped_operand_values(t, config, role, f"{site}.{role}", transposed,
-                                              out)
-            fmt, margin = roles[role]
-            values = values_for_role(t, fmt, margin, config, f"{site}.{role}")
-            return values, values if transposed else None
-
-        return quantise
+        return ValuesQuantiser(self.config, self.site)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Imported here: the unit-scaled core imports nothing from fp8, and fp8 stays usable alone.

@@ -35,14 +35,21 @@ and never runs this module's backward pass; delayed and NVFP4 scaling have no su
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 
 from ..ops.trace_switch import is_ipu_tracing
 from .fp8_config import FP8Config
 from .fp8_formats import FP8Format
-from .group_cast import GroupCast, Grouping, group_cast, group_cast_pair, host_pair_values
+from .group_cast import (
+    GroupCast,
+    Grouping,
+    group_cast,
+    group_cast_pair,
+    host_pair_values,
+    pair_arguments,
+)
 from .scaling import NonFiniteAmaxError, log2_scale
 from .stats import stats_enabled
 from .values import quantise_values
@@ -138,6 +145,20 @@ def _casts(t: torch.Tensor, config: FP8Config, role: str, site: str,
     return along_rows, along_columns
 
 
+def pair_kernel_casts(config: FP8Config, role: str) -> Optional[Tuple[int, Tuple[Any, ...]]]:
+    """(the tile size, the host pair kernel's arguments: `group_cast.pair_arguments`) where
+    :func:`grouped_operand_values` casts a GEMM operand in ``role`` both ways by the host
+    library's pair kernel (unless the statistics record the casts), else None."""
+    grouping, rule = _grouping(config, role)
+    if ((config.grad_weight_high_precision and role != "weight")
+            or (config.scaling == "block" and role == "weight") or grouping.kind != "tile"
+            or config.rounding != "nearest" or config.overflow != "saturate"):
+        return None
+    args = pair_arguments(_role_format(config, role), rule, _role_margin(config, role),
+                          config.scale_rounding)
+    return None if args is None else (grouping.size, args)
+
+
 def grouped_operand_values(t: torch.Tensor, config: FP8Config, role: str, site: str,
                            transposed: bool, out: Optional[torch.Tensor] = None
                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -151,12 +172,9 @@ def grouped_operand_values(t: torch.Tensor, config: FP8Config, role: str, site: 
     ``t`` that the first may be written to, where the host kernel makes both."""
     high_precision = config.grad_weight_high_precision and role != "weight"
     square_blocks = config.scaling == "block" and role == "weight"
-    grouping, rule = _grouping(config, role)
-    if (transposed and not (high_precision or square_blocks) and grouping.kind == "tile"
-            and config.rounding == "nearest" and config.overflow == "saturate"
-            and not stats_enabled()):
-        found = host_pair_values(t, _role_format(config, role), grouping.size, rule,
-                                 _role_margin(config, role), config.scale_rounding, out)
+    pair = pair_kernel_casts(config, role) if transposed and not stats_enabled() else None
+    if pair is not None:
+        found = host_pair_values(t, pair[0], pair[1], out)
         if found is not None:
             return found
     rows, columns = _casts(t, config, role, site, None,

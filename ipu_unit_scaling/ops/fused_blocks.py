@@ -366,11 +366,17 @@ def norm_qkv(x: Tensor, f: Optional[Tensor], branch_weight: float, skip_weight: 
              qkv_quantise: Optional[Quantiser] = None) -> Tuple[Tensor, Tensor]:
     """(the QKV projection of the next branch's normalised input, the stream): the values of
     :func:`residual_norm` then `fused_ops.linear` (see :class:`_NormQKV`)."""
-    native = _native() if qkv_quantise is None else None
-    if native is not None:
+    native = native_layers.usable()
+    casts = native_layers.node_casts((qkv_quantise,))
+    if native is not None and casts == []:
         qkv, stream = native.norm_qkv(x, f, branch_weight, skip_weight, next_branch_weight,
                                       next_skip_weight, weight, bias, eps, param_grad_scale,
                                       qkv_weight, qkv_bias, qkv_scales)
+        return qkv, stream
+    if native is not None and casts is not None:
+        qkv, stream = native.norm_qkv8(x, f, branch_weight, skip_weight, next_branch_weight,
+                                       next_skip_weight, weight, bias, eps, param_grad_scale,
+                                       qkv_weight, qkv_bias, qkv_scales, casts)
         return qkv, stream
     return _normqkv_apply(x, f, branch_weight, skip_weight, next_branch_weight,
                           next_skip_weight, weight, bias, eps, param_grad_scale, qkv_weight,
@@ -525,17 +531,6 @@ _projnormmlp_apply = applier(_ProjNormMLP)
 
 _FLOAT = (None, None, None)
 
-_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
-
-
-def _native() -> Optional[Any]:
-    """The C++ form of the float layer's two Functions (`native_layers`), or None where it is
-    off or not built, or under a functorch transform (which C++ nodes do not support)."""
-    if _transforms_active is None or _transforms_active():
-        return None
-    return native_layers.module()
-
-
 def proj_norm_mlp(heads: Tensor, row_scale: Union[float, Tensor], proj_weight: Tensor,
                   proj_scales: Tuple[float, float, float], stream: Tensor,
                   norm_weight: Optional[Tensor], norm_bias: Optional[Tensor],
@@ -545,13 +540,15 @@ def proj_norm_mlp(heads: Tensor, row_scale: Union[float, Tensor], proj_weight: T
                   quantisers: Tuple[Optional[Quantiser], ...] = _FLOAT
                   ) -> Tuple[Tensor, Tensor]:
     """(the MLP's output, the stream) of a layer's second half (see :class:`_ProjNormMLP`)."""
-    native = _native() if quantisers == _FLOAT else None
-    if native is not None:
+    native = native_layers.usable()
+    casts = native_layers.node_casts(quantisers)
+    if native is not None and casts is not None:
         tensor_scale = row_scale if isinstance(row_scale, Tensor) else None
-        out, joined = native.proj_norm_mlp(
+        apply = native.proj_norm_mlp if casts == [] else native.proj_norm_mlp8
+        out, joined = apply(
             heads, tensor_scale, 1.0 if tensor_scale is not None else row_scale, proj_weight,
             proj_scales, stream, norm_weight, norm_bias, residual, up_weight, up_bias,
-            down_weight, down_bias, approximate, mlp_scales)
+            down_weight, down_bias, approximate, mlp_scales, *([casts] if casts else []))
         return out, joined
     return _projnormmlp_apply(heads, row_scale, proj_weight, proj_scales, stream, norm_weight,
                               norm_bias, residual, up_weight, up_bias, down_weight, down_bias,

@@ -11,6 +11,7 @@
 #include <torch/extension.h>
 
 #include <array>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -293,6 +294,379 @@ struct ProjNormMLP : public torch::autograd::Function<ProjNormMLP> {
   }
 };
 
+
+// ---- The FP8 layer: the same two Functions with each linear's GEMM operands cast to FP8 values
+// (`fused_blocks._NormQKV` and `_ProjNormMLP` with quantisers), in the same order.
+//
+// A cast is given as a spec per (linear, role), made by `fp8.linear.ValuesQuantiser`: empty
+// for a float linear; else {kind, fallback id, kernel arguments...}. Kind 1 is the host
+// library's per-tensor cast (`ius_fused_quantise`), kind 2 its pair of tile casts
+// (`ius_group_quantise_pair`), kind 0 a cast this file does not make. Anything the kernels
+// refuse (a non-finite amax, an operand they do not take) goes to the Python quantiser, which
+// makes the cast or raises the error the Python Function would.
+
+using QuantiseFn = int (*)(const float*, int64_t, int, int, int, int, int, int, float*, int*,
+                           float*);
+using PairFn = int (*)(const float*, int64_t, int64_t, int64_t, int, int, int, float, int, int,
+                       int, int, float*, int*, float*, int*);
+using Spec = std::vector<double>;
+
+struct HostCasts {
+  QuantiseFn quantise = nullptr;
+  PairFn pair = nullptr;
+  py::object fallback;  // (id, operand, transposed, out) -> (values, values_t or None)
+};
+
+// Leaked: destroying a Python object after the interpreter has gone would crash at exit.
+HostCasts* host_casts = nullptr;
+
+// The buffers that only the GEMMs of one call read (see `fused_blocks._buffer`), per thread.
+constexpr int64_t kBufferLimit = int64_t(1) << 18;
+
+Tensor kept_buffer(const char* slot, const Tensor& like) {
+  thread_local std::map<std::pair<std::string, std::vector<int64_t>>, Tensor> held;
+  if (slot == nullptr || like.numel() > kBufferLimit) return Tensor();
+  auto key = std::make_pair(std::string(slot), like.sizes().vec());
+  auto found = held.find(key);
+  if (found != held.end()) return found->second;
+  Tensor buffer = at::empty(like.sizes(), like.options().dtype(at::kFloat));
+  held.emplace(key, buffer);
+  return buffer;
+}
+
+// (the operand of the GEMM that reduces over x's last dimension, that of the one that
+// reduces over its first, in x's shape): see `fused_blocks._quantised`.
+std::pair<Tensor, Tensor> cast_operand(const Tensor& x, const Spec& spec, bool transposed,
+                                       const char* slot = nullptr) {
+  if (spec.empty()) return {x, x};
+  TORCH_CHECK(host_casts != nullptr, "the FP8 casts of the C++ layer nodes are not set");
+  int kind = int(spec[0]);
+  bool takes = x.scalar_type() == at::kFloat && x.device().is_cpu() && x.numel() > 0;
+  if (kind == 1 && takes) {
+    Tensor in = x.contiguous();
+    Tensor out = at::empty(in.sizes(), in.options());
+    int used = 0;
+    float amax = 0.0f;
+    int status = host_casts->quantise(in.data_ptr<float>(), in.numel(), int(spec[2]),
+                                      int(spec[3]), int(spec[4]), int(spec[5]), int(spec[6]),
+                                      at::get_num_threads(), out.data_ptr<float>(), &used,
+                                      &amax);
+    if (status == 0) return {out, out};
+  } else if (kind == 2 && takes && transposed && x.dim() == 2) {
+    Tensor in = x.contiguous();
+    int64_t rows = in.size(0), cols = in.size(1), size = int64_t(spec[2]);
+    Tensor row_values = kept_buffer(slot, in);
+    if (!row_values.defined()) row_values = at::empty(in.sizes(), in.options());
+    Tensor col_values = at::empty(in.sizes(), in.options());
+    int64_t row_scale_count = rows * ((cols + size - 1) / size);
+    Tensor scales = at::empty({row_scale_count + ((rows + size - 1) / size) * cols},
+                              in.options().dtype(at::kInt));
+    int* scales_at = scales.data_ptr<int>();
+    int status = host_casts->pair(in.data_ptr<float>(), rows, cols, size, int(spec[3]),
+                                  int(spec[4]), int(spec[5]), float(spec[6]), int(spec[7]),
+                                  int(spec[8]), int(spec[9]), at::get_num_threads(),
+                                  row_values.data_ptr<float>(), scales_at,
+                                  col_values.data_ptr<float>(), scales_at + row_scale_count);
+    if (status == 0) return {row_values, col_values};
+  }
+  py::gil_scoped_acquire gil;
+  Tensor buffer = kept_buffer(slot, x);
+  py::object out = buffer.defined() ? py::cast(buffer) : py::none();
+  py::tuple got = host_casts->fallback(int64_t(spec[1]), x, transposed, out);
+  Tensor values = got[0].cast<Tensor>();
+  Tensor values_t = got[1].is_none() ? values : got[1].cast<Tensor>();
+  return {values, values_t};
+}
+
+void set_fp8_casts(int64_t quantise, int64_t pair, py::object fallback) {
+  if (host_casts == nullptr) host_casts = new HostCasts();
+  host_casts->quantise = reinterpret_cast<QuantiseFn>(quantise);
+  host_casts->pair = reinterpret_cast<PairFn>(pair);
+  host_casts->fallback = std::move(fallback);
+}
+
+Spec saved_spec(AutogradContext* ctx, const std::string& name) {
+  return ctx->saved_data[name].toDoubleVector();
+}
+
+struct NormQKV8 : public torch::autograd::Function<NormQKV8> {
+  // As NormQKV, with the QKV projection's casts (input, weight, grad_output).
+  static variable_list forward(AutogradContext* ctx, Tensor x, OptTensor f,
+                               double branch_weight, double skip_weight,
+                               double next_branch_weight, double next_skip_weight,
+                               OptTensor weight, OptTensor bias, double eps,
+                               double param_grad_scale, Tensor qkv_weight, OptTensor qkv_bias,
+                               std::vector<double> qkv_scales, Spec input_cast,
+                               Spec weight_cast, Spec grad_cast) {
+    ctx->set_materialize_grads(false);
+    Tensor w = or_undefined(weight), b = or_undefined(bias), f_ = or_undefined(f);
+    Tensor qb = or_undefined(qkv_bias);
+    int64_t needs_mask = requires_grad_mask(
+        {{0, &x}, {1, &f_}, {6, &w}, {7, &b}, {10, &qkv_weight}, {11, &qb}});
+    auto need = [&](int position) { return bool((needs_mask >> position) & 1); };
+    auto joined = join_norm(x, f_, branch_weight, skip_weight, w, b, eps);
+    Tensor normed = joined[0], stream = joined[1];
+    auto rows = cast_operand(normed.view({-1, normed.size(-1)}), input_cast, need(10),
+                             "qkv.input");
+    auto cast_weight = cast_operand(qkv_weight, weight_cast,
+                                    need(0) || need(1) || need(6) || need(7), "qkv.weight");
+    Tensor qkv = linear_forward(rows.first, cast_weight.first, qb, qkv_scales[0]);
+    ctx->save_for_backward({stream, joined[2], joined[3], w, b, rows.second,
+                            cast_weight.second});
+    ctx->saved_data["joined"] = f_.defined();
+    ctx->saved_data["weights"] = std::vector<double>{
+        next_branch_weight, next_skip_weight, param_grad_scale, qkv_scales[1], qkv_scales[2]};
+    ctx->saved_data["has_bias"] = qkv_bias.has_value();
+    ctx->saved_data["grad_cast"] = grad_cast;
+    ctx->saved_data["needs"] = needs_mask;
+    return {qkv.view(with_last(x.sizes(), qkv.size(-1))), stream};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const Tensor &stream = saved[0], &mean = saved[1], &rstd = saved[2], &weight = saved[3],
+                 &bias = saved[4], &rows = saved[5], &qkv_weight = saved[6];
+    auto w = ctx->saved_data["weights"].toDoubleVector();
+    double next_branch_weight = w[0], next_skip_weight = w[1], param_grad_scale = w[2];
+    bool has_bias = ctx->saved_data["has_bias"].toBool();
+    Tensor grad_normed, grad_qkv_w, grad_qkv_b;
+    if (grads[0].defined()) {
+      Tensor grad_rows = grads[0].reshape({-1, grads[0].size(-1)});
+      auto grad = cast_operand(grad_rows, saved_spec(ctx, "grad_cast"), needs(ctx, 10),
+                               "qkv.grad");
+      grad_normed = scaled_mm(grad.first, qkv_weight,
+                              w[3] * (next_branch_weight != 0.0 ? next_branch_weight : 1.0));
+      if (needs(ctx, 10)) grad_qkv_w = scaled_mm(grad.second.t(), rows, w[4]);
+      if (has_bias && needs(ctx, 11)) grad_qkv_b = grad_rows.sum(0).mul_(w[4]);
+      grad_normed = grad_normed.view(stream.sizes());
+    }
+    auto g = join_norm_backward(grad_normed, grads[1], stream, mean, rstd, weight, bias,
+                                next_branch_weight, next_skip_weight, param_grad_scale,
+                                needs(ctx, 6), needs(ctx, 7), next_branch_weight != 0.0);
+    bool joined = ctx->saved_data["joined"].toBool();
+    return {g[0], joined ? g[0] : Tensor(), Tensor(), Tensor(), Tensor(), Tensor(),
+            g[1], g[2], Tensor(), Tensor(), grad_qkv_w, grad_qkv_b, Tensor(),
+            Tensor(), Tensor(), Tensor()};
+  }
+};
+
+// (hidden, activated for the down projection's weight gradient, out) of the FP8 MLP on 2-D
+// rows (see `fused_blocks._mlp_forward`); s: the MLP's scales, the down output's times the
+// next join's branch weight where the forward pass folds it in.
+std::vector<Tensor> mlp8_forward(const Tensor& rows, const Tensor& up_weight,
+                                 const Tensor& up_bias, const Tensor& down_weight,
+                                 const Tensor& down_bias, const std::string& approximate,
+                                 const std::vector<double>& s, const Spec& down_input,
+                                 bool transposed) {
+  double gelu_out = s[3];
+  Tensor hidden = linear_forward(rows, up_weight, up_bias, s[0]);
+  Tensor activated = at::gelu(hidden, approximate);
+  Tensor activated_t = activated;
+  if (!down_input.empty()) {
+    auto cast = cast_operand(activated.mul_(gelu_out), down_input, transposed, "down.input");
+    activated = cast.first;
+    activated_t = cast.second;
+    gelu_out = 1.0;
+  }
+  Tensor out = linear_forward(activated, down_weight, down_bias, s[5] * gelu_out);
+  return {hidden, activated_t, out};
+}
+
+struct ProjNormMLP8 : public torch::autograd::Function<ProjNormMLP8> {
+  // As ProjNormMLP, with the casts of the projection, the up and the down linears (input,
+  // weight, grad_output each; empty for a float linear) after mlp_scales.
+  static variable_list forward(AutogradContext* ctx, Tensor heads, OptTensor row_scale_tensor,
+                               double row_scale, Tensor proj_weight,
+                               std::vector<double> proj_scales, Tensor stream,
+                               OptTensor norm_weight, OptTensor norm_bias,
+                               std::vector<double> residual, Tensor up_weight,
+                               OptTensor up_bias, Tensor down_weight, OptTensor down_bias,
+                               std::string approximate, std::vector<double> mlp_scales,
+                               std::vector<Spec> casts) {
+    ctx->set_materialize_grads(false);
+    TORCH_CHECK(casts.size() == 9, "proj_norm_mlp8 takes nine cast specs");
+    double branch_weight = residual[0], skip_weight = residual[1], eps = residual[4],
+           output_weight = residual[6];
+    Tensor row_scales = or_undefined(row_scale_tensor);
+    Tensor nw = or_undefined(norm_weight), nb = or_undefined(norm_bias);
+    Tensor ub = or_undefined(up_bias), db = or_undefined(down_bias);
+    int64_t needs_mask = requires_grad_mask(
+        {{0, &heads}, {1, &row_scales}, {3, &proj_weight}, {5, &stream}, {6, &nw}, {7, &nb},
+         {9, &up_weight}, {10, &ub}, {11, &down_weight}, {12, &db}});
+    auto need = [&](int position) { return bool((needs_mask >> position) & 1); };
+    bool need_normed = need(0) || need(5) || need(6) || need(7);
+    bool proj_float = casts[0].empty();
+    int64_t batch = heads.size(0), count = heads.size(1), seq = heads.size(2),
+            head_dim = heads.size(3);
+    Tensor attended;
+    if (proj_float) {
+      attended = heads.transpose(1, 2).reshape({batch * seq, count * head_dim});
+    } else {
+      // An FP8 projection casts its input as it comes: row-scaled, in the copy that joins
+      // the heads.
+      attended = at::empty({batch * seq, count * head_dim}, heads.options());
+      Tensor view = attended.view({batch, seq, count, head_dim});
+      if (row_scales.defined()) {
+        at::mul_out(view, heads.transpose(1, 2), row_scales.view({seq, 1, 1}));
+      } else {
+        at::mul_out(view, heads.transpose(1, 2), at::scalar_tensor(row_scale, heads.options()));
+      }
+    }
+    auto proj_in = cast_operand(attended, casts[0], need(3), "proj.input");
+    auto proj_w = cast_operand(proj_weight, casts[1], need(0), "proj.weight");
+    Tensor joined =
+        linear_forward(proj_in.first, proj_w.first, Tensor(), proj_scales[0] * branch_weight)
+            .view(stream.sizes());
+    if (proj_float) {
+      if (row_scales.defined()) {
+        joined.mul_(row_scales);
+      } else {
+        joined.mul_(row_scale);
+      }
+    }
+    joined.add_(stream, skip_weight);
+    auto norm = at::native_layer_norm(joined, {joined.size(-1)}, nw, nb, eps);
+    Tensor normed = std::get<0>(norm);
+    auto rows = cast_operand(normed.view({-1, normed.size(-1)}), casts[3], need(9),
+                             "up.input");
+    auto up_cast = cast_operand(up_weight, casts[4], need_normed, "up.weight");
+    bool any_before_down = need_normed || need(1) || need(3) || need(9) || need(10);
+    auto down_cast = cast_operand(down_weight, casts[7], any_before_down, "down.weight");
+    std::vector<double> forward_scales = mlp_scales;
+    forward_scales[5] *= output_weight;
+    auto mlp = mlp8_forward(rows.first, up_cast.first, ub, down_cast.first, db, approximate,
+                            forward_scales, casts[6], need(11));
+    bool grouped = !rows.second.is_same(rows.first) || !up_cast.second.is_same(up_cast.first);
+    ctx->save_for_backward({proj_in.second, proj_w.second, joined, std::get<1>(norm),
+                            std::get<2>(norm), nw, nb, rows.second, up_cast.second, ub,
+                            down_cast.second, row_scales, grouped ? up_weight : Tensor(),
+                            grouped ? down_weight : Tensor()});
+    // Kept apart from the saved tensors so that backward frees each once used; gone (a
+    // second backward, retain_graph=True): recomputed.
+    ctx->saved_data["hidden"] = mlp[0];
+    ctx->saved_data["activated"] = mlp[1];
+    ctx->saved_data["row_scale"] = row_scale;
+    ctx->saved_data["head_dim"] = head_dim;
+    ctx->saved_data["proj_scales"] = proj_scales;
+    ctx->saved_data["residual"] = residual;
+    ctx->saved_data["approximate"] = approximate;
+    ctx->saved_data["mlp_scales"] = mlp_scales;
+    ctx->saved_data["has_down_bias"] = down_bias.has_value();
+    ctx->saved_data["grouped"] = grouped;
+    for (int i = 0; i < 9; ++i) ctx->saved_data["cast" + std::to_string(i)] = casts[i];
+    ctx->saved_data["needs"] = needs_mask;
+    return {mlp[2].view(with_last(stream.sizes(), mlp[2].size(-1))), joined};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const Tensor &attended = saved[0], &proj_weight = saved[1], &joined = saved[2],
+                 &mean = saved[3], &rstd = saved[4], &norm_weight = saved[5],
+                 &norm_bias = saved[6], &rows = saved[7], &up_weight = saved[8],
+                 &up_bias = saved[9], &down_weight = saved[10], &row_scales = saved[11],
+                 &up_float = saved[12], &down_float = saved[13];
+    std::vector<Spec> casts;
+    for (int i = 0; i < 9; ++i) casts.push_back(saved_spec(ctx, "cast" + std::to_string(i)));
+    auto residual = ctx->saved_data["residual"].toDoubleVector();
+    auto proj_scales = ctx->saved_data["proj_scales"].toDoubleVector();
+    std::vector<double> s = ctx->saved_data["mlp_scales"].toDoubleVector();
+    std::string approximate = ctx->saved_data["approximate"].toStringRef();
+    double next_branch_weight = residual[2], next_skip_weight = residual[3],
+           param_grad_scale = residual[5], eps = residual[4];
+    bool proj_float = casts[0].empty(), down_float_linear = casts[6].empty();
+    variable_list out(16);
+    Tensor grad_normed;
+    if (grads[0].defined()) {
+      Tensor hidden, activated;
+      if (ctx->saved_data.count("hidden")) {
+        hidden = ctx->saved_data["hidden"].toTensor();
+        activated = ctx->saved_data["activated"].toTensor();
+        ctx->saved_data.erase("hidden");
+        ctx->saved_data.erase("activated");
+      } else if (!ctx->saved_data["grouped"].toBool()) {
+        auto mlp = mlp8_forward(rows, up_weight, up_bias, down_weight, Tensor(), approximate,
+                                s, casts[6], needs(ctx, 11));
+        hidden = mlp[0];
+        activated = mlp[1];
+      } else {
+        // The forward GEMMs' operands, not kept: cast again from the norm's output.
+        Tensor normed = std::get<0>(at::native_layer_norm(joined, {joined.size(-1)},
+                                                          norm_weight, norm_bias, eps));
+        auto mlp = mlp8_forward(
+            cast_operand(normed.view({-1, normed.size(-1)}), casts[3], false).first,
+            cast_operand(up_float, casts[4], false).first, up_bias,
+            cast_operand(down_float, casts[7], false).first, Tensor(), approximate, s,
+            casts[6], needs(ctx, 11));
+        hidden = mlp[0];
+        activated = mlp[1];
+      }
+      // s: up output, up grad input, up grad weight, gelu output, gelu grad, down output,
+      // down grad input, down grad weight.
+      double gelu_out = s[3];
+      Tensor grad_rows = grads[0].reshape({-1, grads[0].size(-1)});
+      std::pair<Tensor, Tensor> grad_down{grad_rows, grad_rows};
+      if (!down_float_linear) {
+        grad_down = cast_operand(grad_rows, casts[8], needs(ctx, 11), "down.grad");
+        gelu_out = 1.0;
+      }
+      if (needs(ctx, 11)) out[11] = scaled_mm(grad_down.second.t(), activated, s[7] * gelu_out);
+      activated.reset();
+      grad_down.second.reset();
+      if (ctx->saved_data["has_down_bias"].toBool() && needs(ctx, 12))
+        out[12] = grad_rows.sum(0).mul_(s[7]);
+      Tensor grad_activated = scaled_mm(grad_down.first, down_weight, s[6] * s[4]);
+      grad_down.first.reset();
+      Tensor grad_hidden = at::gelu_backward(grad_activated, hidden, approximate);
+      grad_activated.reset();
+      hidden.reset();
+      auto grad_up = cast_operand(grad_hidden, casts[5], needs(ctx, 9), "up.grad");
+      double input_weight = next_branch_weight != 0.0 ? next_branch_weight : 1.0;
+      grad_normed =
+          scaled_mm(grad_up.first, up_weight, s[1] * input_weight).view(joined.sizes());
+      if (needs(ctx, 9)) out[9] = scaled_mm(grad_up.second.t(), rows, s[2]);
+      if (up_bias.defined() && needs(ctx, 10)) out[10] = grad_hidden.sum(0).mul_(s[2]);
+    }
+    auto g = join_norm_backward(grad_normed, grads[1], joined, mean, rstd, norm_weight,
+                                norm_bias, next_branch_weight, next_skip_weight,
+                                param_grad_scale, needs(ctx, 6), needs(ctx, 7),
+                                next_branch_weight != 0.0);
+    grad_normed.reset();
+    Tensor grad_joined = g[0];
+    if (!grad_joined.defined()) return variable_list(16);
+    out[5] = grad_joined;
+    out[6] = g[1];
+    out[7] = g[2];
+    Tensor grad_rows, grad_rows_t;
+    if (proj_float) {
+      Tensor grad = row_scales.defined()
+                        ? grad_joined * row_scales
+                        : grad_joined * ctx->saved_data["row_scale"].toDouble();
+      grad_rows = grad_rows_t = grad.reshape({-1, grad.size(-1)});
+    } else {
+      auto grad = cast_operand(grad_joined.view({-1, grad_joined.size(-1)}), casts[2],
+                               needs(ctx, 3), "proj.grad");
+      grad_rows = grad.first;
+      grad_rows_t = grad.second;
+    }
+    if (needs(ctx, 3)) out[3] = scaled_mm(grad_rows_t.t(), attended, proj_scales[2]);
+    if (needs(ctx, 0)) {
+      int64_t head_dim = ctx->saved_data["head_dim"].toInt();
+      int64_t batch = joined.size(0), seq = joined.size(1);
+      Tensor grad_heads = scaled_mm(grad_rows, proj_weight, proj_scales[1])
+                              .view({batch, seq, -1, head_dim});
+      if (!proj_float) {
+        if (row_scales.defined()) {
+          grad_heads.mul_(row_scales.view({seq, 1, 1}));
+        } else {
+          grad_heads.mul_(ctx->saved_data["row_scale"].toDouble());
+        }
+      }
+      out[0] = grad_heads.transpose(1, 2);
+    }
+    return out;
+  }
+};
+
 }  // namespace
 
 std::vector<Tensor> norm_qkv(Tensor x, OptTensor f, double branch_weight, double skip_weight,
@@ -316,8 +690,36 @@ std::vector<Tensor> proj_norm_mlp(Tensor heads, OptTensor row_scale_tensor, doub
                             down_weight, down_bias, approximate, mlp_scales);
 }
 
+std::vector<Tensor> norm_qkv8(Tensor x, OptTensor f, double branch_weight, double skip_weight,
+                              double next_branch_weight, double next_skip_weight,
+                              OptTensor weight, OptTensor bias, double eps,
+                              double param_grad_scale, Tensor qkv_weight, OptTensor qkv_bias,
+                              std::vector<double> qkv_scales, std::vector<Spec> casts) {
+  TORCH_CHECK(casts.size() == 3, "norm_qkv8 takes three cast specs");
+  return NormQKV8::apply(x, f, branch_weight, skip_weight, next_branch_weight,
+                         next_skip_weight, weight, bias, eps, param_grad_scale, qkv_weight,
+                         qkv_bias, qkv_scales, casts[0], casts[1], casts[2]);
+}
+
+std::vector<Tensor> proj_norm_mlp8(Tensor heads, OptTensor row_scale_tensor, double row_scale,
+                                   Tensor proj_weight, std::vector<double> proj_scales,
+                                   Tensor stream, OptTensor norm_weight, OptTensor norm_bias,
+                                   std::vector<double> residual, Tensor up_weight,
+                                   OptTensor up_bias, Tensor down_weight, OptTensor down_bias,
+                                   std::string approximate, std::vector<double> mlp_scales,
+                                   std::vector<Spec> casts) {
+  return ProjNormMLP8::apply(heads, row_scale_tensor, row_scale, proj_weight, proj_scales,
+                             stream, norm_weight, norm_bias, residual, up_weight, up_bias,
+                             down_weight, down_bias, approximate, mlp_scales, casts);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("norm_qkv", &norm_qkv, "fused_blocks.norm_qkv for float linears, as a C++ node");
   m.def("proj_norm_mlp", &proj_norm_mlp,
         "fused_blocks.proj_norm_mlp for float linears, as a C++ node");
+  m.def("norm_qkv8", &norm_qkv8, "fused_blocks.norm_qkv with an FP8 QKV projection");
+  m.def("proj_norm_mlp8", &proj_norm_mlp8,
+        "fused_blocks.proj_norm_mlp with FP8 linears (float ones where a spec is empty)");
+  m.def("set_fp8_casts", &set_fp8_casts,
+        "the host library's cast kernels (addresses) and the Python quantiser to fall back on");
 }

@@ -2,8 +2,10 @@
 
 `fused_blocks.norm_qkv` and `fused_blocks.proj_norm_mlp` call some thirty kernels per layer
 from Python, and at small widths that Python is a visible share of a CPU training step; torch's
-own layers pay none of it. ``native_layers.cpp`` holds the same two Functions (float linears)
-as C++ autograd nodes calling the same kernels in the same order, so the values do not change.
+own layers pay none of it. ``native_layers.cpp`` holds the same two Functions as C++ autograd
+nodes calling the same kernels in the same order, so the values do not change: for float
+linears, and for FP8 linears whose casts the host library's kernels make (the nodes call them
+directly; see `fp8.native_casts`).
 
 The extension is compiled against the installed torch the first time a layer asks for it
 (about half a minute, once per torch and Python version; a line on stderr says so) and cached
@@ -21,11 +23,12 @@ import sys
 import sysconfig
 from pathlib import Path
 from types import ModuleType
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
 
-__all__ = ["OFF_ENV", "SOURCE", "switched_off", "build_directory", "module", "status"]
+__all__ = ["OFF_ENV", "SOURCE", "switched_off", "build_directory", "module", "usable",
+           "node_casts", "status"]
 
 OFF_ENV = "IPU_UNIT_SCALING_NATIVE_LAYERS"
 SOURCE = Path(__file__).with_name("native_layers.cpp")
@@ -90,6 +93,34 @@ def module() -> Optional[ModuleType]:
         _failure = f"{type(error).__name__}: {lines[-1] if lines else ''}"
         return None
     return _loaded
+
+
+_transforms_active = getattr(torch._C, "_are_functorch_transforms_active", None)
+
+
+def usable() -> Optional[ModuleType]:
+    """:func:`module`, or None also under a functorch transform (which C++ nodes do not
+    support)."""
+    if _transforms_active is None or _transforms_active():
+        return None
+    return module()
+
+
+def node_casts(quantisers: Sequence[Optional[object]]) -> Optional[List[List[float]]]:
+    """The FP8 casts of a layer Function's linears as the C++ nodes take them: three per
+    linear (input, weight, output gradient; see `fp8.native_casts`), empty for a float
+    linear (a None quantiser); [] where all are float, None where a quantiser's casts cannot
+    be made there (its ``native`` is None)."""
+    if all(quantiser is None for quantiser in quantisers):
+        return []
+    casts: List[List[float]] = []
+    for quantiser in quantisers:
+        native: Optional[Sequence[List[float]]] = (
+            ([], [], []) if quantiser is None else getattr(quantiser, "native", None))
+        if native is None:
+            return None
+        casts.extend(native)
+    return casts
 
 
 def status() -> str:

@@ -12,10 +12,10 @@ from typing import Callable, List, Sequence
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import backward_nodes
+from helpers import backward_nodes, built_native_layers
 
 import ipu_unit_scaling.functional as U
-from ipu_unit_scaling.ops import attention_ops, fused_blocks
+from ipu_unit_scaling.ops import attention_ops, fused_blocks, native_layers
 from ipu_unit_scaling.ops import fused_ops as fused
 from ipu_unit_scaling.scale import scale, scale_bwd, scale_fwd
 
@@ -445,8 +445,10 @@ def test_fp8_layers_cast_the_same_tensors_in_two_functions(monkeypatch, scaling)
     model = uu.GPT(vocab_size=48, hidden_size=32, depth=2, heads=4, seq_len=12)
     simulate_fp8(model, FP8Config(scaling=scaling))
     ids = torch.randint(0, 48, (3, 11))
+    # (as Python Functions, whose casts are the Python callables recorded here; the C++
+    # nodes make the same casts: tests/ops/test_native_layers.py)
+    monkeypatch.setattr(native_layers, "module", lambda: None)
     names = backward_nodes(model(ids, ids))
-    # (as Python Functions: the casts are Python callables)
     assert names.count("_NormQKVBackward") == 2 and names.count("_ProjNormMLPBackward") == 2
     seen: dict = {}
 
@@ -485,6 +487,7 @@ def test_grouped_recipes_cast_the_same_tensors_in_two_functions(monkeypatch, rec
     model = uu.GPT(vocab_size=48, hidden_size=32, depth=2, heads=4, seq_len=12)
     simulate_fp8(model, FP8Config().with_recipe(recipe))
     ids = torch.randint(0, 48, (3, 11))
+    monkeypatch.setattr(native_layers, "module", lambda: None)  # (as in the test above)
     names = backward_nodes(model(ids, ids))
     assert names.count("_NormQKVBackward") == 2 and names.count("_ProjNormMLPBackward") == 2
     seen: dict = {}
@@ -544,17 +547,18 @@ def test_grouped_two_functions_match_the_layers():
         assert torch.linalg.norm(a - p.grad) <= 0.05 * torch.linalg.norm(p.grad)
 
 
+@pytest.mark.parametrize("form", ["python", "native"])
 @pytest.mark.parametrize("expansion", [1, 4])
-def test_grouped_casts_into_kept_buffers_change_nothing(monkeypatch, expansion):
+def test_grouped_casts_into_kept_buffers_change_nothing(monkeypatch, expansion, form):
     """The casts only the next GEMM reads go to buffers kept between calls (one per operand
-    of the layer's Functions): two training steps' losses and gradients are those made with
-    fresh tensors, bit for bit, with the MLP's two weights the same shape (expansion 1) or
-    not."""
+    of the layer's Functions, in the Python Functions and in the C++ nodes): two training
+    steps' losses and gradients are those made with fresh tensors, bit for bit, with the
+    MLP's two weights the same shape (expansion 1) or not."""
     import ipu_unit_scaling as uu
     from ipu_unit_scaling.fp8 import FP8Config
     from ipu_unit_scaling.transforms import simulate_fp8
 
-    def two_steps() -> list:
+    def two_steps(nodes: bool) -> list:
         torch.manual_seed(0)
         model = uu.GPT(vocab_size=48, hidden_size=64, depth=2, heads=4, seq_len=12,
                        mlp_expansion=expansion)
@@ -564,6 +568,7 @@ def test_grouped_casts_into_kept_buffers_change_nothing(monkeypatch, expansion):
         results = []
         for _ in range(2):
             loss = model(ids, ids)
+            assert any("CppNode" in name for name in backward_nodes(loss)) == nodes
             loss.backward()
             results += [loss.detach(), *(p.grad.clone() for p in model.parameters())]
             optimizer.step()
@@ -571,10 +576,16 @@ def test_grouped_casts_into_kept_buffers_change_nothing(monkeypatch, expansion):
         return results
 
     held = fused_blocks._buffers.held = {}
-    kept = two_steps()
-    assert len(held) >= 10  # (every slot of both Functions took its buffer)
+    if form == "native":
+        built_native_layers()
+    else:
+        monkeypatch.setattr(native_layers, "module", lambda: None)
+    kept = two_steps(form == "native")
+    if form == "python":
+        assert len(held) >= 10  # (every slot of both Functions took its buffer)
+    monkeypatch.setattr(native_layers, "module", lambda: None)
     monkeypatch.setattr(fused_blocks, "_buffer", lambda slot, like: None)
-    for got, want in zip(kept, two_steps()):
+    for got, want in zip(kept, two_steps(False)):
         assert torch.equal(got, want)
 
 

@@ -203,3 +203,130 @@ def test_loading_the_built_nodes_writes_nothing(native):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and done.stdout == "" and done.stderr == "", done
+
+
+# ---- FP8 linears: the nodes make each linear's casts by calling the host library's kernels.
+
+_RECIPES = ["static", "amax", "rowwise", "block", "mx", "nvfp4"]
+_FP8_NODES = ("torch::autograd::CppNode<(anonymous namespace)::NormQKV8>",
+              "torch::autograd::CppNode<(anonymous namespace)::ProjNormMLP8>")
+
+
+def _fp8_gpt(recipe: str):
+    import ipu_unit_scaling as uu
+    from ipu_unit_scaling.fp8 import FP8Config
+    from ipu_unit_scaling.transforms import simulate_fp8
+
+    torch.manual_seed(0)
+    model = uu.GPT(vocab_size=48, hidden_size=32, depth=2, heads=4, seq_len=12)
+    return simulate_fp8(model, FP8Config().with_recipe(recipe))
+
+
+def _two_steps(model: torch.nn.Module, ids: torch.Tensor) -> List[torch.Tensor]:
+    """Losses and gradients of two training steps (SGD between them, so that the second
+    casts other weights), the second backward pass run twice (retain_graph)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    got: List[torch.Tensor] = []
+    for step in range(2):
+        optimizer.zero_grad()
+        loss = model(ids, ids)
+        loss.backward(retain_graph=step == 1)
+        got += [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+        if step == 1:
+            optimizer.zero_grad()
+            loss.backward()
+            got += [p.grad.clone() for p in model.parameters()]
+        optimizer.step()
+    return got
+
+
+@pytest.mark.parametrize("recipe", _RECIPES)
+def test_fp8_layers_run_as_nodes_with_the_python_functions_values(native, monkeypatch,
+                                                                   recipe):
+    """An FP8 GPT's layers run as the FP8 nodes, with the Python Functions' losses and
+    gradients bit for bit, over two steps and a second backward pass: both forms call the
+    same cast kernels and GEMMs with the same arguments in the same order (where a cast is
+    not a kernel's, as a square weight block or NVFP4, the node calls the Python one)."""
+    import copy
+
+    model = _fp8_gpt(recipe)
+    python_model = copy.deepcopy(model)
+    ids = torch.randint(0, 48, (3, 11), generator=torch.Generator().manual_seed(1))
+    names = backward_nodes(model(ids, ids))
+    assert [names.count(node) for node in _FP8_NODES] == [2, 2]
+    nodes = _two_steps(model, ids)
+    monkeypatch.setattr(native_layers, "module", lambda: None)
+    names = backward_nodes(python_model(ids, ids))
+    assert names.count("_NormQKVBackward") == 2 and not any("CppNode" in n for n in names)
+    python = _two_steps(python_model, ids)
+    assert len(nodes) == len(python)
+    for index, (a, b) in enumerate(zip(nodes, python)):
+        assert torch.equal(a, b), index
+
+
+@pytest.mark.parametrize("recipe", ["static", "mx"])
+@pytest.mark.parametrize("float_linear", [0, 1, 2])
+def test_fp8_node_with_a_float_linear_matches_the_python_function(native, recipe,
+                                                                  float_linear):
+    """`proj_norm_mlp8` with one of its three linears float (its casts empty), frozen
+    weights among the inputs, against the Python Function with the same quantisers."""
+    from ipu_unit_scaling.fp8 import FP8Config
+    from ipu_unit_scaling.fp8.linear import ValuesQuantiser
+
+    config = FP8Config().with_recipe(recipe)
+    quantisers = [ValuesQuantiser(config, site) for site in ("p", "u", "d")]
+    quantisers[float_linear] = None  # type: ignore[call-overload]
+    casts = native_layers.node_casts(quantisers)
+    assert casts is not None and len(casts) == 9
+    assert [len(c) == 0 for c in casts[3 * float_linear:3 * float_linear + 3]] == [True] * 3
+    for row_scale in ("tensor", "float"):
+        python_args, native_args, inputs = _proj_norm_mlp_args(torch.float32, row_scale, True,
+                                                               seq=8)
+        inputs[3].requires_grad_(False)  # the norm's weight
+        python = _run(lambda *a: fused_blocks._projnormmlp_apply(*a, tuple(quantisers)),
+                      python_args, inputs, seed=3)
+        nodes = _run(lambda *a: native.proj_norm_mlp8(*a, casts), native_args, inputs, seed=3)
+        assert python[5] is None and nodes[5] is None
+        for index, (a, b) in enumerate(zip(nodes, python)):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), index
+
+
+@pytest.mark.parametrize("recipe", ["amax", "mx", "block"])
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_fp8_nodes_refuse_a_non_finite_cast_as_the_python_functions_do(native, monkeypatch,
+                                                                        recipe, where):
+    """A NaN that reaches a cast (a weight in the forward pass, the loss's gradient in the
+    backward) raises the Python Functions' NonFiniteAmaxError, with their message: the
+    node hands the refused operand to the Python quantiser."""
+    from ipu_unit_scaling.fp8 import NonFiniteAmaxError
+
+    messages = []
+    for form in ("nodes", "python"):
+        if form == "python":
+            monkeypatch.setattr(native_layers, "module", lambda: None)
+        model = _fp8_gpt(recipe)
+        ids = torch.randint(0, 48, (3, 11), generator=torch.Generator().manual_seed(1))
+        if where == "forward":
+            with torch.no_grad():
+                model.layers[1].mlp.up.weight[0, 0] = float("nan")
+        with pytest.raises(NonFiniteAmaxError) as error:
+            loss = model(ids, ids)
+            names = backward_nodes(loss)
+            assert (_FP8_NODES[0] in names) == (form == "nodes")
+            loss.backward(torch.tensor(float("nan")))
+        messages.append(str(error.value))
+    assert messages[0] == messages[1] and "nan" in messages[0]
+
+
+def test_observed_fp8_casts_take_the_python_functions(native):
+    """Where the casts are recorded (`fp8_stats`), the layers keep their Python Functions,
+    whose casts the statistics see; outside it the nodes return."""
+    from ipu_unit_scaling.fp8 import fp8_stats
+
+    model = _fp8_gpt("mx")
+    ids = torch.randint(0, 48, (3, 11), generator=torch.Generator().manual_seed(1))
+    with fp8_stats() as stats:
+        names = backward_nodes(model(ids, ids))
+    assert names.count("_NormQKVBackward") == 2 and not any("CppNode" in n for n in names)
+    assert len(stats.records) > 0
+    assert backward_nodes(model(ids, ids)).count(_FP8_NODES[1]) == 2

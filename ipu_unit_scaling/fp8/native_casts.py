@@ -1,0 +1,106 @@
+"""An FP8 linear's GEMM-operand casts as the C++ layer nodes make them (`ops.native_layers`).
+
+A GPT layer's two Functions (`fused_blocks.norm_qkv`, `fused_blocks.proj_norm_mlp`) run as C++
+autograd nodes for float linears; with FP8 linears they can too, when the nodes can make each
+cast themselves by calling the host library's kernels. :func:`layer_casts` describes one
+linear's three casts (input, weight, output gradient) as the nodes take them:
+
+- ``[1, fallback, exponent bits, saturate, has scale, log2 scale, margin]``: the per-tensor
+  cast of `values.quantise_values` (``ius_fused_quantise``);
+- ``[2, fallback, tile size, *group_cast kernel arguments]``: a grouped recipe's two tile casts
+  of an operand from one read (`recipe_linear.pair_kernel_casts`,
+  ``ius_group_quantise_pair``);
+- ``[0, fallback]``: a cast the kernels do not make here (square weight blocks, NVFP4, a GEMM
+  kept in float32).
+
+``fallback`` numbers the Python quantiser that the nodes call for kind 0, and for any operand
+that a kernel refuses (a non-finite amax, a shape it does not take): that makes the cast as
+the Python Function would, or raises its error. The values are those of the Python Functions
+bit for bit: the same kernels with the same arguments.
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .fp8_config import FP8Config
+from .recipe_linear import pair_kernel_casts
+from .values import values_path
+
+__all__ = ["OperandCast", "layer_casts"]
+
+# (operand, transposed, out) -> (values, values for the transposed GEMM or None)
+OperandCast = Callable[[torch.Tensor, bool, Optional[torch.Tensor]],
+                       Tuple[torch.Tensor, Optional[torch.Tensor]]]
+Spec = List[float]
+
+ROLES = ("input", "weight", "grad_output")
+_fallbacks: List[OperandCast] = []
+_specs: Dict[Tuple[FP8Config, str, bool], Tuple[Spec, Spec, Spec]] = {}
+_registered: List[object] = []  # the native module the kernels were handed to
+
+
+def _fallback(index: int, x: torch.Tensor, transposed: bool,
+              out: Optional[torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    return _fallbacks[index](x, transposed, out)
+
+
+def _register(module: object) -> bool:
+    """Hand the kernels' addresses and :func:`_fallback` to the native module, once."""
+    if module in _registered:
+        return True
+    from . import host_library
+
+    lib = host_library.library()
+    address = ctypes.cast(lib.ius_fused_quantise, ctypes.c_void_p).value
+    pair_address = ctypes.cast(lib.ius_group_quantise_pair, ctypes.c_void_p).value
+    module.set_fp8_casts(address, pair_address, _fallback)  # type: ignore[attr-defined]
+    _registered.append(module)
+    return True
+
+
+def _spec(config: FP8Config, role: str, log2_scale: Optional[int], fallback: int) -> Spec:
+    if config.grouped:
+        pair = pair_kernel_casts(config, role)
+        return [0, fallback] if pair is None else [2, fallback, pair[0], *pair[1]]
+    fmt = {"input": config.activation, "weight": config.weight,
+           "grad_output": config.gradient}[role]
+    if config.rounding != "nearest" or values_path(fmt) != "host":
+        return [0, fallback]
+    from . import host_library
+
+    margin = {"input": config.activation_margin, "weight": config.weight_margin,
+              "grad_output": config.gradient_margin}[role]
+    return [1, fallback, host_library.exponent_bits(fmt.name),
+            int(config.overflow == "saturate"), int(log2_scale is not None), log2_scale or 0,
+            margin]
+
+
+def layer_casts(config: FP8Config, site: str, log2_scale: Optional[int],
+                cast_for: Callable[[str], OperandCast]) -> Optional[Tuple[Spec, Spec, Spec]]:
+    """The (input, weight, grad_output) casts of the linear at ``site`` for the C++ layer
+    nodes, or None where they cannot run: the nodes or the host library are not built or
+    are off. ``log2_scale``: a per-tensor recipe's fixed scale (None: from the amax);
+    ``cast_for(role)``: the linear's Python cast for ``role``, their fallback."""
+    from . import host_library
+
+    available = host_library.fused_cast_available()
+    key = (config, site, available)
+    found = _specs.get(key)
+    if found is not None:
+        return found
+    if not available:
+        return None
+    from ..ops import native_layers
+
+    module = native_layers.module()
+    if module is None or not hasattr(module, "set_fp8_casts") or not _register(module):
+        return None
+    specs: List[Spec] = []
+    for role in ROLES:
+        _fallbacks.append(cast_for(role))
+        specs.append(_spec(config, role, log2_scale, len(_fallbacks) - 1))
+    _specs[key] = (specs[0], specs[1], specs[2])
+    return _specs[key]
