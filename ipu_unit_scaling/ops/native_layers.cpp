@@ -320,31 +320,40 @@ struct HostCasts {
 // Leaked: destroying a Python object after the interpreter has gone would crash at exit.
 HostCasts* host_casts = nullptr;
 
-// The buffers that only the GEMMs of one call read (see `fused_blocks._buffer`), per thread.
+// Buffers kept per thread and slot (one operand of one Function, e.g. "up.input"), up to
+// 2^18 elements, reused at the next call wherever nothing else holds them: a cast that only
+// the GEMMs of the call read, and one saved for the backward pass once that pass has let it
+// go. Allocating afresh at every step would cost the page faults of memory the allocator
+// returned to the system in between. Larger buffers, which would be held for the life of
+// the process, are made afresh.
 constexpr int64_t kBufferLimit = int64_t(1) << 18;
 
-Tensor kept_buffer(const char* slot, const Tensor& like) {
+Tensor pooled(const std::string& slot, at::IntArrayRef sizes, const at::TensorOptions& options) {
   thread_local std::map<std::pair<std::string, std::vector<int64_t>>, Tensor> held;
-  if (slot == nullptr || like.numel() > kBufferLimit) return Tensor();
-  auto key = std::make_pair(std::string(slot), like.sizes().vec());
+  if (slot.empty() || c10::multiply_integers(sizes) > kBufferLimit)
+    return at::empty(sizes, options);
+  auto key = std::make_pair(slot, sizes.vec());
   auto found = held.find(key);
-  if (found != held.end()) return found->second;
-  Tensor buffer = at::empty(like.sizes(), like.options().dtype(at::kFloat));
-  held.emplace(key, buffer);
+  if (found != held.end() && found->second.use_count() == 1 &&
+      found->second.storage().use_count() == 1)
+    return found->second;
+  Tensor buffer = at::empty(sizes, options);
+  held[key] = buffer;  // (one still held elsewhere lives on with its holder)
   return buffer;
 }
 
 // (the operand of the GEMM that reduces over x's last dimension, that of the one that
 // reduces over its first, in x's shape): see `fused_blocks._quantised`.
 std::pair<Tensor, Tensor> cast_operand(const Tensor& x, const Spec& spec, bool transposed,
-                                       const char* slot = nullptr) {
+                                       const std::string& slot = "") {
   if (spec.empty()) return {x, x};
   TORCH_CHECK(host_casts != nullptr, "the FP8 casts of the C++ layer nodes are not set");
   int kind = int(spec[0]);
   bool takes = x.scalar_type() == at::kFloat && x.device().is_cpu() && x.numel() > 0;
+  std::string slot_t = slot.empty() ? slot : slot + "_t";
   if (kind == 1 && takes) {
     Tensor in = x.contiguous();
-    Tensor out = at::empty(in.sizes(), in.options());
+    Tensor out = pooled(slot, in.sizes(), in.options());
     int used = 0;
     float amax = 0.0f;
     int status = host_casts->quantise(in.data_ptr<float>(), in.numel(), int(spec[2]),
@@ -355,12 +364,12 @@ std::pair<Tensor, Tensor> cast_operand(const Tensor& x, const Spec& spec, bool t
   } else if (kind == 2 && takes && transposed && x.dim() == 2) {
     Tensor in = x.contiguous();
     int64_t rows = in.size(0), cols = in.size(1), size = int64_t(spec[2]);
-    Tensor row_values = kept_buffer(slot, in);
-    if (!row_values.defined()) row_values = at::empty(in.sizes(), in.options());
-    Tensor col_values = at::empty(in.sizes(), in.options());
+    Tensor row_values = pooled(slot, in.sizes(), in.options());
+    Tensor col_values = pooled(slot_t, in.sizes(), in.options());
     int64_t row_scale_count = rows * ((cols + size - 1) / size);
-    Tensor scales = at::empty({row_scale_count + ((rows + size - 1) / size) * cols},
-                              in.options().dtype(at::kInt));
+    Tensor scales = pooled(slot.empty() ? slot : slot + "_scales",
+                           {row_scale_count + ((rows + size - 1) / size) * cols},
+                           in.options().dtype(at::kInt));
     int* scales_at = scales.data_ptr<int>();
     int status = host_casts->pair(in.data_ptr<float>(), rows, cols, size, int(spec[3]),
                                   int(spec[4]), int(spec[5]), float(spec[6]), int(spec[7]),
@@ -370,8 +379,10 @@ std::pair<Tensor, Tensor> cast_operand(const Tensor& x, const Spec& spec, bool t
     if (status == 0) return {row_values, col_values};
   }
   py::gil_scoped_acquire gil;
-  Tensor buffer = kept_buffer(slot, x);
-  py::object out = buffer.defined() ? py::cast(buffer) : py::none();
+  // (the first cast into a kept buffer, as `fused_blocks._quantised` gives the Python one)
+  py::object out = py::none();
+  if (!slot.empty() && x.numel() <= kBufferLimit && x.device().is_cpu())
+    out = py::cast(pooled(slot, x.sizes(), x.options().dtype(at::kFloat)));
   py::tuple got = host_casts->fallback(int64_t(spec[1]), x, transposed, out);
   Tensor values = got[0].cast<Tensor>();
   Tensor values_t = got[1].is_none() ? values : got[1].cast<Tensor>();
@@ -504,7 +515,7 @@ struct ProjNormMLP8 : public torch::autograd::Function<ProjNormMLP8> {
     } else {
       // An FP8 projection casts its input as it comes: row-scaled, in the copy that joins
       // the heads.
-      attended = at::empty({batch * seq, count * head_dim}, heads.options());
+      attended = pooled("proj.heads", {batch * seq, count * head_dim}, heads.options());
       Tensor view = attended.view({batch, seq, count, head_dim});
       if (row_scales.defined()) {
         at::mul_out(view, heads.transpose(1, 2), row_scales.view({seq, 1, 1}));

@@ -330,3 +330,31 @@ def test_observed_fp8_casts_take_the_python_functions(native):
     assert names.count("_NormQKVBackward") == 2 and not any("CppNode" in n for n in names)
     assert len(stats.records) > 0
     assert backward_nodes(model(ids, ids)).count(_FP8_NODES[1]) == 2
+
+
+@pytest.mark.parametrize("recipe", ["static", "mx"])
+def test_fp8_nodes_reuse_no_buffer_a_pending_backward_still_holds(native, monkeypatch,
+                                                                   recipe):
+    """The nodes keep their casts' buffers between calls (`pooled` in native_layers.cpp), the
+    ones saved for the backward pass too: two forward passes before either backward pass
+    (two micro-batches) must not share one, so their gradients are the Python Functions'."""
+    import copy
+
+    model = _fp8_gpt(recipe)
+    python_model = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 48, (3, 11), generator=generator) for _ in range(2)]
+
+    def accumulate(gpt: torch.nn.Module) -> List[torch.Tensor]:
+        losses = [gpt(ids, ids) for ids in batches]
+        grads = []
+        for loss in losses:
+            loss.backward()
+            grads += [p.grad.clone() for p in gpt.parameters()]
+        return [loss.detach() for loss in losses] + grads
+
+    nodes = accumulate(model)
+    monkeypatch.setattr(native_layers, "module", lambda: None)
+    python = accumulate(python_model)
+    for index, (a, b) in enumerate(zip(nodes, python)):
+        assert torch.equal(a, b), index
