@@ -7,11 +7,14 @@ linear's three casts (input, weight, output gradient) as the nodes take them:
 
 - ``[1, fallback, exponent bits, saturate, has scale, log2 scale, margin]``: the per-tensor
   cast of `values.quantise_values` (``ius_fused_quantise``);
-- ``[2, fallback, tile size, *group_cast kernel arguments]``: a grouped recipe's two tile casts
-  of an operand from one read (`recipe_linear.pair_kernel_casts`,
-  ``ius_group_quantise_pair``);
-- ``[0, fallback]``: a cast the kernels do not make here (square weight blocks, NVFP4, a GEMM
-  kept in float32).
+- ``[3, fallback, group rows, group columns, the same for the second cast, *kernel
+  arguments]``: a grouped recipe's casts of an operand along its rows and along its columns
+  by the group kernel (``ius_group_quantise``, as `group_cast.group_cast` calls it), the
+  groups given in the operand's layout, -1 for a whole dimension, (0, 0) where the first
+  cast serves both GEMMs (square weight blocks);
+- ``[2, ...]``: the same, both tile casts from one read by the pair kernel
+  (``ius_group_quantise_pair``, as `recipe_linear.grouped_operand_values` calls it);
+- ``[0, fallback]``: a cast the kernels do not make here (NVFP4, a GEMM kept in float32).
 
 ``fallback`` numbers the Python quantiser that the nodes call for kind 0, and for any operand
 that a kernel refuses (a non-finite amax, a shape it does not take): that makes the cast as
@@ -26,7 +29,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .fp8_config import FP8Config
-from .recipe_linear import pair_kernel_casts
+from .recipe_linear import group_kernel_casts, pair_kernel_casts
 from .values import values_path
 
 __all__ = ["OperandCast", "layer_casts"]
@@ -56,15 +59,21 @@ def _register(module: object) -> bool:
     lib = host_library.library()
     address = ctypes.cast(lib.ius_fused_quantise, ctypes.c_void_p).value
     pair_address = ctypes.cast(lib.ius_group_quantise_pair, ctypes.c_void_p).value
-    module.set_fp8_casts(address, pair_address, _fallback)  # type: ignore[attr-defined]
+    group_address = ctypes.cast(lib.ius_group_quantise, ctypes.c_void_p).value
+    module.set_fp8_casts(address, pair_address, group_address,  # type: ignore[attr-defined]
+                         _fallback)
     _registered.append(module)
     return True
 
 
 def _spec(config: FP8Config, role: str, log2_scale: Optional[int], fallback: int) -> Spec:
     if config.grouped:
-        pair = pair_kernel_casts(config, role)
-        return [0, fallback] if pair is None else [2, fallback, pair[0], *pair[1]]
+        groups = group_kernel_casts(config, role)
+        if groups is None:
+            return [0, fallback]
+        along_rows, along_columns, args = groups
+        pair = pair_kernel_casts(config, role) is not None
+        return [2 if pair else 3, fallback, *along_rows, *along_columns, *args]
     fmt = {"input": config.activation, "weight": config.weight,
            "grad_output": config.gradient}[role]
     if config.rounding != "nearest" or values_path(fmt) != "host":

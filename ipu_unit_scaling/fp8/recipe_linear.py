@@ -159,6 +159,25 @@ def pair_kernel_casts(config: FP8Config, role: str) -> Optional[Tuple[int, Tuple
     return None if args is None else (grouping.size, args)
 
 
+def group_kernel_casts(config: FP8Config, role: str
+                       ) -> Optional[Tuple[Tuple[int, int], Tuple[int, int], Tuple[Any, ...]]]:
+    """Where :func:`grouped_operand_values`'s casts of a GEMM operand in ``role`` are the
+    host library's group kernel's (unless the statistics record them): (the groups' (rows,
+    columns) in the operand for the cast along its rows, those for the cast along its
+    columns ((0, 0): the first serves both GEMMs, as square blocks do), the kernel's
+    arguments: `group_cast.pair_arguments`), -1 standing for a whole dimension; else None."""
+    grouping, rule = _grouping(config, role)
+    if ((config.grad_weight_high_precision and role != "weight")
+            or config.rounding != "nearest" or config.overflow != "saturate"):
+        return None
+    args = pair_arguments(_role_format(config, role), rule, _role_margin(config, role),
+                          config.scale_rounding)
+    size = grouping.size or 0
+    shapes = {"row": ((1, -1), (-1, 1)), "tile": ((1, size), (size, 1)),
+              "block": ((size, size), (0, 0))}.get(grouping.kind)
+    return None if args is None or shapes is None else (shapes[0], shapes[1], args)
+
+
 def grouped_operand_values(t: torch.Tensor, config: FP8Config, role: str, site: str,
                            transposed: bool, out: Optional[torch.Tensor] = None
                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -300,7 +300,8 @@ struct ProjNormMLP : public torch::autograd::Function<ProjNormMLP> {
 //
 // A cast is given as a spec per (linear, role), made by `fp8.linear.ValuesQuantiser`: empty
 // for a float linear; else {kind, fallback id, kernel arguments...}. Kind 1 is the host
-// library's per-tensor cast (`ius_fused_quantise`), kind 2 its pair of tile casts
+// library's per-tensor cast (`ius_fused_quantise`), kind 3 its group casts
+// (`ius_group_quantise`), kind 2 the same where the pair kernel makes both tile casts
 // (`ius_group_quantise_pair`), kind 0 a cast this file does not make. Anything the kernels
 // refuse (a non-finite amax, an operand they do not take) goes to the Python quantiser, which
 // makes the cast or raises the error the Python Function would.
@@ -309,11 +310,14 @@ using QuantiseFn = int (*)(const float*, int64_t, int, int, int, int, int, int, 
                            float*);
 using PairFn = int (*)(const float*, int64_t, int64_t, int64_t, int, int, int, float, int, int,
                        int, int, float*, int*, float*, int*);
+using GroupFn = int (*)(const float*, int64_t, int64_t, int64_t, int64_t, int, int, int, float,
+                        int, int, int, int, float*, int*);
 using Spec = std::vector<double>;
 
 struct HostCasts {
   QuantiseFn quantise = nullptr;
   PairFn pair = nullptr;
+  GroupFn group = nullptr;
   py::object fallback;  // (id, operand, transposed, out) -> (values, values_t or None)
 };
 
@@ -344,6 +348,26 @@ Tensor pooled(const std::string& slot, at::IntArrayRef sizes, const at::TensorOp
 
 // (the operand of the GEMM that reduces over x's last dimension, that of the one that
 // reduces over its first, in x's shape): see `fused_blocks._quantised`.
+// One cast by the group kernel: groups of (group_rows, group_cols) of the contiguous 2-D
+// `in` (-1: the whole dimension) into a buffer of `slot`; undefined where the kernel refuses.
+Tensor group_cast(const Tensor& in, double group_rows, double group_cols, const Spec& spec,
+                  const std::string& slot) {
+  int64_t rows = in.size(0), cols = in.size(1);
+  int64_t gr = group_rows < 0 ? rows : int64_t(group_rows);
+  int64_t gc = group_cols < 0 ? cols : int64_t(group_cols);
+  Tensor values = pooled(slot, in.sizes(), in.options());
+  Tensor scales = pooled(slot.empty() ? slot : slot + "_scales",
+                         {((rows + gr - 1) / gr) * ((cols + gc - 1) / gc)},
+                         in.options().dtype(at::kInt));
+  int status = host_casts->group(in.data_ptr<float>(), rows, cols, gr, gc, int(spec[6]),
+                                 int(spec[7]), int(spec[8]), float(spec[9]), int(spec[10]),
+                                 int(spec[11]), int(spec[12]), at::get_num_threads(),
+                                 values.data_ptr<float>(), scales.data_ptr<int>());
+  return status == 0 ? values : Tensor();
+}
+
+// (the operand of the GEMM that reduces over x's last dimension, that of the one that
+// reduces over its first, in x's shape): see `fused_blocks._quantised`.
 std::pair<Tensor, Tensor> cast_operand(const Tensor& x, const Spec& spec, bool transposed,
                                        const std::string& slot = "") {
   if (spec.empty()) return {x, x};
@@ -363,7 +387,7 @@ std::pair<Tensor, Tensor> cast_operand(const Tensor& x, const Spec& spec, bool t
     if (status == 0) return {out, out};
   } else if (kind == 2 && takes && transposed && x.dim() == 2) {
     Tensor in = x.contiguous();
-    int64_t rows = in.size(0), cols = in.size(1), size = int64_t(spec[2]);
+    int64_t rows = in.size(0), cols = in.size(1), size = int64_t(spec[3]);
     Tensor row_values = pooled(slot, in.sizes(), in.options());
     Tensor col_values = pooled(slot_t, in.sizes(), in.options());
     int64_t row_scale_count = rows * ((cols + size - 1) / size);
@@ -371,12 +395,20 @@ std::pair<Tensor, Tensor> cast_operand(const Tensor& x, const Spec& spec, bool t
                            {row_scale_count + ((rows + size - 1) / size) * cols},
                            in.options().dtype(at::kInt));
     int* scales_at = scales.data_ptr<int>();
-    int status = host_casts->pair(in.data_ptr<float>(), rows, cols, size, int(spec[3]),
-                                  int(spec[4]), int(spec[5]), float(spec[6]), int(spec[7]),
-                                  int(spec[8]), int(spec[9]), at::get_num_threads(),
+    int status = host_casts->pair(in.data_ptr<float>(), rows, cols, size, int(spec[6]),
+                                  int(spec[7]), int(spec[8]), float(spec[9]), int(spec[10]),
+                                  int(spec[11]), int(spec[12]), at::get_num_threads(),
                                   row_values.data_ptr<float>(), scales_at,
                                   col_values.data_ptr<float>(), scales_at + row_scale_count);
     if (status == 0) return {row_values, col_values};
+  } else if ((kind == 2 || kind == 3) && takes && x.dim() == 2) {
+    Tensor in = x.contiguous();
+    Tensor first = group_cast(in, spec[2], spec[3], spec, slot);
+    if (first.defined() && (!transposed || spec[4] == 0)) return {first, first};
+    if (first.defined()) {
+      Tensor second = group_cast(in, spec[4], spec[5], spec, slot_t);
+      if (second.defined()) return {first, second};
+    }
   }
   py::gil_scoped_acquire gil;
   // (the first cast into a kept buffer, as `fused_blocks._quantised` gives the Python one)
@@ -389,10 +421,11 @@ std::pair<Tensor, Tensor> cast_operand(const Tensor& x, const Spec& spec, bool t
   return {values, values_t};
 }
 
-void set_fp8_casts(int64_t quantise, int64_t pair, py::object fallback) {
+void set_fp8_casts(int64_t quantise, int64_t pair, int64_t group, py::object fallback) {
   if (host_casts == nullptr) host_casts = new HostCasts();
   host_casts->quantise = reinterpret_cast<QuantiseFn>(quantise);
   host_casts->pair = reinterpret_cast<PairFn>(pair);
+  host_casts->group = reinterpret_cast<GroupFn>(group);
   host_casts->fallback = std::move(fallback);
 }
 

@@ -207,7 +207,8 @@ def test_loading_the_built_nodes_writes_nothing(native):
 
 # ---- FP8 linears: the nodes make each linear's casts by calling the host library's kernels.
 
-_RECIPES = ["static", "amax", "rowwise", "block", "mx", "nvfp4"]
+_RECIPES = ["static", "amax", "rowwise", "rowwise_with_gw_hp", "block", "mx", "mx_round_up",
+            "nvfp4"]
 _FP8_NODES = ("torch::autograd::CppNode<(anonymous namespace)::NormQKV8>",
               "torch::autograd::CppNode<(anonymous namespace)::ProjNormMLP8>")
 
@@ -240,8 +241,26 @@ def _two_steps(model: torch.nn.Module, ids: torch.Tensor) -> List[torch.Tensor]:
     return got
 
 
+def _count_fallbacks(request) -> List[int]:
+    """The casts the nodes hand back to the Python quantisers from now on (to those
+    registered so far), by their index; restored at the test's end."""
+    from ipu_unit_scaling.fp8 import native_casts
+
+    calls: List[int] = []
+    fallbacks = native_casts._fallbacks
+    original = list(fallbacks)
+    request.addfinalizer(lambda: fallbacks.__setitem__(slice(0, len(original)), original))
+    for index, cast in enumerate(original):
+        def counted(x, transposed, out, cast=cast, index=index):
+            calls.append(index)
+            return cast(x, transposed, out)
+
+        fallbacks[index] = counted
+    return calls
+
+
 @pytest.mark.parametrize("recipe", _RECIPES)
-def test_fp8_layers_run_as_nodes_with_the_python_functions_values(native, monkeypatch,
+def test_fp8_layers_run_as_nodes_with_the_python_functions_values(native, monkeypatch, request,
                                                                    recipe):
     """An FP8 GPT's layers run as the FP8 nodes, with the Python Functions' losses and
     gradients bit for bit, over two steps and a second backward pass: both forms call the
@@ -254,7 +273,11 @@ def test_fp8_layers_run_as_nodes_with_the_python_functions_values(native, monkey
     ids = torch.randint(0, 48, (3, 11), generator=torch.Generator().manual_seed(1))
     names = backward_nodes(model(ids, ids))
     assert [names.count(node) for node in _FP8_NODES] == [2, 2]
+    handed_back = _count_fallbacks(request)
     nodes = _two_steps(model, ids)
+    # (every cast by the nodes' own kernel calls, but NVFP4's and the float32 operands of
+    # rowwise_with_gw_hp's weight-gradient GEMM, which they hand back)
+    assert bool(handed_back) == (recipe in ("nvfp4", "rowwise_with_gw_hp"))
     monkeypatch.setattr(native_layers, "module", lambda: None)
     names = backward_nodes(python_model(ids, ids))
     assert names.count("_NormQKVBackward") == 2 and not any("CppNode" in n for n in names)
