@@ -24,8 +24,12 @@ def _cast_note() -> str:
 
     if not _host.fused_cast_available():
         return f"grouped casts in torch ops: host library {_host.fast_path_status()}"
+    from ipu_unit_scaling.ops import native_layers
+
+    caller = ("the layers' C++ nodes" if native_layers.module() is not None
+              else "the layers' two Python Functions")
     return ("grouped casts by the host library's block kernels, both casts of each GEMM operand "
-            "from one read, in the layers' two Functions")
+            f"from one read, called from {caller}")
 
 
 def recipe_rows(row: Callable[..., Any], shape: Shape, rounds: int, min_run_time: float,

@@ -38,8 +38,10 @@ OBSTACLES: Dict[str, str] = {
     ),
     "fp8_static_ours": (
         "FP8 is simulated on a CPU without FP8 matmuls: each FP8 linear rounds its input, weight "
-        "and output gradient to FP8 values (one pass each) around float32 GEMMs; the passes and "
-        "the calls around them are work the FP32 step does not do"
+        "and output gradient to FP8 values (one pass each) around float32 GEMMs, into buffers "
+        "the layers' C++ nodes keep between steps; the passes and the calls around them are "
+        "work the FP32 step does not do, and the readout's FP8 linear is a Python autograd "
+        "Function"
     ),
     "fp8_static_second": (
         "the rounding passes of FP8 simulation, as for the first shape"
@@ -59,9 +61,8 @@ OBSTACLES: Dict[str, str] = {
     "fp8_block_ours": (
         "each GEMM operand is rounded twice, once per orientation, with an amax per group "
         "(the one-read pair kernel on a cached 512 x 128 operand rounds it both ways at about "
-        "1.3 Gelem/s per core: about 5 ms of the step), where the static step rounds each "
-        "operand once with a fixed scale; the FP8 layers' two Functions are Python where the "
-        "FP32 layers are C++ nodes (about 3% of the step at this width)"
+        "1.3 Gelem/s per core), where the static step rounds each operand once with a fixed "
+        "scale; see the FP8 static row's note for the rest"
     ),
     "fp8_mx_ours": "as for the block recipe",
     **{key: (
@@ -101,9 +102,10 @@ COMPARISON_NOTES = [
     "no scaled weight copies); a `uu.TransformerBlock` runs as two Functions around torch's "
     "attention kernel (residual join, norm and QKV projection; the row-scaled join of the "
     "heads, output projection, join, norm and MLP), FP8-simulated linears included, and the "
-    "decoder's embedding as one, where nothing observes their parts. With float linears the "
-    "two Functions are C++ autograd nodes (`ipu_unit_scaling.ops.native_layers`, built on "
-    "first use) where a compiler is at hand; the notes say which form ran. Under "
+    "decoder's embedding as one, where nothing observes their parts. The two Functions are "
+    "C++ autograd nodes (`ipu_unit_scaling.ops.native_layers`, built on first use) where a "
+    "compiler is at hand, FP8 layers included (the nodes call the host library's cast kernels "
+    "themselves); the notes say which form ran. Under "
     "`torch.compile` the ops are composed from `scale()` as before.",
     "GPU rows run only where a CUDA device exists; otherwise they are skipped with the reason.",
 ]

@@ -238,6 +238,11 @@ def _fp8_rows(results: Results, settings: Settings, names: List[str]) -> None:
         steps[f"{scaling} no host"] = _without_host_library(steps[scaling])
     steps["static, five Functions"] = _in_five_functions(make_train_step(
         simulate_fp8(build_model(OURS, settings.shape), FP8Config(scaling="static")), batch))
+    native = native_layers.module() is not None
+    if native:
+        steps["static, Python Functions"] = _with_python_functions(make_train_step(
+            simulate_fp8(build_model(OURS, settings.shape), FP8Config(scaling="static")),
+            batch))
     # unit_scaling's simulate_fp8 rewrites the model through TorchDynamo.
     published_fp8 = PUBLISHED in names and _compile_unavailable() is None
     if published_fp8:
@@ -263,6 +268,15 @@ def _fp8_rows(results: Results, settings: Settings, names: List[str]) -> None:
         "fp8_static_two_functions", "FP8 static step: layers in two Functions / in five",
         timings, "static", "static, five Functions", note="what the two-Function layer saves",
     ))
+    label = "FP8 static step: layers as C++ nodes / as Python Functions"
+    if native:
+        results.rows.append(_timed(
+            "fp8_static_native_layers", label, timings, "static", "static, Python Functions",
+            note="what the FP8 layers' C++ nodes save (their casts by the nodes' own kernel "
+            "calls, into buffers kept between steps)",
+        ))
+    else:
+        _skip(results, "fp8_static_native_layers", label, None, native_layers.status())
     results.rows.append(_timed(
         "fp8_static_no_host", "FP8 step, static / FP32 step, host library off: ours", timings,
         "static no host", "fp32", FP8_NO_HOST_TARGET, note=_no_host_note(),

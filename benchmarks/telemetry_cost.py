@@ -16,9 +16,11 @@ TELEMETRY_TARGET = 1.03
 _FIRST_STEP = 1 << 20
 
 
-def _period(shape: Shape, telemetry_on: bool) -> Callable[[], object]:
-    """`interval` training steps of the default run's model (unit-scaled, FP8 AMAX), with or
-    without telemetry."""
+def _periods(shape: Shape) -> Dict[str, Callable[[], object]]:
+    """`interval` training steps of the default run's model (unit-scaled, FP8 AMAX) with
+    telemetry ("on") and without ("off"): one model and optimizer for both, so that only the
+    telemetry differs (two instances of one model can differ in speed by their memory
+    layout)."""
     from ipu_unit_scaling.fp8 import FP8Config
     from ipu_unit_scaling.training.run_health import TelemetryConfig
     from ipu_unit_scaling.training.telemetry import Telemetry
@@ -28,25 +30,27 @@ def _period(shape: Shape, telemetry_on: bool) -> Callable[[], object]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batch = make_batch(shape)
     interval = TelemetryConfig().interval
-    telemetry = Telemetry(model, optimizer, None, interval=interval if telemetry_on else 0,
-                          log=None)
-    state: Dict[str, int] = {"step": _FIRST_STEP}
 
-    def period() -> object:
-        for _ in range(interval):
-            state["step"] += 1
-            with telemetry.step(state["step"]):
-                loss = model(batch["input_ids"], batch["labels"])
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+    def period_of(telemetry: Telemetry) -> Callable[[], object]:
+        state: Dict[str, int] = {"step": _FIRST_STEP}
 
-    return period
+        def period() -> object:
+            for _ in range(interval):
+                state["step"] += 1
+                with telemetry.step(state["step"]):
+                    loss = model(batch["input_ids"], batch["labels"])
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+            return loss.detach()
+
+        return period
+
+    return {name: period_of(Telemetry(model, optimizer, None, interval=every, log=None))
+            for name, every in (("on", interval), ("off", 0))}
 
 
 def telemetry_timings(shape: Shape, rounds: int, clock: str) -> Tuple[Timings, Dict[str, Any]]:
     """Interleaved timings of a sampling period with telemetry on and off."""
-    steps = {"on": _period(shape, True), "off": _period(shape, False)}
-    timings = time_interleaved(steps, rounds, min_run_time=0.0, warmup=1, clock=clock)
+    timings = time_interleaved(_periods(shape), rounds, min_run_time=0.0, warmup=1, clock=clock)
     return timings, {}

@@ -28,6 +28,7 @@ ROW_KEYS = {
     "fp8_static_ours",
     "fp8_amax_ours",
     "fp8_static_two_functions",
+    "fp8_static_native_layers",
     "fp8_static_published",
     "cast_throughput",
     "cast_melem",
