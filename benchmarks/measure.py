@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple, Union
 
 import torch
 from torch.utils.benchmark import Timer
@@ -59,23 +59,29 @@ CLOCKS: Dict[str, Callable[[], float]] = {
 }
 
 
+Step = Callable[[], object]
+
+
 def time_interleaved(
-    steps: Mapping[str, Callable[[], object]],
+    steps: Mapping[str, Union[Step, Sequence[Step]]],
     rounds: int,
     min_run_time: float,
     warmup: int = 2,
     clock: str = "wall",
 ) -> Timings:
-    """Time each step function, interleaving the variants round by round."""
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
+    """Time each step function, interleaving the variants round by round. A variant given as
+    several functions (instances of one model: see :func:`instances`) times the next of them
+    in each round, so that no one instance's memory layout sets its figure."""
+    variants = {name: [step] if callable(step) else list(step) for name, step in steps.items()}
+    for instances_of_variant in variants.values():
+        for step in instances_of_variant:
+            for _ in range(warmup):
+                step()
     timers = {
-        name: Timer(
-            stmt="step()", globals={"step": step}, timer=CLOCKS[clock],
-            num_threads=torch.get_num_threads(), label=name,
-        )
-        for name, step in steps.items()
+        name: [Timer(stmt="step()", globals={"step": step}, timer=CLOCKS[clock],
+                     num_threads=torch.get_num_threads(), label=name)
+               for step in instances_of_variant]
+        for name, instances_of_variant in variants.items()
     }
     timings = Timings({name: [] for name in steps})
     names = list(timers)
@@ -83,9 +89,21 @@ def time_interleaved(
         # Rotate who goes first, so no variant always runs right after the same neighbour.
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
-            measurement = timers[name].blocked_autorange(min_run_time=min_run_time)
+            timer = timers[name][round_index % len(timers[name])]
+            measurement = timer.blocked_autorange(min_run_time=min_run_time)
             timings.seconds[name].append(measurement.median)
     return timings
+
+
+# Instances of each model that the step rows rotate through, round by round: identical
+# models built one after another ran up to about 2% apart (2-core AMD EPYC, width 128), by
+# where their tensors fell in memory.
+INSTANCES = 3
+
+
+def instances(make: Callable[[], Step], count: int = INSTANCES) -> List[Step]:
+    """``count`` step functions, each of a model of its own from ``make()``."""
+    return [make() for _ in range(count)]
 
 
 def peak_step_bytes(step: Callable[[], object], warmup: int = 1) -> int:

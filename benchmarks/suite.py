@@ -5,14 +5,14 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from ipu_unit_scaling.ops import native_layers
 
 from .gpu import gpu_rows
-from .measure import Timings, peak_step_bytes, time_interleaved
+from .measure import INSTANCES, Step, Timings, instances, peak_step_bytes, time_interleaved
 from .recipes import recipe_rows
 from .variants import (
     OURS,
@@ -129,14 +129,17 @@ def _step_rows(
     wrap: Callable[[torch.nn.Module], torch.nn.Module],
 ) -> None:
     batch = make_batch(settings.shape)
-    steps: Dict[str, Callable[[], object]] = {
-        name: make_train_step(wrap(build_model(name, settings.shape)), batch) for name in names
-    }
+    # (compiled models one instance each: each instance would be compiled anew)
+    count = INSTANCES if mode == "eager" else 1
+
+    def step_of(name: str, form: Callable[[Step], Step] = lambda step: step) -> List[Step]:
+        return instances(lambda: form(make_train_step(wrap(build_model(name, settings.shape)),
+                                                      batch)), count)
+
+    steps: Dict[str, List[Step]] = {name: step_of(name) for name in names}
     if mode == "eager":
-        steps[FIVE] = _in_five_functions(make_train_step(build_model(OURS, settings.shape),
-                                                         batch))
-        steps[PYTHON_NODES] = _with_python_functions(
-            make_train_step(build_model(OURS, settings.shape), batch))
+        steps[FIVE] = step_of(OURS, _in_five_functions)
+        steps[PYTHON_NODES] = step_of(OURS, _with_python_functions)
     timings = time_interleaved(
         steps, settings.rounds, settings.min_run_time, clock=settings.clock
     )
@@ -225,33 +228,35 @@ def _fp8_rows(results: Results, settings: Settings, names: List[str]) -> None:
 
     results.notes.append(f"FP8 casts on the CPU: {_cast_path()}")
     batch = make_batch(settings.shape)
-    steps: Dict[str, Callable[[], object]] = {
-        "fp32": make_train_step(build_model(OURS, settings.shape), batch),
-        "static": make_train_step(
-            simulate_fp8(build_model(OURS, settings.shape), FP8Config(scaling="static")), batch
-        ),
-        "amax": make_train_step(
-            simulate_fp8(build_model(OURS, settings.shape), FP8Config(scaling="amax")), batch
-        ),
-    }
+
+    def step_of(scaling: Optional[str], form: Callable[[Step], Step] = lambda step: step
+                ) -> List[Step]:
+        def make() -> Step:
+            model = build_model(OURS, settings.shape)
+            if scaling is not None:
+                model = simulate_fp8(model, FP8Config(scaling=scaling))
+            return form(make_train_step(model, batch))
+
+        return instances(make)
+
+    steps: Dict[str, Sequence[Step]] = {
+        "fp32": step_of(None), "static": step_of("static"), "amax": step_of("amax")}
     for scaling in ("static", "amax"):
-        steps[f"{scaling} no host"] = _without_host_library(steps[scaling])
-    steps["static, five Functions"] = _in_five_functions(make_train_step(
-        simulate_fp8(build_model(OURS, settings.shape), FP8Config(scaling="static")), batch))
+        steps[f"{scaling} no host"] = [_without_host_library(step) for step in steps[scaling]]
+    steps["static, five Functions"] = step_of("static", _in_five_functions)
     native = native_layers.module() is not None
     if native:
-        steps["static, Python Functions"] = _with_python_functions(make_train_step(
-            simulate_fp8(build_model(OURS, settings.shape), FP8Config(scaling="static")),
-            batch))
+        steps["static, Python Functions"] = step_of("static", _with_python_functions)
     # unit_scaling's simulate_fp8 rewrites the model through TorchDynamo.
     published_fp8 = PUBLISHED in names and _compile_unavailable() is None
     if published_fp8:
         from unit_scaling.transforms import simulate_fp8 as published_simulate_fp8
 
-        steps["published fp32"] = make_train_step(build_model(PUBLISHED, settings.shape), batch)
-        steps["published fp8"] = make_train_step(
-            published_simulate_fp8(build_model(PUBLISHED, settings.shape)), batch
-        )
+        # (one instance each: each is rewritten through TorchDynamo anew)
+        steps["published fp32"] = [
+            make_train_step(build_model(PUBLISHED, settings.shape), batch)]
+        steps["published fp8"] = [make_train_step(
+            published_simulate_fp8(build_model(PUBLISHED, settings.shape)), batch)]
     timings = time_interleaved(
         steps, settings.rounds, settings.min_run_time, clock=settings.clock
     )
@@ -345,10 +350,10 @@ def _torch_ours_static(shape: Shape, rounds: int, settings: Settings, results: R
 
     batch = make_batch(shape)
     steps = {
-        "torch": make_train_step(build_model(TORCH, shape), batch),
-        "ours": make_train_step(build_model(OURS, shape), batch),
-        "static": make_train_step(
-            simulate_fp8(build_model(OURS, shape), FP8Config(scaling="static")), batch),
+        "torch": instances(lambda: make_train_step(build_model(TORCH, shape), batch)),
+        "ours": instances(lambda: make_train_step(build_model(OURS, shape), batch)),
+        "static": instances(lambda: make_train_step(
+            simulate_fp8(build_model(OURS, shape), FP8Config(scaling="static")), batch)),
     }
     timings = time_interleaved(steps, rounds, settings.min_run_time, clock=settings.clock)
     for name in steps:

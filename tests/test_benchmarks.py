@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from benchmarks.measure import peak_step_bytes, time_interleaved
+from benchmarks.measure import instances, peak_step_bytes, time_interleaved
 from benchmarks.report import markdown, text_table
 from benchmarks.suite import Settings, run_suite
 from benchmarks.variants import OURS, PUBLISHED, TORCH, Shape, build_model, published_version
@@ -205,6 +205,26 @@ def test_interleaved_ratio_is_per_round_median():
     assert timings.ratio("a", "b") == 2.0  # per-round ratios 0.5, 2, 3
     assert timings.spread("a", "b") == (1.25, 2.5)  # inclusive quartiles of 0.5, 2, 3
     assert timings.median_ms("a") == 2000.0
+
+
+def test_a_variant_of_several_instances_times_the_next_in_each_round():
+    """Each round times one instance of a many-instance variant, in turn (each warmed up
+    first), so its figure is no one instance's; a one-function variant is timed every round."""
+    timed: list = []
+
+    def instance(index: int):
+        def step() -> None:
+            timed.append(index)
+        return step
+
+    timings = time_interleaved({"a": [instance(0), instance(1), instance(2)], "b": instance(9)},
+                               rounds=5, min_run_time=0.001, warmup=1)
+    assert len(timings.seconds["a"]) == len(timings.seconds["b"]) == 5
+    assert timed[:4] == [0, 1, 2, 9]  # the warm-up calls
+    runs = [index for position, index in enumerate(timed[4:])
+            if index != 9 and (position == 0 or timed[4 + position - 1] != index)]
+    assert runs == [0, 1, 2, 0, 1]  # one instance per round, the next in each
+    assert len(instances(lambda: instance(5), 3)) == 3
 
 
 def test_the_report_says_which_form_the_layers_ran_in(tiny_run):
