@@ -10,6 +10,7 @@ from typing import Dict, List, Sequence
 import torch
 
 from . import recorded_runs
+from .measure import INSTANCES
 from .suite import Results, Row, Settings, block_form_keys
 from .variants import published_version
 
@@ -205,7 +206,9 @@ def markdown(results: Results, settings: Settings, command: str) -> str:
         "The same GPT built three ways (plain `torch.nn.functional`, our unit-scaled `U`, and the",
         "published `unit_scaling.functional`), so that only the ops differ. Every number is a",
         "ratio measured within one run; timings are interleaved round by round and each ratio",
-        "is the median of per-round ratios (see `benchmarks/measure.py`).",
+        "is the median of per-round ratios (see `benchmarks/measure.py`). Each eager step row",
+        f"rotates through {INSTANCES} instances of each model, one per round, so that no one",
+        "instance's memory layout sets it.",
         "",
         "Produced by:",
         "",
