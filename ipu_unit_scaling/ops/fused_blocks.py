@@ -271,15 +271,16 @@ _BUFFER_LIMIT = 1 << 18
 
 def _buffer(slot: str, like: Tensor) -> Optional[Tensor]:
     """A float32 CPU buffer shaped like ``like`` for ``slot`` (one GEMM operand of these
-    Functions, e.g. "up.input"), the same one at every call with that shape; None where
-    ``like`` is larger than ``_BUFFER_LIMIT`` or not on the CPU."""
+    Functions, e.g. "up.input"), the same one at every call with that shape (one of another
+    shape is let go: a slot holds one buffer at most); None where ``like`` is larger than
+    ``_BUFFER_LIMIT`` or not on the CPU."""
     if like.numel() > _BUFFER_LIMIT or like.device.type != "cpu":
         return None
     held = _buffers.__dict__.setdefault("held", {})
-    key = (slot, tuple(like.shape))
-    if key not in held:
-        held[key] = torch.empty(like.shape, dtype=torch.float32)
-    return held[key]
+    buffer = held.get(slot)
+    if buffer is None or buffer.shape != like.shape:
+        buffer = held[slot] = torch.empty(like.shape, dtype=torch.float32)
+    return buffer
 
 
 def _quantised(x: Tensor, quantise: Optional[Quantiser], role: str, transposed: bool,

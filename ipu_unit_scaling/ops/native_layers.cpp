@@ -10,6 +10,7 @@
 // Built on first use by `ipu_unit_scaling.ops.native_layers`, against the installed torch.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <array>
 #include <map>
 #include <string>
@@ -325,24 +326,38 @@ struct HostCasts {
 HostCasts* host_casts = nullptr;
 
 // Buffers kept per thread and slot (one operand of one Function, e.g. "up.input"), up to
-// 2^18 elements, reused at the next call wherever nothing else holds them: a cast that only
-// the GEMMs of the call read, and one saved for the backward pass once that pass has let it
-// go. Allocating afresh at every step would cost the page faults of memory the allocator
-// returned to the system in between. Larger buffers, which would be held for the life of
-// the process, are made afresh.
+// 2^18 elements each, reused wherever nothing else holds them: a cast that only the GEMMs of
+// the call read, and one saved for the backward pass once that pass has let it go (one per
+// layer, since every layer's Function uses the same slots). Allocating afresh at every step
+// would cost the page faults of memory the allocator returned to the system in between.
+// A slot keeps buffers of the shape last asked for only, and no more than a step had in
+// flight at once (at most kBuffersPerSlot): what the step held at its peak anyway. Larger
+// buffers, which would be held for the life of the process, are made afresh.
 constexpr int64_t kBufferLimit = int64_t(1) << 18;
+constexpr std::size_t kBuffersPerSlot = 64;
+
+bool is_free(const Tensor& buffer) {
+  return buffer.use_count() == 1 && buffer.storage().use_count() == 1;
+}
+
+std::map<std::string, std::vector<Tensor>>& held_buffers() {
+  thread_local std::map<std::string, std::vector<Tensor>> held;
+  return held;
+}
 
 Tensor pooled(const std::string& slot, at::IntArrayRef sizes, const at::TensorOptions& options) {
-  thread_local std::map<std::pair<std::string, std::vector<int64_t>>, Tensor> held;
+  std::map<std::string, std::vector<Tensor>>& held = held_buffers();
   if (slot.empty() || c10::multiply_integers(sizes) > kBufferLimit)
     return at::empty(sizes, options);
-  auto key = std::make_pair(slot, sizes.vec());
-  auto found = held.find(key);
-  if (found != held.end() && found->second.use_count() == 1 &&
-      found->second.storage().use_count() == 1)
-    return found->second;
+  std::vector<Tensor>& buffers = held[slot];
+  for (const Tensor& buffer : buffers)
+    if (buffer.sizes() == sizes && is_free(buffer)) return buffer;
+  // (a free buffer of another shape is one the model no longer asks for)
+  buffers.erase(std::remove_if(buffers.begin(), buffers.end(),
+                               [&](const Tensor& b) { return b.sizes() != sizes && is_free(b); }),
+                buffers.end());
   Tensor buffer = at::empty(sizes, options);
-  held[key] = buffer;  // (one still held elsewhere lives on with its holder)
+  if (buffers.size() < kBuffersPerSlot) buffers.push_back(buffer);
   return buffer;
 }
 
@@ -419,6 +434,14 @@ std::pair<Tensor, Tensor> cast_operand(const Tensor& x, const Spec& spec, bool t
   Tensor values = got[0].cast<Tensor>();
   Tensor values_t = got[1].is_none() ? values : got[1].cast<Tensor>();
   return {values, values_t};
+}
+
+// The buffers the FP8 nodes keep for this thread, by slot: (slot, its buffers' element count).
+std::vector<std::pair<std::string, int64_t>> kept_buffers() {
+  std::vector<std::pair<std::string, int64_t>> out;
+  for (const auto& entry : held_buffers())
+    for (const Tensor& buffer : entry.second) out.emplace_back(entry.first, buffer.numel());
+  return out;
 }
 
 void set_fp8_casts(int64_t quantise, int64_t pair, int64_t group, py::object fallback) {
@@ -764,6 +787,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("norm_qkv8", &norm_qkv8, "fused_blocks.norm_qkv with an FP8 QKV projection");
   m.def("proj_norm_mlp8", &proj_norm_mlp8,
         "fused_blocks.proj_norm_mlp with FP8 linears (float ones where a spec is empty)");
+  m.def("kept_buffers", &kept_buffers,
+        "the buffers the FP8 nodes keep for this thread: (slot, elements) each");
   m.def("set_fp8_casts", &set_fp8_casts,
         "the host library's cast kernels (addresses) and the Python quantiser to fall back on");
 }

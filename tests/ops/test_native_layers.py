@@ -381,3 +381,41 @@ def test_fp8_nodes_reuse_no_buffer_a_pending_backward_still_holds(native, monkey
     python = accumulate(python_model)
     for index, (a, b) in enumerate(zip(nodes, python)):
         assert torch.equal(a, b), index
+
+
+def test_fp8_nodes_keep_one_step_of_buffers_and_let_other_shapes_go(native):
+    """The nodes' kept buffers (per thread: this runs in a thread of its own, whose CPU
+    backward passes run in it too): a second step of the same shapes makes none (each layer's
+    saved casts reuse the ones the previous backward pass let go), and a run of other sequence
+    lengths leaves the buffers of the last one only, as many as its step held."""
+    import threading
+
+    model = _fp8_gpt("static")
+    generator = torch.Generator().manual_seed(1)
+    kept: List[list] = []
+
+    def step(length: int) -> None:
+        ids = torch.randint(0, 48, (3, length), generator=generator)
+        model(ids, ids).backward()
+        kept.append(sorted(native.kept_buffers()))
+
+    def run() -> None:
+        for length in (11, 11, 10, 9, 8, 7):
+            step(length)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert len(kept) == 6
+    first = kept[0]
+    assert kept[1] == first
+    # (two layers: each saved cast of a slot has two buffers)
+    slots: Dict[str, int] = {}
+    for slot, _ in first:
+        slots[slot] = slots.get(slot, 0) + 1
+    assert slots["qkv.input"] == 2 and slots["up.weight"] == 2
+    last = kept[-1]
+    assert len(last) == len(first) and {s for s, _ in last} == set(slots)
+    # (the rows of an input cast: batch 3 times the last length, 7; width 32)
+    assert [n for s, n in last if s == "qkv.input"] == [3 * 7 * 32] * 2
+    assert [n for s, n in last if s == "up.weight"] == [n for s, n in first if s == "up.weight"]
