@@ -95,6 +95,13 @@ inline Factors factorsOf(int s, const ScaleRule& rule) {
 
 inline float clampTo(float y, float limit) { return y < -limit ? -limit : (y > limit ? limit : y); }
 
+// Outputs of at least this many bytes are written with streaming stores (put512).
+constexpr Index kStreamBytes = Index(1) << 24;
+
+inline bool streamable(const float* row, bool stream) {
+  return stream && (reinterpret_cast<std::uintptr_t>(row) & 63) == 0;
+}
+
 // ---------------------------------------------------------------- many scales at once
 
 // s, scale and inverse of n groups from their amax keys (s[i] is kNonFiniteScale for a
@@ -333,6 +340,26 @@ IUS_AVX2 inline __m256 roundClamped256(__m256i magnitudeOfX, __m256i sign, __m25
   return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(value), sign)), inverse);
 }
 
+// Stores of an output too large to stay in cache stream past it: a plain store reads each line
+// before writing it, a third more memory traffic for a cast, and a GEMM reading an output that
+// large takes it from memory either way. Streaming stores need 64-byte aligned rows
+// (streamable); they are ordered by the sfence at the end of each worker's part (run).
+IUS_AVX512 inline void put512(float* p, __m512 v, bool stream) {
+  if (stream) {
+    _mm512_stream_ps(p, v);
+  } else {
+    _mm512_storeu_ps(p, v);
+  }
+}
+
+IUS_AVX2 inline void put256(float* p, __m256 v, bool stream) {
+  if (stream) {
+    _mm256_stream_ps(p, v);
+  } else {
+    _mm256_storeu_ps(p, v);
+  }
+}
+
 template <unsigned E, bool S>
 IUS_AVX512 inline __m512 quantiseLanes512(__m512 x, __m512 scale, __m512 inverse, float clampMax) {
   if (clampMax > 0) {
@@ -396,11 +423,12 @@ IUS_AVX2 inline Index lanesAmax256(const float* in, Index cols, Index r0, Index 
 // One row segment rounded with per-column factors; returns the columns done.
 template <unsigned E, bool S>
 IUS_AVX512 inline Index lanesQuantise512(const float* row, Index width, const float* scale,
-                                         const float* inverse, float clampMax, float* out) {
+                                         const float* inverse, float clampMax, float* out, bool stream) {
+  stream = streamable(out, stream);
   Index c = 0;
   for (; c + 16 <= width; c += 16) {
-    _mm512_storeu_ps(out + c, quantiseLanes512<E, S>(_mm512_loadu_ps(row + c), _mm512_loadu_ps(scale + c),
-                                                     _mm512_loadu_ps(inverse + c), clampMax));
+    put512(out + c, quantiseLanes512<E, S>(_mm512_loadu_ps(row + c), _mm512_loadu_ps(scale + c),
+                                           _mm512_loadu_ps(inverse + c), clampMax), stream);
   }
   return c;
 }
@@ -408,55 +436,63 @@ IUS_AVX512 inline Index lanesQuantise512(const float* row, Index width, const fl
 // Two rows (a row apart in `in` and `out`) with one load of the factors.
 template <unsigned E, bool S>
 IUS_AVX512 inline Index lanesQuantiseTwo512(const float* row, Index cols, Index width, const float* scale,
-                                            const float* inverse, float clampMax, float* out) {
+                                            const float* inverse, float clampMax, float* out, bool stream) {
+  stream = streamable(out, stream) && streamable(out + cols, stream);
   Index c = 0;
   for (; c + 16 <= width; c += 16) {
     const __m512 f = _mm512_loadu_ps(scale + c), g = _mm512_loadu_ps(inverse + c);
-    _mm512_storeu_ps(out + c, quantiseLanes512<E, S>(_mm512_loadu_ps(row + c), f, g, clampMax));
-    _mm512_storeu_ps(out + cols + c, quantiseLanes512<E, S>(_mm512_loadu_ps(row + cols + c), f, g, clampMax));
+    put512(out + c, quantiseLanes512<E, S>(_mm512_loadu_ps(row + c), f, g, clampMax), stream);
+    put512(out + cols + c, quantiseLanes512<E, S>(_mm512_loadu_ps(row + cols + c), f, g, clampMax), stream);
   }
   return c;
 }
 
 template <unsigned E, bool S>
 IUS_AVX2 inline Index lanesQuantise256(const float* row, Index width, const float* scale,
-                                       const float* inverse, float clampMax, float* out) {
+                                       const float* inverse, float clampMax, float* out, bool stream) {
+  stream = streamable(out, stream);
   Index c = 0;
   for (; c + 8 <= width; c += 8) {
-    _mm256_storeu_ps(out + c, quantiseLanes256<E, S>(_mm256_loadu_ps(row + c), _mm256_loadu_ps(scale + c),
-                                                     _mm256_loadu_ps(inverse + c), clampMax));
+    put256(out + c, quantiseLanes256<E, S>(_mm256_loadu_ps(row + c), _mm256_loadu_ps(scale + c),
+                                           _mm256_loadu_ps(inverse + c), clampMax), stream);
   }
   return c;
 }
 // A row segment rounded with one scale; the scalar tail as quantisePortable.
 template <unsigned E, bool S>
-IUS_AVX512 inline void roundRow512(const float* row, Index width, Factors f, float clampMax, float* target) {
+IUS_AVX512 inline void roundRow512(const float* row, Index width, Factors f, float clampMax, float* target,
+                                   bool stream) {
   const __m512 scales = _mm512_set1_ps(f.scale), inverses = _mm512_set1_ps(f.inverse);
   const Index vectors = width / 16 * 16;
+  stream = streamable(target, stream);
   for (Index c = 0; c < vectors; c += 16) {
-    _mm512_storeu_ps(target + c, quantiseLanes512<E, S>(_mm512_loadu_ps(row + c), scales, inverses, clampMax));
+    put512(target + c, quantiseLanes512<E, S>(_mm512_loadu_ps(row + c), scales, inverses, clampMax), stream);
   }
   if (vectors < width) quantisePortable<E, S>(row + vectors, width - vectors, f, clampMax, target + vectors);
 }
 
 template <unsigned E, bool S>
-IUS_AVX2 inline void roundRow256(const float* row, Index width, Factors f, float clampMax, float* target) {
+IUS_AVX2 inline void roundRow256(const float* row, Index width, Factors f, float clampMax, float* target,
+                                 bool stream) {
   const __m256 scales = _mm256_set1_ps(f.scale), inverses = _mm256_set1_ps(f.inverse);
   const Index vectors = width / 8 * 8;
+  stream = streamable(target, stream);
   for (Index c = 0; c < vectors; c += 8) {
-    _mm256_storeu_ps(target + c, quantiseLanes256<E, S>(_mm256_loadu_ps(row + c), scales, inverses, clampMax));
+    put256(target + c, quantiseLanes256<E, S>(_mm256_loadu_ps(row + c), scales, inverses, clampMax), stream);
   }
   if (vectors < width) quantisePortable<E, S>(row + vectors, width - vectors, f, clampMax, target + vectors);
 }
 #endif
 
 template <unsigned E, bool S>
-inline void roundRow(int level, const float* row, Index width, Factors f, float clampMax, float* target) {
+inline void roundRow(int level, const float* row, Index width, Factors f, float clampMax, float* target,
+                     bool stream) {
 #ifdef IUS_HAVE_AVX2_KERNELS
-  if (level == 2) return roundRow512<E, S>(row, width, f, clampMax, target);
-  if (level == 1) return roundRow256<E, S>(row, width, f, clampMax, target);
+  if (level == 2) return roundRow512<E, S>(row, width, f, clampMax, target, stream);
+  if (level == 1) return roundRow256<E, S>(row, width, f, clampMax, target, stream);
 #endif
   (void)level;
+  (void)stream;
   quantisePortable<E, S>(row, width, f, clampMax, target);
 }
 
@@ -541,14 +577,14 @@ IUS_AVX512 void spanKeys512(const float* in, const Layout& l, Index first, Index
 
 template <unsigned E, bool S>
 IUS_AVX512 void spanRound512(const float* in, float* out, const Layout& l, const ScaleRule& rule,
-                             Index first, Index n, const float* scale, const float* inverse) {
+                             Index first, Index n, const float* scale, const float* inverse, bool stream) {
   SpanWalk walk(l, first);
   for (Index i = 0; i < n; ++i) {
     const Span g = walk.next();
     const Index width = g.c1 - g.c0;
     for (Index r = g.r0; r < g.r1; ++r) {
       roundRow512<E, S>(in + r * l.cols + g.c0, width, Factors{scale[i], inverse[i]}, rule.clampMax,
-                        out + r * l.cols + g.c0);
+                        out + r * l.cols + g.c0, stream);
     }
   }
 }
@@ -571,14 +607,14 @@ IUS_AVX2 void spanKeys256(const float* in, const Layout& l, Index first, Index n
 
 template <unsigned E, bool S>
 IUS_AVX2 void spanRound256(const float* in, float* out, const Layout& l, const ScaleRule& rule,
-                           Index first, Index n, const float* scale, const float* inverse) {
+                           Index first, Index n, const float* scale, const float* inverse, bool stream) {
   SpanWalk walk(l, first);
   for (Index i = 0; i < n; ++i) {
     const Span g = walk.next();
     const Index width = g.c1 - g.c0;
     for (Index r = g.r0; r < g.r1; ++r) {
       roundRow256<E, S>(in + r * l.cols + g.c0, width, Factors{scale[i], inverse[i]}, rule.clampMax,
-                        out + r * l.cols + g.c0);
+                        out + r * l.cols + g.c0, stream);
     }
   }
 }
@@ -588,7 +624,7 @@ IUS_AVX2 void spanRound256(const float* in, float* out, const Layout& l, const S
 // some group's amax is not finite (that group is rounded with scale 0: unspecified values).
 template <unsigned E, bool S>
 bool spanGroups(const float* in, float* out, const Layout& l, const ScaleRule& rule, Index begin,
-                Index end, int level, int* scales) {
+                Index end, int level, int* scales, bool stream = false) {
   const Normalised top = normalise(rule.formatMax);
   unsigned keys[kBatch];
   float scale[kBatch], inverse[kBatch];
@@ -609,14 +645,15 @@ bool spanGroups(const float* in, float* out, const Layout& l, const ScaleRule& r
     finite = scalesOf(level, keys, n, rule, top, scales + first, scale, inverse) && finite;
 #ifdef IUS_HAVE_AVX2_KERNELS
     if (level == 2) {
-      spanRound512<E, S>(in, out, l, rule, first, n, scale, inverse);
+      spanRound512<E, S>(in, out, l, rule, first, n, scale, inverse, stream);
     } else if (level == 1) {
-      spanRound256<E, S>(in, out, l, rule, first, n, scale, inverse);
+      spanRound256<E, S>(in, out, l, rule, first, n, scale, inverse, stream);
     } else {
       spanRoundPortable<E, S>(in, out, l, rule, first, n, scale, inverse);
     }
 #else
     spanRoundPortable<E, S>(in, out, l, rule, first, n, scale, inverse);
+    (void)stream;
 #endif
   }
   return finite;
@@ -655,7 +692,7 @@ inline float quantiseOne(float x, float scale, float inverse, float clampMax) {
 template <unsigned E, bool S>
 bool bandChunk(const float* in, float* out, const Layout& l, const ScaleRule& rule, Index band,
                Index c0, Index c1, int level, int* scales, std::vector<unsigned>& keys,
-               std::vector<float>& factors) {
+               std::vector<float>& factors, bool stream) {
   const Index r0 = band * l.groupRows, r1 = r0 + l.groupRows < l.rows ? r0 + l.groupRows : l.rows;
   const Index width = c1 - c0, size = l.groupCols;
   keys.assign(static_cast<std::size_t>(width), 0u);
@@ -690,22 +727,22 @@ bool bandChunk(const float* in, float* out, const Layout& l, const ScaleRule& ru
       for (Index j = 0; j < groups; ++j) {
         const Index begin = j * size, end = begin + size < width ? begin + size : width;
         roundRow<E, S>(level, row + begin, end - begin, Factors{scale[j], inverse[j]}, rule.clampMax,
-                       target + begin);
+                       target + begin, stream);
       }
       continue;
     }
     Index c = 0;
 #ifdef IUS_HAVE_AVX2_KERNELS
     if (level == 2 && r + 1 < r1) {
-      c = lanesQuantiseTwo512<E, S>(row, l.cols, width, scale, inverse, rule.clampMax, target);
+      c = lanesQuantiseTwo512<E, S>(row, l.cols, width, scale, inverse, rule.clampMax, target, stream);
       for (Index t = c; t < width; ++t) {
         target[l.cols + t] = quantiseOne<E, S>(row[l.cols + t], scale[t], inverse[t], rule.clampMax);
       }
       ++r;  // the next row is done
     } else if (level == 2) {
-      c = lanesQuantise512<E, S>(row, width, scale, inverse, rule.clampMax, target);
+      c = lanesQuantise512<E, S>(row, width, scale, inverse, rule.clampMax, target, stream);
     } else if (level == 1) {
-      c = lanesQuantise256<E, S>(row, width, scale, inverse, rule.clampMax, target);
+      c = lanesQuantise256<E, S>(row, width, scale, inverse, rule.clampMax, target, stream);
     }
 #endif
     for (; c < width; ++c) target[c] = quantiseOne<E, S>(row[c], scale[c], inverse[c], rule.clampMax);
@@ -726,7 +763,7 @@ template <unsigned E, bool S>
 IUS_AVX512 bool pairChunk512(const float* in, float* out, const Layout& l,
                              const ScaleRule& rule, Index band, Index c0, Index c1, int* scales,
                              float* tileOut, int* tileScales, std::vector<unsigned>& keys,
-                             std::vector<float>& factors, PairBuffers& pair) {
+                             std::vector<float>& factors, PairBuffers& pair, bool stream) {
   const Index size = l.groupRows;
   const Index r0 = band * size, r1 = r0 + size < l.rows ? r0 + size : l.rows, rows = r1 - r0;
   const Index width = c1 - c0, perRow = width / size, tilesPerRow = (l.cols + size - 1) / size;
@@ -793,6 +830,7 @@ IUS_AVX512 bool pairChunk512(const float* in, float* out, const Layout& l,
     const float* row = in + r * l.cols + c0;
     float* columnTarget = out + r * l.cols + c0;
     float* tileTarget = tileOut + r * l.cols + c0;
+    const bool columnStream = streamable(columnTarget, stream), tileStream = streamable(tileTarget, stream);
     const Index k = (r - r0) * perRow;
     for (Index t = 0; t < perRow; ++t) {
       const __m512 ts = _mm512_set1_ps(tileScale[k + t]), ti = _mm512_set1_ps(tileInverse[k + t]);
@@ -802,17 +840,17 @@ IUS_AVX512 bool pairChunk512(const float* in, float* out, const Layout& l,
           const __m512i bits = _mm512_loadu_si512(row + c);
           const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
           const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0x80000000u)));
-          _mm512_storeu_ps(columnTarget + c, roundClamped512<E>(magnitude, sign, _mm512_loadu_ps(scale + c),
-                                                                _mm512_loadu_ps(inverse + c), limit));
-          _mm512_storeu_ps(tileTarget + c, roundClamped512<E>(magnitude, sign, ts, ti, limit));
+          put512(columnTarget + c, roundClamped512<E>(magnitude, sign, _mm512_loadu_ps(scale + c),
+                                                      _mm512_loadu_ps(inverse + c), limit), columnStream);
+          put512(tileTarget + c, roundClamped512<E>(magnitude, sign, ts, ti, limit), tileStream);
         }
         continue;
       }
       for (Index c = t * size; c < (t + 1) * size; c += 16) {
         const __m512 x = _mm512_loadu_ps(row + c);
-        _mm512_storeu_ps(columnTarget + c, quantiseLanes512<E, S>(x, _mm512_loadu_ps(scale + c),
-                                                                  _mm512_loadu_ps(inverse + c), rule.clampMax));
-        _mm512_storeu_ps(tileTarget + c, quantiseLanes512<E, S>(x, ts, ti, rule.clampMax));
+        put512(columnTarget + c, quantiseLanes512<E, S>(x, _mm512_loadu_ps(scale + c),
+                                                        _mm512_loadu_ps(inverse + c), rule.clampMax), columnStream);
+        put512(tileTarget + c, quantiseLanes512<E, S>(x, ts, ti, rule.clampMax), tileStream);
       }
     }
   }
@@ -823,7 +861,7 @@ template <unsigned E, bool S>
 IUS_AVX2 bool pairChunk256(const float* in, float* out, const Layout& l,
                              const ScaleRule& rule, Index band, Index c0, Index c1, int* scales,
                              float* tileOut, int* tileScales, std::vector<unsigned>& keys,
-                             std::vector<float>& factors, PairBuffers& pair) {
+                             std::vector<float>& factors, PairBuffers& pair, bool stream) {
   const Index size = l.groupRows;
   const Index r0 = band * size, r1 = r0 + size < l.rows ? r0 + size : l.rows, rows = r1 - r0;
   const Index width = c1 - c0, perRow = width / size, tilesPerRow = (l.cols + size - 1) / size;
@@ -867,6 +905,7 @@ IUS_AVX2 bool pairChunk256(const float* in, float* out, const Layout& l,
     const float* row = in + r * l.cols + c0;
     float* columnTarget = out + r * l.cols + c0;
     float* tileTarget = tileOut + r * l.cols + c0;
+    const bool columnStream = streamable(columnTarget, stream), tileStream = streamable(tileTarget, stream);
     const Index k = (r - r0) * perRow;
     for (Index t = 0; t < perRow; ++t) {
       const __m256 ts = _mm256_set1_ps(tileScale[k + t]), ti = _mm256_set1_ps(tileInverse[k + t]);
@@ -876,17 +915,17 @@ IUS_AVX2 bool pairChunk256(const float* in, float* out, const Layout& l,
           const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c));
           const __m256i magnitude = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
           const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
-          _mm256_storeu_ps(columnTarget + c, roundClamped256<E>(magnitude, sign, _mm256_loadu_ps(scale + c),
-                                                                _mm256_loadu_ps(inverse + c), limit));
-          _mm256_storeu_ps(tileTarget + c, roundClamped256<E>(magnitude, sign, ts, ti, limit));
+          put256(columnTarget + c, roundClamped256<E>(magnitude, sign, _mm256_loadu_ps(scale + c),
+                                                      _mm256_loadu_ps(inverse + c), limit), columnStream);
+          put256(tileTarget + c, roundClamped256<E>(magnitude, sign, ts, ti, limit), tileStream);
         }
         continue;
       }
       for (Index c = t * size; c < (t + 1) * size; c += 8) {
         const __m256 x = _mm256_loadu_ps(row + c);
-        _mm256_storeu_ps(columnTarget + c, quantiseLanes256<E, S>(x, _mm256_loadu_ps(scale + c),
-                                                                  _mm256_loadu_ps(inverse + c), rule.clampMax));
-        _mm256_storeu_ps(tileTarget + c, quantiseLanes256<E, S>(x, ts, ti, rule.clampMax));
+        put256(columnTarget + c, quantiseLanes256<E, S>(x, _mm256_loadu_ps(scale + c),
+                                                        _mm256_loadu_ps(inverse + c), rule.clampMax), columnStream);
+        put256(tileTarget + c, quantiseLanes256<E, S>(x, ts, ti, rule.clampMax), tileStream);
       }
     }
   }
@@ -904,6 +943,14 @@ IUS_AVX2 bool pairChunk256(const float* in, float* out, const Layout& l,
 // tiles->out with 1 x size tiles (scales tiles->scales, rows x ceil(cols / size)): both casts
 // a GEMM operand needs, the one along its rows and the one along its columns, from one read
 // of the input, as each band chunk is rounded both ways while it is in cache.
+// Orders a worker's streaming stores before the caller reads its output.
+inline void endStreaming(bool stream) {
+#ifdef IUS_HAVE_AVX2_KERNELS
+  if (stream) _mm_sfence();
+#endif
+  (void)stream;
+}
+
 struct TileOutput {
   float* out;
   int* scales;
@@ -923,10 +970,12 @@ int run(const float* in, float* out, const Layout& l, const ScaleRule& rule, int
   const Layout tileLayout{l.rows, l.cols, 1, size};
   const Index tilesPerRow = tileLayout.groupColumns();
   const unsigned parts = fused::threadsFor(l.rows * l.cols, threads);
+  const bool stream = level > 0 && l.rows * l.cols * Index(sizeof(float)) * (tiles ? 2 : 1) >= kStreamBytes;
   std::vector<char> finite(parts, 1);
   fused::parallelChunks(items, parts, [&](unsigned part, Index begin, Index end) {
     if (!bands) {
-      finite[part] = spanGroups<E, S>(in, out, l, rule, begin, end, level, scales);
+      finite[part] = spanGroups<E, S>(in, out, l, rule, begin, end, level, scales, stream);
+      endStreaming(stream);
       return;
     }
     std::vector<unsigned> keys;
@@ -941,29 +990,30 @@ int run(const float* in, float* out, const Layout& l, const ScaleRule& rule, int
 #ifdef IUS_HAVE_AVX2_KERNELS
       if (tiles != nullptr && level == 2 && size % 16 == 0 && (c1 - c0) % size == 0) {
         ok = pairChunk512<E, S>(in, out, l, rule, band, c0, c1, scales, tiles->out, tiles->scales, keys,
-                                factors, pair) && ok;
+                                factors, pair, stream) && ok;
         continue;
       }
       if (tiles != nullptr && level == 1 && size % 8 == 0 && (c1 - c0) % size == 0) {
         ok = pairChunk256<E, S>(in, out, l, rule, band, c0, c1, scales, tiles->out, tiles->scales, keys,
-                                factors, pair) && ok;
+                                factors, pair, stream) && ok;
         continue;
       }
 #endif
-      ok = bandChunk<E, S>(in, out, l, rule, band, c0, c1, level, scales, keys, factors) && ok;
+      ok = bandChunk<E, S>(in, out, l, rule, band, c0, c1, level, scales, keys, factors, stream) && ok;
       if (tiles == nullptr) continue;
       const Index r1 = (band + 1) * size < l.rows ? (band + 1) * size : l.rows;
       if (c0 == 0 && c1 == l.cols) {  // whole rows: the band's tiles are consecutive groups
         ok = spanGroups<E, S>(in, tiles->out, tileLayout, rule, band * size * tilesPerRow, r1 * tilesPerRow,
-                              level, tiles->scales) && ok;
+                              level, tiles->scales, stream) && ok;
         continue;
       }
       for (Index r = band * size; r < r1; ++r) {
         const Index first = r * tilesPerRow + c0 / size, last = r * tilesPerRow + (c1 + size - 1) / size;
-        ok = spanGroups<E, S>(in, tiles->out, tileLayout, rule, first, last, level, tiles->scales) && ok;
+        ok = spanGroups<E, S>(in, tiles->out, tileLayout, rule, first, last, level, tiles->scales, stream) && ok;
       }
     }
     finite[part] = ok;
+    endStreaming(stream);
   });
   for (char ok : finite) {
     if (!ok) return 1;

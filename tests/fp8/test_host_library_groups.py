@@ -146,6 +146,43 @@ def test_the_pair_kernel_over_several_column_chunks(restore_tuning):
         assert torch.equal(col_values.view(torch.int32), along_cols[0].view(torch.int32))
 
 
+# The kernels stream their stores past the caches from 2**24 bytes of output on.
+STREAMED = 1 << 22  # float32 elements
+
+
+@pytest.mark.parametrize("cols", [2048, 2047], ids=["aligned rows", "unaligned rows"])
+@pytest.mark.parametrize("offset", [0, 3], ids=["aligned output", "output 12 bytes in"])
+def test_outputs_large_enough_to_stream_hold_the_portable_loops_values(cols, offset,
+                                                                     restore_tuning):
+    """Past the streaming threshold, each SIMD level writes the portable loops' values into
+    an output at any alignment (rows at a 64-byte boundary stream, the others store plainly),
+    for every form and for the pair, whose two outputs together cross the threshold."""
+    rows = -(-STREAMED // cols)
+    x = edge_tensor(rows, cols, 5)
+    n = rows * cols
+    forms = [(1, 32), (32, 1), (128, 1), (1, 128), (128, 128)]
+    expected = {}
+    _host.fused_tuning(-1, 0)
+    for group in forms:
+        expected[group] = _host.group_quantise(x, *group, "F143", "mx_floor", 448.0, 8, 0, 1)
+    pair_x = x[: rows // 2 + 1]  # half the elements: only the pair's two outputs cross it
+    expected_pair = _host.group_quantise_pair(pair_x, 32, "F143", "mx_floor", 448.0, 8, 0, 1)
+    for level in levels()[1:]:
+        _host.fused_tuning(-1, level)
+        for group in forms:
+            buffer = torch.full((n + offset,), float("nan"))
+            out = buffer[offset:].view(rows, cols)
+            values, scales, finite = _host.group_quantise(x, *group, "F143", "mx_floor", 448.0,
+                                                          8, 0, 1, out=out)
+            assert finite and values.data_ptr() == out.data_ptr()
+            assert torch.equal(scales, expected[group][1]), (level, group)
+            assert torch.equal(out.view(torch.int32), expected[group][0].view(torch.int32)), (
+                level, group)
+        got = _host.group_quantise_pair(pair_x, 32, "F143", "mx_floor", 448.0, 8, 0, 1)
+        for value, want in zip(got[:4], expected_pair[:4]):
+            assert torch.equal(value.view(torch.int32), want.view(torch.int32)), level
+
+
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
 def test_a_non_finite_group_is_reported(value, restore_tuning):
     for level in levels():
