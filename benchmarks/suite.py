@@ -543,7 +543,8 @@ def _telemetry_rows(results: Results, settings: Settings) -> None:
     results.rows.append(_timed(
         "telemetry_cost", "Training step, telemetry at its default cadence / off (FP8 AMAX)",
         timings, "on", "off", TELEMETRY_TARGET,
-        note=f"periods of {TelemetryConfig().interval} steps, one sampled",
+        note=f"periods of {TelemetryConfig().interval} steps, one sampled, on and off "
+        "alternating step by step",
     ))
 
 
