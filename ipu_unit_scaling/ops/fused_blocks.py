@@ -369,15 +369,10 @@ def norm_qkv(x: Tensor, f: Optional[Tensor], branch_weight: float, skip_weight: 
     :func:`residual_norm` then `fused_ops.linear` (see :class:`_NormQKV`)."""
     native = native_layers.usable()
     casts = native_layers.node_casts((qkv_quantise,))
-    if native is not None and casts == []:
+    if native is not None and casts is not None:
         qkv, stream = native.norm_qkv(x, f, branch_weight, skip_weight, next_branch_weight,
                                       next_skip_weight, weight, bias, eps, param_grad_scale,
-                                      qkv_weight, qkv_bias, qkv_scales)
-        return qkv, stream
-    if native is not None and casts is not None:
-        qkv, stream = native.norm_qkv8(x, f, branch_weight, skip_weight, next_branch_weight,
-                                       next_skip_weight, weight, bias, eps, param_grad_scale,
-                                       qkv_weight, qkv_bias, qkv_scales, casts)
+                                      qkv_weight, qkv_bias, qkv_scales, casts)
         return qkv, stream
     return _normqkv_apply(x, f, branch_weight, skip_weight, next_branch_weight,
                           next_skip_weight, weight, bias, eps, param_grad_scale, qkv_weight,
@@ -545,11 +540,10 @@ def proj_norm_mlp(heads: Tensor, row_scale: Union[float, Tensor], proj_weight: T
     casts = native_layers.node_casts(quantisers)
     if native is not None and casts is not None:
         tensor_scale = row_scale if isinstance(row_scale, Tensor) else None
-        apply = native.proj_norm_mlp if casts == [] else native.proj_norm_mlp8
-        out, joined = apply(
+        out, joined = native.proj_norm_mlp(
             heads, tensor_scale, 1.0 if tensor_scale is not None else row_scale, proj_weight,
             proj_scales, stream, norm_weight, norm_bias, residual, up_weight, up_bias,
-            down_weight, down_bias, approximate, mlp_scales, *([casts] if casts else []))
+            down_weight, down_bias, approximate, mlp_scales, casts)
         return out, joined
     return _projnormmlp_apply(heads, row_scale, proj_weight, proj_scales, stream, norm_weight,
                               norm_bias, residual, up_weight, up_bias, down_weight, down_bias,

@@ -109,10 +109,8 @@ def usable() -> Optional[ModuleType]:
 def node_casts(quantisers: Sequence[Optional[object]]) -> Optional[List[List[float]]]:
     """The FP8 casts of a layer Function's linears as the C++ nodes take them: three per
     linear (input, weight, output gradient; see `fp8.native_casts`), empty for a float
-    linear (a None quantiser); [] where all are float, None where a quantiser's casts cannot
-    be made there (its ``native`` is None)."""
-    if all(quantiser is None for quantiser in quantisers):
-        return []
+    linear (a None quantiser); None where a quantiser's casts cannot be made there (its
+    ``native`` is None)."""
     casts: List[List[float]] = []
     for quantiser in quantisers:
         native: Optional[Sequence[List[float]]] = (

@@ -69,7 +69,12 @@ def test_norm_qkv_node_matches_the_python_function(native, dtype, joined, biases
             qkv_bias, (0.25, 0.5, 0.125)]
     inputs = [t[name] for name in ("x", "f", "weight", "bias", "qkv_weight", "qkv_bias")]
     python = _run(lambda *a: fused_blocks._normqkv_apply(*a, None), args, inputs, seed=1)
-    _assert_same(_run(native.norm_qkv, args, inputs, seed=1), python, dtype)
+    _assert_same(_run(lambda *a: native.norm_qkv(*a, FLOAT_CASTS), args, inputs, seed=1),
+                 python, dtype)
+
+
+# A float linear's casts, as the nodes take them (input, weight, output gradient).
+FLOAT_CASTS = [[], [], []]
 
 
 def _proj_norm_mlp_args(dtype: torch.dtype, row_scale: str, biases: bool, seq: int = 5):
@@ -86,7 +91,7 @@ def _proj_norm_mlp_args(dtype: torch.dtype, row_scale: str, biases: bool, seq: i
                    t["down_weight"], optional["down_bias"], "none",
                    (0.25, 0.5, 0.125, 1.2, 0.9, 0.35, 0.65, 0.15)]
     native_args = [python_args[0], scale if row_scale == "tensor" else None,
-                   1.0 if row_scale == "tensor" else scale, *python_args[2:]]
+                   1.0 if row_scale == "tensor" else scale, *python_args[2:], FLOAT_CASTS * 3]
     inputs = [t[name] for name in ("heads", "proj_weight", "stream", "norm_weight",
                                    "norm_bias", "up_weight", "up_bias", "down_weight",
                                    "down_bias")]
@@ -209,8 +214,8 @@ def test_loading_the_built_nodes_writes_nothing(native):
 
 _RECIPES = ["static", "amax", "rowwise", "rowwise_with_gw_hp", "block", "mx", "mx_round_up",
             "nvfp4"]
-_FP8_NODES = ("torch::autograd::CppNode<(anonymous namespace)::NormQKV8>",
-              "torch::autograd::CppNode<(anonymous namespace)::ProjNormMLP8>")
+_FP8_NODES = ("torch::autograd::CppNode<(anonymous namespace)::NormQKV>",
+              "torch::autograd::CppNode<(anonymous namespace)::ProjNormMLP>")
 
 
 def _fp8_gpt(recipe: str):
@@ -291,7 +296,7 @@ def test_fp8_layers_run_as_nodes_with_the_python_functions_values(native, monkey
 @pytest.mark.parametrize("float_linear", [0, 1, 2])
 def test_fp8_node_with_a_float_linear_matches_the_python_function(native, recipe,
                                                                   float_linear):
-    """`proj_norm_mlp8` with one of its three linears float (its casts empty), frozen
+    """`proj_norm_mlp` with one of its three linears float (its casts empty), frozen
     weights among the inputs, against the Python Function with the same quantisers."""
     from ipu_unit_scaling.fp8 import FP8Config
     from ipu_unit_scaling.fp8.linear import ValuesQuantiser
@@ -308,7 +313,8 @@ def test_fp8_node_with_a_float_linear_matches_the_python_function(native, recipe
         inputs[3].requires_grad_(False)  # the norm's weight
         python = _run(lambda *a: fused_blocks._projnormmlp_apply(*a, tuple(quantisers)),
                       python_args, inputs, seed=3)
-        nodes = _run(lambda *a: native.proj_norm_mlp8(*a, casts), native_args, inputs, seed=3)
+        nodes = _run(lambda *a: native.proj_norm_mlp(*a[:-1], casts), native_args, inputs,
+                     seed=3)
         assert python[5] is None and nodes[5] is None
         for index, (a, b) in enumerate(zip(nodes, python)):
             assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), index
