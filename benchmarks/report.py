@@ -67,8 +67,9 @@ OBSTACLES: Dict[str, str] = {
     ),
     "fp8_mx_ours": "as for the block recipe",
     **{key: (
-        "the two passes over each band (amax, then round) and, for the pair, two roundings "
-        "per element: the arithmetic of both on two cores is near the copy's rate"
+        "the two passes over each band (amax, then round; the second finds the band in "
+        "cache) and, for the pair, two roundings per element; on a VM the memory bandwidth "
+        "the copy and the kernel get moves between their rounds"
     ) for key, _ in block_form_keys()},
 }
 
@@ -272,7 +273,10 @@ def markdown(results: Results, settings: Settings, command: str) -> str:
             f"{settings.cast_elements} float32 elements (more than the caches hold), outputs "
             "allocated once. A kernel's bound is the copy bandwidth measured in the same run "
             "(`copy_`, 8 bytes per element) divided by the bytes it must move per element: 4 for "
-            "the amax, 5 for a cast to codes, 8 for a quantise to float32 values. Fractions are "
+            "the amax, 5 for a cast to codes, 8 for a quantise to float32 values (12 for the "
+            "pair's two). The group kernels write outputs of 16 MiB or more with streaming "
+            "stores, which skip the read of each line a plain store makes first; `copy_` "
+            "writes with plain stores, so a group kernel can pass 1.00. Fractions are "
             "medians of per-round ratios (wall clock), with quartiles. `AVX-512` and `AVX2` are "
             "the host library's intrinsics kernels (it runs the widest the CPU has), "
             "`portable` the compiler-vectorised loop used where a CPU has neither; `block` is "
