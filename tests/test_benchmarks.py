@@ -234,3 +234,31 @@ def test_the_report_says_which_form_the_layers_ran_in(tiny_run):
     note = f"Transformer layers in eager mode: {native_layers.status()}"
     assert note in results.notes
     assert note in markdown(results, settings, "python -m benchmarks")
+
+
+def test_telemetry_on_and_off_alternate_step_by_step(monkeypatch):
+    """Each round is one sampling period of each, their steps alternating and which goes
+    first alternating too (so that both meet the same machine), each round's figure the
+    mean step time: with "on" steps taking 3 units and "off" steps 2, the ratio is 1.5."""
+    from benchmarks import measure, telemetry_cost
+
+    now = [0.0]
+    order: list = []
+
+    def step(name: str, cost: float):
+        def run() -> None:
+            order.append(name)
+            now[0] += cost
+        return run
+
+    interval = 4
+    monkeypatch.setattr(telemetry_cost, "_steps",
+                        lambda shape: ({"on": step("on", 3.0), "off": step("off", 2.0)}, interval))
+    monkeypatch.setitem(measure.CLOCKS, "units", lambda: now[0])
+    timings, _ = telemetry_cost.telemetry_timings(TINY, rounds=3, clock="units")
+    assert timings.seconds == {"on": [3.0] * 3, "off": [2.0] * 3}
+    assert timings.ratio("on", "off") == 1.5
+    warmup, timed = order[:2 * interval], order[2 * interval:]
+    assert warmup.count("on") == warmup.count("off") == interval
+    assert timed[:8] == ["on", "off", "off", "on", "on", "off", "off", "on"]
+    assert len(timed) == 3 * 2 * interval
