@@ -20,7 +20,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser.add_argument("--no-compile", action="store_true",
                         help="skip the torch.compile rows (compiling takes minutes on CPU)")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="interleaved timing rounds per comparison (default 15, quick 2)")
+                        help="interleaved timing rounds per comparison (default 25, quick 2)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: stable ratios on a shared machine)")
     parser.add_argument("--clock", choices=("cpu", "wall"), default=None,
@@ -37,7 +37,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     quick = args.quick
     settings = Settings(
         shape=QUICK_SHAPE if quick else FULL_SHAPE,
-        rounds=args.rounds or (2 if quick else 15),
+        rounds=args.rounds or (2 if quick else 25),
         min_run_time=0.05 if quick else 0.25,
         threads=args.threads,
         compile=not args.no_compile,

@@ -539,7 +539,9 @@ def _telemetry_rows(results: Results, settings: Settings) -> None:
 
     from .telemetry_cost import TELEMETRY_TARGET, telemetry_timings
 
-    timings, _ = telemetry_timings(settings.shape, max(3, settings.rounds // 2), settings.clock)
+    # (periods of 50 steps each way: a third of the rounds, their per-round ratios spread a
+    # tenth as widely as the step rows')
+    timings, _ = telemetry_timings(settings.shape, max(3, settings.rounds // 3), settings.clock)
     results.rows.append(_timed(
         "telemetry_cost", "Training step, telemetry at its default cadence / off (FP8 AMAX)",
         timings, "on", "off", TELEMETRY_TARGET,
