@@ -1,20 +1,22 @@
 """Amax + cast to F143 throughput on the CPU: fused host path vs torch eager vs unit-scaling.
 
-    python -m benchmarks.cast_throughput [--n ELEMENTS] [--min-run-time SECONDS]
+    python -m benchmarks.cast_throughput [--n ELEMENTS] [--min-run-time SECONDS] [--rounds N]
 
-Prints millions of elements per second (medians from ``torch.utils.benchmark``) for 16M
-float32 elements by default, with each row's ratio to the torch-eager composition.
+Prints millions of elements per second (medians over interleaved rounds) for 16M float32
+elements by default, with each row's ratio to the torch-eager composition.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 from typing import Callable, Dict, List, Optional
 
 import torch
-from torch.utils import benchmark
 
 from ipu_unit_scaling.fp8 import F143, cast_to_fp8, cast_to_fp8_reference
 from ipu_unit_scaling.fp8 import host_library as _host
+
+from .measure import time_interleaved
 
 EAGER = "torch eager (abs, max, log2, mul, clamp, cast)"
 FUSED = "fused host (cast_to_fp8)"
@@ -51,24 +53,27 @@ def _why_skipped(name: str) -> str:
     return "unit-scaling is not installed"
 
 
-def run(n: int = 16 * 2**20, min_run_time: float = 1.0) -> List[dict]:
-    """One dict per implementation: name, median_s, melem_per_s, ratio_to_eager, note."""
+def run(n: int = 16 * 2**20, min_run_time: float = 1.0, rounds: int = 5) -> List[dict]:
+    """One dict per implementation: name, median_s, melem_per_s, ratio_to_eager, note.
+
+    The implementations are timed interleaved, round by round (wall clock), and each ratio to
+    torch eager is the median of the per-round ratios: a slow spell of the machine (a core
+    taken, the memory bandwidth shared) falls on both sides of a ratio alike."""
     x = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    candidates = _candidates()
+    steps = {name: functools.partial(function, x)
+             for name, function in candidates.items() if function is not None}
+    timings = time_interleaved(steps, rounds, min_run_time, warmup=1, clock="wall")
     rows: List[dict] = []
-    for name, function in _candidates().items():
+    for name, function in candidates.items():
         if function is None:
             rows.append({"name": name, "median_s": None, "melem_per_s": None,
                          "ratio_to_eager": None, "note": f"skipped: {_why_skipped(name)}"})
             continue
-        timer = benchmark.Timer(stmt="f(x)", globals={"f": function, "x": x},
-                                num_threads=torch.get_num_threads())
-        median = timer.blocked_autorange(min_run_time=min_run_time).median
+        median = timings.median_ms(name) / 1e3
         rows.append({"name": name, "median_s": median, "melem_per_s": n / median / 1e6,
-                     "ratio_to_eager": None, "note": ""})
-    eager = next((r["melem_per_s"] for r in rows if r["name"] == EAGER), None)
-    for row in rows:
-        if eager and row["melem_per_s"]:
-            row["ratio_to_eager"] = row["melem_per_s"] / eager
+                     "ratio_to_eager": timings.ratio(EAGER, name) if EAGER in steps else None,
+                     "note": ""})
     return rows
 
 
@@ -89,9 +94,10 @@ def format_table(rows: List[dict], n: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=16 * 2**20)
-    parser.add_argument("--min-run-time", type=float, default=1.0)
+    parser.add_argument("--min-run-time", type=float, default=0.5)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    print(format_table(run(args.n, args.min_run_time), args.n))
+    print(format_table(run(args.n, args.min_run_time, args.rounds), args.n))
 
 
 if __name__ == "__main__":
