@@ -624,7 +624,7 @@ IUS_AVX2 void spanRound256(const float* in, float* out, const Layout& l, const S
 // some group's amax is not finite (that group is rounded with scale 0: unspecified values).
 template <unsigned E, bool S>
 bool spanGroups(const float* in, float* out, const Layout& l, const ScaleRule& rule, Index begin,
-                Index end, int level, int* scales, bool stream = false) {
+                Index end, int level, int* scales, bool stream) {
   const Normalised top = normalise(rule.formatMax);
   unsigned keys[kBatch];
   float scale[kBatch], inverse[kBatch];

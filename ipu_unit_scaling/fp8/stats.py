@@ -107,16 +107,12 @@ def stats_enabled() -> bool:
 
 
 def _decoded(codes: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
-    """``decode(codes, fmt)``, by the host library's decode where it is built and has the
-    format (the same values, several times faster than torch's float8 conversion)."""
-    if codes.device.type == "cpu":
-        from . import host_library as _host
+    """``decode(codes, fmt)``, by the host library's decode where it applies (the same values,
+    several times faster than torch's float8 conversion)."""
+    from .scaling import host_decode  # (scaling imports this module)
 
-        if _host.fused_cast_available():
-            values = _host.fused_cast_from_fp8(codes, fmt.name, 0)
-            if values is not None:
-                return values
-    return decode(codes, fmt)
+    values = host_decode(codes, fmt, 0)
+    return decode(codes, fmt) if values is None else values
 
 
 def record_cast(
