@@ -34,7 +34,7 @@ import torch
 __all__ = [
     "HostLibraryUnavailable", "NonFiniteAmax", "MISALIGNED", "LIBRARY_PATH", "DISABLE_ENV",
     "library", "fast_path_status", "fused_cast_available", "disabled", "fused_amax",
-    "fused_cast_to_fp8",
+    "fused_cast_to_fp8", "host_decode",
     "fused_cast_from_fp8", "fused_quantise", "quantise_float32", "fused_tuning", "fast_selftest",
     "exponent_bits", "partition", "partition_grain", "dtype_code", "num_threads",
     "group_quantise", "group_quantise_pair", "GROUP_RULES",
@@ -363,6 +363,14 @@ def fused_cast_from_fp8(
         raise ValueError(f"host decode rejected its arguments (log2_scale={log2_scale})")
     return out
 
+
+
+def host_decode(codes: torch.Tensor, fmt_name: str, log2_scale: int) -> Optional[torch.Tensor]:
+    """:func:`fused_cast_from_fp8` where the library is built and takes ``codes`` (a CPU uint8
+    tensor) and the format; else None, and the caller takes its torch path."""
+    if codes.device.type != "cpu" or codes.dtype != torch.uint8 or not fused_cast_available():
+        return None
+    return fused_cast_from_fp8(codes, fmt_name, log2_scale)
 
 def partition_grain() -> int:
     """Slices start on multiples of this many elements (see codelets/partition.hpp)."""

@@ -193,18 +193,13 @@ def cast_to_fp8(
                                  site=site)
 
 
-def host_decode(codes: torch.Tensor, fmt: FP8Format, log2_scale: int) -> Optional[torch.Tensor]:
-    """``decode(codes) * 2**-log2_scale`` in float32 by the compiled host decode, when it is
-    built and applies to ``codes`` and ``fmt``; else None."""
-    if codes.device.type != "cpu" or codes.dtype != torch.uint8:
-        return None
+def _try_host_decode(t: Fp8Tensor) -> Optional[torch.Tensor]:
+    """The compiled host decode (float32), when it is built and applies to ``t``; else None."""
     try:
         from . import host_library as _host
     except ImportError:
         return None
-    if not _host.fused_cast_available():
-        return None
-    return _host.fused_cast_from_fp8(codes, fmt.name, log2_scale)
+    return _host.host_decode(t.codes, t.fmt.name, t.log2_scale)
 
 
 def cast_from_fp8(t: Fp8Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -217,7 +212,7 @@ def cast_from_fp8(t: Fp8Tensor, dtype: torch.dtype = torch.float32) -> torch.Ten
         raise TypeError(f"expected an Fp8Tensor, got {type(t).__name__}")
     if not dtype.is_floating_point:
         raise TypeError(f"FP8 values decode to a floating-point dtype, not {dtype}")
-    values = host_decode(t.codes, t.fmt, t.log2_scale)
+    values = _try_host_decode(t)
     if values is None:
         values = decode(t.codes, t.fmt)
         if t.log2_scale:

@@ -109,9 +109,9 @@ def stats_enabled() -> bool:
 def _decoded(codes: torch.Tensor, fmt: FP8Format) -> torch.Tensor:
     """``decode(codes, fmt)``, by the host library's decode where it applies (the same values,
     several times faster than torch's float8 conversion)."""
-    from .scaling import host_decode  # (scaling imports this module)
+    from . import host_library as _host
 
-    values = host_decode(codes, fmt, 0)
+    values = _host.host_decode(codes, fmt.name, 0)
     return decode(codes, fmt) if values is None else values
 
 
