@@ -262,11 +262,12 @@ def mlp(x: Tensor, up_weight: Tensor, up_bias: Optional[Tensor], down_weight: Te
 
 
 # Buffers for the casts that only the GEMMs of the call read, kept between calls per thread,
-# up to 2^18 elements (1 MiB: what a core's cache keeps from the write to the GEMM's read,
-# where the reuse saves the allocation, its page faults and the cache misses). Larger casts,
-# whose buffers would be held for the life of the process, are made afresh.
+# up to 2^20 elements (4 MiB). Reuse saves the page faults of a fresh buffer: glibc gives
+# freed heap back to the system between steps, and each page costs a fault when written
+# again. A small buffer is also still in cache when the GEMM reads it. Larger casts, whose
+# buffers would be held for the life of the process, are made afresh.
 _buffers = threading.local()
-_BUFFER_LIMIT = 1 << 18
+_BUFFER_LIMIT = 1 << 20
 
 
 def _buffer(slot: str, like: Tensor) -> Optional[Tensor]:

@@ -425,3 +425,27 @@ def test_fp8_nodes_keep_one_step_of_buffers_and_let_other_shapes_go(native):
     # (the rows of an input cast: batch 3 times the last length, 7; width 32)
     assert [n for s, n in last if s == "qkv.input"] == [3 * 7 * 32] * 2
     assert [n for s, n in last if s == "up.weight"] == [n for s, n in first if s == "up.weight"]
+
+
+def test_fp8_nodes_make_casts_over_2_to_the_20_elements_afresh(native):
+    """A cast of more than 2^20 elements (4 MiB) is not kept between steps: here the MLP's
+    activations, 8,400 tokens of width 128, are over the bound, and its input, width 32, is
+    under it."""
+    import threading
+
+    model = _fp8_gpt("static")
+    kept: List[list] = []
+
+    def run() -> None:
+        ids = torch.randint(0, 48, (700, 12), generator=torch.Generator().manual_seed(2))
+        model(ids, ids).backward()
+        kept.extend(native.kept_buffers())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    sizes = {slot: n for slot, n in kept}
+    assert sizes["qkv.input"] == 700 * 12 * 32
+    assert sizes["up.input"] == 700 * 12 * 32
+    assert "down.input" not in sizes
+    assert max(sizes.values()) <= 1 << 20
