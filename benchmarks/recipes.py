@@ -1,11 +1,10 @@
 """The FP8 recipes' training steps against the FP32 step, timed interleaved in one group."""
 from __future__ import annotations
 
-from functools import partial
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List
 
-from .measure import Step, instances, time_interleaved
-from .variants import OURS, Shape, build_model, make_batch, make_train_step
+from .measure import Step, time_interleaved
+from .variants import OURS, Shape, make_batch, train_steps
 
 # The bound for a training step under the fine-grained recipes.
 FP8_RECIPE_TARGET = 1.15
@@ -37,20 +36,10 @@ def recipe_rows(row: Callable[..., Any], shape: Shape, rounds: int, min_run_time
                 clock: str, step_ms: Dict[str, float]) -> List[Any]:
     """The rows of :data:`RECIPE_ROWS` as ``row(key, label, value, target, note, spread)``;
     each step's median goes into ``step_ms`` as ``fp8 <recipe>``."""
-    from ipu_unit_scaling.fp8 import FP8Config
-    from ipu_unit_scaling.transforms import simulate_fp8
-
     batch = make_batch(shape)
-
-    def step_of(recipe: Optional[str]) -> Step:
-        model = build_model(OURS, shape)
-        if recipe is not None:
-            model = simulate_fp8(model, FP8Config().with_recipe(recipe))
-        return make_train_step(model, batch)
-
-    steps: Dict[str, List[Step]] = {"fp32": instances(lambda: step_of(None))}
+    steps: Dict[str, List[Step]] = {"fp32": train_steps(OURS, shape, batch)}
     for _, recipe, _, _ in RECIPE_ROWS:
-        steps[recipe] = instances(partial(step_of, recipe))
+        steps[recipe] = train_steps(OURS, shape, batch, recipe)
     timings = time_interleaved(steps, rounds, min_run_time, clock=clock)
     rows = []
     for key, recipe, label, target in RECIPE_ROWS:

@@ -12,7 +12,7 @@ import torch
 from ipu_unit_scaling.ops import native_layers
 
 from .gpu import gpu_rows
-from .measure import INSTANCES, Step, Timings, instances, peak_step_bytes, time_interleaved
+from .measure import INSTANCES, Step, Timings, peak_step_bytes, time_interleaved
 from .recipes import recipe_rows
 from .variants import (
     OURS,
@@ -23,6 +23,7 @@ from .variants import (
     make_batch,
     make_train_step,
     published_version,
+    train_steps,
 )
 
 # Bounds from the project's goals (issue 16); a row without one is reported for information.
@@ -132,14 +133,12 @@ def _step_rows(
     # (compiled models one instance each: each instance would be compiled anew)
     count = INSTANCES if mode == "eager" else 1
 
-    def step_of(name: str, form: Callable[[Step], Step] = lambda step: step) -> List[Step]:
-        return instances(lambda: form(make_train_step(wrap(build_model(name, settings.shape)),
-                                                      batch)), count)
-
-    steps: Dict[str, List[Step]] = {name: step_of(name) for name in names}
+    shape = settings.shape
+    steps: Dict[str, List[Step]] = {
+        name: train_steps(name, shape, batch, wrap=wrap, count=count) for name in names}
     if mode == "eager":
-        steps[FIVE] = step_of(OURS, _in_five_functions)
-        steps[PYTHON_NODES] = step_of(OURS, _with_python_functions)
+        steps[FIVE] = train_steps(OURS, shape, batch, form=_in_five_functions)
+        steps[PYTHON_NODES] = train_steps(OURS, shape, batch, form=_with_python_functions)
     timings = time_interleaved(
         steps, settings.rounds, settings.min_run_time, clock=settings.clock
     )
@@ -223,30 +222,20 @@ def _versus_published_target(mode: str) -> float:
 
 
 def _fp8_rows(results: Results, settings: Settings, names: List[str]) -> None:
-    from ipu_unit_scaling.fp8 import FP8Config
-    from ipu_unit_scaling.transforms import simulate_fp8
-
     results.notes.append(f"FP8 casts on the CPU: {_cast_path()}")
-    batch = make_batch(settings.shape)
-
-    def step_of(scaling: Optional[str], form: Callable[[Step], Step] = lambda step: step
-                ) -> List[Step]:
-        def make() -> Step:
-            model = build_model(OURS, settings.shape)
-            if scaling is not None:
-                model = simulate_fp8(model, FP8Config(scaling=scaling))
-            return form(make_train_step(model, batch))
-
-        return instances(make)
-
+    shape = settings.shape
+    batch = make_batch(shape)
     steps: Dict[str, Sequence[Step]] = {
-        "fp32": step_of(None), "static": step_of("static"), "amax": step_of("amax")}
+        name: train_steps(OURS, shape, batch, None if name == "fp32" else name)
+        for name in ("fp32", "static", "amax")}
     for scaling in ("static", "amax"):
         steps[f"{scaling} no host"] = [_without_host_library(step) for step in steps[scaling]]
-    steps["static, five Functions"] = step_of("static", _in_five_functions)
+    steps["static, five Functions"] = train_steps(OURS, shape, batch, "static",
+                                                  _in_five_functions)
     native = native_layers.module() is not None
     if native:
-        steps["static, Python Functions"] = step_of("static", _with_python_functions)
+        steps["static, Python Functions"] = train_steps(OURS, shape, batch, "static",
+                                                        _with_python_functions)
     # unit_scaling's simulate_fp8 rewrites the model through TorchDynamo.
     published_fp8 = PUBLISHED in names and _compile_unavailable() is None
     if published_fp8:
@@ -345,16 +334,9 @@ def _torch_ours_static(shape: Shape, rounds: int, settings: Settings, results: R
                        step_prefix: str) -> Timings:
     """Plain torch, ours and ours in static FP8 on `shape`, timed interleaved; their median
     step times are recorded under `step_prefix`."""
-    from ipu_unit_scaling.fp8 import FP8Config
-    from ipu_unit_scaling.transforms import simulate_fp8
-
     batch = make_batch(shape)
-    steps = {
-        "torch": instances(lambda: make_train_step(build_model(TORCH, shape), batch)),
-        "ours": instances(lambda: make_train_step(build_model(OURS, shape), batch)),
-        "static": instances(lambda: make_train_step(
-            simulate_fp8(build_model(OURS, shape), FP8Config(scaling="static")), batch)),
-    }
+    steps = {"torch": train_steps(TORCH, shape, batch), "ours": train_steps(OURS, shape, batch),
+             "static": train_steps(OURS, shape, batch, "static")}
     timings = time_interleaved(steps, rounds, settings.min_run_time, clock=settings.clock)
     for name in steps:
         results.step_ms[f"{step_prefix} {name}"] = timings.median_ms(name)

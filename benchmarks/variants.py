@@ -6,12 +6,14 @@ differs, so any difference in cost comes from the ops themselves.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import Tensor, nn
 
 from ipu_unit_scaling import GPT, TORCH_OPS, UNIT_OPS, Ops
+
+from .measure import INSTANCES, Step, instances
 
 TORCH = "torch"
 OURS = "ours"
@@ -128,3 +130,28 @@ def make_train_step(
         return loss.detach()
 
     return step
+
+
+def _same(x: Step) -> Step:
+    return x
+
+
+def train_steps(
+    name: str, shape: Shape, batch: Dict[str, Tensor], recipe: Optional[str] = None,
+    form: Callable[[Step], Step] = _same,
+    wrap: Callable[[nn.Module], nn.Module] = lambda model: model, count: int = INSTANCES,
+) -> List[Step]:
+    """``count`` training steps of variant ``name``, each of a model of its own: under the FP8
+    recipe ``recipe`` where one is named (``simulate_fp8``), the model passed through ``wrap``
+    (e.g. ``torch.compile``) and the step through ``form``."""
+
+    def make() -> Step:
+        model = build_model(name, shape)
+        if recipe is not None:
+            from ipu_unit_scaling.fp8 import FP8Config
+            from ipu_unit_scaling.transforms import simulate_fp8
+
+            model = simulate_fp8(model, FP8Config().with_recipe(recipe))
+        return form(make_train_step(wrap(model), batch))
+
+    return instances(make, count)
