@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
+from .heap import HEAPS, KEPT
 from .report import command_line, markdown, text_table
 from .suite import Settings, run_suite
 from .variants import FULL_SHAPE, QUICK_SHAPE, SECOND_SHAPE, SWEEP_SHAPE, SWEEP_WIDTHS
@@ -27,6 +28,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                         help="time steps by the process's CPU time (default with one thread: "
                              "other programs on the machine do not count) or by wall time "
                              "(default with more threads)")
+    parser.add_argument("--heap", choices=HEAPS, default=KEPT,
+                        help="kept (default: glibc's heap trimming off in this process, so that "
+                             "page faults of memory given back between steps do not set the "
+                             "ratios) or default (glibc's defaults)")
     parser.add_argument("--output", type=Path, default=None,
                         help=f"markdown report path (default {DEFAULT_OUTPUT}; quick: none)")
     return parser.parse_args(argv)
@@ -47,6 +52,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         sweep_widths=(16, 32) if quick else SWEEP_WIDTHS,
         sweep_shape=QUICK_SHAPE if quick else SWEEP_SHAPE,
         sweep_rounds=2 if quick else 7,
+        heap=args.heap,
     )
     results = run_suite(settings, log=lambda line: print(line, file=sys.stderr, flush=True))
     print(text_table(results))

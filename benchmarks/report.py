@@ -225,6 +225,7 @@ def markdown(results: Results, settings: Settings, command: str) -> str:
         f"- Model: {settings.shape.describe()}; AdamW; {settings.rounds} interleaved rounds of "
         f"`blocked_autorange(min_run_time={settings.min_run_time})` per variant, "
         f"timed by {CLOCK_WORDS[settings.clock]}",
+        f"- Heap: {results.heap}",
         f"- Whole run: {results.seconds:.0f} s",
         "",
         "## Ratios",

@@ -12,6 +12,7 @@ import torch
 from ipu_unit_scaling.ops import native_layers
 
 from .gpu import gpu_rows
+from .heap import KEPT, set_heap
 from .measure import INSTANCES, Step, Timings, peak_step_bytes, time_interleaved
 from .recipes import recipe_rows
 from .variants import (
@@ -80,6 +81,7 @@ class Settings:
     sweep_widths: Tuple[int, ...] = ()
     sweep_shape: Optional[Shape] = None
     sweep_rounds: int = 7
+    heap: str = KEPT  # see `heap.py`
 
 
 @dataclass
@@ -92,6 +94,7 @@ class Results:
     roofline_rows: List[Any] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
     seconds: float = 0.0
+    heap: str = ""  # how the heap was set, in words
 
     def row(self, key: str) -> Row:
         for row in self.rows:
@@ -536,7 +539,7 @@ def run_suite(settings: Settings, log: Callable[[str], None] = print) -> Results
     """Run every benchmark with `settings` and return the rows."""
     start = time.perf_counter()
     torch.set_num_threads(settings.threads)
-    results = Results()
+    results = Results(heap=set_heap(settings.heap))
     names = _variants(results)
     # Built (or found wanting) before anything is timed; the report says which form ran.
     results.notes.append(f"Transformer layers in eager mode: {native_layers.status()}")
