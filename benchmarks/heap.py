@@ -9,12 +9,23 @@ step-to-step spread of the step times (docs/guide/benchmarks.md, "The heap kept"
 :func:`keep_heap` turns glibc's trimming off and fixes its mmap threshold, in this process
 only, as a long-running trainer with a caching allocator (jemalloc, tcmalloc) would see its
 heap. ``python -m benchmarks --heap default`` leaves glibc's defaults.
+
+``python -m benchmarks.heap`` measures what the heap does to the steps: each heap in a fresh
+process, the FP32, `static` and `mx` steps of the benchmark's GPT interleaved step by step, the
+spread of their times and their page faults.
 """
 from __future__ import annotations
 
+import argparse
 import ctypes
+import json
+import math
 import platform
-from typing import Optional
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence
 
 KEPT = "kept"
 DEFAULT = "default"
@@ -59,3 +70,90 @@ def set_heap(heap: str) -> str:
         return "the C library's defaults (the heap can be kept on glibc only)"
     return ("the C library's defaults (`--heap default`): glibc gives freed heap back to the "
             "system between steps")
+
+
+# (variant, FP8 recipe or None) of the steps `python -m benchmarks.heap` times.
+_STEPS = (("fp32", None), ("static", "static"), ("mx", "mx"))
+
+
+def _correlation(xs: Sequence[float], ys: Sequence[float]) -> float:
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else float("nan")
+
+
+def _quartiles(values: Sequence[float]) -> List[float]:
+    ordered = sorted(values)
+    return [ordered[len(ordered) // 4], ordered[(3 * len(ordered)) // 4]]
+
+
+def measure_steps(heap: str, steps: int, quick: bool) -> Dict[str, Dict[str, Any]]:
+    """In this process, under ``heap``: per variant of :data:`_STEPS`, the median and quartiles
+    of ``steps`` step times (ms, process CPU time, one torch thread), the median,
+    least and most page faults of a step, and the correlation of the two."""
+    import resource  # (POSIX only, as glibc's heap is)
+
+    import torch
+
+    from .variants import FULL_SHAPE, OURS, QUICK_SHAPE, make_batch, train_steps
+
+    set_heap(heap)
+    torch.set_num_threads(1)
+    shape = QUICK_SHAPE if quick else FULL_SHAPE
+    batch = make_batch(shape)
+    made = {name: train_steps(OURS, shape, batch, recipe) for name, recipe in _STEPS}
+    for instances in made.values():
+        for step in instances:
+            step()
+            step()
+    times: Dict[str, List[float]] = {name: [] for name in made}
+    faults: Dict[str, List[float]] = {name: [] for name in made}
+    for index in range(steps):
+        for name, instances in made.items():
+            step = instances[index % len(instances)]
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            start = time.process_time()
+            step()
+            times[name].append(1e3 * (time.process_time() - start))
+            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return {name: {"median_ms": statistics.median(times[name]),
+                   "quartiles_ms": _quartiles(times[name]),
+                   "faults": statistics.median(faults[name]), "least": min(faults[name]),
+                   "most": max(faults[name]),
+                   "correlation": _correlation(times[name], faults[name])}
+            for name in made}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.heap",
+        description="the spread and page faults of training steps under each heap")
+    parser.add_argument("--steps", type=int, default=40, help="steps per variant (default 40)")
+    parser.add_argument("--quick", action="store_true", help="tiny model: checks the harness")
+    parser.add_argument("--measure", choices=HEAPS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error(f"--steps must be at least 2; got {args.steps}")
+    if args.measure is not None:
+        print(json.dumps(measure_steps(args.measure, args.steps, args.quick)))
+        return 0
+    print("| heap | step | ms: median (quartiles) | faults a step: median (least-most) | "
+          "correlation of time and faults |")
+    print("|---|---|---|---|---|")
+    for heap in HEAPS:
+        # (each heap in a process of its own: mallopt cannot be undone)
+        command = [sys.executable, "-m", "benchmarks.heap", "--measure", heap,
+                   "--steps", str(args.steps)] + (["--quick"] if args.quick else [])
+        out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        for name, got in json.loads(out.splitlines()[-1]).items():
+            low, high = got["quartiles_ms"]
+            print(f"| {heap} | {name} | {got['median_ms']:.1f} ({low:.1f}-{high:.1f}) | "
+                  f"{got['faults']:.0f} ({got['least']:.0f}-{got['most']:.0f}) | "
+                  f"{got['correlation']:.2f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -308,6 +308,25 @@ def test_the_kept_heap_takes_almost_no_page_faults_a_step():
     assert "`--heap default`" in got["default"][1]
 
 
+def test_the_heap_measurement_prints_each_heaps_steps():
+    """`python -m benchmarks.heap`: a row per heap and step, with medians inside their
+    quartiles; too few steps is one line."""
+    root = str(Path(__file__).resolve().parent.parent)
+    run = subprocess.run([sys.executable, "-m", "benchmarks.heap", "--quick", "--steps", "4"],
+                         capture_output=True, text=True, check=True, cwd=root)
+    rows = [line.split(" | ") for line in run.stdout.splitlines()[2:]]
+    assert [(row[0], row[1]) for row in rows] == [
+        (f"| {heap}", step) for heap in ("kept", "default") for step in ("fp32", "static", "mx")]
+    for row in rows:
+        median, quartiles = row[2].split(" ")
+        low, high = quartiles.strip("()").split("-")
+        assert 0 < float(low) <= float(median) <= float(high)
+    bad = subprocess.run([sys.executable, "-m", "benchmarks.heap", "--steps", "1"],
+                         capture_output=True, text=True, cwd=root)
+    assert bad.returncode == 2
+    assert bad.stderr.splitlines()[-1].endswith("--steps must be at least 2; got 1")
+
+
 def test_an_unknown_heap_is_one_line():
     from benchmarks.heap import set_heap
 
