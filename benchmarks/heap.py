@@ -3,8 +3,8 @@
 By default glibc gives freed memory at the top of its heap back to the system once more than
 a threshold is free, and serves large allocations with fresh mappings; the next step writes
 those pages again and takes a page fault for each. How many a step takes depends on the order
-in which it happens to free its tensors, not on which ops it runs, and they were most of the
-step-to-step spread of the step times (docs/guide/benchmarks.md, "The heap kept").
+in which it happens to free its tensors as much as on which ops it runs, and a step's time
+rises with its count (docs/guide/benchmarks.md, "The heap kept between steps").
 
 :func:`keep_heap` turns glibc's trimming off and fixes its mmap threshold, in this process
 only, as a long-running trainer with a caching allocator (jemalloc, tcmalloc) would see its
