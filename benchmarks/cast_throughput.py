@@ -1,6 +1,7 @@
 """Amax + cast to F143 throughput on the CPU: fused host path vs torch eager vs unit-scaling.
 
     python -m benchmarks.cast_throughput [--n ELEMENTS] [--min-run-time SECONDS] [--rounds N]
+                                         [--reuse-memory]
 
 Prints millions of elements per second (medians over interleaved rounds) for 16M float32
 elements by default, with each row's ratio to the torch-eager composition.
@@ -16,6 +17,7 @@ import torch
 from ipu_unit_scaling.fp8 import F143, cast_to_fp8, cast_to_fp8_reference
 from ipu_unit_scaling.fp8 import host_library as _host
 
+from .heap import keep_heap
 from .measure import time_interleaved
 
 EAGER = "torch eager (abs, max, log2, mul, clamp, cast)"
@@ -96,7 +98,16 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=16 * 2**20)
     parser.add_argument("--min-run-time", type=float, default=0.5)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--reuse-memory", action="store_true",
+                        help="serve every allocation from glibc's heap and keep it, so that "
+                             "torch eager's 64 MiB temporaries reuse memory instead of taking "
+                             "fresh pages at every call")
     args = parser.parse_args()
+    if args.reuse_memory:
+        said = keep_heap(no_mappings=True)
+        if said is None:
+            parser.error("--reuse-memory needs glibc")
+        print(said)
     print(format_table(run(args.n, args.min_run_time, args.rounds), args.n))
 
 

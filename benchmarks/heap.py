@@ -34,15 +34,17 @@ HEAPS = (KEPT, DEFAULT)
 # mallopt's parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_MMAP_MAX = -4
 # glibc's largest mmap threshold on 64-bit systems: allocations above it are still mapped
 # afresh (the cast rows' 64 MiB tensors).
 _MMAP_THRESHOLD = 32 << 20
 _NEVER = 2**31 - 1
 
 
-def keep_heap() -> Optional[str]:
-    """Turn off glibc's heap trimming and fix its mmap threshold at 32 MiB for this process;
-    a sentence saying so, or None where the C library is not glibc or refuses."""
+def keep_heap(no_mappings: bool = False) -> Optional[str]:
+    """Turn off glibc's heap trimming and fix its mmap threshold at 32 MiB for this process,
+    and with ``no_mappings`` serve every allocation from the heap, however large; a sentence
+    saying so, or None where the C library is not glibc or refuses."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     try:
@@ -53,6 +55,10 @@ def keep_heap() -> Optional[str]:
     mallopt.restype = ctypes.c_int
     if mallopt(_M_TRIM_THRESHOLD, _NEVER) != 1 or mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) != 1:
         return None
+    if no_mappings:
+        if mallopt(_M_MMAP_MAX, 0) != 1:
+            return None
+        return "glibc's heap kept, every allocation from it (mallopt: no trimming, no mappings)"
     return ("glibc's heap kept between steps (mallopt: no trimming, allocations up to 32 MiB "
             "from the heap), so that page faults of memory given back to the system between "
             "steps do not set the ratios; `--heap default` keeps glibc's defaults")

@@ -308,6 +308,41 @@ def test_the_kept_heap_takes_almost_no_page_faults_a_step():
     assert "`--heap default`" in got["default"][1]
 
 
+# Torch eager's amax + cast of 16M elements, whose temporaries are 64 MiB each: glibc maps
+# memory that large afresh at every allocation (its mmap threshold is at most 32 MiB), so each
+# call faults their pages in again unless every allocation comes from the kept heap.
+_EAGER_CALLS = """
+import resource, sys, torch
+sys.path.insert(0, {root!r})
+from benchmarks.cast_throughput import torch_eager_amax_cast
+from benchmarks.heap import keep_heap
+if {reuse}:
+    assert keep_heap(no_mappings=True) is not None
+x = torch.randn(16 << 20)
+faults = []
+for _ in range(4):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch_eager_amax_cast(x)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(max(faults[1:]), min(faults[1:]))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's heap only")
+@pytest.mark.skipif(not hasattr(torch, "float8_e4m3fnuz"), reason="torch eager's cast needs it")
+def test_memory_reused_gives_torch_eagers_temporaries_no_fresh_pages():
+    """What `python -m benchmarks.cast_throughput --reuse-memory` changes."""
+    root = str(Path(__file__).resolve().parent.parent)
+    got = {}
+    for reuse in (True, False):
+        out = subprocess.run([sys.executable, "-c", _EAGER_CALLS.format(root=root, reuse=reuse)],
+                             capture_output=True, text=True, check=True).stdout
+        got[reuse] = [int(n) for n in out.split()]
+    pages = (64 << 20) // 4096
+    assert got[True][0] < pages // 100, got
+    assert got[False][1] >= 2 * pages, got
+
+
 def test_the_heap_measurement_prints_each_heaps_steps():
     """`python -m benchmarks.heap`: a row per heap and step, with medians inside their
     quartiles; too few steps is one line."""
