@@ -95,9 +95,9 @@ def _quartiles(values: Sequence[float]) -> List[float]:
     return [ordered[len(ordered) // 4], ordered[(3 * len(ordered)) // 4]]
 
 
-def measure_steps(heap: str, steps: int, quick: bool) -> Dict[str, Dict[str, Any]]:
-    """In this process, under ``heap``: per variant of :data:`_STEPS`, the median and quartiles
-    of ``steps`` step times (ms, process CPU time, one torch thread), the median,
+def measure_steps(steps: int, quick: bool) -> Dict[str, Dict[str, Any]]:
+    """In this process, under the heap it has: per variant of :data:`_STEPS`, the median and
+    quartiles of ``steps`` step times (ms, process CPU time, one torch thread), the median,
     least and most page faults of a step, and the correlation of the two."""
     import resource  # (POSIX only, as glibc's heap is)
 
@@ -105,7 +105,6 @@ def measure_steps(heap: str, steps: int, quick: bool) -> Dict[str, Dict[str, Any
 
     from .variants import FULL_SHAPE, OURS, QUICK_SHAPE, make_batch, train_steps
 
-    set_heap(heap)
     torch.set_num_threads(1)
     shape = QUICK_SHAPE if quick else FULL_SHAPE
     batch = make_batch(shape)
@@ -143,7 +142,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.steps < 2:
         parser.error(f"--steps must be at least 2; got {args.steps}")
     if args.measure is not None:
-        print(json.dumps(measure_steps(args.measure, args.steps, args.quick)))
+        said = set_heap(args.measure)
+        print(json.dumps({"heap": said, "steps": measure_steps(args.steps, args.quick)}))
         return 0
     print("| heap | step | ms: median (quartiles) | faults a step: median (least-most) | "
           "correlation of time and faults |")
@@ -153,7 +153,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         command = [sys.executable, "-m", "benchmarks.heap", "--measure", heap,
                    "--steps", str(args.steps)] + (["--quick"] if args.quick else [])
         out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-        for name, got in json.loads(out.splitlines()[-1]).items():
+        for name, got in json.loads(out.splitlines()[-1])["steps"].items():
             low, high = got["quartiles_ms"]
             print(f"| {heap} | {name} | {got['median_ms']:.1f} ({low:.1f}-{high:.1f}) | "
                   f"{got['faults']:.0f} ({got['least']:.0f}-{got['most']:.0f}) | "

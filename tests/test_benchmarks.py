@@ -4,6 +4,7 @@ No timing thresholds: timings on a shared machine say nothing about correctness.
 """
 from __future__ import annotations
 
+import json
 import math
 import platform
 import subprocess
@@ -70,7 +71,7 @@ def tiny_run():
     settings = Settings(
         shape=TINY, rounds=2, min_run_time=0.01, threads=1, compile=False, cast_elements=1 << 10,
         second_shape=TINY, sweep_widths=SWEEP_WIDTHS, sweep_shape=TINY, sweep_rounds=1,
-        heap=DEFAULT,  # (the test process's heap left as it is: see test_kept_heap_...)
+        heap=DEFAULT,  # (the test process's heap left as it is: see test_the_kept_heap_...)
     )
     try:
         yield settings, run_suite(settings, log=lambda line: None)
@@ -271,41 +272,21 @@ def test_telemetry_on_and_off_alternate_step_by_step(monkeypatch):
     assert len(timed) == 3 * 2 * interval
 
 
-# Training steps of the benchmark's GPT, after three to warm up, under each heap: the minor
-# page faults of each of ten steps, and what set_heap said.
-_HEAP_STEPS = """
-import resource, sys, torch
-sys.path.insert(0, {root!r})
-torch.set_num_threads(1)
-from benchmarks.heap import set_heap
-from benchmarks.variants import FULL_SHAPE, OURS, make_batch, train_steps
-said = set_heap({heap!r})
-step, = train_steps(OURS, FULL_SHAPE, make_batch(FULL_SHAPE), count=1)
-for _ in range(3):
-    step()
-faults = []
-for _ in range(10):
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    step()
-    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(sorted(faults)[5], said)
-"""
-
-
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's heap only")
 def test_the_kept_heap_takes_almost_no_page_faults_a_step():
     """glibc's defaults took a median of 500 to 960 faults a step here (2-core AMD EPYC),
-    varying with the order of the frees; the kept heap 0 to 1."""
+    varying with the order of the frees; the kept heap 0 to 1. Each heap as
+    `python -m benchmarks.heap` measures it: ten steps of each variant after two to warm up."""
     root = str(Path(__file__).resolve().parent.parent)
     got = {}
     for heap in ("kept", "default"):
-        out = subprocess.run([sys.executable, "-c", _HEAP_STEPS.format(root=root, heap=heap)],
-                             capture_output=True, text=True, check=True).stdout
-        faults, said = out.split(" ", 1)
-        got[heap] = int(faults), said
-    assert got["kept"][0] <= 16, got
-    assert got["kept"][1].startswith("glibc's heap kept between steps")
-    assert "`--heap default`" in got["default"][1]
+        out = subprocess.run(
+            [sys.executable, "-m", "benchmarks.heap", "--measure", heap, "--steps", "10"],
+            capture_output=True, text=True, check=True, cwd=root).stdout
+        got[heap] = json.loads(out.splitlines()[-1])
+    assert got["kept"]["steps"]["fp32"]["faults"] <= 16, got
+    assert got["kept"]["heap"].startswith("glibc's heap kept between steps")
+    assert "`--heap default`" in got["default"]["heap"]
 
 
 # Torch eager's amax + cast of 16M elements, whose temporaries are 64 MiB each: glibc maps

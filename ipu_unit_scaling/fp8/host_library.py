@@ -364,13 +364,13 @@ def fused_cast_from_fp8(
     return out
 
 
-
 def host_decode(codes: torch.Tensor, fmt_name: str, log2_scale: int) -> Optional[torch.Tensor]:
     """:func:`fused_cast_from_fp8` where the library is built and takes ``codes`` (a CPU uint8
     tensor) and the format; else None, and the caller takes its torch path."""
     if codes.device.type != "cpu" or codes.dtype != torch.uint8 or not fused_cast_available():
         return None
     return fused_cast_from_fp8(codes, fmt_name, log2_scale)
+
 
 def partition_grain() -> int:
     """Slices start on multiples of this many elements (see codelets/partition.hpp)."""

@@ -138,8 +138,9 @@ HostCasts* host_casts = nullptr;
 // Buffers kept per thread and slot (one operand of one Function, e.g. "up.input"), up to
 // 2^20 elements (4 MiB) each, reused wherever nothing else holds them: a cast that only the
 // GEMMs of the call read, and one saved for the backward pass once that pass has let it go
-// (one per layer, since every layer's Function uses the same slots). Allocating afresh at every step
-// would cost the page faults of memory the allocator returned to the system in between.
+// (one per layer, since every layer's Function uses the same slots). Allocating afresh at
+// every step would cost the page faults of memory the allocator returned to the system in
+// between.
 // A slot keeps buffers of the shape last asked for only, and no more than a step had in
 // flight at once (at most kBuffersPerSlot): what the step held at its peak anyway. Larger
 // buffers, which would be held for the life of the process, are made afresh.
