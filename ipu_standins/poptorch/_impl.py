@@ -84,12 +84,19 @@ def _pickle_unwrapped(obj: Any) -> Any:
     return copy.copy, (clone,)
 
 
-def _tensor_reduce(tensor: torch.Tensor) -> Any:
-    """A wrapped parameter or buffer pickles as a plain one."""
+def _plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a plain tensor (or parameter) sharing its storage."""
     data = torch.Tensor._make_subclass(torch.Tensor, tensor.detach(), False)
     if isinstance(tensor, torch.nn.Parameter):
-        return torch.nn.Parameter, (data.clone(), tensor.requires_grad)
-    return torch.Tensor.clone, (data,)
+        return torch.nn.Parameter(data, tensor.requires_grad)
+    return data.requires_grad_(tensor.requires_grad)
+
+
+def _tensor_reduce(tensor: torch.Tensor) -> Any:
+    """A wrapped parameter or buffer pickles, and copies, through a plain one's own reduce:
+    a file it is saved in names only the globals of plain tensors, which ``torch.load``'s
+    weights-only reader (its default since torch 2.6) accepts."""
+    return _plain_tensor(tensor).__reduce_ex__(2)
 
 
 def wrap_trained_model(model: torch.nn.Module, sync: Callable[[], bool],
@@ -140,8 +147,15 @@ def wrap_trained_model(model: torch.nn.Module, sync: Callable[[], bool],
             return value
 
         def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+            """The model's state with every wrapped entry as a plain tensor sharing its
+            storage, as PopTorch returns it (loadable where PopTorch is not installed)."""
             sync()
-            return base.state_dict(self, *args, **kwargs)
+            state = base.state_dict(self, *args, **kwargs)
+            plain: Dict[int, torch.Tensor] = {}
+            for key, value in state.items():
+                if isWrapped(value):
+                    state[key] = plain.setdefault(id(value), _plain_tensor(value))
+            return state
 
     PoptorchModel.__name__ = base.__name__
     PoptorchModel.__qualname__ = base.__qualname__
