@@ -5,6 +5,9 @@ Plain `torch.fx.symbolic_trace` stops at the first `if` on a traced value (a sha
 values as it records it, so such a condition is answered by its value on the example inputs and
 the traced graph is specialised to that branch. Non-tensor arguments are baked into the graph the
 same way (fx adds a guard for None, bool and number arguments).
+
+A function that a library has turned into a module instance (Hugging Face's `kernels` does so,
+see `function_behind`) is traced as the function it stands for.
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 __all__ = [
-    "ConcreteTracer", "ArgumentFrame", "SpecialisedCall", "capture_inputs", "trace_module", "Inputs"
+    "ConcreteTracer", "ArgumentFrame", "SpecialisedCall", "capture_inputs", "trace_module",
+    "Inputs", "function_behind",
 ]
 
 # (args, kwargs) of one call.
@@ -41,8 +45,10 @@ class ConcreteTracer(fx.Tracer):
         autowrap_functions: Tuple[Callable[..., Any], ...] = (),
     ) -> None:
         # `autowrap_functions` are recorded as single calls wherever a traced module's code
-        # calls them by a global name, instead of being traced through.
-        super().__init__(autowrap_functions=autowrap_functions)
+        # calls them by a global name, instead of being traced through. One given as a
+        # function-turned-module is recorded as the function it stands for.
+        self._single_calls = {_plain(function) for function in autowrap_functions}
+        super().__init__(autowrap_functions=tuple(self._single_calls))
         self._is_leaf = is_leaf
         self._inputs: Dict[str, Any] = {}
         self._values: Dict[fx.Node, Any] = {}
@@ -57,6 +63,20 @@ class ConcreteTracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return self._is_leaf(m, module_qualified_name)
+
+    def call_module(
+        self, m: nn.Module, forward: Callable[..., Any], args: Tuple[Any, ...],
+        kwargs: Dict[str, Any],
+    ) -> Any:
+        function = function_behind(m)
+        if function is None:
+            return super().call_module(m, forward, args, kwargs)
+        # Not a layer of the model but a function called by its global name: record it as the
+        # function (one call where it is to be kept whole), else trace through it.
+        traced = any(isinstance(leaf, fx.Proxy) for leaf in pytree.tree_flatten((args, kwargs))[0])
+        if traced and function in self._single_calls:
+            return self.create_proxy("call_function", function, args, kwargs)
+        return function(*args, **kwargs)
 
     def trace(self, root: Any, concrete_args: Optional[Dict[str, Any]] = None) -> fx.Graph:
         with _factories_accept_proxies():
@@ -144,6 +164,35 @@ class ConcreteTracer(fx.Tracer):
         if isinstance(value, (tuple, list, torch.Size)):
             return iter([obj[i] for i in range(len(value))])  # type: ignore[index]
         return super().iter(obj)
+
+
+def function_behind(module: Any) -> Optional[Callable[..., Any]]:
+    """The plain function that a function-turned-module stands for; None for anything else.
+
+    Hugging Face's `kernels` package (a dependency of transformers 5) turns a function decorated
+    with `use_kernel_forward_from_hub`, such as Llama's `apply_rotary_pos_emb`, into an instance
+    of a one-off `nn.Module` class, so that a kernel from the Hub can be swapped in for it; the
+    module's global name is then that instance. Called as a function from a layer's code, it is
+    no submodule of the model and has no `__name__`, so torch.fx can neither record it as a
+    layer ("module is not installed as a submodule") nor as a function ("'Func' object has no
+    attribute '__name__'"). The function it wraps is what it runs unless `kernels.kernelize`
+    swapped in a kernel, which computes the same function.
+    """
+    if not isinstance(module, nn.Module) or not hasattr(type(module), "kernel_layer_name"):
+        return None
+    forward = type(module).forward
+    code = getattr(forward, "__code__", None)
+    closure = getattr(forward, "__closure__", None) or ()
+    if code is None:
+        return None
+    cells = dict(zip(code.co_freevars, closure))
+    cell = cells.get("func")
+    function = cell.cell_contents if cell is not None else None
+    return function if inspect.isfunction(function) else None
+
+
+def _plain(function: Callable[..., Any]) -> Callable[..., Any]:
+    return function_behind(function) or function
 
 
 # Tensor factories whose arguments are often traced values: `torch.arange(x.shape[-1],

@@ -58,7 +58,14 @@ from .. import modules as uu
 from . import export as E
 from . import replacements as R
 from .compose import apply_transform, transforms_of, without_transforms
-from .fx_tracing import ArgumentFrame, Inputs, SpecialisedCall, capture_inputs, trace_module
+from .fx_tracing import (
+    ArgumentFrame,
+    Inputs,
+    SpecialisedCall,
+    capture_inputs,
+    function_behind,
+    trace_module,
+)
 from .graph import (
     first_line,
     gradient_nodes,
@@ -318,7 +325,8 @@ class _Converter:
         self.mlp_tau = mlp_tau
         self.report = UnitScaleReport()
         self._dropouts = 0
-        self.preserving = R.scale_preserving_functions()
+        # As traced: a function-turned-module (transformers 5) is recorded as its function.
+        self.preserving = {function_behind(f) or f for f in R.scale_preserving_functions()}
         # id of a parameter of the original model -> its replacement, to keep ties.
         self._replaced_parameters: Dict[int, nn.Parameter] = {}
 
