@@ -143,8 +143,15 @@ class PoplarExecutor:
         assert short_name in self._anchor_memory, f"No tensor with name {short_name} found."
         return self._anchor_memory[short_name]
 
+    @property
+    def _executable(self) -> Optional[CompiledGraph]:
+        """What PopTorch keeps of a compiled model (here the compiled graph): None until the
+        model compiles and after ``destroy``; integrations (Lightning's IPU strategy) read it
+        to tell a compiled model."""
+        return self._graph
+
     def isCompiled(self) -> bool:
-        return self._graph is not None
+        return self._executable is not None
 
     def isAttachedToDevice(self) -> bool:
         return self.isCompiled() and self._is_attached
