@@ -14,6 +14,7 @@ on the model and optimizer a config builds, without training.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -33,7 +34,7 @@ from ..training.run_directory import (
 )
 
 __all__ = ["command_health", "health_document", "health_summary", "format_health_summary",
-           "inspect_config", "inspect_main"]
+           "inspect_parameters_of", "format_inspection", "inspect_config", "inspect_main"]
 
 _OTHER_KINDS = {"compare.md": "compare", "compare.json": "compare", "sweep.md": "sweep",
                 "sweep.json": "sweep", "scales.txt": "analyse"}
@@ -56,22 +57,41 @@ def _check_run(run_dir: Path) -> None:
 
 def health_document(run_dir: Path) -> Dict[str, Any]:
     """The run's health (see :func:`ipu_unit_scaling.training.run_health.run_health`) with its
-    directory, status and whether it recorded telemetry; RunError for a directory that is not
-    a run, TelemetryFileError for a damaged telemetry file."""
+    directory, status, whether it recorded telemetry, and ``problems``: one line for each file
+    found damaged or cut short, whose readable part is still reported. RunError for a
+    directory that is not a run, TelemetryFileError for a telemetry file damaged inside."""
     from ..training.run_directory import read_json
     from ..training.run_health import run_health
-    from ..training.telemetry_log import read_telemetry
+    from ..training.telemetry_log import cut_short_row, read_telemetry
 
     run_dir = Path(run_dir)
     _check_run(run_dir)
-    summary = read_json(run_dir / SUMMARY_FILE) or {}
-    status = summary.get("status", "running or killed before its first checkpoint")
+    problems: List[str] = []
+    summary = read_json(run_dir / SUMMARY_FILE)
+    if summary is None and os.path.lexists(run_dir / SUMMARY_FILE):
+        status = f"unknown ({SUMMARY_FILE} is damaged)"
+        problems.append(f"{SUMMARY_FILE} is damaged (not a JSON object): the run's status, "
+                        "steps and losses are unknown")
+    else:
+        status = (summary or {}).get("status", "running or killed before its first checkpoint")
     path = run_dir / TELEMETRY_FILE
     if not path.exists():
-        return {"run_dir": str(run_dir), "status": status, "telemetry": False,
-                "sampled_steps": [], "sites": [], "attention": [], "warnings": []}
-    document = run_health(read_telemetry(path))
-    return {"run_dir": str(run_dir), "status": status, "telemetry": True, **document}
+        return {"run_dir": str(run_dir), "status": status, "problems": problems,
+                "telemetry": False, "sampled_steps": [], "as_if_cast": False, "sites": [],
+                "attention": [], "warnings": []}
+    rows = read_telemetry(path)
+    cut = cut_short_row(path)
+    if cut is not None:
+        step = cut.split(",", 1)[0] if "," in cut else ""
+        where = (f"in a row of step {step}" if step.isdigit() else
+                 f"after step {rows[-1]['step']}" if rows else "in its first row")
+        why = ("the run completed: the file was damaged or cut" if status == "completed" else
+               "a kill while it was written, or a row being written now")
+        problems.append(f"{TELEMETRY_FILE} ends {where} cut short ({why}): the rows from there "
+                        "on are missing; what comes before is reported")
+    document = run_health(rows)
+    return {"run_dir": str(run_dir), "status": status, "problems": problems,
+            "telemetry": True, **document}
 
 
 def health_summary(run_dir: Path) -> Dict[str, Any]:
@@ -123,37 +143,67 @@ def _measured_ratios(run_dir: Path) -> Dict[str, float]:
     return {name: statistics.median(values) for name, values in ratios.items()}
 
 
-def inspect_config(config: Config, step: Optional[int] = None,
-                   update_ratios: Optional[Dict[str, float]] = None,
-                   model: Optional[Any] = None) -> str:
-    """The inspector's table for the model and optimizer ``config`` builds (or ``model``, as
-    initialised), at the scheduled learning rate of ``step`` (default: the end of warmup, the
-    peak), with a run's measured ``update_ratios``."""
+def check_inspected_step(step: int, steps: int) -> None:
+    """ValueError (one line) unless ``step`` is a step of a ``steps``-step schedule."""
+    if not 1 <= step <= steps:
+        raise ValueError(f"--step {step} is not a step of the schedule: give 1 to {steps} "
+                         f"(training.steps)")
+
+
+def inspect_parameters_of(config: Config, step: Optional[int] = None,
+                          update_ratios: Optional[Dict[str, float]] = None,
+                          model: Optional[Any] = None) -> Dict[str, Any]:
+    """The inspector on the model and optimizer ``config`` builds (or ``model``, as
+    initialised), at the scheduled learning rate of ``step`` (1 to ``training.steps``, as the
+    training log counts; default: the first step at the peak rate, after warmup), with a run's
+    measured ``update_ratios``: a document of the step, its global rate, the optimizer, the
+    parametrization, the number flagged and one row per parameter."""
     import torch
 
     from ..backends import make_optimizer
-    from ..parametrization.inspector import format_parameter_table, inspect_parameters
+    from ..parametrization.inspector import inspect_parameters
     from ..parametrization.mup_optimizers import set_learning_rate
     from ..training.precision import build_model
     from ..training.run_config import scheduled_learning_rate, warmup_steps
 
-    torch.manual_seed(config.training.seed)
+    training = config.training
+    at = max(1, warmup_steps(training)) if step is None else step
+    check_inspected_step(at, training.steps)
+    torch.manual_seed(training.seed)
     if model is None:
         model = build_model(config)
     optimizer = make_optimizer(model, config, "cpu")
-    at = warmup_steps(config.training) if step is None else step
-    lr = scheduled_learning_rate(config.training, min(at, config.training.steps - 1))
+    lr = scheduled_learning_rate(training, at - 1)  # step s runs at the rate of s - 1, 0-based
     set_learning_rate(optimizer, lr)
     reports = inspect_parameters(model, optimizer, lr, update_ratios,
-                                 decoupled_decay=config.training.optimizer != "adam")
-    flagged = sum(1 for r in reports if r.flags)
-    head = (f"{len(reports)} parameters at step {at} (global learning rate {lr:.4g}, "
-            f"{config.training.optimizer}, parametrization {config.model.parametrization}); "
-            f"{flagged} flagged")
+                                 decoupled_decay=training.optimizer != "adam")
+    return {"step": at, "learning_rate": lr, "optimizer": training.optimizer,
+            "parametrization": config.model.parametrization,
+            "flagged": sum(1 for r in reports if r.flags),
+            "parameters": [dataclasses.asdict(r) for r in reports]}
+
+
+def format_inspection(inspection: Dict[str, Any]) -> str:
+    """:func:`inspect_parameters_of`'s document as the inspector's head line and table."""
+    from ..parametrization.inspector import ParameterReport, format_parameter_table
+
+    reports = [ParameterReport(**row) for row in inspection["parameters"]]
+    head = (f"{len(reports)} parameters at step {inspection['step']} (global learning rate "
+            f"{inspection['learning_rate']:.4g}, {inspection['optimizer']}, parametrization "
+            f"{inspection['parametrization']}); {inspection['flagged']} flagged")
     return head + "\n" + format_parameter_table(reports)
 
 
-def _run_parameters(run_dir: Path) -> str:
+def inspect_config(config: Config, step: Optional[int] = None,
+                   update_ratios: Optional[Dict[str, float]] = None,
+                   model: Optional[Any] = None) -> str:
+    """The inspector's table (see :func:`inspect_parameters_of`)."""
+    return format_inspection(inspect_parameters_of(config, step, update_ratios, model))
+
+
+def _run_parameters(run_dir: Path) -> Dict[str, Any]:
+    """The inspector on a run's model as it initialised (its init std), at the rate of the
+    last step it took, with its measured update/weight ratios."""
     from ..loop.run_opening import load_run_config
     from ..loop.tasks import read_task
     from ..training.run_directory import CHECKPOINT_FILE
@@ -164,31 +214,37 @@ def _run_parameters(run_dir: Path) -> str:
     import torch
 
     torch.manual_seed(config.training.seed)
-    model = task.build_model(config)  # as the run initialised it: its init std
+    model = task.build_model(config)
     step: Optional[int] = None
     if (run_dir / CHECKPOINT_FILE).exists():
-        step = int(load_checkpoint(run_dir / CHECKPOINT_FILE)["step"])
-    return inspect_config(config, step, _measured_ratios(run_dir), model=model)
+        done = int(load_checkpoint(run_dir / CHECKPOINT_FILE)["step"])
+        step = min(max(done, 1), config.training.steps)
+    return inspect_parameters_of(config, step, _measured_ratios(run_dir), model=model)
 
 
 def command_health(args: argparse.Namespace) -> int:
     """``health``: the health table (or ``--json`` document) of a run directory."""
     run_dir = Path(args.run_dir)
     document = health_document(run_dir)
+    if args.params:
+        document["inspector"] = _run_parameters(run_dir)
     if args.json:
         print(json.dumps(_json_safe(document), indent=1))
         return 0
+    if document["telemetry"]:
+        print(f"{run_dir}: {document['status']}")
+    for problem in document["problems"]:
+        print(f"warning: {problem}")
     if not document["telemetry"]:
         print(f"{run_dir} recorded no telemetry (it trained with telemetry.interval 0, or "
               "before its first sampled step)")
     else:
         from ..training.run_health import format_health_table
 
-        print(f"{run_dir}: {document['status']}")
         print(format_health_table(document))
     if args.params:
         print()
-        print(_run_parameters(run_dir))
+        print(format_inspection(document["inspector"]))
     return 0
 
 
@@ -207,6 +263,7 @@ def inspect_main(argv: Optional[Sequence[str]] = None) -> int:
     """The inspector on a config, without training (see the module docstring)."""
     from ..training.config_files import ConfigError
     from ..training.run_config import load_config
+    from .commands import one_line_message
 
     parser = argparse.ArgumentParser(
         prog="python -m ipu_unit_scaling.apps.health",
@@ -218,18 +275,26 @@ def inspect_main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--set", metavar="KEY=VALUE", nargs="+", action="append", default=[],
                         dest="overrides", help="override config values")
     parser.add_argument("--step", type=int, metavar="N",
-                        help="the step whose scheduled learning rate to show (default: the "
-                             "end of warmup)")
+                        help="the step whose scheduled learning rate to show, 1 to "
+                             "training.steps as the training log counts (default: the first "
+                             "step at the peak rate, after warmup)")
+    parser.add_argument("--json", action="store_true", help="print a JSON document instead")
     args = parser.parse_args(argv)
     overrides = [item for group in args.overrides for item in group]
     try:
         config = load_config(args.config, overrides)
-        print(inspect_config(config, args.step))
+        inspection = inspect_parameters_of(config, args.step)
     except (ConfigError, ValueError, RunError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"{parser.prog}: error: {one_line_message(error)}", file=sys.stderr)
         return 2
+    print(json.dumps(_json_safe(inspection), indent=1) if args.json else
+          format_inspection(inspection))
     return 0
 
 
 if __name__ == "__main__":
+    from .process import ReaderMayLeave
+
+    # '| head' takes what it wants and goes: the rest is dropped, as the health command does.
+    sys.stdout = ReaderMayLeave(sys.stdout, "standard output")  # type: ignore[assignment]
     raise SystemExit(inspect_main())

@@ -15,7 +15,10 @@ recovers, so a layer that stays out of range is one line, not one per step. Kind
   than ``update_ratio_spread`` times the median of its role;
 - ``attention_logit``: an attention layer's largest logit passes ``attention_logit_max``;
 - ``loss_spike``: a step's training loss is more than ``loss_spike`` above the mean of the
-  ten steps before it, relatively.
+  ten steps before it, relatively;
+- ``nonfinite``: a cast site's flushed or saturated fraction or its amax is NaN or infinite,
+  or its SQNR is -inf (the cast turned finite values into NaN or inf). An SQNR of +inf is an
+  exact cast, and healthy.
 
 :func:`run_health` summarises a run's telemetry file per site for ``ipu-unit-scaling health``.
 """
@@ -29,10 +32,11 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple
 from ..fp8.fp8_formats import get_format
 
 __all__ = ["TelemetryConfig", "telemetry_problems", "HealthMonitor", "WARNING_KINDS",
-           "run_health", "format_health_table"]
+           "AS_IF_CAST", "nonfinite_cast_fields", "run_health", "format_health_table"]
 
 WARNING_KINDS = ("flushed", "saturated", "range", "update_ratio", "attention_logit",
-                 "loss_spike")
+                 "loss_spike", "nonfinite")
+AS_IF_CAST = "as if cast: the run is not FP8"  # cast rows of a run without FP8
 MAX_LOG2_SCALE = 31  # the clamp of the AMAX rule's scaling bias
 _LOSS_WINDOW = 10
 
@@ -140,8 +144,11 @@ class HealthMonitor:
     def _check_cast(self, row: Dict[str, Any], found: Dict[Tuple[str, str], Tuple[int, str]],
                     checked: Set[Tuple[str, str]]) -> None:
         site, step, config = row["site"], row["step"], self.config
-        for kind in ("flushed", "saturated", "range"):
+        for kind in ("flushed", "saturated", "range", "nonfinite"):
             checked.add((site, kind))
+        nonfinite = nonfinite_cast_fields(row)
+        if nonfinite:
+            found[(site, "nonfinite")] = (step, _nonfinite_text(nonfinite))
         flushed = _number(row.get("flushed_fraction"))
         saturated = _number(row.get("saturated_fraction"))
         if flushed is not None and flushed > config.flushed_warning:
@@ -216,6 +223,22 @@ def _number(value: Any) -> Optional[float]:
     return float(value) if _finite(value) else None
 
 
+def nonfinite_cast_fields(row: Dict[str, Any]) -> Dict[str, float]:
+    """The fields of a cast row whose non-finite value means something went wrong: a NaN or
+    infinite flushed or saturated fraction or amax, an SQNR of -inf. (An empty cell reads as
+    NaN; the recorder leaves none of these empty.)"""
+    bad = {name: float(row[name]) for name in ("flushed_fraction", "saturated_fraction", "amax")
+           if isinstance(row.get(name), float) and not math.isfinite(row[name])}
+    if row.get("sqnr_db") == -math.inf:
+        bad["sqnr_db"] = -math.inf
+    return bad
+
+
+def _nonfinite_text(fields: Dict[str, float]) -> str:
+    return ", ".join(f"{name} is {value!r}" for name, value in fields.items()) + \
+        " (non-finite)"
+
+
 def run_health(rows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     """The health document of a run's telemetry rows: per cast site the worst flushed and
     saturated fractions with their steps, the range of its scaling bias, the lowest and the
@@ -224,6 +247,7 @@ def run_health(rows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     sites: Dict[str, Dict[str, Any]] = {}
     attention: Dict[str, Dict[str, Any]] = {}
     warnings: List[Dict[str, Any]] = []
+    derived: List[Dict[str, Any]] = []  # non-finite values the run's monitor did not warn of
     steps: Set[int] = set()
     for row in rows:
         kind, site, step = row["kind"], row["site"], row["step"]
@@ -232,8 +256,16 @@ def run_health(rows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
             entry = sites.setdefault(site, dict(
                 site=site, role=row["role"], format=row["format"], worst_flushed=-1.0,
                 worst_flushed_step=None, worst_saturated=-1.0, worst_saturated_step=None,
-                log2_scale_min=math.inf, log2_scale_max=-math.inf, sqnr_db_min=math.inf,
-                sqnr_db_last=math.nan))
+                log2_scale_min=math.inf, log2_scale_max=-math.inf, sqnr_db_min=None,
+                sqnr_db_last=math.nan, note=row["note"], nonfinite=[]))
+            nonfinite = nonfinite_cast_fields(row)
+            seen = {item["field"] for item in entry["nonfinite"]}
+            for name, value in nonfinite.items():
+                if name not in seen:
+                    entry["nonfinite"].append(dict(field=name, value=value, step=step))
+            if nonfinite and not row["note"]:
+                derived.append(dict(step=step, site=site, kind="nonfinite", message=(
+                    f"warning: step {step}: {site}: {_nonfinite_text(nonfinite)}")))
             if _finite(row["flushed_fraction"]) and row["flushed_fraction"] > \
                     entry["worst_flushed"]:
                 entry["worst_flushed"], entry["worst_flushed_step"] = \
@@ -246,7 +278,8 @@ def run_health(rows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
                 entry["log2_scale_min"] = min(entry["log2_scale_min"], int(row["log2_scale"]))
                 entry["log2_scale_max"] = max(entry["log2_scale_max"], int(row["log2_scale"]))
             if not math.isnan(row["sqnr_db"]):
-                entry["sqnr_db_min"] = min(entry["sqnr_db_min"], row["sqnr_db"])
+                entry["sqnr_db_min"] = row["sqnr_db"] if entry["sqnr_db_min"] is None else \
+                    min(entry["sqnr_db_min"], row["sqnr_db"])
                 entry["sqnr_db_last"] = row["sqnr_db"]
         elif kind == "attention":
             entry = attention.setdefault(site, dict(site=site, largest_logit=-math.inf,
@@ -256,34 +289,55 @@ def run_health(rows: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         elif kind == "warning":
             warnings.append(dict(step=step, site=site, kind=row["role"], message=row["note"]))
     for entry in sites.values():
-        for key in ("log2_scale_min", "log2_scale_max", "sqnr_db_min"):
+        for key in ("log2_scale_min", "log2_scale_max"):
             if not math.isfinite(entry[key]):
                 entry[key] = None
         for key in ("worst_flushed", "worst_saturated"):
             if entry[key] < 0:
                 entry[key] = None
-    return {"sampled_steps": sorted(steps), "sites": list(sites.values()),
-            "attention": list(attention.values()), "warnings": warnings}
+    # A run's monitor warns of each non-finite site once until it recovers: the first of each
+    # site's non-finite rows it did not warn of is added (a file from before this check, or
+    # edited), once per site.
+    warned = {(w["site"], w["kind"]) for w in warnings}
+    for warning in derived:
+        if (warning["site"], "nonfinite") not in warned:
+            warned.add((warning["site"], "nonfinite"))
+            warnings.append(warning)
+    warnings.sort(key=lambda w: w["step"])
+    as_if_cast = any(s["note"] == AS_IF_CAST for s in sites.values())
+    return {"sampled_steps": sorted(steps), "as_if_cast": as_if_cast,
+            "sites": list(sites.values()), "attention": list(attention.values()),
+            "warnings": warnings}
 
 
 def format_health_table(health: Dict[str, Any]) -> str:
     """The health document as the table ``ipu-unit-scaling health`` prints."""
-    header = ("site", "role", "format", "worst flushed (step)", "worst saturated (step)",
-              "scaling bias", "SQNR dB min/last")
+    header: Tuple[str, ...] = ("site", "role", "format", "worst flushed (step)",
+                               "worst saturated (step)", "scaling bias", "SQNR dB min/last")
+    nonfinite = any(s.get("nonfinite") for s in health["sites"])
+    if nonfinite:  # a column of its own, only when some site has one
+        header += ("non-finite (first step)",)
     rows: List[Tuple[str, ...]] = [header]
     for s in health["sites"]:
-        rows.append((
+        row: Tuple[str, ...] = (
             s["site"], s["role"], s["format"],
             _fraction(s["worst_flushed"], s["worst_flushed_step"]),
             _fraction(s["worst_saturated"], s["worst_saturated_step"]),
             "-" if s["log2_scale_min"] is None else
             f"{s['log2_scale_min']}..{s['log2_scale_max']}",
-            f"{_db(s['sqnr_db_min'])}/{_db(s['sqnr_db_last'])}"))
+            f"{_db(s['sqnr_db_min'])}/{_db(s['sqnr_db_last'])}")
+        if nonfinite:
+            row += (", ".join(f"{n['field']} {n['value']!r} ({n['step']})"
+                              for n in s.get("nonfinite", [])) or "-",)
+        rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     steps = health["sampled_steps"]
     lines.insert(0, f"{len(steps)} sampled steps" + (f" ({steps[0]}..{steps[-1]})"
                                                       if steps else ""))
+    if health.get("as_if_cast"):
+        lines.insert(1, f"{AS_IF_CAST}: each cast row is what a static cast to FP8 would "
+                        "do to a linear layer's tensor, made beside it; these raise no warnings")
     for a in health["attention"]:
         lines.append(f"{a['site']}: largest attention logit {a['largest_logit']:.4g} "
                      f"(step {a['step']})")

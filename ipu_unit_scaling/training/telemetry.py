@@ -35,15 +35,10 @@ from ..fp8.scaling import cast_to_fp8
 from ..fp8.stats import CastRecord, Fp8Stats, recorded_only_by
 from ..modules.gpt_blocks import SelfAttention
 from ..parametrization.inspector import parameter_roles
-from .run_health import HealthMonitor, TelemetryConfig, telemetry_problems
+from .run_health import AS_IF_CAST, HealthMonitor, TelemetryConfig, telemetry_problems
 from .telemetry_log import TelemetryLog
 
-__all__ = ["TelemetryRecorder", "Telemetry", "cast_role", "sampled", "pooled_casts",
-           "AS_IF_CAST"]
-
-
-# The note of a cast row recorded beside a model without FP8 casts: no warning is raised on it.
-AS_IF_CAST = "as if cast: the run is not FP8"
+__all__ = ["TelemetryRecorder", "Telemetry", "cast_role", "sampled", "pooled_casts"]
 
 
 def sampled(interval: int, before: int, after: int) -> bool:

@@ -32,7 +32,7 @@ from .run_directory import RunError, os_error_reason, read_regular_file
 from .run_records import MetricsLog
 
 __all__ = ["TELEMETRY_FIELDS", "TelemetryLog", "TelemetryFileError",
-           "read_telemetry", "format_value"]
+           "read_telemetry", "cut_short_row", "format_value"]
 
 TELEMETRY_FIELDS = (
     "step", "kind", "site", "role", "format", "log2_scale", "amax", "rms", "flushed_fraction",
@@ -121,3 +121,15 @@ def read_telemetry(path: Path) -> List[Dict[str, Any]]:
                                      f"{row['kind']!r}")
         rows.append(row)
     return rows
+
+
+def cut_short_row(path: Path) -> Optional[str]:
+    """The last row of a telemetry file when it was cut short (no newline after it: a kill
+    while writing, or a damaged copy), which :func:`read_telemetry` drops; else None."""
+    try:
+        text = read_regular_file(Path(path))
+    except OSError:
+        return None
+    if not text or text.endswith(b"\n"):
+        return None
+    return text.rsplit(b"\n", 1)[-1].decode("utf-8", "replace")

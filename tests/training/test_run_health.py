@@ -78,3 +78,21 @@ def test_the_summary_of_a_run():
     assert health["sampled_steps"] == [1, 2, 3]
     table = format_health_table(health)
     assert "3.00% (2)" in table and "-1..2" in table and table.endswith("warning: ...")
+
+
+def test_a_nonfinite_cast_warns_and_an_exact_one_does_not():
+    monitor = HealthMonitor(TelemetryConfig())
+    rows = [_cast(1, "a"), _cast(1, "b"), _cast(1, "c"), _cast(1, "d")]
+    rows[0]["amax"] = float("nan")
+    rows[1]["sqnr_db"] = -float("inf")  # finite values became NaN or inf
+    rows[2]["sqnr_db"] = float("inf")  # an exact cast
+    rows[3]["note"] = "as if cast: the run is not FP8"
+    rows[3]["flushed_fraction"] = float("nan")
+    assert sorted(_kinds(monitor.check(rows))) == [(1, "a", "nonfinite"), (1, "b", "nonfinite")]
+    health = run_health(rows)
+    assert [(w["site"], w["kind"]) for w in health["warnings"]] == [
+        ("a", "nonfinite"), ("b", "nonfinite")]
+    assert health["as_if_cast"] is True
+    by_site = {s["site"]: s for s in health["sites"]}
+    assert by_site["c"]["sqnr_db_min"] == float("inf") and by_site["c"]["nonfinite"] == []
+    assert by_site["b"]["sqnr_db_min"] == -float("inf")

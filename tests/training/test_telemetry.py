@@ -13,9 +13,12 @@ import torch
 
 from ipu_unit_scaling.fp8 import FP8Config, fp8_stats
 from ipu_unit_scaling.models import GPTConfig, build_gpt
-from ipu_unit_scaling.training.run_health import TelemetryConfig, telemetry_problems
-from ipu_unit_scaling.training.telemetry import (
+from ipu_unit_scaling.training.run_health import (
     AS_IF_CAST,
+    TelemetryConfig,
+    telemetry_problems,
+)
+from ipu_unit_scaling.training.telemetry import (
     Telemetry,
     cast_role,
     pooled_casts,
