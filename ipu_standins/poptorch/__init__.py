@@ -5,7 +5,8 @@ source (``python/``): :class:`Options` and their checks, ``trainingModel``/``inf
 with PopTorch's batching, reductions and output modes, blocks and pipeline stage counting,
 the one-final-loss rule, ``DataLoader``, ``poptorch.optim`` and the ops of ``poptorch.ops``.
 Models are traced as PopTorch traces them (see :mod:`._compile`): what PopTorch refuses while
-tracing is refused here too. Nothing runs on an IPU: ``ipuHardwareIsAvailable()`` is False.
+tracing is refused here too. Nothing runs on an IPU; under ``ipu-unit-scaling emulate`` the
+stand-in reports an emulated IPU system (:mod:`ipu_standins.emulated_system`), otherwise none.
 
 ``import poptorch`` resolves to this package only when asked
 (:func:`ipu_standins.install.install`, or the command
@@ -137,13 +138,16 @@ def inferenceModel(model: Any, options: Optional[Options] = None) -> PoplarExecu
 
 
 def ipuHardwareIsAvailable(num_ipus: int = 1) -> bool:
-    """No IPU: always False."""
-    return False
+    """Whether the system has a device of ``num_ipus`` IPUs: under ``ipu-unit-scaling
+    emulate``, the emulated IPU-POD's (:mod:`ipu_standins.emulated_system`); otherwise none."""
+    return poptorch_core.ipuHardwareVersion(num_ipus) != 0
 
 
 def ipuHardwareVersion() -> int:
-    """0: no IPU hardware."""
-    return 0
+    """The system's IPU version (2 under ``emulate``); fails as PopTorch does without one."""
+    version = poptorch_core.ipuHardwareVersion()
+    assert version != 0, "No IPU hardware available on this system"
+    return version
 
 
 def module_repr(m: torch.nn.Module) -> str:

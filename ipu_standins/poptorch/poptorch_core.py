@@ -3,9 +3,12 @@ module that programs and tests call directly."""
 from __future__ import annotations
 
 import enum
+import os
 from typing import Any, Dict
 
 import torch
+
+from .. import emulated_system
 
 __all__ = ["Error", "RecoverableError", "UnrecoverableError", "TestErrorType",
            "isCompilingWithDispatcher", "ipuHardwareVersion", "_validateOptions",
@@ -78,9 +81,28 @@ def isCompilingWithDispatcher() -> bool:
     return _state.ON_IPU
 
 
+def _ipu_model_environment() -> bool:
+    """Whether ``POPTORCH_IPU_MODEL`` or ``POPTORCH_SMALL_IPU_MODEL`` asks for the IPU Model
+    (a non-zero integer), which hides the hardware from PopTorch."""
+    for name in ("POPTORCH_IPU_MODEL", "POPTORCH_SMALL_IPU_MODEL"):
+        text = os.environ.get(name)
+        if text is not None:
+            try:
+                if int(text) != 0:
+                    return True
+            except ValueError:
+                raise Error(f"{name}={text!r}: expected an integer") from None
+    return False
+
+
 def ipuHardwareVersion(numIpus: int = 1) -> int:
-    """No IPU is attached: 0, as PopTorch reports without hardware (for any ``numIpus``)."""
-    return 0
+    """The IPU version of a device of ``numIpus`` IPUs: 2 (Mk2) where the emulated IPU system
+    (:mod:`ipu_standins.emulated_system`, set up by ``ipu-unit-scaling emulate``) has one,
+    otherwise 0, as PopTorch reports without one; 0 also where ``POPTORCH_IPU_MODEL`` or
+    ``POPTORCH_SMALL_IPU_MODEL`` is set non-zero, as in PopTorch."""
+    if _ipu_model_environment() or not emulated_system.device_available(int(numIpus)):
+        return 0
+    return emulated_system.IPU_VERSION
 
 
 def importPoptorchMetadataFromFile(filename: str) -> Any:

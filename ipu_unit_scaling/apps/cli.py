@@ -342,7 +342,8 @@ def _emulate_parser(commands: Any) -> argparse.ArgumentParser:
     # Its arguments are the program's, passed on unparsed (see main()); this is its --help.
     return commands.add_parser(
         "emulate", help="run an unchanged PopTorch program on the CPU, `import poptorch` "
-        "resolved to the stand-in: emulate SCRIPT [ARGS...] | emulate -m MODULE [ARGS...]")
+        "resolved to the stand-in, on an emulated IPU-POD16 (--ipus N sets its IPUs): "
+        "emulate [--ipus N] SCRIPT [ARGS...] | emulate [--ipus N] -m MODULE [ARGS...]")
 
 
 def _seed(text: str) -> int:

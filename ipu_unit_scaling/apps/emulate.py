@@ -3,7 +3,10 @@
 ``emulate SCRIPT [ARGS...]`` is ``python SCRIPT ARGS...`` and ``emulate -m MODULE [ARGS...]`` is
 ``python -m MODULE ARGS...`` (``emulate -m pytest tests/`` runs a PopTorch test suite), with
 ``import poptorch``, ``import popxl`` and ``import popart`` resolved to the stand-ins
-(:mod:`ipu_standins.install`). The command replaces itself with that very ``python`` command
+(:mod:`ipu_standins.install`), and the PopTorch stand-in reporting an emulated IPU system
+(:mod:`ipu_standins.emulated_system`; ``--ipus N`` in front of the program, or
+``IPU_UNIT_SCALING_EMULATED_IPUS``, sets its IPUs, 16 without either, 0 for none), said once
+on standard error. The command replaces itself with that very ``python`` command
 (``exec``), the stand-ins' start-up directory (:data:`ipu_standins.install.SHIM_DIRECTORY`) first
 on ``PYTHONPATH``: so the program's exit status, its tracebacks, ``Ctrl-C``, ``__file__``,
 ``sys.argv`` and ``sys.path`` are Python's own, every interpreter the program starts (spawned and
@@ -20,7 +23,7 @@ import os
 import signal
 import subprocess
 import sys
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["run_emulated", "USAGE", "STANDIN_OP_LIBRARY", "OP_LIBRARIES_ENV"]
 
@@ -31,8 +34,8 @@ STANDIN_OP_LIBRARY = "ipu_unit_scaling.backends.standin_op_library"
 # seconds that only the program should spend (a test holds the two equal).
 OP_LIBRARIES_ENV = "POPTORCH_STANDIN_OP_LIBRARIES"
 
-USAGE = ("usage: ipu-unit-scaling emulate SCRIPT [ARGS...] | "
-         "ipu-unit-scaling emulate -m MODULE [ARGS...]")
+USAGE = ("usage: ipu-unit-scaling emulate [--ipus N] SCRIPT [ARGS...] | "
+         "ipu-unit-scaling emulate [--ipus N] -m MODULE [ARGS...]")
 PREFIX = "ipu-unit-scaling emulate"
 # The interpreter flags that would stop the program's interpreter reading PYTHONPATH or
 # running site (and with it the stand-ins' start-up).
@@ -75,14 +78,46 @@ def _interpreter_flags() -> List[str]:
     return [flag for flag in flags if flag not in _FLAGS_THAT_HIDE_THE_STANDINS]
 
 
+def _split_ipus_option(args: List[str]) -> Tuple[Optional[str], List[str]]:
+    """``--ipus N`` (or ``--ipus=N``) in front of the program, and what follows it."""
+    if args and args[0].startswith("--ipus="):
+        return args[0][len("--ipus="):], args[1:]
+    if args and args[0] == "--ipus":
+        if len(args) < 2:
+            raise ValueError("--ipus needs a number of IPUs")
+        return args[1], args[2:]
+    return None, args
+
+
+def _emulated_ipus(option: Optional[str], environment: Dict[str, str]) -> int:
+    """The emulated system's IPUs: ``--ipus``, else the environment's, else the default."""
+    from ipu_standins.emulated_system import (
+        DEFAULT_EMULATED_IPUS,
+        EMULATED_IPUS_ENV,
+        parse_ipu_count,
+    )
+
+    if option is not None:
+        return parse_ipu_count(option, "--ipus")
+    text = environment.get(EMULATED_IPUS_ENV, "")
+    return parse_ipu_count(text) if text.strip() else DEFAULT_EMULATED_IPUS
+
+
 def run_emulated(argv: Optional[Sequence[str]] = None) -> int:
     """Run ``argv`` (what follows ``emulate``). On POSIX this process becomes the program and
     never returns; it returns 2 on a usage error or where a real SDK module imports (and the
     program's exit status where ``exec`` is not available)."""
     args: List[str] = list(sys.argv[1:] if argv is None else argv)
+    try:
+        ipus_option, args = _split_ipus_option(args)
+    except ValueError as error:
+        print(f"{PREFIX}: {error}", file=sys.stderr)
+        return 2
     if not args or args[0] in ("-h", "--help"):
         print(USAGE + "\nRuns a PopTorch program as python would, with `import poptorch` "
-              "(`import popxl`, `import popart`) resolved to the package's stand-ins.",
+              "(`import popxl`, `import popart`) resolved to the package's stand-ins, on an "
+              "emulated IPU system: --ipus N (or IPU_UNIT_SCALING_EMULATED_IPUS) sets its "
+              "number of IPUs (16 without either; 0: no IPU system).",
               file=sys.stderr if not args else sys.stdout)
         return 2 if not args else 0
     module: Optional[str] = None
@@ -95,7 +130,14 @@ def run_emulated(argv: Optional[Sequence[str]] = None) -> int:
     else:
         script = args[0]
     _find_the_standins()
+    from ipu_standins.emulated_system import EMULATED_IPUS_ENV, describe
     from ipu_standins.install import SHIM_DIRECTORY, STANDINS, real_module_available
+
+    try:
+        ipus = _emulated_ipus(ipus_option, dict(os.environ))
+    except ValueError as error:
+        print(f"{PREFIX}: {error}", file=sys.stderr)
+        return 2
 
     # What the program's interpreter will search, less the directory Python puts first.
     path = sys.path[1:] if sys.path and not getattr(sys.flags, "safe_path", False) else sys.path
@@ -113,6 +155,11 @@ def run_emulated(argv: Optional[Sequence[str]] = None) -> int:
     # one (poptorch.custom_op): nothing of the package loads before.
     environment[OP_LIBRARIES_ENV] = ",".join(
         p for p in (os.environ.get(OP_LIBRARIES_ENV), STANDIN_OP_LIBRARY) if p)
+    environment[EMULATED_IPUS_ENV] = str(ipus)
+    if ipus:
+        print(f"{PREFIX}: emulating {describe(ipus)}: poptorch.ipuHardwareIsAvailable() is "
+              "True; --ipus N or IPU_UNIT_SCALING_EMULATED_IPUS=N sets the number, 0 for none",
+              file=sys.stderr)
     command = [sys.executable, *_interpreter_flags(), *args]
     sys.stdout.flush()
     sys.stderr.flush()

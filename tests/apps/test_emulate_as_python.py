@@ -19,6 +19,9 @@ from helpers import ROOT
 def _environment(tmp: Optional[Path] = None) -> Dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT)
+    # No emulated IPU system, so no line of emulate's own on stderr before the program's
+    # (test_emulate_ipu_system.py checks that line, and that the rest is the program's).
+    env["IPU_UNIT_SCALING_EMULATED_IPUS"] = "0"
     if tmp is not None:
         env["TMPDIR"] = str(tmp)
     return env

@@ -59,10 +59,14 @@ def test_the_recoverable_unrecoverable_and_link_errors():
     assert not isinstance(link.value, (poptorch.RecoverableError, poptorch.UnrecoverableError))
 
 
-def test_no_hardware_for_any_number_of_ipus():
+def test_no_hardware_for_any_number_of_ipus(monkeypatch):
+    monkeypatch.delenv("IPU_UNIT_SCALING_EMULATED_IPUS", raising=False)
     assert poptorch_core.ipuHardwareVersion() == 0
     assert poptorch_core.ipuHardwareVersion(numIpus=4) == 0
     assert not poptorch.ipuHardwareIsAvailable()
+    # PopTorch's ipuHardwareVersion() asserts that there is hardware.
+    with pytest.raises(AssertionError, match="No IPU hardware available on this system"):
+        poptorch.ipuHardwareVersion()
 
 
 def test_a_saved_executable_cannot_be_read_without_the_sdk():
