@@ -334,9 +334,14 @@ class PoplarExecutor:
         with _impl.compile_hooks():
             self._graph = compile_graph(self._model, template, example, self._options,
                                         self._training)
-        self._device_parameters = [
-            p.detach().clone().requires_grad_(p.requires_grad) for p in self._graph.parameters]
-        self._device_buffers = [b.detach().clone() for b in self._graph.buffers]
+        # The device's copies are plain tensors: the host's wrapped classes (see
+        # `_impl.wrap_trained_model`) would make every op's output an alias of a fresh subclass
+        # tensor, which autograd forbids writing in place after a custom Function.
+        with torch._C.DisableTorchFunctionSubclass():
+            self._device_parameters = [
+                p.detach().clone().requires_grad_(p.requires_grad)
+                for p in self._graph.parameters]
+            self._device_buffers = [b.detach().clone() for b in self._graph.buffers]
         self._tensor_names = _outputs.tensor_names(
             self._graph, len(example), self._optimizer if self._training else None,
             self._options.anchored_tensors, bool(self._options._Popart.options.get(

@@ -75,20 +75,24 @@ def smoothed_cross_entropy(input: Tensor, target: Tensor, weight: Optional[Tenso
         raise ValueError(f"reduction={reduction!r} must be one of 'mean', 'sum', 'none'")
     classes = input.shape[1] if input.dim() > 1 else input.shape[0]
     per_element_var = (1 - 2 / classes + expected_softmax_square_sum(classes)) / classes
-    input = scale_bwd(input, per_element_var**-0.5)
+    grad_scale = per_element_var**-0.5
+    if reduction == "mean" and target.is_floating_point():  # class probabilities: all rows
+        grad_scale *= max(1, input.numel() // max(1, classes))
+    # The backward scales go on the input, before the loss op: PopTorch differentiates from
+    # the graph's last loss op, so a scale on the loss's own output would not reach a gradient.
+    input = scale_bwd(input, grad_scale)
     if mult != 1.0:
         input = scale_fwd(input, mult)
+    counting = reduction == "mean" and not target.is_floating_point()
+    rows = max(1, target.numel())
+    if counting and not fused.eager_forms():
+        counted = (target != ignore_index).sum().clamp(min=1).to(input.dtype)
+        input = _scale_bwd_by_tensor(input, torch.sqrt(counted * rows))
     loss = F.cross_entropy(input, target, ignore_index=ignore_index, reduction=reduction,
                            label_smoothing=label_smoothing)
-    if reduction != "mean":
-        return loss
-    if target.is_floating_point():  # class probabilities: every row counts
-        return scale_bwd(loss, max(1, input.numel() // max(1, classes)))
-    rows = max(1, target.numel())
-    if fused.eager_forms():  # the same scale in one node, counted in the backward pass
+    if counting and fused.eager_forms():  # the same scale in one node, counted in backward
         return fused.scale_grad_by_count(loss, target != ignore_index, rows)
-    counted = (target != ignore_index).sum().clamp(min=1).to(loss.dtype)
-    return _scale_bwd_by_tensor(loss, torch.sqrt(counted * rows))
+    return loss
 
 
 def _library_cross_entropy(input: Tensor, target: Tensor, ignore_index: int, reduction: str,
