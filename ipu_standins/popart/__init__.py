@@ -19,7 +19,10 @@ from typing import Any, Dict, Tuple
 
 __all__ = ["__version__", "versionString", "versionNumber", "getLogger", "Logger",
            "SessionOptions", "SyntheticDataMode", "RecomputationType", "VirtualGraphMode",
-           "DeviceConnectionType"]
+           "DeviceConnectionType", "AccumulateOuterFragmentSchedule", "SubgraphCopyingStrategy",
+           "MergeVarUpdateType", "BatchSerializationBatchSchedule",
+           "BatchSerializationTransformContext", "BatchSerializationMethod",
+           "ExecutionPhaseIOSchedule", "ExecutionPhaseSchedule"]
 
 __version__ = "3.3.0+standin"
 
@@ -59,6 +62,58 @@ class DeviceConnectionType(enum.IntEnum):
     Always = 0
     OnDemand = 1
     Never = 2
+
+
+class AccumulateOuterFragmentSchedule(enum.IntEnum):
+    """``accumulateOuterFragmentSettings.schedule``: how a pipeline's optimizer step is
+    scheduled across IPUs (Optimum Graphcore sets OverlapMemoryOptimized)."""
+    Scheduler = 0
+    Serial = 1
+    OverlapCycleOptimized = 2
+    OverlapMemoryOptimized = 3
+
+
+class SubgraphCopyingStrategy(enum.IntEnum):
+    """``subgraphCopyingStrategy``: when a called subgraph's inputs and outputs are copied."""
+    OnEnterAndExit = 0
+    JustInTime = 1
+
+
+class MergeVarUpdateType(enum.IntEnum):
+    """``mergeVarUpdate``; PopART's Python name for ``MergeVarUpdateType::None`` is Off."""
+    Off = 0
+    All = 1
+    AutoLoose = 2
+    AutoTight = 3
+
+
+class BatchSerializationBatchSchedule(enum.IntEnum):
+    Scheduler = 0
+    Isomorphic = 1
+    OverlapOnIo = 2
+    OverlapOnCompute = 3
+
+
+class BatchSerializationTransformContext(enum.IntEnum):
+    Fwd = 0
+    Bwd = 1
+
+
+class BatchSerializationMethod(enum.IntEnum):
+    UnrollDynamic = 0
+    UnrollStatic = 1
+    Loop = 2
+
+
+class ExecutionPhaseIOSchedule(enum.IntEnum):
+    Preload = 0
+    OnDemand = 1
+
+
+class ExecutionPhaseSchedule(enum.IntEnum):
+    Interleaving = 0
+    Batch = 1
+    BatchClusteredIO = 2
 
 
 # ------------------------------------------------------------------------------ logging

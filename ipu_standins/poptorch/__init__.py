@@ -25,6 +25,7 @@ from . import (
     _args,
     _impl,
     _logging,
+    _poplar_executor,
     enums,
     ops,
     optim,  # noqa: E402  (after the modules it may import)
@@ -196,4 +197,4 @@ def registerCustomArgParser(arg_data_type: Type[Any],
     _args.CUSTOM_PARSERS[arg_data_type] = arg_parser
 
 
-__all__ += ["_logging"]
+__all__ += ["_logging", "_poplar_executor"]

@@ -17,6 +17,7 @@ from .poptorch_core import Error
 
 __all__ = ["isRunningOnIpu", "setIpuContext", "createPoptorchError", "isDispatchTracing",
            "isWrapped", "unwrapIfWrapped", "wrap_trained_model", "unwrapModelIfNecessary",
+           "rewrapModelIfNecessary",
            "_restoreWrapperIfNecessary", "registerPreCompileHook", "registerPostCompileHook",
            "compile_hooks"]
 
@@ -43,7 +44,20 @@ def isDispatchTracing() -> bool:
 
 
 _wrapper_types: List[type] = []
-_unwrapped: weakref.WeakKeyDictionary[Any, type] = weakref.WeakKeyDictionary()
+# The wrapper each unwrapped object had, by the object's identity, for as long as it lives. (A
+# WeakKeyDictionary compares its keys with ==, which for tensors is elementwise: PopTorch keeps
+# its own registry by address for the same reason.)
+_unwrapped: Dict[int, type] = {}
+
+
+def _remember_wrapper(obj: Any, wrapper: type) -> None:
+    key = id(obj)
+    if key not in _unwrapped:
+        try:
+            weakref.finalize(obj, _unwrapped.pop, key, None)
+        except TypeError:  # not weakly referenceable: nothing to remember it by
+            return
+    _unwrapped[key] = wrapper
 
 
 def isWrapped(obj: Any) -> bool:
@@ -57,20 +71,34 @@ def unwrapIfWrapped(obj: Any) -> Any:
 
 
 def _restoreWrapperIfNecessary(obj: Any) -> Any:
-    wrapper = _unwrapped.get(obj)
+    wrapper = _unwrapped.get(id(obj))
     if wrapper is not None:
         obj.__class__ = wrapper
     return obj
 
 
+def _unwrap_and_register(obj: Any) -> None:
+    if isWrapped(obj):
+        wrapper = type(obj)
+        obj.__class__ = wrapper.__bases__[0]
+        _remember_wrapper(obj, wrapper)
+
+
 def unwrapModelIfNecessary(model: torch.nn.Module) -> None:
-    if isWrapped(model):
-        wrapper = type(model)
-        model.__class__ = wrapper.__bases__[0]
-        try:
-            _unwrapped[model] = wrapper
-        except TypeError:
-            pass
+    """Unwrap the model, its parameters and its buffers, remembering their wrappers for
+    :func:`rewrapModelIfNecessary` (Optimum's seq2seq trainer unwraps a trained model before
+    it compiles the same modules for generation)."""
+    for tensor in list(model.buffers()) + list(model.parameters()):
+        _unwrap_and_register(tensor)
+    _unwrap_and_register(model)
+
+
+def rewrapModelIfNecessary(model: torch.nn.Module) -> None:
+    """Give back the wrappers :func:`unwrapModelIfNecessary` took from the model, its
+    parameters and its buffers."""
+    for tensor in list(model.buffers()) + list(model.parameters()):
+        _restoreWrapperIfNecessary(tensor)
+    _restoreWrapperIfNecessary(model)
 
 
 def _pickle_unwrapped(obj: Any) -> Any:

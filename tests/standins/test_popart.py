@@ -17,6 +17,23 @@ def test_enum_values_are_popart_s():
     assert [int(m) for m in popart.DeviceConnectionType] == [0, 1, 2]
 
 
+def test_the_option_enums_optimum_graphcore_sets_are_popart_s():
+    """IPUConfig.to_options sets accumulateOuterFragmentSettings.schedule and
+    subgraphCopyingStrategy from these (the values of willow's sessionoptions.hpp)."""
+    schedule = popart.AccumulateOuterFragmentSchedule
+    assert [(m.name, int(m)) for m in schedule] == [
+        ("Scheduler", 0), ("Serial", 1), ("OverlapCycleOptimized", 2),
+        ("OverlapMemoryOptimized", 3)]
+    assert [(m.name, int(m)) for m in popart.SubgraphCopyingStrategy] == [
+        ("OnEnterAndExit", 0), ("JustInTime", 1)]
+    # MergeVarUpdateType::None is Off in Python; AutoLoose comes before AutoTight.
+    assert int(popart.MergeVarUpdateType.Off) == 0
+    assert int(popart.MergeVarUpdateType.AutoLoose) == 2
+    assert int(popart.MergeVarUpdateType.AutoTight) == 3
+    assert int(popart.BatchSerializationBatchSchedule.OverlapOnCompute) == 3
+    assert int(popart.ExecutionPhaseSchedule.BatchClusteredIO) == 2
+
+
 def test_version():
     assert popart.versionString() == popart.__version__
     assert popart.versionNumber() == (3, 3, 0)
