@@ -281,7 +281,9 @@ def _evaluate_parser(commands: Any) -> argparse.ArgumentParser:
         "evaluate", help="a trained run's loss in fp32, fp16 and post-training FP8",
         description="Evaluate a trained run's checkpoint in each precision: fp32, fp16 "
                     "(float16 matmuls), fp8-static (FP8 casts at scale 2^0) and fp8-amax (FP8 "
-                    "with per-tensor AMAX scaling). The data is the windows its training "
+                    "with per-tensor AMAX scaling), and the FP8 recipe the run trained in "
+                    "when it is another (fp8-mx, fp8-block, ...). The data is the windows its "
+                    "training "
                     "validated on (so its own precision gives its final validation loss "
                     "exactly), or any text file. Prints a table of loss and gap to fp32 and "
                     "writes evaluate.md and evaluate.json.",
@@ -292,9 +294,10 @@ def _evaluate_parser(commands: Any) -> argparse.ArgumentParser:
                           help="evaluate on this UTF-8 text instead, every character after the "
                                "first predicted once; it may hold only characters the run's "
                                "tokenizer knows")
-    evaluate.add_argument("--precision", nargs="+", choices=PRECISION_NAMES, metavar="PRECISION",
-                          help="precisions to evaluate (default: all of "
-                               f"{', '.join(PRECISION_NAMES)})")
+    evaluate.add_argument("--precision", nargs="+", metavar="PRECISION",
+                          help=f"precisions to evaluate: {', '.join(PRECISION_NAMES)}, and the "
+                               "FP8 recipe the run trained in (fp8-mx, fp8-block, ...); "
+                               "default: all of these")
     evaluate.add_argument("--scale-report", action="store_true",
                           help="also give the FP8 casts' under- and overflow fractions by role")
     evaluate.add_argument("--out", metavar="DIR", type=Path,

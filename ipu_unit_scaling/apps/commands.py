@@ -322,9 +322,14 @@ def command_evaluate(args: argparse.Namespace) -> int:
     """``evaluate``: a trained run's validation loss in each precision."""
     from ..training.run_directory import RunLock
 
-    precisions = list(args.precision or PRECISION_NAMES)
+    precisions = list(args.precision or [])
     if len(set(precisions)) != len(precisions):
         raise UsageError(f"--precision lists a precision twice: {' '.join(precisions)}")
+    unknown = [name for name in precisions
+               if name not in PRECISION_NAMES and not name.startswith("fp8-")]
+    if unknown:
+        raise UsageError(f"--precision {unknown[0]}: allowed: {', '.join(PRECISION_NAMES)}, "
+                         "or the FP8 recipe the run trained in (fp8-mx, fp8-block, ...)")
     if args.data is not None and not args.data.strip():
         raise UsageError("--data needs a file name (leave it out for the run's validation data)")
     if args.out is not None:  # before the evaluation, which may take minutes
@@ -344,6 +349,11 @@ def _evaluate_locked(args: argparse.Namespace, precisions: List[str]) -> int:
     from .pretrained import evaluate_run, format_evaluation, open_run, write_evaluation
 
     run = open_run(args.run_dir, "evaluate")
+    other = [name for name in precisions if name not in run.precisions]
+    if other:
+        raise UsageError(f"--precision {other[0]}: {args.run_dir} trained in {run.precision}; "
+                         f"allowed: {', '.join(run.precisions)}")
+    precisions = precisions or run.precisions
     progress = _Progress("evaluate", quiet=args.quiet)
     if args.data is not None:
         progress.say(f"reading {args.data}")

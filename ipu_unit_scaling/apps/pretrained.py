@@ -84,8 +84,16 @@ class TrainedRun:
 
     @property
     def precision(self) -> str:
-        """The precision the run trained in (a name in PRECISIONS)."""
+        """The precision the run trained in: a name in PRECISIONS, or fp8-<scaling> for the
+        other FP8 recipes."""
         return precision_of(self.config)
+
+    @property
+    def precisions(self) -> List[str]:
+        """The precisions it can be evaluated in: :data:`PRECISIONS`, and the FP8 recipe it
+        trained in when that is another (fp8-mx, fp8-block, ...)."""
+        own = [] if self.precision in PRECISIONS else [self.precision]
+        return list(PRECISIONS) + own
 
     def model(self, precision: str) -> nn.Module:
         """The checkpoint's model with ``precision``'s casts."""
@@ -193,7 +201,7 @@ class Evaluation:
 
 def evaluate_run(
     run: TrainedRun,
-    precisions: Sequence[str] = tuple(PRECISIONS),
+    precisions: Optional[Sequence[str]] = None,
     data: Optional[str] = None,
     *,
     backend: Optional[str] = None,
@@ -201,14 +209,16 @@ def evaluate_run(
     on_batch: Optional[Callable[[], None]] = None,
     on_start: Optional[Callable[[str, int], None]] = None,
 ) -> Evaluation:
-    """The checkpoint's loss under each of ``precisions``, on the run's validation windows or
-    on the text file ``data`` (encoded with the run's tokenizer, every character predicted).
+    """The checkpoint's loss under each of ``precisions`` (default: all of ``run.precisions``),
+    on the run's validation windows or on the text file ``data`` (encoded with the run's
+    tokenizer, every character predicted).
 
     With ``scale_report``, FP8 precisions also report their casts' under- and overflow by role
     (counted on the host, where casts can be inspected). ``on_start`` receives the data's
     description and the number of ``on_batch`` calls to come, once the data is ready.
     """
     config = run.config
+    precisions = list(run.precisions if precisions is None else precisions)
     backend = backend or select_backend(config.backend, training=False)
     batches: Sequence[Batch]
     if data is None:

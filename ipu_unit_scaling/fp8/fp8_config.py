@@ -15,7 +15,7 @@ from .fp8_formats import SUB_BYTE_FORMATS, FP8Format, get_format
 from .scaling import MAX_MARGIN
 
 __all__ = ["FP8Config", "FP8ConfigError", "SCALING_MODES", "GROUPED_SCALINGS", "RECIPES",
-           "MAX_AMAX_HISTORY"]
+           "MAX_AMAX_HISTORY", "RECIPE_ONLY_FIELDS", "field_is_free"]
 
 SCALING_MODES = ("amax", "static", "delayed", "rowwise", "block", "mx", "nvfp4")
 # Recipes whose scales belong to groups of a tensor (rows, tiles, blocks), cast per GEMM along
@@ -45,6 +45,25 @@ RECIPES: Dict[str, Dict[str, Any]] = {
 }
 _RECIPE_FIELDS = ("scaling", "block_size", "scale_rounding", "grad_weight_high_precision",
                   "activation_format", "weight_format", "gradient_format")
+# The fields only some scalings read, and which. Away from its default under any other scaling
+# such a field would do nothing: it is refused. (A block size is free under "block" only.)
+RECIPE_ONLY_FIELDS: Dict[str, Tuple[str, ...]] = {
+    "amax_history_length": ("delayed",),
+    "amax_reduction": ("delayed",),
+    "block_size": ("block", "mx", "nvfp4"),
+    "scale_rounding": ("mx",),
+    "grad_weight_high_precision": GROUPED_SCALINGS,
+}
+_KEPT_BY_RECIPES = ("amax_history_length", "amax_reduction", "block_size")
+
+
+def field_is_free(name: str, scaling: str) -> bool:
+    """Whether scaling ``scaling`` reads field ``name`` and lets it be set (every field but
+    those of :data:`RECIPE_ONLY_FIELDS`, which only their scalings read; "mx" and "nvfp4" fix
+    their block sizes)."""
+    if name == "block_size":
+        return scaling not in _FIXED_BLOCK_SIZES and scaling in DEFAULT_BLOCK_SIZES
+    return scaling in RECIPE_ONLY_FIELDS.get(name, (scaling,))
 
 
 class FP8ConfigError(ValueError):
@@ -119,13 +138,17 @@ class FP8Config:
         return cls(**fields).with_recipe(name)
 
     def with_recipe(self, name: str) -> FP8Config:
-        """This config set to recipe ``name``: its fields, the other recipe fields (scaling,
-        block size, scale rounding, high-precision weight gradient, formats) at their
-        defaults."""
+        """This config set to recipe ``name``: its fields, and the other recipe fields
+        (scaling, scale rounding, high-precision weight gradient, formats) at their defaults.
+        The block size and the amax history, which no recipe name sets, are kept where the
+        recipe reads them ("block", "delayed") and otherwise go back to their defaults."""
         if name not in RECIPES:
             raise FP8ConfigError([("recipe", f"got {name!r}; allowed: {', '.join(RECIPES)}")])
         defaults = FP8Config()
+        scaling = RECIPES[name]["scaling"]
         changes = {field: getattr(defaults, field) for field in _RECIPE_FIELDS}
+        for field in _KEPT_BY_RECIPES:
+            changes[field] = getattr(self if field_is_free(field, scaling) else defaults, field)
         changes.update(RECIPES[name])
         return dataclasses.replace(self, **changes)
 
@@ -213,6 +236,7 @@ class FP8Config:
             elif scaling not in DEFAULT_BLOCK_SIZES:
                 problems.append(("block_size", f"got {size}; scaling {scaling!r} has no blocks "
                                                "(block, mx and nvfp4 have)"))
+        not_e2m1 = []
         for role in ("activation", "weight", "gradient"):
             name = f"{role}_format"
             value = getattr(self, name)
@@ -220,11 +244,24 @@ class FP8Config:
                 continue
             fmt_name = str(value).upper()
             if scaling == "nvfp4" and fmt_name != "E2M1":
-                problems.append((name, f"got {value!r}; scaling 'nvfp4' takes E2M1 elements "
-                                       "(the recipe name 'nvfp4' sets all three)"))
+                not_e2m1.append(name)
             elif fmt_name in SUB_BYTE_FORMATS and scaling not in ("mx", "nvfp4"):
                 problems.append((name, f"{fmt_name} has no NaN nor infinity and needs a block "
                                        f"scale: use scaling 'mx' or 'nvfp4', not {scaling!r}"))
+        if not_e2m1:  # one problem, saying what to set
+            names = ", ".join(not_e2m1[:-1]) + (" and " if len(not_e2m1) > 1 else "") + \
+                not_e2m1[-1]
+            got = ", ".join(str(getattr(self, name)) for name in not_e2m1)
+            problems.append(("scaling", f"'nvfp4' takes E2M1 elements: also set {names} to "
+                                        f"E2M1 (got {got})"))
+        for name, scalings in RECIPE_ONLY_FIELDS.items():
+            value = getattr(self, name)
+            if name != "block_size" and scaling not in scalings and \
+                    value != _default(name) and \
+                    not any(name == problem for problem, _ in problems):
+                problems.append((name, f"got {value!r}; only scaling {' or '.join(scalings)} "
+                                       f"reads it, not {scaling!r}: leave it at its default "
+                                       f"{_default(name)!r}"))
         if scaling in ("mx", "nvfp4") and self.overflow != "saturate":
             problems.append(("overflow", f"scaling {scaling!r} saturates its elements (OCP "
                                          "MX); got {!r}".format(self.overflow)))
@@ -232,3 +269,8 @@ class FP8Config:
             problems.append(("attention", f"FP8 attention casts per tensor (static or amax), "
                                           f"not with scaling {scaling!r}"))
         return problems
+
+
+def _default(name: str) -> Any:
+    """The default of FP8Config's field ``name``."""
+    return FP8Config.__dataclass_fields__[name].default

@@ -43,13 +43,30 @@ def test_with_recipe_resets_the_other_recipe_fields():
     assert back == dataclasses.replace(FP8Config(), gradient_margin=2)
 
 
+def test_with_recipe_keeps_the_block_size_and_history_where_the_recipe_reads_them():
+    assert FP8Config(scaling="block", block_size=64).with_recipe("block").block_size == 64
+    assert FP8Config(scaling="block", block_size=64).with_recipe("mx").block_size is None
+    delayed = FP8Config(scaling="delayed", amax_history_length=4, amax_reduction="most_recent")
+    assert delayed.with_recipe("delayed") == delayed
+    assert delayed.with_recipe("amax") == FP8Config()
+
+
+def test_the_nvfp4_refusal_is_one_problem_naming_only_what_to_set():
+    with pytest.raises(FP8ConfigError) as error:
+        FP8Config(scaling="nvfp4", activation_format="E2M1")
+    assert error.value.problems == [("scaling", "'nvfp4' takes E2M1 elements: also set "
+                                                "weight_format and gradient_format to E2M1 "
+                                                "(got F143, F152)")]
+
+
 @pytest.mark.parametrize("fields,field,words", [
     ({"scaling": "tensorwise"}, "scaling", "allowed: amax, static, delayed"),
     ({"scaling": "mx", "block_size": 64}, "block_size", "fixes it at 32"),
     ({"scaling": "nvfp4", "block_size": 32}, "block_size", "fixes it at 16"),
     ({"scaling": "rowwise", "block_size": 32}, "block_size", "has no blocks"),
     ({"scaling": "block", "block_size": 0}, "block_size", "positive int"),
-    ({"scaling": "nvfp4"}, "activation_format", "takes E2M1"),
+    ({"scaling": "nvfp4"}, "scaling", "also set activation_format, weight_format and "
+                                      "gradient_format to E2M1 (got F143, F143, F152)"),
     ({"activation_format": "E2M1"}, "activation_format", "use scaling 'mx' or 'nvfp4'"),
     ({"scaling": "static", "weight_format": "E3M2"}, "weight_format", "block scale"),
     ({"scaling": "mx", "overflow": "nan"}, "overflow", "saturates"),
@@ -58,6 +75,10 @@ def test_with_recipe_resets_the_other_recipe_fields():
     ({"scaling": "delayed", "amax_history_length": 0}, "amax_history_length", "1 .. 1024"),
     ({"scaling": "delayed", "amax_history_length": 2000}, "amax_history_length", "1 .. 1024"),
     ({"scaling": "delayed", "amax_reduction": "mean"}, "amax_reduction", "max, most_recent"),
+    ({"scaling": "amax", "amax_history_length": 3}, "amax_history_length",
+     "only scaling delayed reads it, not 'amax'"),
+    ({"scaling": "block", "amax_reduction": "most_recent"}, "amax_reduction",
+     "only scaling delayed reads it"),
     ({"scaling": "amax", "grad_weight_high_precision": True}, "grad_weight_high_precision",
      "grouped recipes"),
     ({"scaling": "mx", "attention": True}, "attention", "per tensor"),

@@ -317,3 +317,22 @@ def test_mean_loss_builds_no_autograd_graph():
     assert torch.is_grad_enabled()
     assert mean_loss(run, batches) == pytest.approx(1.0)
     assert modes == [False, False] and weight.grad is None
+
+
+@pytest.mark.parametrize("recipe", ["mx", "block"])
+def test_cli_evaluate_of_a_recipe_run_has_its_own_row(recipe, tmp_path, capsys):
+    run_dir = tmp_path / recipe
+    train(tiny_config(f"precision.fp8.scaling={recipe}", "training.steps=2"), run_dir,
+          quiet=True)
+    assert main(["evaluate", str(run_dir), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert f"| fp8-{recipe} (trained) |" in out
+    data = json.loads((run_dir / "evaluate.json").read_text(encoding="utf-8"))
+    assert [row["precision"] for row in data["rows"]] == [*PRECISION_NAMES, f"fp8-{recipe}"]
+    assert data["rows"][-1]["loss"] == final_val_loss(run_dir)  # the same casts, same batches
+    assert main(["evaluate", str(run_dir), "--precision", f"fp8-{recipe}", "--quiet"]) == 0
+    capsys.readouterr()
+    other = "fp8-rowwise"
+    assert main(["evaluate", str(run_dir), "--precision", other]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"trained in fp8-{recipe}; allowed: fp32" in err, err

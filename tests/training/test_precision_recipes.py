@@ -76,7 +76,8 @@ def killed_after_step(config: Config, run_dir: Path, step: int) -> None:
 def test_a_delayed_run_killed_and_resumed_continues_its_amax_history(reduction, data,
                                                                      tmp_path):
     config = recipe_config("delayed", data, "training.steps=6",
-                           "training.checkpoint_interval=2", "precision.fp8.amax_history_length=4",
+                           "training.checkpoint_interval=2", "precision.fp8.scaling=delayed",
+                           "precision.fp8.amax_history_length=4",
                            f"precision.fp8.amax_reduction={reduction}")
     reference = tmp_path / "reference"
     train(config, reference, quiet=True)
