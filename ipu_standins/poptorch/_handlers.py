@@ -127,10 +127,16 @@ def base_name(aten_name: str) -> str:
 # (``torch.rrelu`` in eval mode makes its unused noise with ``empty_like``).
 _EXPLICIT_COMPOSITES: Dict[str, str] = {"empty_like": "empty", "new_empty": "empty"}
 
+# Ops that a newer torch's composites call where torch 2.0.1's (the Poplar SDK's) call one that
+# PopTorch handles: under torch.inference_mode (Lightning's validation and test) an eval-mode
+# batch norm reaches the dispatcher as `_native_batch_norm_legit_no_training` on torch >= 2.1,
+# as `native_batch_norm` on 2.0.1 (`_batch_norm_impl_index`).
+NEWER_TORCH_NAMES: Dict[str, str] = {"_native_batch_norm_legit_no_training": "native_batch_norm"}
+
 
 def is_supported(aten_name: str) -> bool:
     """Whether PopTorch lowers the ATen op ``aten_name`` (an overload packet name, e.g. "mm")."""
-    aten_name = _EXPLICIT_COMPOSITES.get(aten_name, aten_name)
+    aten_name = _EXPLICIT_COMPOSITES.get(aten_name, NEWER_TORCH_NAMES.get(aten_name, aten_name))
     if aten_name in HANDLED_OPS or aten_name in DISPATCHER_OPS:
         return True
     base = base_name(aten_name)
@@ -227,3 +233,4 @@ ARGUMENT_RULES: Dict[str, Tuple[ArgumentRule, ...]] = {
     "__or__": (_EIGHT_BIT,),
     "__xor__": (_EIGHT_BIT,),
 }
+ARGUMENT_RULES.update({newer: ARGUMENT_RULES[older] for newer, older in NEWER_TORCH_NAMES.items()})

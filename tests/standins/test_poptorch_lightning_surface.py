@@ -65,3 +65,23 @@ def test_a_fit_detaches_the_training_model_to_validate_and_attaches_it_again():
     training(x, y)
     training.detachFromDevice()
     assert not torch.equal(net.fc.weight.detach(), trained)
+
+
+def test_an_eval_batch_norm_runs_under_inference_mode_as_lightning_validates():
+    # Lightning validates and tests inside torch.inference_mode, where torch >= 2.1 hands the
+    # dispatcher an eval batch norm under a name that torch 2.0.1 (PopTorch's) did not use.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).eval()
+    model[1].running_mean.uniform_(-1, 1)
+    model[1].running_var.uniform_(0.5, 2)
+    x, _ = _batch()
+    with torch.inference_mode():
+        out = poptorch.inferenceModel(model)(x)
+    expected = model(x)
+    # Each output: a 4-term dot product and bias, then a shift and a scale by a stored
+    # statistic, in float32: within 10 roundings of the magnitudes involved.
+    norm = model[1]
+    scale = (norm.weight / (norm.running_var + norm.eps).sqrt()).abs().detach()
+    pre = x.abs() @ model[0].weight.abs().T + model[0].bias.abs() + norm.running_mean.abs()
+    bound = 10 * 2.0**-24 * (pre * scale + norm.bias.abs()).detach()
+    assert ((out - expected).abs() <= bound).all()
