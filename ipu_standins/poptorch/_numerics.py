@@ -28,12 +28,17 @@
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import fx
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _get_current_dispatch_mode,
+    _pop_mode_temporarily,
+)
 from torch.utils._pytree import tree_map
 
 from ._lowering import popart_gelu
@@ -77,36 +82,82 @@ class HalfKernels(TorchDispatchMode):
 
 
 PARTIALS_BLOCK = 16  # products summed in float32 before a float16 partial sum
-_PARTIALS_BYTES = 1 << 26  # float32 block sums held at once (64 MiB)
+_TILE_BYTES = 1 << 22  # float32 block sums held at once (4 MiB), their buffers reused by the tiles
 
 
-def _tree_sum_half(parts: torch.Tensor) -> torch.Tensor:
-    """Sum float16 ``parts`` over dim 0 pairwise, each addition rounded to float16."""
-    while parts.shape[0] > 1:
-        if parts.shape[0] % 2:
-            parts = torch.cat([parts, torch.zeros_like(parts[:1])])
-        parts = (parts[0::2].float() + parts[1::2].float()).half()
-    return parts[0]
+@contextlib.contextmanager
+def _outside_half_kernels() -> Iterator[None]:
+    """Every op of the half partials has a CPU kernel (float32, and float16 additions): they skip
+    :class:`HalfKernels`' Python call per op, which costs more than most of the ops."""
+    if isinstance(_get_current_dispatch_mode(), HalfKernels):
+        with _pop_mode_temporarily():
+            yield
+    else:
+        yield
+
+
+def _tree_width(blocks: int) -> int:
+    """The block count padded with ``+0`` block sums up to a power of two: a tree level of odd
+    length adds ``+0`` to its last element, and the padded tree adds the same ``+0`` there."""
+    return 1 << (max(1, blocks) - 1).bit_length()
+
+
+def _tree_sum(sums: torch.Tensor, out: torch.Tensor) -> None:
+    """Add float16 block sums (dim 0, a power of two, at least 2) pairwise, as a tree, into
+    ``out``, each level into the front of a buffer of its own (two buffers, in turn).
+
+    Each addition is one float16 rounding: torch adds float16 in float32 (or in float16) and
+    rounds once, and float32 holds more than twice float16's precision, so either gives the
+    correctly rounded float16 sum, as a float32 addition rounded to float16 does."""
+    spare: Optional[torch.Tensor] = None
+    while sums.shape[0] > 2:
+        if spare is None:
+            spare = torch.empty_like(sums[:sums.shape[0] // 2])
+        level = spare[:sums.shape[0] // 2]
+        torch.add(sums[0::2], sums[1::2], out=level)
+        sums, spare = level, sums
+    torch.add(sums[0], sums[1], out=out)
 
 
 def half_partials_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` (float16, ``[..., m, k] @ [..., k, n]``) with float16 partial sums: blocks of
     ``PARTIALS_BLOCK`` products summed in float32 and rounded to float16, the block sums added
     as a tree in float16 (see the module's docstring)."""
-    k = a.shape[-1]
-    blocks = -(-k // PARTIALS_BLOCK)
-    pad = blocks * PARTIALS_BLOCK - k  # zero products add nothing
-    # [..., m, k] -> [blocks, ..., m, B]; [..., k, n] -> [blocks, ..., n, B] (b is often a
-    # transposed weight: its transpose is then contiguous, and cheap to cast and pad)
-    a_blocks = F.pad(a.float(), (0, pad)).reshape(
-        *a.shape[:-1], blocks, PARTIALS_BLOCK).movedim(-2, 0)
-    b_blocks = F.pad(b.transpose(-1, -2).float(), (0, pad)).reshape(
-        *b.shape[:-2], b.shape[-1], blocks, PARTIALS_BLOCK).movedim(-2, 0)
-    per_block = 4 * a.shape[-2] * b.shape[-1] * max(1, a[..., 0, 0].numel())
-    step = max(1, _PARTIALS_BYTES // per_block)
-    sums = [torch.matmul(a_blocks[i:i + step], b_blocks[i:i + step].transpose(-1, -2)).half()
-            for i in range(0, blocks, step)]
-    return _tree_sum_half(torch.cat(sums) if len(sums) > 1 else sums[0])
+    k, m, n = a.shape[-1], a.shape[-2], b.shape[-1]
+    width = _tree_width(-(-k // PARTIALS_BLOCK))
+    pad = width * PARTIALS_BLOCK - k  # zero products (+0) add nothing
+    batch = a.shape[:-2]
+    if b.shape[:-2] != batch:
+        batch = torch.broadcast_shapes(batch, b.shape[:-2])
+        a, b = a.expand(*batch, m, k), b.expand(*batch, k, n)
+    count = batch.numel()
+    with _outside_half_kernels():
+        # Float32 copies laid out as the operands are: bmm reads a transposed one as it lies.
+        a32, b32 = a.reshape(count, m, k).float(), b.reshape(count, k, n).float()
+        if pad:
+            a32, b32 = F.pad(a32, (0, pad)), F.pad(b32, (0, 0, 0, pad))
+        if width == 1:
+            return torch.bmm(a32, b32).half().view(*batch, m, n)
+        if count == 1:  # the blocks as one batch of views: [width, m, B] @ [width, B, n]
+            a_blocks = a32[0].reshape(m, width, PARTIALS_BLOCK).movedim(1, 0)
+            b_blocks = b32[0].reshape(width, PARTIALS_BLOCK, n)
+        out = torch.empty((count, m, n), dtype=torch.float16)
+        # A tile of output rows at a time: its block sums stay in cache, their buffers reused.
+        rows = max(1, min(m, _TILE_BYTES // (4 * width * max(1, count * n))))
+        for start in range(0, m, rows):
+            stop = min(start + rows, m)
+            if start == 0 or stop - start != rows:
+                sums32 = torch.empty((width, count, stop - start, n))
+                sums = torch.empty((width, count, stop - start, n), dtype=torch.float16)
+            if count == 1:
+                torch.bmm(a_blocks[:, start:stop], b_blocks, out=sums32[:, 0])
+            else:  # a bmm a block (making the blocks one batch would copy both operands)
+                for block in range(width):
+                    cut = slice(block * PARTIALS_BLOCK, (block + 1) * PARTIALS_BLOCK)
+                    torch.bmm(a32[:, start:stop, cut], b32[:, cut], out=sums32[block])
+            sums.copy_(sums32)
+            _tree_sum(sums, out[:, start:stop])
+        return out.view(*batch, m, n)
 
 
 def half_partials_convolution(x: torch.Tensor, weight: torch.Tensor, stride: Any, padding: Any,
@@ -114,16 +165,30 @@ def half_partials_convolution(x: torch.Tensor, weight: torch.Tensor, stride: Any
     """A float16 convolution (not transposed, no bias) with float16 partial sums: blocks of
     ``PARTIALS_BLOCK`` input channels of each group convolved in float32 (the kernel window
     with them) and rounded to float16, the block results added as a tree in float16."""
+    settings = (stride, padding, dilation, False, [0] * (weight.dim() - 2), groups)
     per_group = weight.shape[1]
-    parts = []
-    for start in range(0, per_group, PARTIALS_BLOCK):
-        stop = min(start + PARTIALS_BLOCK, per_group)
-        channels = [g * per_group + c for g in range(groups) for c in range(start, stop)]
-        part = torch.ops.aten.convolution(
-            x[:, channels].float(), weight[:, start:stop].float(), None, stride, padding,
-            dilation, False, [0] * (weight.dim() - 2), groups)
-        parts.append(part.half())
-    return _tree_sum_half(torch.stack(parts))
+    blocks = -(-per_group // PARTIALS_BLOCK)
+    width = _tree_width(blocks)
+    sums: Optional[torch.Tensor] = None
+    with _outside_half_kernels():
+        # Each group's channels side by side: a block's are a slice of the per-group channels.
+        by_group = x.reshape(x.shape[0], groups, per_group, *x.shape[2:])
+        # A convolution a block (as fast on a CPU as one grouped convolution of them all).
+        for index, start in enumerate(range(0, per_group, PARTIALS_BLOCK)):
+            stop = min(start + PARTIALS_BLOCK, per_group)
+            part = torch.ops.aten.convolution(
+                by_group[:, :, start:stop].reshape(x.shape[0], -1, *x.shape[2:]).float(),
+                weight[:, start:stop].float(), None, *settings)
+            if width == 1:
+                return part.half()
+            if sums is None:
+                sums = torch.empty((width, *part.shape), dtype=torch.float16)
+                sums[blocks:].zero_()
+            sums[index].copy_(part)
+        assert sums is not None
+        out = torch.empty(sums.shape[1:], dtype=torch.float16)
+        _tree_sum(sums, out)
+        return out
 
 
 def _float_partials_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -144,8 +209,9 @@ class _HalfMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         a, b = ctx.saved_tensors
-        return (half_partials_matmul(grad, b.transpose(-1, -2)),
-                half_partials_matmul(a.transpose(-1, -2), grad))
+        wants_a, wants_b = ctx.needs_input_grad[:2]
+        return (half_partials_matmul(grad, b.transpose(-1, -2)) if wants_a else None,
+                half_partials_matmul(a.transpose(-1, -2), grad) if wants_b else None)
 
 
 class _HalfConvolution(torch.autograd.Function):
@@ -156,8 +222,9 @@ class _HalfConvolution(torch.autograd.Function):
         ctx.settings = (stride, padding, dilation, groups)
         out = half_partials_convolution(x, weight, stride, padding, dilation, groups)
         if bias is not None:
-            shape = [1, -1] + [1] * (out.dim() - 2)
-            out = (out.float() + bias.float().reshape(shape)).half()
+            with _outside_half_kernels():
+                shape = [1, -1] + [1] * (out.dim() - 2)
+                out = (out.float() + bias.float().reshape(shape)).half()
         return out
 
     @staticmethod
@@ -166,7 +233,7 @@ class _HalfConvolution(torch.autograd.Function):
         stride, padding, dilation, groups = ctx.settings
         inputs = [t.detach().float().requires_grad_() if t is not None else None
                   for t in (x, weight, bias)]
-        with torch.enable_grad():
+        with torch.enable_grad(), _outside_half_kernels():
             out = torch.ops.aten.convolution(inputs[0], inputs[1], inputs[2], stride, padding,
                                              dilation, False, [0] * (weight.dim() - 2), groups)
             wanted = [t for t in inputs if t is not None]
@@ -191,7 +258,9 @@ def _mm_autograd(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _addmm_autograd(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: Any = 1,
                     alpha: Any = 1) -> torch.Tensor:
     product = _HalfMatmul.apply(a, b)
-    return (beta * bias + alpha * product).half()
+    # A float16 product by 1 is exact: skipping it changes no bit and saves two ops.
+    return ((bias if beta == 1 else beta * bias) + (product if alpha == 1 else alpha * product)
+            ).half()
 
 
 def ipu_model_gelu(x: torch.Tensor) -> torch.Tensor:
