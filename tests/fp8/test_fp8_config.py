@@ -102,3 +102,17 @@ def test_sub_byte_formats_are_fine_with_block_recipes():
     config = FP8Config(scaling="mx", activation_format="E2M3", weight_format="E3M2",
                        gradient_format="E2M1")
     assert config.activation.bits == 6 and config.gradient.bits == 4
+
+
+def test_simulate_fp8_takes_a_recipe_name_as_its_config():
+    import torch
+
+    from ipu_unit_scaling.fp8 import FP8Linear
+    from ipu_unit_scaling.transforms import simulate_fp8
+
+    model = simulate_fp8(torch.nn.Sequential(torch.nn.Linear(64, 64)), "mx")
+    assert isinstance(model[0], FP8Linear) and model[0].config == FP8Config.from_recipe("mx")
+    with pytest.raises(FP8ConfigError, match="recipe: got 'mxfp9'; allowed: static"):
+        simulate_fp8(torch.nn.Sequential(torch.nn.Linear(8, 8)), "mxfp9")
+    with pytest.raises(TypeError, match="FP8Config or a recipe name, not dict"):
+        simulate_fp8(torch.nn.Sequential(torch.nn.Linear(8, 8)), {"scaling": "mx"})
