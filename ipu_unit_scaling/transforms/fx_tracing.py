@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import re
+import sys
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -23,7 +25,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "ConcreteTracer", "ArgumentFrame", "SpecialisedCall", "capture_inputs", "trace_module",
-    "Inputs", "function_behind",
+    "Inputs", "function_behind", "TRANSFORMERS_TESTED", "transformers_unsupported",
 ]
 
 # (args, kwargs) of one call.
@@ -68,6 +70,8 @@ class ConcreteTracer(fx.Tracer):
         self, m: nn.Module, forward: Callable[..., Any], args: Tuple[Any, ...],
         kwargs: Dict[str, Any],
     ) -> Any:
+        if self._real_attributes:  # running a leaf on real values: its submodules record nothing
+            return forward(*args, **kwargs)
         function = function_behind(m)
         if function is None:
             return super().call_module(m, forward, args, kwargs)
@@ -129,6 +133,9 @@ class ConcreteTracer(fx.Tracer):
                     return getattr(args[0], str(node.target))(*args[1:], **kwargs)
                 if node.op == "call_module":
                     module = self.root.get_submodule(str(node.target))
+                    # The leaf's arguments in this trace, which may differ from an eager
+                    # call's (Hugging Face builds masks only while tracing).
+                    node.meta["example_inputs"] = (tuple(args), dict(kwargs))
                     return _unpatched_module_call(module, *args, **kwargs)
         except Exception:  # a value we cannot compute only matters if control flow needs it
             return _UNKNOWN
@@ -193,6 +200,41 @@ def function_behind(module: Any) -> Optional[Callable[..., Any]]:
 
 def _plain(function: Callable[..., Any]) -> Callable[..., Any]:
     return function_behind(function) or function
+
+
+# The oldest and the newest transformers release that unit_scale is tested on (CI runs its
+# Hugging Face tests on both); supported: from the first's minor version up to, not including,
+# the next major version after the second. setup.py and docs/guide/install.md say the same.
+TRANSFORMERS_TESTED = ("5.23.0", "5.25.0")
+
+
+def _minor_version(version: str) -> Tuple[int, int]:
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
+
+
+def _transformers_version() -> str:
+    # Read at each call: transformers may replace its module in sys.modules as it loads a model.
+    return str(getattr(sys.modules.get("transformers"), "__version__", "unknown"))
+
+
+def transformers_unsupported(model: nn.Module) -> Optional[str]:
+    """Why unit_scale cannot convert `model`, a Hugging Face model, with the installed
+    transformers; None when it can (or when `model` has no transformers layers).
+
+    Each transformers release may change how its models are written (transformers 5 turned
+    functions into modules), which decides what the tracer sees; a release outside the tested
+    range is refused rather than converted halfway.
+    """
+    if not any(type(m).__module__.startswith("transformers.") for m in model.modules()):
+        return None
+    version = _transformers_version()
+    oldest, newest = TRANSFORMERS_TESTED
+    if _minor_version(oldest) <= _minor_version(version) < (_minor_version(newest)[0] + 1, 0):
+        return None
+    supported = ">={}.{},<{}".format(*_minor_version(oldest), _minor_version(newest)[0] + 1)
+    return (f"unit_scale supports transformers {supported} (tested on {oldest} and {newest}); "
+            f'this is transformers {version}: pip install "transformers{supported}"')
 
 
 # Tensor factories whose arguments are often traced values: `torch.arange(x.shape[-1],

@@ -65,6 +65,7 @@ from .fx_tracing import (
     capture_inputs,
     function_behind,
     trace_module,
+    transformers_unsupported,
 )
 from .graph import (
     first_line,
@@ -84,6 +85,7 @@ from .graph import (
     silu_input,
     target_name,
 )
+from .keep_structure import install_forward, is_trunk, is_trunk_leaf, mark_converted
 
 __all__ = ["unit_scale", "unit_scale_with_report", "UnitScaleReport", "UnitScaleWarning"]
 
@@ -152,6 +154,7 @@ def unit_scale(
     attn_tau: float = 0.2,
     mlp_tau: float = 0.5,
     seed: int = 0,
+    keep_structure: bool = False,
 ) -> M:
     """Return a unit-scaled copy of `model`; `model` itself is not changed.
 
@@ -173,6 +176,11 @@ def unit_scale(
       not contain attention.
     - `seed`: the converted weights are drawn from this seed (the caller's RNG is untouched), so
       two conversions of one model are identical.
+    - `keep_structure`: the copy keeps the model's modules, classes and parameter names, each
+      traced module with its converted forward (see `keep_structure`), for libraries that walk
+      and reload the model (Optimum Graphcore's IPUTrainer, PopTorch's blocks); a Hugging Face
+      model's class becomes `UnitScaled<Name>`, a subclass. Without it the copy's traced
+      modules are graph modules (`SpecialisedCall` where example inputs fixed arguments).
 
     Ops that could not be converted are listed in a `UnitScaleWarning`.
 
@@ -188,7 +196,7 @@ def unit_scale(
     converted, report = unit_scale_with_report(
         model, example_inputs, example_kwargs, skip=skip, replacements=replacements,
         function_replacements=function_replacements, replace=replace, attn_tau=attn_tau,
-        mlp_tau=mlp_tau, seed=seed,
+        mlp_tau=mlp_tau, seed=seed, keep_structure=keep_structure,
     )
     for backend in backends:
         converted = apply_transform(converted, backend)
@@ -212,12 +220,17 @@ def unit_scale_with_report(
     attn_tau: float = 0.2,
     mlp_tau: float = 0.5,
     seed: int = 0,
+    keep_structure: bool = False,
 ) -> tuple[nn.Module, UnitScaleReport]:
     """`unit_scale` without the warning: returns `(converted_model, report)`."""
+    unsupported = transformers_unsupported(model)
+    if unsupported is not None:
+        raise RuntimeError(unsupported)
     copied = copy.deepcopy(model)
     with _calls_replaced(copied, dict(replace or {})):
         return _unit_scale_copy(copied, example_inputs, example_kwargs, skip, replacements,
-                                function_replacements, attn_tau, mlp_tau, seed, model.training)
+                                function_replacements, attn_tau, mlp_tau, seed, model.training,
+                                keep_structure)
 
 
 def _unit_scale_copy(
@@ -231,6 +244,7 @@ def _unit_scale_copy(
     mlp_tau: float,
     seed: int,
     training: bool,
+    keep_structure: bool = False,
 ) -> tuple[nn.Module, UnitScaleReport]:
     captured: Dict[str, Inputs] = {}
     if example_inputs is not None or example_kwargs:
@@ -242,12 +256,23 @@ def _unit_scale_copy(
         functions={**R.FUNCTION_ADAPTERS, **E.ATEN_ADAPTERS, **dict(function_replacements or {})},
         attn_tau=attn_tau,
         mlp_tau=mlp_tau,
+        keep_structure=keep_structure,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         converted = converter.convert(copied, "")
     converted.train(training)
+    if keep_structure:
+        mark_converted(converted, "UnitScaled")
     return converted, converter.report
+
+
+def _follow_placement(original: nn.Module, new: nn.Module) -> None:
+    """A replacement takes the device and floating dtype of the module it replaces (built
+    fresh, it would be float32 in a model already made half, on the CPU in one moved)."""
+    tensors = [t for t in (*original.parameters(), *original.buffers()) if t.is_floating_point()]
+    if tensors:
+        new.to(device=tensors[0].device, dtype=tensors[0].dtype)
 
 
 def _traced_as_call(target: Callable[..., Any]) -> Callable[..., Any]:
@@ -315,6 +340,7 @@ class _Converter:
         functions: Dict[Any, Callable[..., Any]],
         attn_tau: float,
         mlp_tau: float,
+        keep_structure: bool = False,
     ) -> None:
         self.captured = captured
         self.skip = skip
@@ -323,6 +349,7 @@ class _Converter:
         self.functions = functions
         self.attn_tau = attn_tau
         self.mlp_tau = mlp_tau
+        self.keep_structure = keep_structure
         self.report = UnitScaleReport()
         self._dropouts = 0
         # As traced: a function-turned-module (transformers 5) is recorded as its function.
@@ -364,6 +391,7 @@ class _Converter:
                 self.report.unconverted.append(f"{name} ({type(module).__name__})")
                 return module
             self.report.converted.append(name or type(module).__name__)
+            _follow_placement(module, new)
             self._keep_ties(module, new)
             return new
         if self._is_leaf(module, name):
@@ -372,7 +400,12 @@ class _Converter:
             return module
         if type(module).forward is nn.Module.forward:  # a container such as nn.ModuleList
             return self._convert_children(module, name)
+        # Keeping the structure, a trunk calls its blocks as modules (see `keep_structure`).
+        trunk = self.keep_structure and is_trunk(module)
+
         def is_leaf(child: nn.Module, child_name: str) -> bool:
+            if trunk and is_trunk_leaf(module, child_name):
+                return True
             return self._is_leaf(child, f"{name}.{child_name}" if name else child_name)
 
         label = name or type(module).__name__
@@ -386,7 +419,7 @@ class _Converter:
             if inputs is not None:
                 exported = self._convert_exported(module, name, inputs, failure)
                 if exported is not None:
-                    return exported
+                    return self._installed(module, exported)
             self.report.untraceable.append(f"{label}: {failure}")
             return self._convert_children(module, name)
         self.report.tracers.append(f"{label}: torch.fx")
@@ -395,8 +428,12 @@ class _Converter:
         converted = self._rewrite(root, name, graph, tensor_nodes)
         if isinstance(root, ArgumentFrame):
             assert isinstance(converted, fx.GraphModule)
-            return SpecialisedCall(converted, root)
-        return converted
+            converted = SpecialisedCall(converted, root)
+        return self._installed(module, converted)
+
+    def _installed(self, module: nn.Module, converted: nn.Module) -> nn.Module:
+        """`converted`, or keeping the structure `module` with `converted` as its forward."""
+        return install_forward(module, converted) if self.keep_structure else converted
 
     def _convert_exported(
         self, module: nn.Module, name: str, inputs: Inputs, fx_failure: str
@@ -503,6 +540,10 @@ class _Converter:
         if target in done:
             return
         module = root.get_submodule(target)
+        traced_inputs = node.meta.pop("example_inputs", None)
+        if self.keep_structure and traced_inputs is not None:
+            # Converted on its own, the leaf is specialised to what the traced graph passes it.
+            self.captured[qualified] = traced_inputs
         new = self.convert(module, qualified)
         done[target] = new
         if new is not module:

@@ -411,7 +411,10 @@ def test_converted_models_pass_the_poptorch_check(llama_pair, bert_pair):
     names = ["input_ids", "labels"]
     assert check_poptorch(KeywordCall(converted, names, use_cache=False), ids, ids).ok
     plain = check_poptorch(KeywordCall(model, names, use_cache=False), ids, ids, strict=False)
-    assert any("scaled_dot_product" in op for op in plain.unsupported), str(plain)
+    # transformers 5.25's original Llama reaches fused attention under this trace (5.23's and
+    # 5.24's pass the check): where it does, PopTorch has no handler for it.
+    if not plain.ok:
+        assert any("scaled_dot_product" in op for op in plain.unsupported), str(plain)
 
     model, converted, _, call = bert_pair
     names = list(call)
@@ -450,3 +453,46 @@ def test_without_export_the_fallback_says_why(monkeypatch):
     _, report = unit_scale_with_report(model, (ids, ids))
     assert report.tracers[0] == "SlicesABuffer: not traced (no torch.export in this test)"
     assert report.untraceable and report.untraceable[0].startswith("SlicesABuffer: TypeError")
+
+
+# ---------------------------------------------------------------- transformers versions
+
+
+@pytest.mark.parametrize("version", ["4.29.2", "6.0.0"])
+def test_an_untested_transformers_is_refused_in_one_line(monkeypatch, version):
+    """Outside the tested range, a Hugging Face model is refused, not converted halfway; a
+    model without transformers layers converts whatever transformers says."""
+    from ipu_unit_scaling.transforms import fx_tracing
+
+    model = llama(num_hidden_layers=1)
+    ids = random_tokens(seed=5)
+    monkeypatch.setattr(fx_tracing, "_transformers_version", lambda: version)
+    with pytest.raises(RuntimeError) as refusal:
+        unit_scale(model, (ids,), {"labels": ids, "use_cache": False})
+    message = str(refusal.value)
+    oldest, newest = fx_tracing.TRANSFORMERS_TESTED
+    assert "\n" not in message
+    assert message.startswith("unit_scale supports transformers >=")
+    assert f"tested on {oldest} and {newest}" in message
+    assert f"this is transformers {version}" in message
+    plain = SlicesABuffer()
+    unit_scale(plain, (torch.randint(0, 16, (2, 6)), torch.randint(0, 16, (2, 6))))
+
+
+def test_the_installed_transformers_is_in_the_tested_range():
+    transformers = _transformers()
+    from ipu_unit_scaling.transforms.fx_tracing import transformers_unsupported
+
+    assert transformers_unsupported(llama(num_hidden_layers=1)) is None, transformers.__version__
+
+
+def test_gpt2_converts_fully_with_fx():
+    transformers = _transformers()
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=SEQ))
+    ids = random_tokens(seed=5)
+    _, report = _convert(model, (ids,), {"labels": ids, "use_cache": False})
+    assert report.tracers == ["GPT2LMHeadModel: torch.fx"]
+    assert not report.untraceable and not report.unconverted
+    assert len(report.residuals) == 4
