@@ -31,8 +31,10 @@ from .experiments import UNTUNED_MARK, UNTUNED_NOTE
 def run_compare(
     config: Config, regimes: Sequence[str], run_dir: Path, quiet: bool = False,
     counter: Optional[Any] = None, label: str = "",
+    recipe_settings: Optional[Dict[str, Any]] = None,
 ) -> List[Dict[str, Any]]:
     """Train every regime into ``run_dir/<regime>``; returns one result row per regime.
+    ``recipe_settings`` go to the recipes that read them (``regime_config``).
 
     ``counter`` (a :class:`~.progress.RunCounter`) counts the regimes of a larger whole (the
     seeds of ``compare --seeds``), whose progress lines name each regime followed by ``label``.
@@ -58,11 +60,13 @@ def run_compare(
         remove_temporaries(run_dir)
         check_own_kind(run_dir, "compare", COMPARE_FILES, is_regime)
         corpus = load_corpus(config.data.path, config.data.val_fraction, config.model.seq_len)
-        plans = [(regime, *_regime_plan(config, regime, run_dir / regime, corpus))
+        plans = [(regime, *_regime_plan(config, regime, run_dir / regime, corpus,
+                                        recipe_settings))
                  for regime in regimes]
         for regime in REGIMES:  # an earlier compare's other finished regimes stay in the table
             if regime not in regimes and (run_dir / regime).is_dir():
-                cfg, action = _regime_plan(config, regime, run_dir / regime, corpus)
+                cfg, action = _regime_plan(config, regime, run_dir / regime, corpus,
+                                           recipe_settings)
                 if action == "reuse":
                     plans.append((regime, cfg, action))
         if counter is not None:
@@ -70,7 +74,8 @@ def run_compare(
         return _run_regimes(plans, run_dir, quiet, counter, label)
 
 
-def _regime_plan(config: Config, regime: str, regime_dir: Path, corpus: Any) -> Any:
+def _regime_plan(config: Config, regime: str, regime_dir: Path, corpus: Any,
+                 recipe_settings: Optional[Dict[str, Any]] = None) -> Any:
     """The regime's resolved config, and whether to ``start``, ``resume`` or ``reuse`` it."""
     from ..loop.run_opening import (
         check_reused_tokenizer,
@@ -81,7 +86,7 @@ def _regime_plan(config: Config, regime: str, regime_dir: Path, corpus: Any) -> 
     from ..training.precision import regime_config
     from ..training.run_directory import CHECKPOINT_FILE, SUMMARY_FILE, RunError, read_json
 
-    cfg = resolved_config(regime_config(config, regime), corpus)
+    cfg = resolved_config(regime_config(config, regime, recipe_settings), corpus)
     checkpoint = regime_dir / CHECKPOINT_FILE
     has_checkpoint = checkpoint.exists() or checkpoint.is_symlink()
     summary = read_json(regime_dir / SUMMARY_FILE)
@@ -204,6 +209,10 @@ def _precision_name(config: Config) -> str:
                                       fp8.gradient_format)))
     extra = (" round-up" if fp8.scale_rounding == "up" else "") + (
         " hp-wgrad" if fp8.grad_weight_high_precision else "")
+    if fp8.scaling == "block" and fp8.block_size is not None:  # a size the run was given
+        extra += f" {fp8.block_size}"
+    elif fp8.scaling == "delayed":
+        extra += f" {fp8.amax_reduction} of {fp8.amax_history_length}"
     return f"{fp8.scaling}{extra} {formats}"
 
 
@@ -276,33 +285,93 @@ def command_compare(args: argparse.Namespace) -> int:
     """``compare``: the regimes trained side by side, over one seed or several."""
     if args.model == "bert":
         return command_compare_bert(args)
+    recipes = getattr(args, "recipes", None)
+    recipe_settings: Dict[str, Any] = {}
+    if recipes:
+        args, recipe_settings = _held_recipe_settings(args)
     config = load_command_config(args)
     seeds = args.seeds or 1
     regimes = list(args.regimes or config.compare.regimes)
-    if getattr(args, "recipes", None):
+    if recipes:
         from ..training.precision import recipe_regimes
 
         if args.regimes:
             raise UsageError("give --regimes or --recipes, not both")
-        if len(set(args.recipes)) != len(args.recipes):
-            raise UsageError(f"--recipes lists a recipe twice: {' '.join(args.recipes)}")
-        regimes = recipe_regimes(args.recipes)
+        if len(set(recipes)) != len(recipes):
+            raise UsageError(f"--recipes lists a recipe twice: {' '.join(recipes)}")
+        regimes = recipe_regimes(recipes)
+        _check_recipe_settings(config, recipes, regimes, recipe_settings,
+                               command_overrides(args))
     if len(set(regimes)) != len(regimes):
         raise UsageError(f"--regimes lists a regime twice: {' '.join(regimes)}")
     with command_run_directory(args.run_dir, runs_root(config), "compare") as run_dir, \
             continued_by_running_again("compare", run_dir):
         if seeds == 1:
-            rows = run_compare(config, regimes, run_dir, quiet=args.quiet)
+            rows = run_compare(config, regimes, run_dir, quiet=args.quiet,
+                               recipe_settings=recipe_settings)
             table = format_compare_table(rows, read_baseline(run_dir))
         else:
-            table = run_compare_seeds(config, regimes, run_dir, seeds, quiet=args.quiet)
+            table = run_compare_seeds(config, regimes, run_dir, seeds, quiet=args.quiet,
+                                      recipe_settings=recipe_settings)
     print(table)
     print(f"curves: {run_dir / 'compare.png'}; table: {run_dir / 'compare.md'}")
     return 0
 
 
+def _held_recipe_settings(args: argparse.Namespace) -> Any:
+    """``args`` without the ``--set`` items of the FP8 fields only some recipes read (block
+    size, amax history), and those items' values: with ``--recipes`` they go to the recipes
+    that read them, not to the base config, whose scaling may not."""
+    from ..fp8.fp8_config import RECIPE_TUNING_FIELDS
+    from ..training.config_files import parse_override_value
+
+    kept: List[str] = []
+    held: Dict[str, Any] = {}
+    for item in command_overrides(args):
+        key = item.partition("=")[0].strip()
+        name = key[len("precision.fp8."):]
+        if key.startswith("precision.fp8.") and name in RECIPE_TUNING_FIELDS:
+            held[name] = parse_override_value(key, item.partition("=")[2])
+        else:
+            kept.append(item)
+    return argparse.Namespace(**{**vars(args), "overrides": [kept]}), held
+
+
+def _check_recipe_settings(config: Config, recipes: Sequence[str], regimes: Sequence[str],
+                           recipe_settings: Dict[str, Any], overrides: Sequence[str]) -> None:
+    """UsageError (one line) for a ``--set`` that no recipe reads, one that makes a recipe's
+    config invalid, or one that a recipe replaces with its own value: a comparison never runs
+    a setting other than the one given."""
+    from ..fp8.fp8_config import RECIPES, field_is_free
+    from ..training.precision import regime_config, regime_settings
+
+    for name in recipe_settings:
+        if not any(field_is_free(name, RECIPES[r]["scaling"]) for r in recipes):
+            readers = sorted(r for r in RECIPES if field_is_free(name, RECIPES[r]["scaling"]))
+            raise UsageError(f"--set precision.fp8.{name}: none of the recipes "
+                             f"{' '.join(recipes)} reads it (only {' and '.join(readers)} "
+                             f"read{'s' if len(readers) == 1 else ''} it)")
+    given = [item.partition("=")[0].strip()[len("precision.fp8."):] for item in overrides
+             if item.startswith("precision.fp8.")]
+    for regime in regimes:
+        _, dtype, recipe = regime_settings(regime)
+        if dtype != "fp8":
+            continue
+        try:
+            fp8 = regime_config(config, regime, recipe_settings).precision.fp8
+        except ValueError as error:
+            raise UsageError(f"recipe {recipe}: {error}") from None
+        for name in given:
+            if hasattr(fp8, name) and getattr(fp8, name) != getattr(config.precision.fp8, name):
+                raise UsageError(
+                    f"--set precision.fp8.{name}: recipe {recipe} sets it to "
+                    f"{getattr(fp8, name)!r}, not {getattr(config.precision.fp8, name)!r}; "
+                    "name the recipe you mean in --recipes, or leave the setting out")
+
+
 def run_compare_seeds(config: Config, regimes: Sequence[str], run_dir: Path, seeds: int,
-                      quiet: bool = False) -> str:
+                      quiet: bool = False,
+                      recipe_settings: Optional[Dict[str, Any]] = None) -> str:
     """``compare`` once per seed (``run_dir/seed-<seed>``), then the mean ± std table; returns
     it (also in ``compare.md``, with ``compare.json`` and ``compare.png``)."""
     from ..training.run_directory import COMPARE_FILES, RunLock, check_own_kind, make_run_dir
@@ -324,6 +393,7 @@ def run_compare_seeds(config: Config, regimes: Sequence[str], run_dir: Path, see
             if not quiet:
                 print(f"compare: seed {seed} ({offset + 1} of {seeds})")
             per_seed[seed] = run_compare(seeded, regimes, seed_dirs[seed], quiet=quiet,
-                                         counter=counter, label=f" seed {seed}")
+                                         counter=counter, label=f" seed {seed}",
+                                         recipe_settings=recipe_settings)
         _, table = write_seed_results(run_dir, per_seed, seed_dirs)
     return table

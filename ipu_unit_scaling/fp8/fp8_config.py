@@ -15,7 +15,7 @@ from .fp8_formats import SUB_BYTE_FORMATS, FP8Format, get_format
 from .scaling import MAX_MARGIN
 
 __all__ = ["FP8Config", "FP8ConfigError", "SCALING_MODES", "GROUPED_SCALINGS", "RECIPES",
-           "MAX_AMAX_HISTORY", "RECIPE_ONLY_FIELDS", "field_is_free"]
+           "MAX_AMAX_HISTORY", "RECIPE_ONLY_FIELDS", "RECIPE_TUNING_FIELDS", "field_is_free"]
 
 SCALING_MODES = ("amax", "static", "delayed", "rowwise", "block", "mx", "nvfp4")
 # Recipes whose scales belong to groups of a tensor (rows, tiles, blocks), cast per GEMM along
@@ -54,7 +54,8 @@ RECIPE_ONLY_FIELDS: Dict[str, Tuple[str, ...]] = {
     "scale_rounding": ("mx",),
     "grad_weight_high_precision": GROUPED_SCALINGS,
 }
-_KEPT_BY_RECIPES = ("amax_history_length", "amax_reduction", "block_size")
+# Read by some scalings only, and set by no recipe name: a recipe keeps them where it reads them.
+RECIPE_TUNING_FIELDS = ("amax_history_length", "amax_reduction", "block_size")
 
 
 def field_is_free(name: str, scaling: str) -> bool:
@@ -147,7 +148,7 @@ class FP8Config:
         defaults = FP8Config()
         scaling = RECIPES[name]["scaling"]
         changes = {field: getattr(defaults, field) for field in _RECIPE_FIELDS}
-        for field in _KEPT_BY_RECIPES:
+        for field in RECIPE_TUNING_FIELDS:
             changes[field] = getattr(self if field_is_free(field, scaling) else defaults, field)
         changes.update(RECIPES[name])
         return dataclasses.replace(self, **changes)

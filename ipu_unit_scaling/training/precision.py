@@ -6,14 +6,14 @@ built, so every key of the ``model`` and ``precision`` sections reaches it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import ops as U
-from ..fp8.fp8_config import RECIPES, FP8Config
+from ..fp8.fp8_config import RECIPES, FP8Config, field_is_free
 from ..models.gpt import GPTConfig, build_gpt
 from ..modules.layers import LinearReadout
 from .config_files import ConfigError
@@ -90,20 +90,27 @@ def is_regime(name: str) -> bool:
     return True
 
 
-def _regime_fp8(fp8: FP8Config, recipe: str) -> FP8Config:
-    """The run's FP8 section in ``recipe``: static and amax keep the configured formats (as
-    the regimes always have); the other recipes bring their own fields (``with_recipe``)."""
-    if recipe in ("static", "amax"):
-        return dataclasses.replace(fp8.with_recipe(recipe), activation_format=fp8.activation_format,
-                                   weight_format=fp8.weight_format,
-                                   gradient_format=fp8.gradient_format)
-    return fp8.with_recipe(recipe)
+def _regime_fp8(fp8: FP8Config, recipe: str,
+                recipe_settings: Mapping[str, Any]) -> FP8Config:
+    """The run's FP8 section in ``recipe``: a recipe that names no formats (all but mx, mxfp4
+    and nvfp4) keeps the configured ones; ``recipe_settings`` (block size, amax history) apply
+    where the recipe reads them (``field_is_free``)."""
+    regime = fp8.with_recipe(recipe)
+    if "activation_format" not in RECIPES[recipe]:
+        regime = dataclasses.replace(regime, activation_format=fp8.activation_format,
+                                     weight_format=fp8.weight_format,
+                                     gradient_format=fp8.gradient_format)
+    settings = {name: value for name, value in recipe_settings.items()
+                if field_is_free(name, regime.scaling)}
+    return dataclasses.replace(regime, **settings) if settings else regime
 
 
-
-def regime_config(config: Config, regime: str) -> Config:
+def regime_config(config: Config, regime: str,
+                  recipe_settings: Optional[Mapping[str, Any]] = None) -> Config:
     """``config`` set to one comparison regime: model build, precision, learning rate, and an
-    evaluation interval that gives every curve at least ten points."""
+    evaluation interval that gives every curve at least ten points. ``recipe_settings``:
+    FP8 fields of :data:`~ipu_unit_scaling.fp8.fp8_config.RECIPE_TUNING_FIELDS` for the
+    recipes that read them (``compare --recipes block --set precision.fp8.block_size=64``)."""
     model, dtype, recipe = regime_settings(regime)
     if config.model.factory is not None:
         raise ConfigError([("model.factory", (
@@ -119,7 +126,8 @@ def regime_config(config: Config, regime: str) -> Config:
     return dataclasses.replace(
         config, model=with_model_kind(config.model, model),
         precision=dataclasses.replace(
-            config.precision, dtype=dtype, fp8=_regime_fp8(config.precision.fp8, recipe)),
+            config.precision, dtype=dtype,
+            fp8=_regime_fp8(config.precision.fp8, recipe, recipe_settings or {})),
         training=dataclasses.replace(training, learning_rate=rate, eval_interval=eval_interval),
     )
 
