@@ -37,7 +37,7 @@ def _trained(optimizer_type: Any = poptorch.optim.SGD):
     torch.manual_seed(0)
     net = _Net()
     optimizer = (optimizer_type(net.parameters(), lr=0.1, momentum=0.9)
-                 if optimizer_type is poptorch.optim.SGD
+                 if optimizer_type in (poptorch.optim.SGD, torch.optim.SGD)
                  else optimizer_type(net.parameters(), lr=0.01))
     training = poptorch.trainingModel(net, optimizer=optimizer)
     for _ in range(2):
@@ -70,7 +70,8 @@ def test_the_trained_state_dict_holds_plain_tensors_that_share_the_model_storage
     assert type(net.state_dict(keep_vars=True)["fc.weight"]) is torch.nn.Parameter
 
 
-@pytest.mark.parametrize("optimizer_type", [poptorch.optim.SGD, poptorch.optim.AdamW])
+@pytest.mark.parametrize("optimizer_type", [poptorch.optim.SGD, poptorch.optim.AdamW,
+                                            torch.optim.SGD, torch.optim.AdamW])
 def test_what_a_user_saves_after_training_loads_with_the_weights_only_reader(
         tmp_path, optimizer_type):
     net, optimizer, training = _trained(optimizer_type)
