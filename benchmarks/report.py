@@ -115,7 +115,7 @@ COMPARISON_NOTES = [
 
 def machine_info(settings: Settings) -> List[str]:
     return [
-        f"CPU: {_cpu_model()} ({os.cpu_count()} logical cores), "
+        f"CPU: {cpu_model()} ({os.cpu_count()} logical cores), "
         f"{settings.threads} torch thread(s)",
         f"Python {platform.python_version()}, torch {torch.__version__}, "
         f"unit-scaling {published_version() or 'not installed'}",
@@ -133,7 +133,7 @@ def _load() -> str:
         return "not available"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as cpuinfo:
             for line in cpuinfo:

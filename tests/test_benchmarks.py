@@ -349,3 +349,30 @@ def test_an_unknown_heap_is_one_line():
 
     with pytest.raises(ValueError, match="heap must be one of kept, default; got 'big'"):
         set_heap("big")
+
+
+def test_emulate_fp16_times_float32_and_both_float16_forms(capsys):
+    """`python -m benchmarks.emulate_fp16 --quick`: a tiny BERT's training step through the
+    PopTorch stand-in in float32, float16 with half partials and float16 with float partials,
+    each timed, both ratios to float32 positive and finite, the half-partials target named;
+    the half-partials form really rounds its partial sums (its steps part from the other's)."""
+    pytest.importorskip("transformers")
+    from benchmarks import emulate_fp16
+
+    threads = torch.get_num_threads()
+    assert emulate_fp16.main(["--quick"]) == 0
+    assert torch.get_num_threads() == threads
+    lines = capsys.readouterr().out.splitlines()
+    for form in emulate_fp16.FORMS:
+        assert any(line.startswith(f"{form}: ") and line.endswith(" ms a step") for line in lines)
+    ratios = [float(line.split(": ")[1].split("x")[0]) for line in lines if " / float32: " in line]
+    assert len(ratios) == 2 and all(math.isfinite(r) and r > 0 for r in ratios), lines
+    assert any("target at most 2.0x" in line for line in lines)
+    logits = {}
+    for form in (emulate_fp16.HALF_PARTIALS, emulate_fp16.FLOAT_PARTIALS):
+        step = emulate_fp16.training_step(form, emulate_fp16.QUICK)
+        for _ in range(3):
+            logits[form], _ = step()
+    assert logits[emulate_fp16.HALF_PARTIALS].dtype == torch.float16
+    assert not torch.equal(logits[emulate_fp16.HALF_PARTIALS],
+                           logits[emulate_fp16.FLOAT_PARTIALS])
