@@ -8,14 +8,19 @@ linears, and for FP8 linears whose casts the host library's kernels make (the no
 directly; see `fp8.native_casts`).
 
 The extension is compiled against the installed torch the first time a layer asks for it
-(about half a minute, once per torch and Python version; a line on stderr says so) and cached
-under ``~/.cache/ipu-unit-scaling/native-layers/``. Where it cannot be built (no C++ compiler
-or no ``ninja``) or where ``IPU_UNIT_SCALING_NATIVE_LAYERS=0``, the layers keep their Python
-Functions, and :func:`status` says why.
+(a minute or two; a line on stderr says so, every time it is built) and cached under
+``~/.cache/ipu-unit-scaling/native-layers/``, in a folder keyed by everything the binary
+depends on (:func:`build_key`: the source, the flags, the compiler, the torch and the Python it
+links against), so two virtual environments or two checkouts each keep their own build instead
+of rebuilding each other's. Processes that build at once take turns (a lock file in the
+folder). Where it cannot be built (no C++ compiler or no ``ninja``) or where
+``IPU_UNIT_SCALING_NATIVE_LAYERS=0``, the layers keep their Python Functions, and
+:func:`status` says why.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import os
 import shutil
@@ -23,12 +28,12 @@ import sys
 import sysconfig
 from pathlib import Path
 from types import ModuleType
-from typing import List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Union
 
 import torch
 
-__all__ = ["OFF_ENV", "SOURCE", "switched_off", "build_directory", "module", "usable",
-           "node_casts", "status"]
+__all__ = ["OFF_ENV", "SOURCE", "switched_off", "build_key", "build_directory", "module",
+           "usable", "node_casts", "status"]
 
 OFF_ENV = "IPU_UNIT_SCALING_NATIVE_LAYERS"
 SOURCE = Path(__file__).with_name("native_layers.cpp")
@@ -37,13 +42,71 @@ _loaded: Optional[ModuleType] = None
 _failure: Optional[str] = None
 
 
+_NAME = "ius_native_layers"
+_CFLAGS = ["-O2"]
+
+
+def build_key() -> str:
+    """A digest of what the binary depends on: the source (its text and its path, which the
+    build file names), the flags, the compiler, and the torch and the Python it compiles
+    against (versions, install paths, ABI)."""
+    compiler = shutil.which(os.environ.get("CXX", "c++")) or ""
+    stat = os.stat(compiler) if compiler else None
+    parts: List[Union[bytes, str]] = [
+        SOURCE.read_bytes(), str(SOURCE.resolve()), " ".join(_CFLAGS),
+        os.path.realpath(compiler) if compiler else "", f"{stat.st_size}:{stat.st_mtime_ns}"
+        if stat else "", torch.__version__, str(getattr(torch.version, "git_version", "")),
+        str(Path(torch.__file__).resolve().parent),
+        str(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", "")), sys.version,
+        str(sysconfig.get_paths().get("include")), str(sysconfig.get_config_var("EXT_SUFFIX")),
+    ]
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part if isinstance(part, bytes) else part.encode("utf-8", "replace"))
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
 def build_directory() -> Path:
-    """Where the extension is built: one folder per torch and Python version, since it links
-    against both."""
+    """Where the extension is built: one folder per :func:`build_key`, named with the torch and
+    Python versions for a reader."""
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     version = torch.__version__.replace("+", "-")
     python = sysconfig.get_config_var("py_version_nodot") or "".join(map(str, sys.version_info[:2]))
-    return cache / "ipu-unit-scaling" / "native-layers" / f"torch-{version}-py{python}"
+    return cache / "ipu-unit-scaling" / "native-layers" / \
+        f"torch-{version}-py{python}-{build_key()}"
+
+
+def _needs_building(directory: Path) -> bool:
+    """Whether loading will compile: no library yet, or a source newer than it (ninja then
+    rebuilds)."""
+    library = directory / f"{_NAME}{sysconfig.get_config_var('SHLIB_SUFFIX') or '.so'}"
+    try:
+        return library.stat().st_mtime_ns < SOURCE.stat().st_mtime_ns
+    except OSError:
+        return True
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path) -> Iterator[None]:
+    """Holds ``directory``'s lock file: one process builds, the others wait, then load what it
+    built. (Without ``fcntl``, torch's own lock around the compile is all there is.)"""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    with open(directory / "build.lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            sys.stderr.write(f"ipu-unit-scaling: waiting for another process building the C++ "
+                             f"transformer-layer nodes in {directory}\n")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def switched_off() -> bool:
@@ -71,23 +134,24 @@ def module() -> Optional[ModuleType]:
         return None
     if _loaded is not None or _failure is not None:
         return _loaded
-    directory = build_directory()
     try:
+        directory = build_directory()
         _put_ninja_on_path()
         directory.mkdir(parents=True, exist_ok=True)
-        if not any(directory.glob("*.so")):
-            sys.stderr.write(
-                f"ipu-unit-scaling: building the C++ transformer-layer nodes for torch "
-                f"{torch.__version__} in {directory} (once; about half a minute)\n")
-        # torch's extension builder prints about CUDA on import in a CUDA build of torch on a
-        # machine without a GPU (torch 2.0): noise for a CPU extension, and a run's stderr is
-        # the user's. A failed build's output is in the exception, kept below.
-        with contextlib.redirect_stderr(io.StringIO()):
-            from torch.utils import cpp_extension
+        with _build_lock(directory):
+            if _needs_building(directory):
+                sys.stderr.write(
+                    f"ipu-unit-scaling: building the C++ transformer-layer nodes for torch "
+                    f"{torch.__version__} in {directory} (a minute or two)\n")
+            # torch's extension builder prints about CUDA on import in a CUDA build of torch on
+            # a machine without a GPU (torch 2.0): noise for a CPU extension, and a run's
+            # stderr is the user's. A failed build's output is in the exception, kept below.
+            with contextlib.redirect_stderr(io.StringIO()):
+                from torch.utils import cpp_extension
 
-            _loaded = cpp_extension.load(
-                name="ius_native_layers", sources=[str(SOURCE)],
-                build_directory=str(directory), extra_cflags=["-O2"], verbose=False)
+                _loaded = cpp_extension.load(
+                    name=_NAME, sources=[str(SOURCE)], build_directory=str(directory),
+                    extra_cflags=list(_CFLAGS), verbose=False)
     except Exception as error:  # no compiler, no ninja, a failed build: Python Functions
         lines = str(error).strip().splitlines()
         _failure = f"{type(error).__name__}: {lines[-1] if lines else ''}"

@@ -2,6 +2,7 @@
 Python Functions they stand for, argument by argument, and the fall-back where they are off."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Dict, List, Optional
 
 import pytest
@@ -194,6 +195,86 @@ def test_a_failed_build_leaves_the_python_functions(monkeypatch, tmp_path):
     torch.manual_seed(0)
     model = uu.GPT(vocab_size=16, hidden_size=16, depth=1, heads=2, seq_len=8)
     assert sorted(_layer_node_names(model)) == ["_NormQKVBackward", "_ProjNormMLPBackward"]
+
+
+def _fake_builds(monkeypatch, tmp_path):
+    """native_layers with its source copied under ``tmp_path`` and a build that writes an
+    empty library; returns the source and the list of build folders loaded."""
+    from torch.utils import cpp_extension
+
+    source = tmp_path / "src" / "native_layers.cpp"
+    source.parent.mkdir()
+    source.write_bytes(native_layers.SOURCE.read_bytes())
+    loads: List[str] = []
+
+    def load(**kwargs):
+        loads.append(kwargs["build_directory"])
+        (Path(kwargs["build_directory"]) / "ius_native_layers.so").write_bytes(b"")
+        return object()
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(native_layers.OFF_ENV, raising=False)
+    monkeypatch.setattr(native_layers, "SOURCE", source)
+    monkeypatch.setattr(cpp_extension, "load", load)
+    return source, loads
+
+
+def _fresh(monkeypatch):
+    monkeypatch.setattr(native_layers, "_loaded", None)
+    monkeypatch.setattr(native_layers, "_failure", None)
+
+
+def test_the_build_folder_is_keyed_by_what_the_binary_depends_on(monkeypatch, tmp_path):
+    source, _ = _fake_builds(monkeypatch, tmp_path)
+    first = native_layers.build_directory()
+    assert first == native_layers.build_directory()
+    seen = {first}
+    source.write_bytes(source.read_bytes() + b"\n// changed\n")  # its text
+    seen.add(native_layers.build_directory())
+    other = tmp_path / "other-checkout" / "native_layers.cpp"  # the same text elsewhere
+    other.parent.mkdir()
+    other.write_bytes(source.read_bytes())
+    monkeypatch.setattr(native_layers, "SOURCE", other)
+    seen.add(native_layers.build_directory())
+    monkeypatch.setattr(native_layers, "_CFLAGS", ["-O3"])  # its flags
+    seen.add(native_layers.build_directory())
+    # another virtual environment's torch, of the same version
+    monkeypatch.setattr(torch, "__file__", str(tmp_path / "venv" / "torch" / "__init__.py"))
+    seen.add(native_layers.build_directory())
+    assert len(seen) == 5 and all(torch.__version__.replace("+", "-") in d.name for d in seen)
+
+
+def test_every_build_is_announced_and_concurrent_builds_take_turns(monkeypatch, tmp_path,
+                                                                   capsys):
+    import fcntl
+    import os
+    import threading
+    import time
+
+    source, loads = _fake_builds(monkeypatch, tmp_path)
+    _fresh(monkeypatch)
+    assert native_layers.module() is not None
+    assert "building the C++ transformer-layer nodes" in capsys.readouterr().err
+    _fresh(monkeypatch)
+    assert native_layers.module() is not None and capsys.readouterr().err == ""  # built
+    later = time.time() + 60
+    os.utime(source, (later, later))  # a source newer than the library: ninja rebuilds it
+    _fresh(monkeypatch)
+    assert native_layers.module() is not None
+    assert "building the C++ transformer-layer nodes" in capsys.readouterr().err
+    assert len(set(loads)) == 1 and len(loads) == 3
+    # Another process building holds the folder's lock: this one waits, and says so.
+    _fresh(monkeypatch)
+    with open(Path(loads[0]) / "build.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        waiting = threading.Thread(target=native_layers.module)
+        waiting.start()
+        time.sleep(0.5)
+        assert len(loads) == 3 and waiting.is_alive()
+        fcntl.flock(held, fcntl.LOCK_UN)
+        waiting.join(timeout=60)
+    assert len(loads) == 4
+    assert "waiting for another process building" in capsys.readouterr().err
 
 
 def test_loading_the_built_nodes_writes_nothing(native):
