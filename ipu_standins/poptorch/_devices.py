@@ -48,7 +48,9 @@ def names_ipu(value: Any) -> bool:
 
 
 def on_host(value: Any) -> Any:
-    """``device="ipu"`` (what PopTorch programs ask for while tracing) as the host's CPU."""
+    """``device="ipu"`` (what PopTorch programs ask for while tracing: ``"ipu:0"``, a
+    ``torch.device("ipu", 0)``) as the host's CPU with no index, the device the parameters are
+    traced on (torch's fake tensors take ``cpu:0`` for another device)."""
     if isinstance(value, str) and names_ipu(value):
         return "cpu"
     if isinstance(value, torch.device) and names_ipu(value):

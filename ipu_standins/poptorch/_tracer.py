@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 from torch.utils._pytree import tree_flatten
 
 from ..poptorch_custom_ops import inside_custom_op, is_library_torch_op
+from ._captured import call_as_captured, compiling, dynamo_compiles_inside_trace
 from ._devices import (
     IPU_FACTORIES,
     LEGACY_CONSTRUCTOR_OPS,
@@ -44,6 +45,7 @@ from ._devices import (
     on_host,
 )
 from ._handlers import ARGUMENT_RULES, HOST_READ_OPS, base_name, is_supported
+from ._host_forms import math_attention, one_hot_without_checks, static_bincount
 from ._losses import ctc_loss
 from ._lowering import lower_graph
 from .poptorch_core import Error as PopTorchError
@@ -125,6 +127,8 @@ class _PopTorchRules(TorchDispatchMode):
     constants only is evaluated on the host by PopTorch before any handler runs, so it is
     neither checked against the handler list nor against the handlers' argument rules.
     """
+
+    ignore_compile_internals = classmethod(lambda cls: True)  # see ._captured
 
     def __init__(self, scopes: List[str]):
         super().__init__()
@@ -310,25 +314,6 @@ _HOST_READ_METHODS = {torch.Tensor.numpy: "Tensor.numpy", torch.Tensor.tolist: "
 _DEVICE_PROPERTY = torch.Tensor.device
 
 
-def _one_hot_without_checks(indices: torch.Tensor, num_classes: int = -1) -> torch.Tensor:
-    classes = torch.arange(num_classes, dtype=indices.dtype, device=indices.device)
-    return (indices.unsqueeze(-1) == classes).to(torch.long)
-
-
-def _static_bincount(input: torch.Tensor, weights: Optional[torch.Tensor] = None,
-                     minlength: int = 0) -> torch.Tensor:
-    """``torch.bincount`` as PopTorch's handler computes it (``OtherOps.cpp``): ``minlength``
-    bins; a value of ``minlength`` or more is counted at index ``len(input) - 1`` instead, and
-    an index past the last bin is dropped by the scatter."""
-    count = input.shape[0]
-    index = torch.where(input < minlength, input.long(), torch.full_like(input.long(), count - 1))
-    values = torch.ones(count, dtype=torch.long) if weights is None else weights
-    inside = index < minlength
-    out = torch.zeros(minlength, dtype=values.dtype)
-    return out.index_add(0, torch.where(inside, index, torch.zeros_like(index)),
-                         torch.where(inside, values, torch.zeros_like(values)))
-
-
 def _is_device_getter(func: Any) -> bool:
     """``tensor.device`` (each access to the getter makes a new method-wrapper object)."""
     return getattr(func, "__self__", None) is _DEVICE_PROPERTY and (
@@ -357,6 +342,8 @@ class _PopTorchCalls(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (),
                            kwargs: Optional[Dict[str, Any]] = None) -> Any:
         kwargs = kwargs or {}
+        if func is torch.device or compiling():  # see ._captured
+            return call_as_captured(func, args, kwargs)
         if _is_device_getter(func):
             device = func(*args, **kwargs)
             self._tensor_devices[id(device)] = device
@@ -365,6 +352,9 @@ class _PopTorchCalls(TorchFunctionMode):
         args = tuple(on_host(a) for a in args)
         kwargs = {k: on_host(v) for k, v in kwargs.items()}
         self._refuse_host_access(func, args, kwargs, to_ipu)
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            with self:  # its math form's ops meet these rules (._host_forms)
+                return math_attention(*args, **kwargs)
         packet = getattr(func, "overloadpacket", None)
         whole = func in _DISPATCHER_LEVEL_FUNCTIONS or (
             packet is not None and getattr(func, "namespace", "") == "aten"
@@ -374,7 +364,7 @@ class _PopTorchCalls(TorchFunctionMode):
             if minlength <= 0 or self.rules.is_constant((args, kwargs)):
                 whole = False  # refused by the argument rule, or evaluated on the host
             else:
-                func = _static_bincount  # a size torch would read from the values
+                func = static_bincount  # a size torch would read from the values
         if not whole:
             self.rules.python_calls += 1
             try:
@@ -392,7 +382,7 @@ class _PopTorchCalls(TorchFunctionMode):
             if classes != -1:
                 # The same values without torch's range checks, which read the indices on
                 # the host; PopTorch takes one_hot whole.
-                func = _one_hot_without_checks
+                func = one_hot_without_checks
         if func is torch.nn.functional.ctc_loss:
             func = ctc_loss  # torch's kernel has a value-dependent shape: see ._losses
         self.rules.inside_dispatcher_op += 1
@@ -572,6 +562,7 @@ def trace_like_poptorch(module: nn.Module, *inputs: Any, stochastic_rounding: bo
             stack.enter_context(_module_scopes(module, scopes))
             stack.enter_context(rules)
             stack.enter_context(_PopTorchCalls(rules))
+            stack.enter_context(dynamo_compiles_inside_trace())
             if context is not None:  # the caller's, innermost: as if inside forward
                 stack.enter_context(context())
             return _functional_call(module, state, args)
