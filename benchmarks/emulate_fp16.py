@@ -58,7 +58,7 @@ def training_step(form: str, shape: BertShape) -> Callable[[], object]:
     config = BertConfig(vocab_size=shape.vocab, hidden_size=shape.width,
                         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
                         intermediate_size=4 * shape.width,
-                        max_position_embeddings=shape.seq_len, num_labels=2)
+                        max_position_embeddings=shape.seq_len)  # (two labels by default)
     config._attn_implementation = "eager"  # (torch's fused attention has no PopTorch lowering)
     bert = BertForSequenceClassification(config)
     if form != FLOAT32:

@@ -87,8 +87,9 @@ _TILE_BYTES = 1 << 22  # float32 block sums held at once (4 MiB), their buffers 
 
 @contextlib.contextmanager
 def _outside_half_kernels() -> Iterator[None]:
-    """Every op of the half partials has a CPU kernel (float32, and float16 additions): they skip
-    :class:`HalfKernels`' Python call per op, which costs more than most of the ops."""
+    """Every op of the half partials has a CPU kernel (float32 ops, casts, float16 additions
+    where torch has them): they skip :class:`HalfKernels`' Python call per op, which costs
+    more than most of the ops."""
     if isinstance(_get_current_dispatch_mode(), HalfKernels):
         with _pop_mode_temporarily():
             yield
@@ -102,21 +103,41 @@ def _tree_width(blocks: int) -> int:
     return 1 << (max(1, blocks) - 1).bit_length()
 
 
+def _adds_float16() -> bool:
+    """Whether torch adds float16 tensors on a CPU (before torch 2.1 some builds do not)."""
+    try:
+        torch.add(torch.ones(2, dtype=torch.float16), torch.ones(2, dtype=torch.float16))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+_ADDS_FLOAT16 = _adds_float16()
+
+
+def _add_rounded(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = x + y``, float16, rounded once.
+
+    Torch adds float16 in float32 (or in float16) and rounds once; float32 holds more than
+    twice float16's precision, so either gives the correctly rounded float16 sum, as does a
+    float32 addition rounded to float16 where torch has no float16 addition."""
+    if _ADDS_FLOAT16:
+        torch.add(x, y, out=out)
+    else:
+        out.copy_(torch.add(x.float(), y.float()))
+
+
 def _tree_sum(sums: torch.Tensor, out: torch.Tensor) -> None:
     """Add float16 block sums (dim 0, a power of two, at least 2) pairwise, as a tree, into
-    ``out``, each level into the front of a buffer of its own (two buffers, in turn).
-
-    Each addition is one float16 rounding: torch adds float16 in float32 (or in float16) and
-    rounds once, and float32 holds more than twice float16's precision, so either gives the
-    correctly rounded float16 sum, as a float32 addition rounded to float16 does."""
+    ``out``, each level into the front of a buffer of its own (two buffers, in turn)."""
     spare: Optional[torch.Tensor] = None
     while sums.shape[0] > 2:
         if spare is None:
             spare = torch.empty_like(sums[:sums.shape[0] // 2])
         level = spare[:sums.shape[0] // 2]
-        torch.add(sums[0::2], sums[1::2], out=level)
+        _add_rounded(sums[0::2], sums[1::2], level)
         sums, spare = level, sums
-    torch.add(sums[0], sums[1], out=out)
+    _add_rounded(sums[0], sums[1], out)
 
 
 def half_partials_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -206,3 +206,18 @@ def test_the_backward_pass_computes_only_the_gradients_asked_for() -> None:
         out = _numerics._HalfMatmul.apply(a, weight)
         torch.autograd.grad(out, weight, grad)
     assert not any("mm" in op for op in mode.ops), mode.ops
+
+
+def test_without_float16_additions_the_tree_adds_in_float32_to_the_same_bits(monkeypatch):
+    """Torch builds without a float16 addition on the CPU: each addition in float32, rounded
+    to float16, the same correctly rounded sum."""
+    a, b = _matmul_operands((), 40, 300, 30, seed=13, wide=True)
+    batched = _matmul_operands((4,), 9, 130, 5, seed=14)
+    x = _exact((2, 40, 6, 6), 1 << 7, torch.tensor(-6), torch.Generator().manual_seed(15))
+    w = _exact((4, 40, 3, 3), 1 << 7, torch.tensor(-6), torch.Generator().manual_seed(16))
+    conv_args = ([1, 1], [1, 1], [1, 1], 1)
+    monkeypatch.setattr(_numerics, "_ADDS_FLOAT16", False)
+    assert _same(half_partials_matmul(a, b), _reference_matmul(a, b))
+    assert _same(half_partials_matmul(*batched), _reference_matmul(*batched))
+    assert _same(half_partials_convolution(x, w, *conv_args),
+                 _reference_convolution(x, w, *conv_args))
