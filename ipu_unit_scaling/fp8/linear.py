@@ -443,7 +443,8 @@ class FP8Linear(nn.Linear):
                         scales: Tuple[float, float, float, float] = _UNSCALED,
                         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         history = getattr(self, "amax_history", None)
-        return recipe_linear(x, self.weight, bias, self.config, self.site, scales, history,
+        return recipe_linear(x, self.linear_weight(), bias, self.config, self.site, scales,
+                             history,
                              update_history=self.training and torch.is_grad_enabled(),
                              use_scaled_mm=self.use_scaled_mm)
 
@@ -465,7 +466,13 @@ class FP8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if recipe_applies(self.config):
             return self._recipe_forward(x, bias=self.bias)
-        return fp8_linear(x, self.weight, self.bias, self.config, self.site, self.use_scaled_mm)
+        return fp8_linear(x, self.linear_weight(), self.bias, self.config, self.site,
+                          self.use_scaled_mm)
+
+    def linear_weight(self) -> torch.Tensor:
+        """The weight as ``F.linear`` takes it, (out_features, in_features); a layer that
+        keeps it transposed (Hugging Face's ``Conv1D``) returns its transpose."""
+        return self.weight
 
     def extra_repr(self) -> str:
         c = self.config
@@ -532,12 +539,13 @@ class FP8UnitScaledLinear(FP8Linear):
         if recipe_applies(self.config):
             scales = (output_scale, grad_input_scale, grad_weight_scale, bias_scale)
             return self._recipe_forward(x, scales, self.bias)
-        if values_path_applies(x, self.weight, self.bias, self.use_scaled_mm):
+        weight = self.linear_weight()
+        if values_path_applies(x, weight, self.bias, self.use_scaled_mm):
             # One autograd node: the scales ride in the GEMMs around the FP8 values.
             scales = (output_scale, grad_input_scale, grad_weight_scale, bias_scale)
-            return fp8_linear_values(x, self.weight, self.bias, self.config, self.site, scales)
+            return fp8_linear_values(x, weight, self.bias, self.config, self.site, scales)
         x = scale_bwd(x, grad_input_scale)
-        weight = scale_bwd(self.weight, grad_weight_scale)
+        weight = scale_bwd(weight, grad_weight_scale)
         y = fp8_linear(x, weight, None, self.config, self.site, self.use_scaled_mm)
         y = scale_fwd(y, output_scale)
         if self.bias is not None:

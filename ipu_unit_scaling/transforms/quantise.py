@@ -6,29 +6,34 @@ matmuls, on any device.
 - `simulate_fp8(module)`, unit-scaling's call, and `simulate_format(module, fwd_format,
   bwd_format)` return a **copy** of the module; the module given is left unchanged. The casts
   are plain ones (no scaling bias): what unit scaling makes possible. Each `F.linear` and
-  `F.scaled_dot_product_attention` call of the captured forward graph (see `compose`; nn
-  modules are traced through, and so are this package's unit-scaled ops, whose matmuls run on
-  their unscaled inputs) gets its tensor inputs quantised in the forward pass to `fwd_format`,
-  and the gradient of its output quantised in the backward pass to `bwd_format`. Everything
-  else runs as before, in the input precision.
+  `F.scaled_dot_product_attention` call of the captured forward graph, and each `torch.addmm`
+  (the matmul of Hugging Face's `Conv1D`), (see `compose`; nn modules are traced through, and
+  so are this package's unit-scaled ops, whose matmuls run on their unscaled inputs) gets its
+  tensor inputs quantised in the forward pass to `fwd_format`, and the gradient of its output
+  quantised in the backward pass to `bwd_format`. Everything else runs as before, in the input
+  precision.
 - `simulate_fp8(model, FP8Config(...))`, this package's FP8 (the IPU's casts, with per-tensor
   scaling biases under FP8-AMAX), **changes the model in place** and returns it: its linear
-  layers become :class:`~ipu_unit_scaling.fp8.FP8Linear` and
-  :class:`~ipu_unit_scaling.fp8.FP8UnitScaledLinear` layers that share its parameters.
+  layers (and Hugging Face `Conv1D` layers) become :class:`~ipu_unit_scaling.fp8.FP8Linear`
+  and :class:`~ipu_unit_scaling.fp8.FP8UnitScaledLinear` layers that share its parameters.
 """
 from __future__ import annotations
 
 import logging
 from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, Union, cast
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, fx, nn
 
 from ..fp8.attention import FP8AttentionFn
+from ..fp8.conv1d import FP8Conv1D, FP8UnitScaledConv1D, is_conv1d
 from ..fp8.fp8_config import FP8Config
 from ..fp8.generic_formats import FPFormat
 from ..fp8.linear import FP8Linear, FP8UnitScaledLinear
 from .compose import Backend, apply_transform
+from .keep_structure import mark_converted
+from .replacements import CONSTRAINT, UnitConv1D
 
 __all__ = ["simulate_format", "simulate_fp8"]
 
@@ -60,8 +65,19 @@ def _quantised_attention(query: Tensor, key: Tensor, value: Tensor, *args: Any,
     return backward.quantise_bwd(output)
 
 
+def _quantised_addmm(input: Tensor, mat1: Tensor, mat2: Tensor, *, beta: Any = 1,
+                     alpha: Any = 1, fwd_format: FormatSpec, bwd_format: FormatSpec) -> Tensor:
+    """`torch.addmm` (Hugging Face's Conv1D: bias + x @ weight) with its matmul's operands
+    quantised, as `_quantised_linear` does a linear's."""
+    forward, backward = FPFormat(*fwd_format), FPFormat(*bwd_format)
+    output = torch.addmm(input, forward.quantise_fwd(mat1), forward.quantise_fwd(mat2),
+                         beta=beta, alpha=alpha)
+    return backward.quantise_bwd(output)
+
+
 _QUANTISED: Dict[Any, Callable[..., Tensor]] = {
     F.linear: _quantised_linear,
+    torch.addmm: _quantised_addmm,
     F.scaled_dot_product_attention: _quantised_attention,
 }
 
@@ -86,8 +102,11 @@ def _quantising_backend(fwd_format: FPFormat, bwd_format: FPFormat) -> Backend:
 def simulate_format(module: M, fwd_format: FPFormat, bwd_format: FPFormat) -> M:
     """A copy of `module` whose linear and attention matmuls take `fwd_format` inputs and give
     `bwd_format` output gradients (see the module docstring). Simulated in the input
-    precision: for the numerics, not for speed."""
-    return apply_transform(module, _quantising_backend(fwd_format, bwd_format))
+    precision: for the numerics, not for speed. A Hugging Face model's copy is of a subclass
+    named `FP8Simulated<Name>` (see `keep_structure.mark_converted`)."""
+    copied = apply_transform(module, _quantising_backend(fwd_format, bwd_format))
+    mark_converted(copied, "FP8Simulated")
+    return copied
 
 
 def simulate_fp8(module: M, config: Optional[Union[FP8Config, str]] = None) -> M:
@@ -99,7 +118,13 @@ def simulate_fp8(module: M, config: Optional[Union[FP8Config, str]] = None) -> M
     - `simulate_fp8(model, config)` with an :class:`~ipu_unit_scaling.fp8.FP8Config`
       **changes `model` in place** and returns it. Every ``torch.nn.Linear`` becomes an
       :class:`~ipu_unit_scaling.fp8.FP8Linear` and every unit-scaled ``uu.Linear`` an
-      :class:`~ipu_unit_scaling.fp8.FP8UnitScaledLinear`; they share the original parameters.
+      :class:`~ipu_unit_scaling.fp8.FP8UnitScaledLinear`, and every Hugging Face ``Conv1D``
+      (GPT-2's projections, weight stored transposed) and ``unit_scale``'s unit-scaled one an
+      ``FP8Conv1D`` / ``FP8UnitScaledConv1D`` (:mod:`ipu_unit_scaling.fp8.conv1d`) that keeps
+      the weight's name and shape; they share the original parameters, so they follow the
+      model's dtype (``.half()``) and its state dict loads into them unchanged. A Hugging Face
+      model's class becomes a subclass named ``FP8<Name>``: code that would rebuild it from
+      its config and drop the FP8 layers (Optimum Graphcore's ``to_pipelined``) refuses it.
       Other ``nn.Linear`` subclasses are left alone (e.g. ``nn.MultiheadAttention``'s
       ``out_proj``, whose forward that module never calls). A bare ``nn.Linear`` passed as
       `model` cannot be replaced in place: its FP8 version is returned. With
@@ -123,12 +148,16 @@ def simulate_fp8(module: M, config: Optional[Union[FP8Config, str]] = None) -> M
     root = _fp8_version(module, config, "linear")
     if root is not None:
         return cast(M, root)
+    converted = False
     for parent_name, parent in list(module.named_modules()):
         for child_name, child in list(parent.named_children()):
             site = f"{parent_name}.{child_name}" if parent_name else child_name
             replacement = _fp8_version(child, config, site)
             if replacement is not None:
                 setattr(parent, child_name, replacement)
+                converted = True
+    if converted:
+        mark_converted(module, "FP8")
     if config.attention:
         for name, submodule in module.named_modules():
             for attribute in _ATTENTION_ATTRIBUTES:
@@ -145,6 +174,10 @@ _ATTENTION_ATTRIBUTES = ("attention_fn", "attention")
 def _fp8_version(module: nn.Module, config: FP8Config, site: str) -> Optional[nn.Module]:
     if isinstance(module, FP8Linear):
         return None  # already converted
+    if isinstance(module, UnitConv1D):
+        return FP8UnitScaledConv1D.from_unit_conv1d(module, CONSTRAINT, config, site)
+    if is_conv1d(module):
+        return FP8Conv1D.from_conv1d(module, config, site)
     if isinstance(module, nn.Linear) and hasattr(module, "constraint"):
         return FP8UnitScaledLinear.from_unit_scaled(module, config, site)
     if type(module) is nn.Linear:

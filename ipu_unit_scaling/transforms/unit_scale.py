@@ -85,7 +85,13 @@ from .graph import (
     silu_input,
     target_name,
 )
-from .keep_structure import install_forward, is_trunk, is_trunk_leaf, mark_converted
+from .keep_structure import (
+    inlined_blocks,
+    install_forward,
+    is_trunk,
+    is_trunk_leaf,
+    mark_converted,
+)
 
 __all__ = ["unit_scale", "unit_scale_with_report", "UnitScaleReport", "UnitScaleWarning"]
 
@@ -417,7 +423,7 @@ class _Converter:
             failure = f"{type(error).__name__}: {first_line(error)}"
             inputs = self.captured.get(name)
             if inputs is not None:
-                exported = self._convert_exported(module, name, inputs, failure)
+                exported = self._convert_exported(module, name, inputs, failure, trunk)
                 if exported is not None:
                     return self._installed(module, exported)
             self.report.untraceable.append(f"{label}: {failure}")
@@ -436,7 +442,7 @@ class _Converter:
         return install_forward(module, converted) if self.keep_structure else converted
 
     def _convert_exported(
-        self, module: nn.Module, name: str, inputs: Inputs, fx_failure: str
+        self, module: nn.Module, name: str, inputs: Inputs, fx_failure: str, trunk: bool = False
     ) -> Optional[nn.Module]:
         """Trace with torch.export after fx failed; None (and a note) if export fails too."""
         label = name or type(module).__name__
@@ -454,6 +460,12 @@ class _Converter:
             self.report.tracers.append(
                 f"{label}: not traced (torch.fx: {fx_failure}; torch.export: "
                 f"{type(error).__name__}: {first_line(error)})")
+            return None
+        inlined = inlined_blocks(module, trace.graph) if trunk else []
+        if inlined:  # keeping the structure, its blocks must stay modules: convert them alone
+            self.report.tracers.append(
+                f"{label}: not traced (torch.fx: {fx_failure}; torch.export inlined "
+                f"{', '.join(inlined)})")
             return None
         shapes = "dynamic" if trace.dynamic else "static"
         self.report.tracers.append(
