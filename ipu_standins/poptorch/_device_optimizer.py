@@ -136,6 +136,9 @@ def to_ipu_optimizer(optimizer: Any, previous: Optional[torch.optim.Optimizer] =
         dev.variable_attrs = copy.deepcopy(optimizer.variable_attrs)  # type: ignore
     else:
         dev = from_torch_optimizer(optimizer)
+    # Before the replacement is checked: automatic loss scaling makes the new optimizer's loss
+    # scaling variable, as it made the compiled one's.
+    _attach_auto_loss_scale(dev, previous, popart_options or {})
     if previous is not None:
         check_replacement(previous, dev)
     if previous is not None and type(previous) is type(dev):
@@ -144,7 +147,6 @@ def to_ipu_optimizer(optimizer: Any, previous: Optional[torch.optim.Optimizer] =
             # PopTorch sends nothing when the optimizer is unchanged: values written with
             # load_ipu_state_dict stay on the device.
             dev.__dict__["_ipu_param_overrides"] = previous._overrides()  # type: ignore
-    _attach_auto_loss_scale(dev, previous, popart_options or {})
     return dev
 
 

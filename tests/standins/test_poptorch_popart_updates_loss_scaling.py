@@ -207,3 +207,24 @@ def test_automatic_loss_scaling_without_float16_weights_is_refused() -> None:
                                                                           lr=0.1))
     with pytest.raises(RuntimeError, match="no weight the optimizer trains is float16"):
         training(torch.ones(2, 3))
+
+
+def test_set_optimizer_keeps_the_loss_scaling_variable_under_automatic_loss_scaling() -> None:
+    """PopTorch marks the loss scaling variable whenever automatic loss scaling is on, so an
+    optimizer created with the default (constant) loss scaling can be set again after a run,
+    as Optimum Graphcore's trainer does each step to pass on the scheduler's learning rate."""
+    model = _Half(1.0)
+    opts = poptorch.Options()
+    opts.Training.setAutomaticLossScaling(True)
+    opts.anchorTensor("ls", "finalLossScale", poptorch.OutputMode.All)
+    optimizer = poptorch.optim.SGD(model.parameters(), lr=1e-3)
+    training = poptorch.trainingModel(model, opts, optimizer)
+    x, target = torch.randn(2, 8).half(), torch.randn(2, 4)
+    training(x, target)
+    first = float(training.getAnchoredTensor("ls").reshape(-1)[0])
+    for group in optimizer.param_groups:
+        group["lr"] = 5e-4
+    training.setOptimizer(optimizer)
+    training(x, target)
+    # The update factor carries on over the replacement (it doubles on small gradients).
+    assert float(training.getAnchoredTensor("ls").reshape(-1)[0]) == 2 * first
