@@ -97,12 +97,6 @@ def _outside_half_kernels() -> Iterator[None]:
         yield
 
 
-def _tree_width(blocks: int) -> int:
-    """The block count padded with ``+0`` block sums up to a power of two: a tree level of odd
-    length adds ``+0`` to its last element, and the padded tree adds the same ``+0`` there."""
-    return 1 << (max(1, blocks) - 1).bit_length()
-
-
 def _adds_float16() -> bool:
     """Whether torch adds float16 tensors on a CPU (before torch 2.1 some builds do not)."""
     try:
@@ -128,16 +122,36 @@ def _add_rounded(x: torch.Tensor, y: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _tree_sum(sums: torch.Tensor, out: torch.Tensor) -> None:
-    """Add float16 block sums (dim 0, a power of two, at least 2) pairwise, as a tree, into
-    ``out``, each level into the front of a buffer of its own (two buffers, in turn)."""
+    """Add float16 block sums (dim 0, at least 2) pairwise, as a tree, into ``out``: a level of
+    odd length adds ``+0`` to its last element. Each level goes into the front of a buffer of
+    its own (two buffers, in turn)."""
     spare: Optional[torch.Tensor] = None
     while sums.shape[0] > 2:
+        pairs, odd = divmod(sums.shape[0], 2)
         if spare is None:
-            spare = torch.empty_like(sums[:sums.shape[0] // 2])
-        level = spare[:sums.shape[0] // 2]
-        _add_rounded(sums[0::2], sums[1::2], level)
+            spare = torch.empty_like(sums[:pairs + odd])
+        level = spare[:pairs + odd]
+        _add_rounded(sums[0:2 * pairs:2], sums[1:2 * pairs:2], level[:pairs])
+        if odd:  # (x + 0 is x, except that -0 + 0 is +0)
+            _add_rounded(sums[-1:], torch.zeros((), dtype=sums.dtype), level[pairs:])
         sums, spare = level, sums
     _add_rounded(sums[0], sums[1], out)
+
+
+def _float32_padded(x: torch.Tensor, dim: int, pad: int) -> torch.Tensor:
+    """``x`` (``[count, rows, cols]``) in float32 with ``pad`` zeros after the end of its dim
+    ``dim`` (1 or 2), in one fresh buffer laid out as ``x`` is: a transposed operand stays
+    transposed, so that the copy reads it in memory order."""
+    if not pad:
+        return x.float()  # (which keeps x's layout)
+    if x.stride(1) == 1 and x.stride(2) != 1:
+        return _float32_padded(x.transpose(1, 2), 3 - dim, pad).transpose(1, 2)
+    shape = list(x.shape)
+    shape[dim] += pad
+    out = torch.empty(shape)
+    out.narrow(dim, x.shape[dim], pad).zero_()
+    out.narrow(dim, 0, x.shape[dim]).copy_(x)
+    return out
 
 
 def half_partials_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -145,8 +159,8 @@ def half_partials_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     ``PARTIALS_BLOCK`` products summed in float32 and rounded to float16, the block sums added
     as a tree in float16 (see the module's docstring)."""
     k, m, n = a.shape[-1], a.shape[-2], b.shape[-1]
-    width = _tree_width(-(-k // PARTIALS_BLOCK))
-    pad = width * PARTIALS_BLOCK - k  # zero products (+0) add nothing
+    blocks = max(1, -(-k // PARTIALS_BLOCK))
+    pad = blocks * PARTIALS_BLOCK - k  # zero products (+0) add nothing
     batch = a.shape[:-2]
     if b.shape[:-2] != batch:
         batch = torch.broadcast_shapes(batch, b.shape[:-2])
@@ -154,26 +168,25 @@ def half_partials_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     count = batch.numel()
     with _outside_half_kernels():
         # Float32 copies laid out as the operands are: bmm reads a transposed one as it lies.
-        a32, b32 = a.reshape(count, m, k).float(), b.reshape(count, k, n).float()
-        if pad:
-            a32, b32 = F.pad(a32, (0, pad)), F.pad(b32, (0, 0, 0, pad))
-        if width == 1:
+        a32 = _float32_padded(a.reshape(count, m, k), 2, pad)
+        b32 = _float32_padded(b.reshape(count, k, n), 1, pad)
+        if blocks == 1:
             return torch.bmm(a32, b32).half().view(*batch, m, n)
-        if count == 1:  # the blocks as one batch of views: [width, m, B] @ [width, B, n]
-            a_blocks = a32[0].reshape(m, width, PARTIALS_BLOCK).movedim(1, 0)
-            b_blocks = b32[0].reshape(width, PARTIALS_BLOCK, n)
+        if count == 1:  # the blocks as one batch of views: [blocks, m, B] @ [blocks, B, n]
+            a_blocks = a32[0].reshape(m, blocks, PARTIALS_BLOCK).movedim(1, 0)
+            b_blocks = b32[0].reshape(blocks, PARTIALS_BLOCK, n)
         out = torch.empty((count, m, n), dtype=torch.float16)
-        # A tile of output rows at a time: its block sums stay in cache, their buffers reused.
-        rows = max(1, min(m, _TILE_BYTES // (4 * width * max(1, count * n))))
+        # A tile of output rows at a time: at most _TILE_BYTES of block sums, buffers reused.
+        rows = max(1, min(m, _TILE_BYTES // (4 * blocks * max(1, count * n))))
         for start in range(0, m, rows):
             stop = min(start + rows, m)
             if start == 0 or stop - start != rows:
-                sums32 = torch.empty((width, count, stop - start, n))
-                sums = torch.empty((width, count, stop - start, n), dtype=torch.float16)
+                sums32 = torch.empty((blocks, count, stop - start, n))
+                sums = torch.empty((blocks, count, stop - start, n), dtype=torch.float16)
             if count == 1:
                 torch.bmm(a_blocks[:, start:stop], b_blocks, out=sums32[:, 0])
             else:  # a bmm a block (making the blocks one batch would copy both operands)
-                for block in range(width):
+                for block in range(blocks):
                     cut = slice(block * PARTIALS_BLOCK, (block + 1) * PARTIALS_BLOCK)
                     torch.bmm(a32[:, start:stop, cut], b32[:, cut], out=sums32[block])
             sums.copy_(sums32)
@@ -189,7 +202,6 @@ def half_partials_convolution(x: torch.Tensor, weight: torch.Tensor, stride: Any
     settings = (stride, padding, dilation, False, [0] * (weight.dim() - 2), groups)
     per_group = weight.shape[1]
     blocks = -(-per_group // PARTIALS_BLOCK)
-    width = _tree_width(blocks)
     sums: Optional[torch.Tensor] = None
     with _outside_half_kernels():
         # Each group's channels side by side: a block's are a slice of the per-group channels.
@@ -200,11 +212,10 @@ def half_partials_convolution(x: torch.Tensor, weight: torch.Tensor, stride: Any
             part = torch.ops.aten.convolution(
                 by_group[:, :, start:stop].reshape(x.shape[0], -1, *x.shape[2:]).float(),
                 weight[:, start:stop].float(), None, *settings)
-            if width == 1:
+            if blocks == 1:
                 return part.half()
             if sums is None:
-                sums = torch.empty((width, *part.shape), dtype=torch.float16)
-                sums[blocks:].zero_()
+                sums = torch.empty((blocks, *part.shape), dtype=torch.float16)
             sums[index].copy_(part)
         assert sums is not None
         out = torch.empty(sums.shape[1:], dtype=torch.float16)
