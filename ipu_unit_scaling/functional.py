@@ -7,3 +7,6 @@ from __future__ import annotations
 
 from .ops import *  # noqa: F403
 from .ops import __all__  # noqa: F401
+
+# unit-scaling's map from torch's functions to these ops (not in __all__, as there).
+from .ops.torch_counterparts import torch_map  # noqa: F401, E402

@@ -6,8 +6,8 @@ that captures the model's forward, as unit-scaling's do) is captured by TorchDyn
 host, and what its backend returns runs on the IPU's tensors: PopTorch records the ops it
 calls. The stand-in traces with ``make_fx``, inside which TorchDynamo refuses to compile ("using
 FX to symbolically trace a dynamo-optimized function"); :func:`dynamo_compiles_inside_trace`
-lets it compile there (torch 2.6 and later), so that the backend's graph is what the trace
-records, as on PopTorch. Before that torch, the refusal stands.
+lets it compile there (where torch has ``force_compile_during_fx_trace``), so that the
+backend's graph is what the trace records, as on PopTorch. Elsewhere the refusal stands.
 
 TorchDynamo captures the program's own calls: the trace's rules step aside while it compiles
 (:func:`compiling`; the rules' dispatch mode ignores compile internals), and meet each op of the

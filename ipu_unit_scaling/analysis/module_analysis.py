@@ -11,14 +11,15 @@ import math
 import re
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union, cast
 
 import torch
 from torch import Tensor, fx, nn
 
 from .. import ops as functional
 
-__all__ = ["ScalePair", "analyse_module"]
+__all__ = ["ScalePair", "ScaleDict", "ScaleTracker", "ScaleTrackingInterpreter",
+           "analyse_module"]
 
 
 @dataclass
@@ -34,7 +35,14 @@ class ScalePair:
         return f"(-> {forward}, <- {backward})"
 
 
-class _Track(torch.autograd.Function):
+# Each node's name -> its tensor's scales, in the order the nodes ran.
+ScaleDict = Dict[str, ScalePair]
+
+
+class ScaleTracker(torch.autograd.Function):
+    """The identity, recording its input's standard deviation in a `ScalePair`'s `forward`
+    and its gradient's in its `backward`."""
+
     @staticmethod
     def forward(ctx: Any, t: Tensor, pair: ScalePair) -> Tensor:
         pair.forward = float(t.detach().std())
@@ -46,17 +54,25 @@ class _Track(torch.autograd.Function):
         ctx.pair.backward = float(grad.std())
         return grad, None
 
+    @staticmethod
+    def track(t: Tensor, pair: ScalePair) -> Tensor:
+        """`t`, its scales recorded in `pair`."""
+        return cast(Tensor, ScaleTracker.apply(t, pair))
 
-class _Recorder(fx.Interpreter):
+
+class ScaleTrackingInterpreter(fx.Interpreter):
+    """Runs a graph module, recording the scales of every floating-point tensor a node
+    computes (and, after a backward pass, of its gradient) in `scales`."""
+
     def __init__(self, module: fx.GraphModule) -> None:
         super().__init__(module)
-        self.scales: Dict[str, ScalePair] = {}
+        self.scales: ScaleDict = {}
 
     def run_node(self, n: fx.Node) -> Any:
         out = super().run_node(n)
         if isinstance(out, Tensor) and out.is_floating_point() and n.op != "output":
             pair = self.scales[n.name] = ScalePair()
-            out = _Track.apply(out, pair)
+            out = ScaleTracker.track(out, pair)
         return out
 
 
@@ -138,7 +154,7 @@ def analyse_module(
     tracer = _DeepTracer(recurse_modules, autowrap_modules, autowrap_functions)
     graph = tracer.trace(module)
     graph_module = fx.GraphModule(tracer.root, graph)
-    recorder = _Recorder(graph_module)
+    recorder = ScaleTrackingInterpreter(graph_module)
     output = recorder.run(*(inputs if isinstance(inputs, tuple) else (inputs,)))
     output.backward(backward)
     code = _annotate(_short_names(graph_module.code), recorder.scales)

@@ -12,6 +12,13 @@ below the format's). The result is returned in the input's dtype, computed in fl
 For FP8 with per-tensor scaling (FP8-AMAX) see :mod:`ipu_unit_scaling.fp8`; this module is the
 plain cast that unit scaling makes possible, as
 :func:`ipu_unit_scaling.transforms.simulate_fp8` applies it.
+
+Under :func:`~ipu_unit_scaling.ops.trace_switch.ipu_tracing` (and while PopTorch traces) the
+casts take their PopTorch form, whose gradients come from the forward graph alone:
+``quantise_fwd`` is the cast's value plus ``x - x.detach()`` (the same values, a straight-through
+gradient), its exponent found with ``log2`` and ``pow`` (PopTorch has no ``frexp`` or ``exp2``);
+``quantise_bwd`` is the FP8 gradient-cast custom op with scale 1 (the IPU's F143 or F152 cast,
+saturating, rounded to nearest), so it takes E4M3 and E5M2 only.
 """
 from __future__ import annotations
 
@@ -21,7 +28,11 @@ from typing import Any, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["FPFormat", "format_to_tuple", "tuple_to_format"]
+from ..ops import trace_switch as tracing
+
+__all__ = ["FPFormat", "Shape", "format_to_tuple", "tuple_to_format"]
+
+Shape = Tuple[int, ...]  # a tensor shape (unit-scaling's ``formats.Shape``)
 
 _FLOAT32_MANTISSA_BITS = 23
 
@@ -99,11 +110,50 @@ class FPFormat:
 
     def quantise_fwd(self, x: Tensor) -> Tensor:
         """Quantised in the forward pass; the gradient passes through unchanged."""
+        if tracing.is_ipu_tracing():
+            return self._traced_quantise(x) + (x - x.detach())
         return _QuantiseForward.apply(x, self)  # type: ignore[no-any-return]
 
     def quantise_bwd(self, x: Tensor) -> Tensor:
         """Unchanged in the forward pass; the gradient is quantised."""
+        if tracing.is_ipu_tracing():
+            from .cast_ops import fp8_quantise_gradient
+
+            return fp8_quantise_gradient(x, self._ipu_format(), margin=0, saturate=True,
+                                         log2_scale=0)
         return _QuantiseBackward.apply(x, self)  # type: ignore[no-any-return]
+
+    def _traced_quantise(self, x: Tensor) -> Tensor:
+        """:meth:`quantise`'s values from ops PopTorch has (no ``frexp``, no ``exp2``)."""
+        wide = x.detach()
+        if wide.dtype not in (torch.float32, torch.float64):
+            wide = wide.float()
+        wide = wide.clamp(-self.max_absolute_value, self.max_absolute_value)
+        magnitude = wide.abs()
+        lowest = float(self._min_exponent)
+        exponent = torch.floor(torch.log2(magnitude)).clamp(lowest, float(self._max_exponent))
+        # log2 may round across an integer next to a power of two: step back into the binade.
+        exponent = torch.where(torch.pow(2.0, exponent) > magnitude, exponent - 1, exponent)
+        exponent = torch.where(torch.pow(2.0, exponent + 1) <= magnitude, exponent + 1, exponent)
+        spacing = torch.pow(2.0, exponent.clamp(min=lowest) - self.mantissa_bits).to(wide.dtype)
+        steps = wide / spacing  # exact: a power-of-two division
+        if self.rounding == "nearest":
+            steps = torch.round(steps)
+        else:
+            draws = torch.randint(0, 2**self.srbits, wide.shape, device=wide.device)
+            uniform = (draws.to(wide.dtype) + 0.5) * 2.0**-self.srbits
+            steps = torch.floor(steps + uniform)
+        return (steps * spacing).to(x.dtype)
+
+    def _ipu_format(self) -> str:
+        """The IPU's FP8 format with this grid, for the gradient cast's custom op."""
+        grids = {(4, 3): "F143", (5, 2): "F152"}
+        name = grids.get((self.exponent_bits, self.mantissa_bits))
+        if name is None:
+            raise NotImplementedError(
+                f"{self}: a gradient cast has a PopTorch form for E4M3 and E5M2 only (the IPU's "
+                "F143 and F152 custom op)")
+        return name
 
 
 class _QuantiseForward(torch.autograd.Function):

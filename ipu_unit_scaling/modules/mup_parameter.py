@@ -14,15 +14,24 @@ guarantee (its `__deepcopy__` builds a fresh parameter from the data only).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Literal, Optional
+from typing import Any, Dict, Literal, Optional, Protocol
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["MupType", "MUP_TYPES", "Parameter", "has_parameter_data"]
+__all__ = ["MupType", "MUP_TYPES", "Parameter", "ParameterData", "has_parameter_data"]
 
 MupType = Literal["weight", "bias", "norm", "output"]
 MUP_TYPES = ("weight", "bias", "norm", "output")
+
+
+class ParameterData(Protocol):
+    """The fields a u-μP parameter carries besides an `nn.Parameter`'s (the type that
+    `has_parameter_data` checks for)."""
+
+    mup_type: MupType
+    mup_scaling_depth: Optional[int]
+    shape: torch.Size
 
 # Instance attributes that make the copies carry the u-μP fields; never pickled themselves.
 _HOOKS = ("__deepcopy__", "__reduce_ex__")
