@@ -20,6 +20,14 @@ recovers, so a layer that stays out of range is one line, not one per step. Kind
   or its SQNR is -inf (the cast turned finite values into NaN or inf). An SQNR of +inf is an
   exact cast, and healthy.
 
+The thresholds know the recipe (:func:`checks_by_design`): what a recipe's scales do by design
+is not a warning. A recipe that scales groups (rowwise, block, mx, nvfp4) puts each group's
+largest value at the top of the format, so a tensor's RMS near the top is its aim, not a risk;
+mx's E8M0 and nvfp4's E4M3 scales have no +-31 clamp; and mx's floor rule (OCP) and nvfp4's
+rounded scales let a group's largest values pass the format's largest by less than a binade,
+which saturate by design. An FP4 or FP6 element (E2M1, E2M3, E3M2) spans a few binades, so the
+values of a group far below its largest flush by design: these casts do not warn of flushing.
+
 :func:`run_health` summarises a run's telemetry file per site for ``ipu-unit-scaling health``.
 """
 from __future__ import annotations
@@ -27,11 +35,13 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Deque, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Deque, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
-from ..fp8.fp8_formats import get_format
+from ..fp8.fp8_config import GROUPED_SCALINGS, FP8Config
+from ..fp8.fp8_formats import SUB_BYTE_FORMATS, get_format
 
-__all__ = ["TelemetryConfig", "telemetry_problems", "HealthMonitor", "WARNING_KINDS",
+__all__ = ["TelemetryConfig", "telemetry_problems", "checks_by_design", "HealthMonitor",
+           "WARNING_KINDS",
            "AS_IF_CAST", "nonfinite_cast_fields", "run_health", "format_health_table"]
 
 WARNING_KINDS = ("flushed", "saturated", "range", "update_ratio", "attention_logit",
@@ -91,11 +101,28 @@ def telemetry_problems(config: TelemetryConfig) -> List[Tuple[str, str]]:
     return problems
 
 
-class HealthMonitor:
-    """Turns telemetry rows into warning rows (see the module docstring)."""
+def checks_by_design(fp8: Optional[FP8Config]) -> FrozenSet[str]:
+    """The cast checks that recipe ``fp8`` meets by design, which therefore warn of nothing:
+    ``range_rms`` (a tensor's RMS near the format's top) under the group recipes,
+    ``range_clamp`` (a scaling bias near +-31) where the scales are not the AMAX rule's (mx,
+    nvfp4), ``saturated`` under mx's floor rule and nvfp4 (see the module docstring)."""
+    if fp8 is None or fp8.scaling not in GROUPED_SCALINGS:
+        return frozenset()
+    exempt = {"range_rms"}
+    if fp8.scaling in ("mx", "nvfp4"):
+        exempt.add("range_clamp")
+    if fp8.scaling == "nvfp4" or (fp8.scaling == "mx" and fp8.scale_rounding == "floor"):
+        exempt.add("saturated")
+    return frozenset(exempt)
 
-    def __init__(self, config: TelemetryConfig) -> None:
+
+class HealthMonitor:
+    """Turns telemetry rows into warning rows (see the module docstring). ``fp8``: the recipe
+    of the casts, whose by-design behaviour is not warned of (:func:`checks_by_design`)."""
+
+    def __init__(self, config: TelemetryConfig, fp8: Optional[FP8Config] = None) -> None:
         self.config = config
+        self.exempt = checks_by_design(fp8)
         self.active: Set[Tuple[str, str]] = set()
         self.losses: Deque[float] = deque(maxlen=_LOSS_WINDOW)
 
@@ -151,11 +178,15 @@ class HealthMonitor:
             found[(site, "nonfinite")] = (step, _nonfinite_text(nonfinite))
         flushed = _number(row.get("flushed_fraction"))
         saturated = _number(row.get("saturated_fraction"))
-        if flushed is not None and flushed > config.flushed_warning:
+        # An FP4/FP6 element spans a few binades (E2M1: 6 down to 0.5): a group's values more
+        # than that below its largest flush by design, not for want of scale.
+        if flushed is not None and flushed > config.flushed_warning and \
+                str(row.get("format")).upper() not in SUB_BYTE_FORMATS:
             found[(site, "flushed")] = (step, f"{flushed:.1%} of its nonzero {row['role']} "
                                               f"values flushed to zero in {row['format']} > "
                                               f"flushed_warning {config.flushed_warning:g}")
-        if saturated is not None and saturated > config.saturated_warning:
+        if saturated is not None and saturated > config.saturated_warning and \
+                "saturated" not in self.exempt:
             found[(site, "saturated")] = (step, f"{saturated:.2%} of its {row['role']} values "
                                                 f"saturated {row['format']} > saturated_warning "
                                                 f"{config.saturated_warning:g}")
@@ -166,11 +197,12 @@ class HealthMonitor:
             return
         if scale is None:
             return
-        if abs(scale) > MAX_LOG2_SCALE - config.range_margin:
+        if abs(scale) > MAX_LOG2_SCALE - config.range_margin and \
+                "range_clamp" not in self.exempt:
             found[(site, "range")] = (step, f"scaling bias {int(scale)} within "
                                             f"{config.range_margin:g} of the clamp at "
                                             f"+-{MAX_LOG2_SCALE} (range_margin)")
-        elif rms is not None and rms > 0 and \
+        elif rms is not None and rms > 0 and "range_rms" not in self.exempt and \
                 math.log2(rms) + scale > top - config.range_margin:
             found[(site, "range")] = (step, f"RMS {rms:.3g} at scaling bias {int(scale)} is "
                                             f"within {config.range_margin:g} binades of "

@@ -262,7 +262,9 @@ class Telemetry:
             raise ValueError("; ".join(f"telemetry.{key}: {message}" for key, message in problems))
         self.recorder = TelemetryRecorder(model, optimizer, fp8)
         self.log = TelemetryLog(None if path is None else Path(path), fresh=fresh)
-        self.monitor = HealthMonitor(self.config)
+        # The recipe the model's casts use (its first FP8 layer's; else the one given).
+        cast_recipe = next((m.config for m in model.modules() if isinstance(m, FP8Linear)), fp8)
+        self.monitor = HealthMonitor(self.config, cast_recipe)
         self.say = log or (lambda text: None)
         # Every batch of rows written, for another sink (the run's TensorBoard scalars).
         self.on_rows = on_rows

@@ -96,3 +96,32 @@ def test_a_nonfinite_cast_warns_and_an_exact_one_does_not():
     by_site = {s["site"]: s for s in health["sites"]}
     assert by_site["c"]["sqnr_db_min"] == float("inf") and by_site["c"]["nonfinite"] == []
     assert by_site["b"]["sqnr_db_min"] == -float("inf")
+
+
+def test_the_thresholds_know_the_recipe():
+    """What a recipe's scales do by design warns of nothing: a group recipe's RMS near the
+    format's top, mx's and nvfp4's scales past +-31, mx's (floor rule) and nvfp4's saturated
+    top binade. Under a per-tensor recipe the same rows warn."""
+    from ipu_unit_scaling.fp8 import FP8Config
+
+    def rows():  # (E4M3FN's max is 448)
+        return [_cast(1, "sat", saturated=0.009, fmt="E4M3FN"),
+                _cast(1, "top", rms=300.0, fmt="E4M3FN"), _cast(1, "clamp", scale=31)]
+
+    def kinds(fp8):
+        return sorted(_kinds(HealthMonitor(TelemetryConfig(), fp8).check(rows())))
+
+    everything = [(1, "clamp", "range"), (1, "sat", "saturated"), (1, "top", "range")]
+    assert kinds(None) == kinds(FP8Config(scaling="amax")) == everything
+    assert kinds(FP8Config(scaling="delayed")) == everything
+    assert kinds(FP8Config(scaling="block")) == [(1, "clamp", "range"), (1, "sat", "saturated")]
+    assert kinds(FP8Config(scaling="rowwise")) == [(1, "clamp", "range"),
+                                                   (1, "sat", "saturated")]
+    assert kinds(FP8Config.from_recipe("mx")) == []
+    assert kinds(FP8Config.from_recipe("nvfp4")) == []
+    # mx rounding its scales up leaves no value past the top: saturation there warns
+    assert kinds(FP8Config.from_recipe("mx_round_up")) == [(1, "sat", "saturated")]
+    # FP4 elements flush the values of a group far below its largest by design; FP8 ones warn
+    monitor = HealthMonitor(TelemetryConfig(), FP8Config.from_recipe("nvfp4"))
+    flushing = [_cast(1, "fp4", flushed=0.24, fmt="E2M1"), _cast(1, "fp8", flushed=0.24)]
+    assert _kinds(monitor.check(flushing)) == [(1, "fp8", "flushed")]
