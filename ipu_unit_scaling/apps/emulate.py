@@ -10,7 +10,9 @@ on standard error. The command replaces itself with that very ``python`` command
 (``exec``), the stand-ins' start-up directory (:data:`ipu_standins.install.SHIM_DIRECTORY`) first
 on ``PYTHONPATH``: so the program's exit status, its tracebacks, ``Ctrl-C``, ``__file__``,
 ``sys.argv`` and ``sys.path`` are Python's own, every interpreter the program starts (spawned and
-forkserver workers, ``python -c``) serves the stand-ins too, and nothing is left behind.
+forkserver workers, ``python -c``) serves the stand-ins too, and nothing of the command's is
+left behind (torch's fake-tensor mode, which the stand-in traces with, makes torch's compile
+cache directory, ``$TMPDIR/torchinductor_<user>``, as ``torch.compile`` does).
 
 Where the Poplar SDK's PopTorch (or PopXL, or PopART) imports, it says so in one line and runs
 nothing: a stand-in never shadows the real module. A ``poptorch.py`` (or ``popxl``, ``popart``)
