@@ -205,7 +205,7 @@ def _plain(function: Callable[..., Any]) -> Callable[..., Any]:
 # The oldest and the newest transformers release that unit_scale is tested on (CI runs its
 # Hugging Face tests on both); supported: from the first's minor version up to, not including,
 # the next major version after the second. setup.py and docs/guide/install.md say the same.
-TRANSFORMERS_TESTED = ("5.20.0", "5.25.0")
+TRANSFORMERS_TESTED = ("5.19.0", "5.25.0")
 
 
 def _minor_version(version: str) -> Tuple[int, int]:
