@@ -1,0 +1,75 @@
+"""FP8 through Optimum Graphcore's ``IPUTrainer`` under ``ipu-unit-scaling emulate``, in the
+environment Optimum's users install (``optimum-graphcore==0.7.1``, transformers 4.29.2; created
+by ``.ci/optimum-graphcore``): ``optimum_conversion_program.py``, the guide's recipe.
+
+Skipped where that environment is absent (the main environment's transformers 5 cannot
+install beside Optimum Graphcore 0.7.1, which pins 4.29.2).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+from typing import Dict, List
+
+import pytest
+from helpers import ROOT
+
+VENV = Path(os.environ.get("IPU_UNIT_SCALING_OPTIMUM_VENV") or Path(
+    os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    / "ipu-unit-scaling" / "venv-optimum-graphcore")
+PYTHON = VENV / "bin" / "python"
+PROGRAM = ROOT / "tests" / "transforms" / "optimum_conversion_program.py"
+
+
+def _optimum_graphcore_installed() -> bool:
+    if not PYTHON.exists():
+        return False
+    found = subprocess.run(
+        [str(PYTHON), "-c", "import importlib.util as u; "
+         "print(u.find_spec('optimum.graphcore') is not None)"],
+        capture_output=True, text=True, timeout=120)
+    return found.stdout.strip() == "True"
+
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not _optimum_graphcore_installed(),
+                       reason=f"optimum-graphcore is not installed in {VENV} (it pins "
+                       "transformers 4.29.2, so it lives in an environment of its own: "
+                       "bash .ci/optimum-graphcore creates it)"),
+]
+
+
+def _run(args: List[str], out: Path) -> Dict[str, List[str]]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    done = subprocess.run([str(PYTHON), "-m", "ipu_unit_scaling", "emulate", str(PROGRAM),
+                           *args], cwd=out, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    lines: Dict[str, List[str]] = {}
+    for line in done.stdout.splitlines():
+        name, _, value = line.partition(" ")
+        lines.setdefault(name, []).append(value)
+    return lines
+
+
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
+def test_an_fp8_bert_trains_pipelined_with_its_fp8_layers(tmp_path: Path, fp16: bool) -> None:
+    """Converted after `to_pipelined`, the FP8 layers are the trained model's: all 14 linears
+    (12 in the two layers, the pooler, the classifier) change, and the encoder layers carry
+    PopTorch's blocks. Before, converting the transformers model let `to_pipelined` rebuild it
+    from its config: no FP8 layer was trained, and nothing said so."""
+    out = _run(["--conversion", "fp8", *(["--fp16"] if fp16 else [])], tmp_path)
+    losses = [float(v) for v in out["loss"]]
+    assert len(losses) == 4 and all(loss == loss and abs(loss) < 1e3 for loss in losses)
+    assert out["converted"] == ["14"]
+    assert out["changed"] == ["14 of 14"]
+    assert out["pipelined"] == ["True"]
+    assert out["model_class"] == ["FP8PipelinedBertForSequenceClassification"]
+
+
+def test_fp8_before_to_pipelined_is_refused_in_one_line(tmp_path: Path) -> None:
+    out = _run(["--refused", "fp8"], tmp_path)
+    assert out["refused"] == [
+        "KeyError 'FP8BertForSequenceClassification pipelined version not found in registry.'"]
