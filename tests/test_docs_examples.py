@@ -367,6 +367,15 @@ def _bert_tracers(block: Block, namespace: Namespace) -> None:
     assert namespace["unit_llama"] is not namespace["llama"]
 
 
+@check("kept_structure")
+def _kept_structure(block: Block, namespace: Namespace) -> None:
+    kept, bert = namespace["kept"], namespace["bert"]
+    assert type(kept).__name__ == _comment_after(block.code, "print(type(kept).__name__)")
+    assert _comment_after(block.code, "print(kept.state_dict().keys() == bert.state_dict().keys())"
+                          ) == str(kept.state_dict().keys() == bert.state_dict().keys())
+    assert isinstance(namespace["attention"], type(bert.bert.encoder.layer[0].attention))
+
+
 @check("scale_records")
 def _scale_records(block: Block, namespace: Namespace) -> None:
     records = namespace["records"]

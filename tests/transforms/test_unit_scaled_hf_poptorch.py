@@ -84,18 +84,20 @@ class LossOf(nn.Module):
         return self.model(**dict(zip(self.names, tensors))).loss
 
 
-def _converted(name: str) -> Tuple[LossOf, Dict[str, Tensor]]:
+def _converted(name: str, keep_structure: bool = False) -> Tuple[LossOf, Dict[str, Tensor]]:
     torch.manual_seed(0)
     model, call = MODELS[name]()
     ids = call["input_ids"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        converted = unit_scale(model, (ids,), {k: v for k, v in call.items() if k != "input_ids"})
+        converted = unit_scale(model, (ids,), {k: v for k, v in call.items() if k != "input_ids"},
+                               keep_structure=keep_structure)
     return LossOf(converted, list(call)), call
 
 
+@pytest.mark.parametrize("keep_structure", [False, True], ids=["graph", "kept"])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_traced_gradients_equal_eager_ones(name: str, poptorch) -> None:
+def test_traced_gradients_equal_eager_ones(name: str, keep_structure: bool, poptorch) -> None:
     """Every parameter's gradient from one trainingModel step (anchored as PopART names it)
     against the eager gradient of the same converted model, outside the IPU's own lowerings
     (`torch_numerics`). The two differ by rounding only: the traced forms (explicit attention
@@ -107,7 +109,7 @@ def test_traced_gradients_equal_eager_ones(name: str, poptorch) -> None:
     softmax) has a computed one made of rounding alone."""
     from ipu_standins.poptorch_settings import torch_numerics
 
-    wrapped, call = _converted(name)
+    wrapped, call = _converted(name, keep_structure)
     wrapped.train()
     eager = dict(wrapped.named_parameters())
     wrapped.zero_grad()
