@@ -125,7 +125,8 @@ def test_the_block_sums_of_many_tiles_give_the_same_bits(monkeypatch) -> None:
     a, b = _matmul_operands((), 37, 300, 29, seed=4)
     batched = _matmul_operands((5,), 37, 100, 3, seed=5)
     whole, whole_batched = half_partials_matmul(a, b), half_partials_matmul(*batched)
-    monkeypatch.setattr(_numerics, "_TILE_BYTES", 4 * 32 * 29 * 5)  # 5 rows a tile, 2 left
+    # 19 blocks of 29 float32 sums a row: 5 rows a tile (7 tiles and 2 rows); batched, 2 tiles
+    monkeypatch.setattr(_numerics, "_TILE_BYTES", 4 * 19 * 29 * 5)
     assert _same(half_partials_matmul(a, b), whole)
     assert _same(half_partials_matmul(a, b), _reference_matmul(a, b))
     assert _same(half_partials_matmul(*batched), whole_batched)
