@@ -59,7 +59,8 @@ def training_step(form: str, shape: BertShape) -> Callable[[], object]:
                         num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
                         intermediate_size=4 * shape.width,
                         max_position_embeddings=shape.seq_len)  # (two labels by default)
-    config._attn_implementation = "eager"  # (torch's fused attention has no PopTorch lowering)
+    # Attention as explicit matmuls: the only form in transformers 4.29, Optimum Graphcore's pin.
+    config._attn_implementation = "eager"
     bert = BertForSequenceClassification(config)
     if form != FLOAT32:
         bert = bert.half()
