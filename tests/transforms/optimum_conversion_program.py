@@ -8,8 +8,9 @@ trainer, which keeps the converted pipelined model (a deep copy) and parallelise
 
 Prints ``loss`` lines, ``converted N`` (the trained model's converted layers), ``changed N``
 (those whose weights training changed), ``pipelined True`` when every encoder layer carries
-PopTorch's block; with ``--refused``, the one line ``IPUTrainer`` refuses a model converted
-before ``to_pipelined`` with.
+PopTorch's block, ``reloaded_equal True`` when ``save_model``'s files load into a plain
+transformers model with the trained weights; with ``--refused``, the one line ``IPUTrainer``
+refuses a model converted before ``to_pipelined`` with.
 """
 from __future__ import annotations
 
@@ -101,6 +102,12 @@ def main() -> None:
     layers = trainer.model.bert.encoder.layer
     print("pipelined", all(layer._forward_pre_hooks for layer in layers))
     print("model_class", type(trainer.model).__name__)
+    # save_model deparallelises the model (walking its layers back), saves, parallelises again.
+    trainer.save_model("saved")
+    saved = {k: v.float() for k, v in trainer.model.state_dict().items()}
+    state = BertForSequenceClassification.from_pretrained("saved").state_dict()
+    print("reloaded_equal", state.keys() == saved.keys()
+          and all(torch.equal(state[k].float(), v) for k, v in saved.items()))
 
 
 if __name__ == "__main__":

@@ -67,6 +67,7 @@ def test_an_fp8_bert_trains_pipelined_with_its_fp8_layers(tmp_path: Path, fp16: 
     assert out["changed"] == ["14 of 14"]
     assert out["pipelined"] == ["True"]
     assert out["model_class"] == ["FP8PipelinedBertForSequenceClassification"]
+    assert out["reloaded_equal"] == ["True"]  # save_model walked it back and saved it
 
 
 def test_fp8_before_to_pipelined_is_refused_in_one_line(tmp_path: Path) -> None:
