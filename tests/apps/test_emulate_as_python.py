@@ -133,7 +133,8 @@ def test_ctrl_c_in_a_training_loop_ends_as_pythons_keyboard_interrupt(tmp_path):
     _, stderr = process.communicate(timeout=120)
     python = subprocess.run([sys.executable, "-c", "raise KeyboardInterrupt"], text=True,
                             capture_output=True)
-    assert process.returncode == python.returncode == -signal.SIGINT
+    assert process.returncode == python.returncode == -signal.SIGINT, (process.returncode,
+                                                                       stderr)
     lines = stderr.splitlines()
     # (what the environment prints before is not the tool's: torch 2.0.1's TorchDynamo imports
     # an installed transformers, which may warn on stderr)
