@@ -175,9 +175,28 @@ def _outline_leaves(trace: ExportTrace, is_leaf: Callable[[nn.Module, str], bool
     return outlined
 
 
+def _returns_its_input(node: fx.Node) -> bool:
+    """A `.to()` to the dtype and device its input already has, which returns the input itself.
+
+    Export records it as a node, and code after it that reads the same tensor (the residual
+    that RMSNorm's `hidden_states.to(torch.float32)` reads in Llama's layers) reads that node.
+    """
+    if getattr(node.target, "overloadpacket", None) is not torch.ops.aten.to or node.kwargs.get(
+            "copy") or not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    value, source = node.meta.get("val"), node.args[0].meta.get("val")
+    return (isinstance(value, Tensor) and isinstance(source, Tensor)
+            and value.dtype == source.dtype and value.device == source.device)
+
+
 def _outline(graph: fx.Graph, frame: nn.Module, path: str, module: nn.Module,
              nodes: List[fx.Node]) -> bool:
     region = set(nodes)
+    for node in nodes:  # a read of the region's input outside it reads the input
+        source = node.args[0] if _returns_its_input(node) else None
+        if isinstance(source, fx.Node) and source not in region:
+            for user in [u for u in node.users if u not in region]:
+                user.replace_input_with(node, source)
     own = {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
 
     def is_own_state(node: fx.Node) -> bool:  # get_attr targets are named from the frame

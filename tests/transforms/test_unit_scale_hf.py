@@ -490,3 +490,29 @@ def test_gpt2_converts_fully_with_fx():
     assert report.tracers == ["GPT2LMHeadModel: torch.fx"]
     assert not report.untraceable and not report.unconverted
     assert len(report.residuals) == 4
+
+
+def test_llama_through_the_export_fallback_keeps_its_rms_norms_whole(monkeypatch):
+    """Where fx fails, torch.export traces Llama; each RMSNorm is one module there too. Its
+    `hidden_states.to(float32)` returns its input, and export's node for it is what the
+    residual reads: read as the input, the norm has one input and one output and is converted
+    whole (before, the decoder layers' norms stayed as unscaled ops, gradients near 15)."""
+    _needs_export()
+    import sys
+
+    unit_scale_module = sys.modules["ipu_unit_scaling.transforms.unit_scale"]
+
+    def fx_fails(*args: object, **kwargs: object) -> None:
+        raise TypeError("torch.fx made to fail in this test")
+
+    monkeypatch.setattr(unit_scale_module, "trace_module", fx_fails)
+    model = llama()
+    ids = random_tokens(seed=5)
+    converted, report = _convert(model, (ids,), {"labels": ids, "use_cache": False})
+    (tracer,) = report.tracers
+    assert tracer.startswith("LlamaForCausalLM: torch.export")
+    assert not any("layernorm" in op or ".norm" in op for op in report.unconverted), report
+    assert sum(isinstance(m, uu.RMSNorm) for m in converted.modules()) == 5
+    after = gradient_stds(converted, input_ids=ids, labels=ids, use_cache=False)
+    norms = {name: std for name, std in after.items() if "norm" in name}
+    assert len(norms) == 5 and fraction_in_unit_band(norms) == 1, norms
