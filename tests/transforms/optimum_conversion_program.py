@@ -22,7 +22,7 @@ import torch
 from datasets import Dataset
 from optimum.graphcore import IPUConfig, IPUTrainer, IPUTrainingArguments
 from optimum.graphcore.modeling_utils import to_pipelined
-from transformers import BertConfig, BertForSequenceClassification
+from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
 
 from ipu_unit_scaling.fp8 import FP8Config
 from ipu_unit_scaling.transforms import simulate_fp8, unit_scale
@@ -38,6 +38,13 @@ def data() -> Dataset:
     return Dataset.from_dict({
         "input_ids": ids.tolist(), "attention_mask": np.ones_like(ids).tolist(),
         "token_type_ids": np.zeros_like(ids).tolist(), "labels": labels.tolist()})
+
+
+def counting_data() -> Dataset:
+    starts = np.random.default_rng(0).integers(1, VOCAB, size=SAMPLES)
+    ids = [[1 + (int(s) + k) % (VOCAB - 1) for k in range(SEQUENCE)] for s in starts]
+    return Dataset.from_dict({"input_ids": ids, "attention_mask": [[1] * SEQUENCE] * SAMPLES,
+                              "labels": ids})
 
 
 def convert(model: Any, conversion: str) -> Any:
@@ -60,24 +67,32 @@ def main() -> None:
     parser.add_argument("--refused", choices=("fp8", "unit_scale"))
     parser.add_argument("--fp16", action="store_true")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--model", choices=("bert", "gpt2"), default="bert")
     args = parser.parse_args()
     torch.manual_seed(0)
     config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                         num_attention_heads=2, intermediate_size=64,
                         max_position_embeddings=SEQUENCE, num_labels=2,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    # GPT-2's head, tied to the embedding, goes back to IPU 0: 5 stages when training.
     ipu_config = IPUConfig(layers_per_ipu=[1, 1], ipus_per_replica=2,
-                           gradient_accumulation_steps=4, device_iterations=1,
-                           executable_cache_dir="disabled")
+                           gradient_accumulation_steps=4 if args.model == "bert" else 8,
+                           device_iterations=1, executable_cache_dir="disabled")
     training_args = IPUTrainingArguments(
         output_dir="out", per_device_train_batch_size=2, max_steps=args.steps,
         learning_rate=1e-2, warmup_steps=0, logging_steps=1, fp32=not args.fp16,
         report_to="none", dataloader_drop_last=True, save_strategy="no", seed=0)
-    model = BertForSequenceClassification(config)
+    model: Any = BertForSequenceClassification(config)
+    train_dataset = data()
+    if args.model == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(
+            vocab_size=VOCAB, n_positions=SEQUENCE, n_embd=32, n_layer=2, n_head=2,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+        train_dataset = counting_data()
     if args.refused:
         try:
             IPUTrainer(model=convert(model, args.refused), ipu_config=ipu_config,
-                       args=training_args, train_dataset=data())
+                       args=training_args, train_dataset=train_dataset)
         except Exception as error:  # the trainer's to_pipelined
             print("refused", type(error).__name__, str(error).splitlines()[0])
             return
@@ -88,7 +103,7 @@ def main() -> None:
               for name, layer in converted_layers(pipelined).items()
               if isinstance(getattr(layer, "weight", None), torch.Tensor)}
     trainer = IPUTrainer(model=pipelined, ipu_config=ipu_config, args=training_args,
-                         train_dataset=data())
+                         train_dataset=train_dataset)
     trainer.train()
     losses: List[float] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     for loss in losses:
@@ -99,13 +114,14 @@ def main() -> None:
                if name in trained and not torch.equal(
                    trained[name].weight.detach().float(), weight.float())]
     print("changed", len(changed), "of", len(before))
-    layers = trainer.model.bert.encoder.layer
+    layers = trainer.model.bert.encoder.layer if args.model == "bert" \
+        else trainer.model.transformer.h
     print("pipelined", all(layer._forward_pre_hooks for layer in layers))
     print("model_class", type(trainer.model).__name__)
     # save_model deparallelises the model (walking its layers back), saves, parallelises again.
     trainer.save_model("saved")
     saved = {k: v.float() for k, v in trainer.model.state_dict().items()}
-    state = BertForSequenceClassification.from_pretrained("saved").state_dict()
+    state = type(model).from_pretrained("saved").state_dict()
     print("reloaded_equal", state.keys() == saved.keys()
           and all(torch.equal(state[k].float(), v) for k, v in saved.items()))
 

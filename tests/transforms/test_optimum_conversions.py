@@ -1,6 +1,7 @@
 """FP8 through Optimum Graphcore's ``IPUTrainer`` under ``ipu-unit-scaling emulate``, in the
 environment Optimum's users install (``optimum-graphcore==0.7.1``, transformers 4.29.2; created
-by ``.ci/optimum-graphcore``): ``optimum_conversion_program.py``, the guide's recipe.
+by ``.ci/optimum-graphcore``): ``optimum_conversion_program.py``, the guide's recipe, with a
+BERT classifier and a GPT-2 causal LM.
 
 Skipped where that environment is absent (the main environment's transformers 5 cannot
 install beside Optimum Graphcore 0.7.1, which pins 4.29.2).
@@ -68,6 +69,18 @@ def test_an_fp8_bert_trains_pipelined_with_its_fp8_layers(tmp_path: Path, fp16: 
     assert out["pipelined"] == ["True"]
     assert out["model_class"] == ["FP8PipelinedBertForSequenceClassification"]
     assert out["reloaded_equal"] == ["True"]  # save_model walked it back and saved it
+
+
+def test_an_fp8_gpt2_trains_with_its_conv1d_layers_in_fp8(tmp_path: Path) -> None:
+    """GPT-2's eight Conv1D projections and its head (tied to the embedding) are FP8 layers
+    of the trained model; before, only the head was converted."""
+    out = _run(["--conversion", "fp8", "--model", "gpt2"], tmp_path)
+    losses = [float(v) for v in out["loss"]]
+    assert len(losses) == 4 and losses[-1] < losses[0], losses
+    assert out["converted"] == ["9"]
+    assert out["changed"] == ["9 of 9"]
+    assert out["pipelined"] == ["True"]
+    assert out["reloaded_equal"] == ["True"]
 
 
 def test_fp8_before_to_pipelined_is_refused_in_one_line(tmp_path: Path) -> None:
