@@ -187,6 +187,8 @@ def function_behind(module: Any) -> Optional[Callable[..., Any]]:
     """
     if not isinstance(module, nn.Module) or not hasattr(type(module), "kernel_layer_name"):
         return None
+    if next(module.children(), None) is not None or next(module.parameters(), None) is not None:
+        return None  # a layer whose forward a kernel may replace, not a function
     forward = type(module).forward
     code = getattr(forward, "__code__", None)
     closure = getattr(forward, "__closure__", None) or ()
