@@ -160,7 +160,8 @@ def _default_run_dir(tmp_path: Path, monkeypatch: Any, overrides: List[str]) -> 
 def _compare_regimes(tmp_path: Path, monkeypatch: Any, overrides: List[str]) -> Any:
     seen: Dict[str, Any] = {}
 
-    def fake_compare(config: Any, regimes: Any, run_dir: Path, quiet: bool = False) -> Any:
+    def fake_compare(config: Any, regimes: Any, run_dir: Path, quiet: bool = False,
+                     **_: Any) -> Any:
         seen["regimes"] = list(regimes)
         raise cli.UsageError("stop here")
 
