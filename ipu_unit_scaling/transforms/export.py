@@ -102,6 +102,11 @@ def trace_with_export(
     for node in list(graph.nodes):
         if node.op == "call_module":  # export's own input guards: the frame will run them
             frame.add_module(str(node.target), unlifted.get_submodule(str(node.target)))
+        elif node.op == "get_attr" and "." not in str(node.target) and isinstance(
+                getattr(unlifted, str(node.target), None), nn.Module):
+            # The body of a higher-order op (a `with torch.autocast(...)` block, say): the
+            # frame, which runs the graph, holds it as export's module did.
+            frame.add_module(str(node.target), getattr(unlifted, str(node.target)))
         elif node.op == "call_function" and not node.users and assert_metadata is not None \
                 and getattr(node.target, "overloadpacket", None) is assert_metadata:
             # Export's checks that a `.to()` saw the dtype of the example: PopTorch has no
