@@ -47,7 +47,10 @@ def dynamo_compiles_inside_trace() -> Iterator[None]:
     if config is None or not hasattr(config, "force_compile_during_fx_trace"):
         yield
         return
-    with config.patch(force_compile_during_fx_trace=True):
+    # PopTorch compiles a graph for one set of input shapes: TorchDynamo specialises on every
+    # shape and number there, as the trace does (its guards on symbolic values fail inside it).
+    with config.patch(force_compile_during_fx_trace=True, automatic_dynamic_shapes=False,
+                      specialize_int=True, specialize_float=True):
         yield
 
 

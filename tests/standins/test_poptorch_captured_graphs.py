@@ -137,11 +137,13 @@ def _run(tmp: Path, variants: List[str]) -> Dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, dict]:
-    return _run(tmp_path_factory.mktemp("captured"),
-                ["fx", "fx+fp8", "unit_scale", "dynamo", "dynamo+fp8"])
+    return _run(tmp_path_factory.mktemp("captured"), VARIANTS)
 
 
-@pytest.mark.parametrize("variant", ["fx", "fx+fp8", "unit_scale", "dynamo", "dynamo+fp8"])
+VARIANTS = ["fx", "fx+fp8", "unit_scale", "unit_scale+fp8", "dynamo", "dynamo+fp8"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_a_captured_and_transformed_model_trains_and_runs_for_inference(trained, variant):
     result = trained[variant]
     losses = result["losses"]
@@ -151,20 +153,13 @@ def test_a_captured_and_transformed_model_trains_and_runs_for_inference(trained,
 
 
 @pytest.mark.parametrize("converted,plain", [("fx+fp8", "fx"), ("dynamo+fp8", "dynamo"),
-                                             ("unit_scale", "fx")])
+                                             ("unit_scale", "fx"),
+                                             ("unit_scale+fp8", "unit_scale")])
 def test_the_transforms_are_in_the_trained_graph(trained, converted, plain):
     """The FP8 casts (and unit scaling) change the first step's loss: not dropped on the way
     to the IPU (trainingModel copies the model; a GraphModule's copy is rebuilt from its
     graph)."""
     assert trained[converted]["losses"][0] != trained[plain]["losses"][0]
-
-
-@pytest.mark.xfail(strict=True, reason="TorchDynamo inside the stand-in's trace fails on the "
-                   "unit-scaled graph's residual ops ('NoneType' object has no attribute 'item' "
-                   "compiling ops.unit_ops.residual_split)")
-def test_unit_scaled_model_with_fp8_casts_trains(tmp_path):
-    result = _run(tmp_path, ["unit_scale+fp8"])["unit_scale+fp8"]
-    assert result["losses"][-1] < result["losses"][0]
 
 
 @pytest.mark.xfail(strict=True, reason="unit_scale takes a torch.fx GraphModule for a module it "
