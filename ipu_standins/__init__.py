@@ -11,5 +11,6 @@ popxl``, ``import popart``) once :func:`ipu_standins.install.install` has mapped
 has and the real library has not live beside the stand-in, never in its namespace:
 :mod:`ipu_standins.poptorch_custom_ops` (where an op library registers the host numerics of
 its ``poptorch.custom_op`` ops),
-:mod:`ipu_standins.poptorch_settings` and :mod:`ipu_standins.popxl_settings`.
+:mod:`ipu_standins.poptorch_settings`, :mod:`ipu_standins.popxl_settings`, and
+:mod:`ipu_standins.emulated_system` (the IPU system PopTorch reports under ``emulate``).
 """
