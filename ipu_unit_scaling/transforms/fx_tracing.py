@@ -25,7 +25,8 @@ from torch import Tensor, nn
 
 __all__ = [
     "ConcreteTracer", "ArgumentFrame", "SpecialisedCall", "capture_inputs", "trace_module",
-    "Inputs", "function_behind", "TRANSFORMERS_TESTED", "transformers_unsupported",
+    "Inputs", "function_behind", "TRANSFORMERS_TESTED", "TRANSFORMERS_5_OLDEST",
+    "transformers_unsupported",
 ]
 
 # (args, kwargs) of one call.
@@ -57,6 +58,9 @@ class ConcreteTracer(fx.Tracer):
         self.specialised: List[str] = []
         self.tensor_nodes: Optional[Set[str]] = None
         self._real_attributes = False
+        # A buffer read is a graph node, so that it can be sliced by traced lengths (transformers
+        # 4's `self.position_ids[:, :seq_length]`, GPT-2's causal `self.bias[..., :key_length]`).
+        self.proxy_buffer_attributes = True
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: Dict[str, Any]) -> Any:
         if self._real_attributes:
@@ -74,6 +78,8 @@ class ConcreteTracer(fx.Tracer):
             return forward(*args, **kwargs)
         function = function_behind(m)
         if function is None:
+            if _made_in_forward(self, m):
+                return forward(*args, **kwargs)
             return super().call_module(m, forward, args, kwargs)
         # Not a layer of the model but a function called by its global name: record it as the
         # function (one call where it is to be kept whole), else trace through it.
@@ -83,7 +89,7 @@ class ConcreteTracer(fx.Tracer):
         return function(*args, **kwargs)
 
     def trace(self, root: Any, concrete_args: Optional[Dict[str, Any]] = None) -> fx.Graph:
-        with _factories_accept_proxies():
+        with _factories_accept_proxies(), _type_info_of_traced_dtypes(self):
             return super().trace(root, concrete_args)
 
     def trace_with_inputs(
@@ -104,7 +110,11 @@ class ConcreteTracer(fx.Tracer):
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):  # type: ignore[no-untyped-def]
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         if self._inputs:
-            self._values[node] = self._evaluate(node)
+            value = self._values[node] = self._evaluate(node)
+            if isinstance(value, Tensor):  # for rewrites that need a size or a constant
+                node.meta["example_shape"] = tuple(value.shape)
+                if value.dim() == 0 and value.is_floating_point():
+                    node.meta["example_scalar"] = float(value)
         return node
 
     def _evaluate(self, node: fx.Node) -> Any:
@@ -200,14 +210,31 @@ def function_behind(module: Any) -> Optional[Callable[..., Any]]:
     return function if inspect.isfunction(function) else None
 
 
+def _made_in_forward(tracer: fx.Tracer, module: nn.Module) -> bool:
+    """A stateless module made by a layer's code as it runs, not a submodule of the model.
+
+    transformers 4 makes its loss that way (`loss_fct = CrossEntropyLoss()` in `forward`); it
+    holds no weights, so it is traced through as the function it computes.
+    """
+    try:
+        tracer.path_of_module(module)
+    except NameError:
+        return next(iter(module.parameters()), None) is None and next(
+            iter(module.buffers()), None) is None
+    return False
+
+
 def _plain(function: Callable[..., Any]) -> Callable[..., Any]:
     return function_behind(function) or function
 
 
 # The oldest and the newest transformers release that unit_scale is tested on (CI runs its
-# Hugging Face tests on both); supported: from the first's minor version up to, not including,
-# the next major version after the second. setup.py and docs/guide/install.md say the same.
-TRANSFORMERS_TESTED = ("5.19.0", "5.25.0")
+# Hugging Face tests on both): 4.29.2 is Optimum Graphcore's pin. Of transformers 5, releases
+# from 5.19 are supported (tested on 5.19.0 too; 5.17 and 5.18 leave Llama's rotary embedding
+# untraceable), up to, not including, the next major version after the newest. Releases from
+# 4.30 to 5.18 are untested and refused. setup.py and docs/guide/install.md say the same.
+TRANSFORMERS_TESTED = ("4.29.2", "5.25.0")
+TRANSFORMERS_5_OLDEST = "5.19.0"
 
 
 def _minor_version(version: str) -> Tuple[int, int]:
@@ -232,11 +259,14 @@ def transformers_unsupported(model: nn.Module) -> Optional[str]:
         return None
     version = _transformers_version()
     oldest, newest = TRANSFORMERS_TESTED
-    if _minor_version(oldest) <= _minor_version(version) < (_minor_version(newest)[0] + 1, 0):
+    minor, next_major = _minor_version(version), _minor_version(newest)[0] + 1
+    if minor == _minor_version(oldest) or (
+            _minor_version(TRANSFORMERS_5_OLDEST) <= minor < (next_major, 0)):
         return None
-    supported = ">={}.{},<{}".format(*_minor_version(oldest), _minor_version(newest)[0] + 1)
-    return (f"unit_scale supports transformers {supported} (tested on {oldest} and {newest}); "
-            f'this is transformers {version}: pip install "transformers{supported}"')
+    newer = ">={}.{},<{}".format(*_minor_version(TRANSFORMERS_5_OLDEST), next_major)
+    return (f"unit_scale supports transformers {'.'.join(oldest.split('.')[:2])}.* and "
+            f"{newer} (tested on {oldest}, {TRANSFORMERS_5_OLDEST} and {newest}); this is "
+            f'transformers {version}: pip install "transformers{newer}"')
 
 
 # Tensor factories whose arguments are often traced values: `torch.arange(x.shape[-1],
@@ -280,6 +310,30 @@ def _factories_accept_proxies() -> Iterator[None]:
     finally:
         for name, factory in originals.items():
             setattr(torch, name, factory)
+
+
+@contextlib.contextmanager
+def _type_info_of_traced_dtypes(tracer: ConcreteTracer) -> Iterator[None]:
+    """While tracing, `torch.finfo(x.dtype)` answers for the dtype `x` has on the example inputs.
+
+    transformers 4 builds its masks' fill value as `torch.finfo(embeddings.dtype).min`, where the
+    dtype is a traced value. The limit becomes a constant of the graph, as it is of an eager call.
+    """
+    originals = {"finfo": torch.finfo, "iinfo": torch.iinfo}
+
+    def answering(info: Any) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            known = [tracer.concrete_value(a.node) if isinstance(a, fx.Proxy) else a for a in args]
+            return info(*known)
+        return call
+
+    for name, info in originals.items():
+        setattr(torch, name, answering(info))
+    try:
+        yield
+    finally:
+        for name, info in originals.items():
+            setattr(torch, name, info)
 
 
 def _carries_data(value: Any) -> bool:

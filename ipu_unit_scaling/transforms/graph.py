@@ -81,8 +81,10 @@ def mark_attention_projections(root: nn.Module, graph: fx.Graph) -> None:
             continue
         logit_std = 1.0
         if scale is not None:
-            value = getattr(arguments.get("query"), "meta", {}).get("val")
-            head_dim = value.shape[-1] if isinstance(value, Tensor) else None
+            meta = getattr(arguments.get("query"), "meta", {})
+            value = meta.get("val")  # torch.export's; the fx tracer's is the example shape
+            head_dim = value.shape[-1] if isinstance(value, Tensor) else (
+                meta.get("example_shape") or (None,))[-1]
             if not isinstance(head_dim, int):
                 continue
             logit_std = float(scale) * math.sqrt(head_dim)
@@ -277,9 +279,34 @@ def learned_nodes(root: nn.Module, graph: fx.Graph) -> Set[fx.Node]:
                 learned.add(node)
         elif node.op == "get_attr" and isinstance(read_attribute(root, str(node.target)), Tensor):
             learned.add(node)
-        if any(n in learned for n in node.all_input_nodes):
+        if any(n in learned for n in node.all_input_nodes) and not reads_metadata(node):
             learned.add(node)
     return learned
+
+
+def eliminate_dead_code(graph: fx.Graph) -> None:
+    """fx's `eliminate_dead_code`, keeping calls that change a tensor in place, whose result
+    goes unused while their effect does not (transformers 4's `mask.masked_fill_(...)`)."""
+    for node in reversed(list(graph.nodes)):
+        if node.users or node.op in ("placeholder", "output") or node.is_impure():
+            continue
+        name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+        if node.op in ("call_method", "call_function") and isinstance(name, str) and (
+                name.endswith("_") and not name.endswith("__")):
+            continue
+        graph.erase_node(node)
+
+
+_METADATA = ("dtype", "device", "shape", "ndim", "is_cuda", "requires_grad")
+
+
+def reads_metadata(node: fx.Node) -> bool:
+    """`x.size()`, `x.dim()`, `x.dtype`, `x.device`, `x.shape`: what a mask built from them
+    takes from `x` carries no value of it (transformers 4 builds its masks so)."""
+    if node.op == "call_method":
+        return node.target in ("size", "dim")
+    return node.op == "call_function" and node.target is getattr and (
+        len(node.args) == 2 and node.args[1] in _METADATA)
 
 
 def has_weights(root: nn.Module, node: fx.Node) -> bool:

@@ -68,6 +68,7 @@ from .fx_tracing import (
     transformers_unsupported,
 )
 from .graph import (
+    eliminate_dead_code,
     first_line,
     gradient_nodes,
     has_tensor_input,
@@ -92,6 +93,7 @@ from .keep_structure import (
     is_trunk_leaf,
     mark_converted,
 )
+from .written_attention import fuse_written_attention
 
 __all__ = ["unit_scale", "unit_scale_with_report", "UnitScaleReport", "UnitScaleWarning"]
 
@@ -513,9 +515,14 @@ class _Converter:
                 return node.name in tensor_nodes
             return any(isinstance(a, fx.Node) for a in node.all_input_nodes)
 
+        fuse_written_attention(root, graph, tensor_nodes)
         learned = learned_nodes(root, graph)
         self._fuse_silu_gates(graph, root, is_tensor, where)
-        self._rewrite_additions(graph, root, learned, is_tensor, where)
+        # An addition that no gradient flows through (transformers 4's masks) has no scale.
+        without_gradient = set() if tensor_nodes is None else set(graph.nodes) - gradient_nodes(
+            root, graph, is_tensor)
+        self._rewrite_additions(graph, root, learned - without_gradient, is_tensor, where,
+                                without_gradient)
         with_gradient = gradient_nodes(root, graph, is_tensor)
         converted_modules: Dict[str, nn.Module] = {}
         for node in list(graph.nodes):
@@ -536,7 +543,7 @@ class _Converter:
                 graph.erase_node(node)
         converted = fx.GraphModule(root, graph, class_name=f"UnitScaled{type(root).__name__}")
         # Shape checks resolved at trace time leave unused nodes behind.
-        converted.graph.eliminate_dead_code()
+        eliminate_dead_code(converted.graph)
         converted.graph.lint()
         converted.recompile()
         return converted
@@ -623,12 +630,14 @@ class _Converter:
     def _rewrite_additions(
         self, graph: fx.Graph, root: nn.Module, learned: Set[fx.Node],
         is_tensor: Callable[[fx.Node], bool], where: Callable[[fx.Node], str],
+        without_gradient: Set[fx.Node],
     ) -> None:
         for node in list(graph.nodes):
             is_add = node.op in ("call_function", "call_method") and hashable(node.target) and (
                 node.target in _ADD or node.target in _SUB
             )
-            if not is_add or len(node.args) != 2 or not is_tensor(node):
+            if not is_add or len(node.args) != 2 or not is_tensor(node) or (
+                    node in without_gradient):
                 continue
             left, right = node.args
             if not (isinstance(left, fx.Node) and isinstance(right, fx.Node)) or left is right:
