@@ -392,6 +392,18 @@ def capture_inputs(
 _PLAIN_TYPES = (type(None), bool, int, float, str)
 
 
+def _plain_containers(value: Any) -> Any:
+    """`value` with fx's immutable lists and dicts (a traced call's arguments hold them, such
+    as transformers 4's per-layer `head_mask`) made the plain ones a caller passes."""
+    immutable = fx.immutable_collections
+    if type(value) in (list, tuple, immutable.immutable_list):
+        items = [_plain_containers(item) for item in value]
+        return tuple(items) if type(value) is tuple else items
+    if type(value) in (dict, immutable.immutable_dict):
+        return {key: _plain_containers(item) for key, item in value.items()}
+    return value
+
+
 class ArgumentFrame(nn.Module):
     """Calls `inner` with one call's arguments, its tensors taken as positional inputs.
 
@@ -405,7 +417,8 @@ class ArgumentFrame(nn.Module):
         self.signature = inspect.signature(inner.forward)
         bound = self.signature.bind(*inputs[0], **inputs[1])
         bound.apply_defaults()
-        leaves, self.spec = pytree.tree_flatten(dict(bound.arguments))
+        arguments = {name: _plain_containers(value) for name, value in bound.arguments.items()}
+        leaves, self.spec = pytree.tree_flatten(arguments)
         self.tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, Tensor)]
         self.example_tensors = [leaves[i] for i in self.tensor_positions]
         self.constants = [None if isinstance(leaf, Tensor) else leaf for leaf in leaves]

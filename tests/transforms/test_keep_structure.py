@@ -96,6 +96,9 @@ def test_keep_structure_keeps_modules_names_and_the_conversion(name: str) -> Non
 
     # The graph form's weights, under the model's names (its keys add a graph module's path).
     weights = {key.split("inner.", 1)[-1]: value for key, value in graph_form.state_dict().items()}
+    assert {key for key, _ in kept.named_parameters()} <= set(weights)
+    # A buffer the graph never reads is not in it (transformers 4's `masked_bias`, `inv_freq`).
+    weights = {**model.state_dict(), **weights}
     kept.load_state_dict({key: weights[key] for key in kept.state_dict()})
     loss, expected = kept(**call).loss, graph_form(**call).loss
     torch.testing.assert_close(loss, expected, rtol=0, atol=4 * 2 ** -24 * abs(expected.item()))
