@@ -33,7 +33,7 @@ VENV = Path(os.environ.get(
 EPOCHS = 3
 STEPS_PER_EPOCH = 16  # 512 samples, micro-batches of 8, 4 accumulated a step
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
 def _python() -> str:

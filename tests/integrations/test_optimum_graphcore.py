@@ -41,6 +41,7 @@ def _optimum_graphcore_installed() -> bool:
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.integration,
     pytest.mark.skipif(not _optimum_graphcore_installed(),
                        reason=f"optimum-graphcore is not installed in {VENV} "
                        "(bash .ci/optimum-graphcore creates that environment)"),

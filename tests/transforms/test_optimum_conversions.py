@@ -35,6 +35,7 @@ def _optimum_graphcore_installed() -> bool:
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.integration,
     pytest.mark.skipif(not _optimum_graphcore_installed(),
                        reason=f"optimum-graphcore is not installed in {VENV} (it pins "
                        "transformers 4.29.2, so it lives in an environment of its own: "
