@@ -75,9 +75,10 @@ setup(
     install_requires=["torch>=2.0", "numpy", "pyyaml", "tqdm", "matplotlib", "ninja"],
     extras_require={
         # tensorboard: the tests read back the event files training writes when it is there.
-        # transformers: unit_scale's Hugging Face tests. unit_scale supports 5.19 up to 6,
-        # tested on 5.19.0 and 5.25.0 (CI runs both; transforms.fx_tracing.TRANSFORMERS_TESTED)
-        # and refuses a Hugging Face model on any other release.
+        # transformers: unit_scale's Hugging Face tests. unit_scale supports 4.29 (Optimum
+        # Graphcore's pin) and 5.19 up to 6, tested on 4.29.2, 5.19.0 and 5.25.0 (CI runs the
+        # oldest and the newest; transforms.fx_tracing.TRANSFORMERS_TESTED) and refuses a Hugging
+        # Face model on any other release. The tests install the 5.x line; CI's step 1d, 4.29.2.
         "test": ["pytest", "hypothesis", "ml_dtypes", "gfloat", "ruff", "mypy", "types-PyYAML",
                  "transformers>=5.19,<6", "tensorboard"],
         "analysis": [],  # kept so that install lines naming it still work
