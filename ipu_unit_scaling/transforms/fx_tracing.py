@@ -472,6 +472,11 @@ class SpecialisedCall(nn.Module):
         self._constants = frame.constants
         self._output_type = getattr(frame, "output_type", None)
 
+    @property
+    def signature(self) -> inspect.Signature:
+        """The original module's forward's signature, which calls are bound to."""
+        return self._signature
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         bound = self._signature.bind(*args, **kwargs)
         bound.apply_defaults()

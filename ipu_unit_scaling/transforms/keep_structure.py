@@ -20,6 +20,7 @@ while `isinstance(model, BertForSequenceClassification)` still holds.
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -114,6 +115,15 @@ class ConvertedForward:
             # not a submodule: the graph's modules are the module's own
             specialised._modules.pop("graph_module", None)
             object.__setattr__(specialised, "graph_module", _BoundGraph(self))
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # What callers that bind by name read (PopTorch binds a call's keyword arguments to
+        # the forward's parameters): the original forward's, not (*args, **kwargs).
+        if self.specialised is not None:
+            return self.specialised.signature
+        parameters = list(inspect.signature(self.code).parameters.values())
+        return inspect.Signature(parameters[1:])  # without the module itself
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.specialised is not None:

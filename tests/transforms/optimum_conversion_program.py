@@ -50,8 +50,11 @@ def counting_data() -> Dataset:
 def convert(model: Any, conversion: str) -> Any:
     if conversion == "fp8":
         return simulate_fp8(model, FP8Config())
+    # Example inputs passed as the trainer passes its batches: every column, by keyword.
     ids = torch.randint(2, VOCAB, (2, SEQUENCE), generator=torch.Generator().manual_seed(0))
-    return unit_scale(model, (ids,), {"labels": torch.tensor([0, 1])}, keep_structure=True)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "token_type_ids": torch.zeros_like(ids), "labels": torch.tensor([0, 1])}
+    return unit_scale(model, (), batch, keep_structure=True)
 
 
 def converted_layers(model: Any) -> Dict[str, Any]:

@@ -7,6 +7,7 @@ the model from its config (and dropping the conversion) does not find."""
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 from typing import Dict, List, Tuple
 
@@ -120,6 +121,19 @@ def test_kept_blocks_are_called_as_modules_so_hooks_and_class_swaps_apply(name: 
     for block in blocks:
         block.__class__ = type("Swapped", (type(block),), {"forward": None})
     assert torch.equal(kept(**call).loss, before)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_kept_forward_has_the_original_signature_so_keyword_calls_bind(name: str) -> None:
+    """Callers that bind a call to the forward's parameters by name (PopTorch's argument
+    parser, which Optimum's IPUTrainer calls with a keyword batch) read the original forward's
+    signature from the converted one, not (*args, **kwargs)."""
+    model, call = MODELS[name]()
+    original = inspect.signature(model.forward)
+    kept, _ = _convert(model, call, keep_structure=True)
+    assert inspect.signature(kept.forward) == original
+    bound = inspect.signature(kept.forward).bind(**call)
+    assert kept(*bound.args, **bound.kwargs).loss == kept(**call).loss
 
 
 def test_kept_conversion_follows_half_and_deep_copies_independently() -> None:

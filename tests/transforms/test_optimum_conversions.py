@@ -72,6 +72,26 @@ def test_an_fp8_bert_trains_pipelined_with_its_fp8_layers(tmp_path: Path, fp16: 
     assert out["reloaded_equal"] == ["True"]  # save_model walked it back and saved it
 
 
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16"])
+def test_a_unit_scaled_bert_trains_pipelined_with_its_unit_scaled_layers(
+        tmp_path: Path, fp16: bool) -> None:
+    """unit_scale(keep_structure=True) of the pipelined BERT, given the trainer's batch as
+    example inputs, trains through IPUTrainer: PopTorch binds the trainer's keyword batch to
+    the converted forward's parameters, which are the original forward's (they had been
+    (*args, **kwargs), and the compile refused the call: 'argument 0 was a tensor when traced,
+    not None'). Every weight of its unit-scaled layers changes, and save_model's files reload."""
+    out = _run(["--conversion", "unit_scale", *(["--fp16"] if fp16 else [])], tmp_path)
+    losses = [float(v) for v in out["loss"]]
+    assert len(losses) == 4 and all(loss == loss and abs(loss) < 1e3 for loss in losses)
+    converted = int(out["converted"][0])
+    assert converted >= 20, out["converted"]
+    changed, _, total = out["changed"][0].partition(" of ")
+    assert int(total) > 0 and changed == total, out["changed"]
+    assert out["pipelined"] == ["True"]
+    assert out["model_class"] == ["UnitScaledPipelinedBertForSequenceClassification"]
+    assert out["reloaded_equal"] == ["True"]
+
+
 def test_an_fp8_gpt2_trains_with_its_conv1d_layers_in_fp8(tmp_path: Path) -> None:
     """GPT-2's eight Conv1D projections and its head (tied to the embedding) are FP8 layers
     of the trained model; before, only the head was converted."""
