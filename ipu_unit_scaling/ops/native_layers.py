@@ -138,8 +138,11 @@ def module() -> Optional[ModuleType]:
         directory = build_directory()
         _put_ninja_on_path()
         directory.mkdir(parents=True, exist_ok=True)
-        with _build_lock(directory):
-            if _needs_building(directory):
+        # Only a build takes the lock: processes that load a built library (the ranks of a
+        # distributed run) neither wait for each other nor say so.
+        building = _needs_building(directory)
+        with _build_lock(directory) if building else contextlib.nullcontext():
+            if building and _needs_building(directory):
                 sys.stderr.write(
                     f"ipu-unit-scaling: building the C++ transformer-layer nodes for torch "
                     f"{torch.__version__} in {directory} (a minute or two)\n")

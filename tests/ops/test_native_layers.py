@@ -263,17 +263,33 @@ def test_every_build_is_announced_and_concurrent_builds_take_turns(monkeypatch, 
     assert native_layers.module() is not None
     assert "building the C++ transformer-layer nodes" in capsys.readouterr().err
     assert len(set(loads)) == 1 and len(loads) == 3
-    # Another process building holds the folder's lock: this one waits, and says so.
+    # Another process holds the folder's lock: with the library built, this one loads it
+    # without waiting (a distributed run's ranks); with a build due, it waits, and says so.
+    library = Path(loads[0]) / "ius_native_layers.so"
+    os.utime(library, (later + 1, later + 1))  # as built after the source changed
+    _fresh(monkeypatch)
+    with open(Path(loads[0]) / "build.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        loading = threading.Thread(target=native_layers.module)
+        loading.start()
+        loading.join(timeout=30)
+        waited = loading.is_alive()
+        fcntl.flock(held, fcntl.LOCK_UN)
+        loading.join(timeout=60)
+    assert not waited and capsys.readouterr().err == ""
+    assert len(loads) == 4
+    later += 60
+    os.utime(source, (later, later))
     _fresh(monkeypatch)
     with open(Path(loads[0]) / "build.lock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         waiting = threading.Thread(target=native_layers.module)
         waiting.start()
         time.sleep(0.5)
-        assert len(loads) == 3 and waiting.is_alive()
+        assert len(loads) == 4 and waiting.is_alive()
         fcntl.flock(held, fcntl.LOCK_UN)
         waiting.join(timeout=60)
-    assert len(loads) == 4
+    assert len(loads) == 5
     assert "waiting for another process building" in capsys.readouterr().err
 
 
