@@ -272,3 +272,31 @@ def built_native_layers():
             pytest.skip(native_layers.status())
         pytest.fail(native_layers.status())
     return extension
+
+
+def transformers_with_torch():
+    """transformers, or a skip where it is absent or has no PyTorch models for this torch
+    (transformers 5 turns them off below torch 2.6; the Poplar SDK's torch is 2.0.1)."""
+    transformers = pytest.importorskip("transformers")
+    if not transformers.utils.is_torch_available():
+        pytest.skip(f"transformers {transformers.__version__} has no PyTorch models for torch "
+                    f"{torch.__version__}")
+    return transformers
+
+
+#: Optimum Graphcore's environment (``.ci/optimum-graphcore`` makes it): its pins are not ours.
+OPTIMUM_VENV = Path(os.environ.get("IPU_UNIT_SCALING_OPTIMUM_VENV") or Path(
+    os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    / "ipu-unit-scaling" / "venv-optimum-graphcore")
+OPTIMUM_PYTHON = OPTIMUM_VENV / "bin" / "python"
+
+
+def optimum_graphcore_installed() -> bool:
+    """Whether Optimum Graphcore imports in :data:`OPTIMUM_VENV`."""
+    if not OPTIMUM_PYTHON.exists():
+        return False
+    found = subprocess.run(
+        [str(OPTIMUM_PYTHON), "-c", "import importlib.util as u; "
+         "print(u.find_spec('optimum.graphcore') is not None)"],
+        capture_output=True, text=True, timeout=120)
+    return found.stdout.strip() == "True"

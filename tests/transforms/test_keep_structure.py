@@ -13,6 +13,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 import torch
+from helpers import transformers_with_torch
 from torch import Tensor, nn
 
 from ipu_unit_scaling.fp8 import FP8Config, FP8Linear
@@ -24,20 +25,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB, SEQ, BATCH, WIDTH = 64, 16, 4, 32
 
 
-def _transformers():
-    transformers = pytest.importorskip("transformers")
-    if not transformers.utils.is_torch_available():
-        pytest.skip(f"transformers {transformers.__version__} has no PyTorch models for torch "
-                    f"{torch.__version__}")
-    return transformers
-
 
 def _ids(seed: int) -> Tensor:
     return torch.randint(5, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
 
 
 def bert() -> Tuple[nn.Module, Dict[str, Tensor]]:
-    transformers = _transformers()
+    transformers = transformers_with_torch()
     torch.manual_seed(0)
     config = transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=2,
@@ -48,7 +42,7 @@ def bert() -> Tuple[nn.Module, Dict[str, Tensor]]:
 
 
 def gpt2() -> Tuple[nn.Module, Dict[str, Tensor]]:
-    transformers = _transformers()
+    transformers = transformers_with_torch()
     torch.manual_seed(0)
     config = transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=WIDTH, n_layer=2, n_head=2, n_positions=SEQ,
@@ -58,7 +52,7 @@ def gpt2() -> Tuple[nn.Module, Dict[str, Tensor]]:
 
 
 def llama() -> Tuple[nn.Module, Dict[str, Tensor]]:
-    transformers = _transformers()
+    transformers = transformers_with_torch()
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=2,
@@ -210,7 +204,7 @@ def test_simulate_fp8_converts_a_unit_scaled_conv1d() -> None:
 def test_simulate_format_quantises_the_addmm_of_a_conv1d() -> None:
     """unit-scaling's graph form casts `torch.addmm` operands (Conv1D's matmul) as it casts
     `F.linear`'s: the output is that of the quantised operands, within the sum's rounding."""
-    _transformers()
+    transformers_with_torch()
     from transformers.pytorch_utils import Conv1D
 
     torch.manual_seed(0)

@@ -14,29 +14,16 @@ from pathlib import Path
 from typing import Dict, List
 
 import pytest
-from helpers import ROOT
+from helpers import OPTIMUM_PYTHON, OPTIMUM_VENV, ROOT, optimum_graphcore_installed
 
-VENV = Path(os.environ.get("IPU_UNIT_SCALING_OPTIMUM_VENV") or Path(
-    os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    / "ipu-unit-scaling" / "venv-optimum-graphcore")
-PYTHON = VENV / "bin" / "python"
+VENV, PYTHON = OPTIMUM_VENV, OPTIMUM_PYTHON
 PROGRAM = ROOT / "tests" / "transforms" / "optimum_conversion_program.py"
-
-
-def _optimum_graphcore_installed() -> bool:
-    if not PYTHON.exists():
-        return False
-    found = subprocess.run(
-        [str(PYTHON), "-c", "import importlib.util as u; "
-         "print(u.find_spec('optimum.graphcore') is not None)"],
-        capture_output=True, text=True, timeout=120)
-    return found.stdout.strip() == "True"
 
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.integration,
-    pytest.mark.skipif(not _optimum_graphcore_installed(),
+    pytest.mark.skipif(not optimum_graphcore_installed(),
                        reason=f"optimum-graphcore is not installed in {VENV} (it pins "
                        "transformers 4.29.2, so it lives in an environment of its own: "
                        "bash .ci/optimum-graphcore creates it)"),

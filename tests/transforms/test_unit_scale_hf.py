@@ -9,6 +9,7 @@ from typing import Dict, List, Tuple
 
 import pytest
 import torch
+from helpers import transformers_with_torch
 from torch import Tensor, nn
 
 import ipu_unit_scaling as uu
@@ -21,17 +22,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB, SEQ, BATCH = 64, 32, 8
 
 
-def _transformers():
-    transformers = pytest.importorskip("transformers")
-    if not transformers.utils.is_torch_available():
-        # transformers 5 turns its PyTorch models off below torch 2.6 (the SDK's torch is 2.0.1).
-        pytest.skip(f"transformers {transformers.__version__} has no PyTorch models for torch "
-                    f"{torch.__version__}")
-    return transformers
-
 
 def _transformers_4() -> bool:
-    return _transformers().__version__.startswith("4.")
+    return transformers_with_torch().__version__.startswith("4.")
 
 
 def _needs_export() -> None:
@@ -107,7 +100,7 @@ def _convert(model: nn.Module, args: Tuple[Tensor, ...], kwargs: Dict[str, objec
 
 
 def llama(**overrides: object) -> nn.Module:
-    transformers = _transformers()
+    transformers = transformers_with_torch()
     torch.manual_seed(0)
     settings = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -185,7 +178,7 @@ def test_rotary_embedding_preserves_norms_and_gradient_norms_exactly():
     """The proof of scale preservation, on the function itself: each pair (x_i, x_{i+d/2})
     is rotated by its position's angle, so every pair keeps its norm (float64, exactly up to
     rounding), and so does the gradient, which goes through the transposed rotation."""
-    _transformers()
+    transformers_with_torch()
     from transformers.models.llama import modeling_llama
 
     assert modeling_llama.apply_rotary_pos_emb in scale_preserving_functions()
@@ -220,7 +213,7 @@ def test_rotary_embedding_preserves_norms_and_gradient_norms_exactly():
 
 
 def bert() -> nn.Module:
-    transformers = _transformers()
+    transformers = transformers_with_torch()
     torch.manual_seed(0)
     return transformers.BertForMaskedLM(transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -240,7 +233,7 @@ def bert_call(ids: Tensor, seed: int) -> Dict[str, Tensor]:
 
 @pytest.fixture(scope="module")
 def bert_pair():
-    _transformers()
+    transformers_with_torch()
     _needs_export()
     model = bert()
     call = bert_call(random_tokens(seed=5), seed=0)
@@ -331,7 +324,7 @@ def test_bert_gradients_after_conversion(bert_pair):
 def test_bert_gradients_after_conversion_on_other_draws(draw):
     """The same bands on other draws of the data and the masking: draws 1 to 3 were where the
     query and key weights fell out before their rule, draw 4 where both value weights do."""
-    _transformers()
+    transformers_with_torch()
     _needs_export()
     model = bert()
     call = bert_call(random_tokens(seed=5 + draw), seed=draw)
@@ -363,7 +356,7 @@ def test_bert_original_untouched_deterministic_and_arguments_guarded(bert_pair):
 
 
 def test_converted_bert_trains_masked_lm_loss_falls():
-    _transformers()
+    transformers_with_torch()
     _needs_export()
     # One successor per token: a masked token is its neighbours' business, which a small
     # bidirectional model picks up within 50 steps (with two it first learns unigrams).
@@ -484,14 +477,14 @@ def test_an_untested_transformers_is_refused_in_one_line(monkeypatch, version):
 
 
 def test_the_installed_transformers_is_in_the_tested_range():
-    transformers = _transformers()
+    transformers = transformers_with_torch()
     from ipu_unit_scaling.transforms.fx_tracing import transformers_unsupported
 
     assert transformers_unsupported(llama(num_hidden_layers=1)) is None, transformers.__version__
 
 
 def test_gpt2_converts_fully_with_fx():
-    transformers = _transformers()
+    transformers = transformers_with_torch()
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB, n_positions=SEQ))

@@ -9,6 +9,7 @@ from typing import Callable, Dict, List, Tuple
 
 import pytest
 import torch
+from helpers import transformers_with_torch
 from torch import Tensor, nn
 
 from ipu_unit_scaling.transforms import unit_scale
@@ -17,13 +18,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 VOCAB, SEQ, BATCH, WIDTH = 64, 16, 4, 32
 _U = 2.0 ** -24  # float32 unit roundoff
 
-
-def _transformers():
-    transformers = pytest.importorskip("transformers")
-    if not transformers.utils.is_torch_available():
-        pytest.skip(f"transformers {transformers.__version__} has no PyTorch models for torch "
-                    f"{torch.__version__}")
-    return transformers
 
 
 @pytest.fixture
@@ -37,7 +31,7 @@ def poptorch(monkeypatch: pytest.MonkeyPatch):
 
 
 def _bert() -> Tuple[nn.Module, Dict[str, Tensor]]:
-    transformers = _transformers()
+    transformers = transformers_with_torch()
     config = transformers.BertConfig(
         vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=2,
         intermediate_size=2 * WIDTH, max_position_embeddings=SEQ, num_labels=3,
@@ -50,7 +44,7 @@ def _bert() -> Tuple[nn.Module, Dict[str, Tensor]]:
 
 
 def _gpt2() -> Tuple[nn.Module, Dict[str, Tensor]]:
-    transformers = _transformers()
+    transformers = transformers_with_torch()
     config = transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=WIDTH, n_layer=2, n_head=2, n_positions=SEQ,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
@@ -59,7 +53,7 @@ def _gpt2() -> Tuple[nn.Module, Dict[str, Tensor]]:
 
 
 def _llama() -> Tuple[nn.Module, Dict[str, Tensor]]:
-    transformers = _transformers()
+    transformers = transformers_with_torch()
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
