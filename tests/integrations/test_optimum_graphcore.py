@@ -73,8 +73,10 @@ def test_bert_classifier_pipelined_fp16_replicated(tmp_path):
         lines["saved_files"][0].split())
 
 
-def test_gpt2_causal_lm_trains_saves_reloads_and_generates(tmp_path):
-    lines = _run(["--task", "causal-lm", "--steps", "8"], tmp_path)
+@pytest.mark.parametrize("precision", [[], ["--fp16", "--replicas", "2"]],
+                         ids=["fp32", "fp16-replicated"])
+def test_gpt2_causal_lm_trains_saves_reloads_and_generates(tmp_path, precision):
+    lines = _run(["--task", "causal-lm", "--steps", "8", *precision], tmp_path)
     losses = [float(v) for v in lines["loss"]]
     assert len(losses) == 8 and all(math.isfinite(v) for v in losses), losses
     assert _falling(losses), losses
