@@ -300,3 +300,8 @@ def optimum_graphcore_installed() -> bool:
          "print(u.find_spec('optimum.graphcore') is not None)"],
         capture_output=True, text=True, timeout=120)
     return found.stdout.strip() == "True"
+
+
+def torch_before(major: int, minor: int) -> bool:
+    """Whether this torch is older than ``major.minor`` (the Poplar SDK's is 2.0.1)."""
+    return tuple(int(part) for part in torch.__version__.split(".")[:2]) < (major, minor)

@@ -8,6 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import torch_before
 from torch import fx, nn
 
 import ipu_unit_scaling.functional as U
@@ -67,6 +68,8 @@ class _Net(nn.Module):
         return F.gelu(self.linear(x))
 
 
+@pytest.mark.skipif(torch_before(2, 1),
+                    reason="TorchDynamo refuses Python 3.11 before torch 2.1")
 def test_a_transformed_graph_module_keeps_its_transform_when_copied():
     """PopTorch's trainingModel and inferenceModel copy the model (copy.copy); a GraphModule's
     copy is rebuilt from its graph, which would drop the transform."""

@@ -10,7 +10,7 @@ attention, as transformers 5's fused attention is.
 from __future__ import annotations
 
 import operator
-from typing import Any, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.fx as fx
@@ -27,6 +27,8 @@ _MATMUL = {torch.matmul, operator.matmul, "matmul"}
 _ADD = {operator.add, torch.add, "add"}
 _RETYPE = {"to", "type", "type_as"}
 _CONSTANT_FACTORIES = {torch.tensor, torch.full}
+# F.scaled_dot_product_attention's `scale` argument came with torch 2.1.
+_SDPA_TAKES_SCALE = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 1)
 
 
 def allowed_keys(additive: Optional[Tensor], causal: Optional[Tensor]) -> Tensor:
@@ -197,13 +199,17 @@ def fuse_written_attention(
         scale: Optional[float] = factor
         if head_dim and abs(factor * head_dim ** 0.5 - 1) < 1e-6:
             scale = None  # torch's default, which the gradient rules of the projections know
+        if scale is not None and not _SDPA_TAKES_SCALE:
+            continue  # left written out: torch's attention has no other scale before 2.1
         with graph.inserting_before(matmul):
             mask = None
             if additive is not None or causal is not None:
                 mask = graph.call_function(allowed_keys, (additive, causal))
+            options: Dict[str, Any] = {"attn_mask": mask, "dropout_p": p}
+            if scale is not None:
+                options["scale"] = scale
             attention = graph.call_function(
-                F.scaled_dot_product_attention, (query, key, value),
-                {"attn_mask": mask, "dropout_p": p, "scale": scale})
+                F.scaled_dot_product_attention, (query, key, value), options)
         matmul.replace_all_uses_with(attention)
         if tensor_nodes is not None:
             tensor_nodes.add(attention.name)

@@ -13,6 +13,10 @@ from ipu_unit_scaling.analysis import example_batch, graph_to_dataframe, plot
 from ipu_unit_scaling.transforms import track_scales
 
 pytest.importorskip("torch._dynamo")
+try:  # track_scales captures with TorchDynamo, which torch 2.0 refuses on Python 3.11
+    torch._dynamo.eval_frame.check_if_dynamo_supported()
+except RuntimeError as refusal:
+    pytest.skip(f"torch {torch.__version__}: {refusal}", allow_module_level=True)
 matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")
 

@@ -18,12 +18,16 @@ from typing import Dict, List
 
 import pytest
 import torch
-from helpers import ROOT
+from helpers import ROOT, torch_before
 
 import ipu_standins.poptorch as poptorch
 from ipu_standins.poptorch._captured import call_as_captured, without_ipu_devices
 
 pytest.importorskip("torch._dynamo")
+
+# torch 2.0's fx cannot pass a traced size to torch.arange, and its TorchDynamo refuses Python
+# 3.11: the captured programs need torch 2.1.
+pytestmark = pytest.mark.skipif(torch_before(2, 1), reason="the captured programs need torch 2.1")
 
 PROGRAM = textwrap.dedent('''
     import sys
