@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import transformers_with_torch
 
 from benchmarks.heap import DEFAULT
 from benchmarks.measure import instances, peak_step_bytes, time_interleaved
@@ -356,7 +357,7 @@ def test_emulate_fp16_times_float32_and_both_float16_forms(capsys):
     PopTorch stand-in in float32, float16 with half partials and float16 with float partials,
     each timed, both ratios to float32 positive and finite, the half-partials target named;
     the half-partials form really rounds its partial sums (its steps part from the other's)."""
-    pytest.importorskip("transformers")
+    transformers_with_torch()  # its BERT: transformers 5 has no PyTorch models before torch 2.6
     from benchmarks import emulate_fp16
 
     threads = torch.get_num_threads()
