@@ -25,7 +25,15 @@ from torch import nn
 from ..ops.trace_switch import is_ipu_tracing
 from .fp8_config import FP8Config
 from .fp8_formats import FP8Format
-from .recipe_linear import grouped_operand_values, new_amax_history, recipe_applies, recipe_linear
+from .recipe_linear import (
+    delayed_log2_scale,
+    grouped_operand_values,
+    new_amax_history,
+    push_amax,
+    recipe_applies,
+    recipe_linear,
+    role_cast,
+)
 from .scaling import Fp8Tensor, cast_from_fp8, cast_to_fp8
 from .stats import stats_enabled
 from .values import quantise_values
@@ -135,24 +143,37 @@ def values_for_role(x: torch.Tensor, fmt: FP8Format, margin: int, config: FP8Con
 class ValuesQuantiser:
     """An FP8 linear's casts of its GEMM operands, for eager forms that compute its GEMMs
     themselves (`fused_blocks.Quantiser`): ``quantiser(operand, role, transposed, out)``.
-    ``native``: the same casts as the C++ layer nodes make them (`native_casts.layer_casts`),
-    or None where those cannot make them, as where something observes the casts."""
+    ``native``: the same casts as the C++ nodes make them (`native_casts.layer_casts`), or
+    None where those cannot make them, as where something observes the casts. Under the
+    delayed recipe, ``history`` is the linear's amax history and ``update`` whether each cast
+    pushes its operand's amax into it (as `recipe_linear.recipe_linear` casts)."""
 
-    __slots__ = ("config", "site", "native")
+    __slots__ = ("config", "site", "native", "history", "update")
 
-    def __init__(self, config: FP8Config, site: str) -> None:
-        self.config, self.site = config, site
+    def __init__(self, config: FP8Config, site: str, history: Optional[torch.Tensor] = None,
+                 update: bool = False) -> None:
+        if config.scaling == "delayed" and history is None:
+            raise ValueError("the delayed recipe's casts read an amax history: pass history")
+        self.config, self.site, self.history, self.update = config, site, history, update
         self.native: Optional[Tuple[List[float], ...]] = None
         if not _casts_observed():
             from .native_casts import layer_casts
 
-            scale = None if config.grouped else per_tensor_scale(config)
-            self.native = layer_casts(config, site, scale, self._cast_for)
+            scale = None if config.grouped or history is not None else per_tensor_scale(config)
+            self.native = layer_casts(config, site, scale, self._cast_for, history, update)
 
     def __call__(self, t: torch.Tensor, role: str, transposed: bool,
                  out: Optional[torch.Tensor] = None
                  ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         config = self.config
+        if self.history is not None:
+            # `recipe_linear._RecipeLinear`'s delayed cast: the scale from the history before
+            # this operand's amax enters it.
+            scale = delayed_log2_scale(self.history, config, role)
+            if self.update:
+                push_amax(self.history, role, t)
+            values = role_cast(t, config, role, f"{self.site}.{role}", scale).values
+            return values, values if transposed else None
         if config.grouped:
             return grouped_operand_values(t, config, role, f"{self.site}.{role}", transposed,
                                           out)
@@ -229,9 +250,32 @@ def values_path_applies(x: torch.Tensor, weight: torch.Tensor, bias: Optional[to
 def fp8_linear_values(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       config: FP8Config, site: str,
                       scales: Tuple[float, float, float, float] = _UNSCALED) -> torch.Tensor:
-    """The FP8 linear on values (see :class:`_FP8ValuesLinear`); callers check
+    """The FP8 linear on values (see :class:`_FP8ValuesLinear`, as a C++ node where
+    :func:`native_linear` runs it); callers check :func:`values_path_applies` first."""
+    y = native_linear(x, weight, bias, config, site, scales)
+    return y if y is not None else _FP8ValuesLinear.apply(x, weight, bias, config, site, scales)
+
+
+def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  config: FP8Config, site: str, scales: Tuple[float, float, float, float],
+                  history: Optional[torch.Tensor] = None, update: bool = False
+                  ) -> Optional[torch.Tensor]:
+    """The FP8 linear on values as one C++ autograd node (`ops.native_layers`), casting
+    with the kernels the Python Functions call, in their order, with their arguments (so
+    with their values): :class:`_FP8ValuesLinear` per tensor, `recipe_linear`'s Function
+    under the delayed (``history``, pushed into where ``update``) and grouped recipes. None
+    where the node cannot run: it is not built or is off, the host library is missing, the
+    casts are observed, or under a functorch transform. Callers check
     :func:`values_path_applies` first."""
-    return _FP8ValuesLinear.apply(x, weight, bias, config, site, scales)
+    from ..ops import native_layers
+
+    module = native_layers.usable()
+    if module is None or _casts_observed():
+        return None
+    casts = ValuesQuantiser(config, site, history, update).native
+    if casts is None:
+        return None
+    return module.fp8_linear(x, weight, bias, scales, casts, site)
 
 
 class _FP8LinearFunction(torch.autograd.Function):
@@ -439,14 +483,26 @@ class FP8Linear(nn.Linear):
             self.register_buffer("amax_history",
                                  new_amax_history(self.config, self.weight.device))
 
+    def _valid_history(self) -> Optional[torch.Tensor]:
+        """The delayed recipe's amax history where it has the shape the config asks for
+        (else `recipe_linear` says what is wrong), else None."""
+        history = getattr(self, "amax_history", None)
+        expected = (3, self.config.amax_history_length)
+        return history if history is not None and tuple(history.shape) == expected else None
+
     def _recipe_forward(self, x: torch.Tensor,
                         scales: Tuple[float, float, float, float] = _UNSCALED,
                         bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         history = getattr(self, "amax_history", None)
-        return recipe_linear(x, self.linear_weight(), bias, self.config, self.site, scales,
-                             history,
-                             update_history=self.training and torch.is_grad_enabled(),
-                             use_scaled_mm=self.use_scaled_mm)
+        update = self.training and torch.is_grad_enabled()
+        weight = self.linear_weight()
+        if (values_path_applies(x, weight, bias, self.use_scaled_mm)
+                and (self.config.scaling != "delayed" or self._valid_history() is not None)):
+            y = native_linear(x, weight, bias, self.config, self.site, scales, history, update)
+            if y is not None:
+                return y
+        return recipe_linear(x, weight, bias, self.config, self.site, scales, history,
+                             update_history=update, use_scaled_mm=self.use_scaled_mm)
 
     @classmethod
     def from_linear(cls: Type[_LinearT], linear: nn.Linear, config: Optional[FP8Config] = None,
@@ -512,15 +568,20 @@ class FP8UnitScaledLinear(FP8Linear):
         dimension, and where ``transposed`` those of the backward GEMM that reduces over its
         first, in the operand's shape; see `fused_blocks.Quantiser`). Per-tensor scaling
         rounds once for both; a grouped recipe casts along each dimension
-        (`recipe_linear.grouped_operand_values`), the first into ``out`` where given. None
-        where this layer does not compute on FP8 values in float32 for `x` (see
-        `values_path_applies`), keeps an amax history ("delayed"), has a bias, or scales
-        otherwise than `U.linear`."""
+        (`recipe_linear.grouped_operand_values`), the first into ``out`` where given; the
+        delayed recipe casts per tensor with its amax history, pushed into in training as
+        :meth:`forward` pushes. None where this layer does not compute on FP8 values in
+        float32 for `x` (see `values_path_applies`), has a bias, or scales otherwise than
+        `U.linear`."""
         if (self.bias is not None or tuple(self.scale_power) != (0.5, 0.5, 0.5)
-                or self.config.scaling == "delayed" or self.attention_projection is not None
+                or self.attention_projection is not None
                 or not values_path_applies(x, self.weight, None, self.use_scaled_mm)):
             return None
-        return ValuesQuantiser(self.config, self.site)
+        history = self._valid_history()
+        if self.config.scaling == "delayed" and history is None:
+            return None
+        return ValuesQuantiser(self.config, self.site, history,
+                               self.training and torch.is_grad_enabled())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Imported here: the unit-scaled core imports nothing from fp8, and fp8 stays usable alone.

@@ -14,6 +14,11 @@ linear's three casts (input, weight, output gradient) as the nodes take them:
   cast serves both GEMMs (square weight blocks);
 - ``[2, ...]``: the same, both tile casts from one read by the pair kernel
   (``ius_group_quantise_pair``, as `recipe_linear.grouped_operand_values` calls it);
+- ``[4, fallback, exponent bits, saturate, margin, format max, reduce by max, update,
+  history, role]``: the delayed recipe's per-tensor cast (`recipe_linear.role_cast` with
+  `recipe_linear.delayed_log2_scale`): the scale from the role's row of the amax history the
+  nodes hold at index ``history`` (:func:`held_history`), the operand's amax pushed into that
+  row first where ``update`` is set, then ``ius_fused_quantise`` with that scale;
 - ``[0, fallback]``: a cast the kernels do not make here (NVFP4, a GEMM kept in float32).
 
 ``fallback`` numbers the Python quantiser that the nodes call for kind 0, and for any operand
@@ -29,10 +34,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .fp8_config import FP8Config
+from .fp8_formats import FP8Format
 from .recipe_linear import group_kernel_casts, pair_kernel_casts
 from .values import values_path
 
-__all__ = ["OperandCast", "layer_casts"]
+__all__ = ["OperandCast", "layer_casts", "held_history"]
 
 # (operand, transposed, out) -> (values, values for the transposed GEMM or None)
 OperandCast = Callable[[torch.Tensor, bool, Optional[torch.Tensor]],
@@ -41,8 +47,11 @@ Spec = List[float]
 
 ROLES = ("input", "weight", "grad_output")
 _fallbacks: List[OperandCast] = []
-_specs: Dict[Tuple[FP8Config, str, bool], Tuple[Spec, Spec, Spec]] = {}
+_specs: Dict[Tuple[FP8Config, str, bool, int, bool], Tuple[Spec, Spec, Spec]] = {}
 _registered: List[object] = []  # the native module the kernels were handed to
+# Delayed linears' amax histories held by the native module: id(history) -> its index there.
+# (The module holds each for the life of the process, so an id is never reused.)
+_histories: Dict[int, int] = {}
 
 
 def _fallback(index: int, x: torch.Tensor, transposed: bool,
@@ -60,13 +69,38 @@ def _register(module: object) -> bool:
     address = ctypes.cast(lib.ius_fused_quantise, ctypes.c_void_p).value
     pair_address = ctypes.cast(lib.ius_group_quantise_pair, ctypes.c_void_p).value
     group_address = ctypes.cast(lib.ius_group_quantise, ctypes.c_void_p).value
+    amax_address = ctypes.cast(lib.ius_fused_amax, ctypes.c_void_p).value
     module.set_fp8_casts(address, pair_address, group_address,  # type: ignore[attr-defined]
-                         _fallback)
+                         amax_address, _fallback)
     _registered.append(module)
     return True
 
 
-def _spec(config: FP8Config, role: str, log2_scale: Optional[int], fallback: int) -> Spec:
+def held_history(module: object, history: torch.Tensor) -> Optional[int]:
+    """The index under which the native ``module`` holds the delayed recipe's amax
+    ``history`` (handed to it on first sight), or None where its casts cannot read it there
+    (not a contiguous CPU float32 tensor)."""
+    index = _histories.get(id(history))
+    if index is not None:
+        return index
+    if (history.device.type != "cpu" or history.dtype != torch.float32 or history.dim() != 2
+            or history.shape[0] != len(ROLES) or not history.is_contiguous()):
+        return None
+    index = _histories[id(history)] = module.hold_history(history)  # type: ignore[attr-defined]
+    return index
+
+
+def _spec(config: FP8Config, role: str, log2_scale: Optional[int], fallback: int,
+          history: int = -1, update: bool = False) -> Spec:
+    if config.scaling == "delayed":
+        fmt = _role_format(config, role)
+        if config.rounding != "nearest" or values_path(fmt) != "host" or history < 0:
+            return [0, fallback]
+        from . import host_library
+
+        return [4, fallback, host_library.exponent_bits(fmt.name),
+                int(config.overflow == "saturate"), _role_margin(config, role), fmt.max,
+                int(config.amax_reduction == "max"), int(update), history, ROLES.index(role)]
     if config.grouped:
         groups = group_kernel_casts(config, role)
         if groups is None:
@@ -74,29 +108,29 @@ def _spec(config: FP8Config, role: str, log2_scale: Optional[int], fallback: int
         along_rows, along_columns, args = groups
         pair = pair_kernel_casts(config, role) is not None
         return [2 if pair else 3, fallback, *along_rows, *along_columns, *args]
-    fmt = {"input": config.activation, "weight": config.weight,
-           "grad_output": config.gradient}[role]
+    fmt = _role_format(config, role)
     if config.rounding != "nearest" or values_path(fmt) != "host":
         return [0, fallback]
     from . import host_library
 
-    margin = {"input": config.activation_margin, "weight": config.weight_margin,
-              "grad_output": config.gradient_margin}[role]
     return [1, fallback, host_library.exponent_bits(fmt.name),
             int(config.overflow == "saturate"), int(log2_scale is not None), log2_scale or 0,
-            margin]
+            _role_margin(config, role)]
 
 
 def layer_casts(config: FP8Config, site: str, log2_scale: Optional[int],
-                cast_for: Callable[[str], OperandCast]) -> Optional[Tuple[Spec, Spec, Spec]]:
+                cast_for: Callable[[str], OperandCast],
+                history: Optional[torch.Tensor] = None, update: bool = False
+                ) -> Optional[Tuple[Spec, Spec, Spec]]:
     """The (input, weight, grad_output) casts of the linear at ``site`` for the C++ layer
     nodes, or None where they cannot run: the nodes or the host library are not built or
     are off. ``log2_scale``: a per-tensor recipe's fixed scale (None: from the amax);
-    ``cast_for(role)``: the linear's Python cast for ``role``, their fallback."""
+    ``cast_for(role)``: the linear's Python cast for ``role``, their fallback; ``history``
+    and ``update``: the delayed recipe's amax history, and whether the casts push into it."""
     from . import host_library
 
     available = host_library.fused_cast_available()
-    key = (config, site, available)
+    key = (config, site, available, -1 if history is None else id(history), update)
     found = _specs.get(key)
     if found is not None:
         return found
@@ -105,11 +139,25 @@ def layer_casts(config: FP8Config, site: str, log2_scale: Optional[int],
     from ..ops import native_layers
 
     module = native_layers.module()
-    if module is None or not hasattr(module, "set_fp8_casts") or not _register(module):
+    if module is None or not hasattr(module, "hold_history") or not _register(module):
         return None
+    held = -1
+    if history is not None:
+        index = held_history(module, history)
+        held = -1 if index is None else index
     specs: List[Spec] = []
     for role in ROLES:
         _fallbacks.append(cast_for(role))
-        specs.append(_spec(config, role, log2_scale, len(_fallbacks) - 1))
+        specs.append(_spec(config, role, log2_scale, len(_fallbacks) - 1, held, update))
     _specs[key] = (specs[0], specs[1], specs[2])
     return _specs[key]
+
+
+def _role_format(config: FP8Config, role: str) -> FP8Format:
+    return {"input": config.activation, "weight": config.weight,
+            "grad_output": config.gradient}[role]
+
+
+def _role_margin(config: FP8Config, role: str) -> int:
+    return {"input": config.activation_margin, "weight": config.weight_margin,
+            "grad_output": config.gradient_margin}[role]

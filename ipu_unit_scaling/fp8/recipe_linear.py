@@ -55,7 +55,7 @@ from .stats import stats_enabled
 from .values import quantise_values
 
 __all__ = ["HISTORY_ROLES", "recipe_applies", "recipe_linear", "new_amax_history",
-           "delayed_log2_scale", "role_cast", "grouped_operand_values",
+           "delayed_log2_scale", "push_amax", "role_cast", "grouped_operand_values",
            "rowwise_scaled_mm_supported", "traced_recipe_linear"]
 
 HISTORY_ROLES = ("input", "weight", "grad_output")
@@ -90,7 +90,7 @@ def delayed_log2_scale(history: torch.Tensor, config: FP8Config, role: str) -> i
     return log2_scale(float(amax), _role_format(config, role), _role_margin(config, role))
 
 
-def _push_amax(history: torch.Tensor, role: str, x: torch.Tensor) -> None:
+def push_amax(history: torch.Tensor, role: str, x: torch.Tensor) -> None:
     amax = x.detach().abs().max().to(torch.float32) if x.numel() else torch.zeros(())
     if not bool(torch.isfinite(amax)):
         raise NonFiniteAmaxError(f"the amax of the {role} is {float(amax)}; it cannot enter "
@@ -275,8 +275,8 @@ class _RecipeLinear(torch.autograd.Function):
             scale_x = delayed_log2_scale(history, config, "input")
             scale_w = delayed_log2_scale(history, config, "weight")
             if update_history:
-                _push_amax(history, "input", x2)
-                _push_amax(history, "weight", w)
+                push_amax(history, "input", x2)
+                push_amax(history, "weight", w)
         # Each operand's cast along its other dimension (for a backward GEMM) is made here,
         # from the same read of it, and kept instead of the float32 operand.
         need_w_t = not delayed and ctx.needs_input_grad[0]
@@ -323,7 +323,7 @@ class _RecipeLinear(torch.autograd.Function):
             saved_x, saved_w = ctx.saved_tensors
             scale_g = delayed_log2_scale(history, config, "grad_output")
             if update:
-                _push_amax(history, "grad_output", g2)
+                push_amax(history, "grad_output", g2)
             gq = role_cast(g2, config, "grad_output", f"{site}.grad_output", scale_g).values
             if need_x:
                 grad_x = _gemm(gq, saved_w, scales[1])

@@ -12,6 +12,8 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
+#include <cstring>
 #include <map>
 #include <string>
 #include <vector>
@@ -115,7 +117,10 @@ std::vector<int64_t> with_last(at::IntArrayRef shape, int64_t last) {
 // (`ius_group_quantise`), kind 2 the same where the pair kernel makes both tile casts
 // (`ius_group_quantise_pair`), kind 0 a cast this file does not make. Anything the kernels
 // refuse (a non-finite amax, an operand they do not take) goes to the Python quantiser, which
-// makes the cast or raises the error the Python Function would.
+// makes the cast or raises the error the Python Function would. Kind 4 is the delayed
+// recipe's per-tensor cast: its scale from the amax history of its role (a (3, length)
+// float32 tensor the nodes hold, see `hold_history`), the operand's amax pushed into that
+// history where the spec says so, then `ius_fused_quantise` with that scale.
 
 using QuantiseFn = int (*)(const float*, int64_t, int, int, int, int, int, int, float*, int*,
                            float*);
@@ -123,17 +128,59 @@ using PairFn = int (*)(const float*, int64_t, int64_t, int64_t, int, int, int, f
                        int, int, float*, int*, float*, int*);
 using GroupFn = int (*)(const float*, int64_t, int64_t, int64_t, int64_t, int, int, int, float,
                         int, int, int, int, float*, int*);
+using AmaxFn = int (*)(const void*, int64_t, int, int, float*);
 using Spec = std::vector<double>;
 
 struct HostCasts {
   QuantiseFn quantise = nullptr;
   PairFn pair = nullptr;
   GroupFn group = nullptr;
+  AmaxFn amax = nullptr;
   py::object fallback;  // (id, operand, transposed, out) -> (values, values_t or None)
 };
 
 // Leaked: destroying a Python object after the interpreter has gone would crash at exit.
 HostCasts* host_casts = nullptr;
+// The delayed recipe's amax histories, by the index `hold_history` gave (leaked, as above).
+std::vector<Tensor>* histories = nullptr;
+
+// `scaling.log2_scale` of a finite amax >= 0: clamp(floor(log2(format_max / amax)) - margin,
+// -31, 31) from the binary exponents, 0 for a zero amax.
+int log2_scale(double amax, double format_max, int margin) {
+  if (amax == 0.0) return 0;
+  int max_exponent = 0, amax_exponent = 0;
+  double max_mantissa = std::frexp(format_max, &max_exponent);
+  double amax_mantissa = std::frexp(amax, &amax_exponent);
+  int exponent = max_exponent - amax_exponent - (amax_mantissa > max_mantissa ? 1 : 0);
+  return std::max(-31, std::min(31, exponent - margin));
+}
+
+// The delayed cast (kind 4: {4, fallback, exponent bits, saturate, margin, format max,
+// reduce by max, update, history, role}) of the contiguous float32 `in` into `out`: false,
+// nothing pushed, where the operand's amax is not finite (the Python quantiser then raises).
+bool delayed_cast(const Tensor& in, const Spec& spec, Tensor& out) {
+  const Tensor& history = (*histories)[int64_t(spec[8])];
+  int64_t length = history.size(1);
+  float* row = history.data_ptr<float>() + int64_t(spec[9]) * length;
+  float kept = row[0];
+  if (spec[6] != 0.0)
+    for (int64_t i = 1; i < length; ++i) kept = std::max(kept, row[i]);
+  int scale = log2_scale(kept, spec[5], int(spec[4]));
+  if (spec[7] != 0.0) {
+    float amax = 0.0f;
+    if (host_casts->amax(in.data_ptr<float>(), in.numel(), 0, at::get_num_threads(), &amax) != 0 ||
+        !std::isfinite(amax))
+      return false;
+    std::memmove(row + 1, row, sizeof(float) * (length - 1));
+    row[0] = amax;
+    torch::autograd::impl::bump_version(history);
+  }
+  int used = 0;
+  float amax = 0.0f;
+  return host_casts->quantise(in.data_ptr<float>(), in.numel(), int(spec[2]), int(spec[3]), 1,
+                              scale, 0, at::get_num_threads(), out.data_ptr<float>(), &used,
+                              &amax) == 0;
+}
 
 // Buffers kept per thread and slot (one operand of one Function, e.g. "up.input"), up to
 // 2^20 elements (4 MiB) each, reused wherever nothing else holds them: a cast that only the
@@ -201,7 +248,11 @@ std::pair<Tensor, Tensor> cast_operand(const Tensor& x, const Spec& spec, bool t
   int kind = int(spec[0]);
   bool takes = x.scalar_type() == at::kFloat && x.device().is_cpu() && x.numel() > 0;
   std::string slot_t = slot.empty() ? slot : slot + "_t";
-  if (kind == 1 && takes) {
+  if (kind == 4 && takes) {
+    Tensor in = x.contiguous();
+    Tensor out = pooled(slot, in.sizes(), in.options());
+    if (delayed_cast(in, spec, out)) return {out, out};
+  } else if (kind == 1 && takes) {
     Tensor in = x.contiguous();
     Tensor out = pooled(slot, in.sizes(), in.options());
     int used = 0;
@@ -255,12 +306,26 @@ std::vector<std::pair<std::string, int64_t>> kept_buffers() {
   return out;
 }
 
-void set_fp8_casts(int64_t quantise, int64_t pair, int64_t group, py::object fallback) {
+void set_fp8_casts(int64_t quantise, int64_t pair, int64_t group, int64_t amax,
+                   py::object fallback) {
   if (host_casts == nullptr) host_casts = new HostCasts();
   host_casts->quantise = reinterpret_cast<QuantiseFn>(quantise);
   host_casts->pair = reinterpret_cast<PairFn>(pair);
   host_casts->group = reinterpret_cast<GroupFn>(group);
+  host_casts->amax = reinterpret_cast<AmaxFn>(amax);
   host_casts->fallback = std::move(fallback);
+}
+
+// Holds a delayed linear's amax history for kind 4 casts, for the life of the process (a
+// few floats each); returns its index.
+int64_t hold_history(const Tensor& history) {
+  TORCH_CHECK(history.dim() == 2 && history.size(0) == 3 && history.size(1) > 0 &&
+                  history.scalar_type() == at::kFloat && history.device().is_cpu() &&
+                  history.is_contiguous(),
+              "an amax history is a contiguous (3, length) CPU float32 tensor");
+  if (histories == nullptr) histories = new std::vector<Tensor>();
+  histories->push_back(history);
+  return int64_t(histories->size()) - 1;
 }
 
 Spec saved_spec(AutogradContext* ctx, const std::string& name) {
@@ -550,6 +615,61 @@ struct ProjNormMLP : public torch::autograd::Function<ProjNormMLP> {
   }
 };
 
+// alpha * a @ b as the Python FP8 linears compute it (`fp8.linear._gemm`,
+// `fp8.recipe_linear._gemm`): a plain product where alpha is 1.
+Tensor linear_gemm(const Tensor& a, const Tensor& b, double alpha) {
+  return alpha == 1.0 ? at::mm(a, b) : scaled_mm(a, b, alpha);
+}
+
+struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
+  // An FP8 linear on its operands' FP8 values in float32: `fp8.linear._FP8ValuesLinear`
+  // (per-tensor casts) and `fp8.recipe_linear._RecipeLinear` (delayed and grouped recipes)
+  // on CPU float32 tensors. scales: (output, grad input, grad weight, grad bias); casts:
+  // (input, weight, grad_output); slot: the prefix of its buffers' slots (the linear's site).
+  static variable_list forward(AutogradContext* ctx, Tensor x, Tensor weight, OptTensor bias,
+                               std::vector<double> scales, std::vector<Spec> casts,
+                               std::string slot) {
+    TORCH_CHECK(casts.size() == 3 && scales.size() == 4,
+                "fp8_linear takes three cast specs and four scales");
+    Tensor b = or_undefined(bias);
+    int64_t needs_mask = requires_grad_mask({{0, &x}, {1, &weight}, {2, &b}});
+    bool need_x = (needs_mask >> 0) & 1, need_w = (needs_mask >> 1) & 1;
+    auto rows = cast_operand(x.reshape({-1, x.size(-1)}), casts[0], need_w, slot + ".input");
+    auto cast_weight = cast_operand(weight, casts[1], need_x, slot + ".weight");
+    Tensor y = linear_gemm(rows.first, cast_weight.first.t(), scales[0]);
+    if (b.defined()) y.add_(b);
+    ctx->save_for_backward({need_w ? rows.second : Tensor(),
+                            need_x ? cast_weight.second : Tensor()});
+    ctx->saved_data["scales"] = scales;
+    ctx->saved_data["grad_cast"] = casts[2];
+    ctx->saved_data["slot"] = slot;
+    ctx->saved_data["needs"] = needs_mask;
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    return {y.view(with_last(x.sizes(), weight.size(0)))};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    auto scales = ctx->saved_data["scales"].toDoubleVector();
+    Tensor grad_rows = grads[0].reshape({-1, grads[0].size(-1)});
+    bool need_x = needs(ctx, 0), need_w = needs(ctx, 1);
+    Tensor grad_x, grad_w, grad_b;
+    // (cast whether or not a GEMM reads it, as the Python Functions do: a delayed cast pushes
+    // its amax)
+    auto grad = cast_operand(grad_rows, saved_spec(ctx, "grad_cast"), need_w,
+                             ctx->saved_data["slot"].toStringRef() + ".grad");
+    if (need_x)
+      grad_x = linear_gemm(grad.first, saved[1], scales[1])
+                   .view(ctx->saved_data["x_sizes"].toIntVector());
+    if (need_w) grad_w = linear_gemm(grad.second.t(), saved[0], scales[2]);
+    if (needs(ctx, 2)) {
+      grad_b = grad_rows.sum(0);
+      if (scales[3] != 1.0) grad_b.mul_(scales[3]);
+    }
+    return {grad_x, grad_w, grad_b, Tensor(), Tensor(), Tensor()};
+  }
+};
+
 }  // namespace
 
 std::vector<Tensor> norm_qkv(Tensor x, OptTensor f, double branch_weight, double skip_weight,
@@ -575,7 +695,16 @@ std::vector<Tensor> proj_norm_mlp(Tensor heads, OptTensor row_scale_tensor, doub
                             down_weight, down_bias, approximate, mlp_scales, casts);
 }
 
+Tensor fp8_linear(Tensor x, Tensor weight, OptTensor bias, std::vector<double> scales,
+                  std::vector<Spec> casts, std::string slot) {
+  return Fp8Linear::apply(x, weight, bias, scales, casts, slot)[0];
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fp8_linear", &fp8_linear,
+        "an FP8 linear on its operands' FP8 values (casts as the layer nodes take them)");
+  m.def("hold_history", &hold_history,
+        "holds a delayed FP8 linear's amax history for the casts of kind 4; its index");
   m.def("norm_qkv", &norm_qkv,
         "fused_blocks.norm_qkv as a C++ node (a float QKV projection where its specs are empty)");
   m.def("proj_norm_mlp", &proj_norm_mlp,
@@ -583,5 +712,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kept_buffers", &kept_buffers,
         "the buffers the FP8 nodes keep for this thread: (slot, elements) each");
   m.def("set_fp8_casts", &set_fp8_casts,
-        "the host library's cast kernels (addresses) and the Python quantiser to fall back on");
+        "the host library's cast and amax kernels (addresses) and the Python quantiser to "
+        "fall back on");
 }

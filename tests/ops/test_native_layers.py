@@ -309,10 +309,11 @@ def test_loading_the_built_nodes_writes_nothing(native):
 
 # ---- FP8 linears: the nodes make each linear's casts by calling the host library's kernels.
 
-_RECIPES = ["static", "amax", "rowwise", "rowwise_with_gw_hp", "block", "mx", "mx_round_up",
-            "nvfp4"]
+_RECIPES = ["static", "amax", "delayed", "rowwise", "rowwise_with_gw_hp", "block", "mx",
+            "mx_round_up", "nvfp4"]
 _FP8_NODES = ("torch::autograd::CppNode<(anonymous namespace)::NormQKV>",
               "torch::autograd::CppNode<(anonymous namespace)::ProjNormMLP>")
+_LINEAR_NODE = "torch::autograd::CppNode<(anonymous namespace)::Fp8Linear>"
 
 
 def _fp8_gpt(recipe: str):
@@ -364,17 +365,21 @@ def _count_fallbacks(request) -> List[int]:
 @pytest.mark.parametrize("recipe", _RECIPES)
 def test_fp8_layers_run_as_nodes_with_the_python_functions_values(native, monkeypatch, request,
                                                                    recipe):
-    """An FP8 GPT's layers run as the FP8 nodes, with the Python Functions' losses and
-    gradients bit for bit, over two steps and a second backward pass: both forms call the
-    same cast kernels and GEMMs with the same arguments in the same order (where a cast is
-    not a kernel's, as a square weight block or NVFP4, the node calls the Python one)."""
+    """An FP8 GPT's layers and its readout run as the FP8 nodes, with the Python Functions'
+    losses and gradients bit for bit, over two steps and a second backward pass: both forms
+    call the same cast kernels and GEMMs with the same arguments in the same order (where a
+    cast is not a kernel's, as a square weight block or NVFP4, the node calls the Python
+    one). The delayed recipe's amax histories end equal too."""
     import copy
 
     model = _fp8_gpt(recipe)
     python_model = copy.deepcopy(model)
     ids = torch.randint(0, 48, (3, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():  # (no amax enters a history outside training)
+        names = backward_nodes(model(ids, ids).detach().requires_grad_())
     names = backward_nodes(model(ids, ids))
     assert [names.count(node) for node in _FP8_NODES] == [2, 2]
+    assert names.count(_LINEAR_NODE) == 1  # the readout
     handed_back = _count_fallbacks(request)
     nodes = _two_steps(model, ids)
     # (every cast by the nodes' own kernel calls, but NVFP4's and the float32 operands of
@@ -387,6 +392,12 @@ def test_fp8_layers_run_as_nodes_with_the_python_functions_values(native, monkey
     assert len(nodes) == len(python)
     for index, (a, b) in enumerate(zip(nodes, python)):
         assert torch.equal(a, b), index
+    histories = [(name, buffer) for name, buffer in model.named_buffers()
+                 if name.endswith("amax_history")]
+    assert len(histories) == (9 if recipe == "delayed" else 0)
+    python_buffers = dict(python_model.named_buffers())
+    for name, history in histories:
+        assert history[:, 0].gt(0).all() and torch.equal(history, python_buffers[name]), name
 
 
 @pytest.mark.parametrize("recipe", ["static", "mx"])
