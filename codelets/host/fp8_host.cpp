@@ -13,7 +13,8 @@
 //    vertices' results.
 //  * ius_group_quantise: the block forms of ius_fused_quantise (fp8_groups.hpp),
 //    one scale per row, tile, column tile or square block; ius_group_quantise_pair
-//    both tile casts of a GEMM operand (along its rows and its columns) at once.
+//    both tile casts of a GEMM operand (along its rows and its columns) at once, and
+//    ius_rowwise_quantise_pair both per-row and per-column casts (fp8_rowwise.hpp).
 // Both use splitRange (partition.hpp), which ius_partition exposes to Python.
 //
 // Status codes: 0 done, -1 bad arguments, -2 a vertex field connected to
@@ -25,6 +26,7 @@
 #include "../placement.hpp"
 #include "fp8_fused.hpp"
 #include "fp8_groups.hpp"
+#include "fp8_rowwise.hpp"
 
 #define IUS_EXPORT extern "C" __attribute__((visibility("default")))
 
@@ -34,7 +36,7 @@ using Index = std::int64_t;
 using ius::fused::kFloat16;
 using ius::fused::kFloat32;
 
-constexpr int kAbiVersion = 3;
+constexpr int kAbiVersion = 4;
 constexpr int kBadArguments = -1;
 constexpr int kMisaligned = -2;
 
@@ -490,5 +492,25 @@ IUS_EXPORT int ius_group_quantise_pair(const float* in, Index rows, Index cols, 
   return ius::fused::withFormat(exponentBits, saturate != 0, [&](auto e, auto sat) {
     return ius::groups::run<decltype(e)::value, decltype(sat)::value>(
         in, colOut, layout, scaleRule, threads, colScales, &tiles);
+  });
+}
+
+// Both casts of a rowwise GEMM operand at once: rowOut with one scale per row (rowScales, rows)
+// and colOut with one per column (colScales, cols); arguments and status as
+// ius_group_quantise with 1 x cols and rows x 1 groups, whose values these are.
+IUS_EXPORT int ius_rowwise_quantise_pair(const float* in, Index rows, Index cols, int exponentBits,
+                                         int saturate, int rule, float formatMax, int emax, int margin,
+                                         int stepLog2, int threads, float* rowOut, int* rowScales,
+                                         float* colOut, int* colScales) {
+  if ((exponentBits != 4 && exponentBits != 5) || rows < 0 || cols < 0 || rule < 0 || rule > 2 ||
+      stepLog2 < 0 || stepLog2 > 1 || !(formatMax > 0) || margin < 0 || margin > 31) {
+    return kBadArguments;
+  }
+  if (rows == 0 || cols == 0) return 0;
+  const float clampMax = stepLog2 ? formatMax / 2 : 0.0f;
+  const ius::groups::ScaleRule scaleRule{rule, formatMax, emax, margin, stepLog2, clampMax};
+  return ius::fused::withFormat(exponentBits, saturate != 0, [&](auto e, auto sat) {
+    return ius::groups::rowwisePair<decltype(e)::value, decltype(sat)::value>(
+        in, rows, cols, scaleRule, threads, rowOut, rowScales, colOut, colScales);
   });
 }

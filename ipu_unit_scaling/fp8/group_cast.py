@@ -251,10 +251,10 @@ def pair_arguments(fmt: FP8Format, rule: str, margin: int,
 def host_pair_values(x: torch.Tensor, size: int, args: Tuple[Any, ...],
                      out: Optional[torch.Tensor] = None
                      ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """The values of ``group_cast_pair(x, ...)`` with ``1 x size`` tiles and the fields
-    ``args`` stands for (:func:`pair_arguments`) for a 2-D float32 CPU ``x``, both in
-    ``x``'s shape, by one call of the host library's pair kernel, without the scales: the
-    training step's form; ``out`` (contiguous float32, ``x``'s shape) takes the first. None
+    """The values of ``group_cast_pair(x, ...)`` with ``1 x size`` tiles (``size`` -1: whole
+    rows) and the fields ``args`` stands for (:func:`pair_arguments`) for a 2-D float32 CPU
+    ``x``, both in ``x``'s shape, by one call of a host library pair kernel, without the
+    scales: the training step's form; ``out`` (contiguous float32, ``x``'s shape) takes the first. None
     where the kernel does not take ``x`` or a group's amax is not finite; the caller then
     takes ``group_cast_pair``, which says why."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or not x.numel():
@@ -280,17 +280,24 @@ def group_cast_pair(
     """``group_cast(x, ...)`` and ``group_cast(x.t(), ...)``: the casts of a GEMM operand
     along each of its dimensions (``site`` and ``site_t`` name them for the statistics).
 
-    For "tile" groupings on the host library, one call rounds both from one read of ``x``
-    (the second as a transposed view of its values); the results are those of the two
-    ``group_cast`` calls, bit for bit.
+    For "tile" and "row" groupings on the host library, one call rounds both (the second
+    as a transposed view of its values): tiles from one read of ``x``, rows and columns from
+    two; the results are those of the two ``group_cast`` calls, bit for bit.
     """
-    if (x.dim() == 2 and grouping.kind == "tile" and rule != "nvfp4" and rounding == "nearest"
-            and overflow == "saturate" and not stats_enabled() and x.numel()):
+    if (x.dim() == 2 and grouping.kind in ("tile", "row") and rule != "nvfp4"
+            and rounding == "nearest" and overflow == "saturate" and not stats_enabled()
+            and x.numel()):
         check_choice(rule, SCALE_RULES, "scale rule")
         check_margin(margin)
         x32 = x.detach().to(torch.float32).contiguous()
         found = _host_kernel_args(fmt, x32, rule, margin, scale_rounding)
-        if found is not None:
+        if found is not None and grouping.kind == "row":
+            library, args = found
+            rows, row_scales, cols, col_scales, finite = library.rowwise_quantise_pair(
+                x32, *args)
+            if finite:
+                return GroupCast(rows, row_scales), GroupCast(cols.t(), col_scales.t())
+        elif found is not None:
             library, args = found
             rows, row_scales, cols, col_scales, finite = library.group_quantise_pair(
                 x32, grouping.size, *args)

@@ -37,12 +37,12 @@ __all__ = [
     "fused_cast_to_fp8", "host_decode",
     "fused_cast_from_fp8", "fused_quantise", "quantise_float32", "fused_tuning", "fast_selftest",
     "exponent_bits", "partition", "partition_grain", "dtype_code", "num_threads",
-    "group_quantise", "group_quantise_pair", "GROUP_RULES",
+    "group_quantise", "group_quantise_pair", "rowwise_quantise_pair", "GROUP_RULES",
 ]
 
 LIBRARY_PATH = Path(__file__).with_name("_fp8_host.so")
 DISABLE_ENV = "IPU_UNIT_SCALING_HOST_LIB"
-_ABI_VERSION = 3
+_ABI_VERSION = 4
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1}
 # The IPU formats the codelets implement, by FP8Format.name, keyed to their exponent bits.
 _EXPONENT_BITS = {"F143": 4, "F152": 5}
@@ -80,6 +80,9 @@ _SIGNATURES = {
         _c_int, [_c_void_p, _c_int64, _c_int64, _c_int64, _c_int, _c_int, _c_int,
                  ctypes.c_float, _c_int, _c_int, _c_int, _c_int, _c_void_p, _c_void_p,
                  _c_void_p, _c_void_p]),
+    "ius_rowwise_quantise_pair": (
+        _c_int, [_c_void_p, _c_int64, _c_int64, _c_int, _c_int, _c_int, ctypes.c_float, _c_int,
+                 _c_int, _c_int, _c_int, _c_void_p, _c_void_p, _c_void_p, _c_void_p]),
 }
 # The scale rules of group_quantise, by the names group_cast uses.
 GROUP_RULES = {"amax": 0, "mx_floor": 1, "mx_up": 2}
@@ -454,16 +457,46 @@ def pair_kernel_args(fmt_name: str, rule: str, format_max: float, emax: int = 0,
             int(margin), int(step_log2))
 
 
+def rowwise_quantise_pair(
+    x: torch.Tensor,
+    fmt_name: str,
+    rule: str,
+    format_max: float,
+    emax: int = 0,
+    margin: int = 0,
+    step_log2: int = 0,
+    saturate: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+    """:func:`group_quantise` of the matrix ``x`` with one scale per row (``1 x cols``
+    groups) and with one per column (``rows x 1``), both from two reads of ``x`` (arguments
+    as there). Returns (row-scaled values, their scales [rows, 1], column-scaled values,
+    their scales [1, cols], whether every amax was finite)."""
+    code = _check_group_input(x, 1, 1, rule, "rowwise_quantise_pair")
+    rows, cols = x.shape
+    row_values, col_values = torch.empty((rows, cols)), torch.empty((rows, cols))
+    row_scales = torch.empty((rows, 1), dtype=torch.int32)
+    col_scales = torch.empty((1, cols), dtype=torch.int32)
+    status = library().ius_rowwise_quantise_pair(
+        _pointer(x), rows, cols, exponent_bits(fmt_name), int(saturate), code,
+        float(format_max), int(emax), int(margin), int(step_log2), num_threads(),
+        _pointer(row_values), _pointer(row_scales), _pointer(col_values),
+        _pointer(col_scales))
+    if status not in (0, 1):
+        raise ValueError(f"rowwise_quantise_pair rejected its arguments (status {status})")
+    return row_values, row_scales, col_values, col_scales, status == 0
+
+
 def pair_values(x: torch.Tensor, size: int,
                 kernel_args: Tuple[int, int, int, float, int, int, int],
                 out: Optional[torch.Tensor] = None
                 ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     """The values alone of :func:`group_quantise_pair` (``1 x size`` tiles, then ``size x 1``
-    column tiles, both in ``x``'s shape), for a contiguous 2-D CPU float32 ``x`` its caller
-    has checked and ``kernel_args`` from :func:`pair_kernel_args`: a training step casts each
-    GEMM operand this way, and the per-call work around the kernel is a visible share of
-    it at small widths. ``out``: where to write the first (a contiguous float32 tensor of
-    ``x``'s shape). None where the library is off or a group's amax is not finite."""
+    column tiles, both in ``x``'s shape; ``size`` -1: those of :func:`rowwise_quantise_pair`,
+    per row then per column), for a contiguous 2-D CPU float32 ``x`` its caller has checked
+    and ``kernel_args`` from :func:`pair_kernel_args`: a training step casts each GEMM
+    operand this way, and the per-call work around the kernel is a visible share of it at
+    small widths. ``out``: where to write the first (a contiguous float32 tensor of ``x``'s
+    shape). None where the library is off or a group's amax is not finite."""
     lib = _load()[0]
     if lib is None:
         return None
@@ -471,6 +504,14 @@ def pair_values(x: torch.Tensor, size: int,
     row_values = (torch.empty((rows, cols)) if out is None
                   else _output(x, torch.float32, out).view(rows, cols))
     col_values = torch.empty((rows, cols))
+    if size < 0:
+        scales = torch.empty(rows + cols, dtype=torch.int32)
+        status = lib.ius_rowwise_quantise_pair(
+            x.data_ptr(), rows, cols, *kernel_args, num_threads(), row_values.data_ptr(),
+            scales.data_ptr(), col_values.data_ptr(), scales.data_ptr() + 4 * rows)
+        if status not in (0, 1):
+            raise ValueError(f"rowwise_quantise_pair rejected its arguments (status {status})")
+        return None if status == 1 else (row_values, col_values)
     row_scale_count = rows * -(-cols // size)
     scales = torch.empty(row_scale_count + -(-rows // size) * cols, dtype=torch.int32)
     scales_at = scales.data_ptr()

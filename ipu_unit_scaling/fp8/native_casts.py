@@ -12,8 +12,10 @@ linear's three casts (input, weight, output gradient) as the nodes take them:
   by the group kernel (``ius_group_quantise``, as `group_cast.group_cast` calls it), the
   groups given in the operand's layout, -1 for a whole dimension, (0, 0) where the first
   cast serves both GEMMs (square weight blocks);
-- ``[2, ...]``: the same, both tile casts from one read by the pair kernel
-  (``ius_group_quantise_pair``, as `recipe_linear.grouped_operand_values` calls it);
+- ``[2, ...]``: the same, both casts by one call of a pair kernel, as
+  `recipe_linear.grouped_operand_values` calls it: both tile casts from one read
+  (``ius_group_quantise_pair``), or, for groups of whole rows (group columns -1), the
+  per-row and per-column casts from two (``ius_rowwise_quantise_pair``);
 - ``[4, fallback, exponent bits, saturate, margin, format max, reduce by max, update,
   history, role]``: the delayed recipe's per-tensor cast (`recipe_linear.role_cast` with
   `recipe_linear.delayed_log2_scale`): the scale from the role's row of the amax history the
@@ -70,8 +72,9 @@ def _register(module: object) -> bool:
     pair_address = ctypes.cast(lib.ius_group_quantise_pair, ctypes.c_void_p).value
     group_address = ctypes.cast(lib.ius_group_quantise, ctypes.c_void_p).value
     amax_address = ctypes.cast(lib.ius_fused_amax, ctypes.c_void_p).value
+    rowwise_address = ctypes.cast(lib.ius_rowwise_quantise_pair, ctypes.c_void_p).value
     module.set_fp8_casts(address, pair_address, group_address,  # type: ignore[attr-defined]
-                         amax_address, _fallback)
+                         amax_address, rowwise_address, _fallback)
     _registered.append(module)
     return True
 

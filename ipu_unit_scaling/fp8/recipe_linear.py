@@ -146,17 +146,21 @@ def _casts(t: torch.Tensor, config: FP8Config, role: str, site: str,
 
 
 def pair_kernel_casts(config: FP8Config, role: str) -> Optional[Tuple[int, Tuple[Any, ...]]]:
-    """(the tile size, the host pair kernel's arguments: `group_cast.pair_arguments`) where
-    :func:`grouped_operand_values` casts a GEMM operand in ``role`` both ways by the host
-    library's pair kernel (unless the statistics record the casts), else None."""
+    """(the tile size, -1 for whole rows; the host pair kernel's arguments:
+    `group_cast.pair_arguments`) where :func:`grouped_operand_values` casts a GEMM operand
+    in ``role`` both ways by one call of the host library's pair kernels (tiles: both tile
+    casts from one read; rows: both the per-row and the per-column cast from two), unless
+    the statistics record the casts; else None."""
     grouping, rule = _grouping(config, role)
     if ((config.grad_weight_high_precision and role != "weight")
-            or (config.scaling == "block" and role == "weight") or grouping.kind != "tile"
+            or (config.scaling == "block" and role == "weight")
+            or grouping.kind not in ("tile", "row")
             or config.rounding != "nearest" or config.overflow != "saturate"):
         return None
     args = pair_arguments(_role_format(config, role), rule, _role_margin(config, role),
                           config.scale_rounding)
-    return None if args is None else (grouping.size, args)
+    size = grouping.size if grouping.kind == "tile" else -1
+    return None if args is None or size is None else (size, args)
 
 
 def group_kernel_casts(config: FP8Config, role: str

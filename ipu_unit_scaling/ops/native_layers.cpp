@@ -114,10 +114,11 @@ std::vector<int64_t> with_last(at::IntArrayRef shape, int64_t last) {
 // A cast is given as a spec per (linear, role), made by `fp8.linear.ValuesQuantiser`: empty
 // for a float linear; else {kind, fallback id, kernel arguments...}. Kind 1 is the host
 // library's per-tensor cast (`ius_fused_quantise`), kind 3 its group casts
-// (`ius_group_quantise`), kind 2 the same where the pair kernel makes both tile casts
-// (`ius_group_quantise_pair`), kind 0 a cast this file does not make. Anything the kernels
-// refuse (a non-finite amax, an operand they do not take) goes to the Python quantiser, which
-// makes the cast or raises the error the Python Function would. Kind 4 is the delayed
+// (`ius_group_quantise`), kind 2 the same where a pair kernel makes both casts
+// (`ius_group_quantise_pair` for tiles, `ius_rowwise_quantise_pair` for whole rows), kind 0
+// a cast this file does not make. Anything the kernels refuse (a non-finite amax, an operand
+// they do not take) goes to the Python quantiser, which makes the cast or raises the error
+// the Python Function would. Kind 4 is the delayed
 // recipe's per-tensor cast: its scale from the amax history of its role (a (3, length)
 // float32 tensor the nodes hold, see `hold_history`), the operand's amax pushed into that
 // history where the spec says so, then `ius_fused_quantise` with that scale.
@@ -129,6 +130,8 @@ using PairFn = int (*)(const float*, int64_t, int64_t, int64_t, int, int, int, f
 using GroupFn = int (*)(const float*, int64_t, int64_t, int64_t, int64_t, int, int, int, float,
                         int, int, int, int, float*, int*);
 using AmaxFn = int (*)(const void*, int64_t, int, int, float*);
+using RowwisePairFn = int (*)(const float*, int64_t, int64_t, int, int, int, float, int, int,
+                              int, int, float*, int*, float*, int*);
 using Spec = std::vector<double>;
 
 struct HostCasts {
@@ -136,6 +139,7 @@ struct HostCasts {
   PairFn pair = nullptr;
   GroupFn group = nullptr;
   AmaxFn amax = nullptr;
+  RowwisePairFn rowwise_pair = nullptr;
   py::object fallback;  // (id, operand, transposed, out) -> (values, values_t or None)
 };
 
@@ -262,6 +266,21 @@ std::pair<Tensor, Tensor> cast_operand(const Tensor& x, const Spec& spec, bool t
                                       at::get_num_threads(), out.data_ptr<float>(), &used,
                                       &amax);
     if (status == 0) return {out, out};
+  } else if (kind == 2 && takes && transposed && x.dim() == 2 && spec[3] < 0) {
+    // Whole rows: the rowwise pair kernel (both casts from two reads).
+    Tensor in = x.contiguous();
+    int64_t rows = in.size(0), cols = in.size(1);
+    Tensor row_values = pooled(slot, in.sizes(), in.options());
+    Tensor col_values = pooled(slot_t, in.sizes(), in.options());
+    Tensor scales = pooled(slot.empty() ? slot : slot + "_scales", {rows + cols},
+                           in.options().dtype(at::kInt));
+    int* scales_at = scales.data_ptr<int>();
+    int status = host_casts->rowwise_pair(
+        in.data_ptr<float>(), rows, cols, int(spec[6]), int(spec[7]), int(spec[8]),
+        float(spec[9]), int(spec[10]), int(spec[11]), int(spec[12]), at::get_num_threads(),
+        row_values.data_ptr<float>(), scales_at, col_values.data_ptr<float>(),
+        scales_at + rows);
+    if (status == 0) return {row_values, col_values};
   } else if (kind == 2 && takes && transposed && x.dim() == 2) {
     Tensor in = x.contiguous();
     int64_t rows = in.size(0), cols = in.size(1), size = int64_t(spec[3]);
@@ -307,12 +326,13 @@ std::vector<std::pair<std::string, int64_t>> kept_buffers() {
 }
 
 void set_fp8_casts(int64_t quantise, int64_t pair, int64_t group, int64_t amax,
-                   py::object fallback) {
+                   int64_t rowwise_pair, py::object fallback) {
   if (host_casts == nullptr) host_casts = new HostCasts();
   host_casts->quantise = reinterpret_cast<QuantiseFn>(quantise);
   host_casts->pair = reinterpret_cast<PairFn>(pair);
   host_casts->group = reinterpret_cast<GroupFn>(group);
   host_casts->amax = reinterpret_cast<AmaxFn>(amax);
+  host_casts->rowwise_pair = reinterpret_cast<RowwisePairFn>(rowwise_pair);
   host_casts->fallback = std::move(fallback);
 }
 

@@ -130,6 +130,38 @@ def test_the_pair_kernel_is_the_two_tile_casts(size, restore_tuning):
             assert torch.equal(col_scales, along_cols[1])
 
 
+@pytest.mark.parametrize("rule", RULES, ids=lambda r: f"{r[0]}-{r[1]}-step{r[5]}")
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_rowwise_pair_kernel_is_the_row_and_column_casts(rule, threads, restore_tuning,
+                                                             monkeypatch):
+    """Both casts of the rowwise recipe from two reads, at each SIMD level (forced) and over
+    several threads (each takes its rows' column amaxes): the values and scales of the
+    per-row and the per-column group casts, bit for bit; a NaN is reported as they do."""
+    monkeypatch.setattr(_host, "num_threads", lambda: threads)
+    fmt_name, kernel_rule, fmt_max, emax, margin, step = rule
+    for level in levels():
+        _host.fused_tuning(-1, level)
+        for seed, (rows, cols) in enumerate(SHAPES + [(300, 2 ** 12 + 7)]):
+            x = edge_tensor(rows, cols, seed)
+            args = (fmt_name, kernel_rule, fmt_max, emax, margin, step)
+            row_values, row_scales, col_values, col_scales, finite = (
+                _host.rowwise_quantise_pair(x, *args))
+            along_rows = _host.group_quantise(x, 1, cols, *args)
+            along_cols = _host.group_quantise(x, rows, 1, *args)
+            assert finite
+            assert torch.equal(row_values.view(torch.int32), along_rows[0].view(torch.int32))
+            assert torch.equal(row_scales, along_rows[1])
+            assert torch.equal(col_values.view(torch.int32), along_cols[0].view(torch.int32))
+            assert torch.equal(col_scales, along_cols[1]), (level, rows, cols)
+            kernel_args = _host.pair_kernel_args(*args)
+            values = _host.pair_values(x, -1, kernel_args)
+            assert values is not None and torch.equal(values[0], row_values)
+            assert torch.equal(values[1], col_values)
+        x[-1, 0] = float("nan")
+        assert not _host.rowwise_quantise_pair(x, *args)[-1]
+        assert _host.pair_values(x, -1, kernel_args) is None
+
+
 def test_the_pair_kernel_over_several_column_chunks(restore_tuning):
     """A band wider than one chunk (the kernels take at most 2^22 elements of a band at a
     time): each chunk's tiles land in their own rows' places, the last chunk ragged."""
