@@ -254,9 +254,9 @@ def host_pair_values(x: torch.Tensor, size: int, args: Tuple[Any, ...],
     """The values of ``group_cast_pair(x, ...)`` with ``1 x size`` tiles (``size`` -1: whole
     rows) and the fields ``args`` stands for (:func:`pair_arguments`) for a 2-D float32 CPU
     ``x``, both in ``x``'s shape, by one call of a host library pair kernel, without the
-    scales: the training step's form; ``out`` (contiguous float32, ``x``'s shape) takes the first. None
-    where the kernel does not take ``x`` or a group's amax is not finite; the caller then
-    takes ``group_cast_pair``, which says why."""
+    scales: the training step's form; ``out`` (contiguous float32, ``x``'s shape) takes the
+    first. None where the kernel does not take ``x`` or a group's amax is not finite; the
+    caller then takes ``group_cast_pair``, which says why."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or not x.numel():
         return None
     from . import host_library
