@@ -620,11 +620,81 @@ IUS_AVX2 void spanRound256(const float* in, float* out, const Layout& l, const S
 }
 #endif
 
+#ifdef IUS_HAVE_AVX2_KERNELS
+// Tiles 1 x size of whole vectors on rows of whole tiles (MX's 1x32 blocks, the block
+// recipe's 1x128 tiles) lie one after another in memory: group first + i starts at
+// in + (first + i) * size. Sixteen groups' keys come from one reduction across sixteen
+// vectors (each a group's lane maxima), instead of sixteen reductions of one vector each;
+// each group then rounds with its factors broadcast. Keys, scales and values are
+// spanGroups' own (the same maxima, scales512 and quantiseLanes512).
+IUS_AVX512 inline __m512i maxKeysOfSixteen(const __m512i* v) {
+  __m512i w[8], x[4], y[2];
+  for (int k = 0; k < 8; ++k) {  // each 128-bit lane: v[2k]'s maxima in 0, 2, v[2k+1]'s in 1, 3
+    w[k] = _mm512_max_epu32(_mm512_unpacklo_epi32(v[2 * k], v[2 * k + 1]),
+                            _mm512_unpackhi_epi32(v[2 * k], v[2 * k + 1]));
+  }
+  for (int k = 0; k < 4; ++k) {  // each 128-bit lane: v[4k + j]'s maximum over it in lane j
+    x[k] = _mm512_max_epu32(_mm512_unpacklo_epi64(w[2 * k], w[2 * k + 1]),
+                            _mm512_unpackhi_epi64(w[2 * k], w[2 * k + 1]));
+  }
+  for (int k = 0; k < 2; ++k) {  // 128-bit lanes paired: v[8k + j] over half the vector
+    y[k] = _mm512_max_epu32(_mm512_shuffle_i32x4(x[2 * k], x[2 * k + 1], 0x88),
+                            _mm512_shuffle_i32x4(x[2 * k], x[2 * k + 1], 0xdd));
+  }
+  return _mm512_max_epu32(_mm512_shuffle_i32x4(y[0], y[1], 0x88), _mm512_shuffle_i32x4(y[0], y[1], 0xdd));
+}
+
+template <unsigned E, bool S>
+IUS_AVX512 bool contiguousTiles512(const float* in, float* out, const Layout& l, const ScaleRule& rule,
+                                   Index begin, Index end, int* scales, bool stream) {
+  const Index size = l.groupCols, vectors = size / 16;
+  const Normalised top = normalise(rule.formatMax);
+  const __m512i magnitude = _mm512_set1_epi32(0x7fffffff);
+  alignas(64) unsigned keys[kBatch];
+  float scale[kBatch], inverse[kBatch];
+  bool finite = true;
+  for (Index first = begin; first < end; first += kBatch) {
+    const Index n = end - first < kBatch ? end - first : kBatch;
+    const float* base = in + first * size;
+    Index i = 0;
+    for (; i + 16 <= n; i += 16) {
+      __m512i v[16];
+      for (int g = 0; g < 16; ++g) {
+        const float* group = base + (i + g) * size;
+        __m512i key = _mm512_and_si512(_mm512_loadu_si512(group), magnitude);
+        for (Index c = 1; c < vectors; ++c) {
+          key = _mm512_max_epu32(key, _mm512_and_si512(_mm512_loadu_si512(group + 16 * c), magnitude));
+        }
+        v[g] = key;
+      }
+      _mm512_store_si512(keys + i, maxKeysOfSixteen(v));
+    }
+    for (; i < n; ++i) keys[i] = simd512::amaxKey(base + i * size, size);
+    finite = scales512(keys, n, rule, top, scales + first, scale, inverse) && finite;
+    float* target = out + first * size;
+    const bool streamed = streamable(target, stream);
+    for (i = 0; i < n; ++i) {
+      const __m512 f = _mm512_set1_ps(scale[i]), g = _mm512_set1_ps(inverse[i]);
+      for (Index c = 0; c < size; c += 16) {
+        put512(target + i * size + c,
+               quantiseLanes512<E, S>(_mm512_loadu_ps(base + i * size + c), f, g, rule.clampMax), streamed);
+      }
+    }
+  }
+  return finite;
+}
+#endif
+
 // Groups [begin, end) in (band, groupColumn) order, each writing its scale; returns false when
 // some group's amax is not finite (that group is rounded with scale 0: unspecified values).
 template <unsigned E, bool S>
 bool spanGroups(const float* in, float* out, const Layout& l, const ScaleRule& rule, Index begin,
                 Index end, int level, int* scales, bool stream) {
+#ifdef IUS_HAVE_AVX2_KERNELS
+  if (level == 2 && l.groupRows == 1 && l.groupCols % 16 == 0 && l.cols % l.groupCols == 0) {
+    return contiguousTiles512<E, S>(in, out, l, rule, begin, end, scales, stream);
+  }
+#endif
   const Normalised top = normalise(rule.formatMax);
   unsigned keys[kBatch];
   float scale[kBatch], inverse[kBatch];

@@ -13,7 +13,9 @@ from ipu_unit_scaling.fp8.group_cast import Grouping, group_cast, group_cast_pai
 # CI runs these a second time with torch's scalar CPU kernels (.ci/run).
 pytestmark = [pytest.mark.numerics, pytest.mark.usefixtures("host_library")]
 
-SHAPES = [(1, 1), (1, 33), (7, 1), (31, 45), (64, 128), (129, 257), (200, 96)]
+# (rows of whole 32- and 128-element tiles take AVX-512's contiguous-tile loop: (64, 128),
+# (200, 96), (41, 384))
+SHAPES = [(1, 1), (1, 33), (7, 1), (31, 45), (64, 128), (129, 257), (200, 96), (41, 384)]
 # (group rows, group cols) as functions of the shape: tiles, column tiles, blocks, rows,
 # columns, the whole tensor; sizes that leave ragged last groups in most shapes.
 GROUPS = {
@@ -160,6 +162,25 @@ def test_the_rowwise_pair_kernel_is_the_row_and_column_casts(rule, threads, rest
         x[-1, 0] = float("nan")
         assert not _host.rowwise_quantise_pair(x, *args)[-1]
         assert _host.pair_values(x, -1, kernel_args) is None
+
+
+@pytest.mark.parametrize("size", [32, 128])
+def test_a_non_finite_tile_is_reported_at_every_simd_level(size, restore_tuning):
+    """NaN and inf in tiles of rows of whole tiles (the contiguous-tile loop): each SIMD level
+    reports them, and rounds every finite tile as the portable loops do."""
+    x = edge_tensor(37, 384, 5)
+    x[3, 40], x[30, 300] = float("nan"), float("-inf")
+    results = []
+    for level in levels():
+        _host.fused_tuning(-1, level)
+        results.append(_host.group_quantise(x, 1, size, "F143", "mx_floor", 448.0, 8, 0, 1))
+    finite_tiles = torch.ones(37, 384 // size, dtype=torch.bool)
+    finite_tiles[3, 40 // size] = finite_tiles[30, 300 // size] = False
+    rows = finite_tiles.repeat_interleave(size, dim=1)
+    for values, scales, finite in results:
+        assert not finite
+        assert torch.equal(scales[finite_tiles], results[0][1][finite_tiles])
+        assert torch.equal(values[rows].view(torch.int32), results[0][0][rows].view(torch.int32))
 
 
 def test_the_pair_kernel_over_several_column_chunks(restore_tuning):
