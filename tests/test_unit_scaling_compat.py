@@ -562,8 +562,8 @@ def test_unit_scale_replace_traces_a_function_as_its_replacement():
 
     model = Block()
     converted = transforms.unit_scale(model, replace={my_gelu: F.gelu})
-    graph = converted.graph if isinstance(converted, torch.fx.GraphModule) else None
-    assert graph is not None
+    assert type(converted) is Block  # the model's own object, its forward converted
+    graph = converted.forward.graph
     targets = {getattr(n.target, "__name__", n.target) for n in graph.nodes}
     assert "unit_gelu" in targets and "tanh" not in targets
     assert Block.forward.__closure__[0].cell_contents is my_gelu  # restored after tracing

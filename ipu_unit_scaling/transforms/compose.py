@@ -114,6 +114,8 @@ def apply_transform(module: M, backend: Backend,
     for function in non_recurse_functions:
         dynamo.allow_in_graph(function)
     copied.__dict__["forward"] = _TransformedForward(copied, copied.forward, (*earlier, backend))
+    # unit-scaling's record of what a module carries, which scripts read to name a run.
+    copied.backends = [*getattr(module, "backends", ()), backend]
     return copied
 
 

@@ -12,6 +12,7 @@ see `function_behind`) is traced as the function it stands for.
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import inspect
 import re
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 __all__ = [
     "ConcreteTracer", "ArgumentFrame", "SpecialisedCall", "capture_inputs", "trace_module",
     "Inputs", "function_behind", "TRANSFORMERS_TESTED", "TRANSFORMERS_5_OLDEST",
-    "transformers_unsupported",
+    "transformers_unsupported", "FailedAssertion",
 ]
 
 # (args, kwargs) of one call.
@@ -174,6 +175,19 @@ class ConcreteTracer(fx.Tracer):
         return value
 
     def to_bool(self, obj: fx.Proxy) -> bool:
+        frame = inspect.currentframe()
+        caller = frame.f_back.f_back if frame is not None and frame.f_back is not None else None
+        if caller is not None and _asserts(caller):
+            # An assertion checks rather than branches: it stays in the graph as a check run
+            # on every call (nanoGPT's `assert t <= block_size`), instead of fixing the graph
+            # to the example's value. One already false on the example fails as in eager.
+            value = self._values.get(obj.node, _UNKNOWN)
+            if value is not _UNKNOWN and not bool(value):
+                raise FailedAssertion(f"{caller.f_code.co_filename}:{caller.f_lineno}: an "
+                                      "assertion of the traced module fails on these inputs")
+            self.create_proxy("call_function", torch._assert,
+                              (obj, "an assertion of the traced module failed"), {})
+            return True
         return bool(self.concrete_value(obj.node))
 
     def iter(self, obj: fx.Proxy):  # type: ignore[no-untyped-def]
@@ -181,6 +195,32 @@ class ConcreteTracer(fx.Tracer):
         if isinstance(value, (tuple, list, torch.Size)):
             return iter([obj[i] for i in range(len(value))])  # type: ignore[index]
         return super().iter(obj)
+
+
+class FailedAssertion(AssertionError):
+    """An `assert` of the traced module fails on the inputs it is traced with, as it would
+    in eager: a conversion stops there rather than falling back."""
+
+
+# Instructions between a condition's test and its jump that do nothing to the value.
+_PASSIVE = ("CACHE", "EXTENDED_ARG", "NOT_TAKEN", "TO_BOOL", "COPY")
+
+
+def _asserts(frame: Any) -> bool:
+    """Whether `frame` is testing the condition of an `assert` statement: a jump taken when
+    the condition holds, over the load of AssertionError."""
+    instructions = [i for i in dis.get_instructions(frame.f_code)]
+    at = next((n for n, i in enumerate(instructions) if i.offset == frame.f_lasti), None)
+    if at is None:
+        return False
+    following = [i for i in instructions[at:at + 8] if i.opname not in _PASSIVE]
+    if len(following) < 2 or not ("JUMP" in following[0].opname
+                                  and following[0].opname.endswith("IF_TRUE")):
+        return False
+    load = following[1]
+    return load.opname == "LOAD_ASSERTION_ERROR" or (
+        load.opname in ("LOAD_GLOBAL", "LOAD_COMMON_CONSTANT")
+        and load.argval == "AssertionError")
 
 
 def function_behind(module: Any) -> Optional[Callable[..., Any]]:

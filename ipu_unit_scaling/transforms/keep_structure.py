@@ -106,9 +106,11 @@ class ConvertedForward:
     """
 
     def __init__(self, module: nn.Module, code: Any, extras: Dict[str, Any],
-                 specialised: Optional[SpecialisedCall]) -> None:
+                 specialised: Optional[SpecialisedCall], graph: Optional[fx.Graph] = None
+                 ) -> None:
         self.module = module
         self.code = code
+        self.graph = graph  # what `code` was generated from
         self.extras = extras
         self.specialised = specialised
         if specialised is not None:
@@ -139,6 +141,7 @@ class ConvertedForward:
         memo[id(self)] = new
         new.module = copy.deepcopy(self.module, memo)
         new.code = self.code
+        new.graph = self.graph
         new.extras = copy.deepcopy(self.extras, memo)
         new.specialised = copy.deepcopy(self.specialised, memo)  # bound to `new` through memo
         return new
@@ -174,7 +177,8 @@ def install_forward(module: nn.Module, converted: nn.Module) -> nn.Module:
     code = type(rebuilt).forward
     extras = {name: value for name, value in graph_module.__dict__.items()
               if name not in _MODULE_STATE and not isinstance(value, (nn.Module, torch.Tensor))}
-    module.__dict__["forward"] = ConvertedForward(module, code, extras, specialised)
+    module.__dict__["forward"] = ConvertedForward(module, code, extras, specialised,
+                                                   graph)
     return module
 
 

@@ -82,7 +82,7 @@ _QUANTISED: Dict[Any, Callable[..., Tensor]] = {
 }
 
 
-def _quantising_backend(fwd_format: FPFormat, bwd_format: FPFormat) -> Backend:
+def _quantisation_backend(fwd_format: FPFormat, bwd_format: FPFormat) -> Backend:
     def quantise(gm: fx.GraphModule, example_inputs: List[Tensor]) -> fx.GraphModule:
         logger.info("running quantisation backend")
         for node in list(gm.graph.nodes):
@@ -104,7 +104,7 @@ def simulate_format(module: M, fwd_format: FPFormat, bwd_format: FPFormat) -> M:
     `bwd_format` output gradients (see the module docstring). Simulated in the input
     precision: for the numerics, not for speed. A Hugging Face model's copy is of a subclass
     named `FP8Simulated<Name>` (see `keep_structure.mark_converted`)."""
-    copied = apply_transform(module, _quantising_backend(fwd_format, bwd_format))
+    copied = apply_transform(module, _quantisation_backend(fwd_format, bwd_format))
     mark_converted(copied, "FP8Simulated")
     return copied
 

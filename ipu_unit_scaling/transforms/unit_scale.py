@@ -57,9 +57,11 @@ from torch import nn
 from .. import modules as uu
 from . import export as E
 from . import replacements as R
+from .call_structures import keep_root
 from .compose import apply_transform, transforms_of, without_transforms
 from .fx_tracing import (
     ArgumentFrame,
+    FailedAssertion,
     Inputs,
     SpecialisedCall,
     capture_inputs,
@@ -168,8 +170,12 @@ def unit_scale(
 
     - `example_inputs` / `example_kwargs`: one call's arguments. They let tracing resolve Python
       control flow (shape checks, optional masks); the copy is specialised to the branches they
-      take and to their non-tensor arguments. Without them, models with such control flow are
-      converted module by module.
+      take and to their non-tensor arguments. Without them, an `assert` on a traced value stays
+      in the graph as a check, and the model is traced as called with every argument given;
+      the copy is then the model's own class and object, with its attributes and methods,
+      and a call that leaves an argument None (or passes a flag or a number) is converted
+      when its structure first comes (see `call_structures`). A model with other control flow
+      on traced values is converted module by module.
     - `skip`: qualified module names or module classes to leave exactly as they are.
     - `replacements`: qualified names or classes mapped to a function that builds the
       replacement from the original module (checked before the built-in conversions).
@@ -194,6 +200,8 @@ def unit_scale(
 
     Graph transforms applied to `model` before (`transforms.simulate_fp8`, `track_scales`, ...)
     are applied again to the converted model, after unit scaling: unit scaling comes first.
+    `converted.backends` lists the transforms the copy carries, first to last, as unit-scaling
+    records them (unit scaling's entry, then each graph transform's backend).
     """
     if isinstance(example_inputs, Mapping) and example_kwargs is None and replace is None:
         example_inputs, replace = None, example_inputs  # unit_scale(module, replace)
@@ -206,6 +214,7 @@ def unit_scale(
         function_replacements=function_replacements, replace=replace, attn_tau=attn_tau,
         mlp_tau=mlp_tau, seed=seed, keep_structure=keep_structure,
     )
+    converted.backends = [_unit_scaling_backend]
     for backend in backends:
         converted = apply_transform(converted, backend)
     if report.unconverted or report.untraceable:
@@ -214,6 +223,13 @@ def unit_scale(
             + report.summary(), UnitScaleWarning, stacklevel=2,
         )
     return converted  # type: ignore[return-value]  # a module in place of the model
+
+
+def _unit_scaling_backend(gm: fx.GraphModule, example_inputs: List[Any]) -> fx.GraphModule:
+    """unit_scale's entry in `model.backends`, the list of transforms a model carries, first to
+    last (unit-scaling's record, which scripts read to name a run). The conversion itself is
+    done when `unit_scale` runs; as a backend this entry passes a graph through unchanged."""
+    return gm
 
 
 def unit_scale_with_report(
@@ -235,44 +251,68 @@ def unit_scale_with_report(
     if unsupported is not None:
         raise RuntimeError(unsupported)
     copied = copy.deepcopy(model)
-    with _calls_replaced(copied, dict(replace or {})):
-        return _unit_scale_copy(copied, example_inputs, example_kwargs, skip, replacements,
-                                function_replacements, attn_tau, mlp_tau, seed, model.training,
-                                keep_structure)
+    settings = _Settings(set(skip), dict(replacements or {}), dict(function_replacements or {}),
+                         dict(replace or {}), attn_tau, mlp_tau, seed, keep_structure)
+    return _unit_scale_copy(copied, example_inputs, example_kwargs, settings, model.training)
+
+
+@dataclass
+class _Settings:
+    """unit_scale's arguments that say how to convert, kept to convert later calls alike."""
+
+    skip: Set[ModuleKey]
+    replacements: Dict[ModuleKey, Callable[[nn.Module], nn.Module]]
+    function_replacements: Dict[Any, Callable[..., Any]]
+    replace: Dict[Callable[..., Any], Callable[..., Any]]
+    attn_tau: float
+    mlp_tau: float
+    seed: int
+    keep_structure: bool
+
+    def converter(self, captured: Dict[str, Inputs]) -> _Converter:
+        return _Converter(
+            captured=captured, skip=self.skip, replacements=self.replacements,
+            functions={**R.FUNCTION_ADAPTERS, **E.ATEN_ADAPTERS, **self.function_replacements},
+            attn_tau=self.attn_tau, mlp_tau=self.mlp_tau, keep_structure=self.keep_structure,
+        )
 
 
 def _unit_scale_copy(
     copied: nn.Module,
     example_inputs: Optional[Sequence[Any]],
     example_kwargs: Optional[Dict[str, Any]],
-    skip: Iterable[ModuleKey],
-    replacements: Optional[Mapping[ModuleKey, Callable[[nn.Module], nn.Module]]],
-    function_replacements: Optional[Mapping[Any, Callable[..., Any]]],
-    attn_tau: float,
-    mlp_tau: float,
-    seed: int,
+    settings: _Settings,
     training: bool,
-    keep_structure: bool = False,
 ) -> tuple[nn.Module, UnitScaleReport]:
     captured: Dict[str, Inputs] = {}
-    if example_inputs is not None or example_kwargs:
-        captured = capture_inputs(copied, tuple(example_inputs or ()), example_kwargs)
-    converter = _Converter(
-        captured=captured,
-        skip=set(skip),
-        replacements=dict(replacements or {}),
-        functions={**R.FUNCTION_ADAPTERS, **E.ATEN_ADAPTERS, **dict(function_replacements or {})},
-        attn_tau=attn_tau,
-        mlp_tau=mlp_tau,
-        keep_structure=keep_structure,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        converted = converter.convert(copied, "")
+    given = example_inputs is not None or bool(example_kwargs)
+    with _calls_replaced(copied, settings.replace):
+        if given:
+            captured = capture_inputs(copied, tuple(example_inputs or ()), example_kwargs)
+        converter = settings.converter(captured)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(settings.seed)
+            converted = converter.convert(copied, "")
+    if (not given and not settings.keep_structure and isinstance(converted, fx.GraphModule)
+            and not type(copied).__module__.startswith("torch.")):
+        # The model's own object stays, for its attributes and methods (see call_structures).
+        converted = keep_root(copied, converted, functools.partial(_convert_call, settings))
     converted.train(training)
-    if keep_structure:
+    if settings.keep_structure:
         mark_converted(converted, "UnitScaled")
     return converted, converter.report
+
+
+def _convert_call(settings: _Settings, module: nn.Module, inputs: Inputs) -> nn.Module:
+    """`module`, whose layers are converted already, converted for one call's arguments."""
+    converter = settings.converter({"": inputs})
+    with _calls_replaced(module, settings.replace):
+        converted = converter.convert(module, "")
+    report = converter.report
+    if report.unconverted or report.untraceable:
+        warnings.warn("unit_scale left some ops of this call unscaled; they run as in the "
+                      "original model:\n" + report.summary(), UnitScaleWarning, stacklevel=4)
+    return converted
 
 
 def _follow_placement(original: nn.Module, new: nn.Module) -> None:
@@ -421,6 +461,8 @@ class _Converter:
             root, graph, specialised, tensor_nodes = trace_module(
                 module, is_leaf, self.captured.get(name), autowrap=tuple(self.preserving)
             )
+        except FailedAssertion:
+            raise
         except Exception as error:  # any tracing failure: torch.export, else the children
             failure = f"{type(error).__name__}: {first_line(error)}"
             inputs = self.captured.get(name)
@@ -513,7 +555,10 @@ class _Converter:
                 return True
             if tensor_nodes is not None:
                 return node.name in tensor_nodes
-            return any(isinstance(a, fx.Node) for a in node.all_input_nodes)
+            # Traced without example inputs, a module's input is taken to be a tensor (a
+            # block's input is the skip of its residuals).
+            return node.op == "placeholder" or any(
+                isinstance(a, fx.Node) for a in node.all_input_nodes)
 
         fuse_written_attention(root, graph, tensor_nodes)
         learned = learned_nodes(root, graph)
