@@ -15,11 +15,15 @@
 //    one scale per row, tile, column tile or square block; ius_group_quantise_pair
 //    both tile casts of a GEMM operand (along its rows and its columns) at once, and
 //    ius_rowwise_quantise_pair both per-row and per-column casts (fp8_rowwise.hpp).
+//  * ius_cast_figures: the statistics' figures of a cast (its counts and energies) in one
+//    pass over the scaled input and its codes.
 // Both use splitRange (partition.hpp), which ius_partition exposes to Python.
 //
 // Status codes: 0 done, -1 bad arguments, -2 a vertex field connected to
 // memory that breaks its declared alignment (Poplar would refuse the graph).
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -513,4 +517,98 @@ IUS_EXPORT int ius_rowwise_quantise_pair(const float* in, Index rows, Index cols
     return ius::groups::rowwisePair<decltype(e)::value, decltype(sat)::value>(
         in, rows, cols, scaleRule, threads, rowOut, rowScales, colOut, colScales);
   });
+}
+
+namespace {
+
+// ius_cast_figures' sums, in eight lanes of each kind (chains of dependent double additions and
+// a branch per value would set the pace). Returns the elements done.
+Index castFiguresPortable(const float* scaled, const std::uint8_t* codes, Index n, const float* table,
+                          int negativeZero, float formatMax, double* sums, float& amax) {
+  constexpr int kLanes = 8;
+  double signal[kLanes] = {}, error[kLanes] = {};
+  Index counts[4] = {};
+  for (Index i = 0; i < n; ++i) {
+    const float v = scaled[i], magnitude = std::fabs(v);
+    const int code = codes[i];
+    const bool isFinite = magnitude <= std::numeric_limits<float>::max();
+    counts[0] += isFinite;
+    counts[1] += isFinite & (v != 0.0f);
+    counts[2] += (code == 0) | (code == negativeZero);
+    counts[3] += magnitude > formatMax;
+    const float kept = isFinite ? magnitude : 0.0f;
+    amax = kept > amax ? kept : amax;
+    const double x = isFinite ? double(v) : 0.0, e = isFinite ? double(v - table[code]) : 0.0;
+    signal[i % kLanes] += x * x;
+    error[i % kLanes] += e * e;
+  }
+  for (int k = 0; k < 4; ++k) sums[k] += double(counts[k]);
+  for (int lane = 0; lane < kLanes; ++lane) {
+    sums[4] += signal[lane];
+    sums[5] += error[lane];
+  }
+  return n;
+}
+
+#ifdef IUS_HAVE_AVX2_KERNELS
+IUS_AVX512 Index castFigures512(const float* scaled, const std::uint8_t* codes, Index n, const float* table,
+                                int negativeZero, float formatMax, double* sums, float& amax) {
+  const __m512 magnitudeMax = _mm512_set1_ps(std::numeric_limits<float>::max()), top = _mm512_set1_ps(formatMax);
+  const __m512i negativeZeroCode = _mm512_set1_epi32(negativeZero);
+  __m512d signal0 = _mm512_setzero_pd(), signal1 = signal0, error0 = signal0, error1 = signal0;
+  __m512 largest = _mm512_setzero_ps();
+  Index counts[4] = {};
+  Index i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(scaled + i);
+    const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
+    const __m512 magnitude = _mm512_castsi512_ps(
+        _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)));
+    const __mmask16 finite = _mm512_cmp_ps_mask(magnitude, magnitudeMax, _CMP_LE_OQ);
+    counts[0] += __builtin_popcount(finite);
+    counts[1] += __builtin_popcount(_mm512_mask_cmp_ps_mask(finite, v, _mm512_setzero_ps(), _CMP_NEQ_OQ));
+    counts[2] += __builtin_popcount(_mm512_cmpeq_epi32_mask(code, _mm512_setzero_si512()) |
+                                    _mm512_cmpeq_epi32_mask(code, negativeZeroCode));
+    counts[3] += __builtin_popcount(_mm512_cmp_ps_mask(magnitude, top, _CMP_GT_OQ));
+    largest = _mm512_mask_max_ps(largest, finite, largest, magnitude);
+    const __m512 x = _mm512_maskz_mov_ps(finite, v);
+    const __m512 e = _mm512_maskz_sub_ps(finite, v, _mm512_i32gather_ps(code, table, 4));
+    const __m512d xLow = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+    const __m512d xHigh = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    const __m512d eLow = _mm512_cvtps_pd(_mm512_castps512_ps256(e));
+    const __m512d eHigh = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+    signal0 = _mm512_fmadd_pd(xLow, xLow, signal0);
+    signal1 = _mm512_fmadd_pd(xHigh, xHigh, signal1);
+    error0 = _mm512_fmadd_pd(eLow, eLow, error0);
+    error1 = _mm512_fmadd_pd(eHigh, eHigh, error1);
+  }
+  for (int k = 0; k < 4; ++k) sums[k] += double(counts[k]);
+  sums[4] += _mm512_reduce_add_pd(_mm512_add_pd(signal0, signal1));
+  sums[5] += _mm512_reduce_add_pd(_mm512_add_pd(error0, error1));
+  const float vectorMax = _mm512_reduce_max_ps(largest);
+  amax = vectorMax > amax ? vectorMax : amax;
+  return i;
+}
+#endif
+
+}  // namespace
+
+// The figures ipu_unit_scaling/fp8/stats.py records for a cast of n values: `scaled` (the input
+// times 2^s) and its codes, decoded by `table` (256 values). out: [finite values, nonzero finite
+// values, zero codes (code 0, and negativeZero where it is not -1), values past formatMax (inf
+// included), the finite values' energy, that of their rounding errors (double sums), the
+// finite values' amax]. Non-finite values count in none but the zero codes and the saturated.
+// (The energies' summation order follows the SIMD level: they agree to rounding.)
+IUS_EXPORT int ius_cast_figures(const float* scaled, const std::uint8_t* codes, Index n,
+                                const float* table, int negativeZero, float formatMax, double* out) {
+  if (n < 0 || negativeZero < -1 || negativeZero > 255) return kBadArguments;
+  for (int index = 0; index < 6; ++index) out[index] = 0.0;
+  float amax = 0.0f;
+  Index done = 0;
+#ifdef IUS_HAVE_AVX2_KERNELS
+  if (ius::fused::simdLevel() == 2) done = castFigures512(scaled, codes, n, table, negativeZero, formatMax, out, amax);
+#endif
+  castFiguresPortable(scaled + done, codes + done, n - done, table, negativeZero, formatMax, out, amax);
+  out[6] = double(amax);
+  return 0;
 }

@@ -37,7 +37,7 @@ __all__ = [
     "fused_cast_to_fp8", "host_decode",
     "fused_cast_from_fp8", "fused_quantise", "quantise_float32", "fused_tuning", "fast_selftest",
     "exponent_bits", "partition", "partition_grain", "dtype_code", "num_threads",
-    "group_quantise", "group_quantise_pair", "rowwise_quantise_pair", "GROUP_RULES",
+    "group_quantise", "group_quantise_pair", "rowwise_quantise_pair", "cast_figures", "GROUP_RULES",
 ]
 
 LIBRARY_PATH = Path(__file__).with_name("_fp8_host.so")
@@ -83,6 +83,9 @@ _SIGNATURES = {
     "ius_rowwise_quantise_pair": (
         _c_int, [_c_void_p, _c_int64, _c_int64, _c_int, _c_int, _c_int, ctypes.c_float, _c_int,
                  _c_int, _c_int, _c_int, _c_void_p, _c_void_p, _c_void_p, _c_void_p]),
+    "ius_cast_figures": (
+        _c_int, [_c_void_p, _c_void_p, _c_int64, _c_void_p, _c_int, ctypes.c_float,
+                 _c_void_p]),
 }
 # The scale rules of group_quantise, by the names group_cast uses.
 GROUP_RULES = {"amax": 0, "mx_floor": 1, "mx_up": 2}
@@ -555,3 +558,23 @@ def group_quantise_pair(
     if status not in (0, 1):
         raise ValueError(f"group_quantise_pair rejected its arguments (status {status})")
     return row_values, row_scales, col_values, col_scales, status == 0
+
+
+def cast_figures(scaled: torch.Tensor, codes: torch.Tensor, table: torch.Tensor,
+                 negative_zero: Optional[int], format_max: float
+                 ) -> Optional[Tuple[float, ...]]:
+    """The figures of a cast for its statistics, in one pass: (finite values, nonzero finite
+    values, zero codes (0, and ``negative_zero``), values past ``format_max`` (inf
+    included), the finite values' energy, their rounding errors' energy, the finite values'
+    amax), from ``scaled`` (contiguous CPU float32) and its ``codes`` (uint8, as many),
+    decoded by ``table`` (256 float32 values). None where the library is off."""
+    lib = _load()[0]
+    if lib is None:
+        return None
+    figures = (ctypes.c_double * 7)()
+    status = lib.ius_cast_figures(
+        scaled.data_ptr(), codes.data_ptr(), scaled.numel(), table.data_ptr(),
+        -1 if negative_zero is None else int(negative_zero), float(format_max), figures)
+    if status != 0:
+        raise ValueError(f"cast_figures rejected its arguments (status {status})")
+    return tuple(figures)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -125,6 +125,10 @@ def record_cast(
     """Record a cast of ``scaled`` (the input times 2**log2_scale, float32) to ``codes``."""
     if not _active:
         return
+    host = _host_figures(scaled, codes, fmt)
+    if host is not None:
+        _append(site, scaled.numel(), fmt, log2_scale, host)
+        return
     with torch.no_grad():
         flat = scaled.reshape(-1)
         decoded = _decoded(codes, fmt).reshape(-1)
@@ -153,6 +157,36 @@ def record_cast(
         with torch.no_grad():
             signal_energy = float(flat.double().square().sum())
             error_energy = float(error.double().square().sum())
+    _append(site, scaled.numel(), fmt, log2_scale,
+            (finite_count, nonzero, zero_codes, saturated, signal_energy, error_energy, amax))
+
+
+_DECODE_TABLES: Dict[str, torch.Tensor] = {}
+
+
+def _host_figures(scaled: torch.Tensor, codes: torch.Tensor,
+                  fmt: FP8Format) -> Optional[Tuple[float, ...]]:
+    """:func:`record_cast`'s figures in one pass of the host library (its energies summed in
+    float64), where it applies: 8-bit codes of a CPU float32 input; else None."""
+    if (fmt.sign_bit != 128 or scaled.device.type != "cpu" or scaled.dtype != torch.float32
+            or codes.dtype != torch.uint8 or codes.numel() != scaled.numel()):
+        return None
+    from . import host_library as _host
+
+    if not _host.fused_cast_available():
+        return None
+    table = _DECODE_TABLES.get(fmt.name)
+    if table is None:
+        table = _DECODE_TABLES[fmt.name] = decode(torch.arange(256, dtype=torch.uint8), fmt)
+    return _host.cast_figures(scaled.detach().contiguous(), codes.contiguous(), table,
+                              fmt.sign_bit if fmt.has_negative_zero else None, fmt.max)
+
+
+def _append(site: Optional[str], numel: int, fmt: FP8Format, log2_scale: int,
+            figures: Tuple[float, ...]) -> None:
+    """The record of a cast from its figures (see :func:`_host_figures`), to every active
+    collection."""
+    finite_count, nonzero, zero_codes, saturated, signal_energy, error_energy, amax = figures
     # Zeros (of either sign) encode to a zero code, non-finite values never do: the other zero
     # codes are the nonzero finite values that flushed.
     flushed = zero_codes - (finite_count - nonzero)
@@ -169,7 +203,7 @@ def record_cast(
         site=site or "<unnamed>",
         format=fmt.name,
         log2_scale=int(log2_scale),
-        numel=scaled.numel(),
+        numel=numel,
         nonzero=int(nonzero),
         flushed=int(flushed),
         saturated=int(saturated),

@@ -3,12 +3,14 @@ from the codes, over zeros, values below the smallest subnormal, overflow, infin
 in every format and under both overflow policies."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
 import torch
 
 from ipu_unit_scaling.fp8 import FORMATS, cast_to_fp8, decode, fp8_stats
+from ipu_unit_scaling.fp8.stats import _host_figures, record_cast
 
 pytestmark = pytest.mark.numerics
 
@@ -30,11 +32,23 @@ def _input(fmt, seed):
 @pytest.mark.parametrize("name, overflow", [
     (name, overflow) for name in sorted(FORMATS) for overflow in ("saturate", "nan")
     if overflow == "saturate" or FORMATS[name].nan_codes])  # (FP4 and FP6 have no NaN)
-def test_each_figure_of_a_record(name, overflow):
+@pytest.mark.parametrize("figures", ["host library", "torch"])
+def test_each_figure_of_a_record(name, overflow, figures):
+    """The figures of the host library's one pass (8-bit formats, where it is built) and of
+    the torch ops alike."""
+    from ipu_unit_scaling.fp8 import host_library
+
     fmt = FORMATS[name]
     x = _input(fmt, len(name))
-    with fp8_stats() as stats:
-        cast = cast_to_fp8(x, fmt, log2_scale=2, overflow=overflow, site="s.grad_output")
+    if figures == "host library" and not (host_library.fused_cast_available()
+                                           and fmt.sign_bit == 128):
+        pytest.skip("the host library's figures take 8-bit codes and need the library")
+    cast = cast_to_fp8(x, fmt, log2_scale=2, overflow=overflow)
+    with fp8_stats() as stats, (host_library.disabled() if figures == "torch"
+                                else contextlib.nullcontext()):
+        host = _host_figures(x * 4, cast.codes, fmt) is not None
+        record_cast("s.grad_output", x * 4, cast.codes, fmt, 2)
+    assert host == (figures == "host library")
     (record,) = stats.records
     scaled = x.double() * 4
     finite = torch.isfinite(scaled)
@@ -67,3 +81,34 @@ def test_an_exact_cast_and_an_all_zero_cast():
     exact, zeros = stats.records
     assert exact.sqnr_db == math.inf and exact.flushed == 0 and exact.amax == 2.0
     assert math.isnan(zeros.sqnr_db) and zeros.nonzero == 0 and zeros.flushed_fraction == 0.0
+
+
+@pytest.mark.parametrize("overflow", ["saturate", "nan"])
+@pytest.mark.parametrize("name", ["F143", "E4M3FN", "E5M2"])
+def test_the_host_figures_at_each_simd_level(name, overflow):
+    """The host library's figures with its AVX-512 loop and with its portable loop (forced):
+    the counts and the amax alike, the float64 energies to their summation order's
+    rounding (n terms: n 2**-53 relative)."""
+    from ipu_unit_scaling.fp8 import host_library
+
+    if not host_library.fused_cast_available():
+        pytest.skip(host_library.fast_path_status())
+    fmt = FORMATS[name]
+    x = _input(fmt, 7)[:2995]  # (a tail past the last whole vector)
+    codes = cast_to_fp8(x, fmt, log2_scale=2, overflow=overflow).codes
+    widest = host_library.fused_tuning(-1, 2)
+    try:
+        figures = []
+        for level in range(widest + 1):
+            host_library.fused_tuning(-1, level)
+            figures.append(_host_figures(x * 4, codes, fmt))
+    finally:
+        host_library.fused_tuning(-1, 2)
+    for got in figures[1:]:
+        assert got is not None and figures[0] is not None
+        assert got[:4] == figures[0][:4] and got[6] == figures[0][6]
+        assert got[4] == pytest.approx(figures[0][4], rel=3000 * 2.0 ** -53)
+        if overflow == "saturate":
+            assert got[5] == pytest.approx(figures[0][5], rel=3000 * 2.0 ** -53)
+        else:  # finite values became NaN or inf: an error energy of NaN or inf alike
+            assert not math.isfinite(got[5]) and str(got[5]) == str(figures[0][5])
