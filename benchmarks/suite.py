@@ -34,7 +34,7 @@ VERSUS_PUBLISHED_TARGET = 1.0
 # "No slower than the library" once compiled: both compile to near-identical graphs, so the
 # bound carries a noise band instead of a bare 1.00.
 COMPILED_VERSUS_PUBLISHED_TARGET = 1.02
-FP8_STATIC_TARGET = 1.08  # the FP8 recipes issue's bound (1.15 before it)
+FP8_STATIC_TARGET = 1.06  # the casts by host kernels from C++ nodes, and little else
 FP8_NO_HOST_TARGET = 1.5  # an install without a C++ compiler: torch's float8 round trip
 MEMORY_TARGET = 1.05
 CAST_SPEEDUP_TARGET = 8.0  # fused host amax + cast vs torch eager, at least
