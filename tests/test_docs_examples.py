@@ -110,8 +110,15 @@ def _popxl() -> Optional[str]:
     return None
 
 
+def _dynamo() -> Optional[str]:
+    if tuple(int(p) for p in re.findall(r"\d+", torch.__version__)[:2]) < (2, 1):
+        return f"graph transforms need TorchDynamo tracing nn modules (torch 2.1), not {torch.__version__}"
+    return None
+
+
 # Each returns None when met, else why not.
 REQUIREMENTS: Dict[str, Callable[[], Optional[str]]] = {
+    "dynamo": _dynamo,
     "transformers": _transformers_models,
     "transformers-export": _transformers_export,
     "popxl": _popxl,
@@ -180,6 +187,21 @@ def _between(value: float, low: float, high: float, what: str) -> None:
 
 
 MLP_SEEDS = (0, 1, 2)
+
+
+@check("nanogpt_kept")
+def _nanogpt_kept(block: Block, namespace: Namespace) -> None:
+    """The unit-scaled FP8 copy is the model's class with both transforms recorded, and the
+    methods the comments name ran."""
+    from tests.transforms.nanogpt_shaped import TinyGPT
+
+    model = namespace["model"]
+    assert type(model) is TinyGPT
+    names = [b.__qualname__ for b in model.backends]
+    assert f"# TinyGPT {names}" in block.code, names
+    assert namespace["text"].shape == (1, 7)
+    assert namespace["loss"].item() > 0
+    assert len(model.forward.base_forward.converted) == 1  # generate's call was converted
 
 
 @check("unit_mlp")

@@ -58,14 +58,23 @@ class _TransformedForward:
         self.module = module
         self.base_forward = base_forward
         self.backends = backends
-        self._compiled: Optional[Callable[..., Any]] = None
+        # per forward captured: the module's own, or one per call structure of a model
+        # unit_scale converted without example inputs (see call_structures)
+        self._compiled: Dict[int, Callable[..., Any]] = {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self._compiled is None:
+        target = self.base_forward
+        for_call = getattr(target, "for_call", None)
+        if for_call is not None:  # converting a new call structure traces: not under capture
+            target = for_call(args, kwargs)
+        compiled = self._compiled.get(id(target))
+        if compiled is None:
             dynamo = _dynamo()
-            dynamo.reset()
-            self._compiled = dynamo.optimize(_composed(self.backends))(self.base_forward)
-        return self._compiled(*args, **kwargs)
+            if not self._compiled:
+                dynamo.reset()
+            compiled = dynamo.optimize(_composed(self.backends))(target)
+            self._compiled[id(target)] = compiled
+        return compiled(*args, **kwargs)
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> _TransformedForward:
         module = copy.deepcopy(self.module, memo)

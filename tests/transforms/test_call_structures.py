@@ -124,3 +124,6 @@ def test_backends_name_the_transforms_a_model_carries_as_unit_scaling_records_th
     _, loss = both(x, y)
     assert loss is not None and math.isfinite(loss.item())
     assert type(both).__name__ == "TinyGPT" and both.config == model.config
+    # a call without targets is converted outside TorchDynamo's capture, then captured
+    assert both.generate(x[:1, :3], 2).shape == (1, 5)
+    assert len(both.forward.base_forward.converted) == 1
