@@ -70,7 +70,7 @@ setup(
     packages=find_packages(include=["ipu_unit_scaling", "ipu_unit_scaling.*", "ipu_standins",
                                     "ipu_standins.*"]),
     # The C++ transformer-layer nodes, compiled on first use against the installed torch.
-    package_data={"ipu_unit_scaling.ops": ["native_layers.cpp"]},
+    package_data={"ipu_unit_scaling.ops": ["native_layers.cpp", "native_casts.hpp"]},
     # matplotlib draws the loss curves every run writes: the main job needs it.
     # ninja builds the C++ transformer-layer nodes on first use (ops/native_layers.py).
     install_requires=["torch>=2.0", "numpy", "pyyaml", "tqdm", "matplotlib", "ninja"],

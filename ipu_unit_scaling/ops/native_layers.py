@@ -5,15 +5,16 @@ from Python, and at small widths that Python is a visible share of a CPU trainin
 own layers pay none of it. ``native_layers.cpp`` holds the same two Functions as C++ autograd
 nodes calling the same kernels in the same order, so the values do not change: for float
 linears, and for FP8 linears whose casts the host library's kernels make (the nodes call them
-directly; see `fp8.native_casts`).
+directly; see `fp8.native_casts`). The FP8 linear itself (an FP8 model's readout, an
+``FP8Linear``) is a node of the same file (`fp8.linear.native_linear`).
 
 The extension is compiled against the installed torch the first time a layer asks for it
 (a minute or two; a line on stderr says so, every time it is built) and cached under
 ``~/.cache/ipu-unit-scaling/native-layers/``, in a folder keyed by everything the binary
-depends on (:func:`build_key`: the source, the flags, the compiler, the torch and the Python it
-links against), so two virtual environments or two checkouts each keep their own build instead
-of rebuilding each other's. Processes that build at once take turns (a lock file in the
-folder). Where it cannot be built (no C++ compiler or no ``ninja``) or where
+depends on (:func:`build_key`: the source and its header, the flags, the compiler, the torch
+and the Python it links against), so two virtual environments or two checkouts each keep their
+own build instead of rebuilding each other's. Processes that build at once take turns (a lock
+file in the folder). Where it cannot be built (no C++ compiler or no ``ninja``) or where
 ``IPU_UNIT_SCALING_NATIVE_LAYERS=0``, the layers keep their Python Functions, and
 :func:`status` says why.
 """
@@ -32,11 +33,13 @@ from typing import Iterator, List, Optional, Sequence, Union
 
 import torch
 
-__all__ = ["OFF_ENV", "SOURCE", "switched_off", "build_key", "build_directory", "module",
+__all__ = ["OFF_ENV", "SOURCE", "HEADERS", "switched_off", "build_key", "build_directory", "module",
            "usable", "node_casts", "status"]
 
 OFF_ENV = "IPU_UNIT_SCALING_NATIVE_LAYERS"
 SOURCE = Path(__file__).with_name("native_layers.cpp")
+# The headers the source includes, by name, next to it.
+HEADERS = ("native_casts.hpp",)
 
 _loaded: Optional[ModuleType] = None
 _failure: Optional[str] = None
@@ -53,7 +56,8 @@ def build_key() -> str:
     compiler = shutil.which(os.environ.get("CXX", "c++")) or ""
     stat = os.stat(compiler) if compiler else None
     parts: List[Union[bytes, str]] = [
-        SOURCE.read_bytes(), str(SOURCE.resolve()), " ".join(_CFLAGS),
+        SOURCE.read_bytes(), *(_read(header) for header in _headers()),
+        str(SOURCE.resolve()), " ".join(_CFLAGS),
         os.path.realpath(compiler) if compiler else "", f"{stat.st_size}:{stat.st_mtime_ns}"
         if stat else "", torch.__version__, str(getattr(torch.version, "git_version", "")),
         str(Path(torch.__file__).resolve().parent),
@@ -65,6 +69,17 @@ def build_key() -> str:
         digest.update(part if isinstance(part, bytes) else part.encode("utf-8", "replace"))
         digest.update(b"\0")
     return digest.hexdigest()[:16]
+
+
+def _headers() -> List[Path]:
+    return [SOURCE.with_name(name) for name in HEADERS]
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:  # (a missing header fails the build, which says so)
+        return b""
 
 
 def build_directory() -> Path:
@@ -82,7 +97,9 @@ def _needs_building(directory: Path) -> bool:
     rebuilds)."""
     library = directory / f"{_NAME}{sysconfig.get_config_var('SHLIB_SUFFIX') or '.so'}"
     try:
-        return library.stat().st_mtime_ns < SOURCE.stat().st_mtime_ns
+        built = library.stat().st_mtime_ns
+        return any(built < path.stat().st_mtime_ns
+                   for path in [SOURCE, *_headers()] if path.exists())
     except OSError:
         return True
 

@@ -205,6 +205,8 @@ def _fake_builds(monkeypatch, tmp_path):
     source = tmp_path / "src" / "native_layers.cpp"
     source.parent.mkdir()
     source.write_bytes(native_layers.SOURCE.read_bytes())
+    for name in native_layers.HEADERS:
+        (source.parent / name).write_bytes(native_layers.SOURCE.with_name(name).read_bytes())
     loads: List[str] = []
 
     def load(**kwargs):
@@ -231,9 +233,13 @@ def test_the_build_folder_is_keyed_by_what_the_binary_depends_on(monkeypatch, tm
     seen = {first}
     source.write_bytes(source.read_bytes() + b"\n// changed\n")  # its text
     seen.add(native_layers.build_directory())
+    header = source.with_name(native_layers.HEADERS[0])  # its header's text
+    header.write_bytes(header.read_bytes() + b"\n// changed\n")
+    seen.add(native_layers.build_directory())
     other = tmp_path / "other-checkout" / "native_layers.cpp"  # the same text elsewhere
     other.parent.mkdir()
     other.write_bytes(source.read_bytes())
+    other.with_name(header.name).write_bytes(header.read_bytes())
     monkeypatch.setattr(native_layers, "SOURCE", other)
     seen.add(native_layers.build_directory())
     monkeypatch.setattr(native_layers, "_CFLAGS", ["-O3"])  # its flags
@@ -241,7 +247,7 @@ def test_the_build_folder_is_keyed_by_what_the_binary_depends_on(monkeypatch, tm
     # another virtual environment's torch, of the same version
     monkeypatch.setattr(torch, "__file__", str(tmp_path / "venv" / "torch" / "__init__.py"))
     seen.add(native_layers.build_directory())
-    assert len(seen) == 5 and all(torch.__version__.replace("+", "-") in d.name for d in seen)
+    assert len(seen) == 6 and all(torch.__version__.replace("+", "-") in d.name for d in seen)
 
 
 def test_every_build_is_announced_and_concurrent_builds_take_turns(monkeypatch, tmp_path,
