@@ -77,7 +77,7 @@ def test_gpt_conversion_swaps_layers_and_functions() -> None:
                  "unit_scaled_dot_product_attention", "unit_cross_entropy", "unit_add"):
         assert name in code
     # The attention branch gets the smaller tau.
-    assert "unit_residual_branch(dropout, 0.2)" in code.replace(" ", "").replace(",0.2", ", 0.2")
+    assert "unit_residual_branch(dropout, 0.01)" in code.replace(" ", "").replace(",0.01", ", 0.01")
 
 
 def test_residual_join_is_the_weighted_sum() -> None:
