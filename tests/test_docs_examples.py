@@ -112,7 +112,10 @@ def _popxl() -> Optional[str]:
 
 def _dynamo() -> Optional[str]:
     if tuple(int(p) for p in re.findall(r"\d+", torch.__version__)[:2]) < (2, 1):
-        return f"graph transforms need TorchDynamo tracing nn modules (torch 2.1), not {torch.__version__}"
+        return (
+            "graph transforms need TorchDynamo tracing nn modules (torch 2.1),"
+            f" not {torch.__version__}"
+        )
     return None
 
 

@@ -13,6 +13,10 @@ accumulation order. Without ``torch._scaled_mm`` the codes are never needed: the
 rounded straight to their FP8 values in one pass (:func:`~ipu_unit_scaling.fp8.values.
 quantise_values`) and those values are what the backward pass keeps. Recorded casts
 (:func:`fp8_stats`) and stochastic rounding go through the codes.
+
+Over 600 lines because the eager, the ``torch._scaled_mm`` and the traced (PopTorch) forms of
+the FP8 linear, the matmul and the two layer classes share one set of cast helpers: kept
+together, a change to how a role is cast reaches every form at once.
 """
 from __future__ import annotations
 

@@ -124,7 +124,7 @@ def apply_transform(module: M, backend: Backend,
         dynamo.allow_in_graph(function)
     copied.__dict__["forward"] = _TransformedForward(copied, copied.forward, (*earlier, backend))
     # unit-scaling's record of what a module carries, which scripts read to name a run.
-    copied.backends = [*getattr(module, "backends", ()), backend]
+    copied.backends = [*getattr(module, "backends", ()), backend]  # type: ignore[assignment]
     return copied
 
 

@@ -214,7 +214,7 @@ def unit_scale(
         function_replacements=function_replacements, replace=replace, attn_tau=attn_tau,
         mlp_tau=mlp_tau, seed=seed, keep_structure=keep_structure,
     )
-    converted.backends = [_unit_scaling_backend]
+    converted.backends = [_unit_scaling_backend]  # type: ignore[assignment]
     for backend in backends:
         converted = apply_transform(converted, backend)
     if report.unconverted or report.untraceable:
