@@ -172,6 +172,13 @@ def tiny_train_arguments(data: Path, run_dir: Path, settings: Sequence[str]) -> 
             "--quiet", "--set", *settings]
 
 
+def as_a_foreground_job() -> None:
+    """``preexec_fn`` for a command a test sends Ctrl-C: SIGINT's default action, as an
+    interactive shell's foreground job has it. A test process started in a script's
+    background (``pytest ... &``) inherits SIGINT ignored, and the command would keep it so."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def torchrun(arguments: Sequence[str], processes: int = 2) -> subprocess.Popen:
     """``python -m ipu_unit_scaling ARGUMENTS`` under torchrun, ``processes`` workers."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -179,7 +186,7 @@ def torchrun(arguments: Sequence[str], processes: int = 2) -> subprocess.Popen:
     # (a session of its own: its workers go with it if the test must kill it)
     return subprocess.Popen(command, cwd=ROOT, env=torchrun_environment(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=as_a_foreground_job)
 
 
 def kill_session(process: subprocess.Popen) -> None:

@@ -516,7 +516,9 @@ def _run(argv: List[str]) -> int:
         return _fail(f"{args.command} runs in one process; of the commands only train runs "
                      "under torchrun", speaks=rank == 0)
     # SIGTERM stops a command as Ctrl-C does (a training loop: at a step boundary, saved).
-    on_main_thread = threading.current_thread() is threading.main_thread()
+    # (Not where the process was started ignoring it: it stays ignored.)
+    on_main_thread = threading.current_thread() is threading.main_thread() \
+        and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
     previous = signal.signal(signal.SIGTERM, raise_stop_signal) if on_main_thread else None
     # Under torchrun every rank meets these errors alike (rank 0 hands the others its own):
     # rank 0 says them.

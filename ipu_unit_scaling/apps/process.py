@@ -44,9 +44,12 @@ class _EarlyHandler:
 @contextlib.contextmanager
 def ctrl_c_held() -> Iterator[List[int]]:
     """Ctrl-C (SIGINT) waits until the block ends; the list yielded then holds the signal if
-    one came. Off the main thread, where no handler can be set, nothing is held."""
+    one came. Off the main thread, where no handler can be set, nothing is held; where the
+    process started with Ctrl-C ignored (nohup, a script's background job), it stays ignored,
+    as Python leaves it."""
     held: List[int] = []
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         yield held
         return
     previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))

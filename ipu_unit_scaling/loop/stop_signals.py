@@ -29,10 +29,12 @@ class StopRequest:
         return signal.Signals(self.signum or signal.SIGINT).name
 
     def __enter__(self) -> StopRequest:
-        # Handlers can only be set from the main thread; elsewhere the caller's stay.
+        # Handlers can only be set from the main thread; elsewhere the caller's stay. A signal
+        # the process was started ignoring (nohup, a script's background job) stays ignored.
         if threading.current_thread() is threading.main_thread():
             for signum in STOP_SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
+                if signal.getsignal(signum) is not signal.SIG_IGN:
+                    self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def _handle(self, signum: int, frame: Any) -> None:

@@ -16,7 +16,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 from helpers import ONE_IPU as FAST
-from helpers import ROOT, run
+from helpers import ROOT, as_a_foreground_job, run
 
 import ipu_unit_scaling
 from ipu_unit_scaling.apps.cli import build_parser, main
@@ -81,6 +81,7 @@ def _train_process(*argv: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "ipu_unit_scaling.apps.cli", "train", *argv],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        preexec_fn=as_a_foreground_job,
     )
 
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from helpers import ROOT
+from helpers import ROOT, as_a_foreground_job
 
 
 def _environment(tmp: Optional[Path] = None) -> Dict[str, str]:
@@ -125,14 +125,15 @@ def test_ctrl_c_in_a_training_loop_ends_as_pythons_keyboard_interrupt(tmp_path):
     """)
     command = [sys.executable, "-m", "ipu_unit_scaling", "emulate", str(program)]
     process = subprocess.Popen(command, env=_environment(), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+                               stderr=subprocess.PIPE, text=True,
+                               preexec_fn=as_a_foreground_job)
     assert process.stdout is not None
     assert process.stdout.readline() == "training\n"
     time.sleep(0.2)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=120)
     python = subprocess.run([sys.executable, "-c", "raise KeyboardInterrupt"], text=True,
-                            capture_output=True)
+                            capture_output=True, preexec_fn=as_a_foreground_job)
     assert process.returncode == python.returncode == -signal.SIGINT, (process.returncode,
                                                                        stderr)
     lines = stderr.splitlines()
@@ -142,6 +143,33 @@ def test_ctrl_c_in_a_training_loop_ends_as_pythons_keyboard_interrupt(tmp_path):
     start = lines.index("Traceback (most recent call last):")
     assert lines[start + 1].startswith(f'  File "{program}"'), stderr
     assert lines[-1] == "KeyboardInterrupt"
+
+
+def test_ctrl_c_ignored_where_it_starts_stays_ignored_as_under_python(tmp_path):
+    """nohup and a script's background jobs start a program with SIGINT ignored: Python keeps
+    it ignored, and so does a program under emulate."""
+    program = _write(tmp_path / "ignores.py", """
+        import signal, sys, time
+        print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN, flush=True)
+        time.sleep(1.0)
+        print("done", flush=True)
+    """)
+
+    def ignoring() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    outcomes = []
+    for command in ([sys.executable, str(program)],
+                    [sys.executable, "-m", "ipu_unit_scaling", "emulate", str(program)]):
+        process = subprocess.Popen(command, env=_environment(), stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, preexec_fn=ignoring)
+        assert process.stdout is not None
+        first = process.stdout.readline()
+        process.send_signal(signal.SIGINT)
+        rest, stderr = process.communicate(timeout=120)
+        outcomes.append((process.returncode, first + rest, stderr))
+    assert outcomes[0] == (0, "True\ndone\n", ""), outcomes[0]
+    assert outcomes[1] == outcomes[0], outcomes[1]
 
 
 def test_spawned_and_forkserver_workers_import_poptorch(tmp_path):

@@ -76,7 +76,25 @@ def test_a_full_standard_output_is_named():
     assert "cannot write standard output: No space left on device" in _one_line(result.stderr)
 
 
-def test_ctrl_c_while_the_command_loads_is_one_line(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def ctrl_c_as_at_a_terminal():
+    """SIGINT as an interactive shell's foreground job has it, whatever this test process
+    inherited (a script's background job starts with it ignored); put back afterwards."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture
+def ctrl_c_ignored():
+    """SIGINT ignored, as ``nohup`` and a script's background jobs start a command."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_while_the_command_loads_is_one_line(tmp_path, monkeypatch, capsys,
+                                                    ctrl_c_as_at_a_terminal):
     loaded = cli.command_for
 
     def interrupted_while_loading(name):
@@ -89,6 +107,26 @@ def test_ctrl_c_while_the_command_loads_is_one_line(tmp_path, monkeypatch, capsy
     assert not (tmp_path / "run").exists()
     # Ctrl-C works as usual again once the command runs.
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_ignored_where_the_command_starts_stays_ignored(tmp_path, monkeypatch, capsys,
+                                                              ctrl_c_ignored):
+    loaded = cli.command_for
+    seen = []
+
+    def interrupted_while_loading(name):
+        os.kill(os.getpid(), signal.SIGINT)  # ignored: the command goes on
+        seen.append(signal.getsignal(signal.SIGINT))
+        return loaded(name)
+
+    monkeypatch.setattr(cli, "command_for", interrupted_while_loading)
+    run_dir = tmp_path / "run"
+    assert main(["train", "--config", "tiny", "--set", "training.steps=2",
+                 "training.eval_interval=0", *ONE_STAGE, "--run-dir", str(run_dir),
+                 "--quiet"]) == 0
+    assert seen == [signal.SIG_IGN]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
 
 
 def test_ctrl_c_anywhere_in_main_is_one_line(monkeypatch, capsys):
