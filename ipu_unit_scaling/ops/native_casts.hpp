@@ -155,8 +155,11 @@ Tensor group_cast(const Tensor& in, double group_rows, double group_cols, const 
 
 // (the operand of the GEMM that reduces over x's last dimension, that of the one that
 // reduces over its first, in x's shape): see `fused_blocks._quantised`.
+// `overwrite`: `x` is a temporary of the caller's that nothing reads after the cast, so a cast
+// with a scale known before it reads `x` (the static and delayed recipes') writes its values
+// over it, while they are still in the cache, instead of into a kept buffer.
 std::pair<Tensor, Tensor> cast_operand(const Tensor& x, const Spec& spec, bool transposed,
-                                       const std::string& slot = "") {
+                                       const std::string& slot = "", bool overwrite = false) {
   if (spec.empty()) return {x, x};
   TORCH_CHECK(host_casts != nullptr, "the FP8 casts of the C++ layer nodes are not set");
   int kind = int(spec[0]);
@@ -164,11 +167,13 @@ std::pair<Tensor, Tensor> cast_operand(const Tensor& x, const Spec& spec, bool t
   std::string slot_t = slot.empty() ? slot : slot + "_t";
   if (kind == 4 && takes) {
     Tensor in = x.contiguous();
-    Tensor out = pooled(slot, in.sizes(), in.options());
+    // (The operand's amax is read before the values are written.)
+    Tensor out = overwrite ? in : pooled(slot, in.sizes(), in.options());
     if (delayed_cast(in, spec, out)) return {out, out};
   } else if (kind == 1 && takes) {
     Tensor in = x.contiguous();
-    Tensor out = pooled(slot, in.sizes(), in.options());
+    // (Only with a given scale: the amax form may read its input again after writing.)
+    Tensor out = overwrite && spec[4] != 0.0 ? in : pooled(slot, in.sizes(), in.options());
     int used = 0;
     float amax = 0.0f;
     int status = host_casts->quantise(in.data_ptr<float>(), in.numel(), int(spec[2]),

@@ -130,7 +130,7 @@ struct NormQKV : public torch::autograd::Function<NormQKV> {
     auto joined = join_norm(x, f_, branch_weight, skip_weight, w, b, eps);
     Tensor normed = joined[0], stream = joined[1];
     auto rows = cast_operand(normed.view({-1, normed.size(-1)}), input_cast, need(10),
-                             "qkv.input");
+                             "qkv.input", true);
     auto cast_weight = cast_operand(qkv_weight, weight_cast,
                                     need(0) || need(1) || need(6) || need(7), "qkv.weight");
     Tensor qkv = linear_forward(rows.first, cast_weight.first, qb, qkv_scales[0]);
@@ -186,7 +186,8 @@ std::vector<Tensor> mlp_forward(const Tensor& rows, const Tensor& up_weight,
   Tensor activated = at::gelu(hidden, approximate);
   Tensor activated_t = activated;
   if (!down_input.empty()) {
-    auto cast = cast_operand(activated.mul_(gelu_out), down_input, transposed, "down.input");
+    auto cast =
+        cast_operand(activated.mul_(gelu_out), down_input, transposed, "down.input", true);
     activated = cast.first;
     activated_t = cast.second;
     gelu_out = 1.0;
@@ -239,7 +240,7 @@ struct ProjNormMLP : public torch::autograd::Function<ProjNormMLP> {
         at::mul_out(view, heads.transpose(1, 2), at::scalar_tensor(row_scale, heads.options()));
       }
     }
-    auto proj_in = cast_operand(attended, casts[0], need(3), "proj.input");
+    auto proj_in = cast_operand(attended, casts[0], need(3), "proj.input", true);
     auto proj_w = cast_operand(proj_weight, casts[1], need(0), "proj.weight");
     Tensor joined =
         linear_forward(proj_in.first, proj_w.first, Tensor(), proj_scales[0] * branch_weight)
@@ -255,7 +256,7 @@ struct ProjNormMLP : public torch::autograd::Function<ProjNormMLP> {
     auto norm = at::native_layer_norm(joined, {joined.size(-1)}, nw, nb, eps);
     Tensor normed = std::get<0>(norm);
     auto rows = cast_operand(normed.view({-1, normed.size(-1)}), casts[3], need(9),
-                             "up.input");
+                             "up.input", true);
     auto up_cast = cast_operand(up_weight, casts[4], need_normed, "up.weight");
     bool any_before_down = need_normed || need(1) || need(3) || need(9) || need(10);
     auto down_cast = cast_operand(down_weight, casts[7], any_before_down, "down.weight");

@@ -507,10 +507,11 @@ def test_fp8_nodes_keep_one_step_of_buffers_and_let_other_shapes_go(native):
     """The nodes' kept buffers (per thread: this runs in a thread of its own, whose CPU
     backward passes run in it too): a second step of the same shapes makes none (each layer's
     saved casts reuse the ones the previous backward pass let go), and a run of other sequence
-    lengths leaves the buffers of the last one only, as many as its step held."""
+    lengths leaves the buffers of the last one only, as many as its step held. (AMAX: the
+    static recipe casts its inputs over their temporaries, in no kept buffer.)"""
     import threading
 
-    model = _fp8_gpt("static")
+    model = _fp8_gpt("amax")
     generator = torch.Generator().manual_seed(1)
     kept: List[list] = []
 
@@ -541,13 +542,37 @@ def test_fp8_nodes_keep_one_step_of_buffers_and_let_other_shapes_go(native):
     assert [n for s, n in last if s == "up.weight"] == [n for s, n in first if s == "up.weight"]
 
 
+@pytest.mark.parametrize("recipe", ["static", "delayed"])
+def test_casts_with_a_known_scale_overwrite_their_temporaries_and_keep_no_input_buffer(
+        native, recipe):
+    """Under the static and delayed recipes an input cast writes its values over the
+    temporary it casts (the norm's output, the joined heads, the GELU's output), which
+    nothing reads afterwards: no input slot is kept, while the weights' casts are."""
+    import threading
+
+    model = _fp8_gpt(recipe)
+    kept: List[list] = []
+
+    def run() -> None:
+        ids = torch.randint(0, 48, (3, 11), generator=torch.Generator().manual_seed(3))
+        model(ids, ids).backward()
+        kept.extend(native.kept_buffers())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    slots = {slot for slot, _ in kept}
+    assert {"qkv.weight", "up.weight", "down.weight"} <= slots, slots
+    assert not slots & {"qkv.input", "proj.input", "up.input", "down.input"}, slots
+
+
 def test_fp8_nodes_make_casts_over_2_to_the_20_elements_afresh(native):
     """A cast of more than 2^20 elements (4 MiB) is not kept between steps: here the MLP's
     activations, 8,400 tokens of width 128, are over the bound, and its input, width 32, is
-    under it."""
+    under it (AMAX, whose input casts go to kept buffers)."""
     import threading
 
-    model = _fp8_gpt("static")
+    model = _fp8_gpt("amax")
     kept: List[list] = []
 
     def run() -> None:
