@@ -127,11 +127,16 @@ def test_ctrl_c_in_a_training_loop_ends_as_pythons_keyboard_interrupt(tmp_path):
     process = subprocess.Popen(command, env=_environment(), stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True,
                                preexec_fn=as_a_foreground_job)
-    assert process.stdout is not None
-    assert process.stdout.readline() == "training\n"
-    time.sleep(0.2)
-    process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=120)
+    try:
+        assert process.stdout is not None
+        assert process.stdout.readline() == "training\n"
+        time.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:  # (a loop that never ends is not left running)
+            process.kill()
+            process.communicate()
     python = subprocess.run([sys.executable, "-c", "raise KeyboardInterrupt"], text=True,
                             capture_output=True, preexec_fn=as_a_foreground_job)
     assert process.returncode == python.returncode == -signal.SIGINT, (process.returncode,
@@ -163,10 +168,15 @@ def test_ctrl_c_ignored_where_it_starts_stays_ignored_as_under_python(tmp_path):
                     [sys.executable, "-m", "ipu_unit_scaling", "emulate", str(program)]):
         process = subprocess.Popen(command, env=_environment(), stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, text=True, preexec_fn=ignoring)
-        assert process.stdout is not None
-        first = process.stdout.readline()
-        process.send_signal(signal.SIGINT)
-        rest, stderr = process.communicate(timeout=120)
+        try:
+            assert process.stdout is not None
+            first = process.stdout.readline()
+            process.send_signal(signal.SIGINT)
+            rest, stderr = process.communicate(timeout=120)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.communicate()
         outcomes.append((process.returncode, first + rest, stderr))
     assert outcomes[0] == (0, "True\ndone\n", ""), outcomes[0]
     assert outcomes[1] == outcomes[0], outcomes[1]
