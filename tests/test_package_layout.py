@@ -575,7 +575,6 @@ UNTESTED_TODAY = {
     "loop",
     "loop.run_opening",
     "loop.run_outcomes",
-    "loop.stop_signals",
     # models layer
     "models",
     "models.encoder",
