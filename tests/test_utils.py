@@ -83,6 +83,38 @@ def test_a_transformed_graph_module_keeps_its_transform_when_copied():
     assert [n for n, _ in transformed.named_parameters()] == [n for n, _ in gm.named_parameters()]
 
 
+class _Scaled(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return U.gelu(x, constraint=None) * 2.0
+
+
+@pytest.mark.skipif(torch_before(2, 1),
+                    reason="TorchDynamo refuses Python 3.11 before torch 2.1")
+def test_a_transform_run_eagerly_captures_each_scale_as_one_op_with_its_gradient():
+    """A graph transform runs its captured graph eagerly: a unit-scaled op's scales are in it
+    as the one ``scaled_identity`` op each, not as higher-order ops whose forward and backward
+    graphs would be interpreted at every call; the values and gradients are eager's."""
+    pytest.importorskip("torch._dynamo")
+    targets: list = []
+
+    def record(gm: fx.GraphModule, example_inputs: list) -> fx.GraphModule:
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    transformed = utils.apply_transform(_Scaled(), record)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    eager_x = x.detach().clone().requires_grad_(True)
+    out, want = transformed(x), _Scaled()(eager_x)
+    grad = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    out.backward(grad)
+    want.backward(grad)
+    assert "ipu_unit_scaling.scaled_identity" in targets, targets
+    assert not any("autograd_function_apply" in t for t in targets), targets
+    # The same float32 ops in both (tolerances: a few roundings of float32).
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, eager_x.grad, rtol=1e-6, atol=1e-6)
+
+
 def test_scale_tracking_interpreter_records_each_tensor_and_its_gradient():
     gm = fx.symbolic_trace(_Net())
     interpreter = scale_utils.ScaleTrackingInterpreter(gm)

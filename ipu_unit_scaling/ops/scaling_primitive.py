@@ -13,13 +13,35 @@ Two forms, chosen by :func:`ipu_unit_scaling.ops.trace_switch.is_ipu_tracing`:
 """
 from __future__ import annotations
 
-from typing import Any, Tuple
+import contextlib
+from typing import Any, Iterator, List, Tuple
 
 import torch
 from torch import Tensor
 
-from .scaled_identity import traced_scale
+from .scaled_identity import scaled_identity, traced_scale
 from .trace_switch import is_ipu_tracing
+
+
+def _never() -> bool:
+    return False
+
+
+_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", _never)
+_one_op: List[bool] = []
+
+
+@contextlib.contextmanager
+def scales_as_one_op() -> Iterator[None]:
+    """Inside it, a scale that TorchDynamo captures is the one ``scaled_identity`` op instead of
+    the autograd Function: for graphs that run eagerly after capture (the graph transforms
+    without TorchInductor), where a captured Function would run as a higher-order op whose
+    forward and backward graphs are interpreted node by node at every call."""
+    _one_op.append(True)
+    try:
+        yield
+    finally:
+        _one_op.pop()
 
 
 class _Scale(torch.autograd.Function):
@@ -42,6 +64,8 @@ def scale(x: Tensor, fwd_scale: float, bwd_scale: float) -> Tensor:
         return x * fwd_scale if fwd_scale != 1.0 else x
     if is_ipu_tracing():
         return traced_scale(x, fwd_scale, bwd_scale)
+    if _one_op and _compiling():
+        return scaled_identity(x, fwd_scale, bwd_scale)
     return _Scale.apply(x, fwd_scale, bwd_scale)
 
 

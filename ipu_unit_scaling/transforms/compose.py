@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from torch import Tensor, fx, nn
 
+from ..ops.scaling_primitive import scales_as_one_op
 from ..ops.torch_arguments import T
 
 __all__ = ["Backend", "M", "apply_transform", "transforms_of", "without_transforms",
@@ -74,7 +75,10 @@ class _TransformedForward:
                 dynamo.reset()
             compiled = dynamo.optimize(_composed(self.backends))(target)
             self._compiled[id(target)] = compiled
-        return compiled(*args, **kwargs)
+        if self.backends and self.backends[-1] is _inductor:
+            return compiled(*args, **kwargs)  # (Inductor fuses the scales' Functions itself)
+        with scales_as_one_op():
+            return compiled(*args, **kwargs)
 
     def __deepcopy__(self, memo: Dict[int, Any]) -> _TransformedForward:
         module = copy.deepcopy(self.module, memo)
