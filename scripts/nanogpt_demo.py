@@ -288,7 +288,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--nanogpt DIR is required")
     prepared = args.nanogpt / "data" / "shakespeare_char" / "train.bin"
     if not (args.nanogpt / "model.py").is_file() or not prepared.is_file():
-        parser.error(f"{args.nanogpt} needs nanoGPT's model.py and {prepared.relative_to(args.nanogpt)}"
+        parser.error(f"{args.nanogpt} needs nanoGPT's model.py and "
+                     f"{prepared.relative_to(args.nanogpt)}"
                      " (run python prepare.py in data/shakespeare_char)")
     if args.steps <= WARMUP:
         parser.error(f"--steps must be more than the {WARMUP} warmup steps")

@@ -59,7 +59,6 @@ ATTENTION = "attention: exact per-row scale for the keys each query sees (librar
 BROADCAST = "matmul: a broadcast input's gradient counts its copies"
 DROPOUT_EVAL = "dropout: identity in eval mode (library scales by sqrt(1-p))"
 ACTIVATION = "gelu/silu: scales by quadrature for any mult (library interpolates)"
-BIAS = "linear/conv1d: bias added at unit scale after the output scale (library: times it)"
 CROSS_ENTROPY = ("cross_entropy: input grad scale for unit-normal logits' softmax "
                  "(library: for a uniform softmax)")
 MODULES = "the op differences above, in the module's ops"
@@ -231,8 +230,7 @@ def _functional_cases() -> List[Case]:
                         "x": normal(g, *s), "weight": normal(g, o, s[-1]),
                         **({"bias": normal(g, o)} if b else {})},
                     lambda a, t, _, c=constraint: a.U.linear(t["x"], t["weight"], t.get("bias"),
-                                                           constraint=c),
-                    documented=BIAS if bias else None))
+                                                           constraint=c)))
         cases.append(Case(
             f"U.linear_readout {label}->{fan_out}",
             lambda g, s=shape, o=fan_out: {"x": normal(g, *s), "weight": normal(g, o, s[-1])},
@@ -361,8 +359,7 @@ def _functional_cases() -> List[Case]:
             f"U.conv1d 4x16x32, kernel 3, padding 1, bias={bias}",
             lambda g, b=bias: {"x": normal(g, 4, 16, 32), "weight": normal(g, 24, 16, 3),
                                **({"bias": normal(g, 24)} if b else {})},
-            lambda a, t, _: a.U.conv1d(t["x"], t["weight"], t.get("bias"), padding=1),
-            documented=BIAS if bias else None))
+            lambda a, t, _: a.U.conv1d(t["x"], t["weight"], t.get("bias"), padding=1)))
     return cases
 
 
@@ -390,14 +387,13 @@ def _module_cases() -> List[Case]:
     return [
         _module_case("uu.Linear 64->96", lambda a: a.uu.Linear(64, 96), _x(4, 32, 64)),
         _module_case("uu.Linear 64->96 bias", lambda a: a.uu.Linear(64, 96, bias=True),
-                     _x(4, 32, 64), explained_by=("linear",)),
+                     _x(4, 32, 64)),
         _module_case("uu.LinearReadout 64->128", lambda a: a.uu.LinearReadout(64, 128),
                      _x(4, 32, 64)),
         _module_case("uu.Conv1d 16->24 kernel 3", lambda a: a.uu.Conv1d(16, 24, 3),
                      _x(4, 16, 32)),
         _module_case("uu.Conv1d 16->24 kernel 3 bias",
-                     lambda a: a.uu.Conv1d(16, 24, 3, bias=True), _x(4, 16, 32),
-                     explained_by=("conv1d",)),
+                     lambda a: a.uu.Conv1d(16, 24, 3, bias=True), _x(4, 16, 32)),
         _module_case("uu.LayerNorm 64", lambda a: a.uu.LayerNorm(64), _x(4, 32, 64)),
         _module_case("uu.LayerNorm 64 affine",
                      lambda a: a.uu.LayerNorm(64, elementwise_affine=True), _x(4, 32, 64)),

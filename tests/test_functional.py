@@ -406,7 +406,7 @@ def test_ops_compute_the_same_function_as_torch_in_the_forward_pass():
     b = torch.randn(12, dtype=torch.float64)
     # Up to the documented output scale, the value is torch's.
     out = U.linear(x, w, b, "to_output_scale")
-    torch.testing.assert_close(out, F.linear(x, w) / 4 + b)
+    torch.testing.assert_close(out, F.linear(x, w, b) / 4)
     torch.testing.assert_close(U.layer_norm(x, (16,)), F.layer_norm(x, (16,)))
     ratio = U.gelu(x, constraint=None) / F.gelu(x)
     torch.testing.assert_close(ratio, ratio.flatten()[:1].expand_as(ratio))

@@ -218,7 +218,7 @@ class _FP8ValuesLinear(torch.autograd.Function):
                              f"{site}.weight")
         y = _gemm(xq, wq.t(), scales[0])
         if bias is not None:
-            y = y.add_(bias)
+            y = y.add_(bias, alpha=scales[0])  # (before the output scale, as `U.linear`'s)
         ctx.save_for_backward(xq, wq)
         ctx.meta = (x.shape, bias is not None, config, site, scales)
         return y.view(*x.shape[:-1], weight.shape[0])
@@ -612,7 +612,6 @@ class FP8UnitScaledLinear(FP8Linear):
         x = scale_bwd(x, grad_input_scale)
         weight = scale_bwd(weight, grad_weight_scale)
         y = fp8_linear(x, weight, None, self.config, self.site, self.use_scaled_mm)
-        y = scale_fwd(y, output_scale)
         if self.bias is not None:
             y = y + scale_bwd(self.bias, bias_scale)
-        return y
+        return scale_fwd(y, output_scale)

@@ -310,8 +310,8 @@ class _RecipeLinear(torch.autograd.Function):
                 ctx.save_for_backward(xq.values, wq.values)
             else:
                 ctx.save_for_backward(x2 if config.grad_weight_high_precision else None)
-        if bias is not None:
-            y = y.add_(bias.to(torch.float32))
+        if bias is not None:  # (before the output scale, as `U.linear`'s)
+            y = y.add_(bias.to(torch.float32), alpha=scales[0])
         ctx.meta = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype,
                     config, site, scales, history, update_history, use_scaled_mm)
         return y.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
@@ -454,9 +454,9 @@ def traced_recipe_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
             grad_w = _traced_cast(torch.matmul(w, x_columns), config, "grad_output",
                                   gradient=True)
         y = y + _gradient_only(grad_w.t())
-    y = scale_fwd(y, scales[0])
     if bias is not None:
         y = y + scale_bwd(bias, scales[3])
+    y = scale_fwd(y, scales[0])
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 

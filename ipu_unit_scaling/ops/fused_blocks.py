@@ -149,8 +149,9 @@ def _mlp_forward(rows: Tensor, up_weight: Tensor, up_bias: Optional[Tensor],
     where a grouped recipe casts it so; ``transposed``: that GEMM will run), as the FP8
     linear would cast it."""
     up_out, _, _, gelu_out, _, down_out, _, _ = scales
+    # (each bias times its linear's output scale, as `fused_ops.linear_forward` adds it)
     hidden = torch.addmm(addmm_zero(rows) if up_bias is None else up_bias, rows, up_weight.t(),
-                         beta=0 if up_bias is None else 1, alpha=up_out)
+                         beta=0 if up_bias is None else up_out, alpha=up_out)
     activated = F.gelu(hidden, approximate=approximate)
     activated_t = activated
     if down_quantise is not None:
@@ -158,7 +159,7 @@ def _mlp_forward(rows: Tensor, up_weight: Tensor, up_bias: Optional[Tensor],
                                             transposed, "down.input")
         gelu_out = 1.0
     out = torch.addmm(addmm_zero(rows) if down_bias is None else down_bias, activated,
-                      down_weight.t(), beta=0 if down_bias is None else 1,
+                      down_weight.t(), beta=0 if down_bias is None else down_out,
                       alpha=down_out * gelu_out)
     return hidden, activated_t, out
 

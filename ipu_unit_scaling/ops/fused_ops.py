@@ -107,7 +107,7 @@ def scaled_mm(a: Tensor, b: Tensor, alpha: float) -> Tensor:
 
 
 class _Linear(torch.autograd.Function):
-    """``output_scale * x @ weight.T + bias`` for non-empty ``x`` of at least two dimensions
+    """``output_scale * (x @ weight.T + bias)`` for non-empty ``x`` of at least two dimensions
     and a non-empty weight; gradients: input ``grad_input_scale * g @ weight``, weight
     ``grad_weight_scale * g.T @ x``, bias ``grad_weight_scale * sum(g)``.
 
@@ -173,7 +173,8 @@ def linear_forward(x: Tensor, weight: Tensor, bias: Optional[Tensor],
         out = torch.addmm(addmm_zero(x), x.reshape(-1, x.shape[-1]), weight.t(), beta=0,
                           alpha=output_scale)
     else:
-        out = torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight.t(), alpha=output_scale)
+        out = torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight.t(), beta=output_scale,
+                          alpha=output_scale)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -202,7 +203,7 @@ def _composed_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], output_s
     weight = scale(weight, output_scale, grad_weight_scale)
     x = scale_bwd(x, grad_input_scale / output_scale)
     if bias is not None:
-        bias = scale_bwd(bias, grad_weight_scale)
+        bias = scale(bias, output_scale, grad_weight_scale)
     return F.linear(x, weight, bias)
 
 

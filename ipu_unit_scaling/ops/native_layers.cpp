@@ -46,11 +46,17 @@ bool needs(AutogradContext* ctx, int position) {
   return (ctx->saved_data["needs"].toInt() >> position) & 1;
 }
 
-// alpha * a @ b.T (+ bias): the unit-scaled linear's GEMM, its scale riding the GEMM.
+// alpha * a @ b.T (+ beta * bias): the unit-scaled linear's GEMM, its scale riding the GEMM;
+// beta is the linear's output scale, alpha that times what is folded into `a`'s scale.
+Tensor linear_forward(const Tensor& rows, const Tensor& weight, const Tensor& bias,
+                      double alpha, double beta) {
+  if (bias.defined()) return at::addmm(bias, rows, weight.t(), beta, alpha);
+  return at::addmm(zero_like(rows), rows, weight.t(), 0.0, alpha);
+}
+
 Tensor linear_forward(const Tensor& rows, const Tensor& weight, const Tensor& bias,
                       double alpha) {
-  if (bias.defined()) return at::addmm(bias, rows, weight.t(), 1.0, alpha);
-  return at::addmm(zero_like(rows), rows, weight.t(), 0.0, alpha);
+  return linear_forward(rows, weight, bias, alpha, alpha);
 }
 
 Tensor scaled_mm(const Tensor& a, const Tensor& b, double alpha) {
@@ -192,7 +198,7 @@ std::vector<Tensor> mlp_forward(const Tensor& rows, const Tensor& up_weight,
     activated_t = cast.second;
     gelu_out = 1.0;
   }
-  Tensor out = linear_forward(activated, down_weight, down_bias, s[5] * gelu_out);
+  Tensor out = linear_forward(activated, down_weight, down_bias, s[5] * gelu_out, s[5]);
   return {hidden, activated_t, out};
 }
 
@@ -417,7 +423,7 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     auto rows = cast_operand(x.reshape({-1, x.size(-1)}), casts[0], need_w, slot + ".input");
     auto cast_weight = cast_operand(weight, casts[1], need_x, slot + ".weight");
     Tensor y = linear_gemm(rows.first, cast_weight.first.t(), scales[0]);
-    if (b.defined()) y.add_(b);
+    if (b.defined()) y.add_(b, scales[0]);  // (before the output scale, as `U.linear`'s)
     ctx->save_for_backward({need_w ? rows.second : Tensor(),
                             need_x ? cast_weight.second : Tensor()});
     ctx->saved_data["scales"] = scales;

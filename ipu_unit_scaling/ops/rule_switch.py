@@ -12,13 +12,12 @@ so such a model computes the library's loss and gradients (to float32 rounding):
         loss = model.loss(input_ids)   # the library's numbers
         loss.backward()
 
-The ops that change are ``U.linear`` / ``U.linear_readout`` / ``U.conv1d`` with a bias,
-``U.matmul`` with a broadcast input, ``U.add`` with a broadcast input or a single value,
-``U.gelu``, ``U.silu``, ``U.silu_glu``, ``U.softmax``, ``U.dropout``,
+The ops that change are ``U.matmul`` with a broadcast input, ``U.add`` with a broadcast input
+or a single value, ``U.gelu``, ``U.silu``, ``U.silu_glu``, ``U.softmax``, ``U.dropout``,
 ``U.scaled_dot_product_attention``, ``U.cross_entropy`` (and ``uu.CrossEntropyLoss``),
 ``U.rms_norm``, ``core.functional.rms`` and ``U.embedding`` with ``max_norm``, and the
-modules built on them; the
-extra query/key gradient scale that ``unit_scale`` gives attention projections is off. The
+modules built on them; the extra query/key gradient scale that ``unit_scale`` gives attention
+projections is off. A linear's or conv1d's bias follows the library's rule either way. The
 formulas are below, one function per rule. Ops the library does not have (``U.relu``, ...),
 this package's own GPT blocks (``uu.GPT`` and its parts, fused for speed), the conversion
 ``unit_scale`` (its constraints) and the FP8 linears of ``simulate_fp8`` keep this package's

@@ -105,19 +105,13 @@ def linear(
     Rule: output scale `fan_in**-0.5` (sum over inputs), grad-input scale `fan_out**-0.5` (sum over
     outputs), tied by `constraint`; weight and bias grad scale `batch_size**-0.5`, where
     batch_size is the number of rows the weight gradient sums over. `scale_power` replaces the
-    three exponents 0.5 (`linear_readout` uses 1 for the output). The bias is added after the
-    output scale, at unit scale; under `rules("unit-scaling")` it is added before it, as
-    unit-scaling 0.3.5 adds it (times the output scale).
+    three exponents 0.5 (`linear_readout` uses 1 for the output). The bias is added before the
+    output scale, so that it moves the output at the pace the weight does: with Adam, a bias
+    added at unit scale would move it `fan_in**0.5` times faster than one times the output
+    scale, and trains worse (docs/results/nanogpt-demo).
     """
     fan_out, fan_in = weight.shape
     batch_size = max(1, input.numel() // max(1, fan_in))
-    if bias is not None and rule_switch.library_rules():
-        # unit-scaling's rule: the bias is added inside the matmul, times the output scale.
-        output_scale, grad_input_scale, grad_weight_scale = linear_scales(
-            fan_in, fan_out, batch_size, constraint, scale_power)
-        return scale_fwd(F.linear(scale_bwd(input, grad_input_scale),
-                                  scale_bwd(weight, grad_weight_scale),
-                                  scale_bwd(bias, grad_weight_scale)), output_scale)
     if fused.eager_forms():
         # Every scale goes into a GEMM's alpha: no scaled weight copy, one autograd node.
         scales = fused.cached_scales(
@@ -134,13 +128,14 @@ def linear(
         weight = scale(weight, output_scale, grad_weight_scale)
         input = scale_bwd(input, grad_input_scale / output_scale)
         if bias is not None:
-            bias = scale_bwd(bias, grad_weight_scale)
+            bias = scale(bias, output_scale, grad_weight_scale)
         return F.linear(input, weight, bias)
     # Under torch.compile and graph transforms: the matmul sees the unscaled input and weight
     # (what `transforms.simulate_fp8` casts); the compiler fuses the output's multiply.
-    out = scale_fwd(F.linear(scale_bwd(input, grad_input_scale),
-                             scale_bwd(weight, grad_weight_scale)), output_scale)
-    return out if bias is None else out + scale_bwd(bias, grad_weight_scale)
+    if bias is not None:
+        bias = scale_bwd(bias, grad_weight_scale)
+    return scale_fwd(F.linear(scale_bwd(input, grad_input_scale),
+                              scale_bwd(weight, grad_weight_scale), bias), output_scale)
 
 
 def linear_readout(
@@ -175,8 +170,7 @@ def conv1d(
     `constraint`. The weight and bias gradients sum over every output position of every batch
     item: grad scale that count to the power -0.5. Zero padding is not counted (positions near
     the ends sum fewer products). `scale_power` replaces the three exponents 0.5. The bias is
-    added at unit scale after the output scale (before it, as unit-scaling 0.3.5 does, under
-    `rules("unit-scaling")`).
+    added before the output scale, as in `linear`.
     """
     if not isinstance(padding, int):
         raise ValueError(f"padding={padding!r}: the unit-scaled conv1d takes an integer padding")
@@ -191,19 +185,12 @@ def conv1d(
         (stride * groups / max(1, out_channels * kernel_size)) ** input_power,
     )
     grad_weight_scale = positions**-weight_power
-    if bias is not None and rule_switch.library_rules():
-        # unit-scaling's rule: the bias inside the convolution, times the output scale.
-        return scale_fwd(F.conv1d(scale_bwd(input, grad_input_scale),
-                                  scale_bwd(weight, grad_weight_scale),
-                                  scale_bwd(bias, grad_weight_scale),
-                                  stride, padding, dilation, groups), output_scale)
-    # As in `linear`'s PopTorch form: the output scale folded into the weight.
+    # As in `linear`'s PopTorch form: the output scale folded into the weight and the bias.
     weight = scale(weight, output_scale, grad_weight_scale)
     input = scale_bwd(input, grad_input_scale / output_scale)
-    out = F.conv1d(input, weight, None, stride, padding, dilation, groups)
-    if bias is None:
-        return out
-    return out + scale_bwd(bias, grad_weight_scale).unsqueeze(-1)
+    if bias is not None:
+        bias = scale(bias, output_scale, grad_weight_scale)
+    return F.conv1d(input, weight, bias, stride, padding, dilation, groups)
 
 
 def _matmul_output_numel(left: Sequence[int], right: Sequence[int]) -> int:

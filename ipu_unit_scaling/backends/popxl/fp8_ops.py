@@ -139,8 +139,8 @@ class CastSite:
 class FP8LinearBlock:
     """A unit-scaled FP8 linear layer as two PopXL graphs, for any number of calls.
 
-    Forward ``(x, weight[, bias]) -> y`` with ``y = fp8(x) @ fp8(weight).T * output_scale
-    (+ bias)``; backward ``g -> (grad_x, grad_weight[, grad_bias])`` from the FP8 ``g``, with
+    Forward ``(x, weight[, bias]) -> y`` with ``y = (fp8(x) @ fp8(weight).T + bias) *
+    output_scale``; backward ``g -> (grad_x, grad_weight[, grad_bias])`` from the FP8 ``g``, with
     unit scaling's grad-input and grad-weight scales applied to the products, exactly where
     :class:`~ipu_unit_scaling.fp8.FP8UnitScaledLinear` applies them.
     """
@@ -165,8 +165,8 @@ class FP8LinearBlock:
                                                    amax)
             y = popxl_fp8_matmul(xl, x8, x_bias, w8.transpose(), w_bias, output_scale)
             y = y.reshape(x_shape[:-1] + (out_features,))
-            if bias:
-                y = y + inputs[2]
+            if bias:  # (times the output scale, as `U.linear` adds it)
+                y = y + inputs[2] * output_scale
             return y, x8, w8, x_bias, w_bias, count_flags(xl, [x_flag, w_flag])
 
         def backward(g: Tensor, x8: Tensor, w8: Tensor, x_bias: Tensor, w_bias: Tensor

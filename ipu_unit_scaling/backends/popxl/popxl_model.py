@@ -330,7 +330,8 @@ class PopXLDecoder:
             x = scaled(xl, x, 1.0, grad_input_scale / output_scale)
             w = scaled(xl, weight, output_scale, grad_weight_scale)
             y = x @ w.transpose()
-            return y + scaled(xl, maybe_bias[0], 1.0, grad_weight_scale) if maybe_bias else y
+            return (y + scaled(xl, maybe_bias[0], output_scale, grad_weight_scale)
+                    if maybe_bias else y)
 
         block = self._autodiff_block(("linear",) + shapes, linear, inputs, [True] * len(inputs))
         return tape.call(block, *inputs)[0]
