@@ -161,6 +161,7 @@ struct NormQKV : public torch::autograd::Function<NormQKV> {
     Tensor grad_normed, grad_qkv_w, grad_qkv_b;
     if (grads[0].defined()) {
       Tensor grad_rows = grads[0].reshape({-1, grads[0].size(-1)});
+      // (into a kept buffer: grads[0] is the engine's, which other nodes may also read)
       auto grad = cast_operand(grad_rows, saved_spec(ctx, "grad_cast"), needs(ctx, 10),
                                "qkv.grad");
       grad_normed = scaled_mm(grad.first, qkv_weight,
@@ -340,6 +341,7 @@ struct ProjNormMLP : public torch::autograd::Function<ProjNormMLP> {
       Tensor grad_rows = grads[0].reshape({-1, grads[0].size(-1)});
       std::pair<Tensor, Tensor> grad_down{grad_rows, grad_rows};
       if (!down_float_linear) {
+        // (into a kept buffer: grads[0] is the engine's, and the down bias sums it after)
         grad_down = cast_operand(grad_rows, casts[8], needs(ctx, 11), "down.grad");
         gelu_out = 1.0;
       }
@@ -353,12 +355,15 @@ struct ProjNormMLP : public torch::autograd::Function<ProjNormMLP> {
       Tensor grad_hidden = at::gelu_backward(grad_activated, hidden, approximate);
       grad_activated.reset();
       hidden.reset();
-      auto grad_up = cast_operand(grad_hidden, casts[5], needs(ctx, 9), "up.grad");
+      // (the bias gradient sums the float values: taken before the cast may overwrite them)
+      if (up_bias.defined() && needs(ctx, 10)) out[10] = grad_hidden.sum(0).mul_(s[2]);
+      // Safe to overwrite: grad_hidden is this node's own temporary, read by nothing after.
+      auto grad_up = cast_operand(grad_hidden, casts[5], needs(ctx, 9), "up.grad", true);
+      grad_hidden.reset();
       double input_weight = next_branch_weight != 0.0 ? next_branch_weight : 1.0;
       grad_normed =
           scaled_mm(grad_up.first, up_weight, s[1] * input_weight).view(joined.sizes());
       if (needs(ctx, 9)) out[9] = scaled_mm(grad_up.second.t(), rows, s[2]);
-      if (up_bias.defined() && needs(ctx, 10)) out[10] = grad_hidden.sum(0).mul_(s[2]);
     }
     auto g = join_norm_backward(grad_normed, grads[1], joined, mean, rstd, norm_weight,
                                 norm_bias, next_branch_weight, next_skip_weight,
@@ -377,6 +382,7 @@ struct ProjNormMLP : public torch::autograd::Function<ProjNormMLP> {
                         : grad_joined * ctx->saved_data["row_scale"].toDouble();
       grad_rows = grad_rows_t = grad.reshape({-1, grad.size(-1)});
     } else {
+      // (into a kept buffer: grad_joined is also returned, the stream's gradient)
       auto grad = cast_operand(grad_joined.view({-1, grad_joined.size(-1)}), casts[2],
                                needs(ctx, 3), "proj.grad");
       grad_rows = grad.first;
@@ -441,7 +447,7 @@ struct Fp8Linear : public torch::autograd::Function<Fp8Linear> {
     bool need_x = needs(ctx, 0), need_w = needs(ctx, 1);
     Tensor grad_x, grad_w, grad_b;
     // (cast whether or not a GEMM reads it, as the Python Functions do: a delayed cast pushes
-    // its amax)
+    // its amax; into a kept buffer: grads[0] is the engine's, which other nodes may read)
     auto grad = cast_operand(grad_rows, saved_spec(ctx, "grad_cast"), need_w,
                              ctx->saved_data["slot"].toStringRef() + ".grad");
     if (need_x)

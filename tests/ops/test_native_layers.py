@@ -566,6 +566,57 @@ def test_casts_with_a_known_scale_overwrite_their_temporaries_and_keep_no_input_
     assert not slots & {"qkv.input", "proj.input", "up.input", "down.input"}, slots
 
 
+@pytest.mark.parametrize("recipe", ["static", "delayed"])
+def test_casts_with_a_known_scale_overwrite_the_gelus_gradient_and_keep_no_up_grad_buffer(
+        native, recipe):
+    """Under the static and delayed recipes the up linear's gradient cast writes its values
+    over the GELU's gradient, the node's own temporary (its bias gradient summed first): no
+    "up.grad" slot is kept, while the down linear's cast of the incoming gradient, which
+    autograd may hand to other nodes too, keeps its buffer. Values, gradients (the biases'
+    included) and amax histories stay the Python Function's, bit for bit."""
+    import threading
+
+    from ipu_unit_scaling.fp8 import FP8Config
+    from ipu_unit_scaling.fp8.linear import ValuesQuantiser
+    from ipu_unit_scaling.fp8.recipe_linear import new_amax_history
+
+    config = FP8Config().with_recipe(recipe)
+
+    def quantisers() -> tuple:
+        def history() -> Optional[torch.Tensor]:
+            return (new_amax_history(config).add_(3.0) if recipe == "delayed" else None)
+
+        return tuple(ValuesQuantiser(config, site, history(), update=recipe == "delayed")
+                     for site in ("p", "u", "d"))
+
+    python_quantisers, node_quantisers = quantisers(), quantisers()
+    casts = native_layers.node_casts(node_quantisers)
+    assert casts is not None
+    python_args, native_args, inputs = _proj_norm_mlp_args(torch.float32, "tensor", True,
+                                                           seq=8)
+    python = _run(lambda *a: fused_blocks._projnormmlp_apply(*a, python_quantisers),
+                  python_args, inputs, seed=3)
+    nodes: list = []
+    kept: List[tuple] = []
+
+    def run() -> None:  # (a thread of its own: its kept buffers are this step's only)
+        nodes.extend(_run(lambda *a: native.proj_norm_mlp(*a[:-1], casts), native_args,
+                          inputs, seed=3))
+        kept.extend(native.kept_buffers())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert len(nodes) == len(python) and python[8] is not None  # (the up bias's gradient)
+    for index, (a, b) in enumerate(zip(nodes, python)):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), index
+    for a, b in zip(node_quantisers, python_quantisers):
+        assert (a.history is None) == (b.history is None)
+        assert a.history is None or torch.equal(a.history, b.history)
+    slots = {slot for slot, _ in kept}
+    assert "down.grad" in slots and "up.grad" not in slots, slots
+
+
 def test_fp8_nodes_make_casts_over_2_to_the_20_elements_afresh(native):
     """A cast of more than 2^20 elements (4 MiB) is not kept between steps: here the MLP's
     activations, 8,400 tokens of width 128, are over the bound, and its input, width 32, is
