@@ -13,7 +13,8 @@ The extension is compiled against the installed torch the first time a layer ask
 ``~/.cache/ipu-unit-scaling/native-layers/``, in a folder keyed by everything the binary
 depends on (:func:`build_key`: the source and its header, the flags, the compiler, the torch
 and the Python it links against), so two virtual environments or two checkouts each keep their
-own build instead of rebuilding each other's. Processes that build at once take turns (a lock
+own build instead of rebuilding each other's, and a folder's build loads as it is, whatever
+its sources' file times. Processes that build at once take turns (a lock
 file in the folder). Where it cannot be built (no C++ compiler or no ``ninja``) or where
 ``IPU_UNIT_SCALING_NATIVE_LAYERS=0``, the layers keep their Python Functions, and
 :func:`status` says why.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import io
 import os
 import shutil
@@ -92,16 +94,24 @@ def build_directory() -> Path:
         f"torch-{version}-py{python}-{build_key()}"
 
 
-def _needs_building(directory: Path) -> bool:
-    """Whether loading will compile: no library yet, or a source newer than it (ninja then
-    rebuilds)."""
-    library = directory / f"{_NAME}{sysconfig.get_config_var('SHLIB_SUFFIX') or '.so'}"
+def _library(directory: Path) -> Path:
+    return directory / f"{_NAME}{sysconfig.get_config_var('SHLIB_SUFFIX') or '.so'}"
+
+
+def _load_built(library: Path) -> Optional[ModuleType]:
+    """The extension built at ``library``, loaded as it is, or None where it cannot be (a
+    build cut short). Not through torch's builder: ninja would rebuild it for a source file
+    newer than it, as a checkout, a stash or a copy leaves every file it touches, though the
+    folder's key says that the sources' content is the one built."""
     try:
-        built = library.stat().st_mtime_ns
-        return any(built < path.stat().st_mtime_ns
-                   for path in [SOURCE, *_headers()] if path.exists())
-    except OSError:
-        return True
+        spec = importlib.util.spec_from_file_location(_NAME, str(library))
+        if spec is None or spec.loader is None:
+            return None
+        loaded = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loaded)
+        return loaded
+    except (ImportError, OSError):
+        return None
 
 
 @contextlib.contextmanager
@@ -157,12 +167,20 @@ def module() -> Optional[ModuleType]:
         directory.mkdir(parents=True, exist_ok=True)
         # Only a build takes the lock: processes that load a built library (the ranks of a
         # distributed run) neither wait for each other nor say so.
-        building = _needs_building(directory)
-        with _build_lock(directory) if building else contextlib.nullcontext():
-            if building and _needs_building(directory):
-                sys.stderr.write(
-                    f"ipu-unit-scaling: building the C++ transformer-layer nodes for torch "
-                    f"{torch.__version__} in {directory} (a minute or two)\n")
+        library = _library(directory)
+        _loaded = _load_built(library) if library.is_file() else None
+        if _loaded is not None:
+            return _loaded
+        with _build_lock(directory):
+            # (built while this process waited for the lock, or one that does not load)
+            _loaded = _load_built(library) if library.is_file() else None
+            if _loaded is not None:
+                return _loaded
+            if library.is_file():
+                library.unlink()
+            sys.stderr.write(
+                f"ipu-unit-scaling: building the C++ transformer-layer nodes for torch "
+                f"{torch.__version__} in {directory} (a minute or two)\n")
             # torch's extension builder prints about CUDA on import in a CUDA build of torch on
             # a machine without a GPU (torch 2.0): noise for a CPU extension, and a run's
             # stderr is the user's. A failed build's output is in the exception, kept below.

@@ -197,9 +197,13 @@ def test_a_failed_build_leaves_the_python_functions(monkeypatch, tmp_path):
     assert sorted(_layer_node_names(model)) == ["_NormQKVBackward", "_ProjNormMLPBackward"]
 
 
+_BUILT = b"a library"
+
+
 def _fake_builds(monkeypatch, tmp_path):
-    """native_layers with its source copied under ``tmp_path`` and a build that writes an
-    empty library; returns the source and the list of build folders loaded."""
+    """native_layers with its source copied under ``tmp_path``, a build that writes a stand-in
+    library and a loader that takes only such a file; returns the source and the list of build
+    folders built in."""
     from torch.utils import cpp_extension
 
     source = tmp_path / "src" / "native_layers.cpp"
@@ -211,13 +215,17 @@ def _fake_builds(monkeypatch, tmp_path):
 
     def load(**kwargs):
         loads.append(kwargs["build_directory"])
-        (Path(kwargs["build_directory"]) / "ius_native_layers.so").write_bytes(b"")
+        native_layers._library(Path(kwargs["build_directory"])).write_bytes(_BUILT)
         return object()
+
+    def load_built(library: Path):
+        return object() if library.read_bytes() == _BUILT else None
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv(native_layers.OFF_ENV, raising=False)
     monkeypatch.setattr(native_layers, "SOURCE", source)
     monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(native_layers, "_load_built", load_built)
     return source, loads
 
 
@@ -250,8 +258,8 @@ def test_the_build_folder_is_keyed_by_what_the_binary_depends_on(monkeypatch, tm
     assert len(seen) == 6 and all(torch.__version__.replace("+", "-") in d.name for d in seen)
 
 
-def test_every_build_is_announced_and_concurrent_builds_take_turns(monkeypatch, tmp_path,
-                                                                   capsys):
+def test_every_build_is_announced_touched_sources_load_as_built_and_builds_take_turns(
+        monkeypatch, tmp_path, capsys):
     import fcntl
     import os
     import threading
@@ -263,16 +271,24 @@ def test_every_build_is_announced_and_concurrent_builds_take_turns(monkeypatch, 
     assert "building the C++ transformer-layer nodes" in capsys.readouterr().err
     _fresh(monkeypatch)
     assert native_layers.module() is not None and capsys.readouterr().err == ""  # built
+    assert len(loads) == 1
+    # A checkout or a stash leaves the same sources newer than the library: the folder's key
+    # says they are the ones built, so the library loads as it is.
     later = time.time() + 60
-    os.utime(source, (later, later))  # a source newer than the library: ninja rebuilds it
+    os.utime(source, (later, later))
+    _fresh(monkeypatch)
+    assert native_layers.module() is not None and capsys.readouterr().err == ""
+    assert len(loads) == 1
+    # A library that does not load (a build cut short) is built again.
+    library = native_layers._library(Path(loads[0]))
+    library.write_bytes(b"")
     _fresh(monkeypatch)
     assert native_layers.module() is not None
     assert "building the C++ transformer-layer nodes" in capsys.readouterr().err
-    assert len(set(loads)) == 1 and len(loads) == 3
+    assert len(set(loads)) == 1 and len(loads) == 2
     # Another process holds the folder's lock: with the library built, this one loads it
-    # without waiting (a distributed run's ranks); with a build due, it waits, and says so.
-    library = Path(loads[0]) / "ius_native_layers.so"
-    os.utime(library, (later + 1, later + 1))  # as built after the source changed
+    # without waiting (a distributed run's ranks); with a build due, it waits, and says so,
+    # then loads what the other built, or builds.
     _fresh(monkeypatch)
     with open(Path(loads[0]) / "build.lock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
@@ -283,20 +299,24 @@ def test_every_build_is_announced_and_concurrent_builds_take_turns(monkeypatch, 
         fcntl.flock(held, fcntl.LOCK_UN)
         loading.join(timeout=60)
     assert not waited and capsys.readouterr().err == ""
-    assert len(loads) == 4
-    later += 60
-    os.utime(source, (later, later))
-    _fresh(monkeypatch)
-    with open(Path(loads[0]) / "build.lock", "a") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
-        waiting = threading.Thread(target=native_layers.module)
-        waiting.start()
-        time.sleep(0.5)
-        assert len(loads) == 4 and waiting.is_alive()
-        fcntl.flock(held, fcntl.LOCK_UN)
-        waiting.join(timeout=60)
-    assert len(loads) == 5
-    assert "waiting for another process building" in capsys.readouterr().err
+    assert len(loads) == 2
+    for other_builds, expected_loads in ((True, 2), (False, 3)):
+        library.unlink()
+        _fresh(monkeypatch)
+        with open(Path(loads[0]) / "build.lock", "a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            waiting = threading.Thread(target=native_layers.module)
+            waiting.start()
+            time.sleep(0.5)
+            assert waiting.is_alive()
+            if other_builds:
+                library.write_bytes(_BUILT)
+            fcntl.flock(held, fcntl.LOCK_UN)
+            waiting.join(timeout=60)
+        assert native_layers._loaded is not None and len(loads) == expected_loads
+        err = capsys.readouterr().err
+        assert "waiting for another process building" in err
+        assert ("building the C++ transformer-layer nodes for" in err) is not other_builds
 
 
 def test_loading_the_built_nodes_writes_nothing(native):
