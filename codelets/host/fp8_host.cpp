@@ -16,7 +16,8 @@
 //    both tile casts of a GEMM operand (along its rows and its columns) at once, and
 //    ius_rowwise_quantise_pair both per-row and per-column casts (fp8_rowwise.hpp).
 //  * ius_cast_figures: the statistics' figures of a cast (its counts and energies) in one
-//    pass over the scaled input and its codes.
+//    pass over the scaled input and its codes; ius_value_figures the same figures in one pass
+//    over the input and the FP8 values it was rounded to (no codes made).
 // Both use splitRange (partition.hpp), which ius_partition exposes to Python.
 //
 // Status codes: 0 done, -1 bad arguments, -2 a vertex field connected to
@@ -40,7 +41,7 @@ using Index = std::int64_t;
 using ius::fused::kFloat16;
 using ius::fused::kFloat32;
 
-constexpr int kAbiVersion = 4;
+constexpr int kAbiVersion = 5;
 constexpr int kBadArguments = -1;
 constexpr int kMisaligned = -2;
 
@@ -591,6 +592,74 @@ IUS_AVX512 Index castFigures512(const float* scaled, const std::uint8_t* codes, 
 }
 #endif
 
+// ius_value_figures' sums, as castFiguresPortable's: the scaled input is x * 2^s, its decoded
+// value the FP8 value times 2^s (exact), and a zero code a zero value.
+Index valueFiguresPortable(const float* x, const float* values, Index n, float scale,
+                           float formatMax, double* sums, float& amax) {
+  constexpr int kLanes = 8;
+  double signal[kLanes] = {}, error[kLanes] = {};
+  Index counts[4] = {};
+  for (Index i = 0; i < n; ++i) {
+    const float v = x[i] * scale, magnitude = std::fabs(v);
+    const bool isFinite = magnitude <= std::numeric_limits<float>::max();
+    counts[0] += isFinite;
+    counts[1] += isFinite & (v != 0.0f);
+    counts[2] += values[i] == 0.0f;
+    counts[3] += magnitude > formatMax;
+    const float kept = isFinite ? magnitude : 0.0f;
+    amax = kept > amax ? kept : amax;
+    const double d = isFinite ? double(v) : 0.0, e = isFinite ? double(v - values[i] * scale) : 0.0;
+    signal[i % kLanes] += d * d;
+    error[i % kLanes] += e * e;
+  }
+  for (int k = 0; k < 4; ++k) sums[k] += double(counts[k]);
+  for (int lane = 0; lane < kLanes; ++lane) {
+    sums[4] += signal[lane];
+    sums[5] += error[lane];
+  }
+  return n;
+}
+
+#ifdef IUS_HAVE_AVX2_KERNELS
+IUS_AVX512 Index valueFigures512(const float* x, const float* values, Index n, float scale,
+                                 float formatMax, double* sums, float& amax) {
+  const __m512 magnitudeMax = _mm512_set1_ps(std::numeric_limits<float>::max()), top = _mm512_set1_ps(formatMax);
+  const __m512 times = _mm512_set1_ps(scale), zero = _mm512_setzero_ps();
+  __m512d signal0 = _mm512_setzero_pd(), signal1 = signal0, error0 = signal0, error1 = signal0;
+  __m512 largest = _mm512_setzero_ps();
+  Index counts[4] = {};
+  Index i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + i), times);
+    const __m512 value = _mm512_loadu_ps(values + i);
+    const __m512 magnitude = _mm512_castsi512_ps(
+        _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)));
+    const __mmask16 finite = _mm512_cmp_ps_mask(magnitude, magnitudeMax, _CMP_LE_OQ);
+    counts[0] += __builtin_popcount(finite);
+    counts[1] += __builtin_popcount(_mm512_mask_cmp_ps_mask(finite, v, zero, _CMP_NEQ_OQ));
+    counts[2] += __builtin_popcount(_mm512_cmp_ps_mask(value, zero, _CMP_EQ_OQ));
+    counts[3] += __builtin_popcount(_mm512_cmp_ps_mask(magnitude, top, _CMP_GT_OQ));
+    largest = _mm512_mask_max_ps(largest, finite, largest, magnitude);
+    const __m512 kept = _mm512_maskz_mov_ps(finite, v);
+    const __m512 e = _mm512_maskz_sub_ps(finite, v, _mm512_mul_ps(value, times));
+    const __m512d xLow = _mm512_cvtps_pd(_mm512_castps512_ps256(kept));
+    const __m512d xHigh = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(kept), 1)));
+    const __m512d eLow = _mm512_cvtps_pd(_mm512_castps512_ps256(e));
+    const __m512d eHigh = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+    signal0 = _mm512_fmadd_pd(xLow, xLow, signal0);
+    signal1 = _mm512_fmadd_pd(xHigh, xHigh, signal1);
+    error0 = _mm512_fmadd_pd(eLow, eLow, error0);
+    error1 = _mm512_fmadd_pd(eHigh, eHigh, error1);
+  }
+  for (int k = 0; k < 4; ++k) sums[k] += double(counts[k]);
+  sums[4] += _mm512_reduce_add_pd(_mm512_add_pd(signal0, signal1));
+  sums[5] += _mm512_reduce_add_pd(_mm512_add_pd(error0, error1));
+  const float vectorMax = _mm512_reduce_max_ps(largest);
+  amax = vectorMax > amax ? vectorMax : amax;
+  return i;
+}
+#endif
+
 }  // namespace
 
 // The figures ipu_unit_scaling/fp8/stats.py records for a cast of n values: `scaled` (the input
@@ -609,6 +678,26 @@ IUS_EXPORT int ius_cast_figures(const float* scaled, const std::uint8_t* codes, 
   if (ius::fused::simdLevel() == 2) done = castFigures512(scaled, codes, n, table, negativeZero, formatMax, out, amax);
 #endif
   castFiguresPortable(scaled + done, codes + done, n - done, table, negativeZero, formatMax, out, amax);
+  out[6] = double(amax);
+  return 0;
+}
+
+// ius_cast_figures' figures of the cast of the float32 `x` (n values) with scale 2^log2Scale
+// (|log2Scale| <= 31) that rounded it to the FP8 values `values` (ius_fused_quantise's
+// output: each the decoded code times 2^-log2Scale), computed without the codes: the same
+// figures for the same cast, its energies summed in another order only where the SIMD level
+// differs.
+IUS_EXPORT int ius_value_figures(const float* x, const float* values, Index n, int log2Scale,
+                                 float formatMax, double* out) {
+  if (n < 0 || log2Scale > 31 || log2Scale < -31) return kBadArguments;
+  for (int index = 0; index < 6; ++index) out[index] = 0.0;
+  const float scale = ius::powerOfTwo(log2Scale);
+  float amax = 0.0f;
+  Index done = 0;
+#ifdef IUS_HAVE_AVX2_KERNELS
+  if (ius::fused::simdLevel() == 2) done = valueFigures512(x, values, n, scale, formatMax, out, amax);
+#endif
+  valueFiguresPortable(x + done, values + done, n - done, scale, formatMax, out, amax);
   out[6] = double(amax);
   return 0;
 }

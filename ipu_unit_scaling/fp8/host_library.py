@@ -37,12 +37,13 @@ __all__ = [
     "fused_cast_to_fp8", "host_decode",
     "fused_cast_from_fp8", "fused_quantise", "quantise_float32", "fused_tuning", "fast_selftest",
     "exponent_bits", "partition", "partition_grain", "dtype_code", "num_threads",
-    "group_quantise", "group_quantise_pair", "rowwise_quantise_pair", "cast_figures", "GROUP_RULES",
+    "group_quantise", "group_quantise_pair", "rowwise_quantise_pair", "cast_figures",
+    "value_figures", "GROUP_RULES",
 ]
 
 LIBRARY_PATH = Path(__file__).with_name("_fp8_host.so")
 DISABLE_ENV = "IPU_UNIT_SCALING_HOST_LIB"
-_ABI_VERSION = 4
+_ABI_VERSION = 5
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1}
 # The IPU formats the codelets implement, by FP8Format.name, keyed to their exponent bits.
 _EXPONENT_BITS = {"F143": 4, "F152": 5}
@@ -86,6 +87,8 @@ _SIGNATURES = {
     "ius_cast_figures": (
         _c_int, [_c_void_p, _c_void_p, _c_int64, _c_void_p, _c_int, ctypes.c_float,
                  _c_void_p]),
+    "ius_value_figures": (
+        _c_int, [_c_void_p, _c_void_p, _c_int64, _c_int, ctypes.c_float, _c_void_p]),
 }
 # The scale rules of group_quantise, by the names group_cast uses.
 GROUP_RULES = {"amax": 0, "mx_floor": 1, "mx_up": 2}
@@ -577,4 +580,21 @@ def cast_figures(scaled: torch.Tensor, codes: torch.Tensor, table: torch.Tensor,
         -1 if negative_zero is None else int(negative_zero), float(format_max), figures)
     if status != 0:
         raise ValueError(f"cast_figures rejected its arguments (status {status})")
+    return tuple(figures)
+
+
+def value_figures(x: torch.Tensor, values: torch.Tensor, log2_scale: int, format_max: float
+                  ) -> Optional[Tuple[float, ...]]:
+    """:func:`cast_figures`' figures of the cast of ``x`` (contiguous CPU float32) with scale
+    ``2**log2_scale`` (``|log2_scale| <= 31``) to the FP8 ``values`` it gave (as many, float32,
+    :func:`quantise_float32`'s output), in one pass and without codes. None where the library
+    is off."""
+    lib = _load()[0]
+    if lib is None:
+        return None
+    figures = (ctypes.c_double * 7)()
+    status = lib.ius_value_figures(x.data_ptr(), values.data_ptr(), x.numel(), int(log2_scale),
+                                   float(format_max), figures)
+    if status != 0:
+        raise ValueError(f"value_figures rejected its arguments (status {status})")
     return tuple(figures)

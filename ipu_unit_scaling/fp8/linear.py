@@ -39,7 +39,7 @@ from .recipe_linear import (
     role_cast,
 )
 from .scaling import Fp8Tensor, cast_from_fp8, cast_to_fp8
-from .stats import stats_enabled
+from .stats import record_values, stats_enabled
 from .values import quantise_values
 
 __all__ = [
@@ -138,10 +138,19 @@ def values_for_role(x: torch.Tensor, fmt: FP8Format, margin: int, config: FP8Con
     Rounded straight to values where that gives the same bits; through codes where the casts
     are observed or the rounding is stochastic.
     """
-    if config.rounding == "nearest" and not _casts_observed():
+    if config.rounding == "nearest" and (not _casts_observed() or _only_recorded(x)):
         scale = per_tensor_scale(config)
-        return quantise_values(x, fmt, scale, margin, config.overflow)[0]
+        values, used = quantise_values(x, fmt, scale, margin, config.overflow)
+        # (figures from the values themselves: no codes to make and decode)
+        if record_values(site, x, values, fmt, used):
+            return values
     return cast_from_fp8(cast_for_role(x, fmt, margin, config, site), torch.float32)
+
+
+def _only_recorded(x: torch.Tensor) -> bool:
+    """Whether only :func:`fp8_stats` observes the casts, for a float32 ``x``, which
+    :func:`~.stats.record_values` records."""
+    return cast_to_fp8 is _CAST_TO_FP8 and x.dtype == torch.float32
 
 
 class ValuesQuantiser:

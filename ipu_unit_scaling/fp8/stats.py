@@ -15,7 +15,7 @@ from .codec import decode
 from .fp8_formats import FP8Format
 
 __all__ = ["CastRecord", "Fp8Stats", "fp8_stats", "stats_enabled", "record_cast",
-           "recorded_only_by"]
+           "record_values", "recorded_only_by"]
 
 
 @dataclass(frozen=True)
@@ -159,6 +159,30 @@ def record_cast(
             error_energy = float(error.double().square().sum())
     _append(site, scaled.numel(), fmt, log2_scale,
             (finite_count, nonzero, zero_codes, saturated, signal_energy, error_energy, amax))
+
+
+def record_values(site: Optional[str], x: torch.Tensor, values: torch.Tensor, fmt: FP8Format,
+                  log2_scale: int) -> bool:
+    """Record the cast of ``x`` (CPU float32) with scale ``2**log2_scale`` that gave the FP8
+    ``values`` (``decode(codes) * 2**-log2_scale``), as :func:`record_cast` records it from
+    the scaled input and the codes, in one pass of the host library over the two. False,
+    nothing recorded, where that pass does not apply (then cast through codes instead)."""
+    if not _active:
+        return True
+    if (fmt.sign_bit != 128 or x.device.type != "cpu" or x.dtype != torch.float32
+            or values.dtype != torch.float32 or values.numel() != x.numel()
+            or abs(log2_scale) > 31):
+        return False
+    from . import host_library as _host
+
+    if not _host.fused_cast_available():
+        return False
+    figures = _host.value_figures(x.detach().contiguous(), values.contiguous(), log2_scale,
+                                  fmt.max)
+    if figures is None:
+        return False
+    _append(site, x.numel(), fmt, log2_scale, figures)
+    return True
 
 
 _DECODE_TABLES: Dict[str, torch.Tensor] = {}

@@ -112,3 +112,80 @@ def test_the_host_figures_at_each_simd_level(name, overflow):
             assert got[5] == pytest.approx(figures[0][5], rel=3000 * 2.0 ** -53)
         else:  # finite values became NaN or inf: an error energy of NaN or inf alike
             assert not math.isfinite(got[5]) and str(got[5]) == str(figures[0][5])
+
+
+@pytest.mark.parametrize("overflow", ["saturate", "nan"])
+@pytest.mark.parametrize("name", ["F143", "F152", "E4M3FN", "E5M2"])
+def test_the_figures_from_the_values_are_those_from_the_codes(name, overflow):
+    """The host library's figures of a cast from its input and the FP8 values it gave (what a
+    recorded FP8 linear casts with: no codes) against those from the scaled input and the
+    codes, at each SIMD level: the counts and the amax alike, the float64 energies to their
+    summation order's rounding (n terms: n 2**-53 relative)."""
+    from ipu_unit_scaling.fp8 import host_library
+    from ipu_unit_scaling.fp8.values import quantise_values
+
+    if not host_library.fused_cast_available():
+        pytest.skip(host_library.fast_path_status())
+    fmt = FORMATS[name]
+    x = _input(fmt, 11)[:2995]  # (a tail past the last whole vector)
+    codes = cast_to_fp8(x, fmt, log2_scale=2, overflow=overflow).codes
+    values, scale = quantise_values(x, fmt, 2, 0, overflow)
+    assert scale == 2
+    widest = host_library.fused_tuning(-1, 2)
+    try:
+        pairs = []
+        for level in range(widest + 1):
+            host_library.fused_tuning(-1, level)
+            pairs.append((host_library.value_figures(x, values, 2, fmt.max),
+                          _host_figures(x * 4, codes, fmt)))
+    finally:
+        host_library.fused_tuning(-1, 2)
+    for got, want in pairs:
+        assert got is not None and want is not None
+        assert got[:4] == want[:4] and got[6] == want[6]
+        assert got[4] == pytest.approx(want[4], rel=3000 * 2.0 ** -53)
+        if overflow == "saturate":
+            assert got[5] == pytest.approx(want[5], rel=3000 * 2.0 ** -53)
+        else:  # finite values became NaN or inf: an error energy of NaN or inf alike
+            assert not math.isfinite(got[5]) and str(got[5]) == str(want[5])
+
+
+@pytest.mark.parametrize("scaling", ["static", "amax"])
+def test_a_recorded_fp8_linear_records_what_the_codes_would_give(monkeypatch, scaling):
+    """Under fp8_stats an FP8 linear rounds to values and records each cast from them; the
+    records and the layer's values and gradients are those of the cast through codes (the
+    path it takes where `cast_to_fp8` itself is replaced, as a test that watches the casts
+    does)."""
+    import ipu_unit_scaling as uu
+    from ipu_unit_scaling.fp8 import FP8Config, linear
+    from ipu_unit_scaling.fp8.linear import FP8UnitScaledLinear
+
+    torch.manual_seed(0)
+    layer = FP8UnitScaledLinear.from_unit_scaled(uu.Linear(64, 48, bias=True),
+                                                 FP8Config(scaling=scaling))
+    x = torch.randn(4, 16, 64) * 3
+    x[0, 0, :8] = 0.0
+    grad = torch.randn(4, 16, 48) * 1e-3
+
+    def run():
+        leaf = x.clone().requires_grad_()
+        layer.zero_grad()
+        with fp8_stats() as stats:
+            out = layer(leaf)
+            out.backward(grad)
+        return stats.records, [out.detach(), leaf.grad, layer.weight.grad, layer.bias.grad]
+
+    records, tensors = run()
+    monkeypatch.setattr(linear, "cast_to_fp8", lambda *a, **k: cast_to_fp8(*a, **k))
+    through_codes, codes_tensors = run()
+    assert [r.site for r in records] == ["linear.input", "linear.weight", "linear.grad_output"]
+    assert len(records) == len(through_codes)
+    for got, want in zip(records, through_codes):
+        assert (got.site, got.format, got.log2_scale, got.numel, got.nonzero, got.flushed,
+                got.saturated, got.amax) == (want.site, want.format, want.log2_scale,
+                                             want.numel, want.nonzero, want.flushed,
+                                             want.saturated, want.amax)
+        assert got.rms == pytest.approx(want.rms, rel=got.numel * 2.0 ** -52)
+        assert got.sqnr_db == pytest.approx(want.sqnr_db, rel=got.numel * 2.0 ** -50)
+    for got, want in zip(tensors, codes_tensors):
+        assert torch.equal(got, want)
