@@ -135,8 +135,9 @@ def values_for_role(x: torch.Tensor, fmt: FP8Format, margin: int, config: FP8Con
                     site: str) -> torch.Tensor:
     """The FP8 values of ``x`` (float32) for one role of a matmul, with the config's scaling.
 
-    Rounded straight to values where that gives the same bits; through codes where the casts
-    are observed or the rounding is stochastic.
+    Rounded straight to values where that gives the same bits, and recorded from them where
+    :func:`fp8_stats` records the casts; through codes where something else watches the casts
+    (a replaced ``cast_to_fp8``), the rounding is stochastic or the record needs the codes.
     """
     if config.rounding == "nearest" and (not _casts_observed() or _only_recorded(x)):
         scale = per_tensor_scale(config)
