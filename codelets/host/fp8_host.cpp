@@ -522,24 +522,68 @@ IUS_EXPORT int ius_rowwise_quantise_pair(const float* in, Index rows, Index cols
 
 namespace {
 
-// ius_cast_figures' sums, in eight lanes of each kind (chains of dependent double additions and
-// a branch per value would set the pace). Returns the elements done.
-Index castFiguresPortable(const float* scaled, const std::uint8_t* codes, Index n, const float* table,
-                          int negativeZero, float formatMax, double* sums, float& amax) {
+// The figures' sources: for value i (or 16 from i), the scaled input, its decoded FP8 value
+// and whether its code is a zero code.
+// ius_cast_figures': the scaled input and its codes, decoded by a table.
+struct CodeSource {
+  const float* scaled;
+  const std::uint8_t* codes;
+  const float* table;
+  int negativeZero;
+
+  float scaledAt(Index i) const { return scaled[i]; }
+  float decodedAt(Index i) const { return table[codes[i]]; }
+  bool zeroCodeAt(Index i) const { return (codes[i] == 0) | (codes[i] == negativeZero); }
+#ifdef IUS_HAVE_AVX2_KERNELS
+  IUS_AVX512 void lanes(Index i, __m512& v, __m512& decoded, __mmask16& zeroCode) const {
+    const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
+    v = _mm512_loadu_ps(scaled + i);
+    decoded = _mm512_i32gather_ps(code, table, 4);
+    zeroCode = _mm512_cmpeq_epi32_mask(code, _mm512_setzero_si512()) |
+               _mm512_cmpeq_epi32_mask(code, _mm512_set1_epi32(negativeZero));
+  }
+#endif
+};
+
+// ius_value_figures': the input times 2^s, and the FP8 values (decoded times 2^-s) times 2^s,
+// exact; a zero code is a zero value.
+struct ValueSource {
+  const float* x;
+  const float* values;
+  float scale;
+
+  float scaledAt(Index i) const { return x[i] * scale; }
+  float decodedAt(Index i) const { return values[i] * scale; }
+  bool zeroCodeAt(Index i) const { return values[i] == 0.0f; }
+#ifdef IUS_HAVE_AVX2_KERNELS
+  IUS_AVX512 void lanes(Index i, __m512& v, __m512& decoded, __mmask16& zeroCode) const {
+    const __m512 times = _mm512_set1_ps(scale), value = _mm512_loadu_ps(values + i);
+    v = _mm512_mul_ps(_mm512_loadu_ps(x + i), times);
+    decoded = _mm512_mul_ps(value, times);
+    zeroCode = _mm512_cmp_ps_mask(value, _mm512_setzero_ps(), _CMP_EQ_OQ);
+  }
+#endif
+};
+
+// The figures' sums of values [from, n), in eight lanes of each kind (chains of dependent
+// double additions and a branch per value would set the pace). Returns the elements done.
+template <typename Source>
+Index figuresPortable(const Source& source, Index from, Index n, float formatMax, double* sums,
+                      float& amax) {
   constexpr int kLanes = 8;
   double signal[kLanes] = {}, error[kLanes] = {};
   Index counts[4] = {};
-  for (Index i = 0; i < n; ++i) {
-    const float v = scaled[i], magnitude = std::fabs(v);
-    const int code = codes[i];
+  for (Index i = from; i < n; ++i) {
+    const float v = source.scaledAt(i), magnitude = std::fabs(v);
     const bool isFinite = magnitude <= std::numeric_limits<float>::max();
     counts[0] += isFinite;
     counts[1] += isFinite & (v != 0.0f);
-    counts[2] += (code == 0) | (code == negativeZero);
+    counts[2] += source.zeroCodeAt(i);
     counts[3] += magnitude > formatMax;
     const float kept = isFinite ? magnitude : 0.0f;
     amax = kept > amax ? kept : amax;
-    const double x = isFinite ? double(v) : 0.0, e = isFinite ? double(v - table[code]) : 0.0;
+    const double x = isFinite ? double(v) : 0.0;
+    const double e = isFinite ? double(v - source.decodedAt(i)) : 0.0;
     signal[i % kLanes] += x * x;
     error[i % kLanes] += e * e;
   }
@@ -552,28 +596,29 @@ Index castFiguresPortable(const float* scaled, const std::uint8_t* codes, Index 
 }
 
 #ifdef IUS_HAVE_AVX2_KERNELS
-IUS_AVX512 Index castFigures512(const float* scaled, const std::uint8_t* codes, Index n, const float* table,
-                                int negativeZero, float formatMax, double* sums, float& amax) {
+// figuresPortable's sums of the whole vectors of 16 from 0; returns the elements done.
+template <typename Source>
+IUS_AVX512 Index figures512(const Source& source, Index n, float formatMax, double* sums,
+                            float& amax) {
   const __m512 magnitudeMax = _mm512_set1_ps(std::numeric_limits<float>::max()), top = _mm512_set1_ps(formatMax);
-  const __m512i negativeZeroCode = _mm512_set1_epi32(negativeZero);
   __m512d signal0 = _mm512_setzero_pd(), signal1 = signal0, error0 = signal0, error1 = signal0;
   __m512 largest = _mm512_setzero_ps();
   Index counts[4] = {};
   Index i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(scaled + i);
-    const __m512i code = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
+    __m512 v, decoded;
+    __mmask16 zeroCode;
+    source.lanes(i, v, decoded, zeroCode);
     const __m512 magnitude = _mm512_castsi512_ps(
         _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)));
     const __mmask16 finite = _mm512_cmp_ps_mask(magnitude, magnitudeMax, _CMP_LE_OQ);
     counts[0] += __builtin_popcount(finite);
     counts[1] += __builtin_popcount(_mm512_mask_cmp_ps_mask(finite, v, _mm512_setzero_ps(), _CMP_NEQ_OQ));
-    counts[2] += __builtin_popcount(_mm512_cmpeq_epi32_mask(code, _mm512_setzero_si512()) |
-                                    _mm512_cmpeq_epi32_mask(code, negativeZeroCode));
+    counts[2] += __builtin_popcount(zeroCode);
     counts[3] += __builtin_popcount(_mm512_cmp_ps_mask(magnitude, top, _CMP_GT_OQ));
     largest = _mm512_mask_max_ps(largest, finite, largest, magnitude);
     const __m512 x = _mm512_maskz_mov_ps(finite, v);
-    const __m512 e = _mm512_maskz_sub_ps(finite, v, _mm512_i32gather_ps(code, table, 4));
+    const __m512 e = _mm512_maskz_sub_ps(finite, v, decoded);
     const __m512d xLow = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
     const __m512d xHigh = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
     const __m512d eLow = _mm512_cvtps_pd(_mm512_castps512_ps256(e));
@@ -592,73 +637,18 @@ IUS_AVX512 Index castFigures512(const float* scaled, const std::uint8_t* codes, 
 }
 #endif
 
-// ius_value_figures' sums, as castFiguresPortable's: the scaled input is x * 2^s, its decoded
-// value the FP8 value times 2^s (exact), and a zero code a zero value.
-Index valueFiguresPortable(const float* x, const float* values, Index n, float scale,
-                           float formatMax, double* sums, float& amax) {
-  constexpr int kLanes = 8;
-  double signal[kLanes] = {}, error[kLanes] = {};
-  Index counts[4] = {};
-  for (Index i = 0; i < n; ++i) {
-    const float v = x[i] * scale, magnitude = std::fabs(v);
-    const bool isFinite = magnitude <= std::numeric_limits<float>::max();
-    counts[0] += isFinite;
-    counts[1] += isFinite & (v != 0.0f);
-    counts[2] += values[i] == 0.0f;
-    counts[3] += magnitude > formatMax;
-    const float kept = isFinite ? magnitude : 0.0f;
-    amax = kept > amax ? kept : amax;
-    const double d = isFinite ? double(v) : 0.0, e = isFinite ? double(v - values[i] * scale) : 0.0;
-    signal[i % kLanes] += d * d;
-    error[i % kLanes] += e * e;
-  }
-  for (int k = 0; k < 4; ++k) sums[k] += double(counts[k]);
-  for (int lane = 0; lane < kLanes; ++lane) {
-    sums[4] += signal[lane];
-    sums[5] += error[lane];
-  }
-  return n;
-}
-
+// The seven figures of a cast from its source (see ius_cast_figures).
+template <typename Source>
+void figures(const Source& source, Index n, float formatMax, double* out) {
+  for (int index = 0; index < 6; ++index) out[index] = 0.0;
+  float amax = 0.0f;
+  Index done = 0;
 #ifdef IUS_HAVE_AVX2_KERNELS
-IUS_AVX512 Index valueFigures512(const float* x, const float* values, Index n, float scale,
-                                 float formatMax, double* sums, float& amax) {
-  const __m512 magnitudeMax = _mm512_set1_ps(std::numeric_limits<float>::max()), top = _mm512_set1_ps(formatMax);
-  const __m512 times = _mm512_set1_ps(scale), zero = _mm512_setzero_ps();
-  __m512d signal0 = _mm512_setzero_pd(), signal1 = signal0, error0 = signal0, error1 = signal0;
-  __m512 largest = _mm512_setzero_ps();
-  Index counts[4] = {};
-  Index i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + i), times);
-    const __m512 value = _mm512_loadu_ps(values + i);
-    const __m512 magnitude = _mm512_castsi512_ps(
-        _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)));
-    const __mmask16 finite = _mm512_cmp_ps_mask(magnitude, magnitudeMax, _CMP_LE_OQ);
-    counts[0] += __builtin_popcount(finite);
-    counts[1] += __builtin_popcount(_mm512_mask_cmp_ps_mask(finite, v, zero, _CMP_NEQ_OQ));
-    counts[2] += __builtin_popcount(_mm512_cmp_ps_mask(value, zero, _CMP_EQ_OQ));
-    counts[3] += __builtin_popcount(_mm512_cmp_ps_mask(magnitude, top, _CMP_GT_OQ));
-    largest = _mm512_mask_max_ps(largest, finite, largest, magnitude);
-    const __m512 kept = _mm512_maskz_mov_ps(finite, v);
-    const __m512 e = _mm512_maskz_sub_ps(finite, v, _mm512_mul_ps(value, times));
-    const __m512d xLow = _mm512_cvtps_pd(_mm512_castps512_ps256(kept));
-    const __m512d xHigh = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(kept), 1)));
-    const __m512d eLow = _mm512_cvtps_pd(_mm512_castps512_ps256(e));
-    const __m512d eHigh = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
-    signal0 = _mm512_fmadd_pd(xLow, xLow, signal0);
-    signal1 = _mm512_fmadd_pd(xHigh, xHigh, signal1);
-    error0 = _mm512_fmadd_pd(eLow, eLow, error0);
-    error1 = _mm512_fmadd_pd(eHigh, eHigh, error1);
-  }
-  for (int k = 0; k < 4; ++k) sums[k] += double(counts[k]);
-  sums[4] += _mm512_reduce_add_pd(_mm512_add_pd(signal0, signal1));
-  sums[5] += _mm512_reduce_add_pd(_mm512_add_pd(error0, error1));
-  const float vectorMax = _mm512_reduce_max_ps(largest);
-  amax = vectorMax > amax ? vectorMax : amax;
-  return i;
-}
+  if (ius::fused::simdLevel() == 2) done = figures512(source, n, formatMax, out, amax);
 #endif
+  figuresPortable(source, done, n, formatMax, out, amax);
+  out[6] = double(amax);
+}
 
 }  // namespace
 
@@ -671,14 +661,7 @@ IUS_AVX512 Index valueFigures512(const float* x, const float* values, Index n, f
 IUS_EXPORT int ius_cast_figures(const float* scaled, const std::uint8_t* codes, Index n,
                                 const float* table, int negativeZero, float formatMax, double* out) {
   if (n < 0 || negativeZero < -1 || negativeZero > 255) return kBadArguments;
-  for (int index = 0; index < 6; ++index) out[index] = 0.0;
-  float amax = 0.0f;
-  Index done = 0;
-#ifdef IUS_HAVE_AVX2_KERNELS
-  if (ius::fused::simdLevel() == 2) done = castFigures512(scaled, codes, n, table, negativeZero, formatMax, out, amax);
-#endif
-  castFiguresPortable(scaled + done, codes + done, n - done, table, negativeZero, formatMax, out, amax);
-  out[6] = double(amax);
+  figures(CodeSource{scaled, codes, table, negativeZero}, n, formatMax, out);
   return 0;
 }
 
@@ -690,14 +673,6 @@ IUS_EXPORT int ius_cast_figures(const float* scaled, const std::uint8_t* codes, 
 IUS_EXPORT int ius_value_figures(const float* x, const float* values, Index n, int log2Scale,
                                  float formatMax, double* out) {
   if (n < 0 || log2Scale > 31 || log2Scale < -31) return kBadArguments;
-  for (int index = 0; index < 6; ++index) out[index] = 0.0;
-  const float scale = ius::powerOfTwo(log2Scale);
-  float amax = 0.0f;
-  Index done = 0;
-#ifdef IUS_HAVE_AVX2_KERNELS
-  if (ius::fused::simdLevel() == 2) done = valueFigures512(x, values, n, scale, formatMax, out, amax);
-#endif
-  valueFiguresPortable(x + done, values + done, n - done, scale, formatMax, out, amax);
-  out[6] = double(amax);
+  figures(ValueSource{x, values, ius::powerOfTwo(log2Scale)}, n, formatMax, out);
   return 0;
 }
