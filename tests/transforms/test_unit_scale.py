@@ -662,3 +662,36 @@ def test_query_rule_is_for_self_attention_only():
     assert converted.query.attention_projection is None
     assert converted.key.attention_projection == uu.AttentionProjection("key")
     assert converted.value.attention_projection == uu.AttentionProjection("value")
+
+
+class _ModuleGELU(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.GELU()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.act(x)
+
+
+class _FunctionGELU(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return F.gelu(x)
+
+
+@pytest.mark.parametrize("model", [_ModuleGELU, _FunctionGELU])
+def test_converted_gelu_has_a_unit_output_and_the_output_scale_in_both_passes(model) -> None:
+    from ipu_unit_scaling.ops.activation_ops import gelu_scales
+
+    output_scale, grad_scale = gelu_scales("none", None, 1.0)  # 1/std(gelu(z)), 1/rms(gelu'(z))
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1 << 20, generator=generator, requires_grad=True)
+    converted = unit_scale(model(), (x.detach(),))
+    kinds = {type(m) for m in converted.modules()}
+    assert (uu.GELU in kinds) == (model is _ModuleGELU)
+    y = converted(x)
+    y.backward(torch.randn(y.shape, generator=generator))
+    # 2**20 unit-normal samples: a std estimate is within about 0.002 of its value.
+    assert abs(y.std().item() - 1.0) < 0.01
+    # The gradient takes the output scale too, so its rms is output_scale / grad_scale (1.15),
+    # not the gmean tie's 1.
+    assert abs(x.grad.pow(2).mean().sqrt().item() - output_scale / grad_scale) < 0.01
