@@ -40,16 +40,16 @@ OBSTACLES: Dict[str, str] = {
     "fp8_static_ours": (
         "FP8 is simulated on a CPU without FP8 matmuls: each FP8 linear rounds its input, weight "
         "and output gradient to FP8 values (one pass each) around float32 GEMMs, into buffers "
-        "the layers' C++ nodes keep between steps; the passes and the calls around them are "
-        "work the FP32 step does not do, and the readout's FP8 linear is a Python autograd "
-        "Function"
+        "the layers' and the readout's C++ nodes keep between steps; the passes and the calls "
+        "around them are work the FP32 step does not do"
     ),
     "fp8_static_second": (
         "the rounding passes of FP8 simulation, as for the first shape"
     ),
     "fp8_static_no_host": (
         "without the host library the rounding is torch's float8 round trip: a clamp, a cast to "
-        "float8 and a cast back, three passes per operand instead of one"
+        "float8 and back by a table lookup (int32 indices, then a gather), four passes per "
+        "operand instead of one, and the layers run as Python Functions"
     ),
     "memory_ours": (
         "the tensors unit scaling adds that are held for the backward pass"

@@ -38,7 +38,7 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
-from .codec import check_choice, decode, encode
+from .codec import check_choice, decode, decode_float8, encode
 from .fp8_formats import E4M3FN, F143, F152, FP8Format
 from .scaling import MAX_LOG2_SCALE, NonFiniteAmaxError, check_margin
 from .stats import record_cast, stats_enabled
@@ -317,7 +317,8 @@ def _round_elements(scaled: torch.Tensor, fmt: FP8Format, rounding: str, overflo
     dtype = fmt.torch_dtype
     if rounding == "nearest" and overflow == "saturate" and dtype is not None:
         # The codec's float8-dtype path for finite saturating input: a clamp and the cast.
-        return torch.clamp(scaled, -fmt.max, fmt.max).to(dtype).to(torch.float32), None
+        values = torch.clamp(scaled, -fmt.max, fmt.max)
+        return decode_float8(values.to(dtype), fmt, out=values), None
     codes = encode(scaled, fmt, rounding=rounding, overflow=overflow, generator=generator)
     return decode(codes, fmt), codes
 

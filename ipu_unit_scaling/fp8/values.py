@@ -9,7 +9,8 @@ directly, the same float32 bits as the round trip through :func:`cast_to_fp8` an
 - the host library's fused kernel (F143 and F152, contiguous CPU float32): amax, scale and
   rounding in one pass;
 - a round trip through torch's float8 dtype where this torch has the format's (torch 2.1 on;
-  saturating overflow only): a clamp, the cast and the cast back;
+  saturating overflow only): a clamp, the cast, and back by a table lookup (torch's own
+  float8-to-float32 conversion runs scalar code on a CPU, about six times slower);
 - the codec reference, ``decode(encode(...))``, anywhere else (torch 2.0 without the host
   library, stochastic rounding, ``overflow="nan"``).
 
@@ -23,7 +24,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .codec import decode, encode
+from .codec import decode, decode_float8, encode
 from .fp8_formats import FP8Format
 from .scaling import NonFiniteAmaxError, log2_scale
 
@@ -53,8 +54,10 @@ def values_path(fmt: FP8Format, overflow: str = "saturate") -> str:
 def _scale_from_amax(x: torch.Tensor, fmt: FP8Format, margin: int) -> int:
     if not x.numel():
         return 0
-    # One pass, no |x| temporary; NaN propagates.
-    return log2_scale(float(torch.linalg.vector_norm(x, math.inf)), fmt, margin)
+    # One pass, no |x| temporary, NaN propagating through both; on a CPU about ten times faster
+    # than vector_norm(x, inf) or x.abs().max().
+    low, high = torch.aminmax(x)
+    return log2_scale(float(torch.maximum(high, -low)), fmt, margin)
 
 
 def _torch_float8(x: torch.Tensor, fmt: FP8Format, scale: int) -> torch.Tensor:
@@ -63,7 +66,7 @@ def _torch_float8(x: torch.Tensor, fmt: FP8Format, scale: int) -> torch.Tensor:
     scaled = x * math.ldexp(1.0, scale) if scale else x
     # Clamp first: torch's own overflow differs between dtypes; saturating is the policy.
     values = torch.clamp(scaled, -fmt.max, fmt.max)
-    values.copy_(values.to(dtype))
+    decode_float8(values.to(dtype), fmt, out=values)
     if scale:
         values.mul_(math.ldexp(1.0, -scale))  # exact: at most four significant bits
     return values

@@ -256,3 +256,22 @@ def test_bad_input_errors():
         encode(torch.zeros(4), F143, overflow="wrap")
     with pytest.raises(ValueError, match="unknown FP8 format"):
         encode(torch.zeros(4), "F8")
+
+
+@pytest.mark.parametrize("fmt", [pytest.param(f, marks=needs_dtype(f), id=str(f)) for f in FORMATS])
+def test_decode_float8_gives_the_conversions_bits_by_lookup(fmt):
+    """The table lookup that replaces torch's float8-to-float32 conversion on a CPU gives its
+    bits for every code (NaN payloads and signed zeros included), in any layout, into `out`."""
+    from ipu_unit_scaling.fp8.codec import decode_float8
+
+    codes = ALL_CODES.view(fmt.torch_dtype)
+    expected = codes.to(torch.float32).view(torch.int32)
+    assert torch.equal(decode_float8(codes, fmt).view(torch.int32), expected)
+    grid = codes.view(16, 16)
+    for values in (grid, grid.t()):
+        want = values.to(torch.float32).view(torch.int32)
+        assert torch.equal(decode_float8(values, fmt).view(torch.int32), want)
+        for out in (torch.empty(16, 16), torch.empty(16, 16).t()):
+            assert decode_float8(values, fmt, out=out) is out
+            assert torch.equal(out.view(torch.int32) if out.is_contiguous()
+                               else out.contiguous().view(torch.int32), want)
