@@ -18,7 +18,8 @@ class BuildHostLibrary(build_ext):
     """
 
     def get_ext_filename(self, fullname: str) -> str:
-        # Not a Python extension module: a fixed name that ipu_unit_scaling.fp8.host_library looks for.
+        # Not a Python extension module: a fixed name that ipu_unit_scaling.fp8.host_library
+        # looks for.
         return os.path.join(*fullname.split(".")) + ".so"
 
     def build_extension(self, ext: Extension) -> None:
