@@ -123,7 +123,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         shape = QUICK if args.quick else BertShape()
         rounds = 1 if args.quick else args.rounds
-        print(f"CPU: {cpu_model()} ({os.cpu_count()} logical cores), 1 torch thread, "
+        print(f"CPU: {cpu_model()}, {os.cpu_count()} logical cores, 1 torch thread, "
               f"torch {torch.__version__}; heap: {set_heap(args.heap)}")
         print(f"BERT {shape.layers} layers, width {shape.width}, {shape.heads} heads, "
               f"sequences of {shape.seq_len}, batches of {shape.batch}: a poptorch.trainingModel "

@@ -115,7 +115,7 @@ COMPARISON_NOTES = [
 
 def machine_info(settings: Settings) -> List[str]:
     return [
-        f"CPU: {cpu_model()} ({os.cpu_count()} logical cores), "
+        f"CPU: {cpu_model()}, {os.cpu_count()} logical cores, "
         f"{settings.threads} torch thread(s)",
         f"Python {platform.python_version()}, torch {torch.__version__}, "
         f"unit-scaling {published_version() or 'not installed'}",
@@ -133,15 +133,30 @@ def _load() -> str:
         return "not available"
 
 
-def cpu_model() -> str:
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The CPU's name with its family and model, widest SIMD and whether it is virtual: a name
+    such as "AMD EPYC" alone covers generations whose kernels run at different speeds."""
+    fields: Dict[str, str] = {}
     try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+        with open(cpuinfo) as lines:
+            for line in lines:
+                if not line.strip():
+                    break  # the first processor's block describes them all
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor() or "unknown CPU"
+    name = fields.get("model name") or platform.processor() or "unknown CPU"
+    details = []
+    if "cpu family" in fields and "model" in fields:
+        details.append(f"family {fields['cpu family']} model {fields['model']}")
+    flags = fields.get("flags", "").split()
+    simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
+    if simd:
+        details.append(simd)
+    if "hypervisor" in flags:
+        details.append("virtual machine")
+    return f"{name} ({', '.join(details)})" if details else name
 
 
 _PLAIN_NUMBERS = {"cast_melem": "{:.0f}", "copy_bandwidth": "{:.1f}", "cast_fraction": "{:.2f}",

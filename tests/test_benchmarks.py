@@ -17,7 +17,7 @@ from helpers import transformers_with_torch
 
 from benchmarks.heap import DEFAULT
 from benchmarks.measure import instances, peak_step_bytes, time_interleaved
-from benchmarks.report import markdown, text_table
+from benchmarks.report import cpu_model, markdown, text_table
 from benchmarks.suite import Settings, run_suite
 from benchmarks.variants import OURS, PUBLISHED, TORCH, Shape, build_model, published_version
 
@@ -384,3 +384,16 @@ def test_emulate_fp16_times_float32_and_both_float16_forms(capsys):
     assert logits[emulate_fp16.HALF_PARTIALS].dtype == torch.float16
     assert not torch.equal(logits[emulate_fp16.HALF_PARTIALS],
                            logits[emulate_fp16.FLOAT_PARTIALS])
+
+
+@pytest.mark.parametrize("block, expected", [
+    ("model name\t: AMD EPYC\ncpu family\t: 26\nmodel\t\t: 2\nflags\t\t: fpu avx2 avx512f "
+     "hypervisor\n", "AMD EPYC (family 26 model 2, AVX-512, virtual machine)"),
+    ("model name\t: Intel(R) Xeon(R) Processor\ncpu family\t: 6\nmodel\t\t: 207\nflags\t\t: "
+     "fpu avx2\n", "Intel(R) Xeon(R) Processor (family 6 model 207, AVX2)"),
+])
+def test_the_report_names_the_cpus_family_model_and_simd(tmp_path, block, expected):
+    # A second processor's block, with other values, must not be read: the first describes all.
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(block + "\nmodel name\t: other\ncpu family\t: 1\nmodel\t\t: 1\n")
+    assert cpu_model(str(cpuinfo)) == expected
