@@ -15,6 +15,7 @@
 //    one scale per row, tile, column tile or square block; ius_group_quantise_pair
 //    both tile casts of a GEMM operand (along its rows and its columns) at once, and
 //    ius_rowwise_quantise_pair both per-row and per-column casts (fp8_rowwise.hpp).
+//  * ius_nvfp4_quantise: the NVFP4 cast (E2M1 groups with E4M3 scales, fp8_nvfp4.hpp).
 //  * ius_cast_figures: the statistics' figures of a cast (its counts and energies) in one
 //    pass over the scaled input and its codes; ius_value_figures the same figures in one pass
 //    over the input and the FP8 values it was rounded to (no codes made).
@@ -31,6 +32,7 @@
 #include "../placement.hpp"
 #include "fp8_fused.hpp"
 #include "fp8_groups.hpp"
+#include "fp8_nvfp4.hpp"
 #include "fp8_rowwise.hpp"
 
 #define IUS_EXPORT extern "C" __attribute__((visibility("default")))
@@ -41,7 +43,7 @@ using Index = std::int64_t;
 using ius::fused::kFloat16;
 using ius::fused::kFloat32;
 
-constexpr int kAbiVersion = 5;
+constexpr int kAbiVersion = 6;
 constexpr int kBadArguments = -1;
 constexpr int kMisaligned = -2;
 
@@ -518,6 +520,22 @@ IUS_EXPORT int ius_rowwise_quantise_pair(const float* in, Index rows, Index cols
     return ius::groups::rowwisePair<decltype(e)::value, decltype(sat)::value>(
         in, rows, cols, scaleRule, threads, rowOut, rowScales, colOut, colScales);
   });
+}
+
+// The NVFP4 cast of the rows x cols matrix `in` into `out` (may be `in`), groups of groupRows x
+// groupCols (fp8_nvfp4.hpp): each group's E4M3 scale into blockScales (may be null), the
+// tensor's float32 scale into *tensorScale. Status 1 where the tensor's amax is not finite (or
+// its scale underflows): nothing is written.
+IUS_EXPORT int ius_nvfp4_quantise(const float* in, Index rows, Index cols, Index groupRows,
+                                  Index groupCols, float* out, float* blockScales,
+                                  float* tensorScale) {
+  if (rows < 0 || cols < 0 || groupRows < 1 || groupCols < 1 || tensorScale == nullptr) {
+    return kBadArguments;
+  }
+  *tensorScale = 1.0f;
+  if (rows == 0 || cols == 0) return 0;
+  return ius::nvfp4::quantise(in, rows, cols, groupRows, groupCols, out, blockScales,
+                              tensorScale);
 }
 
 namespace {

@@ -197,6 +197,21 @@ def _grouped_scales(scales: torch.Tensor, grouping: Grouping) -> torch.Tensor:
     return scales
 
 
+def _physical_groups(x32: torch.Tensor, grouping: Grouping
+                     ) -> Tuple[torch.Tensor, int, int, bool]:
+    """(the contiguous matrix a kernel reads, its groups' rows and columns, whether that is
+    ``x32.t()``): a transposed view of a contiguous matrix (a GEMM operand cast along the other
+    dimension) is read in its own layout with the groups turned, never copied."""
+    rows, cols = x32.shape
+    size = grouping.size
+    shape = {"tensor": (rows, cols), "row": (1, cols), "tile": (1, size),
+             "block": (size, size)}[grouping.kind]
+    transposed = not x32.is_contiguous() and x32.t().is_contiguous()
+    physical = x32.t() if transposed else x32.contiguous()
+    group_rows, group_cols = (shape[1], shape[0]) if transposed else shape
+    return physical, group_rows, group_cols, transposed
+
+
 def _host_group_cast(x32: torch.Tensor, fmt: FP8Format, grouping: Grouping, rule: str,
                      margin: int, scale_rounding: str) -> Optional[GroupCast]:
     """The cast by the host library's block kernels (one call, no padding), or None where they
@@ -210,13 +225,7 @@ def _host_group_cast(x32: torch.Tensor, fmt: FP8Format, grouping: Grouping, rule
     if found is None:
         return None
     library, args = found
-    rows, cols = x32.shape
-    size = grouping.size
-    shape = {"tensor": (rows, cols), "row": (1, cols), "tile": (1, size),
-             "block": (size, size)}[grouping.kind]
-    transposed = not x32.is_contiguous() and x32.t().is_contiguous()
-    physical = x32.t() if transposed else x32.contiguous()
-    group_rows, group_cols = (shape[1], shape[0]) if transposed else shape
+    physical, group_rows, group_cols, transposed = _physical_groups(x32, grouping)
     values, scales, finite = library.group_quantise(physical, group_rows, group_cols, *args)
     if not finite:
         return None
@@ -355,6 +364,10 @@ def group_cast(
         fused = _host_group_cast(x32, fmt, grouping, rule, margin, scale_rounding)
         if fused is not None:
             return fused
+    if rule == "nvfp4" and rounding == "nearest" and not stats_enabled():
+        fused = _host_nvfp4_cast(x32, grouping)
+        if fused is not None:
+            return fused
     view, axes = _grouped_view(x32, grouping)
     if rule == "nvfp4":
         return _nvfp4_cast(x32, view, axes, fmt, rounding, generator, site)
@@ -396,6 +409,28 @@ def group_cast(
         record_cast(site, _ungroup(scaled, x32.shape), _ungroup(codes, x32.shape), fmt,
                     int(scales.min()))
     return GroupCast(_ungroup(values, x32.shape), scales)
+
+
+def _host_nvfp4_cast(x32: torch.Tensor, grouping: Grouping) -> Optional[GroupCast]:
+    """The NVFP4 cast by the host library's kernel, the torch path's values and scales bit
+    for bit, or None where it does not apply (no host library, not on the CPU) or refuses (a
+    non-finite amax, a tensor scale that underflows: the torch path then raises or rounds)."""
+    if x32.device.type != "cpu":
+        return None
+    try:
+        from . import host_library
+    except ImportError:
+        return None
+    if not host_library.fused_cast_available():
+        return None
+    physical, group_rows, group_cols, transposed = _physical_groups(x32, grouping)
+    found = host_library.nvfp4_quantise(physical, group_rows, group_cols)
+    if found is None:
+        return None
+    values, block_scales, tensor_scale = found
+    if transposed:
+        values, block_scales = values.t(), block_scales.t()
+    return GroupCast(values, None, _grouped_scales(block_scales, grouping), tensor_scale)
 
 
 def _nvfp4_cast(x32: torch.Tensor, view: torch.Tensor, axes: Tuple[int, ...], fmt: FP8Format,

@@ -10,8 +10,11 @@ this file (a plain C ABI library, loaded with ctypes). It gives two things:
   :mod:`ipu_unit_scaling.fp8.cast_ops`), and :func:`quantise_float32`, the same rounding straight
   to float32 values in one pass, for FP8 simulation;
 * :func:`group_quantise`, the block forms of that rounding: one scale per row, 1 x n tile,
-  n x 1 column tile or n x n block, for the grouped FP8 recipes;
+  n x 1 column tile or n x n block, for the grouped FP8 recipes, and :func:`nvfp4_quantise`;
 * the vertices themselves, which :mod:`ipu_unit_scaling.fp8.codelets_on_host` runs tile by tile.
+
+Over 600 lines because it is the one binding of the library's C ABI: every entry point's
+signature, argument checks and status codes sit beside the version check that guards them.
 
 This module sits below everything else in the package and imports none of it: it reports
 with its own types (:class:`NonFiniteAmax`, :class:`HostLibraryUnavailable`) and plain values.
@@ -37,13 +40,14 @@ __all__ = [
     "fused_cast_to_fp8", "host_decode",
     "fused_cast_from_fp8", "fused_quantise", "quantise_float32", "fused_tuning", "fast_selftest",
     "exponent_bits", "partition", "partition_grain", "dtype_code", "num_threads",
-    "group_quantise", "group_quantise_pair", "rowwise_quantise_pair", "cast_figures",
+    "group_quantise", "group_quantise_pair", "rowwise_quantise_pair", "nvfp4_quantise",
+    "cast_figures",
     "value_figures", "GROUP_RULES",
 ]
 
 LIBRARY_PATH = Path(__file__).with_name("_fp8_host.so")
 DISABLE_ENV = "IPU_UNIT_SCALING_HOST_LIB"
-_ABI_VERSION = 5
+_ABI_VERSION = 6
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1}
 # The IPU formats the codelets implement, by FP8Format.name, keyed to their exponent bits.
 _EXPONENT_BITS = {"F143": 4, "F152": 5}
@@ -84,6 +88,9 @@ _SIGNATURES = {
     "ius_rowwise_quantise_pair": (
         _c_int, [_c_void_p, _c_int64, _c_int64, _c_int, _c_int, _c_int, ctypes.c_float, _c_int,
                  _c_int, _c_int, _c_int, _c_void_p, _c_void_p, _c_void_p, _c_void_p]),
+    "ius_nvfp4_quantise": (
+        _c_int, [_c_void_p, _c_int64, _c_int64, _c_int64, _c_int64, _c_void_p, _c_void_p,
+                 _c_void_p]),
     "ius_cast_figures": (
         _c_int, [_c_void_p, _c_void_p, _c_int64, _c_void_p, _c_int, ctypes.c_float,
                  _c_void_p]),
@@ -490,6 +497,28 @@ def rowwise_quantise_pair(
     if status not in (0, 1):
         raise ValueError(f"rowwise_quantise_pair rejected its arguments (status {status})")
     return row_values, row_scales, col_values, col_scales, status == 0
+
+
+def nvfp4_quantise(x: torch.Tensor, group_rows: int, group_cols: int,
+                   out: Optional[torch.Tensor] = None
+                   ) -> Optional[Tuple[torch.Tensor, torch.Tensor, float]]:
+    """The NVFP4 cast of the matrix ``x`` (round to nearest) with one E4M3 scale per
+    ``group_rows x group_cols`` group (ragged last groups are smaller) and one float32 scale
+    for the tensor, as `group_cast`'s "nvfp4" rule makes it. Returns (float32 values shaped
+    like ``x``, new or ``out``, which may be ``x`` itself; the groups' E4M3 scales as float32
+    ``[ceil(rows / group_rows), ceil(cols / group_cols)]``; the tensor scale), or None where
+    the tensor's amax is not finite or its scale underflows (nothing written)."""
+    _check_group_input(x, group_rows, group_cols, "amax", "nvfp4_quantise")
+    rows, cols = x.shape
+    out = _output(x, torch.float32, out)
+    block_scales = torch.empty((-(-rows // group_rows), -(-cols // group_cols)))
+    tensor_scale = ctypes.c_float(1.0)
+    status = library().ius_nvfp4_quantise(_pointer(x), rows, cols, group_rows, group_cols,
+                                          _pointer(out), _pointer(block_scales),
+                                          ctypes.byref(tensor_scale))
+    if status not in (0, 1):
+        raise ValueError(f"nvfp4_quantise rejected its arguments (status {status})")
+    return None if status else (out.view(x.shape), block_scales, tensor_scale.value)
 
 
 def pair_values(x: torch.Tensor, size: int,

@@ -21,7 +21,10 @@ linear's three casts (input, weight, output gradient) as the nodes take them:
   `recipe_linear.delayed_log2_scale`): the scale from the role's row of the amax history the
   nodes hold at index ``history`` (:func:`held_history`), the operand's amax pushed into that
   row first where ``update`` is set, then ``ius_fused_quantise`` with that scale;
-- ``[0, fallback]``: a cast the kernels do not make here (NVFP4, a GEMM kept in float32).
+- ``[5, fallback, group rows, group columns, the same for the second cast]``: NVFP4's
+  casts (``ius_nvfp4_quantise``, as `group_cast.group_cast` calls it), groups as for kind 3;
+- ``[0, fallback]``: a cast the kernels do not make here (stochastic rounding, a GEMM kept
+  in float32, MX's sub-byte element formats).
 
 ``fallback`` numbers the Python quantiser that the nodes call for kind 0, and for any operand
 that a kernel refuses (a non-finite amax, a shape it does not take): that makes the cast as
@@ -73,8 +76,9 @@ def _register(module: object) -> bool:
     group_address = ctypes.cast(lib.ius_group_quantise, ctypes.c_void_p).value
     amax_address = ctypes.cast(lib.ius_fused_amax, ctypes.c_void_p).value
     rowwise_address = ctypes.cast(lib.ius_rowwise_quantise_pair, ctypes.c_void_p).value
+    nvfp4_address = ctypes.cast(lib.ius_nvfp4_quantise, ctypes.c_void_p).value
     module.set_fp8_casts(address, pair_address, group_address,  # type: ignore[attr-defined]
-                         amax_address, rowwise_address, _fallback)
+                         amax_address, rowwise_address, nvfp4_address, _fallback)
     _registered.append(module)
     return True
 
@@ -104,6 +108,12 @@ def _spec(config: FP8Config, role: str, log2_scale: Optional[int], fallback: int
         return [4, fallback, host_library.exponent_bits(fmt.name),
                 int(config.overflow == "saturate"), _role_margin(config, role), fmt.max,
                 int(config.amax_reduction == "max"), int(update), history, ROLES.index(role)]
+    if config.scaling == "nvfp4":
+        if config.rounding != "nearest" or (config.grad_weight_high_precision
+                                            and role != "weight"):
+            return [0, fallback]
+        size = config.group_size or 0
+        return [5, fallback, 1, size, size, 1]
     if config.grouped:
         groups = group_kernel_casts(config, role)
         if groups is None:

@@ -31,7 +31,8 @@ using torch::autograd::AutogradContext;
 // the Python Function would. Kind 4 is the delayed
 // recipe's per-tensor cast: its scale from the amax history of its role (a (3, length)
 // float32 tensor the nodes hold, see `hold_history`), the operand's amax pushed into that
-// history where the spec says so, then `ius_fused_quantise` with that scale.
+// history where the spec says so, then `ius_fused_quantise` with that scale. Kind 5 is NVFP4's
+// cast (`ius_nvfp4_quantise`), groups given as for kind 3.
 
 using QuantiseFn = int (*)(const float*, int64_t, int, int, int, int, int, int, float*, int*,
                            float*);
@@ -42,6 +43,8 @@ using GroupFn = int (*)(const float*, int64_t, int64_t, int64_t, int64_t, int, i
 using AmaxFn = int (*)(const void*, int64_t, int, int, float*);
 using RowwisePairFn = int (*)(const float*, int64_t, int64_t, int, int, int, float, int, int,
                               int, int, float*, int*, float*, int*);
+using Nvfp4Fn = int (*)(const float*, int64_t, int64_t, int64_t, int64_t, float*, float*,
+                        float*);
 using Spec = std::vector<double>;
 
 struct HostCasts {
@@ -50,6 +53,7 @@ struct HostCasts {
   GroupFn group = nullptr;
   AmaxFn amax = nullptr;
   RowwisePairFn rowwise_pair = nullptr;
+  Nvfp4Fn nvfp4 = nullptr;
   py::object fallback;  // (id, operand, transposed, out) -> (values, values_t or None)
 };
 
@@ -153,6 +157,18 @@ Tensor group_cast(const Tensor& in, double group_rows, double group_cols, const 
   return status == 0 ? values : Tensor();
 }
 
+// One NVFP4 cast in groups of (group_rows, group_cols) of the contiguous 2-D `in` into a
+// buffer of `slot`; undefined where the kernel refuses.
+Tensor nvfp4_cast(const Tensor& in, double group_rows, double group_cols,
+                  const std::string& slot) {
+  Tensor values = pooled(slot, in.sizes(), in.options());
+  float tensor_scale = 1.0f;
+  int status = host_casts->nvfp4(in.data_ptr<float>(), in.size(0), in.size(1),
+                                 int64_t(group_rows), int64_t(group_cols),
+                                 values.data_ptr<float>(), nullptr, &tensor_scale);
+  return status == 0 ? values : Tensor();
+}
+
 // (the operand of the GEMM that reduces over x's last dimension, that of the one that
 // reduces over its first, in x's shape): see `fused_blocks._quantised`.
 // `overwrite`: `x` is a temporary of the caller's that nothing reads after the cast, so a cast
@@ -212,6 +228,14 @@ std::pair<Tensor, Tensor> cast_operand(const Tensor& x, const Spec& spec, bool t
                                   row_values.data_ptr<float>(), scales_at,
                                   col_values.data_ptr<float>(), scales_at + row_scale_count);
     if (status == 0) return {row_values, col_values};
+  } else if (kind == 5 && takes && x.dim() == 2) {
+    Tensor in = x.contiguous();
+    Tensor first = nvfp4_cast(in, spec[2], spec[3], slot);
+    if (first.defined() && !transposed) return {first, first};
+    if (first.defined()) {
+      Tensor second = nvfp4_cast(in, spec[4], spec[5], slot_t);
+      if (second.defined()) return {first, second};
+    }
   } else if ((kind == 2 || kind == 3) && takes && x.dim() == 2) {
     Tensor in = x.contiguous();
     Tensor first = group_cast(in, spec[2], spec[3], spec, slot);
@@ -241,13 +265,14 @@ std::vector<std::pair<std::string, int64_t>> kept_buffers() {
 }
 
 void set_fp8_casts(int64_t quantise, int64_t pair, int64_t group, int64_t amax,
-                   int64_t rowwise_pair, py::object fallback) {
+                   int64_t rowwise_pair, int64_t nvfp4, py::object fallback) {
   if (host_casts == nullptr) host_casts = new HostCasts();
   host_casts->quantise = reinterpret_cast<QuantiseFn>(quantise);
   host_casts->pair = reinterpret_cast<PairFn>(pair);
   host_casts->group = reinterpret_cast<GroupFn>(group);
   host_casts->amax = reinterpret_cast<AmaxFn>(amax);
   host_casts->rowwise_pair = reinterpret_cast<RowwisePairFn>(rowwise_pair);
+  host_casts->nvfp4 = reinterpret_cast<Nvfp4Fn>(nvfp4);
   host_casts->fallback = std::move(fallback);
 }
 

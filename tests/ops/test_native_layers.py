@@ -394,8 +394,8 @@ def test_fp8_layers_run_as_nodes_with_the_python_functions_values(native, monkey
     """An FP8 GPT's layers and its readout run as the FP8 nodes, with the Python Functions'
     losses and gradients bit for bit, over two steps and a second backward pass: both forms
     call the same cast kernels and GEMMs with the same arguments in the same order (where a
-    cast is not a kernel's, as a square weight block or NVFP4, the node calls the Python
-    one). The delayed recipe's amax histories end equal too."""
+    cast is not a kernel's, as a square weight block, the node calls the Python one). The
+    delayed recipe's amax histories end equal too."""
     import copy
 
     model = _fp8_gpt(recipe)
@@ -408,9 +408,9 @@ def test_fp8_layers_run_as_nodes_with_the_python_functions_values(native, monkey
     assert names.count(_LINEAR_NODE) == 1  # the readout
     handed_back = _count_fallbacks(request)
     nodes = _two_steps(model, ids)
-    # (every cast by the nodes' own kernel calls, but NVFP4's and the float32 operands of
-    # rowwise_with_gw_hp's weight-gradient GEMM, which they hand back)
-    assert bool(handed_back) == (recipe in ("nvfp4", "rowwise_with_gw_hp"))
+    # (every cast by the nodes' own kernel calls, NVFP4's included, but the float32 operands
+    # of rowwise_with_gw_hp's weight-gradient GEMM, which they hand back)
+    assert bool(handed_back) == (recipe == "rowwise_with_gw_hp")
     monkeypatch.setattr(native_layers, "module", lambda: None)
     names = backward_nodes(python_model(ids, ids))
     assert names.count("_NormQKVBackward") == 2 and not any("CppNode" in n for n in names)
