@@ -7,8 +7,8 @@
 //   value = E2M1(x / (d * g)) * (d * g)       (x / 1 where d * g is 0; E2M1 saturates at 6)
 //
 // A float32 subnormal rounds to zero in both formats, as the codec encodes it. Portable code:
-// the compiler vectorises the rounding, whose only operations are IEEE divisions, products
-// and nearbyint, so the values are the same on every CPU.
+// the compiler vectorises the rounding, whose only operations are IEEE divisions, products,
+// sums and comparisons, so the values are the same on every CPU.
 #pragma once
 
 #include <algorithm>
@@ -27,21 +27,39 @@ constexpr float kElementMax = 6.0f;    // E2M1's largest value
 constexpr float kBlockScaleMax = 448.0f;  // E4M3's largest value
 constexpr int kNonFinite = 1;
 
-// |v| (finite, >= 0) to the nearest even value of a format with `mantissaBits` and smallest
-// normal exponent `minExponent`: the grid's step at v's exponent is exact to divide by.
-inline float roundMagnitude(float v, int mantissaBits, int minExponent) {
-  if (!(v >= std::numeric_limits<float>::min())) return 0.0f;  // zero and float32 subnormals
-  int exponent = 0;
-  std::frexp(v, &exponent);  // v = m * 2**exponent, m in [0.5, 1)
-  const int step = std::max(exponent - 1, minExponent) - mantissaBits;
-  return std::ldexp(std::nearbyint(std::ldexp(v, -step)), step);
+// Adding and taking away 2**23 rounds a float32 below 2**22 to an integer, to nearest even
+// under the default rounding mode (the compiler may not fold it without -ffast-math).
+constexpr float kRoundingShift = 8388608.0f;
+
+inline float roundToInteger(float v) { return (v + kRoundingShift) - kRoundingShift; }
+
+// A power of two 2**e, -126 <= e <= 127, from its bits.
+inline float powerOfTwo(int e) {
+  const std::uint32_t bits = std::uint32_t(e + 127) << 23;
+  float value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
 }
 
-inline float e4m3(float v) { return roundMagnitude(v, 3, -6); }
+// v (>= 0, at most 448) to the nearest E4M3 value, ties to even; 0 for a float32 subnormal.
+// The grid's step at v's exponent (2**-9 below E4M3's smallest normal, 2**-6) divides v
+// exactly, so the only rounding is to an integer.
+inline float e4m3(float v) {
+  if (!(v >= std::numeric_limits<float>::min())) return 0.0f;
+  std::uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const int step = std::max(int(bits >> 23) - 127, -6) - 3;
+  return roundToInteger(v * powerOfTwo(-step)) * powerOfTwo(step);
+}
 
+// x to the nearest E2M1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), ties to even,
+// saturating at 6. Branch-free, so that the compiler vectorises it: the step is 0.5 below 2, 1
+// below 4 and 2 above; a float32 subnormal rounds to zero, as the codec encodes it.
 inline float e2m1Saturated(float x) {
   const float magnitude = std::min(std::fabs(x), kElementMax);
-  return std::copysign(std::min(roundMagnitude(magnitude, 1, 0), kElementMax), x);
+  const float step = magnitude < 2.0f ? 0.5f : (magnitude < 4.0f ? 1.0f : 2.0f);
+  const float inverse = magnitude < 2.0f ? 2.0f : (magnitude < 4.0f ? 1.0f : 0.5f);
+  return std::copysign(roundToInteger(magnitude * inverse) * step, x);
 }
 
 // The values of the rows x cols row-major `in` into `out` (which may be `in`), each group's
@@ -78,11 +96,20 @@ inline int quantise(const float* in, Index rows, Index cols, Index groupRows, In
       decodeScale[j] = d * g;
       divisor[j] = decodeScale[j] == 0.0f ? 1.0f : decodeScale[j];
     }
-    for (Index r = first; r < last; ++r)
-      for (Index c = 0; c < cols; ++c) {
-        const Index j = c / groupCols;
-        out[r * cols + c] = e2m1Saturated(in[r * cols + c] / divisor[j]) * decodeScale[j];
+    for (Index r = first; r < last; ++r) {
+      const float* row = in + r * cols;
+      float* rowOut = out + r * cols;
+      if (groupCols == 1) {  // (a scale per column: the vectorised loop runs along the row)
+        for (Index c = 0; c < cols; ++c)
+          rowOut[c] = e2m1Saturated(row[c] / divisor[c]) * decodeScale[c];
+        continue;
       }
+      for (Index j = 0; j < groupsAcross; ++j) {
+        const Index c1 = std::min(cols, (j + 1) * groupCols);
+        const float by = divisor[j], decode = decodeScale[j];
+        for (Index c = j * groupCols; c < c1; ++c) rowOut[c] = e2m1Saturated(row[c] / by) * decode;
+      }
+    }
   }
   return 0;
 }
