@@ -40,7 +40,7 @@ host_library = Extension(
              "codelets/placement.hpp",
              "codelets/host/fp8_fused.hpp", "codelets/host/fp8_fast.hpp",
              "codelets/host/fp8_simd.hpp", "codelets/host/fp8_groups.hpp",
-             "codelets/host/fp8_rowwise.hpp", "codelets/host/fp8_nvfp4.hpp",
+             "codelets/host/fp8_rowwise.hpp", "codelets/host/fp8_subbyte.hpp",
              "codelets/host_shim/poplar/Vertex.hpp", "codelets/host_shim/poplar/HalfFloat.hpp"],
     language="c++",
     # -fno-trapping-math lets the branch-free selects vectorise; it does not change results.

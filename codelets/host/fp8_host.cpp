@@ -15,7 +15,7 @@
 //    one scale per row, tile, column tile or square block; ius_group_quantise_pair
 //    both tile casts of a GEMM operand (along its rows and its columns) at once, and
 //    ius_rowwise_quantise_pair both per-row and per-column casts (fp8_rowwise.hpp).
-//  * ius_nvfp4_quantise: the NVFP4 cast (E2M1 groups with E4M3 scales, fp8_nvfp4.hpp).
+//  * ius_nvfp4_quantise: the NVFP4 cast (E2M1 groups with E4M3 scales, fp8_subbyte.hpp).
 //  * ius_cast_figures: the statistics' figures of a cast (its counts and energies) in one
 //    pass over the scaled input and its codes; ius_value_figures the same figures in one pass
 //    over the input and the FP8 values it was rounded to (no codes made).
@@ -32,7 +32,7 @@
 #include "../placement.hpp"
 #include "fp8_fused.hpp"
 #include "fp8_groups.hpp"
-#include "fp8_nvfp4.hpp"
+#include "fp8_subbyte.hpp"
 #include "fp8_rowwise.hpp"
 
 #define IUS_EXPORT extern "C" __attribute__((visibility("default")))
@@ -523,7 +523,7 @@ IUS_EXPORT int ius_rowwise_quantise_pair(const float* in, Index rows, Index cols
 }
 
 // The NVFP4 cast of the rows x cols matrix `in` into `out` (may be `in`), groups of groupRows x
-// groupCols (fp8_nvfp4.hpp): each group's E4M3 scale into blockScales (may be null), the
+// groupCols (fp8_subbyte.hpp): each group's E4M3 scale into blockScales (may be null), the
 // tensor's float32 scale into *tensorScale. Status 1 where the tensor's amax is not finite (or
 // its scale underflows): nothing is written.
 IUS_EXPORT int ius_nvfp4_quantise(const float* in, Index rows, Index cols, Index groupRows,
