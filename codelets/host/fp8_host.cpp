@@ -15,7 +15,8 @@
 //    one scale per row, tile, column tile or square block; ius_group_quantise_pair
 //    both tile casts of a GEMM operand (along its rows and its columns) at once, and
 //    ius_rowwise_quantise_pair both per-row and per-column casts (fp8_rowwise.hpp).
-//  * ius_nvfp4_quantise: the NVFP4 cast (E2M1 groups with E4M3 scales, fp8_subbyte.hpp).
+//  * ius_nvfp4_quantise and ius_mx_subbyte_quantise: the casts to FP4 and FP6 elements
+//    (NVFP4, and MX with E2M1, E2M3 or E3M2 elements; fp8_subbyte.hpp).
 //  * ius_cast_figures: the statistics' figures of a cast (its counts and energies) in one
 //    pass over the scaled input and its codes; ius_value_figures the same figures in one pass
 //    over the input and the FP8 values it was rounded to (no codes made).
@@ -534,8 +535,27 @@ IUS_EXPORT int ius_nvfp4_quantise(const float* in, Index rows, Index cols, Index
   }
   *tensorScale = 1.0f;
   if (rows == 0 || cols == 0) return 0;
-  return ius::nvfp4::quantise(in, rows, cols, groupRows, groupCols, out, blockScales,
-                              tensorScale);
+  return ius::subbyte::nvfp4(in, rows, cols, groupRows, groupCols, out, blockScales,
+                             tensorScale);
+}
+
+// MX's cast with sub-byte elements (E2M1, E2M3, E3M2: a grid of mantissaBits, minExponent and
+// formatMax) in groups of groupRows x groupCols (fp8_subbyte.hpp): each group's log2 scale
+// s = -e into scales, e from emax (roundUp 0, OCP's floor rule) or formatMax (roundUp 1).
+// Status 1 where an element is not finite: nothing is written.
+IUS_EXPORT int ius_mx_subbyte_quantise(const float* in, Index rows, Index cols, Index groupRows,
+                                       Index groupCols, int mantissaBits, int minExponent,
+                                       float formatMax, int emax, int roundUp, float* out,
+                                       int* scales) {
+  if (rows < 0 || cols < 0 || groupRows < 1 || groupCols < 1 || mantissaBits < 1 ||
+      mantissaBits > 3 || minExponent < -6 || minExponent > 0 || !(formatMax > 0) ||
+      !(formatMax < 512) || roundUp < 0 || roundUp > 1) {
+    return kBadArguments;
+  }
+  if (rows == 0 || cols == 0) return 0;
+  const ius::subbyte::Grid grid{mantissaBits, minExponent, formatMax};
+  return ius::subbyte::mx(in, rows, cols, groupRows, groupCols, grid, emax, roundUp != 0, out,
+                          scales);
 }
 
 namespace {

@@ -39,7 +39,7 @@ from typing import Any, Dict, NamedTuple, Optional, Tuple
 import torch
 
 from .codec import check_choice, decode, decode_float8, encode
-from .fp8_formats import E4M3FN, F143, F152, FP8Format
+from .fp8_formats import E4M3FN, F143, F152, SUB_BYTE_FORMATS, FP8Format
 from .scaling import MAX_LOG2_SCALE, NonFiniteAmaxError, check_margin
 from .stats import record_cast, stats_enabled
 
@@ -221,6 +221,8 @@ def _host_group_cast(x32: torch.Tensor, fmt: FP8Format, grouping: Grouping, rule
     is rounded in place with column groups and returned as the transposed view of the values,
     so it is never copied into a transposed layout first.
     """
+    if rule == "mx" and fmt.name in SUB_BYTE_FORMATS:
+        return _host_mx_subbyte_cast(x32, fmt, grouping, scale_rounding)
     found = _host_kernel_args(fmt, x32, rule, margin, scale_rounding)
     if found is None:
         return None
@@ -411,17 +413,43 @@ def group_cast(
     return GroupCast(_ungroup(values, x32.shape), scales)
 
 
-def _host_nvfp4_cast(x32: torch.Tensor, grouping: Grouping) -> Optional[GroupCast]:
-    """The NVFP4 cast by the host library's kernel, the torch path's values and scales bit
-    for bit, or None where it does not apply (no host library, not on the CPU) or refuses (a
-    non-finite amax, a tensor scale that underflows: the torch path then raises or rounds)."""
+def _subbyte_library(x32: torch.Tensor) -> Any:
+    """The host library where its casts to FP4 and FP6 elements apply to ``x32``, else None."""
     if x32.device.type != "cpu":
         return None
     try:
         from . import host_library
     except ImportError:
         return None
-    if not host_library.fused_cast_available():
+    return host_library if host_library.fused_cast_available() else None
+
+
+def _host_mx_subbyte_cast(x32: torch.Tensor, fmt: FP8Format, grouping: Grouping,
+                          scale_rounding: str) -> Optional[GroupCast]:
+    """MX's cast to FP4 or FP6 elements by the host library's kernel, the torch path's values
+    and scales bit for bit, or None where it does not apply or an element is not finite (the
+    torch path then names the group)."""
+    host_library = _subbyte_library(x32)
+    if host_library is None:
+        return None
+    physical, group_rows, group_cols, transposed = _physical_groups(x32, grouping)
+    found = host_library.mx_subbyte_quantise(
+        physical, group_rows, group_cols, fmt.mantissa_bits, fmt.min_exponent, fmt.max,
+        fmt.max_exponent, scale_rounding == "up")
+    if found is None:
+        return None
+    values, scales = found
+    if transposed:
+        values, scales = values.t(), scales.t()
+    return GroupCast(values, _grouped_scales(scales, grouping))
+
+
+def _host_nvfp4_cast(x32: torch.Tensor, grouping: Grouping) -> Optional[GroupCast]:
+    """The NVFP4 cast by the host library's kernel, the torch path's values and scales bit
+    for bit, or None where it does not apply (no host library, not on the CPU) or refuses (a
+    non-finite amax, a tensor scale that underflows: the torch path then raises or rounds)."""
+    host_library = _subbyte_library(x32)
+    if host_library is None:
         return None
     physical, group_rows, group_cols, transposed = _physical_groups(x32, grouping)
     found = host_library.nvfp4_quantise(physical, group_rows, group_cols)

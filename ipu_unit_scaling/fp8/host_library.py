@@ -10,7 +10,8 @@ this file (a plain C ABI library, loaded with ctypes). It gives two things:
   :mod:`ipu_unit_scaling.fp8.cast_ops`), and :func:`quantise_float32`, the same rounding straight
   to float32 values in one pass, for FP8 simulation;
 * :func:`group_quantise`, the block forms of that rounding: one scale per row, 1 x n tile,
-  n x 1 column tile or n x n block, for the grouped FP8 recipes, and :func:`nvfp4_quantise`;
+  n x 1 column tile or n x n block, for the grouped FP8 recipes, and the casts to FP4 and FP6
+  elements (:func:`nvfp4_quantise`, :func:`mx_subbyte_quantise`);
 * the vertices themselves, which :mod:`ipu_unit_scaling.fp8.codelets_on_host` runs tile by tile.
 
 Over 600 lines because it is the one binding of the library's C ABI: every entry point's
@@ -41,7 +42,7 @@ __all__ = [
     "fused_cast_from_fp8", "fused_quantise", "quantise_float32", "fused_tuning", "fast_selftest",
     "exponent_bits", "partition", "partition_grain", "dtype_code", "num_threads",
     "group_quantise", "group_quantise_pair", "rowwise_quantise_pair", "nvfp4_quantise",
-    "cast_figures",
+    "mx_subbyte_quantise", "cast_figures",
     "value_figures", "GROUP_RULES",
 ]
 
@@ -91,6 +92,9 @@ _SIGNATURES = {
     "ius_nvfp4_quantise": (
         _c_int, [_c_void_p, _c_int64, _c_int64, _c_int64, _c_int64, _c_void_p, _c_void_p,
                  _c_void_p]),
+    "ius_mx_subbyte_quantise": (
+        _c_int, [_c_void_p, _c_int64, _c_int64, _c_int64, _c_int64, _c_int, _c_int,
+                 ctypes.c_float, _c_int, _c_int, _c_void_p, _c_void_p]),
     "ius_cast_figures": (
         _c_int, [_c_void_p, _c_void_p, _c_int64, _c_void_p, _c_int, ctypes.c_float,
                  _c_void_p]),
@@ -519,6 +523,29 @@ def nvfp4_quantise(x: torch.Tensor, group_rows: int, group_cols: int,
     if status not in (0, 1):
         raise ValueError(f"nvfp4_quantise rejected its arguments (status {status})")
     return None if status else (out.view(x.shape), block_scales, tensor_scale.value)
+
+
+def mx_subbyte_quantise(x: torch.Tensor, group_rows: int, group_cols: int,
+                        mantissa_bits: int, min_exponent: int, format_max: float, emax: int,
+                        round_up: bool = False, out: Optional[torch.Tensor] = None
+                        ) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """MX's cast of the matrix ``x`` (round to nearest, saturating) to a sub-byte element
+    format (E2M1, E2M3 or E3M2: its mantissa bits, smallest normal exponent and max) with one
+    E8M0 scale ``2**e`` per ``group_rows x group_cols`` group, ``e`` from ``emax`` (OCP's floor
+    rule) or, with ``round_up``, from ``format_max``, as `group_cast`'s "mx" rule makes it.
+    Returns (float32 values shaped like ``x``, new or ``out``; int32 log2 scales ``s = -e``
+    ``[ceil(rows / group_rows), ceil(cols / group_cols)]``), or None where an element is not
+    finite (nothing written)."""
+    _check_group_input(x, group_rows, group_cols, "amax", "mx_subbyte_quantise")
+    rows, cols = x.shape
+    out = _output(x, torch.float32, out)
+    scales = torch.empty((-(-rows // group_rows), -(-cols // group_cols)), dtype=torch.int32)
+    status = library().ius_mx_subbyte_quantise(
+        _pointer(x), rows, cols, group_rows, group_cols, int(mantissa_bits), int(min_exponent),
+        float(format_max), int(emax), int(round_up), _pointer(out), _pointer(scales))
+    if status not in (0, 1):
+        raise ValueError(f"mx_subbyte_quantise rejected its arguments (status {status})")
+    return None if status else (out.view(x.shape), scales)
 
 
 def pair_values(x: torch.Tensor, size: int,

@@ -23,8 +23,10 @@ linear's three casts (input, weight, output gradient) as the nodes take them:
   row first where ``update`` is set, then ``ius_fused_quantise`` with that scale;
 - ``[5, fallback, group rows, group columns, the same for the second cast]``: NVFP4's
   casts (``ius_nvfp4_quantise``, as `group_cast.group_cast` calls it), groups as for kind 3;
+- ``[6, fallback, the groups as for kind 5, mantissa bits, smallest normal exponent, format
+  max, emax, round up]``: MX's casts to FP4 or FP6 elements (``ius_mx_subbyte_quantise``);
 - ``[0, fallback]``: a cast the kernels do not make here (stochastic rounding, a GEMM kept
-  in float32, MX's sub-byte element formats).
+  in float32).
 
 ``fallback`` numbers the Python quantiser that the nodes call for kind 0, and for any operand
 that a kernel refuses (a non-finite amax, a shape it does not take): that makes the cast as
@@ -39,7 +41,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from .fp8_config import FP8Config
-from .fp8_formats import FP8Format
+from .fp8_formats import SUB_BYTE_FORMATS, FP8Format
 from .recipe_linear import group_kernel_casts, pair_kernel_casts
 from .values import values_path
 
@@ -77,8 +79,10 @@ def _register(module: object) -> bool:
     amax_address = ctypes.cast(lib.ius_fused_amax, ctypes.c_void_p).value
     rowwise_address = ctypes.cast(lib.ius_rowwise_quantise_pair, ctypes.c_void_p).value
     nvfp4_address = ctypes.cast(lib.ius_nvfp4_quantise, ctypes.c_void_p).value
+    mx_subbyte_address = ctypes.cast(lib.ius_mx_subbyte_quantise, ctypes.c_void_p).value
     module.set_fp8_casts(address, pair_address, group_address,  # type: ignore[attr-defined]
-                         amax_address, rowwise_address, nvfp4_address, _fallback)
+                         amax_address, rowwise_address, nvfp4_address, mx_subbyte_address,
+                         _fallback)
     _registered.append(module)
     return True
 
@@ -99,8 +103,8 @@ def held_history(module: object, history: torch.Tensor) -> Optional[int]:
 
 def _spec(config: FP8Config, role: str, log2_scale: Optional[int], fallback: int,
           history: int = -1, update: bool = False) -> Spec:
+    fmt = _role_format(config, role)
     if config.scaling == "delayed":
-        fmt = _role_format(config, role)
         if config.rounding != "nearest" or values_path(fmt) != "host" or history < 0:
             return [0, fallback]
         from . import host_library
@@ -108,12 +112,16 @@ def _spec(config: FP8Config, role: str, log2_scale: Optional[int], fallback: int
         return [4, fallback, host_library.exponent_bits(fmt.name),
                 int(config.overflow == "saturate"), _role_margin(config, role), fmt.max,
                 int(config.amax_reduction == "max"), int(update), history, ROLES.index(role)]
-    if config.scaling == "nvfp4":
+    subbyte_mx = config.scaling == "mx" and fmt.name in SUB_BYTE_FORMATS
+    if config.scaling == "nvfp4" or subbyte_mx:
         if config.rounding != "nearest" or (config.grad_weight_high_precision
                                             and role != "weight"):
             return [0, fallback]
         size = config.group_size or 0
-        return [5, fallback, 1, size, size, 1]
+        if not subbyte_mx:
+            return [5, fallback, 1, size, size, 1]
+        return [6, fallback, 1, size, size, 1, fmt.mantissa_bits, fmt.min_exponent, fmt.max,
+                fmt.max_exponent, int(config.scale_rounding == "up")]
     if config.grouped:
         groups = group_kernel_casts(config, role)
         if groups is None:
@@ -121,7 +129,6 @@ def _spec(config: FP8Config, role: str, log2_scale: Optional[int], fallback: int
         along_rows, along_columns, args = groups
         pair = pair_kernel_casts(config, role) is not None
         return [2 if pair else 3, fallback, *along_rows, *along_columns, *args]
-    fmt = _role_format(config, role)
     if config.rounding != "nearest" or values_path(fmt) != "host":
         return [0, fallback]
     from . import host_library

@@ -32,7 +32,8 @@ using torch::autograd::AutogradContext;
 // recipe's per-tensor cast: its scale from the amax history of its role (a (3, length)
 // float32 tensor the nodes hold, see `hold_history`), the operand's amax pushed into that
 // history where the spec says so, then `ius_fused_quantise` with that scale. Kind 5 is NVFP4's
-// cast (`ius_nvfp4_quantise`), groups given as for kind 3.
+// cast (`ius_nvfp4_quantise`), groups given as for kind 3, and kind 6 MX's to FP4 or FP6
+// elements (`ius_mx_subbyte_quantise`), the same with the element format's arguments.
 
 using QuantiseFn = int (*)(const float*, int64_t, int, int, int, int, int, int, float*, int*,
                            float*);
@@ -45,6 +46,8 @@ using RowwisePairFn = int (*)(const float*, int64_t, int64_t, int, int, int, flo
                               int, int, float*, int*, float*, int*);
 using Nvfp4Fn = int (*)(const float*, int64_t, int64_t, int64_t, int64_t, float*, float*,
                         float*);
+using MxSubbyteFn = int (*)(const float*, int64_t, int64_t, int64_t, int64_t, int, int, float,
+                            int, int, float*, int*);
 using Spec = std::vector<double>;
 
 struct HostCasts {
@@ -54,6 +57,7 @@ struct HostCasts {
   AmaxFn amax = nullptr;
   RowwisePairFn rowwise_pair = nullptr;
   Nvfp4Fn nvfp4 = nullptr;
+  MxSubbyteFn mx_subbyte = nullptr;
   py::object fallback;  // (id, operand, transposed, out) -> (values, values_t or None)
 };
 
@@ -157,15 +161,26 @@ Tensor group_cast(const Tensor& in, double group_rows, double group_cols, const 
   return status == 0 ? values : Tensor();
 }
 
-// One NVFP4 cast in groups of (group_rows, group_cols) of the contiguous 2-D `in` into a
-// buffer of `slot`; undefined where the kernel refuses.
-Tensor nvfp4_cast(const Tensor& in, double group_rows, double group_cols,
-                  const std::string& slot) {
+// One cast to FP4 or FP6 elements (kind 5 or 6) in groups of (group_rows, group_cols) of the
+// contiguous 2-D `in` into a buffer of `slot`; undefined where the kernel refuses.
+Tensor subbyte_cast(const Tensor& in, double group_rows, double group_cols, const Spec& spec,
+                    const std::string& slot) {
   Tensor values = pooled(slot, in.sizes(), in.options());
-  float tensor_scale = 1.0f;
-  int status = host_casts->nvfp4(in.data_ptr<float>(), in.size(0), in.size(1),
-                                 int64_t(group_rows), int64_t(group_cols),
-                                 values.data_ptr<float>(), nullptr, &tensor_scale);
+  int64_t rows = in.size(0), cols = in.size(1), gr = int64_t(group_rows),
+          gc = int64_t(group_cols);
+  int status = 0;
+  if (int(spec[0]) == 5) {
+    float tensor_scale = 1.0f;
+    status = host_casts->nvfp4(in.data_ptr<float>(), rows, cols, gr, gc,
+                               values.data_ptr<float>(), nullptr, &tensor_scale);
+  } else {
+    Tensor scales = pooled(slot.empty() ? slot : slot + "_scales",
+                           {((rows + gr - 1) / gr) * ((cols + gc - 1) / gc)},
+                           in.options().dtype(at::kInt));
+    status = host_casts->mx_subbyte(in.data_ptr<float>(), rows, cols, gr, gc, int(spec[6]),
+                                    int(spec[7]), float(spec[8]), int(spec[9]), int(spec[10]),
+                                    values.data_ptr<float>(), scales.data_ptr<int>());
+  }
   return status == 0 ? values : Tensor();
 }
 
@@ -228,12 +243,12 @@ std::pair<Tensor, Tensor> cast_operand(const Tensor& x, const Spec& spec, bool t
                                   row_values.data_ptr<float>(), scales_at,
                                   col_values.data_ptr<float>(), scales_at + row_scale_count);
     if (status == 0) return {row_values, col_values};
-  } else if (kind == 5 && takes && x.dim() == 2) {
+  } else if ((kind == 5 || kind == 6) && takes && x.dim() == 2) {
     Tensor in = x.contiguous();
-    Tensor first = nvfp4_cast(in, spec[2], spec[3], slot);
+    Tensor first = subbyte_cast(in, spec[2], spec[3], spec, slot);
     if (first.defined() && !transposed) return {first, first};
     if (first.defined()) {
-      Tensor second = nvfp4_cast(in, spec[4], spec[5], slot_t);
+      Tensor second = subbyte_cast(in, spec[4], spec[5], spec, slot_t);
       if (second.defined()) return {first, second};
     }
   } else if ((kind == 2 || kind == 3) && takes && x.dim() == 2) {
@@ -265,7 +280,8 @@ std::vector<std::pair<std::string, int64_t>> kept_buffers() {
 }
 
 void set_fp8_casts(int64_t quantise, int64_t pair, int64_t group, int64_t amax,
-                   int64_t rowwise_pair, int64_t nvfp4, py::object fallback) {
+                   int64_t rowwise_pair, int64_t nvfp4, int64_t mx_subbyte,
+                   py::object fallback) {
   if (host_casts == nullptr) host_casts = new HostCasts();
   host_casts->quantise = reinterpret_cast<QuantiseFn>(quantise);
   host_casts->pair = reinterpret_cast<PairFn>(pair);
@@ -273,6 +289,7 @@ void set_fp8_casts(int64_t quantise, int64_t pair, int64_t group, int64_t amax,
   host_casts->amax = reinterpret_cast<AmaxFn>(amax);
   host_casts->rowwise_pair = reinterpret_cast<RowwisePairFn>(rowwise_pair);
   host_casts->nvfp4 = reinterpret_cast<Nvfp4Fn>(nvfp4);
+  host_casts->mx_subbyte = reinterpret_cast<MxSubbyteFn>(mx_subbyte);
   host_casts->fallback = std::move(fallback);
 }
 

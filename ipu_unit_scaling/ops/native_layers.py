@@ -42,6 +42,8 @@ OFF_ENV = "IPU_UNIT_SCALING_NATIVE_LAYERS"
 SOURCE = Path(__file__).with_name("native_layers.cpp")
 # The headers the source includes, by name, next to it.
 HEADERS = ("native_casts.hpp",)
+# The file torch.utils.cpp_extension holds while it builds in a folder.
+TORCH_BUILD_LOCK = "lock"
 
 _loaded: Optional[ModuleType] = None
 _failure: Optional[str] = None
@@ -115,13 +117,14 @@ def _load_built(library: Path) -> Optional[ModuleType]:
 
 
 @contextlib.contextmanager
-def _build_lock(directory: Path) -> Iterator[None]:
+def _build_lock(directory: Path) -> Iterator[bool]:
     """Holds ``directory``'s lock file: one process builds, the others wait, then load what it
-    built. (Without ``fcntl``, torch's own lock around the compile is all there is.)"""
+    built. Yields whether the lock is held: without ``fcntl``, torch's own lock around the
+    compile is all there is."""
     try:
         import fcntl
     except ImportError:  # not POSIX
-        yield
+        yield False
         return
     with open(directory / "build.lock", "a") as handle:
         try:
@@ -131,7 +134,7 @@ def _build_lock(directory: Path) -> Iterator[None]:
                              f"transformer-layer nodes in {directory}\n")
             fcntl.flock(handle, fcntl.LOCK_EX)
         try:
-            yield
+            yield True
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
@@ -171,13 +174,18 @@ def module() -> Optional[ModuleType]:
         _loaded = _load_built(library) if library.is_file() else None
         if _loaded is not None:
             return _loaded
-        with _build_lock(directory):
+        with _build_lock(directory) as held:
             # (built while this process waited for the lock, or one that does not load)
             _loaded = _load_built(library) if library.is_file() else None
             if _loaded is not None:
                 return _loaded
             if library.is_file():
                 library.unlink()
+            if held:
+                # torch's builder takes a lock of its own, a file that a build killed midway
+                # leaves behind and every later build then waits for forever; holding ours, no
+                # other build can be running here.
+                (directory / TORCH_BUILD_LOCK).unlink(missing_ok=True)
             sys.stderr.write(
                 f"ipu-unit-scaling: building the C++ transformer-layer nodes for torch "
                 f"{torch.__version__} in {directory} (a minute or two)\n")

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 _NODE = "torch::autograd::CppNode<(anonymous namespace)::Fp8Linear>"
 _RECIPES = ["static", "amax", "delayed", "rowwise", "rowwise_with_gw_hp", "block", "mx",
-            "nvfp4"]
+            "mxfp4", "nvfp4"]
 
 
 @pytest.fixture(scope="module")

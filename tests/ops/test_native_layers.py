@@ -234,6 +234,32 @@ def _fresh(monkeypatch):
     monkeypatch.setattr(native_layers, "_failure", None)
 
 
+def test_a_build_killed_midway_does_not_stop_the_next(monkeypatch, tmp_path):
+    """A build killed midway leaves torch's own lock file in the build folder; the next build
+    clears it rather than wait for it forever, as torch's builder would."""
+    from torch.utils import cpp_extension
+    from torch.utils.file_baton import FileBaton
+
+    _, loads = _fake_builds(monkeypatch, tmp_path)
+    _fresh(monkeypatch)
+    directory = native_layers.build_directory()
+    directory.mkdir(parents=True)
+    stale = directory / native_layers.TORCH_BUILD_LOCK
+    stale.write_bytes(b"")  # what a killed build leaves
+    fake_load = cpp_extension.load
+
+    def load(**kwargs):
+        baton = FileBaton(str(Path(kwargs["build_directory"]) / native_layers.TORCH_BUILD_LOCK))
+        assert baton.try_acquire(), "torch's builder would wait for the stale lock forever"
+        baton.release()
+        return fake_load(**kwargs)
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    assert native_layers.module() is not None
+    assert loads == [str(directory)]
+    assert not stale.exists()
+
+
 def test_the_build_folder_is_keyed_by_what_the_binary_depends_on(monkeypatch, tmp_path):
     source, _ = _fake_builds(monkeypatch, tmp_path)
     first = native_layers.build_directory()
@@ -336,7 +362,7 @@ def test_loading_the_built_nodes_writes_nothing(native):
 # ---- FP8 linears: the nodes make each linear's casts by calling the host library's kernels.
 
 _RECIPES = ["static", "amax", "delayed", "rowwise", "rowwise_with_gw_hp", "block", "mx",
-            "mx_round_up", "nvfp4"]
+            "mx_round_up", "mxfp4", "nvfp4"]
 _FP8_NODES = ("torch::autograd::CppNode<(anonymous namespace)::NormQKV>",
               "torch::autograd::CppNode<(anonymous namespace)::ProjNormMLP>")
 _LINEAR_NODE = "torch::autograd::CppNode<(anonymous namespace)::Fp8Linear>"
