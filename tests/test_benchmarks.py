@@ -309,12 +309,11 @@ if {reuse}:
     assert keep_heap(no_mappings=True) is not None
 x = torch.randn(16 << 20)
 faults = []
-for _ in range(10):
+for _ in range(20):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     torch_eager_amax_cast(x)
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-# (the kept heap took up to four calls here to hold every temporary in freed chunks)
-print(max(faults[-4:]), min(faults[-4:]))
+print(*faults[-10:])
 """
 
 
@@ -329,8 +328,12 @@ def test_memory_reused_gives_torch_eagers_temporaries_no_fresh_pages():
                              capture_output=True, text=True, check=True).stdout
         got[reuse] = [int(n) for n in out.split()]
     pages = (64 << 20) // 4096
-    assert got[True][0] < pages // 100, got
-    assert got[False][1] >= 2 * pages, got
+    # The kept heap holds every temporary in freed chunks once their layout has settled, which
+    # took from one to seven calls in runs here (a call that grows the heap faults in one
+    # temporary afresh); glibc's defaults fault in at least two at every call.
+    settled = [n for n in got[True] if n < pages // 100]
+    assert len(settled) >= 8, got
+    assert min(got[False]) >= 2 * pages, got
 
 
 def test_the_heap_measurement_prints_each_heaps_steps():
