@@ -22,15 +22,15 @@
 #include <limits>
 #include <vector>
 
+#include "fp8_groups.hpp"
+
 namespace ius {
 namespace subbyte {
 
 using Index = std::int64_t;
 
 constexpr int kNonFinite = 1;
-constexpr float kNvfp4ElementMax = 6.0f;  // E2M1's largest value
-constexpr float kNvfp4BlockScaleMax = 448.0f;  // E4M3's largest value
-constexpr int kMxScaleLimit = 127;  // E8M0 encodes 2**-127 .. 2**127
+using groups::kMxScaleLimit;  // E8M0 encodes 2**-127 .. 2**127
 
 // An element format's grid: its mantissa bits, smallest normal exponent and largest value.
 struct Grid {
@@ -39,8 +39,8 @@ struct Grid {
   float max;
 };
 
-constexpr Grid kE2M1{1, 0, 6.0f};
-constexpr Grid kE4M3{3, -6, 448.0f};
+constexpr Grid kE2M1{1, 0, 6.0f};  // NVFP4's elements
+constexpr Grid kE4M3{3, -6, 448.0f};  // NVFP4's group scales
 
 // Adding and taking away 2**23 rounds a float32 below 2**22 to an integer, to nearest even
 // under the default rounding mode (the compiler may not fold it without -ffast-math).
@@ -145,14 +145,14 @@ inline int nvfp4(const float* in, Index rows, Index cols, Index groupRows, Index
                  float* out, float* blockScales, float* tensorScale) {
   float amax = 0.0f;
   if (!finiteAmax(in, rows * cols, &amax)) return kNonFinite;
-  const float g = amax > 0.0f ? amax / (kNvfp4ElementMax * kNvfp4BlockScaleMax) : 1.0f;
-  const float sixG = kNvfp4ElementMax * g;
+  const float g = amax > 0.0f ? amax / (kE2M1.max * kE4M3.max) : 1.0f;
+  const float sixG = kE2M1.max * g;
   if (sixG == 0.0f) return kNonFinite;
   *tensorScale = g;
   const Index groupsAcross = (cols + groupCols - 1) / groupCols;
   castBands<true>(in, rows, cols, groupRows, groupCols, kE2M1, out,
                   [&](float groupAmax, Index band, Index j) {
-                    const float d = roundToGrid(std::min(groupAmax / sixG, kNvfp4BlockScaleMax),
+                    const float d = roundToGrid(std::min(groupAmax / sixG, kE4M3.max),
                                                 kE4M3);
                     if (blockScales != nullptr) blockScales[band * groupsAcross + j] = d;
                     const float decode = d * g;
